@@ -1,0 +1,139 @@
+// Paged attention for chunk-recurrent training (OOMB, ../docs/design.md "Attention").
+//
+// One call handles one chunk of one sequence and one layer:
+//   queries   of the chunk           q        [chunk_tokens, num_q_heads,  head_dim]  (contiguous)
+//   keys/values of the chunk itself  k_chunk  [chunk_tokens, num_kv_heads, head_dim]  (contiguous)
+//                                    v_chunk  [chunk_tokens, num_kv_heads, head_dim]
+//   history (all earlier tokens) as pages, each page a contiguous block
+//                                    k_pages[p], v_pages[p] -> [page_tokens, num_kv_heads, head_dim]
+// History token t lives in page t / page_tokens, row t % page_tokens; the last page may be
+// partial (history_tokens need not be a multiple of page_tokens). Chunk token i sits at absolute
+// position history_tokens + i. Every chunk query sees every history token (they are all earlier)
+// and the chunk keys at or before its own position (causal). Keys are post-RoPE: position
+// encoding is the caller's business. GQA: q head h reads kv head h / (num_q_heads / num_kv_heads).
+//
+// Sparse mode (selected_pages != nullptr): the queries of query tile j (rows
+// [j * query_tile_tokens, (j+1) * query_tile_tokens)) see only the history pages listed in
+// selected_pages[j * selected_per_tile .. +selected_per_tile) (entries < 0 are padding and are
+// skipped; a page listed twice is an error the selection kernel never produces), plus the chunk's own
+// keys causally. The same selection must be passed to the backward call.
+//
+// Element types: q, k_chunk, v_chunk, pages, out and dout share `dtype` (bf16 or fp16 on the GPU;
+// the CPU reference also takes fp32 and fp64). Accumulation is fp32 (fp64 for fp64 inputs).
+// lse is fp32 (fp64 for fp64 inputs), natural log, [num_q_heads, chunk_tokens].
+//
+// Launch functions return 0 (cudaSuccess / OK) or an error code; they never throw or exit.
+// CPU functions block and run on the calling thread (plus an internal thread pool if any);
+// CUDA functions enqueue on `stream` and return without waiting.
+#pragma once
+
+#include <cstdint>
+
+#include "membar/kernels/dtype.h"
+
+namespace membar::kernels {
+
+struct PagedAttentionShape {
+  int32_t chunk_tokens = 0;    // Tc >= 1
+  int32_t history_tokens = 0;  // >= 0
+  int32_t page_tokens = 0;     // 64 or 128 (the CPU reference accepts any >= 1)
+  int32_t num_q_heads = 0;     // Hq, a multiple of num_kv_heads
+  int32_t num_kv_heads = 0;    // Hkv
+  int32_t head_dim = 0;        // 64, 128 (256 where supported)
+  float softmax_scale = 0.f;   // usually 1 / sqrt(head_dim)
+  DType dtype = DType::kBFloat16;
+
+  int32_t num_history_pages() const { return (history_tokens + page_tokens - 1) / page_tokens; }
+};
+
+struct PageSelection {
+  const int32_t* selected_pages = nullptr;  // [num_query_tiles, selected_per_tile], -1 = padding
+  int32_t selected_per_tile = 0;
+  int32_t query_tile_tokens = 0;             // rows of q per tile (e.g. 128)
+  bool enabled() const { return selected_pages != nullptr; }
+};
+
+struct PagedAttentionForwardParams {
+  PagedAttentionShape shape;
+  const void* q = nullptr;                // [Tc, Hq, D]
+  const void* k_chunk = nullptr;          // [Tc, Hkv, D]
+  const void* v_chunk = nullptr;          // [Tc, Hkv, D]
+  const void* const* k_pages = nullptr;   // [num_history_pages] pointers, each -> [page_tokens, Hkv, D]
+  const void* const* v_pages = nullptr;   // same
+  PageSelection selection;
+  void* out = nullptr;                    // [Tc, Hq, D], dtype
+  void* lse = nullptr;                    // [Hq, Tc], fp32 (fp64 when dtype is fp64)
+};
+
+struct PagedAttentionBackwardParams {
+  PagedAttentionShape shape;
+  const void* q = nullptr;                // [Tc, Hq, D]
+  const void* k_chunk = nullptr;          // [Tc, Hkv, D]
+  const void* v_chunk = nullptr;          // [Tc, Hkv, D]
+  const void* const* k_pages = nullptr;   // as in the forward
+  const void* const* v_pages = nullptr;
+  PageSelection selection;                // the forward's selection
+  const void* out = nullptr;              // [Tc, Hq, D], the forward's output
+  const void* dout = nullptr;             // [Tc, Hq, D]
+  const void* lse = nullptr;              // [Hq, Tc], the forward's lse
+  void* dq = nullptr;                     // [Tc, Hq, D], dtype; overwritten
+  void* dk_chunk = nullptr;               // [Tc, Hkv, D], dtype; overwritten
+  void* dv_chunk = nullptr;               // [Tc, Hkv, D], dtype; overwritten
+  // Gradient pages of the history: dK/dV of every attended history row is ADDED in place.
+  // Rows past history_tokens in the last page are left untouched.
+  void* const* dk_pages = nullptr;        // [num_history_pages] pointers -> [page_tokens, Hkv, D]
+  void* const* dv_pages = nullptr;
+  DType grad_page_dtype = DType::kFloat32;  // fp32 (default) or bf16 (round to nearest even)
+  bool deterministic = false;             // same bits on every run for the same inputs
+  void* workspace = nullptr;              // see paged_attention_backward_workspace_bytes
+};
+
+// Page summaries for sparse selection: per page and kv head, the mean of the page's valid key
+// rows (fp32), and optionally the elementwise min and max (fp32).
+struct PageSummaryParams {
+  PagedAttentionShape shape;              // history_tokens, page_tokens, num_kv_heads, head_dim, dtype
+  const void* const* k_pages = nullptr;
+  float* mean = nullptr;                  // [num_history_pages, Hkv, D]
+  float* min = nullptr;                   // optional, same shape
+  float* max = nullptr;                   // optional, same shape
+};
+
+// Top-k history pages per query tile. Score of page p for tile j: the sum over q heads h of
+// dot(mean of the tile's queries of head h, mean[p, kv(h)]) (or, with use_bounds, the sum over
+// heads of the upper bound sum_d max(qbar_d * min_d, qbar_d * max_d)). Output sorted ascending by
+// page index; when fewer than k pages exist, the rest is -1.
+struct PageSelectParams {
+  PagedAttentionShape shape;
+  const void* q = nullptr;                // [Tc, Hq, D]
+  const float* mean = nullptr;            // [num_history_pages, Hkv, D]
+  const float* min = nullptr;             // used when use_bounds
+  const float* max = nullptr;
+  bool use_bounds = false;
+  int32_t top_k = 0;
+  int32_t query_tile_tokens = 0;
+  int32_t* selected_pages = nullptr;      // [ceil(Tc / query_tile_tokens), top_k]
+};
+
+// Validates params; returns an empty string when they are usable, else a sentence saying what is
+// wrong (used by the bindings and the launchers before any memory is touched).
+const char* paged_attention_check_shape(const PagedAttentionShape& shape);
+
+namespace cpu {
+int paged_attention_forward(const PagedAttentionForwardParams& params);
+int paged_attention_backward(const PagedAttentionBackwardParams& params);
+int page_summary(const PageSummaryParams& params);
+int page_select(const PageSelectParams& params);
+}  // namespace cpu
+
+#if defined(MEMBAR_WITH_CUDA)
+namespace cuda {
+// Return cudaError_t values as int so that this header needs no CUDA include.
+size_t paged_attention_backward_workspace_bytes(const PagedAttentionShape& shape);
+int paged_attention_forward(const PagedAttentionForwardParams& params, void* stream);
+int paged_attention_backward(const PagedAttentionBackwardParams& params, void* stream);
+int page_summary(const PageSummaryParams& params, void* stream);
+int page_select(const PageSelectParams& params, void* stream);
+}  // namespace cuda
+#endif
+
+}  // namespace membar::kernels

@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# Installs what building and testing membar needs, skipping what is already there:
+# Debian packages (apt-get) and a .venv with the pinned torch / transformers.
+# Usage: tools/setup.sh [--no-venv]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+TORCH_VERSION=2.11.0
+TRANSFORMERS_VERSION=5.17.0
+debs=(build-essential cmake ninja-build pkg-config libboost-dev libuv1-dev libspdlog-dev libfmt-dev
+      libgtest-dev libgmock-dev clang libclang-rt-14-dev)
+
+missing=()
+for p in "${debs[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+  echo "[setup] installing Debian packages: ${missing[*]}"
+  sudo_cmd=""; [ "$(id -u)" -ne 0 ] && sudo_cmd="sudo"
+  $sudo_cmd apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $sudo_cmd apt-get install -y -qq "${missing[@]}" >/dev/null
+fi
+
+[ "${1:-}" = "--no-venv" ] && exit 0
+
+py=${PYTHON_FOR_VENV:-python3}
+if [ ! -x .venv/bin/python ]; then
+  echo "[setup] creating .venv with $($py --version)"
+  $py -m venv .venv
+fi
+want="torch==${TORCH_VERSION} transformers==${TRANSFORMERS_VERSION}"
+have=$(.venv/bin/python - <<PY 2>/dev/null || true
+import importlib.metadata as m
+try:
+    print(f"torch=={m.version('torch').split('+')[0]} transformers=={m.version('transformers')}")
+except Exception:
+    print("")
+PY
+)
+if [ "$have" != "$want" ] || ! .venv/bin/python -c 'import pytest, tqdm, numpy, matplotlib' 2>/dev/null; then
+  echo "[setup] installing into .venv: $want pytest tqdm numpy matplotlib (a few minutes the first time)"
+  .venv/bin/python -m pip install -q --upgrade pip
+  .venv/bin/python -m pip install -q "torch==${TORCH_VERSION}" "transformers==${TRANSFORMERS_VERSION}" \
+      pytest tqdm numpy matplotlib
+fi
+echo "[setup] ok: $(.venv/bin/python -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)')"
