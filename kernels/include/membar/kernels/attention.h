@@ -4,8 +4,10 @@
 //   queries   of the chunk           q        [chunk_tokens, num_q_heads,  head_dim]  (contiguous)
 //   keys/values of the chunk itself  k_chunk  [chunk_tokens, num_kv_heads, head_dim]  (contiguous)
 //                                    v_chunk  [chunk_tokens, num_kv_heads, head_dim]
-//   history (all earlier tokens) as pages, each page a contiguous block
-//                                    k_pages[p], v_pages[p] -> [page_tokens, num_kv_heads, head_dim]
+//   history (all earlier tokens) as pages in page pools (a pool is [pool_pages, page_tokens,
+//   num_kv_heads, head_dim], contiguous; one page = one pool row). History page p is pool row
+//   k_page_index[p] of k_pool (v_page_index[p] of v_pool). The runtime maps a client's frames
+//   into one virtual-address window, so the window itself serves as the pool.
 // History token t lives in page t / page_tokens, row t % page_tokens; the last page may be
 // partial (history_tokens need not be a multiple of page_tokens). Chunk token i sits at absolute
 // position history_tokens + i. Every chunk query sees every history token (they are all earlier)
@@ -53,13 +55,28 @@ struct PageSelection {
   bool enabled() const { return selected_pages != nullptr; }
 };
 
+// The history's K and V pages (read only).
+struct HistoryPages {
+  const void* k_pool = nullptr;              // [*, page_tokens, Hkv, D], dtype
+  const int32_t* k_page_index = nullptr;     // [num_history_pages]
+  const void* v_pool = nullptr;              // [*, page_tokens, Hkv, D], dtype
+  const int32_t* v_page_index = nullptr;     // [num_history_pages]
+};
+
+// The history's dK and dV pages, accumulated into (read-modify-write).
+struct HistoryGradPages {
+  void* dk_pool = nullptr;                   // [*, page_tokens, Hkv, D], grad_page_dtype
+  const int32_t* dk_page_index = nullptr;    // [num_history_pages]
+  void* dv_pool = nullptr;
+  const int32_t* dv_page_index = nullptr;
+};
+
 struct PagedAttentionForwardParams {
   PagedAttentionShape shape;
   const void* q = nullptr;                // [Tc, Hq, D]
   const void* k_chunk = nullptr;          // [Tc, Hkv, D]
   const void* v_chunk = nullptr;          // [Tc, Hkv, D]
-  const void* const* k_pages = nullptr;   // [num_history_pages] pointers, each -> [page_tokens, Hkv, D]
-  const void* const* v_pages = nullptr;   // same
+  HistoryPages history;
   PageSelection selection;
   void* out = nullptr;                    // [Tc, Hq, D], dtype
   void* lse = nullptr;                    // [Hq, Tc], fp32 (fp64 when dtype is fp64)
@@ -70,8 +87,7 @@ struct PagedAttentionBackwardParams {
   const void* q = nullptr;                // [Tc, Hq, D]
   const void* k_chunk = nullptr;          // [Tc, Hkv, D]
   const void* v_chunk = nullptr;          // [Tc, Hkv, D]
-  const void* const* k_pages = nullptr;   // as in the forward
-  const void* const* v_pages = nullptr;
+  HistoryPages history;                   // as in the forward
   PageSelection selection;                // the forward's selection
   const void* out = nullptr;              // [Tc, Hq, D], the forward's output
   const void* dout = nullptr;             // [Tc, Hq, D]
@@ -81,8 +97,7 @@ struct PagedAttentionBackwardParams {
   void* dv_chunk = nullptr;               // [Tc, Hkv, D], dtype; overwritten
   // Gradient pages of the history: dK/dV of every attended history row is ADDED in place.
   // Rows past history_tokens in the last page are left untouched.
-  void* const* dk_pages = nullptr;        // [num_history_pages] pointers -> [page_tokens, Hkv, D]
-  void* const* dv_pages = nullptr;
+  HistoryGradPages grad_history;
   DType grad_page_dtype = DType::kFloat32;  // fp32 (default) or bf16 (round to nearest even)
   bool deterministic = false;             // same bits on every run for the same inputs
   void* workspace = nullptr;              // see paged_attention_backward_workspace_bytes
@@ -92,7 +107,8 @@ struct PagedAttentionBackwardParams {
 // rows (fp32), and optionally the elementwise min and max (fp32).
 struct PageSummaryParams {
   PagedAttentionShape shape;              // history_tokens, page_tokens, num_kv_heads, head_dim, dtype
-  const void* const* k_pages = nullptr;
+  const void* k_pool = nullptr;           // as HistoryPages
+  const int32_t* k_page_index = nullptr;
   float* mean = nullptr;                  // [num_history_pages, Hkv, D]
   float* min = nullptr;                   // optional, same shape
   float* max = nullptr;                   // optional, same shape
