@@ -1,0 +1,37 @@
+"""membar: a GPU memory runtime for long-context (OOMB) and low-rank-sketch (LoGRA) training.
+
+Importing the package loads the compiled ops library (``membar/_C.so``, built by ``make``)
+into ``torch.ops.membar``.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+__version__ = "0.1.0"
+
+_HERE = Path(__file__).resolve().parent
+
+
+def _find_library() -> Path:
+    candidates = [_HERE / "_C.so"]
+    env = os.environ.get("MEMBAR_LIBRARY")
+    if env:
+        candidates.insert(0, Path(env))
+    for c in candidates:
+        if c.exists():
+            return c
+    raise ImportError(
+        "membar's compiled ops library was not found (looked for "
+        + ", ".join(str(c) for c in candidates)
+        + "). Build it first: `make build` from the repository root "
+        "(or set MEMBAR_LIBRARY to the path of _C.so)."
+    )
+
+
+torch.ops.load_library(str(_find_library()))
+ops = torch.ops.membar
+
+__all__ = ["ops", "__version__"]
