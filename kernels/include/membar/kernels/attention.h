@@ -25,8 +25,13 @@
 // lse is fp32 (fp64 for fp64 inputs), natural log, [num_q_heads, chunk_tokens].
 //
 // Launch functions return 0 (cudaSuccess / OK) or an error code; they never throw or exit.
-// CPU functions block and run on the calling thread (plus an internal thread pool if any);
-// CUDA functions enqueue on `stream` and return without waiting.
+// CPU functions return kCpuInvalidArgument (1, the value of cudaErrorInvalidValue) when their
+// params fail the checks below, before any output is written. CPU functions block: they run on
+// the calling thread plus short-lived worker threads (MEMBAR_CPU_THREADS caps their number,
+// default std::thread::hardware_concurrency()). The CPU backward owns every key block in one
+// task and computes dQ in a second pass that owns every query block, so its results are the
+// same bits on every run whatever `deterministic` says. CUDA functions enqueue on `stream` and
+// return without waiting.
 #pragma once
 
 #include <cstdint>
@@ -116,8 +121,9 @@ struct PageSummaryParams {
 
 // Top-k history pages per query tile. Score of page p for tile j: the sum over q heads h of
 // dot(mean of the tile's queries of head h, mean[p, kv(h)]) (or, with use_bounds, the sum over
-// heads of the upper bound sum_d max(qbar_d * min_d, qbar_d * max_d)). Output sorted ascending by
-// page index; when fewer than k pages exist, the rest is -1.
+// heads of the upper bound sum_d max(qbar_d * min_d, qbar_d * max_d)). The tile's queries are its
+// valid rows (the last tile may be partial). Equal scores go to the lower page index. Output
+// sorted ascending by page index; when fewer than k pages exist, the rest is -1.
 struct PageSelectParams {
   PagedAttentionShape shape;
   const void* q = nullptr;                // [Tc, Hq, D]
@@ -130,9 +136,26 @@ struct PageSelectParams {
   int32_t* selected_pages = nullptr;      // [ceil(Tc / query_tile_tokens), top_k]
 };
 
+inline constexpr int kCpuInvalidArgument = 1;
+
 // Validates params; returns an empty string when they are usable, else a sentence saying what is
-// wrong (used by the bindings and the launchers before any memory is touched).
+// wrong (used by the bindings and the launchers before any memory is touched). It checks what
+// every backend needs: positive sizes, num_q_heads a multiple of num_kv_heads, 1 <= head_dim <=
+// 256, a finite positive softmax_scale and sizes whose products fit the index types. Backends
+// with narrower support (the CUDA kernels: head_dim 64/128/256, page_tokens 64/128) check that
+// on top.
 const char* paged_attention_check_shape(const PagedAttentionShape& shape);
+
+// Validates a sparse selection held in HOST memory: selected_per_tile >= 1, query_tile_tokens >= 1,
+// every entry -1 or a history page number in [0, num_history_pages), and no page listed twice
+// for one tile. Returns an empty string when usable, else a sentence. A disabled selection
+// (selected_pages == nullptr) is always usable.
+const char* page_selection_check(const PagedAttentionShape& shape, const PageSelection& selection);
+
+// Number of query tiles of a chunk: ceil(chunk_tokens / query_tile_tokens).
+inline int32_t num_query_tiles(int32_t chunk_tokens, int32_t query_tile_tokens) {
+  return (chunk_tokens + query_tile_tokens - 1) / query_tile_tokens;
+}
 
 namespace cpu {
 int paged_attention_forward(const PagedAttentionForwardParams& params);

@@ -1,0 +1,84 @@
+// The engine: page tables, quotas, slot allocation, transfers and eviction for every client of
+// one node. Used by the daemon (one engine, many clients over IPC) and by the embedded runtime
+// (one engine, one in-process client). Policy only: all memory and copies go through the
+// DeviceBackend it is given. Thread-safe: every public method may be called from any thread;
+// none blocks on transfers (completions arrive through callbacks / signal words).
+//
+// See Note [Pages and frames] and Note [Eviction order] in engine.cpp.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "backend.h"
+#include "membar/client.h"
+#include "membar/status.h"
+#include "membar/types.h"
+
+namespace membar::runtimed {
+
+struct EngineConfig {
+  uint64_t default_gpu_quota_bytes = 0;   // 0: the whole GPU pool
+  uint64_t default_host_quota_bytes = 0;  // 0: the whole host pool
+  uint32_t prefetch_lookahead_steps = 2;  // schedule steps prefetched ahead of advance()
+  uint32_t signal_words_per_client = 8;
+};
+
+struct ClientConfig {
+  std::string name;
+  int32_t pid = 0;
+  uint32_t uid = 0;
+  uint64_t gpu_quota_bytes = 0;           // 0: the engine default
+  uint64_t host_quota_bytes = 0;
+};
+
+// What a client needs to map: called by the engine whenever a frame enters a client's window
+// (the daemon sends the fd over the socket; the embedded runtime maps it directly). Window frame
+// numbers are per client and stable until frame_released.
+struct ClientEvents {
+  std::function<void(uint32_t window_frame, Tier tier, int fd)> frame_granted;
+  std::function<void(uint32_t window_frame)> frame_revoked;
+};
+
+// Signal word indices inside a client's signal block.
+inline constexpr uint32_t kSignalCompleted = 0;  // highest ticket whose operations are done
+inline constexpr uint32_t kSignalReleased = 1;   // highest ticket the client's GPU is done with
+
+class Engine {
+ public:
+  static Result<std::unique_ptr<Engine>> create(std::unique_ptr<DeviceBackend> backend,
+                                                const EngineConfig& config);
+  virtual ~Engine() = default;
+
+  virtual Result<ClientId> client_open(const ClientConfig& config, ClientEvents events) = 0;
+  // Frees every page, frame and signal block of the client (disconnect, kill -9, shutdown).
+  virtual Status client_close(ClientId client) = 0;
+  virtual Result<int> client_signal_fd(ClientId client) = 0;
+
+  virtual Result<SpaceId> create_space(ClientId client, const std::string& name, uint64_t page_bytes,
+                                       uint32_t page_count) = 0;
+  virtual Status destroy_space(ClientId client, SpaceId space) = 0;
+  virtual Result<Acquired> acquire(ClientId client, PageRange range, uint32_t flags) = 0;
+  virtual Status release(ClientId client, PageRange range, bool dirty) = 0;
+  virtual Result<Ticket> prefetch(ClientId client, PageRange range) = 0;
+  virtual Result<Ticket> offload(ClientId client, PageRange range) = 0;
+  virtual Status free_pages(ClientId client, PageRange range) = 0;
+  // Host-tier pointers in the daemon's address space are no use to a client: the engine returns
+  // window frames of host-tier frames granted to the client (frame_granted with Tier::kHost).
+  virtual Result<std::vector<PageLocation>> acquire_host(ClientId client, PageRange range) = 0;
+  virtual Status release_host(ClientId client, PageRange range, bool dirty) = 0;
+  virtual Status set_schedule(ClientId client, std::vector<ScheduleStep> steps) = 0;
+  virtual Status advance(ClientId client, uint32_t step) = 0;
+  virtual Result<std::vector<PageLocation>> locations(ClientId client, PageRange range) = 0;
+  virtual Status add_stall_ns(ClientId client, uint64_t ns) = 0;
+
+  // `client` = 0: every client and space (admin view).
+  virtual Result<RuntimeStats> stats(ClientId client) = 0;
+  virtual DeviceBackend& backend() = 0;
+};
+
+}  // namespace membar::runtimed
