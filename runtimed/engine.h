@@ -28,6 +28,12 @@ struct EngineConfig {
   uint32_t signal_words_per_client = 8;
 };
 
+// acquire's answer inside the engine: the client turns locations into pointers in its window.
+struct AcquireResult {
+  Ticket ticket = 0;
+  std::vector<PageLocation> locations;   // one per page, GPU window frames
+};
+
 struct ClientConfig {
   std::string name;
   int32_t pid = 0;
@@ -36,12 +42,13 @@ struct ClientConfig {
   uint64_t host_quota_bytes = 0;
 };
 
-// What a client needs to map: called by the engine whenever a frame enters a client's window
-// (the daemon sends the fd over the socket; the embedded runtime maps it directly). Window frame
-// numbers are per client and stable until frame_released.
+// What a client needs to map: called by the engine whenever a frame enters one of the client's
+// two windows (GPU-tier frames and host-tier frames have separate windows and numbering); the
+// daemon sends the fd over the socket, the embedded runtime maps it directly. Window frame
+// numbers are per client and tier, stable until frame_revoked. Called with no engine lock held.
 struct ClientEvents {
   std::function<void(uint32_t window_frame, Tier tier, int fd)> frame_granted;
-  std::function<void(uint32_t window_frame)> frame_revoked;
+  std::function<void(uint32_t window_frame, Tier tier)> frame_revoked;
 };
 
 // Signal word indices inside a client's signal block.
@@ -62,7 +69,7 @@ class Engine {
   virtual Result<SpaceId> create_space(ClientId client, const std::string& name, uint64_t page_bytes,
                                        uint32_t page_count) = 0;
   virtual Status destroy_space(ClientId client, SpaceId space) = 0;
-  virtual Result<Acquired> acquire(ClientId client, PageRange range, uint32_t flags) = 0;
+  virtual Result<AcquireResult> acquire(ClientId client, PageRange range, uint32_t flags) = 0;
   virtual Status release(ClientId client, PageRange range, bool dirty) = 0;
   virtual Result<Ticket> prefetch(ClientId client, PageRange range) = 0;
   virtual Result<Ticket> offload(ClientId client, PageRange range) = 0;
