@@ -2,7 +2,7 @@
 # Makes .deps/: what the GPU machine (no network, no Debian dev packages) needs to build membar:
 # the Boost.Interprocess/lockfree headers (extracted with bcp), spdlog + fmt headers (used
 # header-only there), and the sources of libuv and GoogleTest (built there by tools/gpu_check.sh).
-# Run here (needs apt-get); then carry `.deps` with the device call.
+# Run here (needs apt-get); then carry `.deps` (one compressed bundle.tgz) with the device call.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 need=(libboost1.74-tools-dev libspdlog-dev libfmt-dev libgtest-dev)
@@ -10,12 +10,13 @@ for p in "${need[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || \
     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "$p" >/dev/null
 done
-rm -rf .deps && mkdir -p .deps/include .deps/src
-mkdir -p .deps/bcp
-bcp --boost=/usr/include interprocess lockfree atomic intrusive container .deps/bcp >/dev/null
-mv .deps/bcp/boost .deps/include/boost && rm -rf .deps/bcp
-cp -r /usr/include/spdlog /usr/include/fmt .deps/include/
-cp -r /usr/src/googletest .deps/src/googletest
+stage=$(mktemp -d)
+mkdir -p "$stage/include" "$stage/src"
+mkdir -p "$stage/bcp"
+bcp --boost=/usr/include interprocess lockfree atomic intrusive container "$stage/bcp" >/dev/null 2>&1
+mv "$stage/bcp/boost" "$stage/include/boost" && rm -rf "$stage/bcp"
+cp -r /usr/include/spdlog /usr/include/fmt "$stage/include/"
+cp -r /usr/src/googletest "$stage/src/googletest"
 # libuv's source from Debian's source package (the same version as libuv1-dev here).
 work=$(mktemp -d)
 mkdir -p "$work/lists/partial" "$work/parts"
@@ -23,6 +24,8 @@ sed 's/^Types: deb$/Types: deb-src/' /etc/apt/sources.list.d/debian.sources > "$
 opts=(-o Dir::Etc::SourceList=/dev/null -o "Dir::Etc::SourceParts=$work/parts" -o "Dir::State::Lists=$work/lists")
 apt-get "${opts[@]}" update -qq 2>/dev/null
 (cd "$work" && apt-get "${opts[@]}" source --download-only libuv1 >/dev/null 2>&1)
-cp "$work"/libuv1_*.orig.tar.gz .deps/src/
-rm -rf "$work"
-du -sh .deps
+cp "$work"/libuv1_*.orig.tar.gz "$stage/src/"
+rm -rf "$work" .deps && mkdir -p .deps
+tar czf .deps/bundle.tgz -C "$stage" include src
+rm -rf "$stage"
+ls -la .deps/bundle.tgz
