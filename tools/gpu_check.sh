@@ -1,0 +1,98 @@
+#!/usr/bin/env bash
+# `make gpu-check`: on a GPU machine, build with CUDA (machine's own python3 + torch, no
+# downloads), run the gpu-labelled tests and the benchmarks, and write results for bench/results/.
+#
+# Results go to $MEMBAR_RESULTS_DIR (default: $OUT when set, else bench/results/latest).
+# Stages (GPU_CHECK_STAGES, space-separated; default all): build tests bench
+# Benchmarks (GPU_CHECK_BENCH; default all): runtime attention logra oomb
+# Where libuv/spdlog/boost/gtest are missing, they come from .deps/bundle.tgz
+# (tools/make_gpu_deps.sh), built into /tmp/membar-deps.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+root=$PWD
+py=${PYTHON:-python3}
+results=${MEMBAR_RESULTS_DIR:-${OUT:-$root/bench/results/latest}}
+stages=${GPU_CHECK_STAGES:-"build tests bench"}
+benches=${GPU_CHECK_BENCH:-"runtime attention logra oomb"}
+jobs=${JOBS:-$(nproc)}
+mkdir -p "$results"
+export MEMBAR_RESULTS_DIR=$results
+log() { printf '[gpu-check %s] %s\n' "$(date +%H:%M:%S)" "$*"; }
+has_stage() { [[ " $stages " == *" $1 "* ]]; }
+has_bench() { [[ " $benches " == *" $1 "* ]]; }
+
+{
+  echo "date: $(date -u +%Y-%m-%dT%H:%M:%SZ)"
+  echo "commit: ${MEMBAR_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}"
+  echo "host: $(hostname)"
+  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader 2>/dev/null | sed 's/^/gpu: /'
+  echo "nvcc: $(nvcc --version 2>/dev/null | tail -1)"
+  echo "torch: $($py -c 'import torch; print(torch.__version__)' 2>&1)"
+  echo "cpus: $(nproc)  mem: $(free -g | awk '/Mem:/{print $2}') GiB"
+} > "$results/machine.txt"
+cat "$results/machine.txt"
+
+deps_flags=()
+if ! { [ -f /usr/include/uv.h ] && [ -d /usr/include/boost/interprocess ] && [ -d /usr/include/spdlog ] \
+       && { [ -d /usr/include/gtest ] || [ -d /usr/local/include/gtest ]; }; }; then
+  prefix=/tmp/membar-deps
+  if [ ! -f "$prefix/.ok" ]; then
+    log "building bundled dependencies into $prefix"
+    [ -f .deps/bundle.tgz ] || { echo "missing .deps/bundle.tgz: run tools/make_gpu_deps.sh here and carry .deps"; exit 2; }
+    rm -rf "$prefix" && mkdir -p "$prefix/src"
+    tar xzf .deps/bundle.tgz -C "$prefix"
+    (cd "$prefix/src" && tar xzf libuv1_*.orig.tar.gz && cd libuv-* \
+      && cmake -S . -B b -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_INSTALL_PREFIX="$prefix" \
+           -DLIBUV_BUILD_TESTS=OFF -DCMAKE_POSITION_INDEPENDENT_CODE=ON >/dev/null \
+      && cmake --build b -j "$jobs" >/dev/null && cmake --install b >/dev/null) || { echo "libuv build failed"; exit 2; }
+    (cd "$prefix/src/googletest" && cmake -S . -B b -G Ninja -DCMAKE_BUILD_TYPE=Release \
+           -DCMAKE_INSTALL_PREFIX="$prefix" -DCMAKE_POSITION_INDEPENDENT_CODE=ON >/dev/null \
+      && cmake --build b -j "$jobs" >/dev/null && cmake --install b >/dev/null) || { echo "googletest build failed"; exit 2; }
+    touch "$prefix/.ok"
+  fi
+  deps_flags=(-DMEMBAR_DEPS_PREFIX="$prefix" -DCMAKE_PREFIX_PATH="$prefix")
+  export LD_LIBRARY_PATH="$prefix/lib:${LD_LIBRARY_PATH:-}"
+fi
+
+status=0
+if has_stage build; then
+  log "configure + build (CUDA, sm_90a)"
+  cmake -S . -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=Release -DMEMBAR_WITH_CUDA=ON \
+      -DMEMBAR_CUDA_ARCHS=90a -DMEMBAR_PYTHON="$py" "${deps_flags[@]}" > "$results/build.log" 2>&1 \
+    && cmake --build build-gpu -j "$jobs" -k 0 >> "$results/build.log" 2>&1
+  rc=$?
+  grep -E "registers|spill|error" "$results/build.log" | grep -v "^--" > "$results/ptxas.txt" || true
+  if [ $rc -ne 0 ]; then
+    log "build FAILED (rc $rc); errors:"; grep -E "error|Error" "$results/build.log" | head -40
+    status=1
+  fi
+fi
+
+if has_stage tests; then
+  log "gpu-labelled C++ tests"
+  ctest --test-dir build-gpu -L gpu --output-on-failure --timeout 300 > "$results/gpu_ctest.log" 2>&1 || status=1
+  tail -15 "$results/gpu_ctest.log"
+  log "gpu-marked Python tests"
+  PYTHONPATH=$root/bindings/python timeout 600 $py -m pytest -q -m gpu tests/python \
+      -p no:cacheprovider > "$results/gpu_pytest.log" 2>&1
+  rc=$?; [ $rc -ne 0 ] && [ $rc -ne 5 ] && status=1
+  tail -15 "$results/gpu_pytest.log"
+fi
+
+if has_stage bench; then
+  export PYTHONPATH=$root/bindings/python
+  if has_bench runtime && [ -x build-gpu/bin/runtime_bench ]; then
+    log "bench: runtime"; timeout 300 build-gpu/bin/runtime_bench 2>&1 | tail -30 || status=1
+  fi
+  if has_bench attention && [ -f bench/attention_bench.py ]; then
+    log "bench: attention"; timeout 400 $py bench/attention_bench.py 2>&1 | tail -30 || status=1
+  fi
+  if has_bench logra && [ -f bench/logra_bench.py ]; then
+    log "bench: logra"; timeout 600 $py bench/logra_bench.py 2>&1 | tail -30 || status=1
+  fi
+  if has_bench oomb && [ -f bench/oomb_bench.py ]; then
+    log "bench: oomb"; timeout 900 $py bench/oomb_bench.py 2>&1 | tail -30 || status=1
+  fi
+fi
+log "done (status $status); results in $results"
+exit $status
