@@ -41,7 +41,7 @@ if ! { [ -f /usr/include/uv.h ] && [ -d /usr/include/boost/interprocess ] && [ -
     [ -f .deps/bundle.tgz ] || { echo "missing .deps/bundle.tgz: run tools/make_gpu_deps.sh here and carry .deps"; exit 2; }
     rm -rf "$prefix" && mkdir -p "$prefix/src"
     tar xzf .deps/bundle.tgz -C "$prefix"
-    (cd "$prefix/src" && tar xzf libuv1_*.orig.tar.gz && cd libuv-* \
+    (cd "$prefix/src" && tar xzf libuv1_*.orig.tar.gz && cd libuv1-* \
       && cmake -S . -B b -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_INSTALL_PREFIX="$prefix" \
            -DLIBUV_BUILD_TESTS=OFF -DCMAKE_POSITION_INDEPENDENT_CODE=ON >/dev/null \
       && cmake --build b -j "$jobs" >/dev/null && cmake --install b >/dev/null) || { echo "libuv build failed"; exit 2; }

@@ -25,8 +25,8 @@
 // lse is fp32 (fp64 for fp64 inputs), natural log, [num_q_heads, chunk_tokens].
 //
 // Launch functions return 0 (cudaSuccess / OK) or an error code; they never throw or exit.
-// CPU functions return kCpuInvalidArgument (1, the value of cudaErrorInvalidValue) when their
-// params fail the checks below, before any output is written. CPU functions block: they run on
+// CPU functions return kCpuInvalidArgument when their params fail the checks below, before any
+// output is written, and kCpuOutOfMemory when a work buffer cannot be allocated. CPU functions block: they run on
 // the calling thread plus short-lived worker threads (MEMBAR_CPU_THREADS caps their number,
 // default std::thread::hardware_concurrency()). The CPU backward owns every key block in one
 // task and computes dQ in a second pass that owns every query block, so its results are the
@@ -103,7 +103,9 @@ struct PagedAttentionBackwardParams {
   // Gradient pages of the history: dK/dV of every attended history row is ADDED in place.
   // Rows past history_tokens in the last page are left untouched.
   HistoryGradPages grad_history;
-  DType grad_page_dtype = DType::kFloat32;  // fp32 (default) or bf16 (round to nearest even)
+  // fp32 (default) or bf16 (round to nearest even); the CPU reference also takes fp64 (used by
+  // finite-difference and gradcheck tests of fp64 inputs).
+  DType grad_page_dtype = DType::kFloat32;
   bool deterministic = false;             // same bits on every run for the same inputs
   void* workspace = nullptr;              // see paged_attention_backward_workspace_bytes
 };
@@ -136,7 +138,8 @@ struct PageSelectParams {
   int32_t* selected_pages = nullptr;      // [ceil(Tc / query_tile_tokens), top_k]
 };
 
-inline constexpr int kCpuInvalidArgument = 1;
+inline constexpr int kCpuInvalidArgument = 1;  // the value of cudaErrorInvalidValue
+inline constexpr int kCpuOutOfMemory = 2;      // the value of cudaErrorMemoryAllocation
 
 // Validates params; returns an empty string when they are usable, else a sentence saying what is
 // wrong (used by the bindings and the launchers before any memory is touched). It checks what
