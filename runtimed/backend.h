@@ -39,6 +39,19 @@ struct CopyOp {
   uint64_t bytes = 0;
 };
 
+// Counters of what a backend actually issued (for stats and tests of batching).
+struct BackendCounters {
+  uint64_t copy_ops = 0;         // CopyOps received
+  uint64_t transfers = 0;        // copies issued after merging adjacent ops
+  uint64_t bytes_copied = 0;
+  uint64_t zero_fills = 0;
+};
+
+// Threading: every method may be called from any thread. Batches may run concurrently and
+// complete in any order: the engine orders dependent copies itself (it never enqueues a copy
+// that touches a slot another pending batch touches). `done` callbacks are never called from
+// inside enqueue_*, may run concurrently on several backend threads, and must not block.
+// Host-tier frames export fds that mmap() can map (memfd or equivalent) on every backend.
 class DeviceBackend {
  public:
   virtual ~DeviceBackend() = default;
@@ -74,6 +87,8 @@ class DeviceBackend {
   // Sets word `index` of `block` to `value` once every operation enqueued before this call has
   // completed.
   virtual Status enqueue_signal(uint32_t block, uint32_t index, uint64_t value) = 0;
+
+  virtual BackendCounters counters() const { return {}; }
 };
 
 // Creates frames up front. BackendKind comes from membar/client.h's meaning: host or cuda.

@@ -46,9 +46,17 @@ struct ClientConfig {
 // two windows (GPU-tier frames and host-tier frames have separate windows and numbering); the
 // daemon sends the fd over the socket, the embedded runtime maps it directly. Window frame
 // numbers are per client and tier, stable until frame_revoked. Called with no engine lock held.
+// Events of one client are delivered in the order the engine produced them (a revoke of window
+// frame w always reaches the client before a later grant that reuses w), one at a time. A
+// callback must not call back into the engine for the same client. Empty functions are skipped;
+// frame_granted's fd is closed by the engine when no callback takes it.
 struct ClientEvents {
   std::function<void(uint32_t window_frame, Tier tier, int fd)> frame_granted;
   std::function<void(uint32_t window_frame, Tier tier)> frame_revoked;
+  // The client's completed ticket advanced to `completed` (every ticket <= completed is done;
+  // the signal word kSignalCompleted already holds it). May be called from the engine's
+  // completion thread or from the thread of any engine call.
+  std::function<void(Ticket completed)> tickets_completed;
 };
 
 // Signal word indices inside a client's signal block.
@@ -65,10 +73,14 @@ class Engine {
   // Frees every page, frame and signal block of the client (disconnect, kill -9, shutdown).
   virtual Status client_close(ClientId client) = 0;
   virtual Result<int> client_signal_fd(ClientId client) = 0;
+  // How many window frames the client may be granted in `tier` (its quota in frames, at most the
+  // pool): window frame numbers are always below this, so a window of this many frames suffices.
+  virtual Result<uint32_t> client_window_frames(ClientId client, Tier tier) = 0;
 
   virtual Result<SpaceId> create_space(ClientId client, const std::string& name, uint64_t page_bytes,
                                        uint32_t page_count) = 0;
   virtual Status destroy_space(ClientId client, SpaceId space) = 0;
+  virtual Result<SpaceInfo> space_info(ClientId client, SpaceId space) = 0;
   virtual Result<AcquireResult> acquire(ClientId client, PageRange range, uint32_t flags) = 0;
   virtual Status release(ClientId client, PageRange range, bool dirty) = 0;
   virtual Result<Ticket> prefetch(ClientId client, PageRange range) = 0;
@@ -76,12 +88,22 @@ class Engine {
   virtual Status free_pages(ClientId client, PageRange range) = 0;
   // Host-tier pointers in the daemon's address space are no use to a client: the engine returns
   // window frames of host-tier frames granted to the client (frame_granted with Tier::kHost).
+  // acquire_host blocks until the pages' host copies are complete (it is acquire_host_async +
+  // wait); acquire_host_async returns at once with the ticket to wait for (what the daemon uses).
   virtual Result<std::vector<PageLocation>> acquire_host(ClientId client, PageRange range) = 0;
+  virtual Result<AcquireResult> acquire_host_async(ClientId client, PageRange range) = 0;
   virtual Status release_host(ClientId client, PageRange range, bool dirty) = 0;
   virtual Status set_schedule(ClientId client, std::vector<ScheduleStep> steps) = 0;
   virtual Status advance(ClientId client, uint32_t step) = 0;
   virtual Result<std::vector<PageLocation>> locations(ClientId client, PageRange range) = 0;
   virtual Status add_stall_ns(ClientId client, uint64_t ns) = 0;
+
+  // Blocks the calling thread until completed_ticket(client) >= ticket. Returns the error of a
+  // failed transfer of that ticket, NOT_FOUND for an unknown client, UNAVAILABLE when the client
+  // is closed while waiting. Does not count stall time (callers measure and add_stall_ns).
+  virtual Status wait(ClientId client, Ticket ticket) = 0;
+  // Non-blocking: the highest ticket whose operations (and all earlier tickets') are done.
+  virtual Result<Ticket> completed_ticket(ClientId client) = 0;
 
   // `client` = 0: every client and space (admin view).
   virtual Result<RuntimeStats> stats(ClientId client) = 0;
