@@ -42,7 +42,7 @@ if ! { [ -f /usr/include/uv.h ] && [ -d /usr/include/boost/interprocess ] && [ -
     rm -rf "$prefix" && mkdir -p "$prefix/src"
     tar xzf .deps/bundle.tgz -C "$prefix"
     (cd "$prefix/src" && tar xzf libuv1_*.orig.tar.gz && cd libuv1-* \
-      && cmake -S . -B b -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_INSTALL_PREFIX="$prefix" \
+      && cmake -S . -B b -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_INSTALL_PREFIX="$prefix" -DCMAKE_POLICY_VERSION_MINIMUM=3.5 \
            -DLIBUV_BUILD_TESTS=OFF -DCMAKE_POSITION_INDEPENDENT_CODE=ON >/dev/null \
       && cmake --build b -j "$jobs" >/dev/null && cmake --install b >/dev/null) || { echo "libuv build failed"; exit 2; }
     (cd "$prefix/src/googletest" && cmake -S . -B b -G Ninja -DCMAKE_BUILD_TYPE=Release \
