@@ -2,7 +2,7 @@
 # PyPI wheel's CMake config insists on a CUDA toolkit matching its build, which a CPU-only
 # machine need not have. We need only headers, the libraries and the ABI flag.
 execute_process(
-  COMMAND ${MEMBAR_PYTHON} -c "import torch, os, sys; from torch.utils import cpp_extension as c; print(';'.join(c.include_paths())); print(os.path.join(os.path.dirname(torch.__file__), 'lib')); print(int(torch._C._GLIBCXX_USE_CXX11_ABI)); print(torch.__version__); import sysconfig; print(sysconfig.get_paths()['include']); print(int(torch.cuda.is_available() or torch.version.cuda is not None))"
+  COMMAND ${MEMBAR_PYTHON} -c "import torch, os, sys; from torch.utils import cpp_extension as c; print(','.join(c.include_paths())); print(os.path.join(os.path.dirname(torch.__file__), 'lib')); print(int(torch._C._GLIBCXX_USE_CXX11_ABI)); print(torch.__version__); import sysconfig; print(sysconfig.get_paths()['include']); print(int(torch.cuda.is_available() or torch.version.cuda is not None))"
   OUTPUT_VARIABLE _membar_torch_info
   RESULT_VARIABLE _membar_torch_rc
   OUTPUT_STRIP_TRAILING_WHITESPACE)
