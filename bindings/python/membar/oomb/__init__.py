@@ -1,0 +1,15 @@
+"""Chunk-recurrent long-context training (the OOMB method) for Hugging Face causal LMs.
+
+    from membar.oomb import OOMBTrainer, OOMBConfig
+    trainer = OOMBTrainer(model, OOMBConfig(chunk_tokens=4096, page_tokens=128, mode="dense"))
+    loss = trainer.step(input_ids)   # .grad as full-sequence training would leave it
+
+See docs/oomb.md.
+"""
+from .config import OOMBConfig
+from .hf_attention import ATTENTION_NAME, register
+from .kv_store import Access, KVStore, PageLayout, TensorKVStore
+from .trainer import IGNORE_INDEX, OOMBTrainer
+
+__all__ = ["OOMBConfig", "OOMBTrainer", "KVStore", "TensorKVStore", "PageLayout", "Access",
+           "ATTENTION_NAME", "IGNORE_INDEX", "register"]

@@ -1,0 +1,73 @@
+"""Options of chunk-recurrent (OOMB) training."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+_GRAD_PAGE_DTYPES = {"float32": torch.float32, "fp32": torch.float32,
+                     "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+
+
+@dataclass
+class OOMBConfig:
+    """How a sequence is cut into chunks and where its pages live.
+
+    chunk_tokens: tokens per chunk (a multiple of page_tokens). Activation memory is O(chunk).
+    page_tokens: tokens per KV page (the kernels' tile: 128 on an H200; 64 also works).
+    mode: "dense" (exact gradients) or "sparse" (top_k pages per query tile, chosen in stage 1 and
+        reused in stage 2).
+    top_k: history pages each query tile sees in sparse mode.
+    query_tile_tokens: queries that share one sparse selection.
+    offload: keep the K/V and dK/dV pages in (pinned) host memory and bring each layer's pages in
+        ahead of use.
+    prefetch_depth: how many accesses ahead an offloading store copies pages in.
+    grad_page_dtype: float32 (default, exact) or bfloat16 for the dK/dV pages.
+    deterministic: ask the backward kernel for run-to-run identical bits.
+    loss_piece_tokens: the loss is computed this many tokens at a time, each piece checkpointed, so
+        full-vocabulary logits of a whole chunk never exist at once.
+    checkpoint_layers: recompute each decoder layer in backward (HF gradient checkpointing) to cut
+        stage 2 activation memory further.
+    """
+
+    chunk_tokens: int = 4096
+    page_tokens: int = 128
+    mode: str = "dense"
+    top_k: int = 64
+    query_tile_tokens: int = 128
+    offload: bool = False
+    prefetch_depth: int = 2
+    grad_page_dtype: torch.dtype = torch.float32
+    deterministic: bool = False
+    loss_piece_tokens: int = 4096
+    checkpoint_layers: bool = False
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        if isinstance(self.grad_page_dtype, str):
+            name = self.grad_page_dtype.lower()
+            if name not in _GRAD_PAGE_DTYPES:
+                raise ValueError(f"grad_page_dtype must be float32 or bfloat16, not {self.grad_page_dtype!r}.")
+            self.grad_page_dtype = _GRAD_PAGE_DTYPES[name]
+        self.validate()
+
+    def validate(self) -> None:
+        """Raises ValueError with a sentence when an option is unusable."""
+        if self.page_tokens < 1:
+            raise ValueError(f"page_tokens must be >= 1, got {self.page_tokens}.")
+        if self.chunk_tokens < 1 or self.chunk_tokens % self.page_tokens != 0:
+            raise ValueError(
+                f"chunk_tokens ({self.chunk_tokens}) must be a positive multiple of page_tokens "
+                f"({self.page_tokens}) so that every chunk starts on a fresh page.")
+        if self.mode not in ("dense", "sparse"):
+            raise ValueError(f"mode must be 'dense' or 'sparse', got {self.mode!r}.")
+        if self.mode == "sparse" and self.top_k < 1:
+            raise ValueError(f"sparse mode needs top_k >= 1, got {self.top_k}.")
+        if self.query_tile_tokens < 1:
+            raise ValueError(f"query_tile_tokens must be >= 1, got {self.query_tile_tokens}.")
+        if self.grad_page_dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"grad_page_dtype must be torch.float32 or torch.bfloat16, got {self.grad_page_dtype}.")
+        if self.loss_piece_tokens < 1:
+            raise ValueError(f"loss_piece_tokens must be >= 1, got {self.loss_piece_tokens}.")
+        if self.prefetch_depth < 0:
+            raise ValueError(f"prefetch_depth must be >= 0, got {self.prefetch_depth}.")

@@ -1,0 +1,74 @@
+"""The attention ops the trainer calls, in one place.
+
+The ops themselves are ``torch.ops.membar.paged_attention_forward`` / ``paged_attention_backward`` /
+``page_summary`` / ``page_select`` (kernels/include/membar/kernels/attention.h holds the contract,
+bindings/csrc/attention_ops.cpp the schemas). This module only names the arguments, so that the
+rest of the trainer reads as keyword calls and a schema change touches one file.
+
+Shapes (one sequence, one layer, one chunk):
+  q        [chunk_tokens, num_q_heads, head_dim]
+  k, v     [chunk_tokens, num_kv_heads, head_dim]
+  pools    [pool_pages, page_tokens, num_kv_heads, head_dim]; page_index int32 [num_history_pages]
+  lse      [num_q_heads, chunk_tokens], float32
+  selected int32 [num_query_tiles, top_k] history page numbers, -1 = padding
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+def _ops():
+    # Importing membar loads the compiled library into torch.ops.membar.
+    import membar  # noqa: F401
+
+    return torch.ops.membar
+
+
+@dataclass
+class HistoryView:
+    """History K/V pages as the kernels see them: pools plus the page index of each history page."""
+
+    k_pool: torch.Tensor        # [pool_pages, page_tokens, Hkv, D]
+    v_pool: torch.Tensor        # [pool_pages, page_tokens, Hkv, D]
+    page_index: torch.Tensor    # int32 [num_history_pages]; pool row of history page p
+    history_tokens: int
+
+
+@dataclass
+class GradView:
+    """History dK/dV pages, accumulated into in place by the backward kernel."""
+
+    dk_pool: torch.Tensor       # [pool_pages, page_tokens, Hkv, D], grad page dtype
+    dv_pool: torch.Tensor
+    page_index: torch.Tensor    # int32 [num_history_pages]
+
+
+def attention_forward(q, k, v, history: HistoryView, softmax_scale: float,
+                      selected: torch.Tensor | None, query_tile_tokens: int):
+    """Returns (out [Tc, Hq, D], lse [Hq, Tc] float32). Does not block on the GPU."""
+    return _ops().paged_attention_forward(
+        q, k, v, history.k_pool, history.page_index, history.v_pool, history.page_index,
+        history.history_tokens, softmax_scale, selected, query_tile_tokens)
+
+
+def attention_backward(q, k, v, history: HistoryView, softmax_scale: float, out, dout, lse,
+                       grads: GradView, selected: torch.Tensor | None, query_tile_tokens: int,
+                       deterministic: bool):
+    """Returns (dq, dk, dv) of the chunk and ADDS the history's dK/dV into grads' pools."""
+    return _ops().paged_attention_backward(
+        q, k, v, history.k_pool, history.page_index, history.v_pool, history.page_index,
+        history.history_tokens, softmax_scale, out, dout, lse,
+        grads.dk_pool, grads.page_index, grads.dv_pool, grads.page_index,
+        selected, query_tile_tokens, deterministic)
+
+
+def page_summary(k_pool, page_index, history_tokens: int) -> torch.Tensor:
+    """Mean key of each page per kv head: float32 [num_pages, Hkv, D]."""
+    return _ops().page_summary(k_pool, page_index, history_tokens)
+
+
+def page_select(q, mean, top_k: int, query_tile_tokens: int) -> torch.Tensor:
+    """Top-k history pages per query tile: int32 [num_query_tiles, top_k], ascending, -1 padded."""
+    return _ops().page_select(q, mean, top_k, query_tile_tokens)

@@ -1,0 +1,302 @@
+"""Chunk-recurrent training of a Hugging Face causal LM (the OOMB method, exact gradients).
+
+Note [Two stages]
+  Rationale: full-sequence training keeps activations and the KV of every token at once; memory
+  grows with the sequence twice over. Cutting the sequence into chunks and running them one at a
+  time keeps activations O(chunk); only the KV (and, in backward, dK/dV) of the whole sequence
+  remains, and that lives in pages (kv_store.py) that can be offloaded.
+  Approach: stage 1 runs chunks 0..C-1 forward without grad; each layer's attention writes the
+  chunk's post-RoPE K/V into its pages and attends to the pages of earlier chunks plus its own
+  chunk causally. Stage 2 runs chunks C-1..0: recompute the chunk with grad, compute its loss
+  (normalised by the whole batch's count of predicted tokens, so the sum over chunks is the
+  full-sequence mean loss), backward. The attention backward adds dK/dV of the history into grad
+  pages; when chunk c runs, every later chunk has run, so its own grad pages are complete and are
+  added to the autograd gradient of its K/V (hf_attention._InjectPageGrads). Parameters end with
+  the .grad that full-sequence training would give, up to floating-point summation order.
+  Limitations: one sequence at a time (a batch is a loop over its rows); no padding masks; no
+  sliding-window layers; attention dropout must be 0 (stage 2 must recompute stage 1 exactly).
+"""
+from __future__ import annotations
+
+import resource
+import time
+from dataclasses import replace
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from .config import OOMBConfig
+from .hf_attention import ATTENTION_NAME, ChunkContext, chunk_context, register
+from .kv_store import Access, KVStore, PageLayout, TensorKVStore
+
+SUPPORTED_MODEL_TYPES = ("qwen2", "llama")
+IGNORE_INDEX = -100
+
+
+def _check_model(model) -> None:
+    config = getattr(model, "config", None)
+    model_type = getattr(config, "model_type", None)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(f"OOMB training supports {', '.join(SUPPORTED_MODEL_TYPES)} causal LMs, "
+                         f"got model_type {model_type!r}.")
+    if getattr(config, "use_sliding_window", False):
+        raise ValueError("this model uses sliding-window attention, which chunk-recurrent training does "
+                         "not support (set use_sliding_window=False).")
+    if getattr(config, "attention_dropout", 0.0):
+        raise ValueError("attention_dropout must be 0 for chunk-recurrent training.")
+    if model.get_output_embeddings() is None:
+        raise ValueError("the model has no output embeddings (lm_head): pass a *ForCausalLM model.")
+
+
+def host_memory() -> dict:
+    """Resident set size of this process now and at its peak, in bytes (Linux /proc)."""
+    values = {}
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith(("VmRSS:", "VmHWM:")):
+                    name, amount, _ = line.split()
+                    values[name[:-1]] = int(amount) * 1024
+    except OSError:
+        values["VmHWM"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return {"rss_bytes": values.get("VmRSS", 0), "peak_rss_bytes": values.get("VmHWM", 0)}
+
+
+def _piece_loss(lm_head, hidden, targets):
+    # hidden [tokens, hidden_size], targets [tokens]: summed cross-entropy in float32.
+    logits = lm_head(hidden).float()
+    return F.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+class OOMBTrainer:
+    """Computes full-sequence gradients of a causal LM chunk by chunk.
+
+    trainer = OOMBTrainer(model, OOMBConfig(chunk_tokens=4096, mode="dense", offload=True))
+    loss = trainer.step(input_ids)      # fills .grad like loss.backward() on the full sequence
+    optimizer.step(); optimizer.zero_grad()
+    trainer.stats                       # tokens/s, peak memory, pages moved of the last step
+
+    `store` chooses where pages live (default: TensorKVStore on the model's device, offloading to
+    host memory when config.offload). step() blocks until the step's GPU work is done.
+    """
+
+    def __init__(self, model, config: OOMBConfig | None = None, store: KVStore | None = None, **options):
+        if config is None:
+            config = OOMBConfig(**options)
+        elif options:
+            config = replace(config, **options)
+        _check_model(model)
+        register()
+        try:
+            model.set_attn_implementation(ATTENTION_NAME)
+        except (ValueError, KeyError, AttributeError):
+            model.config._attn_implementation = ATTENTION_NAME
+        if model.config._attn_implementation != ATTENTION_NAME:
+            raise ValueError("could not switch the model's attention to membar's paged attention.")
+        if config.checkpoint_layers:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        self.model = model
+        self.config = config
+        self.decoder = model.get_decoder()
+        self.lm_head = model.get_output_embeddings()
+        parameter = next(model.parameters())
+        self.device, self.dtype = parameter.device, parameter.dtype
+        text_config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        self.num_layers = text_config.num_hidden_layers
+        self.num_q_heads = text_config.num_attention_heads
+        self.num_kv_heads = getattr(text_config, "num_key_value_heads", None) or self.num_q_heads
+        self.head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // self.num_q_heads
+        self.vocab_size = text_config.vocab_size
+        self.store = store if store is not None else TensorKVStore(
+            self.device, offload=config.offload, prefetch_depth=config.prefetch_depth)
+        self.stats: dict = {}
+
+    # -- public ---------------------------------------------------------------------------------
+
+    def step(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> float:
+        """Forward + backward of a batch of sequences; returns the mean loss over predicted tokens.
+
+        input_ids: int [tokens] or [batch, tokens]. labels: same shape, Hugging Face convention
+        (aligned with input_ids, shifted inside: position t is trained to predict labels[t + 1];
+        IGNORE_INDEX = -100 skips a target); default input_ids. Gradients ACCUMULATE into .grad.
+        """
+        input_ids, labels = self._check_inputs(input_ids, labels)
+        predicted = int((labels[:, 1:] != IGNORE_INDEX).sum())
+        if predicted == 0:
+            raise ValueError("no token has a target: every label after the first is -100.")
+        store_before = self.store.stats.as_dict()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+        start = time.perf_counter()
+        timings = {"stage1_seconds": 0.0, "stage2_seconds": 0.0}
+        total = 0.0
+        for row in range(input_ids.shape[0]):
+            total += self._sequence(input_ids[row], labels[row], 1.0 / predicted, timings)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        seconds = time.perf_counter() - start
+        store_after = self.store.stats.as_dict()
+        tokens = input_ids.numel()
+        self.stats = {
+            "loss": total, "tokens": tokens, "predicted_tokens": predicted, "seconds": seconds,
+            "tokens_per_second": tokens / seconds if seconds > 0 else 0.0,
+            **timings,
+            "chunks": -(-input_ids.shape[1] // self.config.chunk_tokens),
+            "pages_to_device": store_after["pages_to_device"] - store_before["pages_to_device"],
+            "pages_to_host": store_after["pages_to_host"] - store_before["pages_to_host"],
+            "bytes_moved": (store_after["bytes_to_device"] + store_after["bytes_to_host"]
+                            - store_before["bytes_to_device"] - store_before["bytes_to_host"]),
+            "prefetch_hits": store_after["prefetch_hits"] - store_before["prefetch_hits"],
+            "prefetch_misses": store_after["prefetch_misses"] - store_before["prefetch_misses"],
+            "host_pool_bytes": store_after["host_pool_bytes"],
+            "device_pool_bytes": store_after["device_pool_bytes"],
+            **host_memory(),
+        }
+        self.stats["pages_moved"] = self.stats["pages_to_device"] + self.stats["pages_to_host"]
+        if self.device.type == "cuda":
+            self.stats["peak_gpu_bytes"] = torch.cuda.max_memory_allocated(self.device)
+        return total
+
+    # -- internals ------------------------------------------------------------------------------
+
+    def _check_inputs(self, input_ids, labels):
+        if not isinstance(input_ids, torch.Tensor):
+            raise TypeError(f"input_ids must be a torch.Tensor, got {type(input_ids).__name__}.")
+        if input_ids.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8):
+            raise TypeError(f"input_ids must hold integer token ids, got dtype {input_ids.dtype}.")
+        if input_ids.dim() == 1:
+            input_ids = input_ids.unsqueeze(0)
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be [tokens] or [batch, tokens], got shape {tuple(input_ids.shape)}.")
+        if input_ids.shape[1] < 2:
+            raise ValueError(f"a sequence needs at least 2 tokens to have a target, got {input_ids.shape[1]}.")
+        if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= self.vocab_size):
+            raise ValueError(f"token ids must lie in [0, {self.vocab_size}), got range "
+                             f"[{int(input_ids.min())}, {int(input_ids.max())}].")
+        input_ids = input_ids.to(self.device, torch.long)
+        if labels is None:
+            labels = input_ids
+        else:
+            if not isinstance(labels, torch.Tensor) or labels.is_floating_point():
+                raise TypeError("labels must be an integer torch.Tensor shaped like input_ids.")
+            if labels.dim() == 1:
+                labels = labels.unsqueeze(0)
+            if labels.shape != input_ids.shape:
+                raise ValueError(f"labels shape {tuple(labels.shape)} differs from input_ids shape "
+                                 f"{tuple(input_ids.shape)}.")
+            labels = labels.to(self.device, torch.long)
+            bad = (labels != IGNORE_INDEX) & ((labels < 0) | (labels >= self.vocab_size))
+            if bool(bad.any()):
+                raise ValueError(f"labels must be -100 or lie in [0, {self.vocab_size}).")
+        return input_ids, labels
+
+    def _layout(self, tokens: int) -> PageLayout:
+        return PageLayout(self.num_layers, -(-tokens // self.config.page_tokens), self.config.page_tokens,
+                          self.num_kv_heads, self.head_dim, self.dtype, self.config.grad_page_dtype,
+                          self.device)
+
+    def _chunks(self, tokens: int) -> list[tuple[int, int]]:
+        size = self.config.chunk_tokens
+        return [(first, min(first + size, tokens)) for first in range(0, tokens, size)]
+
+    def _context(self, stage: int, chunk: int, bounds, count: int, shared: dict) -> ChunkContext:
+        config = self.config
+        first, end = bounds
+        return ChunkContext(
+            store=self.store, stage=stage, chunk=chunk, first_token=first,
+            first_page=first // config.page_tokens, chunk_tokens=end - first,
+            history_pages=first // config.page_tokens, later_chunks=chunk < count - 1,
+            page_tokens=config.page_tokens, mode=config.mode, top_k=config.top_k,
+            query_tile_tokens=config.query_tile_tokens, deterministic=config.deterministic,
+            summaries=shared["summaries"], selections=shared["selections"])
+
+    def _stage1_plan(self, chunks) -> list[Access]:
+        plan = []
+        for chunk, (first, _) in enumerate(chunks):
+            history_pages = first // self.config.page_tokens
+            if history_pages == 0 or (self.config.mode == "sparse" and history_pages > self.config.top_k):
+                continue   # no history, or the pages are chosen only when the chunk's queries exist
+            plan += [Access("kv", layer, chunk, "stage1", 0, history_pages) for layer in range(self.num_layers)]
+        return plan
+
+    def _stage2_plan(self, chunks, shared) -> list[Access]:
+        plan = []
+        page_tokens = self.config.page_tokens
+        for chunk in reversed(range(len(chunks))):
+            first, end = chunks[chunk]
+            context = self._context(2, chunk, chunks[chunk], len(chunks), shared)
+            if context.history_pages > 0:
+                plan += [context.history_access(layer, "forward") for layer in range(self.num_layers)]
+            for layer in reversed(range(self.num_layers)):
+                if context.history_pages > 0:
+                    plan.append(context.history_access(layer, "backward"))
+                    plan.append(context.history_access(layer, "backward", kind="dkv"))
+                if context.later_chunks:
+                    plan.append(Access("chunk_grad", layer, chunk, "backward", first // page_tokens,
+                                       -(-(end - first) // page_tokens)))
+        return plan
+
+    def _run_decoder(self, chunk_ids: torch.Tensor, first: int) -> torch.Tensor:
+        positions = torch.arange(first, first + chunk_ids.shape[0], device=self.device).unsqueeze(0)
+        output = self.decoder(input_ids=chunk_ids.unsqueeze(0), position_ids=positions, use_cache=False)
+        return output.last_hidden_state[0]   # [tokens, hidden_size]
+
+    def _chunk_loss(self, hidden: torch.Tensor, targets: torch.Tensor):
+        """Summed cross-entropy of a chunk, computed piece by piece; None when nothing is predicted."""
+        total = None
+        piece = self.config.loss_piece_tokens
+        for start in range(0, targets.shape[0], piece):
+            piece_targets = targets[start: start + piece]
+            if not bool((piece_targets != IGNORE_INDEX).any()):
+                continue
+            part = checkpoint(_piece_loss, self.lm_head, hidden[start: start + piece], piece_targets,
+                              use_reentrant=False)
+            total = part if total is None else total + part
+        return total
+
+    def _sequence(self, input_ids, labels, scale: float, timings: dict) -> float:
+        tokens = input_ids.shape[0]
+        chunks = self._chunks(tokens)
+        count = len(chunks)
+        # Position t predicts labels[t + 1]; the last position predicts nothing.
+        targets = torch.cat([labels[1:], labels.new_full((1,), IGNORE_INDEX)])
+        shared = {"summaries": {}, "selections": {}}
+        self.store.open_sequence(self._layout(tokens))
+        total = 0.0
+        try:
+            started = time.perf_counter()
+            self.store.plan(self._stage1_plan(chunks))
+            with torch.no_grad():
+                for chunk, bounds in enumerate(chunks):
+                    with chunk_context(self._context(1, chunk, bounds, count, shared)):
+                        self._run_decoder(input_ids[bounds[0]: bounds[1]], bounds[0])
+            middle = time.perf_counter()
+            timings["stage1_seconds"] += middle - started
+
+            self.store.plan(self._stage2_plan(chunks, shared))
+            page_tokens = self.config.page_tokens
+            for chunk in reversed(range(count)):
+                first, end = chunks[chunk]
+                context = self._context(2, chunk, chunks[chunk], count, shared)
+                with chunk_context(context):
+                    hidden = self._run_decoder(input_ids[first:end], first)
+                    loss = self._chunk_loss(hidden, targets[first:end])
+                    if loss is None:
+                        if not context.later_chunks:
+                            # The last chunk has no target and no later chunk sent it gradient:
+                            # its backward would add nothing anywhere.
+                            del hidden
+                            self.store.free_pages(first // page_tokens, -(-(end - first) // page_tokens))
+                            continue
+                        # Later chunks left gradient in this chunk's K/V pages; carry it through
+                        # with a zero loss that keeps the graph.
+                        loss = hidden.sum() * 0.0
+                    (loss * scale).backward()
+                    total += float(loss.detach()) * scale
+                self.store.free_pages(first // page_tokens, -(-(end - first) // page_tokens))
+            timings["stage2_seconds"] += time.perf_counter() - middle
+        finally:
+            self.store.close_sequence()
+        return total
