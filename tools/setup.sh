@@ -43,4 +43,13 @@ if [ "$have" != "$want" ] || ! .venv/bin/python -c 'import pytest, tqdm, numpy, 
   .venv/bin/python -m pip install -q "torch==${TORCH_VERSION}" "transformers==${TRANSFORMERS_VERSION}" \
       pytest tqdm numpy matplotlib
 fi
+# The package is used in place (bindings/python, with the built membar/_C.so beside it): a .pth
+# file puts it on the venv's path, and membar-train is a console entry point for its CLI.
+site=$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+echo "$PWD/bindings/python" > "$site/membar-dev.pth"
+cat > .venv/bin/membar-train <<SH
+#!/usr/bin/env bash
+exec "$PWD/.venv/bin/python" -m membar.train "\$@"
+SH
+chmod +x .venv/bin/membar-train
 echo "[setup] ok: $(.venv/bin/python -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)')"
