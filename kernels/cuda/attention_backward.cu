@@ -1,0 +1,481 @@
+// Paged attention backward on CUDA (FlashAttention-2 style, mma.sync tensor cores).
+//
+// Note [Backward kernel]
+// Rationale: a backward that adds dK/dV into shared pages from every query tile and q head
+// (atomics) ran 20x slower than FlashAttention's (../shared/docs/measured.md). Here every KV
+// block has exactly one owner.
+// Approach: one CTA per (KV block, kv head). A KV block is one history page (page_tokens = 64 or
+// 128 keys, 16 keys per warp) or a block of the chunk's own keys of the same size. The CTA keeps
+// its K and V in shared memory and loops over the (q head of the GQA group, block of 64 queries)
+// pairs that attend to it: every query block for a dense history page, the query blocks of the
+// tiles that selected the page in sparse mode (the inverse selection, built by
+// build_inverse_selection_kernel), and the query blocks at or after the block's first key for a
+// chunk block. Q and dO of the next pair load (cp.async) while the current pair computes
+//   S^T = K Q^T, P^T = exp(S^T * scale - lse), dP^T = V dO^T, dS^T = P^T o (dP^T - delta),
+//   dV += P^T dO, dK += dS^T Q                                  (registers, per warp),
+//   dQ += dS K                                                  (dS^T through shared memory,
+//                                                                fp32 atomics into workspace).
+// At the end the CTA writes dK, dV once: overwritten for chunk keys, ADDED (fp32, or bf16 with
+// round-to-nearest-even) into the grad pages for history keys. No two CTAs touch the same rows, so
+// dK/dV are deterministic. delta = rowsum(dO o O) comes from a small kernel first.
+// Deterministic mode leaves dQ out of this kernel and runs launch_backward_dq instead, which owns
+// each query block and walks its keys like the forward (no atomics; costs two more products).
+// Limitations: the chunk blocks have unequal work (causal); they run first in the grid so the
+// uniform history blocks fill in behind them.
+#include <cuda_runtime.h>
+
+#include <cmath>
+
+#include "attention_common.cuh"
+#include "attention_cuda_internal.h"
+
+namespace membar::kernels::cuda {
+namespace {
+
+using namespace detail;
+
+constexpr int kQueries = kQueryBlockTokens;
+
+struct BackwardWorkspacePointers {
+  float* dq_accumulator;          // [Tc, Hq, D] fp32, or nullptr in deterministic mode
+  const float* delta;             // [Hq, Tc]
+  const int32_t* inverse_count;   // [num_history_pages], sparse only
+  const int32_t* inverse_tiles;   // [num_history_pages, inverse_capacity], sparse only
+  int32_t inverse_capacity;
+  int32_t num_chunk_blocks;
+};
+
+template <int kHeadDim, int kWarps>
+constexpr size_t backward_shared_bytes() {
+  constexpr int kKeys = 16 * kWarps;
+  // K, V [kKeys, D]; Q, dO [2 stages, 64, D]; dS^T [kKeys, 64] (16-bit); lse, delta [2, 64] fp32.
+  return size_t(2 * kKeys * kHeadDim + 4 * kQueries * kHeadDim + kKeys * kQueries) * 2 + 4 * kQueries * 4;
+}
+
+// The (q head, query block) pairs a KV block attends to, numbered 0..count-1.
+struct WorkList {
+  int count;
+  int per_head;           // pairs per q head
+  int first_query_block;  // chunk blocks: the first query block; else 0
+  const int32_t* tiles;   // sparse history: the tiles that selected the page
+  int blocks_per_tile;    // sparse history: query blocks per selection tile
+
+  __device__ __forceinline__ void decode(int item, int& head_in_group, int& query_block) const {
+    head_in_group = item / per_head;
+    const int rest = item % per_head;
+    if (tiles != nullptr) {
+      query_block = tiles[rest / blocks_per_tile] * blocks_per_tile + rest % blocks_per_tile;
+    } else {
+      query_block = first_query_block + rest;
+    }
+  }
+};
+
+template <typename Element, int kHeadDim, int kWarps>
+__global__ void __launch_bounds__(kWarps * 32, 1)
+    paged_attention_backward_kv_kernel(const PagedAttentionBackwardParams params, const BackwardWorkspacePointers workspace) {
+  constexpr int kKeys = 16 * kWarps;
+  constexpr int kThreads = kWarps * 32;
+  extern __shared__ __align__(128) unsigned char shared_raw[];
+  Element* k_tile = reinterpret_cast<Element*>(shared_raw);   // [kKeys, D]
+  Element* v_tile = k_tile + kKeys * kHeadDim;                  // [kKeys, D]
+  Element* q_tiles = v_tile + kKeys * kHeadDim;                 // [2, 64, D]
+  Element* dout_tiles = q_tiles + 2 * kQueries * kHeadDim;      // [2, 64, D]
+  Element* ds_tile = dout_tiles + 2 * kQueries * kHeadDim;      // [kKeys, 64], dS^T
+  float* lse_tiles = reinterpret_cast<float*>(ds_tile + kKeys * kQueries);  // [2, 64], log2 units
+  float* delta_tiles = lse_tiles + 2 * kQueries;                              // [2, 64]
+
+  const PagedAttentionShape& shape = params.shape;
+  const int thread = threadIdx.x;
+  const int warp = thread / 32;
+  const int lane = thread % 32;
+  const int kv_head = blockIdx.y;
+  const int group = shape.num_q_heads / shape.num_kv_heads;
+  const int chunk_tokens = shape.chunk_tokens;
+  const int num_query_blocks = (chunk_tokens + kQueries - 1) / kQueries;
+  const int64_t q_row_stride = int64_t(shape.num_q_heads) * kHeadDim;
+  const int64_t kv_row_stride = int64_t(shape.num_kv_heads) * kHeadDim;
+
+  // Which keys this CTA owns, and which query blocks see them.
+  const bool chunk_block = int(blockIdx.x) < workspace.num_chunk_blocks;
+  const Element* k_base;
+  const Element* v_base;
+  int valid_keys;
+  int first_key = 0;  // chunk position of key row 0 (chunk blocks)
+  int page = 0;       // history page (history blocks)
+  WorkList work{0, 0, 0, nullptr, 1};
+  if (chunk_block) {
+    first_key = blockIdx.x * kKeys;
+    k_base = static_cast<const Element*>(params.k_chunk) + first_key * kv_row_stride + kv_head * kHeadDim;
+    v_base = static_cast<const Element*>(params.v_chunk) + first_key * kv_row_stride + kv_head * kHeadDim;
+    valid_keys = min(kKeys, chunk_tokens - first_key);
+    work.first_query_block = first_key / kQueries;
+    work.per_head = num_query_blocks - work.first_query_block;
+  } else {
+    page = blockIdx.x - workspace.num_chunk_blocks;
+    k_base = static_cast<const Element*>(params.history.k_pool) +
+             int64_t(params.history.k_page_index[page]) * shape.page_tokens * kv_row_stride + kv_head * kHeadDim;
+    v_base = static_cast<const Element*>(params.history.v_pool) +
+             int64_t(params.history.v_page_index[page]) * shape.page_tokens * kv_row_stride + kv_head * kHeadDim;
+    valid_keys = min(kKeys, shape.history_tokens - page * kKeys);
+    if ((params.selection.selected_pages != nullptr)) {
+      work.tiles = workspace.inverse_tiles + int64_t(page) * workspace.inverse_capacity;
+      work.blocks_per_tile = params.selection.query_tile_tokens / kQueries;
+      work.per_head = workspace.inverse_count[page] * work.blocks_per_tile;
+    } else {
+      work.per_head = num_query_blocks;
+    }
+  }
+  work.count = work.per_head * group;
+  // A page no query tile selected receives nothing: adding zeros is a no-op.
+  if (work.count == 0) return;
+
+  const Element* q = static_cast<const Element*>(params.q);
+  const Element* dout = static_cast<const Element*>(params.dout);
+  const float* lse = static_cast<const float*>(params.lse);
+  auto load_queries = [&](int item, int stage) {
+    int head_in_group, query_block;
+    work.decode(item, head_in_group, query_block);
+    const int q_head = kv_head * group + head_in_group;
+    const int64_t offset = int64_t(query_block) * kQueries * q_row_stride + int64_t(q_head) * kHeadDim;
+    const int valid = chunk_tokens - query_block * kQueries;
+    load_tile_async<Element, kQueries, kHeadDim, kThreads>(q_tiles + stage * kQueries * kHeadDim, q + offset, q_row_stride,
+                                                           valid, thread);
+    load_tile_async<Element, kQueries, kHeadDim, kThreads>(dout_tiles + stage * kQueries * kHeadDim, dout + offset,
+                                                           q_row_stride, valid, thread);
+  };
+  // lse (in log2 units) and delta of one query row; rows past the chunk get lse = +inf, so P = 0.
+  auto read_row_statistics = [&](int item, float& row_lse, float& row_delta) {
+    int head_in_group, query_block;
+    work.decode(item, head_in_group, query_block);
+    const int q_head = kv_head * group + head_in_group;
+    const int position = query_block * kQueries + thread;
+    if (position < chunk_tokens) {
+      row_lse = lse[int64_t(q_head) * chunk_tokens + position] * kLog2e;
+      row_delta = workspace.delta[int64_t(q_head) * chunk_tokens + position];
+    } else {
+      row_lse = INFINITY;
+      row_delta = 0.f;
+    }
+  };
+
+  load_tile_async<Element, kKeys, kHeadDim, kThreads>(k_tile, k_base, kv_row_stride, valid_keys, thread);
+  load_tile_async<Element, kKeys, kHeadDim, kThreads>(v_tile, v_base, kv_row_stride, valid_keys, thread);
+  load_queries(0, 0);
+  copy_async_commit();
+  if (thread < kQueries) read_row_statistics(0, lse_tiles[thread], delta_tiles[thread]);
+
+  const float scale_log2 = shape.softmax_scale * kLog2e;
+  float dk[kHeadDim / 8][4];
+  float dv[kHeadDim / 8][4];
+  clear(dk);
+  clear(dv);
+  // Key rows of this thread: warp * 16 + lane / 4 and that + 8.
+  const int key_row = warp * 16 + lane / 4;
+
+  for (int item = 0; item < work.count; ++item) {
+    const int stage = item & 1;
+    float next_lse = 0.f, next_delta = 0.f;
+    if (item + 1 < work.count) {
+      load_queries(item + 1, stage ^ 1);
+      if (thread < kQueries) read_row_statistics(item + 1, next_lse, next_delta);
+    }
+    copy_async_commit();
+    copy_async_wait<1>();
+    __syncthreads();
+
+    int head_in_group, query_block;
+    work.decode(item, head_in_group, query_block);
+    const int first_query = query_block * kQueries;
+    if (first_query < chunk_tokens) {
+      const Element* q_tile = q_tiles + stage * kQueries * kHeadDim;
+      const Element* dout_tile = dout_tiles + stage * kQueries * kHeadDim;
+      const float* row_lse = lse_tiles + stage * kQueries;
+      const float* row_delta = delta_tiles + stage * kQueries;
+
+      float scores[kQueries / 8][4];   // S^T: [16 keys, 64 queries] per warp
+      float dscores[kQueries / 8][4];  // dP^T, then dS^T
+      clear(scores);
+      clear(dscores);
+      warp_matmul_shared_nt<Element, kQueries, kHeadDim, kHeadDim, kHeadDim>(scores, k_tile, warp * 16, q_tile, 0, lane);
+      warp_matmul_shared_nt<Element, kQueries, kHeadDim, kHeadDim, kHeadDim>(dscores, v_tile, warp * 16, dout_tile, 0,
+                                                                             lane);
+      const bool may_cut = valid_keys < kKeys || (chunk_block && first_key + kKeys - 1 > first_query);
+#pragma unroll
+      for (int n = 0; n < kQueries / 8; ++n) {
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const int query = n * 8 + 2 * (lane % 4) + (j & 1);
+          const int key = key_row + (j >> 1) * 8;
+          float p = exp2f(scores[n][j] * scale_log2 - row_lse[query]);
+          if (may_cut) {
+            bool visible = key < valid_keys;
+            if (chunk_block) visible = visible && first_key + key <= first_query + query;
+            if (!visible) p = 0.f;
+          }
+          scores[n][j] = p;
+          dscores[n][j] = p * (dscores[n][j] - row_delta[query]);
+        }
+      }
+      uint32_t fragments[kQueries / 16][4];
+      accumulator_to_a_fragments<Element, kQueries>(fragments, scores);
+      warp_matmul_registers_nn<Element, kHeadDim, kQueries, kHeadDim>(dv, fragments, dout_tile, 0, 0, lane);
+      accumulator_to_a_fragments<Element, kQueries>(fragments, dscores);
+      warp_matmul_registers_nn<Element, kHeadDim, kQueries, kHeadDim>(dk, fragments, q_tile, 0, 0, lane);
+
+      if (workspace.dq_accumulator != nullptr) {
+        // dS^T to shared memory: [kKeys, 64].
+#pragma unroll
+        for (int n = 0; n < kQueries / 8; ++n) {
+#pragma unroll
+          for (int half = 0; half < 2; ++half) {
+            const int column = n * 8 + 2 * (lane % 4);
+            *reinterpret_cast<uint32_t*>(ds_tile + swizzled_offset<kQueries>(key_row + half * 8, column)) =
+                fragments[n / 2][(n % 2) * 2 + half];
+          }
+        }
+        __syncthreads();
+        // dQ [64, D] = dS [64, kKeys] K [kKeys, D]: warps split 4 row groups x (kWarps / 4) column parts.
+        constexpr int kColumnParts = kWarps / 4;
+        constexpr int kDqColumns = kHeadDim / kColumnParts;
+        const int row_group = warp % 4;
+        const int column_part = warp / 4;
+        float dq[kDqColumns / 8][4];
+        clear(dq);
+        warp_matmul_shared_tn<Element, kDqColumns, kKeys, kQueries, kHeadDim>(dq, ds_tile, row_group * 16, k_tile,
+                                                                              column_part * kDqColumns, lane);
+        const int q_head = kv_head * group + head_in_group;
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const int position = first_query + row_group * 16 + lane / 4 + half * 8;
+          if (position >= chunk_tokens) continue;
+          float* row = workspace.dq_accumulator + int64_t(position) * q_row_stride + int64_t(q_head) * kHeadDim +
+                       column_part * kDqColumns;
+#pragma unroll
+          for (int n = 0; n < kDqColumns / 8; ++n) {
+            const int column = n * 8 + 2 * (lane % 4);
+#if __CUDA_ARCH__ >= 900
+            atomicAdd(reinterpret_cast<float2*>(row + column), make_float2(dq[n][2 * half], dq[n][2 * half + 1]));
+#else
+            atomicAdd(row + column, dq[n][2 * half]);
+            atomicAdd(row + column + 1, dq[n][2 * half + 1]);
+#endif
+          }
+        }
+      }
+    }
+    if (item + 1 < work.count && thread < kQueries) {
+      lse_tiles[(stage ^ 1) * kQueries + thread] = next_lse;
+      delta_tiles[(stage ^ 1) * kQueries + thread] = next_delta;
+    }
+    // The next iteration's copies overwrite the stage read here (and dS^T is rewritten).
+    __syncthreads();
+  }
+
+  // Write dK (scaled) and dV once.
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int key = key_row + half * 8;
+    if (key >= valid_keys) continue;
+    if (chunk_block) {
+      const int64_t offset = int64_t(first_key + key) * kv_row_stride + int64_t(kv_head) * kHeadDim;
+      Element* dk_row = static_cast<Element*>(params.dk_chunk) + offset;
+      Element* dv_row = static_cast<Element*>(params.dv_chunk) + offset;
+#pragma unroll
+      for (int n = 0; n < kHeadDim / 8; ++n) {
+        const int column = n * 8 + 2 * (lane % 4);
+        *reinterpret_cast<uint32_t*>(dk_row + column) = ElementTraits<Element>::pack(
+            dk[n][2 * half] * shape.softmax_scale, dk[n][2 * half + 1] * shape.softmax_scale);
+        *reinterpret_cast<uint32_t*>(dv_row + column) = ElementTraits<Element>::pack(dv[n][2 * half], dv[n][2 * half + 1]);
+      }
+    } else {
+      const HistoryGradPages& grad = params.grad_history;
+      const int64_t dk_offset = (int64_t(grad.dk_page_index[page]) * shape.page_tokens + key) * kv_row_stride +
+                                int64_t(kv_head) * kHeadDim;
+      const int64_t dv_offset = (int64_t(grad.dv_page_index[page]) * shape.page_tokens + key) * kv_row_stride +
+                                int64_t(kv_head) * kHeadDim;
+      if (params.grad_page_dtype == DType::kFloat32) {
+        float* dk_row = static_cast<float*>(grad.dk_pool) + dk_offset;
+        float* dv_row = static_cast<float*>(grad.dv_pool) + dv_offset;
+#pragma unroll
+        for (int n = 0; n < kHeadDim / 8; ++n) {
+          const int column = n * 8 + 2 * (lane % 4);
+          float2 dk_value = *reinterpret_cast<float2*>(dk_row + column);
+          dk_value.x += dk[n][2 * half] * shape.softmax_scale;
+          dk_value.y += dk[n][2 * half + 1] * shape.softmax_scale;
+          *reinterpret_cast<float2*>(dk_row + column) = dk_value;
+          float2 dv_value = *reinterpret_cast<float2*>(dv_row + column);
+          dv_value.x += dv[n][2 * half];
+          dv_value.y += dv[n][2 * half + 1];
+          *reinterpret_cast<float2*>(dv_row + column) = dv_value;
+        }
+      } else {
+        __nv_bfloat16* dk_row = static_cast<__nv_bfloat16*>(grad.dk_pool) + dk_offset;
+        __nv_bfloat16* dv_row = static_cast<__nv_bfloat16*>(grad.dv_pool) + dv_offset;
+        using Bf16 = ElementTraits<__nv_bfloat16>;
+#pragma unroll
+        for (int n = 0; n < kHeadDim / 8; ++n) {
+          const int column = n * 8 + 2 * (lane % 4);
+          uint32_t* dk_bits = reinterpret_cast<uint32_t*>(dk_row + column);
+          uint32_t* dv_bits = reinterpret_cast<uint32_t*>(dv_row + column);
+          const float2 dk_old = Bf16::unpack(*dk_bits);
+          const float2 dv_old = Bf16::unpack(*dv_bits);
+          *dk_bits = Bf16::pack(dk_old.x + dk[n][2 * half] * shape.softmax_scale,
+                                dk_old.y + dk[n][2 * half + 1] * shape.softmax_scale);
+          *dv_bits = Bf16::pack(dv_old.x + dv[n][2 * half], dv_old.y + dv[n][2 * half + 1]);
+        }
+      }
+    }
+  }
+}
+
+// delta[h, i] = sum_d dO[i, h, d] * O[i, h, d] in fp32; one warp per (i, h). [Hq, Tc].
+template <typename Element>
+__global__ void backward_delta_kernel(const Element* out, const Element* dout, float* delta, int chunk_tokens,
+                                      int num_q_heads, int head_dim) {
+  const int64_t row = int64_t(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  if (row >= int64_t(chunk_tokens) * num_q_heads) return;
+  const Element* o_row = out + row * head_dim;
+  const Element* do_row = dout + row * head_dim;
+  float sum = 0.f;
+  for (int column = 2 * lane; column < head_dim; column += 64) {
+    const float2 o = ElementTraits<Element>::unpack(*reinterpret_cast<const uint32_t*>(o_row + column));
+    const float2 d = ElementTraits<Element>::unpack(*reinterpret_cast<const uint32_t*>(do_row + column));
+    sum += o.x * d.x + o.y * d.y;
+  }
+#pragma unroll
+  for (int offset = 16; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
+  if (lane == 0) {
+    const int token = int(row / num_q_heads);
+    const int head = int(row % num_q_heads);
+    delta[int64_t(head) * chunk_tokens + token] = sum;
+  }
+}
+
+// For each history page, the query tiles whose selection lists it, in increasing tile order
+// (so the backward's accumulation order, and its bits, do not depend on scheduling).
+__global__ void build_inverse_selection_kernel(const int32_t* selected_pages, int selected_per_tile, int num_tiles,
+                                               int num_pages, int32_t* inverse_count, int32_t* inverse_tiles,
+                                               int capacity) {
+  const int page = blockIdx.x * blockDim.x + threadIdx.x;
+  if (page >= num_pages) return;
+  int count = 0;
+  for (int tile = 0; tile < num_tiles; ++tile) {
+    const int32_t* row = selected_pages + int64_t(tile) * selected_per_tile;
+    for (int slot = 0; slot < selected_per_tile; ++slot) {
+      if (row[slot] == page) {
+        inverse_tiles[int64_t(page) * capacity + count++] = tile;
+        break;
+      }
+    }
+  }
+  inverse_count[page] = count;
+}
+
+// dq = dq_accumulator * scale, converted to the element type; two elements per thread.
+template <typename Element>
+__global__ void convert_dq_kernel(const float* accumulator, Element* dq, int64_t count, float scale) {
+  const int64_t index = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) * 2;
+  if (index >= count) return;
+  const float2 value = *reinterpret_cast<const float2*>(accumulator + index);
+  *reinterpret_cast<uint32_t*>(dq + index) = ElementTraits<Element>::pack(value.x * scale, value.y * scale);
+}
+
+template <typename Element, int kHeadDim, int kWarps>
+cudaError_t launch_kv(const PagedAttentionBackwardParams& params, const BackwardWorkspacePointers& workspace,
+                      cudaStream_t stream) {
+  constexpr size_t kSharedBytes = backward_shared_bytes<kHeadDim, kWarps>();
+  auto kernel = paged_attention_backward_kv_kernel<Element, kHeadDim, kWarps>;
+  cudaError_t error = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kSharedBytes));
+  if (error != cudaSuccess) return error;
+  const dim3 grid(workspace.num_chunk_blocks + history_page_count(params.shape), params.shape.num_kv_heads);
+  kernel<<<grid, kWarps * 32, kSharedBytes, stream>>>(params, workspace);
+  return cudaGetLastError();
+}
+
+template <typename Element>
+cudaError_t launch_backward(const PagedAttentionBackwardParams& params, cudaStream_t stream) {
+  const PagedAttentionShape& shape = params.shape;
+  const BackwardWorkspaceLayout layout = backward_workspace_layout(shape);
+  unsigned char* base = static_cast<unsigned char*>(params.workspace);
+  float* delta = reinterpret_cast<float*>(base + layout.delta_offset);
+  BackwardWorkspacePointers workspace;
+  workspace.dq_accumulator = params.deterministic ? nullptr : reinterpret_cast<float*>(base + layout.dq_accumulator_offset);
+  workspace.delta = delta;
+  workspace.inverse_count = reinterpret_cast<const int32_t*>(base + layout.inverse_count_offset);
+  workspace.inverse_tiles = reinterpret_cast<const int32_t*>(base + layout.inverse_tiles_offset);
+  workspace.inverse_capacity = layout.inverse_tiles_capacity;
+  workspace.num_chunk_blocks = (shape.chunk_tokens + shape.page_tokens - 1) / shape.page_tokens;
+
+  const int64_t rows = int64_t(shape.chunk_tokens) * shape.num_q_heads;
+  backward_delta_kernel<Element><<<unsigned((rows + 7) / 8), 256, 0, stream>>>(
+      static_cast<const Element*>(params.out), static_cast<const Element*>(params.dout), delta, shape.chunk_tokens,
+      shape.num_q_heads, shape.head_dim);
+  const int num_pages = history_page_count(shape);
+  if ((params.selection.selected_pages != nullptr) && num_pages > 0) {
+    const int num_tiles = num_query_tiles(shape.chunk_tokens, params.selection.query_tile_tokens);
+    build_inverse_selection_kernel<<<(num_pages + 127) / 128, 128, 0, stream>>>(
+        params.selection.selected_pages, params.selection.selected_per_tile, num_tiles, num_pages,
+        const_cast<int32_t*>(workspace.inverse_count), const_cast<int32_t*>(workspace.inverse_tiles),
+        layout.inverse_tiles_capacity);
+  }
+  const int64_t dq_elements = rows * shape.head_dim;
+  cudaError_t error = cudaSuccess;
+  if (!params.deterministic) {
+    error = cudaMemsetAsync(workspace.dq_accumulator, 0, size_t(dq_elements) * 4, stream);
+    if (error != cudaSuccess) return error;
+  }
+  const bool small_pages = shape.page_tokens == 64;
+  if (shape.head_dim == 64) {
+    error = small_pages ? launch_kv<Element, 64, 4>(params, workspace, stream)
+                        : launch_kv<Element, 64, 8>(params, workspace, stream);
+  } else {
+    error = small_pages ? launch_kv<Element, 128, 4>(params, workspace, stream)
+                        : launch_kv<Element, 128, 8>(params, workspace, stream);
+  }
+  if (error != cudaSuccess) return error;
+  if (params.deterministic) return static_cast<cudaError_t>(launch_backward_dq(params, delta, stream));
+  convert_dq_kernel<Element><<<unsigned((dq_elements / 2 + 255) / 256), 256, 0, stream>>>(
+      workspace.dq_accumulator, static_cast<Element*>(params.dq), dq_elements, shape.softmax_scale);
+  return cudaGetLastError();
+}
+
+}  // namespace
+
+int paged_attention_backward(const PagedAttentionBackwardParams& params, void* stream) {
+  const PagedAttentionShape& shape = params.shape;
+  if (paged_attention_check_shape(shape)[0] != '\0') return cudaErrorInvalidValue;
+  if (paged_attention_cuda_check(shape, params.selection)[0] != '\0') return cudaErrorInvalidValue;
+  if (params.grad_page_dtype != DType::kFloat32 && params.grad_page_dtype != DType::kBFloat16) {
+    return cudaErrorInvalidValue;
+  }
+  const void* pointers[] = {params.q,       params.k_chunk,  params.v_chunk,  params.history.k_pool,
+                            params.history.v_pool, params.out, params.dout, params.dq,
+                            params.dk_chunk, params.dv_chunk, params.workspace, params.grad_history.dk_pool,
+                            params.grad_history.dv_pool};
+  const char* names[] = {"q",  "k_chunk", "v_chunk",  "k_pool",   "v_pool",    "out",    "dout",
+                         "dq", "dk_chunk", "dv_chunk", "workspace", "dk_pool", "dv_pool"};
+  if (paged_attention_check_alignment(pointers, names, 13)[0] != '\0') return cudaErrorInvalidValue;
+  const void* required[] = {params.q,  params.k_chunk,  params.v_chunk,  params.out,      params.dout,
+                            params.lse, params.dq, params.dk_chunk, params.dv_chunk, params.workspace};
+  for (const void* pointer : required) {
+    if (pointer == nullptr) return cudaErrorInvalidValue;
+  }
+  if (shape.history_tokens > 0) {
+    const void* history_required[] = {params.history.k_pool, params.history.v_pool, params.grad_history.dk_pool,
+                                      params.grad_history.dv_pool};
+    for (const void* pointer : history_required) {
+      if (pointer == nullptr) return cudaErrorInvalidValue;
+    }
+    if (params.history.k_page_index == nullptr || params.history.v_page_index == nullptr ||
+        params.grad_history.dk_page_index == nullptr || params.grad_history.dv_page_index == nullptr) {
+      return cudaErrorInvalidValue;
+    }
+  }
+  cudaStream_t cuda_stream = static_cast<cudaStream_t>(stream);
+  if (shape.dtype == DType::kBFloat16) return launch_backward<__nv_bfloat16>(params, cuda_stream);
+  return launch_backward<__half>(params, cuda_stream);
+}
+
+}  // namespace membar::kernels::cuda

@@ -1,0 +1,192 @@
+// dQ of the deterministic backward (Note [Backward kernel] in attention_backward.cu).
+//
+// One CTA per (block of 64 queries, q head), four warps of 16 query rows. The CTA walks the same
+// key sequence as the forward (KeySequence) in blocks of 64 keys, K and V double-buffered through
+// cp.async, and per block computes S = Q K^T, P = exp(S * scale - lse), dP = dO V^T,
+// dS = P o (dP - delta), dQ += dS K, all per warp in registers. dQ is written once, so its bits
+// do not depend on scheduling.
+#include <cuda_runtime.h>
+
+#include <cmath>
+
+#include "attention_common.cuh"
+#include "attention_cuda_internal.h"
+
+namespace membar::kernels::cuda {
+namespace {
+
+using namespace detail;
+
+constexpr int kDqWarps = 4;
+constexpr int kDqRows = 16 * kDqWarps;
+constexpr int kDqKeys = 64;
+
+template <int kHeadDim>
+constexpr size_t dq_shared_bytes_fixed() {
+  // Q, dO [64, D]; K, V [2 stages, 64, D]; 16-bit elements.
+  return size_t(2 * kDqRows * kHeadDim + 4 * kDqKeys * kHeadDim) * 2;
+}
+
+template <typename Element, int kHeadDim>
+__global__ void __launch_bounds__(kDqWarps * 32) paged_attention_backward_dq_kernel(const PagedAttentionBackwardParams params,
+                                                                                   const float* delta) {
+  constexpr int kThreads = kDqWarps * 32;
+  constexpr int kKeys = kDqKeys;
+  extern __shared__ __align__(128) unsigned char shared_raw[];
+  Element* q_tile = reinterpret_cast<Element*>(shared_raw);    // [64, D]
+  Element* dout_tile = q_tile + kDqRows * kHeadDim;              // [64, D]
+  Element* k_tiles = dout_tile + kDqRows * kHeadDim;             // [2, 64, D]
+  Element* v_tiles = k_tiles + 2 * kKeys * kHeadDim;             // [2, 64, D]
+  int32_t* selected = reinterpret_cast<int32_t*>(v_tiles + 2 * kKeys * kHeadDim);  // [selected_per_tile]
+  __shared__ int selected_count;
+
+  const PagedAttentionShape& shape = params.shape;
+  const int thread = threadIdx.x;
+  const int warp = thread / 32;
+  const int lane = thread % 32;
+  const int tile = gridDim.x - 1 - blockIdx.x;
+  const int q_head = blockIdx.y;
+  const int group = shape.num_q_heads / shape.num_kv_heads;
+  const int first_query = tile * kDqRows;
+  const int chunk_tokens = shape.chunk_tokens;
+  const int64_t q_row_stride = int64_t(shape.num_q_heads) * kHeadDim;
+  const int64_t q_offset = int64_t(first_query) * q_row_stride + int64_t(q_head) * kHeadDim;
+
+  load_tile_async<Element, kDqRows, kHeadDim, kThreads>(q_tile, static_cast<const Element*>(params.q) + q_offset,
+                                                        q_row_stride, chunk_tokens - first_query, thread);
+  load_tile_async<Element, kDqRows, kHeadDim, kThreads>(dout_tile, static_cast<const Element*>(params.dout) + q_offset,
+                                                        q_row_stride, chunk_tokens - first_query, thread);
+  copy_async_commit();
+
+  KeySequence<Element, kKeys> keys;
+  keys.k_pool = static_cast<const Element*>(params.history.k_pool);
+  keys.v_pool = static_cast<const Element*>(params.history.v_pool);
+  keys.k_page_index = params.history.k_page_index;
+  keys.v_page_index = params.history.v_page_index;
+  keys.k_chunk = static_cast<const Element*>(params.k_chunk);
+  keys.v_chunk = static_cast<const Element*>(params.v_chunk);
+  keys.history_tokens = shape.history_tokens;
+  keys.page_tokens = shape.page_tokens;
+  keys.chunk_tokens = chunk_tokens;
+  keys.num_kv_heads = shape.num_kv_heads;
+  keys.head_dim = kHeadDim;
+  keys.kv_head = q_head / group;
+  const int num_pages = history_page_count(shape);
+  if ((params.selection.selected_pages != nullptr)) {
+    const int selection_tile = first_query / params.selection.query_tile_tokens;
+    const int count = compact_selection(
+        params.selection.selected_pages + int64_t(selection_tile) * params.selection.selected_per_tile,
+        params.selection.selected_per_tile, num_pages, selected, &selected_count);
+    keys.selected = selected;
+    keys.num_history_blocks = count * (shape.page_tokens / kKeys);
+  } else {
+    keys.selected = nullptr;
+    keys.num_history_blocks = (shape.history_tokens + kKeys - 1) / kKeys;
+  }
+  const int last_query = min(first_query + kDqRows, chunk_tokens) - 1;
+  const int num_blocks = keys.num_history_blocks + last_query / kKeys + 1;
+  const int64_t kv_row_stride = int64_t(shape.num_kv_heads) * kHeadDim;
+  auto load_block = [&](int index, int stage) {
+    const KeyBlock<Element> block = keys.block(index);
+    load_tile_async<Element, kKeys, kHeadDim, kThreads>(k_tiles + stage * kKeys * kHeadDim, block.k_base, kv_row_stride,
+                                                        block.valid_rows, thread);
+    load_tile_async<Element, kKeys, kHeadDim, kThreads>(v_tiles + stage * kKeys * kHeadDim, block.v_base, kv_row_stride,
+                                                        block.valid_rows, thread);
+  };
+  load_block(0, 0);
+  copy_async_commit();
+
+  // Rows of this thread: warp * 16 + lane / 4 and that + 8; their lse (log2 units) and delta.
+  const int row_in_tile = warp * 16 + lane / 4;
+  const int query_position[2] = {first_query + row_in_tile, first_query + row_in_tile + 8};
+  const float* lse = static_cast<const float*>(params.lse);
+  float row_lse[2], row_delta[2];
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const bool valid = query_position[half] < chunk_tokens;
+    const int64_t index = int64_t(q_head) * chunk_tokens + query_position[half];
+    row_lse[half] = valid ? lse[index] * kLog2e : INFINITY;
+    row_delta[half] = valid ? delta[index] : 0.f;
+  }
+  const float scale_log2 = shape.softmax_scale * kLog2e;
+  float dq[kHeadDim / 8][4];
+  clear(dq);
+
+  for (int index = 0; index < num_blocks; ++index) {
+    const int stage = index & 1;
+    if (index + 1 < num_blocks) load_block(index + 1, stage ^ 1);
+    copy_async_commit();
+    copy_async_wait<1>();
+    __syncthreads();
+
+    const Element* k_tile = k_tiles + stage * kKeys * kHeadDim;
+    const Element* v_tile = v_tiles + stage * kKeys * kHeadDim;
+    float scores[kKeys / 8][4];
+    float dscores[kKeys / 8][4];
+    clear(scores);
+    clear(dscores);
+    warp_matmul_shared_nt<Element, kKeys, kHeadDim, kHeadDim, kHeadDim>(scores, q_tile, warp * 16, k_tile, 0, lane);
+    warp_matmul_shared_nt<Element, kKeys, kHeadDim, kHeadDim, kHeadDim>(dscores, dout_tile, warp * 16, v_tile, 0, lane);
+    const KeyBlock<Element> block = keys.block(index);
+    const bool chunk_block = block.first_position >= 0;
+    const bool may_cut = block.valid_rows < kKeys ||
+                         (chunk_block && block.first_position + kKeys - 1 > first_query + warp * 16);
+#pragma unroll
+    for (int n = 0; n < kKeys / 8; ++n) {
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const int key = n * 8 + 2 * (lane % 4) + (j & 1);
+        float p = exp2f(scores[n][j] * scale_log2 - row_lse[j >> 1]);
+        if (may_cut) {
+          bool visible = key < block.valid_rows;
+          if (chunk_block) visible = visible && block.first_position + key <= query_position[j >> 1];
+          if (!visible) p = 0.f;
+        }
+        dscores[n][j] = p * (dscores[n][j] - row_delta[j >> 1]);
+      }
+    }
+    uint32_t fragments[kKeys / 16][4];
+    accumulator_to_a_fragments<Element, kKeys>(fragments, dscores);
+    warp_matmul_registers_nn<Element, kHeadDim, kKeys, kHeadDim>(dq, fragments, k_tile, 0, 0, lane);
+    __syncthreads();
+  }
+
+  Element* dq_out = static_cast<Element*>(params.dq);
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int position = query_position[half];
+    if (position >= chunk_tokens) continue;
+    Element* row = dq_out + int64_t(position) * q_row_stride + int64_t(q_head) * kHeadDim;
+#pragma unroll
+    for (int n = 0; n < kHeadDim / 8; ++n) {
+      const int column = n * 8 + 2 * (lane % 4);
+      *reinterpret_cast<uint32_t*>(row + column) = ElementTraits<Element>::pack(
+          dq[n][2 * half] * shape.softmax_scale, dq[n][2 * half + 1] * shape.softmax_scale);
+    }
+  }
+}
+
+template <typename Element, int kHeadDim>
+cudaError_t launch(const PagedAttentionBackwardParams& params, const float* delta, cudaStream_t stream) {
+  const size_t shared_bytes = dq_shared_bytes_fixed<kHeadDim>() +
+                              ((params.selection.selected_pages != nullptr) ? size_t(params.selection.selected_per_tile) * 4 : 0);
+  auto kernel = paged_attention_backward_dq_kernel<Element, kHeadDim>;
+  cudaError_t error = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(shared_bytes));
+  if (error != cudaSuccess) return error;
+  const dim3 grid((params.shape.chunk_tokens + kDqRows - 1) / kDqRows, params.shape.num_q_heads);
+  kernel<<<grid, kDqWarps * 32, shared_bytes, stream>>>(params, delta);
+  return cudaGetLastError();
+}
+
+}  // namespace
+
+int launch_backward_dq(const PagedAttentionBackwardParams& params, const float* delta, void* stream) {
+  cudaStream_t cuda_stream = static_cast<cudaStream_t>(stream);
+  const bool bf16 = params.shape.dtype == DType::kBFloat16;
+  if (params.shape.head_dim == 64) {
+    return bf16 ? launch<__nv_bfloat16, 64>(params, delta, cuda_stream) : launch<__half, 64>(params, delta, cuda_stream);
+  }
+  return bf16 ? launch<__nv_bfloat16, 128>(params, delta, cuda_stream) : launch<__half, 128>(params, delta, cuda_stream);
+}
+
+}  // namespace membar::kernels::cuda

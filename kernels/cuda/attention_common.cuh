@@ -1,0 +1,320 @@
+// Device building blocks of the CUDA paged-attention kernels: tensor-core MMA (mma.sync
+// m16n8k16 through inline PTX), ldmatrix, cp.async, a swizzled shared-memory layout and
+// warp-level matrix products over tiles of 16 rows. Internal to kernels/cuda/.
+//
+// Note [Fragment layouts]
+// mma.m16n8k16 (row.col) works on per-thread fragments; with lane = 4 * g + c (g = lane / 4,
+// c = lane % 4):
+//   A (16 x 16, row major): a0 = (row g, cols 2c, 2c+1), a1 = (row g+8, cols 2c, 2c+1),
+//                           a2 = (row g, cols 2c+8, 2c+9), a3 = (row g+8, cols 2c+8, 2c+9);
+//   B (16 x 8, "col"):      b0 = (rows 2c, 2c+1, col g), b1 = (rows 2c+8, 2c+9, col g);
+//   C (16 x 8, fp32):       c0, c1 = (row g, cols 2c, 2c+1), c2, c3 = (row g+8, cols 2c, 2c+1).
+// Two adjacent C tiles (16 x 16 of fp32) hold exactly the values of one A fragment, so a
+// product's result (P = softmax(S), dS) feeds the next product from registers.
+// ldmatrix.x4 loads four 8 x 8 matrices of 16-bit values, lanes 8i..8i+7 giving the row
+// addresses of matrix i; without .trans thread t receives (row t/4, cols 2(t%4), 2(t%4)+1), with
+// .trans the transpose. Each helper below says which lane addresses which matrix.
+//
+// Note [Swizzle]
+// A shared tile of `kColumns` 16-bit values per row (kColumns >= 64) is stored in 16-byte pieces;
+// piece p of row r lands at piece p ^ (r % 8). The eight row addresses of an ldmatrix 8 x 8
+// matrix (same piece, eight consecutive rows) then fall into eight different bank groups, and
+// so do the cp.async writes of a row's pieces.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace membar::kernels::cuda::detail {
+
+template <typename Element>
+struct ElementTraits;
+
+template <>
+struct ElementTraits<__nv_bfloat16> {
+  // Packs two floats into one register, `low` in the low half (the smaller column).
+  static __device__ __forceinline__ uint32_t pack(float low, float high) {
+    __nv_bfloat162 value = __floats2bfloat162_rn(low, high);
+    return *reinterpret_cast<uint32_t*>(&value);
+  }
+  static __device__ __forceinline__ float2 unpack(uint32_t bits) {
+    __nv_bfloat162 value = *reinterpret_cast<__nv_bfloat162*>(&bits);
+    return __bfloat1622float2(value);
+  }
+  static __device__ __forceinline__ float to_float(__nv_bfloat16 value) { return __bfloat162float(value); }
+  static __device__ __forceinline__ void mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+};
+
+template <>
+struct ElementTraits<__half> {
+  static __device__ __forceinline__ uint32_t pack(float low, float high) {
+    __half2 value = __floats2half2_rn(low, high);
+    return *reinterpret_cast<uint32_t*>(&value);
+  }
+  static __device__ __forceinline__ float2 unpack(uint32_t bits) {
+    __half2 value = *reinterpret_cast<__half2*>(&bits);
+    return __half22float2(value);
+  }
+  static __device__ __forceinline__ float to_float(__half value) { return __half2float(value); }
+  static __device__ __forceinline__ void mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+};
+
+// Offset (in elements) of (row, column) in a swizzled tile of kColumns elements per row
+// (Note [Swizzle]).
+template <int kColumns>
+__device__ __forceinline__ int swizzled_offset(int row, int column) {
+  static_assert(kColumns % 64 == 0, "the swizzle permutes 8 pieces of 16 bytes per row");
+  return row * kColumns + ((((column >> 3) ^ (row & 7))) << 3) + (column & 7);
+}
+
+__device__ __forceinline__ uint32_t shared_address(const void* pointer) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(pointer));
+}
+
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* pointer) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(shared_address(pointer)));
+}
+
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void* pointer) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(shared_address(pointer)));
+}
+
+// Copies 16 bytes global -> shared without passing through registers; when !valid the 16
+// shared bytes are zero-filled and `source` is not read.
+__device__ __forceinline__ void copy_async_16(void* destination, const void* source, bool valid) {
+  const int source_bytes = valid ? 16 : 0;
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(shared_address(destination)),
+               "l"(source), "r"(source_bytes));
+}
+__device__ __forceinline__ void copy_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int kPendingGroups>
+__device__ __forceinline__ void copy_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPendingGroups));
+}
+
+// Loads rows [0, kRows) of a strided matrix into a swizzled shared tile: row r starts at
+// base + r * row_stride (elements) when r < valid_rows, and is zero-filled otherwise.
+// [kRows, kColumns] in shared memory.
+template <typename Element, int kRows, int kColumns, int kThreads>
+__device__ __forceinline__ void load_tile_async(Element* tile, const Element* base, int64_t row_stride,
+                                                int valid_rows, int thread) {
+  constexpr int kPiecesPerRow = kColumns / 8;
+  static_assert((kRows * kPiecesPerRow) % kThreads == 0, "every thread copies the same number of pieces");
+#pragma unroll
+  for (int i = 0; i < kRows * kPiecesPerRow / kThreads; ++i) {
+    const int piece = thread + i * kThreads;
+    const int row = piece / kPiecesPerRow;
+    const int column = (piece % kPiecesPerRow) * 8;
+    const bool valid = row < valid_rows;
+    const Element* source = valid ? base + row * row_stride + column : base;
+    copy_async_16(tile + swizzled_offset<kColumns>(row, column), source, valid);
+  }
+}
+
+// acc[16 x kN] += A[16 x kK] * B^T, where A is rows [a_row, a_row + 16) of a swizzled shared tile
+// stored [m][k] (kColumnsA per row) and B is rows [b_row, b_row + kN) of a swizzled tile stored
+// [n][k] (kColumnsB per row). Used for S = Q K^T and its relatives.
+template <typename Element, int kN, int kK, int kColumnsA, int kColumnsB>
+__device__ __forceinline__ void warp_matmul_shared_nt(float (&acc)[kN / 8][4], const Element* a_tile, int a_row,
+                                                      const Element* b_tile, int b_row, int lane) {
+  static_assert(kN % 16 == 0 && kK % 16 == 0, "tiles are whole 16 x 16 fragments");
+#pragma unroll
+  for (int kk = 0; kk < kK / 16; ++kk) {
+    uint32_t a[4];
+    // Matrices: (rows 0-7, k 0-7), (rows 8-15, k 0-7), (rows 0-7, k 8-15), (rows 8-15, k 8-15).
+    ldmatrix_x4(a, a_tile + swizzled_offset<kColumnsA>(a_row + (lane & 15), kk * 16 + (lane >> 4) * 8));
+#pragma unroll
+    for (int nn = 0; nn < kN / 16; ++nn) {
+      uint32_t b[4];
+      // Matrices: (n 0-7, k 0-7), (n 0-7, k 8-15), (n 8-15, k 0-7), (n 8-15, k 8-15).
+      const int row = b_row + nn * 16 + (lane & 7) + ((lane >> 4) << 3);
+      const int column = kk * 16 + ((lane >> 3) & 1) * 8;
+      ldmatrix_x4(b, b_tile + swizzled_offset<kColumnsB>(row, column));
+      ElementTraits<Element>::mma(acc[2 * nn], a, b[0], b[1]);
+      ElementTraits<Element>::mma(acc[2 * nn + 1], a, b[2], b[3]);
+    }
+  }
+}
+
+// acc[16 x kN] += A[16 x kK] * B, where A comes from registers (Note [Fragment layouts]) and B is
+// the [kK x kN] block at (b_row, b_column) of a swizzled shared tile stored [k][n]
+// (kColumnsB per row), read transposed by ldmatrix. Used for O += P V, dV += P^T dO and the like.
+template <typename Element, int kN, int kK, int kColumnsB>
+__device__ __forceinline__ void warp_matmul_registers_nn(float (&acc)[kN / 8][4], const uint32_t (&a)[kK / 16][4],
+                                                         const Element* b_tile, int b_row, int b_column, int lane) {
+#pragma unroll
+  for (int kk = 0; kk < kK / 16; ++kk) {
+#pragma unroll
+    for (int nn = 0; nn < kN / 16; ++nn) {
+      uint32_t b[4];
+      // Matrices (stored k x n): (k 0-7, n 0-7), (k 8-15, n 0-7), (k 0-7, n 8-15), (k 8-15, n 8-15).
+      const int row = b_row + kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
+      const int column = b_column + nn * 16 + (lane >> 4) * 8;
+      ldmatrix_x4_trans(b, b_tile + swizzled_offset<kColumnsB>(row, column));
+      ElementTraits<Element>::mma(acc[2 * nn], a[kk], b[0], b[1]);
+      ElementTraits<Element>::mma(acc[2 * nn + 1], a[kk], b[2], b[3]);
+    }
+  }
+}
+
+// acc[16 x kN] += A * B where A = (stored tile)^T: the stored tile is [k][m] (kColumnsA per row)
+// and A's 16 rows are its columns [a_column, a_column + 16); B is stored [k][n] as above.
+// Used for dQ += dS K with dS^T in shared memory.
+template <typename Element, int kN, int kK, int kColumnsA, int kColumnsB>
+__device__ __forceinline__ void warp_matmul_shared_tn(float (&acc)[kN / 8][4], const Element* a_tile, int a_column,
+                                                      const Element* b_tile, int b_column, int lane) {
+#pragma unroll
+  for (int kk = 0; kk < kK / 16; ++kk) {
+    uint32_t a[4];
+    // Matrices (stored k x m): (k 0-7, m 0-7), (k 0-7, m 8-15), (k 8-15, m 0-7), (k 8-15, m 8-15).
+    ldmatrix_x4_trans(a, a_tile + swizzled_offset<kColumnsA>(kk * 16 + (lane & 7) + (lane >> 4) * 8,
+                                                            a_column + ((lane >> 3) & 1) * 8));
+#pragma unroll
+    for (int nn = 0; nn < kN / 16; ++nn) {
+      uint32_t b[4];
+      const int row = kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
+      const int column = b_column + nn * 16 + (lane >> 4) * 8;
+      ldmatrix_x4_trans(b, b_tile + swizzled_offset<kColumnsB>(row, column));
+      ElementTraits<Element>::mma(acc[2 * nn], a, b[0], b[1]);
+      ElementTraits<Element>::mma(acc[2 * nn + 1], a, b[2], b[3]);
+    }
+  }
+}
+
+// Turns a 16 x kN fp32 result into A fragments of a following product (Note [Fragment layouts]).
+template <typename Element, int kN>
+__device__ __forceinline__ void accumulator_to_a_fragments(uint32_t (&a)[kN / 16][4], const float (&acc)[kN / 8][4]) {
+#pragma unroll
+  for (int kk = 0; kk < kN / 16; ++kk) {
+    a[kk][0] = ElementTraits<Element>::pack(acc[2 * kk][0], acc[2 * kk][1]);
+    a[kk][1] = ElementTraits<Element>::pack(acc[2 * kk][2], acc[2 * kk][3]);
+    a[kk][2] = ElementTraits<Element>::pack(acc[2 * kk + 1][0], acc[2 * kk + 1][1]);
+    a[kk][3] = ElementTraits<Element>::pack(acc[2 * kk + 1][2], acc[2 * kk + 1][3]);
+  }
+}
+
+template <int kN>
+__device__ __forceinline__ void clear(float (&acc)[kN][4]) {
+#pragma unroll
+  for (int n = 0; n < kN; ++n) {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) acc[n][j] = 0.f;
+  }
+}
+
+// Where the keys of one block come from: a history page (some rows of it) or the chunk itself.
+// Rows [0, valid_rows) of the block are keys; key row r is at k_base + r * row_stride.
+template <typename Element>
+struct KeyBlock {
+  const Element* k_base;
+  const Element* v_base;
+  int valid_rows;
+  int first_position;  // position of row 0 among the chunk's keys (chunk blocks), else -1
+};
+
+// Resolves block `block` of a query tile's key sequence: first the history blocks (dense: every
+// history block of kKeys tokens; sparse: each selected page, in list order, cut into blocks),
+// then the chunk's own blocks. `selected` is the tile's compacted selection (sparse only).
+template <typename Element, int kKeys>
+struct KeySequence {
+  const Element* k_pool;
+  const Element* v_pool;
+  const int32_t* k_page_index;
+  const int32_t* v_page_index;
+  const Element* k_chunk;
+  const Element* v_chunk;
+  const int32_t* selected;  // shared memory, or nullptr when dense
+  int history_tokens;
+  int page_tokens;
+  int chunk_tokens;
+  int num_kv_heads;
+  int head_dim;
+  int kv_head;
+  int num_history_blocks;
+
+  __device__ __forceinline__ KeyBlock<Element> block(int index) const {
+    const int64_t row_stride = int64_t(num_kv_heads) * head_dim;
+    KeyBlock<Element> result;
+    if (index < num_history_blocks) {
+      int first_token;
+      if (selected != nullptr) {
+        const int blocks_per_page = page_tokens / kKeys;
+        first_token = selected[index / blocks_per_page] * page_tokens + (index % blocks_per_page) * kKeys;
+      } else {
+        first_token = index * kKeys;
+      }
+      const int page = first_token / page_tokens;
+      const int row_in_page = first_token % page_tokens;
+      result.k_base = k_pool + (int64_t(k_page_index[page]) * page_tokens + row_in_page) * row_stride +
+                      int64_t(kv_head) * head_dim;
+      result.v_base = v_pool + (int64_t(v_page_index[page]) * page_tokens + row_in_page) * row_stride +
+                      int64_t(kv_head) * head_dim;
+      result.valid_rows = min(kKeys, history_tokens - first_token);
+      result.first_position = -1;
+    } else {
+      const int first = (index - num_history_blocks) * kKeys;
+      result.k_base = k_chunk + int64_t(first) * row_stride + int64_t(kv_head) * head_dim;
+      result.v_base = v_chunk + int64_t(first) * row_stride + int64_t(kv_head) * head_dim;
+      result.valid_rows = min(kKeys, chunk_tokens - first);
+      result.first_position = first;
+    }
+    return result;
+  }
+};
+
+// Compacts one selection row (entries < 0 or >= num_pages are padding) into shared memory, in
+// list order, by the first warp; returns the count to every thread. Ends with __syncthreads().
+__device__ __forceinline__ int compact_selection(const int32_t* row, int entries, int num_pages,
+                                                 int32_t* compacted, int* shared_count) {
+  const int thread = threadIdx.x;
+  if (thread < 32) {
+    int count = 0;
+    for (int start = 0; start < entries; start += 32) {
+      const int slot = start + thread;
+      const int32_t page = slot < entries ? row[slot] : -1;
+      const bool keep = page >= 0 && page < num_pages;
+      const unsigned mask = __ballot_sync(0xffffffffu, keep);
+      if (keep) compacted[count + __popc(mask & ((1u << thread) - 1u))] = page;
+      count += __popc(mask);
+    }
+    if (thread == 0) *shared_count = count;
+  }
+  __syncthreads();
+  return *shared_count;
+}
+
+__device__ __forceinline__ float quad_max(float value) {
+  value = fmaxf(value, __shfl_xor_sync(0xffffffffu, value, 1));
+  return fmaxf(value, __shfl_xor_sync(0xffffffffu, value, 2));
+}
+__device__ __forceinline__ float quad_sum(float value) {
+  value += __shfl_xor_sync(0xffffffffu, value, 1);
+  return value + __shfl_xor_sync(0xffffffffu, value, 2);
+}
+
+// PagedAttentionShape::num_history_pages, callable from device code too.
+template <typename Shape>
+__host__ __device__ __forceinline__ int history_page_count(const Shape& shape) {
+  return (shape.history_tokens + shape.page_tokens - 1) / shape.page_tokens;
+}
+
+inline constexpr float kLog2e = 1.4426950408889634f;
+
+}  // namespace membar::kernels::cuda::detail
