@@ -111,6 +111,9 @@ class OOMBTrainer:
         self.store = store if store is not None else TensorKVStore(
             self.device, offload=config.offload, prefetch_depth=config.prefetch_depth)
         self.stats: dict = {}
+        # Sparse mode: the pages each (layer, chunk) attended in the last sequence, int32
+        # [query_tiles, top_k] or None for "all history" (kept for inspection and tests).
+        self.last_selections: dict = {}
 
     # -- public ---------------------------------------------------------------------------------
 
@@ -299,4 +302,5 @@ class OOMBTrainer:
             timings["stage2_seconds"] += time.perf_counter() - middle
         finally:
             self.store.close_sequence()
+            self.last_selections = shared["selections"]
         return total

@@ -1,0 +1,284 @@
+"""Chunk-recurrent (OOMB) training gives the gradients of full-sequence training.
+
+CPU tests run tiny random-init Qwen2 and Llama models in float32 against full-sequence training
+(torch SDPA / eager attention) of the same model on the same tokens. Error measure: for every
+parameter, max |g_oomb - g_full| / max |g_full| (a relative error that is not blown up by entries
+near zero); the test takes the worst parameter.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import math
+import os
+
+import pytest
+import torch
+from transformers import AttentionInterface, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+from membar.oomb import OOMBConfig, OOMBTrainer, TensorKVStore
+from membar.oomb.baseline import full_sequence_step
+
+VOCAB = 97
+
+
+def tiny_model(kind: str, seed: int = 0, layers: int = 2):
+    torch.manual_seed(seed)
+    common = dict(hidden_size=64, num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                  intermediate_size=96, vocab_size=VOCAB, max_position_embeddings=4096,
+                  attn_implementation="sdpa")
+    if kind == "qwen2":
+        model = Qwen2ForCausalLM(Qwen2Config(**common, rope_theta=10000.0))
+    else:
+        model = LlamaForCausalLM(Llama_config(common))
+    # Random init puts tiny values in some parameters; widen them so every gradient is non-trivial.
+    with torch.no_grad():
+        for parameter in model.parameters():
+            if parameter.dim() == 1:
+                parameter.add_(0.1 * torch.randn_like(parameter))
+    return model.float()
+
+
+def Llama_config(common):
+    return LlamaConfig(**common, rope_theta=10000.0, attention_bias=False)
+
+
+def grads_of(model):
+    return {name: parameter.grad.detach().clone() for name, parameter in model.named_parameters()}
+
+
+def max_relative_error(grads, reference):
+    return max(float((grads[name] - ref).abs().max() / ref.abs().max()) for name, ref in reference.items())
+
+
+def cosine(grads, reference):
+    a = torch.cat([grads[name].flatten().double() for name in reference])
+    b = torch.cat([ref.flatten().double() for ref in reference.values()])
+    return float(a @ b / (a.norm() * b.norm()))
+
+
+def reference_grads(model, input_ids, labels=None):
+    model.zero_grad()
+    loss = full_sequence_step(model, input_ids, labels, loss_piece_tokens=64, attn_implementation="sdpa")
+    grads = grads_of(model)
+    model.zero_grad()
+    return loss, grads
+
+
+def oomb_grads(model, input_ids, labels=None, **options):
+    model.zero_grad()
+    trainer = OOMBTrainer(model, OOMBConfig(**options))
+    loss = trainer.step(input_ids, labels)
+    grads = grads_of(model)
+    model.zero_grad()
+    return loss, grads, trainer
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "llama"])
+@pytest.mark.parametrize("chunk_tokens,page_tokens,tokens", [(32, 16, 150), (64, 16, 200), (48, 8, 97), (16, 16, 33)])
+def test_dense_gradients_match_full_sequence(kind, chunk_tokens, page_tokens, tokens):
+    model = tiny_model(kind)
+    input_ids = torch.randint(0, VOCAB, (1, tokens), generator=torch.Generator().manual_seed(tokens))
+    loss_full, reference = reference_grads(model, input_ids)
+    loss, grads, trainer = oomb_grads(model, input_ids, chunk_tokens=chunk_tokens, page_tokens=page_tokens)
+    assert trainer.stats["chunks"] == math.ceil(tokens / chunk_tokens)
+    assert abs(loss - loss_full) <= 1e-5 * abs(loss_full)
+    error = max_relative_error(grads, reference)
+    assert error <= 1e-4, f"max relative gradient error {error:.3g}"
+
+
+def test_batch_with_ignored_labels_matches_full_sequence():
+    model = tiny_model("qwen2", seed=1)
+    generator = torch.Generator().manual_seed(7)
+    input_ids = torch.randint(0, VOCAB, (2, 90), generator=generator)
+    labels = input_ids.clone()
+    labels[0, :40] = -100          # a whole chunk of row 0 predicts nothing
+    labels[1, 70:] = -100          # the tail of row 1 predicts nothing
+    loss_full, reference = reference_grads(model, input_ids, labels)
+    loss, grads, _ = oomb_grads(model, input_ids, labels, chunk_tokens=32, page_tokens=16)
+    assert abs(loss - loss_full) <= 1e-5 * abs(loss_full)
+    assert max_relative_error(grads, reference) <= 1e-4
+
+
+def test_layer_checkpointing_and_bf16_grad_pages():
+    model = tiny_model("llama", seed=2)
+    input_ids = torch.randint(0, VOCAB, (1, 120), generator=torch.Generator().manual_seed(3))
+    _, reference = reference_grads(model, input_ids)
+    _, grads, _ = oomb_grads(copy.deepcopy(model), input_ids, chunk_tokens=32, page_tokens=16,
+                             checkpoint_layers=True)
+    assert max_relative_error(grads, reference) <= 1e-4
+    # bf16 dK/dV pages round each accumulation to 8 bits of mantissa: close, not exact.
+    _, grads_bf16, _ = oomb_grads(model, input_ids, chunk_tokens=32, page_tokens=16, grad_page_dtype="bf16")
+    error = max_relative_error(grads_bf16, reference)
+    assert 0 < error <= 3e-2, f"bf16 grad pages: max relative error {error:.3g}"
+
+
+@pytest.mark.parametrize("mode", ["dense", "sparse"])
+def test_offload_changes_no_gradient_bit(mode):
+    model = tiny_model("qwen2", seed=3, layers=3)
+    input_ids = torch.randint(0, VOCAB, (1, 170), generator=torch.Generator().manual_seed(5))
+    options = dict(chunk_tokens=32, page_tokens=16, mode=mode, top_k=3, query_tile_tokens=16, deterministic=True)
+    loss_resident, resident, _ = oomb_grads(model, input_ids, offload=False, **options)
+    for depth in (0, 2, 5):
+        loss_offload, offloaded, trainer = oomb_grads(model, input_ids, offload=True, prefetch_depth=depth, **options)
+        assert loss_offload == loss_resident
+        for name in resident:
+            assert torch.equal(offloaded[name], resident[name]), f"{name} differs with offload (depth {depth})"
+        assert trainer.stats["pages_moved"] > 0
+        if depth > 0:
+            assert trainer.stats["prefetch_hits"] > 0
+
+
+_MASKS: dict = {}
+
+
+def _masked_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """Full-sequence attention restricted to a boolean mask [tokens, tokens] per layer."""
+    groups = query.shape[1] // key.shape[1]
+    key = key.repeat_interleave(groups, 1)
+    value = value.repeat_interleave(groups, 1)
+    scores = (query @ key.transpose(-1, -2)) * scaling
+    scores = scores.masked_fill(~_MASKS[module.layer_idx], float("-inf"))
+    return (scores.softmax(-1) @ value).transpose(1, 2), None
+
+
+def _sparse_masks(selections, tokens, chunk_tokens, page_tokens, tile_tokens, layers):
+    causal = torch.ones(tokens, tokens, dtype=torch.bool).tril()
+    masks = {}
+    for layer in range(layers):
+        mask = causal.clone()
+        for chunk_first in range(0, tokens, chunk_tokens):
+            chunk = chunk_first // chunk_tokens
+            selection = selections.get((layer, chunk))
+            if selection is None:
+                continue
+            chunk_end = min(chunk_first + chunk_tokens, tokens)
+            for tile, pages in enumerate(selection.tolist()):
+                rows = slice(chunk_first + tile * tile_tokens, min(chunk_first + (tile + 1) * tile_tokens, chunk_end))
+                allowed = torch.zeros(chunk_first, dtype=torch.bool)
+                for page in pages:
+                    if page >= 0:
+                        allowed[page * page_tokens: (page + 1) * page_tokens] = True
+                mask[rows, :chunk_first] = allowed
+        masks[layer] = mask
+    return masks
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "llama"])
+def test_sparse_gradients_match_masked_full_sequence(kind, tmp_path):
+    model = tiny_model(kind, seed=4)
+    tokens, chunk_tokens, page_tokens, tile = 200, 48, 8, 16
+    input_ids = torch.randint(0, VOCAB, (1, tokens), generator=torch.Generator().manual_seed(11))
+    _, dense = reference_grads(model, input_ids)
+    loss, sparse, trainer = oomb_grads(model, input_ids, chunk_tokens=chunk_tokens, page_tokens=page_tokens,
+                                       mode="sparse", top_k=3, query_tile_tokens=tile)
+    selections = trainer.last_selections
+    assert any(s is not None for s in selections.values()), "no chunk had more history than top_k pages"
+    # The same selection, applied as a mask to full-sequence attention, must give the same gradients.
+    _MASKS.clear()
+    _MASKS.update(_sparse_masks(selections, tokens, chunk_tokens, page_tokens, tile, 2))
+    AttentionInterface.register("membar_test_masked", _masked_attention)
+    model.zero_grad()
+    loss_masked = full_sequence_step(model, input_ids, attn_implementation="membar_test_masked")
+    masked = grads_of(model)
+    model.zero_grad()
+    assert abs(loss - loss_masked) <= 1e-5 * abs(loss_masked)
+    assert max_relative_error(sparse, masked) <= 1e-4
+    similarity = cosine(sparse, dense)
+    print(f"\nsparse vs dense gradient cosine similarity ({kind}, top_k=3 of up to 19 pages): {similarity:.4f}")
+    results = os.environ.get("MEMBAR_RESULTS_DIR")
+    if results:
+        os.makedirs(results, exist_ok=True)
+        with open(os.path.join(results, f"oomb_sparse_cosine_{kind}.json"), "w") as out:
+            json.dump({"model": kind, "tokens": tokens, "top_k": 3, "page_tokens": page_tokens,
+                       "cosine_to_dense": similarity}, out)
+    assert 0.5 < similarity < 1.0
+
+
+def test_model_still_runs_outside_the_trainer():
+    model = tiny_model("qwen2", seed=5)
+    input_ids = torch.randint(0, VOCAB, (1, 40), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        before = model(input_ids=input_ids).logits
+        OOMBTrainer(model, chunk_tokens=16, page_tokens=16)
+        after = model(input_ids=input_ids).logits
+    assert torch.allclose(before, after, atol=1e-5)
+
+
+def test_bad_inputs_are_rejected_with_a_sentence():
+    model = tiny_model("qwen2", seed=6)
+    trainer = OOMBTrainer(model, chunk_tokens=16, page_tokens=16)
+    with pytest.raises(TypeError, match="integer token ids"):
+        trainer.step(torch.rand(1, 20))
+    with pytest.raises(ValueError, match="at least 2 tokens"):
+        trainer.step(torch.tensor([[3]]))
+    with pytest.raises(ValueError, match=r"token ids must lie in \[0, 97\)"):
+        trainer.step(torch.tensor([[1, 2, 500]]))
+    with pytest.raises(ValueError, match="labels shape"):
+        trainer.step(torch.tensor([[1, 2, 3]]), torch.tensor([[1, 2]]))
+    with pytest.raises(ValueError, match="no token has a target"):
+        trainer.step(torch.tensor([[1, 2, 3]]), torch.tensor([[1, -100, -100]]))
+    with pytest.raises(ValueError, match=r"\[tokens\] or \[batch, tokens\]"):
+        trainer.step(torch.zeros(1, 2, 3, dtype=torch.long))
+    with pytest.raises(ValueError, match="multiple of page_tokens"):
+        OOMBConfig(chunk_tokens=100, page_tokens=16)
+    with pytest.raises(ValueError, match="'dense' or 'sparse'"):
+        OOMBConfig(mode="banded")
+    with pytest.raises(ValueError, match="float32 or bfloat16"):
+        OOMBConfig(grad_page_dtype="int8")
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    with pytest.raises(ValueError, match="supports qwen2, llama"):
+        OOMBTrainer(GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=50)))
+    sliding = Qwen2ForCausalLM(Qwen2Config(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                           num_key_value_heads=1, intermediate_size=32, vocab_size=50,
+                                           use_sliding_window=True, sliding_window=8))
+    with pytest.raises(ValueError, match="sliding-window"):
+        OOMBTrainer(sliding)
+    with pytest.raises(ValueError, match="serves"):
+        TensorKVStore("cpu").open_sequence(
+            __import__("membar.oomb", fromlist=["PageLayout"]).PageLayout(
+                1, 1, 16, 1, 8, torch.float32, torch.float32, torch.device("meta")))
+
+
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_bf16_error_at_most_twice_full_sequence_bf16():
+    """bf16 on the GPU: OOMB's gradient error against a float32 reference is at most 2x that of
+    full-sequence bf16 training."""
+    # The GPU kernels take head_dim 64/128 and page_tokens 64/128.
+    config = Qwen2Config(hidden_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         intermediate_size=512, vocab_size=VOCAB, max_position_embeddings=8192,
+                         attn_implementation="sdpa")
+    torch.manual_seed(7)
+    model = Qwen2ForCausalLM(config).cuda()
+    input_ids = torch.randint(0, VOCAB, (1, 1000), device="cuda")
+    _, reference = reference_grads(model.float(), input_ids)
+    bf16 = copy.deepcopy(model).to(torch.bfloat16)
+    _, full_bf16 = reference_grads(bf16, input_ids)
+    _, oomb_bf16, _ = oomb_grads(bf16, input_ids, chunk_tokens=256, page_tokens=64)
+    full_error = max_relative_error({k: v.float() for k, v in full_bf16.items()}, reference)
+    oomb_error = max_relative_error({k: v.float() for k, v in oomb_bf16.items()}, reference)
+    print(f"\nbf16 max relative gradient error: full sequence {full_error:.3g}, OOMB {oomb_error:.3g}")
+    assert oomb_error <= 2 * full_error
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("mode", ["dense", "sparse"])
+def test_gpu_offload_changes_no_gradient_bit(mode):
+    config = Qwen2Config(hidden_size=256, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                         intermediate_size=512, vocab_size=VOCAB, max_position_embeddings=8192,
+                         attn_implementation="sdpa")
+    torch.manual_seed(8)
+    model = Qwen2ForCausalLM(config).cuda().to(torch.bfloat16)
+    input_ids = torch.randint(0, VOCAB, (1, 1500), device="cuda")
+    options = dict(chunk_tokens=256, page_tokens=64, mode=mode, top_k=4, query_tile_tokens=64, deterministic=True)
+    _, resident, _ = oomb_grads(model, input_ids, offload=False, **options)
+    _, offloaded, trainer = oomb_grads(model, input_ids, offload=True, **options)
+    for name in resident:
+        assert torch.equal(offloaded[name], resident[name]), name
+    assert trainer.stats["prefetch_hits"] > 0
