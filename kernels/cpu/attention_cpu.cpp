@@ -1,0 +1,765 @@
+// CPU reference kernels of paged attention (the contract is in membar/kernels/attention.h).
+//
+// Note [CPU paged attention]
+// Rationale: the trainer runs these on CPU machines and in CI, so they must be exact enough to
+// serve as the reference for the CUDA kernels and fast enough for real chunks.
+// Approach: every pass works on blocks. A query block is up to kQueryRowsTarget rows, where a row
+// is one (query token, q head) pair of one GQA group: the group's q heads share their keys, so
+// each key block is converted and loaded once for all of them. A key block is up to
+// kMaxKeyBlock rows of one kv head: part of a history page, or consecutive chunk keys.
+//   Forward: one task per (kv head, query block); online softmax over key blocks (FlashAttention
+//   style): scores, running max, rescaled running sum and output; then out = acc / sum and
+//   lse = max + log(sum).
+//   Backward (FlashAttention-2 recomputation, D_i = rowsum(dO_i * O_i)), in two passes so that
+//   no two tasks ever write the same memory:
+//     pass 1, one task per (kv head, key block): loops over every query block that sees the
+//     block, recomputes P = exp(S - lse), accumulates dV += P^T dO and dK += dS^T Q in local
+//     buffers, then writes the chunk's dK/dV or ADDS the history's into the grad pages once;
+//     pass 2, one task per (kv head, query block): recomputes P and dS over the key blocks the
+//     block sees and accumulates dQ += dS K locally, then writes dq.
+//   Pass 2 costs two extra block products over a single pass, and buys determinism (every output
+//   element is summed by one task in one fixed order) and no per-thread copies of dq.
+// Limitations: compute is fp32 for fp32/bf16/fp16 inputs and fp64 for fp64 inputs; P is never
+// rounded to 16 bits (the CPU results are slightly more exact than the GPU kernels').
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <new>
+#include <vector>
+
+#include "attention_cpu_math.h"
+#include "membar/kernels/attention.h"
+#include "membar/kernels/half_types.h"
+
+namespace membar::kernels::cpu {
+namespace {
+
+using detail::exp_subtract_sum;
+using detail::from_compute;
+using detail::matmul_accumulate;
+using detail::parallel_for;
+using detail::to_compute;
+
+// Rows (query token x q head of the group) per query block; the block's scores and
+// accumulators stay in L2.
+constexpr int kQueryRowsTarget = 64;
+// Key rows per key block (history pages longer than this are split).
+constexpr int kMaxKeyBlock = 128;
+// Chunk keys per key block.
+constexpr int kChunkKeyBlock = 64;
+
+// One key block: `rows` keys of one kv head. Row r's key is k[r * row_stride .. + head_dim].
+// For chunk keys, first_chunk_key is the chunk position of row 0 and the causal mask applies;
+// for history keys it is -1 and every query sees every row.
+template <typename Element>
+struct KeyBlock {
+  const Element* k = nullptr;
+  const Element* v = nullptr;
+  int rows = 0;
+  int32_t first_chunk_key = -1;
+};
+
+// A block of queries of one GQA group: tokens [query_begin, query_end), all q heads of kv head
+// `kv_head`. Row r is token query_begin + r / group, q head kv_head * group + r % group.
+struct QueryBlock {
+  int32_t kv_head = 0;
+  int32_t query_begin = 0;
+  int32_t query_end = 0;
+  int32_t tile = 0;  // the sparse selection's query tile holding the block (0 when dense)
+};
+
+// Everything a pass needs to know about the problem, with typed pointers.
+template <typename Element>
+struct Problem {
+  PagedAttentionShape shape;
+  int32_t group = 1;          // q heads per kv head
+  int64_t kv_row_stride = 0;  // elements between consecutive key rows: num_kv_heads * head_dim
+  int64_t q_row_stride = 0;   // elements between consecutive query tokens: num_q_heads * head_dim
+  int32_t num_pages = 0;
+  const Element* q = nullptr;
+  const Element* k_chunk = nullptr;
+  const Element* v_chunk = nullptr;
+  const Element* k_pool = nullptr;
+  const Element* v_pool = nullptr;
+  const int32_t* k_page_index = nullptr;
+  const int32_t* v_page_index = nullptr;
+  PageSelection selection;
+  int32_t tile_tokens = 0;  // query_tile_tokens when sparse, else chunk_tokens
+
+  Problem(const PagedAttentionShape& s, const void* q_, const void* k_chunk_, const void* v_chunk_,
+          const HistoryPages& history, const PageSelection& selection_)
+      : shape(s),
+        group(s.num_q_heads / s.num_kv_heads),
+        kv_row_stride(int64_t(s.num_kv_heads) * s.head_dim),
+        q_row_stride(int64_t(s.num_q_heads) * s.head_dim),
+        num_pages(s.num_history_pages()),
+        q(static_cast<const Element*>(q_)),
+        k_chunk(static_cast<const Element*>(k_chunk_)),
+        v_chunk(static_cast<const Element*>(v_chunk_)),
+        k_pool(static_cast<const Element*>(history.k_pool)),
+        v_pool(static_cast<const Element*>(history.v_pool)),
+        k_page_index(history.k_page_index),
+        v_page_index(history.v_page_index),
+        selection(selection_),
+        tile_tokens(selection_.enabled() ? selection_.query_tile_tokens : s.chunk_tokens) {}
+
+  int32_t valid_rows_of_page(int32_t page) const {
+    return std::min(shape.page_tokens, shape.history_tokens - page * shape.page_tokens);
+  }
+
+  // Key block `part` (kMaxKeyBlock rows each) of history page `page`, kv head `kv_head`.
+  KeyBlock<Element> history_block(int32_t page, int32_t part, int32_t kv_head) const {
+    const int32_t first_row = part * kMaxKeyBlock;
+    KeyBlock<Element> block;
+    block.rows = std::min(kMaxKeyBlock, valid_rows_of_page(page) - first_row);
+    const int64_t row_offset = int64_t(first_row) * kv_row_stride + int64_t(kv_head) * shape.head_dim;
+    const int64_t page_elements = int64_t(shape.page_tokens) * kv_row_stride;
+    block.k = k_pool + int64_t(k_page_index[page]) * page_elements + row_offset;
+    block.v = v_pool + int64_t(v_page_index[page]) * page_elements + row_offset;
+    return block;
+  }
+
+  int32_t parts_of_page(int32_t page) const { return (valid_rows_of_page(page) + kMaxKeyBlock - 1) / kMaxKeyBlock; }
+
+  KeyBlock<Element> chunk_block(int32_t first_key, int32_t kv_head) const {
+    KeyBlock<Element> block;
+    block.rows = std::min(kChunkKeyBlock, shape.chunk_tokens - first_key);
+    block.first_chunk_key = first_key;
+    const int64_t offset = int64_t(first_key) * kv_row_stride + int64_t(kv_head) * shape.head_dim;
+    block.k = k_chunk + offset;
+    block.v = v_chunk + offset;
+    return block;
+  }
+
+  // Calls visit(block) for every key block the queries of `query` see, in a fixed order: history
+  // pages ascending (all of them, or the tile's selection), then chunk keys ascending up to the
+  // block's last query.
+  template <typename Visit>
+  void for_each_key_block(const QueryBlock& query, Visit&& visit) const {
+    if (selection.enabled()) {
+      const int32_t* row = selection.selected_pages + int64_t(query.tile) * selection.selected_per_tile;
+      for (int32_t slot = 0; slot < selection.selected_per_tile; ++slot) {
+        if (row[slot] < 0) continue;
+        for (int32_t part = 0; part < parts_of_page(row[slot]); ++part) visit(history_block(row[slot], part, query.kv_head));
+      }
+    } else {
+      for (int32_t page = 0; page < num_pages; ++page) {
+        for (int32_t part = 0; part < parts_of_page(page); ++part) visit(history_block(page, part, query.kv_head));
+      }
+    }
+    for (int32_t first_key = 0; first_key < query.query_end; first_key += kChunkKeyBlock) {
+      visit(chunk_block(first_key, query.kv_head));
+    }
+  }
+
+  int32_t query_tokens_per_block() const { return std::max(1, kQueryRowsTarget / group); }
+
+  // Splits tokens [begin, end) of tile `tile` into query blocks, for every kv head.
+  void append_query_blocks(int32_t begin, int32_t end, int32_t tile, int32_t kv_head,
+                           std::vector<QueryBlock>& blocks) const {
+    const int32_t step = query_tokens_per_block();
+    for (int32_t token = begin; token < end; token += step) {
+      blocks.push_back(QueryBlock{kv_head, token, std::min(end, token + step), tile});
+    }
+  }
+
+  // Query blocks of the whole chunk: each lies inside one query tile.
+  std::vector<QueryBlock> all_query_blocks() const {
+    std::vector<QueryBlock> blocks;
+    const int32_t num_tiles = num_query_tiles(shape.chunk_tokens, tile_tokens);
+    for (int32_t kv_head = 0; kv_head < shape.num_kv_heads; ++kv_head) {
+      for (int32_t tile = 0; tile < num_tiles; ++tile) {
+        append_query_blocks(tile * tile_tokens, std::min(shape.chunk_tokens, (tile + 1) * tile_tokens), tile,
+                            kv_head, blocks);
+      }
+    }
+    return blocks;
+  }
+
+  // Pointer to query token `token`, q head `head` of a [Tc, Hq, D] tensor.
+  template <typename Pointer>
+  Pointer* row_of(Pointer* base, int32_t token, int32_t head) const {
+    return base + int64_t(token) * q_row_stride + int64_t(head) * shape.head_dim;
+  }
+};
+
+// Loads `rows` rows of `cols` elements (source rows `source_stride` apart) into a dense
+// [rows][destination_stride] compute-type matrix, optionally multiplied by `scale`.
+template <typename Element, typename Compute>
+void load_rows(const Element* source, int64_t source_stride, int rows, int cols, Compute* destination,
+               int64_t destination_stride) {
+  for (int r = 0; r < rows; ++r) {
+    const Element* from = source + r * source_stride;
+    Compute* to = destination + r * destination_stride;
+    for (int c = 0; c < cols; ++c) to[c] = to_compute(from[c]);
+  }
+}
+
+// The same, transposed: destination is [cols][destination_stride] and holds rows as columns.
+template <typename Element, typename Compute>
+void load_rows_transposed(const Element* source, int64_t source_stride, int rows, int cols,
+                          Compute* destination, int64_t destination_stride) {
+  for (int r = 0; r < rows; ++r) {
+    const Element* from = source + r * source_stride;
+    for (int c = 0; c < cols; ++c) destination[c * destination_stride + r] = to_compute(from[c]);
+  }
+}
+
+// Transposes a dense [rows][cols] matrix into [cols][rows].
+template <typename Compute>
+void transpose(const Compute* source, int rows, int cols, Compute* destination) {
+  for (int r = 0; r < rows; ++r) {
+    for (int c = 0; c < cols; ++c) destination[int64_t(c) * rows + r] = source[int64_t(r) * cols + c];
+  }
+}
+
+// Sets scores[r][c] to -inf where the chunk key first_chunk_key + c lies after row r's token.
+template <typename Compute>
+void apply_causal_mask(Compute* scores, int rows, int cols, int group, int32_t query_begin,
+                       int32_t first_chunk_key) {
+  if (first_chunk_key < 0) return;
+  for (int r = 0; r < rows; ++r) {
+    const int32_t token = query_begin + r / group;
+    const int first_hidden = std::max(0, token - first_chunk_key + 1);
+    Compute* row = scores + int64_t(r) * cols;
+    for (int c = first_hidden; c < cols; ++c) row[c] = -std::numeric_limits<Compute>::infinity();
+  }
+}
+
+// Loads the rows of a query block from a [Tc, Hq, D] tensor into [rows][D].
+template <typename Element, typename Compute>
+void load_query_rows(const Problem<Element>& problem, const Element* base, const QueryBlock& block,
+                     Compute* destination) {
+  const int32_t head_dim = problem.shape.head_dim;
+  // The group's q heads of one token are adjacent in memory: one token is `group` rows.
+  for (int32_t token = block.query_begin; token < block.query_end; ++token) {
+    const Element* from = problem.row_of(base, token, block.kv_head * problem.group);
+    Compute* to = destination + int64_t(token - block.query_begin) * problem.group * head_dim;
+    for (int32_t i = 0; i < problem.group * head_dim; ++i) to[i] = to_compute(from[i]);
+  }
+}
+
+// Gathers per-row values of a [Hq, Tc] array (lse, D) for a query block.
+template <typename Element, typename Value, typename Compute>
+void load_row_values(const Problem<Element>& problem, const Value* base, const QueryBlock& block,
+                     Compute* destination) {
+  int r = 0;
+  for (int32_t token = block.query_begin; token < block.query_end; ++token) {
+    for (int32_t head = 0; head < problem.group; ++head, ++r) {
+      const int32_t q_head = block.kv_head * problem.group + head;
+      destination[r] = Compute(base[int64_t(q_head) * problem.shape.chunk_tokens + token]);
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Forward.
+
+template <typename Element, typename Compute>
+void forward_query_block(const Problem<Element>& problem, const QueryBlock& block, Element* out, Compute* lse) {
+  const int32_t head_dim = problem.shape.head_dim;
+  const int rows = (block.query_end - block.query_begin) * problem.group;
+  const Compute scale = Compute(problem.shape.softmax_scale);
+  // [rows][head_dim] queries (pre-scaled), [rows][head_dim] output accumulator,
+  // [head_dim][kMaxKeyBlock] transposed keys, [kMaxKeyBlock][head_dim] values,
+  // [rows][kMaxKeyBlock] scores then probabilities.
+  std::vector<Compute> queries(size_t(rows) * head_dim), accumulator(size_t(rows) * head_dim, Compute(0));
+  std::vector<Compute> keys_transposed(size_t(head_dim) * kMaxKeyBlock), values(size_t(kMaxKeyBlock) * head_dim);
+  std::vector<Compute> scores(size_t(rows) * kMaxKeyBlock);
+  std::vector<Compute> running_max(rows, -std::numeric_limits<Compute>::infinity()), running_sum(rows, Compute(0));
+
+  load_query_rows(problem, problem.q, block, queries.data());
+  for (Compute& value : queries) value *= scale;
+
+  problem.for_each_key_block(block, [&](const KeyBlock<Element>& keys) {
+    const int n = keys.rows;
+    load_rows_transposed(keys.k, problem.kv_row_stride, n, head_dim, keys_transposed.data(), n);
+    load_rows(keys.v, problem.kv_row_stride, n, head_dim, values.data(), head_dim);
+    std::fill(scores.begin(), scores.begin() + int64_t(rows) * n, Compute(0));
+    matmul_accumulate(rows, n, head_dim, queries.data(), head_dim, keys_transposed.data(), n, scores.data(), n);
+    apply_causal_mask(scores.data(), rows, n, problem.group, block.query_begin, keys.first_chunk_key);
+    for (int r = 0; r < rows; ++r) {
+      Compute* row = scores.data() + int64_t(r) * n;
+      Compute block_max = *std::max_element(row, row + n);
+      const Compute new_max = std::max(running_max[r], block_max);
+      if (new_max == -std::numeric_limits<Compute>::infinity()) {
+        std::fill(row, row + n, Compute(0));  // every key so far is hidden from this row
+        continue;
+      }
+      const Compute correction = std::exp(running_max[r] - new_max);
+      running_max[r] = new_max;
+      const Compute block_sum = exp_subtract_sum(row, n, new_max);
+      running_sum[r] = running_sum[r] * correction + block_sum;
+      if (correction != Compute(1)) {
+        Compute* out_row = accumulator.data() + int64_t(r) * head_dim;
+        for (int32_t d = 0; d < head_dim; ++d) out_row[d] *= correction;
+      }
+    }
+    matmul_accumulate(rows, head_dim, n, scores.data(), n, values.data(), head_dim, accumulator.data(), head_dim);
+  });
+
+  int r = 0;
+  for (int32_t token = block.query_begin; token < block.query_end; ++token) {
+    for (int32_t head = 0; head < problem.group; ++head, ++r) {
+      const int32_t q_head = block.kv_head * problem.group + head;
+      const Compute inverse_sum = Compute(1) / running_sum[r];
+      const Compute* from = accumulator.data() + int64_t(r) * head_dim;
+      Element* to = problem.row_of(out, token, q_head);
+      for (int32_t d = 0; d < head_dim; ++d) to[d] = from_compute<Element>(from[d] * inverse_sum);
+      lse[int64_t(q_head) * problem.shape.chunk_tokens + token] = running_max[r] + std::log(running_sum[r]);
+    }
+  }
+}
+
+template <typename Element, typename Compute>
+int forward_typed(const PagedAttentionForwardParams& params) {
+  const Problem<Element> problem(params.shape, params.q, params.k_chunk, params.v_chunk, params.history,
+                                 params.selection);
+  const std::vector<QueryBlock> blocks = problem.all_query_blocks();
+  Element* out = static_cast<Element*>(params.out);
+  Compute* lse = static_cast<Compute*>(params.lse);
+  const bool ok = parallel_for(int64_t(blocks.size()), [&](int64_t index) {
+    forward_query_block<Element, Compute>(problem, blocks[size_t(index)], out, lse);
+  });
+  return ok ? 0 : kCpuOutOfMemory;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Backward.
+
+// Per-block work buffers of the backward passes.
+template <typename Compute>
+struct BackwardBuffers {
+  std::vector<Compute> queries, output_grads, row_lse, row_delta;  // [rows][D], [rows][D], [rows], [rows]
+  std::vector<Compute> keys, keys_transposed, values_transposed;  // [n][D], [D][n], [D][n]
+  std::vector<Compute> probabilities, score_grads, transposed;    // [rows][n] each; [n][rows]
+
+  BackwardBuffers(int max_rows, int head_dim)
+      : queries(size_t(max_rows) * head_dim),
+        output_grads(size_t(max_rows) * head_dim),
+        row_lse(max_rows),
+        row_delta(max_rows),
+        keys(size_t(kMaxKeyBlock) * head_dim),
+        keys_transposed(size_t(kMaxKeyBlock) * head_dim),
+        values_transposed(size_t(kMaxKeyBlock) * head_dim),
+        probabilities(size_t(max_rows) * kMaxKeyBlock),
+        score_grads(size_t(max_rows) * kMaxKeyBlock),
+        transposed(size_t(max_rows) * kMaxKeyBlock) {}
+};
+
+// Recomputes, for the query rows loaded in `buffers` and key block `keys` (whose transposed K
+// and V are loaded), P = exp(scale * Q K^T - lse) and dS = scale * P * (dO V^T - delta).
+template <typename Element, typename Compute>
+void recompute_probabilities_and_score_grads(const Problem<Element>& problem, const QueryBlock& block, int rows,
+                                             const KeyBlock<Element>& keys, BackwardBuffers<Compute>& buffers) {
+  const int n = keys.rows;
+  const int32_t head_dim = problem.shape.head_dim;
+  const Compute scale = Compute(problem.shape.softmax_scale);
+  Compute* probabilities = buffers.probabilities.data();
+  Compute* score_grads = buffers.score_grads.data();
+  std::fill(probabilities, probabilities + int64_t(rows) * n, Compute(0));
+  matmul_accumulate(rows, n, head_dim, buffers.queries.data(), head_dim, buffers.keys_transposed.data(), n,
+                    probabilities, n);
+  for (int64_t i = 0; i < int64_t(rows) * n; ++i) probabilities[i] *= scale;
+  apply_causal_mask(probabilities, rows, n, problem.group, block.query_begin, keys.first_chunk_key);
+  for (int r = 0; r < rows; ++r) exp_subtract_sum(probabilities + int64_t(r) * n, n, buffers.row_lse[r]);
+  std::fill(score_grads, score_grads + int64_t(rows) * n, Compute(0));
+  matmul_accumulate(rows, n, head_dim, buffers.output_grads.data(), head_dim, buffers.values_transposed.data(), n,
+                    score_grads, n);
+  for (int r = 0; r < rows; ++r) {
+    const Compute delta = buffers.row_delta[r];
+    Compute* grad_row = score_grads + int64_t(r) * n;
+    const Compute* probability_row = probabilities + int64_t(r) * n;
+    for (int c = 0; c < n; ++c) grad_row[c] = scale * probability_row[c] * (grad_row[c] - delta);
+  }
+}
+
+template <typename Element, typename Compute>
+void load_backward_query_block(const Problem<Element>& problem, const QueryBlock& block, const Element* dout,
+                               const Compute* lse, const Compute* delta, BackwardBuffers<Compute>& buffers) {
+  load_query_rows(problem, problem.q, block, buffers.queries.data());
+  load_query_rows(problem, dout, block, buffers.output_grads.data());
+  load_row_values(problem, lse, block, buffers.row_lse.data());
+  load_row_values(problem, delta, block, buffers.row_delta.data());
+}
+
+template <typename Element, typename Compute>
+void load_backward_key_block(const Problem<Element>& problem, const KeyBlock<Element>& keys,
+                             BackwardBuffers<Compute>& buffers) {
+  const int32_t head_dim = problem.shape.head_dim;
+  load_rows(keys.k, problem.kv_row_stride, keys.rows, head_dim, buffers.keys.data(), head_dim);
+  load_rows_transposed(keys.k, problem.kv_row_stride, keys.rows, head_dim, buffers.keys_transposed.data(), keys.rows);
+  load_rows_transposed(keys.v, problem.kv_row_stride, keys.rows, head_dim, buffers.values_transposed.data(),
+                       keys.rows);
+}
+
+// Adds a [rows][head_dim] block of key gradients into grad page rows (row stride kv_row_stride).
+template <typename Compute>
+void add_into_grad_page(const Compute* gradient, int rows, int32_t head_dim, int64_t row_stride, void* page_rows,
+                        DType grad_page_dtype) {
+  for (int r = 0; r < rows; ++r) {
+    const Compute* from = gradient + int64_t(r) * head_dim;
+    const int64_t offset = r * row_stride;
+    switch (grad_page_dtype) {
+      case DType::kFloat32: {
+        float* to = static_cast<float*>(page_rows) + offset;
+        for (int32_t d = 0; d < head_dim; ++d) to[d] = float(Compute(to[d]) + from[d]);
+        break;
+      }
+      case DType::kFloat64: {
+        double* to = static_cast<double*>(page_rows) + offset;
+        for (int32_t d = 0; d < head_dim; ++d) to[d] = double(to[d]) + double(from[d]);
+        break;
+      }
+      case DType::kBFloat16: {
+        BFloat16* to = static_cast<BFloat16*>(page_rows) + offset;
+        for (int32_t d = 0; d < head_dim; ++d) {
+          to[d] = float_to_bfloat16(float(Compute(bfloat16_to_float(to[d])) + from[d]));
+        }
+        break;
+      }
+      case DType::kFloat16: {
+        Float16* to = static_cast<Float16*>(page_rows) + offset;
+        for (int32_t d = 0; d < head_dim; ++d) {
+          to[d] = float_to_float16(float(Compute(float16_to_float(to[d])) + from[d]));
+        }
+        break;
+      }
+    }
+  }
+}
+
+// A key block owned by one task of backward pass 1: either part `part` of history page `page`
+// (chunk_first_key < 0) or the chunk keys from chunk_first_key.
+struct OwnedKeyBlock {
+  int32_t kv_head = 0;
+  int32_t page = -1;
+  int32_t part = 0;
+  int32_t chunk_first_key = -1;
+};
+
+template <typename Element, typename Compute>
+int backward_typed(const PagedAttentionBackwardParams& params) {
+  const Problem<Element> problem(params.shape, params.q, params.k_chunk, params.v_chunk, params.history,
+                                 params.selection);
+  const PagedAttentionShape& shape = params.shape;
+  const int32_t head_dim = shape.head_dim;
+  const int32_t chunk_tokens = shape.chunk_tokens;
+  const Element* out = static_cast<const Element*>(params.out);
+  const Element* dout = static_cast<const Element*>(params.dout);
+  const Compute* lse = static_cast<const Compute*>(params.lse);
+  const int max_rows = problem.query_tokens_per_block() * problem.group;
+  const size_t grad_page_element = dtype_size(params.grad_page_dtype);
+
+  // delta[h][i] = sum_d dO[i][h][d] * O[i][h][d], the softmax backward's row term ([Hq, Tc]).
+  std::vector<Compute> delta(size_t(shape.num_q_heads) * chunk_tokens);
+  bool ok = parallel_for(shape.num_q_heads, [&](int64_t head) {
+    for (int32_t token = 0; token < chunk_tokens; ++token) {
+      const Element* o_row = problem.row_of(out, token, int32_t(head));
+      const Element* do_row = problem.row_of(dout, token, int32_t(head));
+      Compute sum = 0;
+      for (int32_t d = 0; d < head_dim; ++d) sum += to_compute(o_row[d]) * to_compute(do_row[d]);
+      delta[size_t(head) * chunk_tokens + token] = sum;
+    }
+  });
+
+  // Sparse: the query tiles that selected each history page (tiles ascending).
+  std::vector<std::vector<int32_t>> tiles_of_page;
+  if (problem.selection.enabled()) {
+    tiles_of_page.resize(size_t(problem.num_pages));
+    const int32_t num_tiles = num_query_tiles(chunk_tokens, problem.tile_tokens);
+    for (int32_t tile = 0; tile < num_tiles; ++tile) {
+      for (int32_t slot = 0; slot < problem.selection.selected_per_tile; ++slot) {
+        const int32_t page = problem.selection.selected_pages[int64_t(tile) * problem.selection.selected_per_tile + slot];
+        if (page >= 0) tiles_of_page[size_t(page)].push_back(tile);
+      }
+    }
+  }
+
+  // Pass 1: dK and dV, one task per owned key block. History blocks come first (they see the
+  // most queries), then chunk blocks from the first (which sees every query).
+  std::vector<OwnedKeyBlock> owned;
+  for (int32_t kv_head = 0; kv_head < shape.num_kv_heads; ++kv_head) {
+    for (int32_t page = 0; page < problem.num_pages; ++page) {
+      if (problem.selection.enabled() && tiles_of_page[size_t(page)].empty()) continue;
+      for (int32_t part = 0; part < problem.parts_of_page(page); ++part) owned.push_back(OwnedKeyBlock{kv_head, page, part, -1});
+    }
+  }
+  for (int32_t first_key = 0; first_key < chunk_tokens; first_key += kChunkKeyBlock) {
+    for (int32_t kv_head = 0; kv_head < shape.num_kv_heads; ++kv_head) owned.push_back(OwnedKeyBlock{kv_head, -1, 0, first_key});
+  }
+
+  ok = ok && parallel_for(int64_t(owned.size()), [&](int64_t index) {
+    const OwnedKeyBlock& task = owned[size_t(index)];
+    const bool is_history = task.chunk_first_key < 0;
+    const KeyBlock<Element> keys = is_history ? problem.history_block(task.page, task.part, task.kv_head)
+                                              : problem.chunk_block(task.chunk_first_key, task.kv_head);
+    const int n = keys.rows;
+    BackwardBuffers<Compute> buffers(max_rows, head_dim);
+    std::vector<Compute> key_grads(size_t(n) * head_dim, Compute(0)), value_grads(size_t(n) * head_dim, Compute(0));
+    load_backward_key_block(problem, keys, buffers);
+
+    auto visit_query_block = [&](const QueryBlock& block) {
+      const int rows = (block.query_end - block.query_begin) * problem.group;
+      load_backward_query_block(problem, block, dout, lse, delta.data(), buffers);
+      recompute_probabilities_and_score_grads(problem, block, rows, keys, buffers);
+      // dV += P^T dO and dK += dS^T Q, both [n][D].
+      transpose(buffers.probabilities.data(), rows, n, buffers.transposed.data());
+      matmul_accumulate(n, head_dim, rows, buffers.transposed.data(), rows, buffers.output_grads.data(), head_dim,
+                        value_grads.data(), head_dim);
+      transpose(buffers.score_grads.data(), rows, n, buffers.transposed.data());
+      matmul_accumulate(n, head_dim, rows, buffers.transposed.data(), rows, buffers.queries.data(), head_dim,
+                        key_grads.data(), head_dim);
+    };
+    std::vector<QueryBlock> blocks;
+    if (!is_history) {
+      problem.append_query_blocks(task.chunk_first_key, chunk_tokens, 0, task.kv_head, blocks);
+    } else if (problem.selection.enabled()) {
+      for (int32_t tile : tiles_of_page[size_t(task.page)]) {
+        problem.append_query_blocks(tile * problem.tile_tokens,
+                                    std::min(chunk_tokens, (tile + 1) * problem.tile_tokens), tile, task.kv_head,
+                                    blocks);
+      }
+    } else {
+      problem.append_query_blocks(0, chunk_tokens, 0, task.kv_head, blocks);
+    }
+    for (const QueryBlock& block : blocks) visit_query_block(block);
+
+    if (is_history) {
+      const int64_t page_elements = int64_t(shape.page_tokens) * problem.kv_row_stride;
+      const int64_t row_offset = int64_t(task.part) * kMaxKeyBlock * problem.kv_row_stride + int64_t(task.kv_head) * head_dim;
+      char* dk_rows = static_cast<char*>(params.grad_history.dk_pool) +
+                      (int64_t(params.grad_history.dk_page_index[task.page]) * page_elements + row_offset) * grad_page_element;
+      char* dv_rows = static_cast<char*>(params.grad_history.dv_pool) +
+                      (int64_t(params.grad_history.dv_page_index[task.page]) * page_elements + row_offset) * grad_page_element;
+      add_into_grad_page(key_grads.data(), n, head_dim, problem.kv_row_stride, dk_rows, params.grad_page_dtype);
+      add_into_grad_page(value_grads.data(), n, head_dim, problem.kv_row_stride, dv_rows, params.grad_page_dtype);
+    } else {
+      const int64_t offset = int64_t(task.chunk_first_key) * problem.kv_row_stride + int64_t(task.kv_head) * head_dim;
+      Element* dk = static_cast<Element*>(params.dk_chunk) + offset;
+      Element* dv = static_cast<Element*>(params.dv_chunk) + offset;
+      for (int r = 0; r < n; ++r) {
+        for (int32_t d = 0; d < head_dim; ++d) {
+          dk[r * problem.kv_row_stride + d] = from_compute<Element>(key_grads[size_t(r) * head_dim + d]);
+          dv[r * problem.kv_row_stride + d] = from_compute<Element>(value_grads[size_t(r) * head_dim + d]);
+        }
+      }
+    }
+  });
+
+  // Pass 2: dQ, one task per query block.
+  const std::vector<QueryBlock> query_blocks = problem.all_query_blocks();
+  ok = ok && parallel_for(int64_t(query_blocks.size()), [&](int64_t index) {
+    const QueryBlock& block = query_blocks[size_t(index)];
+    const int rows = (block.query_end - block.query_begin) * problem.group;
+    BackwardBuffers<Compute> buffers(max_rows, head_dim);
+    std::vector<Compute> query_grads(size_t(rows) * head_dim, Compute(0));
+    load_backward_query_block(problem, block, dout, lse, delta.data(), buffers);
+    problem.for_each_key_block(block, [&](const KeyBlock<Element>& keys) {
+      load_backward_key_block(problem, keys, buffers);
+      recompute_probabilities_and_score_grads(problem, block, rows, keys, buffers);
+      // dQ += dS K, [rows][D].
+      matmul_accumulate(rows, head_dim, keys.rows, buffers.score_grads.data(), keys.rows, buffers.keys.data(),
+                        head_dim, query_grads.data(), head_dim);
+    });
+    Element* dq = static_cast<Element*>(params.dq);
+    int r = 0;
+    for (int32_t token = block.query_begin; token < block.query_end; ++token) {
+      for (int32_t head = 0; head < problem.group; ++head, ++r) {
+        Element* to = problem.row_of(dq, token, block.kv_head * problem.group + head);
+        for (int32_t d = 0; d < head_dim; ++d) to[d] = from_compute<Element>(query_grads[size_t(r) * head_dim + d]);
+      }
+    }
+  });
+  return ok ? 0 : kCpuOutOfMemory;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Page summaries and selection.
+
+template <typename Element>
+int page_summary_typed(const PageSummaryParams& params) {
+  const PagedAttentionShape& shape = params.shape;
+  const int32_t num_pages = shape.num_history_pages();
+  const int32_t head_dim = shape.head_dim;
+  const int64_t row_stride = int64_t(shape.num_kv_heads) * head_dim;
+  const Element* pool = static_cast<const Element*>(params.k_pool);
+  const bool ok = parallel_for(num_pages, [&](int64_t page) {
+    const int32_t rows = std::min(shape.page_tokens, shape.history_tokens - int32_t(page) * shape.page_tokens);
+    const Element* page_base = pool + int64_t(params.k_page_index[page]) * shape.page_tokens * row_stride;
+    const size_t dims = static_cast<size_t>(head_dim);
+    std::vector<double> sum(dims), low(dims), high(dims);
+    for (int32_t kv_head = 0; kv_head < shape.num_kv_heads; ++kv_head) {
+      std::fill(sum.begin(), sum.end(), 0.0);
+      std::fill(low.begin(), low.end(), std::numeric_limits<double>::infinity());
+      std::fill(high.begin(), high.end(), -std::numeric_limits<double>::infinity());
+      for (int32_t row = 0; row < rows; ++row) {
+        const Element* key = page_base + row * row_stride + int64_t(kv_head) * head_dim;
+        for (int32_t d = 0; d < head_dim; ++d) {
+          const double value = double(to_compute(key[d]));
+          sum[size_t(d)] += value;
+          low[size_t(d)] = std::min(low[size_t(d)], value);
+          high[size_t(d)] = std::max(high[size_t(d)], value);
+        }
+      }
+      const int64_t offset = (page * shape.num_kv_heads + kv_head) * int64_t(head_dim);
+      for (int32_t d = 0; d < head_dim; ++d) {
+        params.mean[offset + d] = float(sum[size_t(d)] / rows);
+        if (params.min) params.min[offset + d] = float(low[size_t(d)]);
+        if (params.max) params.max[offset + d] = float(high[size_t(d)]);
+      }
+    }
+  });
+  return ok ? 0 : kCpuOutOfMemory;
+}
+
+template <typename Element>
+int page_select_typed(const PageSelectParams& params) {
+  const PagedAttentionShape& shape = params.shape;
+  const int32_t num_pages = shape.num_history_pages();
+  const int32_t head_dim = shape.head_dim;
+  const int32_t group = shape.num_q_heads / shape.num_kv_heads;
+  const int32_t num_tiles = num_query_tiles(shape.chunk_tokens, params.query_tile_tokens);
+  const Element* q = static_cast<const Element*>(params.q);
+  const bool ok = parallel_for(num_tiles, [&](int64_t tile) {
+    const int32_t begin = int32_t(tile) * params.query_tile_tokens;
+    const int32_t end = std::min(shape.chunk_tokens, begin + params.query_tile_tokens);
+    // Mean query of the tile per q head: [Hq][D].
+    std::vector<double> mean_query(size_t(shape.num_q_heads) * head_dim, 0.0);
+    for (int32_t token = begin; token < end; ++token) {
+      const Element* row = q + int64_t(token) * shape.num_q_heads * head_dim;
+      for (int64_t i = 0; i < int64_t(shape.num_q_heads) * head_dim; ++i) mean_query[size_t(i)] += double(to_compute(row[i]));
+    }
+    for (double& value : mean_query) value /= double(end - begin);
+
+    std::vector<double> scores(size_t(num_pages), 0.0);
+    for (int32_t page = 0; page < num_pages; ++page) {
+      double score = 0.0;
+      for (int32_t head = 0; head < shape.num_q_heads; ++head) {
+        const int64_t summary = (int64_t(page) * shape.num_kv_heads + head / group) * head_dim;
+        const double* query = mean_query.data() + int64_t(head) * head_dim;
+        for (int32_t d = 0; d < head_dim; ++d) {
+          if (params.use_bounds) {
+            score += std::max(query[d] * double(params.min[summary + d]), query[d] * double(params.max[summary + d]));
+          } else {
+            score += query[d] * double(params.mean[summary + d]);
+          }
+        }
+      }
+      // A NaN score (from NaN inputs) ranks last, so that the ordering below stays a strict one.
+      scores[size_t(page)] = std::isnan(score) ? -std::numeric_limits<double>::infinity() : score;
+    }
+
+    int32_t* selected = params.selected_pages + tile * params.top_k;
+    std::vector<int32_t> pages(static_cast<size_t>(num_pages));
+    for (int32_t page = 0; page < num_pages; ++page) pages[size_t(page)] = page;
+    const int32_t keep = std::min(params.top_k, num_pages);
+    if (keep < num_pages) {
+      // Highest score first; equal scores go to the lower page index.
+      std::nth_element(pages.begin(), pages.begin() + keep, pages.end(), [&](int32_t a, int32_t b) {
+        if (scores[size_t(a)] != scores[size_t(b)]) return scores[size_t(a)] > scores[size_t(b)];
+        return a < b;
+      });
+      std::sort(pages.begin(), pages.begin() + keep);
+    }
+    for (int32_t slot = 0; slot < params.top_k; ++slot) selected[slot] = slot < keep ? pages[size_t(slot)] : -1;
+  });
+  return ok ? 0 : kCpuOutOfMemory;
+}
+
+bool grad_page_dtype_supported(DType dtype) {
+  return dtype == DType::kFloat32 || dtype == DType::kBFloat16 || dtype == DType::kFloat64;
+}
+
+}  // namespace
+
+int paged_attention_forward(const PagedAttentionForwardParams& params) {
+  if (paged_attention_check_shape(params.shape)[0] != '\0') return kCpuInvalidArgument;
+  if (!params.q || !params.k_chunk || !params.v_chunk || !params.out || !params.lse) return kCpuInvalidArgument;
+  if (params.shape.history_tokens > 0 && (!params.history.k_pool || !params.history.k_page_index ||
+                                          !params.history.v_pool || !params.history.v_page_index)) {
+    return kCpuInvalidArgument;
+  }
+  try {
+    if (page_selection_check(params.shape, params.selection)[0] != '\0') return kCpuInvalidArgument;
+    switch (params.shape.dtype) {
+      case DType::kFloat32: return forward_typed<float, float>(params);
+      case DType::kBFloat16: return forward_typed<BFloat16, float>(params);
+      case DType::kFloat16: return forward_typed<Float16, float>(params);
+      case DType::kFloat64: return forward_typed<double, double>(params);
+    }
+  } catch (const std::bad_alloc&) {
+    return kCpuOutOfMemory;
+  }
+  return kCpuInvalidArgument;
+}
+
+int paged_attention_backward(const PagedAttentionBackwardParams& params) {
+  if (paged_attention_check_shape(params.shape)[0] != '\0') return kCpuInvalidArgument;
+  if (!params.q || !params.k_chunk || !params.v_chunk || !params.out || !params.dout || !params.lse ||
+      !params.dq || !params.dk_chunk || !params.dv_chunk) {
+    return kCpuInvalidArgument;
+  }
+  if (!grad_page_dtype_supported(params.grad_page_dtype)) return kCpuInvalidArgument;
+  if (params.shape.history_tokens > 0 &&
+      (!params.history.k_pool || !params.history.k_page_index || !params.history.v_pool ||
+       !params.history.v_page_index || !params.grad_history.dk_pool || !params.grad_history.dk_page_index ||
+       !params.grad_history.dv_pool || !params.grad_history.dv_page_index)) {
+    return kCpuInvalidArgument;
+  }
+  try {
+    if (page_selection_check(params.shape, params.selection)[0] != '\0') return kCpuInvalidArgument;
+    switch (params.shape.dtype) {
+      case DType::kFloat32: return backward_typed<float, float>(params);
+      case DType::kBFloat16: return backward_typed<BFloat16, float>(params);
+      case DType::kFloat16: return backward_typed<Float16, float>(params);
+      case DType::kFloat64: return backward_typed<double, double>(params);
+    }
+  } catch (const std::bad_alloc&) {
+    return kCpuOutOfMemory;
+  }
+  return kCpuInvalidArgument;
+}
+
+int page_summary(const PageSummaryParams& params) {
+  const PagedAttentionShape& shape = params.shape;
+  if (shape.history_tokens < 0 || shape.page_tokens < 1 || shape.num_kv_heads < 1 || shape.head_dim < 1 ||
+      shape.head_dim > 256) {
+    return kCpuInvalidArgument;
+  }
+  if (!params.mean || (shape.history_tokens > 0 && (!params.k_pool || !params.k_page_index))) return kCpuInvalidArgument;
+  try {
+    switch (shape.dtype) {
+      case DType::kFloat32: return page_summary_typed<float>(params);
+      case DType::kBFloat16: return page_summary_typed<BFloat16>(params);
+      case DType::kFloat16: return page_summary_typed<Float16>(params);
+      case DType::kFloat64: return page_summary_typed<double>(params);
+    }
+  } catch (const std::bad_alloc&) {
+    return kCpuOutOfMemory;
+  }
+  return kCpuInvalidArgument;
+}
+
+int page_select(const PageSelectParams& params) {
+  if (paged_attention_check_shape(params.shape)[0] != '\0') return kCpuInvalidArgument;
+  if (params.top_k < 1 || params.query_tile_tokens < 1 || !params.q || !params.selected_pages) return kCpuInvalidArgument;
+  if (params.shape.history_tokens > 0) {
+    if (params.use_bounds ? (!params.min || !params.max) : !params.mean) return kCpuInvalidArgument;
+  }
+  try {
+    switch (params.shape.dtype) {
+      case DType::kFloat32: return page_select_typed<float>(params);
+      case DType::kBFloat16: return page_select_typed<BFloat16>(params);
+      case DType::kFloat16: return page_select_typed<Float16>(params);
+      case DType::kFloat64: return page_select_typed<double>(params);
+    }
+  } catch (const std::bad_alloc&) {
+    return kCpuOutOfMemory;
+  }
+  return kCpuInvalidArgument;
+}
+
+}  // namespace membar::kernels::cpu
