@@ -162,6 +162,36 @@ class OOMBTrainer:
             self.stats["peak_gpu_bytes"] = torch.cuda.max_memory_allocated(self.device)
         return total
 
+    @torch.no_grad()
+    def predict(self, input_ids: torch.Tensor, positions) -> torch.Tensor:
+        """Next-token logits [len(positions), vocab] at the given positions of one sequence, computed
+        chunk by chunk (stage 1 only), so it runs at lengths full attention could not hold."""
+        input_ids, _ = self._check_inputs(input_ids, None)
+        if input_ids.shape[0] != 1:
+            raise ValueError("predict takes one sequence.")
+        input_ids = input_ids[0]
+        tokens = input_ids.shape[0]
+        positions = [int(p) for p in positions]
+        if any(p < 0 or p >= tokens for p in positions):
+            raise ValueError(f"positions must lie in [0, {tokens}).")
+        chunks = self._chunks(tokens)
+        shared = {"summaries": {}, "selections": {}}
+        logits = [None] * len(positions)
+        self.store.open_sequence(self._layout(tokens))
+        try:
+            self.store.plan(self._stage1_plan(chunks))
+            for chunk, (first, end) in enumerate(chunks):
+                with chunk_context(self._context(1, chunk, (first, end), len(chunks), shared)):
+                    hidden = self._run_decoder(input_ids[first:end], first)
+                for slot, position in enumerate(positions):
+                    if first <= position < end:
+                        logits[slot] = self.lm_head(hidden[position - first]).float()
+                if end > max(positions):
+                    break
+        finally:
+            self.store.close_sequence()
+        return torch.stack(logits)
+
     # -- internals ------------------------------------------------------------------------------
 
     def _check_inputs(self, input_ids, labels):

@@ -1,0 +1,68 @@
+"""Synthetic long-range tasks for training and demos.
+
+PasskeyTask: a key token sits right after a KEY marker near the start of the sequence; after at
+least `distance` filler tokens a QUERY marker asks for it. Only the answer is trained (all other
+labels are -100) and scored: accuracy is the share of sequences whose most likely next token at
+the QUERY marker is the key. Key tokens never appear in the filler, so a model that cannot see
+>= distance tokens back can only guess (1 / num_keys).
+
+Token ids: 0 = KEY marker, 1 = QUERY marker, [2, 2 + num_keys) = keys, the rest = filler.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .trainer import IGNORE_INDEX
+
+
+@dataclass
+class PasskeyBatch:
+    input_ids: torch.Tensor      # [batch, tokens]
+    labels: torch.Tensor         # [batch, tokens]: the key after the QUERY marker, -100 elsewhere
+    query_position: int          # position of the QUERY marker (its next-token logits are scored)
+    keys: torch.Tensor           # [batch]
+
+
+class PasskeyTask:
+    KEY_MARKER = 0
+    QUERY_MARKER = 1
+
+    def __init__(self, vocab_size: int, tokens: int, distance: int, num_keys: int = 16, seed: int = 0):
+        if num_keys < 2:
+            raise ValueError(f"num_keys must be >= 2, got {num_keys}.")
+        if vocab_size < 2 + num_keys + 8:
+            raise ValueError(f"vocab_size {vocab_size} leaves too few filler tokens for {num_keys} keys.")
+        if distance + 8 > tokens:
+            raise ValueError(f"a sequence of {tokens} tokens cannot hold a key {distance} tokens before the question.")
+        self.vocab_size, self.tokens, self.distance, self.num_keys = vocab_size, tokens, distance, num_keys
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def batch(self, size: int = 1) -> PasskeyBatch:
+        tokens, generator = self.tokens, self.generator
+        first_filler = 2 + self.num_keys
+        input_ids = torch.randint(first_filler, self.vocab_size, (size, tokens), generator=generator)
+        keys = torch.randint(2, 2 + self.num_keys, (size,), generator=generator)
+        query_position = tokens - 2
+        latest_key = query_position - self.distance - 1   # the key token's position, at the latest
+        key_positions = torch.randint(1, latest_key + 1, (size,), generator=generator)
+        labels = torch.full_like(input_ids, IGNORE_INDEX)
+        for row in range(size):
+            position = int(key_positions[row])
+            input_ids[row, position - 1] = self.KEY_MARKER
+            input_ids[row, position] = keys[row]
+            input_ids[row, query_position] = self.QUERY_MARKER
+            input_ids[row, query_position + 1] = keys[row]
+            labels[row, query_position + 1] = keys[row]
+        return PasskeyBatch(input_ids, labels, query_position, keys)
+
+
+def passkey_accuracy(trainer, task: PasskeyTask, sequences: int) -> float:
+    """Share of fresh sequences whose key the model predicts at the QUERY marker."""
+    correct = 0
+    for _ in range(sequences):
+        batch = task.batch(1)
+        logits = trainer.predict(batch.input_ids[0], [batch.query_position])   # [1, vocab]
+        correct += int(int(logits[0].argmax()) == int(batch.keys[0]))
+    return correct / sequences

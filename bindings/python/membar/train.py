@@ -1,0 +1,212 @@
+"""membar-train: chunk-recurrent (OOMB) long-context training from the command line.
+
+    python -m membar.train --model qwen2.5-0.5b --seq-len 131072 --chunk 4096 --steps 10
+    python -m membar.train --model /path/to/hf_checkpoint --task passkey --seq-len 32768 --offload
+    python -m membar.train --demo          # small model, passkey >= 16K tokens back, a few minutes
+
+Each step prints loss, tokens/s, peak GPU memory, host memory and pages moved; --json prints a
+JSON summary as the last line of stdout.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+
+import torch
+
+
+def _parse(argv):
+    parser = argparse.ArgumentParser(prog="membar-train", description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="tiny-qwen2",
+                        help="HF checkpoint directory, a config.json, or a preset "
+                             "(tiny-qwen2, tiny-llama, demo, qwen2.5-0.5b, qwen2.5-1.5b, qwen2.5-7b)")
+    parser.add_argument("--task", choices=["passkey", "random"], default="random",
+                        help="passkey: retrieve a key placed --distance tokens back; random: uniform tokens")
+    parser.add_argument("--seq-len", type=int, default=8192, help="tokens per sequence")
+    parser.add_argument("--distance", type=int, default=None, help="passkey: minimum key-to-question distance")
+    parser.add_argument("--num-keys", type=int, default=16, help="passkey: number of distinct keys")
+    parser.add_argument("--batch", type=int, default=1, help="sequences per step")
+    parser.add_argument("--chunk", type=int, default=4096, help="tokens per chunk")
+    parser.add_argument("--page-tokens", type=int, default=128, help="tokens per KV page")
+    parser.add_argument("--mode", choices=["dense", "sparse"], default="dense")
+    parser.add_argument("--top-k", type=int, default=64, help="sparse: history pages per query tile")
+    parser.add_argument("--query-tile", type=int, default=128, help="sparse: queries sharing a selection")
+    parser.add_argument("--offload", action="store_true", help="keep KV/dKV pages in host memory")
+    parser.add_argument("--socket", default=None,
+                        help="keep pages in a running membard daemon reached at this socket "
+                             "(default: embedded runtime / plain tensors)")
+    parser.add_argument("--grad-dtype", choices=["float32", "bfloat16"], default="float32")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
+                        help="model dtype (default: bfloat16 on GPU, float32 on CPU)")
+    parser.add_argument("--deterministic", action="store_true")
+    parser.add_argument("--checkpoint-layers", action="store_true", help="recompute decoder layers in backward")
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--lr", type=float, default=1e-4)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
+    parser.add_argument("--eval-every", type=int, default=0, help="passkey: accuracy every N steps (0: at the end)")
+    parser.add_argument("--eval-sequences", type=int, default=16)
+    parser.add_argument("--json", action="store_true", help="print a JSON summary as the last line")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("--demo", action="store_true",
+                        help="train a small model on passkey retrieval over >= 16K tokens and print accuracy")
+    parser.add_argument("--demo-steps", type=int, default=None, help="demo: training steps (default: time-boxed)")
+    parser.add_argument("--demo-minutes", type=float, default=3.5, help="demo: training time budget")
+    return parser.parse_args(argv)
+
+
+def _gib(value: float) -> str:
+    return f"{value / 2**30:.2f} GiB"
+
+
+def _make_trainer(args, model):
+    from membar.oomb import OOMBConfig, OOMBTrainer
+
+    config = OOMBConfig(chunk_tokens=args.chunk, page_tokens=args.page_tokens, mode=args.mode, top_k=args.top_k,
+                        query_tile_tokens=args.query_tile, offload=args.offload, grad_page_dtype=args.grad_dtype,
+                        deterministic=args.deterministic, checkpoint_layers=args.checkpoint_layers)
+    store = None
+    if args.socket:
+        from membar.oomb import runtime_store
+
+        store = runtime_store.RuntimeKVStore(device=next(model.parameters()).device, socket=args.socket,
+                                             offload=args.offload)
+    return OOMBTrainer(model, config, store=store)
+
+
+def _demo_defaults(args):
+    args.model = "demo"
+    args.task = "passkey"
+    args.seq_len = 16384 + 512
+    args.distance = 16384
+    args.num_keys = 8
+    args.chunk = 2048
+    args.page_tokens = 64
+    args.lr = 3e-3
+    args.batch = 1
+    args.eval_sequences = 24
+    args.steps = args.demo_steps if args.demo_steps is not None else 10**6
+    return args
+
+
+def run(argv=None) -> dict:
+    args = _parse(argv)
+    if args.demo:
+        args = _demo_defaults(args)
+    torch.manual_seed(args.seed)
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, None: None}[args.dtype]
+    if dtype is None:
+        dtype = torch.bfloat16 if device.type == "cuda" and not args.demo else torch.float32
+    if device.type == "cpu":
+        torch.set_num_threads(max(1, torch.get_num_threads()))
+
+    from membar.oomb.presets import build_model
+    from membar.oomb.tasks import PasskeyTask, passkey_accuracy
+    from membar.oomb.trainer import host_memory
+
+    model = build_model(args.model, dtype=dtype, device=device, max_positions=args.seq_len, seed=args.seed)
+    model.train()
+    trainer = _make_trainer(args, model)
+    vocab = trainer.vocab_size
+    task = None
+    if args.task == "passkey":
+        distance = args.distance if args.distance is not None else int(args.seq_len * 0.9)
+        task = PasskeyTask(vocab, args.seq_len, distance, num_keys=args.num_keys, seed=args.seed + 1)
+        eval_task = PasskeyTask(vocab, args.seq_len, distance, num_keys=args.num_keys, seed=args.seed + 1000)
+    generator = torch.Generator().manual_seed(args.seed + 2)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
+
+    def batch():
+        if task is not None:
+            b = task.batch(args.batch)
+            return b.input_ids, b.labels
+        return torch.randint(0, vocab, (args.batch, args.seq_len), generator=generator), None
+
+    parameters = sum(p.numel() for p in model.parameters())
+    print(f"membar-train: {args.model} ({parameters / 1e6:.1f}M parameters, {dtype}) on {device}; "
+          f"{args.seq_len} tokens/sequence, chunk {args.chunk}, pages of {args.page_tokens}, {args.mode}"
+          f"{f' top-{args.top_k}' if args.mode == 'sparse' else ''}, offload {'on' if args.offload else 'off'}",
+          flush=True)
+    summary = {"model": args.model, "device": str(device), "dtype": str(dtype), "seq_len": args.seq_len,
+               "chunk": args.chunk, "page_tokens": args.page_tokens, "mode": args.mode, "offload": args.offload,
+               "parameters": parameters, "steps": []}
+    accuracy_before = None
+    if task is not None:
+        accuracy_before = passkey_accuracy(trainer, eval_task, args.eval_sequences)
+        print(f"passkey accuracy before training: {accuracy_before:.0%} "
+              f"(chance {1 / args.num_keys:.0%}; key >= {task.distance} tokens before the question)", flush=True)
+        summary["accuracy_before"] = accuracy_before
+
+    try:
+        from tqdm import tqdm
+    except ImportError:   # tqdm is in the pinned environment; run without a bar elsewhere.
+        tqdm = None
+    total_steps = args.steps if args.steps < 10**6 else None
+    bar = None
+    if tqdm is not None and not args.no_progress:
+        bar = tqdm(total=total_steps, unit="step", dynamic_ncols=True, file=sys.stderr)
+    deadline = time.monotonic() + args.demo_minutes * 60 if args.demo and args.demo_steps is None else math.inf
+    started = time.monotonic()
+    step = 0
+    recent = []
+    while step < args.steps and time.monotonic() < deadline:
+        input_ids, labels = batch()
+        loss = trainer.step(input_ids, labels)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        step += 1
+        stats = dict(trainer.stats)
+        record = {"step": step, "loss": loss, "tokens_per_second": stats["tokens_per_second"],
+                  "seconds": stats["seconds"], "peak_gpu_bytes": stats.get("peak_gpu_bytes", 0),
+                  "host_rss_bytes": stats["rss_bytes"], "pages_moved": stats["pages_moved"]}
+        summary["steps"].append(record)
+        recent = (recent + [loss])[-10:]
+        line = (f"step {step}: loss {loss:.4f}  {stats['tokens_per_second']:,.0f} tok/s  "
+                f"peak GPU {_gib(record['peak_gpu_bytes'])}  host {_gib(record['host_rss_bytes'])}  "
+                f"pages moved {record['pages_moved']:,}")
+        if bar is not None:
+            bar.set_postfix(loss=f"{sum(recent) / len(recent):.3f}", tok_s=f"{stats['tokens_per_second']:,.0f}")
+            bar.update(1)
+            bar.write(line)
+        else:
+            print(line, flush=True)
+        if task is not None and args.eval_every and step % args.eval_every == 0:
+            accuracy = passkey_accuracy(trainer, eval_task, args.eval_sequences)
+            (bar.write if bar else print)(f"step {step}: passkey accuracy {accuracy:.0%}")
+    if bar is not None:
+        bar.close()
+    elapsed = time.monotonic() - started
+    summary["train_seconds"] = elapsed
+    summary["steps_run"] = step
+    if step:
+        summary["mean_tokens_per_second"] = sum(r["tokens_per_second"] for r in summary["steps"]) / step
+        summary["peak_gpu_bytes"] = max(r["peak_gpu_bytes"] for r in summary["steps"])
+        summary["final_loss"] = summary["steps"][-1]["loss"]
+    summary["host_memory"] = host_memory()
+    if task is not None:
+        accuracy = passkey_accuracy(trainer, eval_task, args.eval_sequences)
+        summary["accuracy"] = accuracy
+        print(f"passkey accuracy after {step} steps ({elapsed:.0f} s): {accuracy:.0%} "
+              f"(before: {accuracy_before:.0%}, chance {1 / args.num_keys:.0%})", flush=True)
+    if args.json:
+        print(json.dumps(summary), flush=True)
+    return summary
+
+
+def main(argv=None) -> int:
+    try:
+        run(argv)
+    except (ValueError, TypeError) as error:
+        print(f"membar-train: {error}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
