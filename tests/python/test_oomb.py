@@ -119,8 +119,9 @@ def test_offload_changes_no_gradient_bit(mode):
     input_ids = torch.randint(0, VOCAB, (1, 170), generator=torch.Generator().manual_seed(5))
     options = dict(chunk_tokens=32, page_tokens=16, mode=mode, top_k=3, query_tile_tokens=16, deterministic=True)
     loss_resident, resident, _ = oomb_grads(model, input_ids, offload=False, **options)
-    for depth in (0, 2, 5):
-        loss_offload, offloaded, trainer = oomb_grads(model, input_ids, offload=True, prefetch_depth=depth, **options)
+    for depth, resident_layers in ((0, 0), (2, 0), (5, 0), (2, 1)):
+        loss_offload, offloaded, trainer = oomb_grads(model, input_ids, offload=True, prefetch_depth=depth,
+                                                      gpu_resident_layers=resident_layers, **options)
         assert loss_offload == loss_resident
         for name in resident:
             assert torch.equal(offloaded[name], resident[name]), f"{name} differs with offload (depth {depth})"

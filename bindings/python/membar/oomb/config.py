@@ -21,6 +21,8 @@ class OOMBConfig:
     query_tile_tokens: queries that share one sparse selection.
     offload: keep the K/V and dK/dV pages in (pinned) host memory and bring each layer's pages in
         ahead of use.
+    gpu_resident_layers: with offload, the first this-many layers keep their pages on the GPU (use
+        GPU memory left over beside host memory; see pool_bytes_per_layer to size it).
     prefetch_depth: how many accesses ahead an offloading store copies pages in.
     grad_page_dtype: float32 (default, exact) or bfloat16 for the dK/dV pages.
     deterministic: ask the backward kernel for run-to-run identical bits.
@@ -36,6 +38,7 @@ class OOMBConfig:
     top_k: int = 64
     query_tile_tokens: int = 128
     offload: bool = False
+    gpu_resident_layers: int = 0
     prefetch_depth: int = 2
     grad_page_dtype: torch.dtype = torch.float32
     deterministic: bool = False
@@ -69,5 +72,17 @@ class OOMBConfig:
             raise ValueError(f"grad_page_dtype must be torch.float32 or torch.bfloat16, got {self.grad_page_dtype}.")
         if self.loss_piece_tokens < 1:
             raise ValueError(f"loss_piece_tokens must be >= 1, got {self.loss_piece_tokens}.")
+        if self.gpu_resident_layers < 0:
+            raise ValueError(f"gpu_resident_layers must be >= 0, got {self.gpu_resident_layers}.")
         if self.prefetch_depth < 0:
             raise ValueError(f"prefetch_depth must be >= 0, got {self.prefetch_depth}.")
+
+
+def pool_bytes_per_layer(tokens: int, page_tokens: int, num_kv_heads: int, head_dim: int,
+                         dtype: torch.dtype, grad_page_dtype: torch.dtype) -> int:
+    """Bytes of K, V, dK and dV pages one layer needs for a sequence of `tokens` tokens."""
+    pages = -(-tokens // page_tokens)
+    row = page_tokens * num_kv_heads * head_dim
+    element = torch.empty((), dtype=dtype).element_size()
+    grad_element = torch.empty((), dtype=grad_page_dtype).element_size()
+    return 2 * pages * row * (element + grad_element)

@@ -181,16 +181,22 @@ class TensorKVStore(KVStore):
 
     offload=False: all four pools of every layer live on the compute device; views are the pools
     themselves (no copy).
-    offload=True: the pools live in host memory (pinned when CUDA is available). Each access copies
+    offload=True: the pools of every layer from gpu_resident_layers on live in host memory (pinned
+    when CUDA is available); the first gpu_resident_layers layers stay on the device, which lets a
+    sequence use GPU and host memory together (KV + dK/dV of 1M tokens of a 7B model fit neither alone). Each access copies
     the pages it needs into fresh device tensors on a side stream, ahead of use when planned, and
     dK/dV pages go back to host memory once a layer's backward is done. On a machine without CUDA
     the same copies run synchronously (used by the CPU tests to check that offload changes no bit).
     Pools are kept between sequences and grown when a longer one comes.
     """
 
-    def __init__(self, device: torch.device | str, offload: bool = False, prefetch_depth: int = 2):
+    def __init__(self, device: torch.device | str, offload: bool = False, prefetch_depth: int = 2,
+                 gpu_resident_layers: int = 0):
+        if gpu_resident_layers < 0:
+            raise ValueError(f"gpu_resident_layers must be >= 0, got {gpu_resident_layers}.")
         self.device = torch.device(device)
         self.offload = offload
+        self.gpu_resident_layers = gpu_resident_layers if offload else 0
         self.prefetch_depth = prefetch_depth
         self.stats = StoreStats()
         self.layout: PageLayout | None = None
@@ -209,12 +215,12 @@ class TensorKVStore(KVStore):
 
     # -- allocation ---------------------------------------------------------------------------
 
-    def _pool_device(self) -> torch.device:
-        return torch.device("cpu") if self.offload else self.device
+    def _offloaded(self, layer: int) -> bool:
+        return self.offload and layer >= self.gpu_resident_layers
 
-    def _new_pool(self, layout: PageLayout, dtype: torch.dtype) -> torch.Tensor:
+    def _new_pool(self, layout: PageLayout, dtype: torch.dtype, layer: int) -> torch.Tensor:
         shape = (layout.num_pages, layout.page_tokens, layout.num_kv_heads, layout.head_dim)
-        if self.offload:
+        if self._offloaded(layer):
             return torch.empty(shape, dtype=dtype, pin_memory=self._cuda)
         return torch.empty(shape, dtype=dtype, device=self.device)
 
@@ -224,17 +230,15 @@ class TensorKVStore(KVStore):
         if not layout.fits_in(self._capacity):
             self.k_pools = self.v_pools = []
             self.dk_pools = self.dv_pools = []
-            self.k_pools = [self._new_pool(layout, layout.dtype) for _ in range(layout.num_layers)]
-            self.v_pools = [self._new_pool(layout, layout.dtype) for _ in range(layout.num_layers)]
+            self.k_pools = [self._new_pool(layout, layout.dtype, layer) for layer in range(layout.num_layers)]
+            self.v_pools = [self._new_pool(layout, layout.dtype, layer) for layer in range(layout.num_layers)]
             self.dk_pools = [None] * layout.num_layers
             self.dv_pools = [None] * layout.num_layers
             self._capacity = layout
-            kv_bytes = 2 * layout.num_layers * layout.num_pages * layout.page_bytes(layout.dtype)
-            grad_bytes = 2 * layout.num_layers * layout.num_pages * layout.page_bytes(layout.grad_dtype)
-            if self.offload:
-                self.stats.host_pool_bytes = kv_bytes + grad_bytes
-            else:
-                self.stats.device_pool_bytes = kv_bytes + grad_bytes
+            layer_bytes = 2 * layout.num_pages * (layout.page_bytes(layout.dtype) + layout.page_bytes(layout.grad_dtype))
+            offloaded = sum(self._offloaded(layer) for layer in range(layout.num_layers))
+            self.stats.host_pool_bytes = offloaded * layer_bytes
+            self.stats.device_pool_bytes = (layout.num_layers - offloaded) * layer_bytes
             self._page_numbers = torch.arange(layout.num_pages, dtype=torch.int32, device=self.device)
         self.layout = layout
         self._grad_pages_zeroed = [0] * layout.num_layers
@@ -257,10 +261,10 @@ class TensorKVStore(KVStore):
         """The layer's dK/dV pools with every page of this sequence zeroed (once per sequence)."""
         layout = self.layout
         if self.dk_pools[layer] is None:
-            self.dk_pools[layer] = self._new_pool(self._capacity, layout.grad_dtype)
-            self.dv_pools[layer] = self._new_pool(self._capacity, layout.grad_dtype)
+            self.dk_pools[layer] = self._new_pool(self._capacity, layout.grad_dtype, layer)
+            self.dv_pools[layer] = self._new_pool(self._capacity, layout.grad_dtype, layer)
         if self._grad_pages_zeroed[layer] < layout.num_pages:
-            if self._side_stream is not None:
+            if self._side_stream is not None and self._offloaded(layer):
                 # Host pools are written by the side stream only, so it does the zeroing too.
                 with torch.cuda.stream(self._side_stream):
                     self.dk_pools[layer][: layout.num_pages].zero_()
@@ -285,6 +289,10 @@ class TensorKVStore(KVStore):
         row_shape = (pages * layout.page_tokens, layout.num_kv_heads, layout.head_dim)
         k_rows = self.k_pools[layer][first_page: first_page + pages].view(row_shape)[:tokens]
         v_rows = self.v_pools[layer][first_page: first_page + pages].view(row_shape)[:tokens]
+        if not self._offloaded(layer):
+            k_rows.copy_(k)
+            v_rows.copy_(v)
+            return
         if self._side_stream is not None:
             self._side_stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(self._side_stream):
@@ -295,15 +303,14 @@ class TensorKVStore(KVStore):
         else:
             k_rows.copy_(k)
             v_rows.copy_(v)
-        if self.offload:
-            self.stats.pages_to_host += 2 * pages
-            self.stats.bytes_to_host += 2 * pages * layout.page_bytes(layout.dtype)
-            self._drop_stale(layer, "kv", range(first_page, first_page + pages))
+        self.stats.pages_to_host += 2 * pages
+        self.stats.bytes_to_host += 2 * pages * layout.page_bytes(layout.dtype)
+        self._drop_stale(layer, "kv", range(first_page, first_page + pages))
 
     # -- views ----------------------------------------------------------------------------------
 
     def history(self, access: Access, history_tokens: int) -> HistoryView:
-        if not self.offload:
+        if not self._offloaded(access.layer):
             return HistoryView(self.k_pools[access.layer], self.v_pools[access.layer],
                                self._page_numbers[: access.num_pages], history_tokens)
         k_pool, v_pool, page_index = self._serve(access)
@@ -311,7 +318,7 @@ class TensorKVStore(KVStore):
 
     def grad_history(self, access: Access) -> GradView:
         dk_pool, dv_pool = self._grad_pools(access.layer)
-        if not self.offload:
+        if not self._offloaded(access.layer):
             return GradView(dk_pool, dv_pool, self._page_numbers[: access.num_pages])
         dk_dev, dv_dev, page_index = self._serve(access)
         return GradView(dk_dev, dv_dev, page_index)
@@ -319,7 +326,7 @@ class TensorKVStore(KVStore):
     def chunk_grads(self, access: Access, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
         layout = self.layout
         row_shape = (access.num_pages * layout.page_tokens, layout.num_kv_heads, layout.head_dim)
-        if not self.offload:
+        if not self._offloaded(access.layer):
             dk_pool, dv_pool = self._grad_pools(access.layer)
             pages = slice(access.first_page, access.first_page + access.num_pages)
             return dk_pool[pages].view(row_shape)[:tokens], dv_pool[pages].view(row_shape)[:tokens]
@@ -328,7 +335,7 @@ class TensorKVStore(KVStore):
         return dk_dev.view(row_shape)[:tokens], dv_dev.view(row_shape)[:tokens]
 
     def release(self, access: Access, view) -> None:
-        if not self.offload or not isinstance(view, GradView):
+        if not self._offloaded(access.layer) or not isinstance(view, GradView):
             return
         # Write the accumulated dK/dV pages back to the host pools, behind the compute stream.
         layout = self.layout
@@ -439,7 +446,7 @@ class TensorKVStore(KVStore):
         if position is None or self.prefetch_depth == 0:
             return
         for upcoming in self._plan[position + 1: position + 1 + self.prefetch_depth]:
-            if upcoming.key not in self._prefetched:
+            if upcoming.key not in self._prefetched and self._offloaded(upcoming.layer):
                 self._prefetched[upcoming.key] = (upcoming, self._load(upcoming))
 
 

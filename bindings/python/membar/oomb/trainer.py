@@ -109,7 +109,8 @@ class OOMBTrainer:
         self.head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // self.num_q_heads
         self.vocab_size = text_config.vocab_size
         self.store = store if store is not None else TensorKVStore(
-            self.device, offload=config.offload, prefetch_depth=config.prefetch_depth)
+            self.device, offload=config.offload, prefetch_depth=config.prefetch_depth,
+            gpu_resident_layers=config.gpu_resident_layers)
         self.stats: dict = {}
         # Sparse mode: the pages each (layer, chunk) attended in the last sequence, int32
         # [query_tiles, top_k] or None for "all history" (kept for inspection and tests).
