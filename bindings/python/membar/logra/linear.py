@@ -1,0 +1,187 @@
+"""LoGRA linear layers: the forward saves x A^T instead of x, the backward accumulates the sketch.
+
+For a frozen W [d, k] and input x [..., k]:
+  forward   y = x W^T + b, saves P = x A^T [..., r] (A [r, k] regenerated, never stored)
+  backward  returns dX = dY W and adds dY^T P into the layer's sketch S [d, r] (fp32);
+            W.grad stays None and the dense gradient G = dY^T x is never formed.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterable
+
+import torch
+import torch.autograd.forward_ad as forward_ad
+import torch.nn as nn
+import torch.nn.functional as F
+
+from membar.logra import ops
+from membar.logra.state import allocate_state
+
+# Projections of HF Qwen2 / Llama decoder layers (attention and MLP).
+DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclass
+class KeyState:
+    """The run's seed and the current draw of A, shared by every LoGRA layer of a model.
+
+    ``step`` changes only between updates (the optimizer redraws A), never between the
+    micro-batches of one update: a backward checks that its forward used the same draw.
+    """
+
+    seed: int
+    step: int = 0
+
+    def key(self, matrix_id: int) -> ops.ProjectionKey:
+        return ops.ProjectionKey(self.seed, matrix_id, self.step)
+
+
+class _LoGRAFunction(torch.autograd.Function):
+    """y = x W^T + b with a sketch-accumulating backward. ``anchor`` is a 0-element tensor that
+    requires grad, so that the output requires grad although x, W and b may all be frozen."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, anchor, layer):
+        y = F.linear(x, weight, bias)
+        key = layer.current_key()
+        with torch.no_grad():
+            projected = ops.project(x, key, layer.rank)  # [..., r]
+        ctx.save_for_backward(projected)
+        ctx.layer = layer
+        ctx.key = key
+        ctx.x_dtype = x.dtype
+        ctx.x_needs_grad = ctx.needs_input_grad[0]
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        (projected,) = ctx.saved_tensors
+        layer: LoGRALinear = ctx.layer
+        if layer.current_key() != ctx.key:
+            raise RuntimeError(
+                "LoGRA: A was redrawn between this layer's forward and backward; "
+                "call the optimizer's step() only after every backward of the update."
+            )
+        if projected.dtype != grad_output.dtype:
+            projected = projected.to(grad_output.dtype)
+        ops.sketch_accumulate_(layer.sketch_for_accumulation(), grad_output, projected)
+        grad_x = None
+        if ctx.x_needs_grad:
+            weight = layer.weight
+            if weight.dtype != grad_output.dtype:
+                weight = weight.to(grad_output.dtype)
+            grad_x = torch.matmul(grad_output, weight).to(ctx.x_dtype)  # [..., k]
+        return grad_x, None, None, None, None
+
+
+class LoGRALinear(nn.Module):
+    """Wraps an ``nn.Linear`` (its weight and bias become frozen) with LoGRA's sketching backward.
+
+    States (all from :func:`membar.logra.state.allocate_state`):
+      sketch  [d, r] fp32, accumulated by every backward until the optimizer consumes it;
+      master  [d, k] fp32, optional: the authoritative weights when ``weight`` is bf16.
+    """
+
+    def __init__(self, base: nn.Linear, rank: int, matrix_id: int, key_state: KeyState, master_weights: bool = False):
+        super().__init__()
+        if rank < 1:
+            raise ValueError(f"the LoGRA rank must be at least 1, got {rank}")
+        self.in_features = base.in_features
+        self.out_features = base.out_features
+        self.weight = base.weight
+        self.weight.requires_grad_(False)
+        self.bias = base.bias
+        if self.bias is not None:
+            self.bias.requires_grad_(False)
+        self.rank = int(rank)
+        self.matrix_id = int(matrix_id)
+        self.key_state = key_state
+        self.sketch: torch.Tensor | None = None
+        self.master: torch.Tensor | None = None
+        if master_weights:
+            self.master = allocate_state(self.weight.shape, self.weight.device, "master")
+            self.master.copy_(self.weight.detach())
+        self._anchor = torch.empty(0, device=self.weight.device, requires_grad=True)
+        # Forward-mode direction for predicted-KL (set by membar.logra.kl): the layer's output
+        # tangent gains -coefficient * (x A^T) U^T, i.e. the JVP along dW = -coefficient * U A.
+        self._tangent_update: torch.Tensor | None = None
+        self._tangent_coefficient = 0.0
+
+    def current_key(self) -> ops.ProjectionKey:
+        return self.key_state.key(self.matrix_id)
+
+    def sketch_for_accumulation(self) -> torch.Tensor:
+        if self.sketch is None:
+            self.sketch = allocate_state((self.out_features, self.rank), self.weight.device, "sketch")
+        return self.sketch
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._tangent_update is not None:
+            return self._forward_with_tangent(x)
+        if not torch.is_grad_enabled():
+            return F.linear(x, self.weight, self.bias)
+        return _LoGRAFunction.apply(x, self.weight, self.bias, self._anchor, self)
+
+    def _forward_with_tangent(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight, self.bias)
+        x_primal = forward_ad.unpack_dual(x).primal
+        y_primal, y_tangent = forward_ad.unpack_dual(y)
+        projected = ops.project(x_primal, self.current_key(), self.rank)  # [..., r]
+        extra = torch.matmul(projected.float(), self._tangent_update.t()).mul_(-self._tangent_coefficient)
+        tangent = extra if y_tangent is None else y_tangent.float() + extra
+        return forward_ad.make_dual(y_primal, tangent.to(y_primal.dtype))
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, rank={self.rank}, "
+                f"matrix_id={self.matrix_id}, master_weights={self.master is not None}")
+
+
+@dataclass
+class LoGRAModel:
+    """What :func:`apply_logra` made: the model, its LoGRA layers (index = matrix_id) and the key."""
+
+    model: nn.Module
+    layers: list[LoGRALinear]
+    key_state: KeyState
+    names: list[str] = field(default_factory=list)
+
+    def zero_sketches(self) -> None:
+        for layer in self.layers:
+            if layer.sketch is not None:
+                layer.sketch.zero_()
+
+    def authoritative_weights(self) -> list[torch.Tensor]:
+        """The weights updates are applied to: fp32 masters where kept, else the weights."""
+        return [layer.master if layer.master is not None else layer.weight for layer in self.layers]
+
+
+def apply_logra(
+    model: nn.Module,
+    rank: int,
+    targets: Iterable[str] = DEFAULT_TARGETS,
+    seed: int = 0,
+    master_weights: bool = False,
+) -> LoGRAModel:
+    """Freezes every parameter of ``model`` and replaces each ``nn.Linear`` whose attribute name
+    is in ``targets`` with a :class:`LoGRALinear` of the given rank. Matrix ids follow
+    ``named_modules`` order, so two processes that build the same model get the same ids."""
+    targets = tuple(targets)
+    for parameter in model.parameters():
+        parameter.requires_grad_(False)
+    key_state = KeyState(seed=int(seed))
+    layers: list[LoGRALinear] = []
+    names: list[str] = []
+    replacements = []
+    for parent_name, parent in model.named_modules():
+        for child_name, child in parent.named_children():
+            if child_name in targets and isinstance(child, nn.Linear):
+                replacements.append((parent_name, parent, child_name, child))
+    for parent_name, parent, child_name, child in replacements:
+        layer = LoGRALinear(child, rank, len(layers), key_state, master_weights=master_weights)
+        setattr(parent, child_name, layer)
+        layers.append(layer)
+        names.append(f"{parent_name}.{child_name}" if parent_name else child_name)
+    if not layers:
+        raise ValueError(f"apply_logra found no nn.Linear named any of {targets} in the model")
+    return LoGRAModel(model=model, layers=layers, key_state=key_state, names=names)

@@ -1,0 +1,54 @@
+"""Thin, checked wrappers over the LoGRA ops in ``torch.ops.membar`` (bindings/csrc/logra_ops.cpp).
+
+Shapes: A [r, k]; x [..., k]; P = x A^T [..., r]; sketch S [d, r] fp32; update U [d, r] fp32;
+weight W [d, k] fp32 or bf16.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+import membar
+
+_ops = membar.ops
+
+# Seeds travel as signed 64-bit integers through the op schema.
+_SEED_LIMIT = 1 << 63
+
+
+@dataclass(frozen=True)
+class ProjectionKey:
+    """Names one projection A: the run's seed, the matrix, and which redraw (step)."""
+
+    seed: int
+    matrix_id: int
+    step: int
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.seed < _SEED_LIMIT:
+            raise ValueError(f"the seed must be in [0, 2^63), got {self.seed}")
+        if self.matrix_id < 0 or self.step < 0:
+            raise ValueError(f"matrix_id and step must not be negative, got {self.matrix_id}, {self.step}")
+
+
+def generate(key: ProjectionKey, rank: int, in_features: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Materialises A [rank, in_features] fp32 (tests and debugging only)."""
+    out = torch.empty(rank, in_features, dtype=torch.float32, device=device)
+    _ops.logra_generate_(out, key.seed, key.matrix_id, key.step)
+    return out
+
+
+def project(x: torch.Tensor, key: ProjectionKey, rank: int) -> torch.Tensor:
+    """x [..., k] -> x A^T [..., r] in x's dtype (fp32 accumulation)."""
+    return _ops.logra_project(x, key.seed, key.matrix_id, key.step, rank)
+
+
+def sketch_accumulate_(sketch: torch.Tensor, grad_output: torch.Tensor, projected: torch.Tensor) -> None:
+    """sketch [d, r] fp32 += grad_output[..., d]^T projected[..., r]."""
+    _ops.logra_sketch_accumulate_(sketch, grad_output, projected)
+
+
+def fused_update_(weight: torch.Tensor, update: torch.Tensor, coefficient: float, key: ProjectionKey) -> None:
+    """weight [d, k] -= coefficient * update [d, r] A, A regenerated tile by tile."""
+    _ops.logra_fused_update_(weight, update, float(coefficient), key.seed, key.matrix_id, key.step)

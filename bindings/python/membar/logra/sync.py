@@ -1,0 +1,380 @@
+"""Seed-based policy sync: the trainer publishes (seed, step, alpha * eta * U per matrix) per
+update; rollout processes regenerate A from the key and apply the update themselves.
+
+Note [Policy sync transport]
+Rationale: per update only d x r fp32 values per matrix and a key travel instead of d x k
+weights. Rollout processes come and go (late joiners, crashes); the trainer must never wait for
+them. bf16 rollout weights swallow deltas below |w| / 256, so a receiver that applied updates to
+bf16 weights directly would drift from the trainer.
+Approach: a single-writer ring of fixed-size slots in POSIX shared memory plus a double-buffered
+snapshot area. Each slot carries a sequence marker (odd while being written, 2 * s + 2 once
+message s is complete); a reader copies a slot and accepts it only if the marker was the
+expected one before and after the copy (a seqlock). The writer never looks at readers, so a
+slow or dead subscriber cannot stall or corrupt the trainer; a reader that fell more than a
+ring behind gets SyncOverrun and re-anchors from the newest snapshot (full fp32 weights and the
+number of updates they contain). Subscribers keep fp32 masters of the targeted weights, apply
+every update to the masters with the same fused kernel as the trainer, and copy the masters
+into the model's (bf16) weights, so they match the trainer's authoritative weights exactly when
+both run the same kernel and device type, and within bf16 rounding otherwise.
+Limitations: the transport is Python's multiprocessing.shared_memory and relies on x86's store
+ordering for the seqlock (no explicit fences); it sits behind the small `SharedMemoryRing`
+interface (write_message / read_message / latest_sequence / write_snapshot / read_snapshot) so
+it can move into the runtime daemon's shared memory, which is being built elsewhere.
+Segments are unlinked by the publisher's close(); a trainer killed with SIGKILL leaves them in
+/dev/shm.
+"""
+from __future__ import annotations
+
+import struct
+import time
+from dataclasses import dataclass
+from multiprocessing import resource_tracker, shared_memory
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from membar.logra import ops
+
+_RING_MAGIC = 0x4C4F475241524E47  # "LOGRARNG"
+_SNAPSHOT_MAGIC = 0x4C4F475241534E50  # "LOGRASNP"
+_MESSAGE_MAGIC = 0x4C475231  # "LGR1"
+_VERSION = 1
+_HEADER_BYTES = 64
+_SLOT_HEADER_BYTES = 16
+_SNAPSHOT_HEADER_BYTES = 64
+
+
+class SyncOverrun(RuntimeError):
+    """The message a reader asked for was overwritten: the reader fell a whole ring behind."""
+
+
+def _attach(name: str, create: bool, size: int = 0) -> shared_memory.SharedMemory:
+    segment = shared_memory.SharedMemory(name=name, create=create, size=size)
+    # Lifetimes are explicit (the publisher unlinks in close()); Python 3.11's resource tracker
+    # would otherwise unlink a segment when any process that merely attached it exits.
+    resource_tracker.unregister(segment._name, "shared_memory")  # noqa: SLF001 (documented workaround)
+    return segment
+
+
+class SharedMemoryRing:
+    """One writer, any number of readers. The writer's calls never block on readers; readers'
+    calls never block at all (they return None when nothing new is there).
+
+    Layout of the ring segment: header [magic, version, slot_count, slot_bytes, next_sequence]
+    then slot_count slots of [marker u64, length u64, payload slot_bytes]. The snapshot segment:
+    header [magic, capacity, latest buffer] then two buffers of [marker, sequence, length,
+    payload capacity]."""
+
+    def __init__(self, name: str, create: bool, slot_count: int = 0, slot_bytes: int = 0, snapshot_bytes: int = 0):
+        self.name = name
+        self.owner = create
+        if create:
+            if slot_count < 2 or slot_bytes < 1:
+                raise ValueError(f"a ring needs at least 2 slots of at least 1 byte, got {slot_count} x {slot_bytes}")
+            slot_bytes = (slot_bytes + 7) // 8 * 8
+            self._ring = _attach(f"{name}_ring", True, _HEADER_BYTES + slot_count * (_SLOT_HEADER_BYTES + slot_bytes))
+            snapshot_bytes = max(8, (snapshot_bytes + 7) // 8 * 8)
+            self._snapshot = _attach(f"{name}_snap", True, _SNAPSHOT_HEADER_BYTES + 2 * (24 + snapshot_bytes))
+            header = self._words(self._ring, 0, 5)
+            header[:] = [_RING_MAGIC, _VERSION, slot_count, slot_bytes, 0]
+            snapshot_header = self._words(self._snapshot, 0, 3)
+            snapshot_header[:] = [_SNAPSHOT_MAGIC, snapshot_bytes, 2]  # 2: no snapshot yet
+        else:
+            try:
+                self._ring = _attach(f"{name}_ring", False)
+                self._snapshot = _attach(f"{name}_snap", False)
+            except FileNotFoundError as error:
+                raise FileNotFoundError(f"no LoGRA policy channel named {name!r} (is the trainer publishing?)") from error
+            header = self._words(self._ring, 0, 5)
+            if int(header[0]) != _RING_MAGIC or int(header[1]) != _VERSION:
+                raise ValueError(f"shared memory {name!r}_ring is not a version-{_VERSION} LoGRA ring")
+        header = self._words(self._ring, 0, 5)
+        self.slot_count = int(header[2])
+        self.slot_bytes = int(header[3])
+        self.snapshot_bytes = int(self._words(self._snapshot, 0, 3)[1])
+        self._header = header
+        self._snapshot_header = self._words(self._snapshot, 0, 3)
+
+    @staticmethod
+    def _words(segment, offset: int, count: int) -> np.ndarray:
+        return np.ndarray((count,), dtype=np.uint64, buffer=segment.buf, offset=offset)
+
+    def _slot_offset(self, sequence: int) -> int:
+        return _HEADER_BYTES + (sequence % self.slot_count) * (_SLOT_HEADER_BYTES + self.slot_bytes)
+
+    # Writer side (the trainer). Never blocks.
+    def write_message(self, payload: bytes) -> int:
+        if len(payload) > self.slot_bytes:
+            raise ValueError(f"a {len(payload)}-byte message does not fit a {self.slot_bytes}-byte slot")
+        sequence = int(self._header[4])
+        offset = self._slot_offset(sequence)
+        marker = self._words(self._ring, offset, 2)
+        marker[0] = 2 * sequence + 1
+        marker[1] = len(payload)
+        start = offset + _SLOT_HEADER_BYTES
+        self._ring.buf[start:start + len(payload)] = payload
+        marker[0] = 2 * sequence + 2
+        self._header[4] = sequence + 1
+        return sequence
+
+    def latest_sequence(self) -> int:
+        """How many messages were ever written."""
+        return int(self._header[4])
+
+    # Reader side. Never blocks.
+    def read_message(self, sequence: int) -> bytes | None:
+        """Message `sequence`, None if not written yet; raises SyncOverrun if overwritten."""
+        if sequence >= self.latest_sequence():
+            return None
+        offset = self._slot_offset(sequence)
+        marker = self._words(self._ring, offset, 2)
+        expected = 2 * sequence + 2
+        before = int(marker[0])
+        if before != expected:
+            if before > expected:
+                raise SyncOverrun(f"message {sequence} was overwritten (the ring holds {self.slot_count})")
+            return None
+        length = int(marker[1])
+        start = offset + _SLOT_HEADER_BYTES
+        payload = bytes(self._ring.buf[start:start + length])
+        if int(marker[0]) != expected:
+            raise SyncOverrun(f"message {sequence} was overwritten while being read")
+        return payload
+
+    def write_snapshot(self, sequence: int, payload: bytes) -> None:
+        """Publishes a snapshot that contains the effect of messages [0, sequence)."""
+        if len(payload) > self.snapshot_bytes:
+            raise ValueError(f"a {len(payload)}-byte snapshot does not fit {self.snapshot_bytes} bytes")
+        latest = int(self._snapshot_header[2])
+        buffer = 0 if latest != 0 else 1
+        offset = _SNAPSHOT_HEADER_BYTES + buffer * (24 + self.snapshot_bytes)
+        words = self._words(self._snapshot, offset, 3)
+        generation = int(words[0])
+        words[0] = generation + 1 if generation % 2 == 0 else generation + 2  # odd: being written
+        words[1] = sequence
+        words[2] = len(payload)
+        self._snapshot.buf[offset + 24:offset + 24 + len(payload)] = payload
+        words[0] = int(words[0]) + 1  # even: complete
+        self._snapshot_header[2] = buffer
+
+    def read_snapshot(self, attempts: int = 100) -> tuple[int, bytes] | None:
+        """(sequence, payload) of the newest complete snapshot, None if none was written."""
+        for _ in range(attempts):
+            latest = int(self._snapshot_header[2])
+            if latest == 2:
+                return None
+            offset = _SNAPSHOT_HEADER_BYTES + latest * (24 + self.snapshot_bytes)
+            words = self._words(self._snapshot, offset, 3)
+            generation = int(words[0])
+            if generation % 2 == 1:
+                time.sleep(0.0005)
+                continue
+            sequence, length = int(words[1]), int(words[2])
+            payload = bytes(self._snapshot.buf[offset + 24:offset + 24 + length])
+            if int(words[0]) == generation:
+                return sequence, payload
+        raise TimeoutError("could not read a stable snapshot (the writer keeps replacing it)")
+
+    def close(self) -> None:
+        """Detaches; the creating side also unlinks the segments."""
+        self._header = None
+        self._snapshot_header = None
+        for segment in (self._ring, self._snapshot):
+            segment.close()
+            if self.owner:
+                try:
+                    shared_memory._posixshmem.shm_unlink(segment._name)  # noqa: SLF001 (tracker bypassed, see _attach)
+                except FileNotFoundError:
+                    pass
+
+
+# Message format: header (magic u32, version u32, update_index u64, seed u64, step u64,
+# matrix count u32, pad u32) then per matrix (matrix_id u32, rows u32, rank u32, pad u32) and
+# rows * rank fp32 values of alpha * eta * U.
+_MESSAGE_HEADER = struct.Struct("<IIQQQII")
+_MATRIX_HEADER = struct.Struct("<IIII")
+# Snapshot format: (magic u32, version u32, update count u64, matrix count u32, pad u32), then
+# per matrix (matrix_id u32, rows u32, columns u32, pad u32) and rows * columns fp32 weights.
+_SNAPSHOT_HEADER = struct.Struct("<IIQII")
+
+
+@dataclass
+class PolicyUpdate:
+    update_index: int
+    seed: int
+    step: int
+    matrices: list[tuple[int, torch.Tensor]]  # (matrix_id, alpha * eta * U [d, r] fp32, CPU)
+
+
+def encode_update(update_index: int, seed: int, step: int, matrices: Sequence[tuple[int, torch.Tensor]]) -> bytes:
+    parts = [_MESSAGE_HEADER.pack(_MESSAGE_MAGIC, _VERSION, update_index, seed, step, len(matrices), 0)]
+    for matrix_id, values in matrices:
+        values = values.detach().to(device="cpu", dtype=torch.float32).contiguous()
+        parts.append(_MATRIX_HEADER.pack(matrix_id, values.shape[0], values.shape[1], 0))
+        parts.append(values.numpy().tobytes())
+    return b"".join(parts)
+
+
+def decode_update(payload: bytes) -> PolicyUpdate:
+    magic, version, update_index, seed, step, count, _ = _MESSAGE_HEADER.unpack_from(payload, 0)
+    if magic != _MESSAGE_MAGIC or version != _VERSION:
+        raise ValueError("not a version-1 LoGRA update message")
+    offset = _MESSAGE_HEADER.size
+    matrices = []
+    for _ in range(count):
+        matrix_id, rows, rank, _ = _MATRIX_HEADER.unpack_from(payload, offset)
+        offset += _MATRIX_HEADER.size
+        values = torch.frombuffer(bytearray(payload[offset:offset + rows * rank * 4]), dtype=torch.float32)
+        matrices.append((matrix_id, values.view(rows, rank)))
+        offset += rows * rank * 4
+    return PolicyUpdate(update_index, seed, step, matrices)
+
+
+def update_message_bytes(shapes: Sequence[tuple[int, int]]) -> int:
+    """Bytes of one update message for matrices of (rows d, rank r)."""
+    return _MESSAGE_HEADER.size + sum(_MATRIX_HEADER.size + rows * rank * 4 for rows, rank in shapes)
+
+
+def encode_snapshot(update_count: int, weights: Sequence[tuple[int, torch.Tensor]]) -> bytes:
+    parts = [_SNAPSHOT_HEADER.pack(_MESSAGE_MAGIC, _VERSION, update_count, len(weights), 0)]
+    for matrix_id, weight in weights:
+        values = weight.detach().to(device="cpu", dtype=torch.float32).contiguous()
+        parts.append(_MATRIX_HEADER.pack(matrix_id, values.shape[0], values.shape[1], 0))
+        parts.append(values.numpy().tobytes())
+    return b"".join(parts)
+
+
+def decode_snapshot(payload: bytes) -> tuple[int, dict[int, torch.Tensor]]:
+    magic, version, update_count, count, _ = _SNAPSHOT_HEADER.unpack_from(payload, 0)
+    if magic != _MESSAGE_MAGIC or version != _VERSION:
+        raise ValueError("not a version-1 LoGRA snapshot")
+    offset = _SNAPSHOT_HEADER.size
+    weights = {}
+    for _ in range(count):
+        matrix_id, rows, columns, _ = _MATRIX_HEADER.unpack_from(payload, offset)
+        offset += _MATRIX_HEADER.size
+        values = torch.frombuffer(bytearray(payload[offset:offset + rows * columns * 4]), dtype=torch.float32)
+        weights[matrix_id] = values.view(rows, columns)
+        offset += rows * columns * 4
+    return update_count, weights
+
+
+class PolicyPublisher:
+    """Trainer side. ``publish`` is called by LoGRAOptimizer.step(); it copies the update into the
+    ring and returns without waiting for anyone. Every ``snapshot_every`` updates (0: never) it
+    also writes a full snapshot of the authoritative weights for late joiners and re-anchoring.
+    """
+
+    def __init__(self, name: str, logra, slots: int = 64, snapshot_every: int = 16):
+        self.logra = logra
+        shapes = [(layer.out_features, layer.rank) for layer in logra.layers]
+        snapshot_bytes = _SNAPSHOT_HEADER.size + sum(
+            _MATRIX_HEADER.size + layer.out_features * layer.in_features * 4 for layer in logra.layers)
+        if snapshot_every >= slots:
+            raise ValueError(f"snapshot_every ({snapshot_every}) must be below the ring's slot count ({slots}), "
+                             "or a re-anchoring reader could find the updates after a snapshot gone")
+        self.ring = SharedMemoryRing(name, create=True, slot_count=slots, slot_bytes=update_message_bytes(shapes),
+                                     snapshot_bytes=snapshot_bytes)
+        self.snapshot_every = snapshot_every
+        self.payload_bytes = update_message_bytes(shapes)
+        self.full_weight_bytes = sum(layer.weight.numel() * layer.weight.element_size() for layer in logra.layers)
+        self.publish_snapshot(0)
+
+    def publish(self, update_index: int, seed: int, step: int, matrices: Sequence[tuple[int, torch.Tensor]]) -> None:
+        sequence = self.ring.write_message(encode_update(update_index, seed, step, matrices))
+        if sequence != update_index:
+            raise RuntimeError(f"update {update_index} landed as ring message {sequence}; one publisher per optimizer")
+        if self.snapshot_every and (update_index + 1) % self.snapshot_every == 0:
+            self.publish_snapshot(update_index + 1)
+
+    def publish_snapshot(self, update_count: int) -> None:
+        weights = [(layer.matrix_id, weight) for layer, weight in zip(self.logra.layers, self.logra.authoritative_weights())]
+        self.ring.write_snapshot(update_count, encode_snapshot(update_count, weights))
+
+    def close(self) -> None:
+        self.ring.close()
+
+
+class PolicySubscriber:
+    """Rollout side. Holds fp32 masters of the targeted weights of its own model copy.
+
+    ``poll()`` applies every update published since the last call and returns how many it applied;
+    it never blocks. ``wait_for(n)`` polls until n updates are applied or the timeout passes.
+    ``join='start'`` assumes the subscriber's weights equal the trainer's initial weights;
+    ``join='snapshot'`` (a late joiner) re-anchors from the newest snapshot first."""
+
+    def __init__(self, name: str, weights: dict[int, torch.Tensor], rank_by_matrix: dict[int, int] | None = None,
+                 join: str = "start", keep_masters: bool = True):
+        if join not in ("start", "snapshot"):
+            raise ValueError(f"join must be 'start' or 'snapshot', got {join!r}")
+        self.ring = SharedMemoryRing(name, create=False)
+        self.weights = weights
+        self.keep_masters = keep_masters
+        self.masters = {}
+        for matrix_id, weight in weights.items():
+            self.masters[matrix_id] = weight.detach().float().clone() if keep_masters else weight
+        self.applied = 0
+        self.reanchors = 0
+        if join == "snapshot":
+            self.reanchor()
+
+    def reanchor(self) -> None:
+        """Loads the newest snapshot into the masters and weights."""
+        snapshot = self.ring.read_snapshot()
+        if snapshot is None:
+            raise RuntimeError("no snapshot has been published yet")
+        sequence, payload = snapshot
+        update_count, weights = decode_snapshot(payload)
+        if update_count != sequence:
+            raise ValueError("the snapshot's header and its ring entry disagree")
+        for matrix_id, values in weights.items():
+            if matrix_id not in self.masters:
+                continue
+            master = self.masters[matrix_id]
+            master.copy_(values.to(master.device))
+            if self.keep_masters:
+                self.weights[matrix_id].copy_(master)
+        self.applied = update_count
+        self.reanchors += 1
+
+    def _apply(self, update: PolicyUpdate) -> None:
+        with torch.no_grad():
+            for matrix_id, values in update.matrices:
+                if matrix_id not in self.masters:
+                    continue
+                master = self.masters[matrix_id]
+                values = values.to(master.device)
+                ops.fused_update_(master, values, 1.0, ops.ProjectionKey(update.seed, matrix_id, update.step))
+                if self.keep_masters:
+                    self.weights[matrix_id].copy_(master)
+
+    def poll(self) -> int:
+        count = 0
+        while True:
+            try:
+                payload = self.ring.read_message(self.applied)
+            except SyncOverrun:
+                self.reanchor()
+                continue
+            if payload is None:
+                return count
+            update = decode_update(payload)
+            if update.update_index != self.applied:
+                raise RuntimeError(f"expected update {self.applied}, the ring holds {update.update_index}")
+            self._apply(update)
+            self.applied += 1
+            count += 1
+
+    def wait_for(self, update_count: int, timeout_s: float = 60.0, interval_s: float = 0.001) -> bool:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            self.poll()
+            if self.applied >= update_count:
+                return True
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(interval_s)
+
+    def close(self) -> None:
+        self.ring.close()

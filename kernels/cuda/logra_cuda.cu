@@ -1,0 +1,255 @@
+// CUDA kernels of LoGRA (see membar/kernels/logra.h and the CPU reference kernels/cpu/logra_cpu.cpp).
+//
+// Both matmul-shaped kernels use the same plan: a thread block owns a 64 x 64 output tile, walks
+// the reduction dimension in chunks of 64, regenerates the matching 64 x 64 tile of signs of A in
+// shared memory (64 sign words, one per row of A, then expanded to +-1 floats), and every thread
+// accumulates a 4 x 4 sub-tile in fp32 registers. A exists only as that shared-memory tile.
+// Sums run in the reduction order of the CPU reference (Note [LoGRA summation order] in
+// logra_cpu.cpp), and the final scaling and subtraction use explicitly rounded intrinsics so
+// nvcc does not contract them into an FMA: outputs are bit-identical to the CPU's.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cmath>
+
+#include "membar/kernels/logra.h"
+
+namespace membar::kernels::cuda {
+namespace {
+
+constexpr int kTile = 64;          // output tile edge and reduction chunk; one sign word wide
+constexpr int kThreads = 256;      // 16 x 16 threads, 4 x 4 outputs each
+constexpr int kPerThread = 4;
+static_assert(kTile == 64, "one sign word covers 64 columns of A, so a chunk is exactly one word");
+static_assert((kTile / kPerThread) * (kTile / kPerThread) == kThreads, "threads must cover the tile");
+
+template <typename T>
+__device__ __forceinline__ float to_float(T value);
+template <>
+__device__ __forceinline__ float to_float<float>(float value) { return value; }
+template <>
+__device__ __forceinline__ float to_float<__nv_bfloat16>(__nv_bfloat16 value) { return __bfloat162float(value); }
+template <>
+__device__ __forceinline__ float to_float<__half>(__half value) { return __half2float(value); }
+
+template <typename T>
+__device__ __forceinline__ T from_float(float value);
+template <>
+__device__ __forceinline__ float from_float<float>(float value) { return value; }
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float value) { return __float2bfloat16_rn(value); }
+template <>
+__device__ __forceinline__ __half from_float<__half>(float value) { return __float2half_rn(value); }
+
+// Fills the +-1 signs of A's rows [row_begin, row_begin + 64) and columns [64 * column_word, +64):
+// signs[c][j] (column-major, ColumnMajor = true) or signs[j][c]. Rows past `rank` get 0 so they
+// add nothing.
+template <bool ColumnMajor>
+__device__ __forceinline__ void fill_sign_tile(uint64_t key_hash, int64_t row_begin, int64_t rank,
+                                               uint32_t column_word, uint64_t* words,
+                                               float (*signs)[kTile + 4]) {
+  const int thread = threadIdx.x;
+  if (thread < kTile) {
+    const int64_t row = row_begin + thread;
+    words[thread] = row < rank ? logra_sign_word(key_hash, static_cast<uint32_t>(row), column_word) : 0;
+  }
+  __syncthreads();
+  for (int index = thread; index < kTile * kTile; index += kThreads) {
+    // The fast index walks the innermost dimension of `signs` (conflict-free stores).
+    const int j = ColumnMajor ? index % kTile : index / kTile;
+    const int c = ColumnMajor ? index / kTile : index % kTile;
+    const bool valid = row_begin + j < rank;
+    const float sign = valid ? (((words[j] >> c) & 1u) ? -1.f : 1.f) : 0.f;
+    if (ColumnMajor) {
+      signs[c][j] = sign;
+    } else {
+      signs[j][c] = sign;
+    }
+  }
+}
+
+// P[t, j] = (1/sqrt(r)) * sum_c x[t, c] sign[j, c].
+// grid: (ceil(tokens / 64), ceil(r / 64)); block: 256.
+template <typename T>
+__global__ void __launch_bounds__(kThreads) project_kernel(LograProjectParams params, uint64_t key_hash, float scale) {
+  __shared__ uint64_t words[kTile];
+  __shared__ __align__(16) float x_tile[kTile][kTile + 4];   // [column][token]
+  __shared__ __align__(16) float signs[kTile][kTile + 4];    // [column][rank row]
+  const T* x = static_cast<const T*>(params.x);
+  T* out = static_cast<T*>(params.out);
+  const int64_t token_begin = static_cast<int64_t>(blockIdx.x) * kTile;
+  const int64_t row_begin = static_cast<int64_t>(blockIdx.y) * kTile;
+  const int thread_token = (threadIdx.x / (kTile / kPerThread)) * kPerThread;
+  const int thread_row = (threadIdx.x % (kTile / kPerThread)) * kPerThread;
+  const int64_t rank = params.shape.rank;
+  const int64_t in_features = params.shape.in_features;
+
+  float accumulator[kPerThread][kPerThread] = {};
+  for (int64_t column_begin = 0; column_begin < in_features; column_begin += kTile) {
+    // Load x [64 tokens, 64 columns] transposed into x_tile, zero outside the matrix.
+    for (int index = threadIdx.x; index < kTile * kTile; index += kThreads) {
+      const int c = index % kTile;
+      const int t = index / kTile;
+      const int64_t token = token_begin + t;
+      const int64_t column = column_begin + c;
+      x_tile[c][t] = (token < params.tokens && column < in_features)
+                         ? to_float<T>(x[token * params.x_row_stride + column])
+                         : 0.f;
+    }
+    fill_sign_tile<true>(key_hash, row_begin, rank, static_cast<uint32_t>(column_begin / kTile), words, signs);
+    __syncthreads();
+    const int columns = static_cast<int>(in_features - column_begin < kTile ? in_features - column_begin : kTile);
+    for (int c = 0; c < columns; ++c) {
+      const float4 x_values = *reinterpret_cast<const float4*>(&x_tile[c][thread_token]);
+      const float4 sign_values = *reinterpret_cast<const float4*>(&signs[c][thread_row]);
+      const float xs[kPerThread] = {x_values.x, x_values.y, x_values.z, x_values.w};
+      const float ss[kPerThread] = {sign_values.x, sign_values.y, sign_values.z, sign_values.w};
+#pragma unroll
+      for (int i = 0; i < kPerThread; ++i) {
+#pragma unroll
+        for (int j = 0; j < kPerThread; ++j) accumulator[i][j] += xs[i] * ss[j];
+      }
+    }
+    __syncthreads();
+  }
+#pragma unroll
+  for (int i = 0; i < kPerThread; ++i) {
+    const int64_t token = token_begin + thread_token + i;
+    if (token >= params.tokens) continue;
+#pragma unroll
+    for (int j = 0; j < kPerThread; ++j) {
+      const int64_t row = row_begin + thread_row + j;
+      if (row < rank) out[token * rank + row] = from_float<T>(__fmul_rn(accumulator[i][j], scale));
+    }
+  }
+}
+
+template <typename W>
+__device__ __forceinline__ float load_weight(const W* weight, int64_t index);
+template <>
+__device__ __forceinline__ float load_weight<float>(const float* weight, int64_t index) { return weight[index]; }
+template <>
+__device__ __forceinline__ float load_weight<__nv_bfloat16>(const __nv_bfloat16* weight, int64_t index) {
+  return __bfloat162float(weight[index]);
+}
+
+// W[i, c] -= step * sum_j U[i, j] sign[j, c].
+// grid: (ceil(k / 64), ceil(d / 64)); block: 256.
+template <typename W>
+__global__ void __launch_bounds__(kThreads) update_kernel(LograUpdateParams params, uint64_t key_hash, float step) {
+  __shared__ uint64_t words[kTile];
+  __shared__ __align__(16) float update_tile[kTile][kTile + 4];  // [rank index][row of W]
+  __shared__ __align__(16) float signs[kTile][kTile + 4];        // [rank index][column of W]
+  W* weight = static_cast<W*>(params.weight);
+  const int64_t column_begin = static_cast<int64_t>(blockIdx.x) * kTile;
+  const int64_t output_begin = static_cast<int64_t>(blockIdx.y) * kTile;
+  const int thread_output = (threadIdx.x / (kTile / kPerThread)) * kPerThread;
+  const int thread_column = (threadIdx.x % (kTile / kPerThread)) * kPerThread;
+  const int64_t rank = params.shape.rank;
+  const int64_t in_features = params.shape.in_features;
+  const uint32_t column_word = static_cast<uint32_t>(column_begin / kTile);
+
+  float delta[kPerThread][kPerThread] = {};
+  for (int64_t rank_begin = 0; rank_begin < rank; rank_begin += kTile) {
+    for (int index = threadIdx.x; index < kTile * kTile; index += kThreads) {
+      const int j = index % kTile;
+      const int i = index / kTile;
+      const int64_t output = output_begin + i;
+      const int64_t rank_index = rank_begin + j;
+      update_tile[j][i] = (output < params.out_features && rank_index < rank)
+                              ? params.update[output * rank + rank_index]
+                              : 0.f;
+    }
+    // signs[j][c] holds sign[rank_begin + j, column_begin + c].
+    fill_sign_tile<false>(key_hash, rank_begin, rank, column_word, words, signs);
+    __syncthreads();
+    const int ranks = static_cast<int>(rank - rank_begin < kTile ? rank - rank_begin : kTile);
+    for (int j = 0; j < ranks; ++j) {
+      const float4 update_values = *reinterpret_cast<const float4*>(&update_tile[j][thread_output]);
+      const float us[kPerThread] = {update_values.x, update_values.y, update_values.z, update_values.w};
+      const float4 sign_values = *reinterpret_cast<const float4*>(&signs[j][thread_column]);
+      const float ss[kPerThread] = {sign_values.x, sign_values.y, sign_values.z, sign_values.w};
+#pragma unroll
+      for (int i = 0; i < kPerThread; ++i) {
+#pragma unroll
+        for (int c = 0; c < kPerThread; ++c) delta[i][c] += us[i] * ss[c];
+      }
+    }
+    __syncthreads();
+  }
+#pragma unroll
+  for (int i = 0; i < kPerThread; ++i) {
+    const int64_t output = output_begin + thread_output + i;
+    if (output >= params.out_features) continue;
+#pragma unroll
+    for (int c = 0; c < kPerThread; ++c) {
+      const int64_t column = column_begin + thread_column + c;
+      if (column >= in_features) continue;
+      const int64_t index = output * in_features + column;
+      const float change = __fmul_rn(step, delta[i][c]);
+      weight[index] = from_float<W>(__fsub_rn(load_weight<W>(weight, index), change));
+    }
+  }
+}
+
+__global__ void generate_kernel(LograGenerateParams params, uint64_t key_hash, float scale) {
+  const int64_t total = params.shape.rank * params.shape.in_features;
+  for (int64_t index = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; index < total;
+       index += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t row = index / params.shape.in_features;
+    const int64_t column = index % params.shape.in_features;
+    params.out[index] = scale * logra_sign(key_hash, static_cast<uint32_t>(row), static_cast<uint32_t>(column));
+  }
+}
+
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+}  // namespace
+
+int logra_generate(const LograGenerateParams& params, void* stream) {
+  if (params.shape.rank < 1 || params.shape.in_features < 1 || params.out == nullptr) return cudaErrorInvalidValue;
+  const int64_t total = params.shape.rank * params.shape.in_features;
+  const int blocks = static_cast<int>(ceil_div(total, 256) < 4096 ? ceil_div(total, 256) : 4096);
+  generate_kernel<<<blocks, 256, 0, static_cast<cudaStream_t>(stream)>>>(
+      params, logra_key_hash(params.key), 1.0f / std::sqrt(static_cast<float>(params.shape.rank)));
+  return cudaGetLastError();
+}
+
+int logra_project(const LograProjectParams& params, void* stream) {
+  if (logra_check_project(params)[0] != '\0') return cudaErrorInvalidValue;
+  if (params.tokens == 0) return cudaSuccess;
+  const int64_t token_blocks = ceil_div(params.tokens, kTile);
+  const int64_t rank_blocks = ceil_div(params.shape.rank, kTile);
+  if (token_blocks > 0x7FFFFFFF || rank_blocks > 65535) return cudaErrorInvalidValue;
+  const dim3 grid(static_cast<unsigned>(token_blocks), static_cast<unsigned>(rank_blocks));
+  const uint64_t key_hash = logra_key_hash(params.key);
+  const float scale = 1.0f / std::sqrt(static_cast<float>(params.shape.rank));
+  auto cuda_stream = static_cast<cudaStream_t>(stream);
+  switch (params.dtype) {
+    case DType::kFloat32: project_kernel<float><<<grid, kThreads, 0, cuda_stream>>>(params, key_hash, scale); break;
+    case DType::kBFloat16: project_kernel<__nv_bfloat16><<<grid, kThreads, 0, cuda_stream>>>(params, key_hash, scale); break;
+    case DType::kFloat16: project_kernel<__half><<<grid, kThreads, 0, cuda_stream>>>(params, key_hash, scale); break;
+    default: return cudaErrorInvalidValue;
+  }
+  return cudaGetLastError();
+}
+
+int logra_fused_update(const LograUpdateParams& params, void* stream) {
+  if (logra_check_update(params)[0] != '\0') return cudaErrorInvalidValue;
+  const int64_t column_blocks = ceil_div(params.shape.in_features, kTile);
+  const int64_t output_blocks = ceil_div(params.out_features, kTile);
+  if (column_blocks > 0x7FFFFFFF || output_blocks > 65535) return cudaErrorInvalidValue;
+  const dim3 grid(static_cast<unsigned>(column_blocks), static_cast<unsigned>(output_blocks));
+  const uint64_t key_hash = logra_key_hash(params.key);
+  const float step = params.coefficient / std::sqrt(static_cast<float>(params.shape.rank));
+  auto cuda_stream = static_cast<cudaStream_t>(stream);
+  if (params.weight_dtype == DType::kFloat32) {
+    update_kernel<float><<<grid, kThreads, 0, cuda_stream>>>(params, key_hash, step);
+  } else {
+    update_kernel<__nv_bfloat16><<<grid, kThreads, 0, cuda_stream>>>(params, key_hash, step);
+  }
+  return cudaGetLastError();
+}
+
+}  // namespace membar::kernels::cuda
