@@ -1,0 +1,161 @@
+#include "options.h"
+
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+
+#include "membar/client.h"
+
+namespace membar::runtimed {
+
+Result<SizeSpec> parse_size(const std::string& text) {
+  if (text.empty()) return invalid_argument("empty size");
+  char* end = nullptr;
+  double number = std::strtod(text.c_str(), &end);
+  if (end == text.c_str() || !std::isfinite(number) || number < 0) {
+    return invalid_argument("'" + text + "' is not a size (e.g. 40GiB, 512MiB or a fraction 0.8)");
+  }
+  std::string unit(end);
+  SizeSpec spec;
+  if (unit.empty() && text.find('.') != std::string::npos) {
+    if (number <= 0 || number > 1) return invalid_argument("fraction '" + text + "' must be in (0, 1]");
+    spec.fraction = number;
+    return spec;
+  }
+  double scale = 1;
+  if (unit.empty() || unit == "B") scale = 1;
+  else if (unit == "K" || unit == "KiB" || unit == "k") scale = 1024.0;
+  else if (unit == "M" || unit == "MiB") scale = 1024.0 * 1024;
+  else if (unit == "G" || unit == "GiB") scale = 1024.0 * 1024 * 1024;
+  else if (unit == "T" || unit == "TiB") scale = 1024.0 * 1024 * 1024 * 1024;
+  else return invalid_argument("'" + text + "' has unknown unit '" + unit + "' (use B, KiB, MiB, GiB, TiB)");
+  double bytes = number * scale;
+  if (bytes > 1e18) return invalid_argument("'" + text + "' is too large");
+  spec.bytes = static_cast<uint64_t>(bytes);
+  return spec;
+}
+
+uint64_t resolve_size(const SizeSpec& spec, uint64_t free_bytes) {
+  uint64_t bytes = spec.fraction > 0 ? static_cast<uint64_t>(spec.fraction * static_cast<double>(free_bytes)) : spec.bytes;
+  return bytes / kFrameBytes * kFrameBytes;
+}
+
+std::string human_bytes(uint64_t bytes) {
+  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+  double value = static_cast<double>(bytes);
+  int unit = 0;
+  while (value >= 1024 && unit < 4) {
+    value /= 1024;
+    ++unit;
+  }
+  char text[32];
+  std::snprintf(text, sizeof(text), unit == 0 ? "%.0f %s" : "%.1f %s", value, units[unit]);
+  return text;
+}
+
+std::string daemon_usage() {
+  return "usage: membard [--backend cuda|host] [--socket PATH] [--gpu-pool SIZE] [--host-pool SIZE]\n"
+         "               [--default-gpu-quota SIZE] [--default-host-quota SIZE] [--device N]\n"
+         "               [--allow-uid UID[,UID...]] [--socket-mode 0600|0660] [--prometheus-port N]\n"
+         "               [--ring-capacity N] [--foreground] [--log-level trace|debug|info|warn|error|off]\n"
+         "SIZE: 40GiB, 512MiB, or a fraction of free memory such as 0.8.\n"
+         "--prometheus-port serves http://127.0.0.1:N/metrics (loopback only; 0 picks a free port).\n";
+}
+
+Result<DaemonOptions> parse_daemon_options(int argc, const char* const* argv) {
+  DaemonOptions options;
+  options.server.socket_path = kDefaultSocketPath;
+  for (int i = 1; i < argc; ++i) {
+    std::string flag = argv[i];
+    std::string value;
+    size_t equals = flag.find('=');
+    bool has_inline_value = flag.rfind("--", 0) == 0 && equals != std::string::npos;
+    if (has_inline_value) {
+      value = flag.substr(equals + 1);
+      flag = flag.substr(0, equals);
+    }
+    auto take = [&]() -> Result<std::string> {
+      if (has_inline_value) return value;
+      if (i + 1 >= argc) return invalid_argument(flag + " needs a value");
+      return std::string(argv[++i]);
+    };
+    auto take_size = [&](SizeSpec& out) -> Status {
+      MEMBAR_ASSIGN_OR_RETURN(std::string text, take());
+      Result<SizeSpec> size = parse_size(text);
+      if (!size.ok()) return invalid_argument(flag + ": " + size.status().message());
+      out = size.value();
+      return Status::Ok();
+    };
+    auto take_int = [&](int64_t low, int64_t high) -> Result<int64_t> {
+      MEMBAR_ASSIGN_OR_RETURN(std::string text, take());
+      char* end = nullptr;
+      long long number = std::strtoll(text.c_str(), &end, 0);
+      if (end == text.c_str() || *end != 0 || number < low || number > high) {
+        return invalid_argument(flag + ": '" + text + "' is not an integer in [" + std::to_string(low) + ", " +
+                                std::to_string(high) + "]");
+      }
+      return static_cast<int64_t>(number);
+    };
+    if (flag == "--help" || flag == "-h") {
+      options.show_help = true;
+    } else if (flag == "--backend") {
+      MEMBAR_ASSIGN_OR_RETURN(options.backend, take());
+      if (options.backend != "host" && options.backend != "cuda") {
+        return invalid_argument("--backend must be 'cuda' or 'host', got '" + options.backend + "'");
+      }
+    } else if (flag == "--socket") {
+      MEMBAR_ASSIGN_OR_RETURN(options.server.socket_path, take());
+    } else if (flag == "--gpu-pool") {
+      MEMBAR_RETURN_IF_ERROR(take_size(options.gpu_pool));
+    } else if (flag == "--host-pool") {
+      MEMBAR_RETURN_IF_ERROR(take_size(options.host_pool));
+    } else if (flag == "--default-gpu-quota") {
+      MEMBAR_RETURN_IF_ERROR(take_size(options.default_gpu_quota));
+    } else if (flag == "--default-host-quota") {
+      MEMBAR_RETURN_IF_ERROR(take_size(options.default_host_quota));
+    } else if (flag == "--device") {
+      MEMBAR_ASSIGN_OR_RETURN(int64_t device, take_int(0, 1023));
+      options.device = static_cast<int>(device);
+    } else if (flag == "--allow-uid") {
+      MEMBAR_ASSIGN_OR_RETURN(std::string list, take());
+      size_t start = 0;
+      while (start <= list.size()) {
+        size_t comma = list.find(',', start);
+        std::string item = list.substr(start, comma == std::string::npos ? std::string::npos : comma - start);
+        char* end = nullptr;
+        unsigned long uid = std::strtoul(item.c_str(), &end, 10);
+        if (item.empty() || *end != 0 || uid > 0xfffffffful) {
+          return invalid_argument("--allow-uid: '" + item + "' is not a uid");
+        }
+        options.server.allowed_uids.push_back(static_cast<uint32_t>(uid));
+        if (comma == std::string::npos) break;
+        start = comma + 1;
+      }
+    } else if (flag == "--socket-mode") {
+      MEMBAR_ASSIGN_OR_RETURN(std::string text, take());
+      if (text != "0600" && text != "0660" && text != "600" && text != "660") {
+        return invalid_argument("--socket-mode must be 0600 or 0660, got '" + text + "'");
+      }
+      options.server.socket_mode = text.find("66") != std::string::npos ? 0660 : 0600;
+    } else if (flag == "--prometheus-port") {
+      MEMBAR_ASSIGN_OR_RETURN(int64_t port, take_int(-1, 65535));
+      options.server.prometheus_port = static_cast<int>(port);
+    } else if (flag == "--ring-capacity") {
+      MEMBAR_ASSIGN_OR_RETURN(int64_t capacity, take_int(2, 65536));
+      options.server.ring_capacity = static_cast<uint32_t>(capacity);
+    } else if (flag == "--foreground" || flag == "-f") {
+      options.foreground = true;
+    } else if (flag == "--log-level") {
+      MEMBAR_ASSIGN_OR_RETURN(options.log_level, take());
+      static const char* levels[] = {"trace", "debug", "info", "warn", "error", "critical", "off"};
+      bool known = false;
+      for (const char* level : levels) known = known || options.log_level == level;
+      if (!known) return invalid_argument("--log-level: unknown level '" + options.log_level + "'");
+    } else {
+      return invalid_argument("unknown flag '" + flag + "'");
+    }
+  }
+  return options;
+}
+
+}  // namespace membar::runtimed

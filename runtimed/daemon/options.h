@@ -1,0 +1,43 @@
+// membard's command line: flags, sizes ("40GiB", "512MiB", or a fraction "0.8" of free memory).
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "membar/status.h"
+#include "server.h"
+
+namespace membar::runtimed {
+
+// A pool size as given: bytes, or a fraction of the free memory of the tier.
+struct SizeSpec {
+  uint64_t bytes = 0;
+  double fraction = 0;  // used when > 0
+};
+
+// "40GiB", "40G", "512MiB", "64KiB", "1048576", "0.8" (a fraction in (0, 1]).
+Result<SizeSpec> parse_size(const std::string& text);
+// Bytes for a spec given the tier's free memory, rounded down to whole 2 MiB frames.
+uint64_t resolve_size(const SizeSpec& spec, uint64_t free_bytes);
+// "40.0 GiB".
+std::string human_bytes(uint64_t bytes);
+
+struct DaemonOptions {
+  std::string backend = "host";  // "host" or "cuda"
+  ServerConfig server;
+  SizeSpec gpu_pool{256ull << 20, 0};
+  SizeSpec host_pool{1ull << 30, 0};
+  SizeSpec default_gpu_quota{0, 0};   // 0: the whole pool
+  SizeSpec default_host_quota{0, 0};
+  int device = 0;
+  bool foreground = false;
+  std::string log_level = "info";
+  bool show_help = false;
+};
+
+// Parses argv (without exiting or printing): INVALID_ARGUMENT naming the bad flag.
+Result<DaemonOptions> parse_daemon_options(int argc, const char* const* argv);
+std::string daemon_usage();
+
+}  // namespace membar::runtimed

@@ -1,0 +1,81 @@
+#include "prometheus.h"
+
+#include <sstream>
+
+namespace membar::runtimed {
+namespace {
+
+const char* tier_label(Tier tier) { return tier == Tier::kGpu ? "gpu" : "host"; }
+
+// Label values escape backslash, quote and newline (exposition format rules).
+std::string escape_label(const std::string& value) {
+  std::string out;
+  for (char c : value) {
+    if (c == '\\' || c == '"') {
+      out += '\\';
+      out += c;
+    } else if (c == '\n') {
+      out += "\\n";
+    } else {
+      out += c;
+    }
+  }
+  return out;
+}
+
+void family(std::ostringstream& out, const char* name, const char* type, const char* help) {
+  out << "# HELP " << name << ' ' << help << "\n# TYPE " << name << ' ' << type << '\n';
+}
+
+}  // namespace
+
+std::string format_prometheus(const RuntimeStats& stats) {
+  std::ostringstream out;
+  family(out, "membar_info", "gauge", "Backend of this membard (label backend).");
+  out << "membar_info{backend=\"" << escape_label(stats.backend) << "\"} 1\n";
+
+  family(out, "membar_frames_total", "gauge", "Frames (2 MiB) in the tier's pool.");
+  for (const TierStats& t : stats.tiers) out << "membar_frames_total{tier=\"" << tier_label(t.tier) << "\"} " << t.frames_total << '\n';
+  family(out, "membar_frames_used", "gauge", "Frames held by clients.");
+  for (const TierStats& t : stats.tiers) out << "membar_frames_used{tier=\"" << tier_label(t.tier) << "\"} " << t.frames_used << '\n';
+  family(out, "membar_frames_free", "gauge", "Frames free in the pool.");
+  for (const TierStats& t : stats.tiers) out << "membar_frames_free{tier=\"" << tier_label(t.tier) << "\"} " << t.frames_free << '\n';
+
+  family(out, "membar_clients", "gauge", "Connected clients.");
+  out << "membar_clients " << stats.clients.size() << '\n';
+
+  auto labels = [](const ClientStats& c) {
+    return "client=\"" + std::to_string(c.client) + "\",name=\"" + escape_label(c.name) + "\",pid=\"" +
+           std::to_string(c.pid) + "\"";
+  };
+  family(out, "membar_client_frames", "gauge", "Frames a client holds, per tier.");
+  for (const ClientStats& c : stats.clients) {
+    out << "membar_client_frames{" << labels(c) << ",tier=\"gpu\"} " << c.gpu_frames.current << '\n';
+    out << "membar_client_frames{" << labels(c) << ",tier=\"host\"} " << c.host_frames.current << '\n';
+  }
+  family(out, "membar_client_pages", "gauge", "A client's pages by residency.");
+  for (const ClientStats& c : stats.clients) {
+    out << "membar_client_pages{" << labels(c) << ",residency=\"gpu\"} " << c.pages_gpu << '\n';
+    out << "membar_client_pages{" << labels(c) << ",residency=\"host\"} " << c.pages_host << '\n';
+    out << "membar_client_pages{" << labels(c) << ",residency=\"both\"} " << c.pages_both << '\n';
+    out << "membar_client_pages{" << labels(c) << ",residency=\"none\"} " << c.pages_none << '\n';
+  }
+  family(out, "membar_client_transferred_bytes_total", "counter", "Bytes moved between tiers.");
+  for (const ClientStats& c : stats.clients) {
+    out << "membar_client_transferred_bytes_total{" << labels(c) << ",direction=\"host_to_gpu\"} " << c.bytes_host_to_gpu << '\n';
+    out << "membar_client_transferred_bytes_total{" << labels(c) << ",direction=\"gpu_to_host\"} " << c.bytes_gpu_to_host << '\n';
+  }
+  family(out, "membar_client_prefetch_hits_total", "counter", "Acquires that found the page already on the GPU.");
+  for (const ClientStats& c : stats.clients) out << "membar_client_prefetch_hits_total{" << labels(c) << "} " << c.prefetch_hits << '\n';
+  family(out, "membar_client_prefetch_misses_total", "counter", "Acquires that had to start a transfer.");
+  for (const ClientStats& c : stats.clients) out << "membar_client_prefetch_misses_total{" << labels(c) << "} " << c.prefetch_misses << '\n';
+  family(out, "membar_client_evictions_total", "counter", "Pages evicted from the GPU tier.");
+  for (const ClientStats& c : stats.clients) out << "membar_client_evictions_total{" << labels(c) << "} " << c.evictions << '\n';
+  family(out, "membar_client_stall_seconds_total", "counter", "Time the client waited for pages.");
+  for (const ClientStats& c : stats.clients) {
+    out << "membar_client_stall_seconds_total{" << labels(c) << "} " << static_cast<double>(c.stall_ns) * 1e-9 << '\n';
+  }
+  return out.str();
+}
+
+}  // namespace membar::runtimed
