@@ -1,0 +1,189 @@
+// HostBackend: copies (merged when adjacent), zero fills, signal ordering, fault injection.
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <fstream>
+#include <mutex>
+#include <random>
+#include <thread>
+
+#include "runtime_test_util.h"
+
+namespace membar::runtimed {
+namespace {
+
+using membar::testing::check_pattern;
+using membar::testing::count_open_fds;
+using membar::testing::fill_pattern;
+using membar::testing::is_zero;
+
+std::unique_ptr<DeviceBackend> make_backend(uint64_t gpu_frames, uint64_t host_frames) {
+  BackendConfig config;
+  config.gpu_pool_bytes = gpu_frames * kFrameBytes;
+  config.host_pool_bytes = host_frames * kFrameBytes;
+  auto backend = make_host_backend(config);
+  EXPECT_TRUE(backend.ok()) << backend.status().to_string();
+  return std::move(backend).value();
+}
+
+// Waits for a completion callback.
+struct Completion {
+  std::mutex mutex;
+  std::condition_variable done;
+  int count = 0;
+  Status status;
+  std::function<void(Status)> callback() {
+    return [this](Status s) {
+      std::lock_guard<std::mutex> lock(mutex);
+      if (!s.ok()) status = s;
+      ++count;
+      done.notify_all();
+    };
+  }
+  void wait_for(int n) {
+    std::unique_lock<std::mutex> lock(mutex);
+    ASSERT_TRUE(done.wait_for(lock, std::chrono::seconds(10), [&] { return count >= n; }));
+  }
+};
+
+int count_mappings() {
+  std::ifstream maps("/proc/self/maps");
+  int lines = 0;
+  std::string line;
+  while (std::getline(maps, line)) ++lines;
+  return lines;
+}
+
+TEST(HostBackend, PoolsHaveTheConfiguredFrames) {
+  auto backend = make_backend(3, 5);
+  EXPECT_EQ(backend->name(), "host");
+  EXPECT_EQ(backend->frame_count(Tier::kGpu), 3u);
+  EXPECT_EQ(backend->frame_count(Tier::kHost), 5u);
+  EXPECT_NE(backend->frame_pointer(Tier::kGpu, 2), nullptr);
+  EXPECT_EQ(backend->frame_pointer(Tier::kGpu, 3), nullptr);
+  EXPECT_FALSE(backend->export_frame(Tier::kHost, 5).ok());
+}
+
+TEST(HostBackend, ExportedFrameSharesMemoryWithTheDaemonView) {
+  auto backend = make_backend(2, 2);
+  auto fd = backend->export_frame(Tier::kGpu, 1);
+  ASSERT_TRUE(fd.ok());
+  void* view = ::mmap(nullptr, kFrameBytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd.value(), 0);
+  ::close(fd.value());
+  ASSERT_NE(view, MAP_FAILED);
+  fill_pattern(view, kFrameBytes, 77);
+  EXPECT_TRUE(check_pattern(backend->frame_pointer(Tier::kGpu, 1), kFrameBytes, 77));
+  EXPECT_FALSE(check_pattern(backend->frame_pointer(Tier::kGpu, 0), kFrameBytes, 77));
+  ::munmap(view, kFrameBytes);
+}
+
+TEST(HostBackend, AdjacentCopiesMergeAcrossFrames) {
+  auto backend = make_backend(4, 4);
+  constexpr uint64_t kPage = 64 << 10;
+  for (FrameIndex f = 0; f < 4; ++f) fill_pattern(backend->frame_pointer(Tier::kHost, f), kFrameBytes, 100 + f);
+  // Host frames 1..2 -> GPU frames 2..3, as 64 pages of 64 KiB given in shuffled order: one run.
+  std::vector<CopyOp> ops;
+  for (uint32_t i = 0; i < 64; ++i) {
+    FrameIndex src = 1 + i / 32, dst = 2 + i / 32;
+    uint64_t offset = uint64_t(i % 32) * kPage;
+    ops.push_back(CopyOp{Tier::kHost, src, offset, Tier::kGpu, dst, offset, kPage});
+  }
+  std::shuffle(ops.begin(), ops.end(), std::mt19937(7));
+  // Plus one op that is not adjacent to anything: host frame 0 slot 5 -> GPU frame 0 slot 9.
+  ops.push_back(CopyOp{Tier::kHost, 0, 5 * kPage, Tier::kGpu, 0, 9 * kPage, kPage});
+  Completion completion;
+  BackendCounters before = backend->counters();
+  ASSERT_TRUE(backend->enqueue_copies(ops, completion.callback()).ok());
+  completion.wait_for(1);
+  ASSERT_TRUE(completion.status.ok());
+  BackendCounters after = backend->counters();
+  EXPECT_EQ(after.copy_ops - before.copy_ops, 65u);
+  EXPECT_EQ(after.transfers - before.transfers, 2u);
+  EXPECT_EQ(after.bytes_copied - before.bytes_copied, 65 * kPage);
+  EXPECT_TRUE(check_pattern(backend->frame_pointer(Tier::kGpu, 2), kFrameBytes, 101));
+  EXPECT_TRUE(check_pattern(backend->frame_pointer(Tier::kGpu, 3), kFrameBytes, 102));
+  const char* src = static_cast<const char*>(backend->frame_pointer(Tier::kHost, 0)) + 5 * kPage;
+  const char* dst = static_cast<const char*>(backend->frame_pointer(Tier::kGpu, 0)) + 9 * kPage;
+  EXPECT_EQ(std::memcmp(src, dst, kPage), 0);
+}
+
+TEST(HostBackend, ZeroFillAndBadRanges) {
+  auto backend = make_backend(1, 1);
+  fill_pattern(backend->frame_pointer(Tier::kGpu, 0), kFrameBytes, 5);
+  Completion completion;
+  ASSERT_TRUE(backend->enqueue_zero(Tier::kGpu, 0, 1 << 20, 64 << 10, completion.callback()).ok());
+  completion.wait_for(1);
+  char* frame = static_cast<char*>(backend->frame_pointer(Tier::kGpu, 0));
+  EXPECT_TRUE(is_zero(frame + (1 << 20), 64 << 10));
+  EXPECT_FALSE(is_zero(frame + (1 << 20) + (64 << 10), 64 << 10));
+  // Out of range: refused, callback never called.
+  int calls = 0;
+  auto never = [&calls](Status) { ++calls; };
+  EXPECT_EQ(backend->enqueue_zero(Tier::kGpu, 1, 0, 8, never).code(), StatusCode::OUT_OF_RANGE);
+  EXPECT_EQ(backend->enqueue_zero(Tier::kGpu, 0, kFrameBytes - 8, 16, never).code(), StatusCode::OUT_OF_RANGE);
+  EXPECT_EQ(backend->enqueue_copies({CopyOp{Tier::kHost, 3, 0, Tier::kGpu, 0, 0, 8}}, never).code(),
+            StatusCode::OUT_OF_RANGE);
+  backend->drain();
+  EXPECT_EQ(calls, 0);
+}
+
+TEST(HostBackend, SignalFiresOnlyAfterEarlierWork) {
+  auto backend = make_backend(8, 8);
+  auto block = backend->create_signal_block(4);
+  ASSERT_TRUE(block.ok());
+  volatile uint64_t* words = backend->signal_words(block.value());
+  ASSERT_NE(words, nullptr);
+  for (FrameIndex f = 0; f < 8; ++f) fill_pattern(backend->frame_pointer(Tier::kHost, f), kFrameBytes, 300 + f);
+  Completion completion;
+  for (int round = 0; round < 20; ++round) {
+    std::vector<CopyOp> ops;
+    for (FrameIndex f = 0; f < 8; ++f) ops.push_back(CopyOp{Tier::kHost, f, 0, Tier::kGpu, f, 0, kFrameBytes});
+    ASSERT_TRUE(backend->enqueue_copies(ops, completion.callback()).ok());
+    ASSERT_TRUE(backend->enqueue_signal(block.value(), 2, uint64_t(round + 1)).ok());
+  }
+  // Once the word says 20, every copy before it has landed.
+  auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  while (words[2] != 20 && std::chrono::steady_clock::now() < deadline) std::this_thread::yield();
+  ASSERT_EQ(words[2], 20u);
+  for (FrameIndex f = 0; f < 8; ++f) EXPECT_TRUE(check_pattern(backend->frame_pointer(Tier::kGpu, f), kFrameBytes, 300 + f));
+  EXPECT_EQ(backend->enqueue_signal(block.value(), 4, 1).code(), StatusCode::OUT_OF_RANGE);
+  EXPECT_EQ(backend->enqueue_signal(block.value() + 100, 0, 1).code(), StatusCode::NOT_FOUND);
+  auto fd = backend->export_signal_block(block.value());
+  ASSERT_TRUE(fd.ok());
+  auto* view = static_cast<volatile uint64_t*>(::mmap(nullptr, 4096, PROT_READ, MAP_SHARED, fd.value(), 0));
+  ::close(fd.value());
+  EXPECT_EQ(view[2], 20u);
+  ::munmap(const_cast<uint64_t*>(view), 4096);
+  EXPECT_TRUE(backend->destroy_signal_block(block.value()).ok());
+  EXPECT_EQ(backend->destroy_signal_block(block.value()).code(), StatusCode::NOT_FOUND);
+  completion.wait_for(20);
+}
+
+TEST(HostBackend, FrameCreationFailureLeaksNothing) {
+  int fds_before = count_open_fds();
+  int maps_before = count_mappings();
+  for (uint64_t fail_after : {1, 2, 5, 9}) {
+    BackendConfig config;
+    config.gpu_pool_bytes = 4 * kFrameBytes;
+    config.host_pool_bytes = 8 * kFrameBytes;
+    config.fail_frame_create_after = fail_after;
+    auto backend = make_host_backend(config);
+    ASSERT_FALSE(backend.ok());
+    EXPECT_EQ(backend.status().code(), StatusCode::RESOURCE_EXHAUSTED);
+    EXPECT_NE(backend.status().message().find("fault injected"), std::string::npos) << backend.status().to_string();
+  }
+  EXPECT_EQ(count_open_fds(), fds_before);
+  EXPECT_EQ(count_mappings(), maps_before);
+  // Failing after all 12 frames exist is no failure.
+  BackendConfig config;
+  config.gpu_pool_bytes = 4 * kFrameBytes;
+  config.host_pool_bytes = 8 * kFrameBytes;
+  config.fail_frame_create_after = 13;
+  EXPECT_TRUE(make_host_backend(config).ok());
+}
+
+}  // namespace
+}  // namespace membar::runtimed
