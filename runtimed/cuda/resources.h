@@ -124,6 +124,16 @@ class DeviceMapping {
   ~DeviceMapping() { reset(); }
   CUdeviceptr address() const { return address_; }
   bool valid() const { return address_ != 0; }
+  // Unmaps now and reports the driver's answer; on failure the mapping stays owned.
+  CUresult unmap() {
+    if (address_ == 0) return CUDA_SUCCESS;
+    CUresult result = api_->cuMemUnmap(address_, bytes_);
+    if (result == CUDA_SUCCESS) {
+      address_ = 0;
+      bytes_ = 0;
+    }
+    return result;
+  }
   void reset() {
     if (address_ != 0) api_->cuMemUnmap(address_, bytes_);
     address_ = 0;
