@@ -1,0 +1,98 @@
+#include "admin_connection.h"
+
+#include <poll.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <cstring>
+
+#include "membar/protocol/ring.h"
+#include "membar/protocol/v1.h"
+
+namespace membar::ctl {
+
+namespace v1 = protocol::v1;
+
+Result<std::unique_ptr<AdminConnection>> AdminConnection::open(const std::string& socket_path, int timeout_ms) {
+  std::unique_ptr<AdminConnection> connection(new AdminConnection());
+  connection->socket_path_ = socket_path;
+  connection->timeout_ms_ = timeout_ms;
+  sockaddr_un address{};
+  if (socket_path.empty() || socket_path.size() >= sizeof(address.sun_path)) {
+    return invalid_argument("socket path '" + socket_path + "' is empty or too long");
+  }
+  connection->socket_.reset(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
+  address.sun_family = AF_UNIX;
+  std::memcpy(address.sun_path, socket_path.data(), socket_path.size());
+  if (::connect(connection->socket_.get(), reinterpret_cast<sockaddr*>(&address), sizeof(address)) != 0) {
+    return unavailable("no membard answers at " + socket_path + ": " + std::strerror(errno));
+  }
+  v1::HelloV1 hello{};
+  hello.role = static_cast<uint32_t>(v1::Role::kAdmin);
+  v1::copy_text(hello.client_name, sizeof(hello.client_name), "membarctl");
+  MEMBAR_RETURN_IF_ERROR(
+      wire::send_message(connection->socket_.get(), v1::encode_message(v1::MessageType::kHello, hello)));
+  MEMBAR_ASSIGN_OR_RETURN(wire::ReceivedMessage message,
+                          connection->read_message(static_cast<uint16_t>(v1::MessageType::kHelloReply)));
+  MEMBAR_ASSIGN_OR_RETURN(v1::HelloReplyV1 reply, v1::decode_hello_reply(message.payload));
+  if (reply.status != 0) {
+    return Status(static_cast<StatusCode>(reply.status), std::string("membard refused: ") + reply.message);
+  }
+  connection->backend_ = reply.backend == static_cast<uint8_t>(v1::WireBackend::kCuda) ? "cuda" : "host";
+  return connection;
+}
+
+Result<wire::ReceivedMessage> AdminConnection::read_message(uint16_t expected_type) {
+  uint64_t deadline = protocol::monotonic_ns() + uint64_t(timeout_ms_) * 1000000ull;
+  for (;;) {
+    MEMBAR_ASSIGN_OR_RETURN(std::optional<wire::ReceivedMessage> next, assembler_.next());
+    if (next.has_value()) {
+      if (next->header.type == expected_type) return std::move(*next);
+      if (next->header.type == static_cast<uint16_t>(v1::MessageType::kError)) {
+        MEMBAR_ASSIGN_OR_RETURN(v1::ErrorV1 error, v1::decode_error(next->payload));
+        return Status(static_cast<StatusCode>(error.status), std::string("membard: ") + error.message);
+      }
+      if (next->header.type == static_cast<uint16_t>(v1::MessageType::kShutdown)) {
+        return unavailable("membard at " + socket_path_ + " is shutting down");
+      }
+      continue;
+    }
+    uint64_t now = protocol::monotonic_ns();
+    if (now > deadline) {
+      return Status(StatusCode::DEADLINE_EXCEEDED, "membard did not answer within " + std::to_string(timeout_ms_) + " ms");
+    }
+    pollfd p{socket_.get(), POLLIN, 0};
+    ::poll(&p, 1, static_cast<int>((deadline - now) / 1000000) + 1);
+    Result<bool> read = assembler_.read_available(socket_.get());
+    if (!read.ok()) {
+      MEMBAR_ASSIGN_OR_RETURN(std::optional<wire::ReceivedMessage> last, assembler_.next());
+      if (last.has_value() && last->header.type == static_cast<uint16_t>(v1::MessageType::kError)) {
+        MEMBAR_ASSIGN_OR_RETURN(v1::ErrorV1 error, v1::decode_error(last->payload));
+        return Status(static_cast<StatusCode>(error.status), std::string("membard: ") + error.message);
+      }
+      if (last.has_value() && last->header.type == expected_type) return std::move(*last);
+      return unavailable("membard at " + socket_path_ + " closed the connection");
+    }
+  }
+}
+
+Result<RuntimeStats> AdminConnection::stats() {
+  MEMBAR_RETURN_IF_ERROR(wire::send_message(
+      socket_.get(), v1::encode_message(v1::MessageType::kStatsRequest, std::span<const uint8_t>())));
+  MEMBAR_ASSIGN_OR_RETURN(wire::ReceivedMessage reply,
+                          read_message(static_cast<uint16_t>(v1::MessageType::kStatsReply)));
+  return v1::decode_stats(reply.payload);
+}
+
+Result<uint64_t> AdminConnection::ping() {
+  v1::PingV1 ping{next_nonce_++};
+  uint64_t start = protocol::monotonic_ns();
+  MEMBAR_RETURN_IF_ERROR(wire::send_message(socket_.get(), v1::encode_message(v1::MessageType::kPing, ping)));
+  MEMBAR_ASSIGN_OR_RETURN(wire::ReceivedMessage reply, read_message(static_cast<uint16_t>(v1::MessageType::kPong)));
+  MEMBAR_ASSIGN_OR_RETURN(v1::PingV1 pong, v1::decode_ping(reply.payload));
+  if (pong.nonce != ping.nonce) return internal_error("membard answered a different ping");
+  return protocol::monotonic_ns() - start;
+}
+
+}  // namespace membar::ctl

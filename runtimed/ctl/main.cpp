@@ -1,0 +1,125 @@
+// membarctl: the admin CLI of membard.
+//   membarctl [--socket PATH] stats [--json]     one snapshot (sectioned text, or JSON)
+//   membarctl [--socket PATH] top [--iterations N] [--interval-ms MS]   live view, every second
+//   membarctl [--socket PATH] ping               liveness and round-trip time
+// PATH defaults to $MEMBAR_SOCKET, then /run/membar/membard.sock.
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+#include <thread>
+
+#include "admin_connection.h"
+#include "format.h"
+#include "membar/client.h"
+
+namespace {
+
+using namespace membar;
+
+const char* kUsage =
+    "usage: membarctl [--socket PATH] stats [--json]\n"
+    "       membarctl [--socket PATH] top [--iterations N] [--interval-ms MS]\n"
+    "       membarctl [--socket PATH] ping\n"
+    "PATH defaults to $MEMBAR_SOCKET, then /run/membar/membard.sock.\n";
+
+int fail(const Status& status) {
+  std::fprintf(stderr, "membarctl: %s\n", status.to_string().c_str());
+  return status.code() == StatusCode::UNAVAILABLE ? 3 : 1;
+}
+
+int usage_error(const std::string& message) {
+  std::fprintf(stderr, "membarctl: %s\n%s", message.c_str(), kUsage);
+  return 2;
+}
+
+bool parse_count(const std::string& text, long long low, long long* out) {
+  char* end = nullptr;
+  long long value = std::strtoll(text.c_str(), &end, 10);
+  if (end == text.c_str() || *end != 0 || value < low) return false;
+  *out = value;
+  return true;
+}
+
+int run(int argc, char** argv) {
+  std::string socket_path;
+  if (const char* from_environment = std::getenv("MEMBAR_SOCKET")) socket_path = from_environment;
+  if (socket_path.empty() || socket_path == "embedded") socket_path = kDefaultSocketPath;
+  std::string command;
+  bool json = false;
+  long long iterations = -1;
+  long long interval_ms = 1000;
+  for (int i = 1; i < argc; ++i) {
+    std::string arg = argv[i];
+    auto value = [&](std::string* out) {
+      if (i + 1 >= argc) return false;
+      *out = argv[++i];
+      return true;
+    };
+    std::string text;
+    if (arg == "--help" || arg == "-h") {
+      std::fputs(kUsage, stdout);
+      return 0;
+    } else if (arg == "--socket") {
+      if (!value(&socket_path)) return usage_error("--socket needs a path");
+    } else if (arg == "--json") {
+      json = true;
+    } else if (arg == "--iterations") {
+      if (!value(&text) || !parse_count(text, 1, &iterations)) return usage_error("--iterations needs a count >= 1");
+    } else if (arg == "--interval-ms") {
+      if (!value(&text) || !parse_count(text, 10, &interval_ms)) return usage_error("--interval-ms needs >= 10");
+    } else if (command.empty() && (arg == "stats" || arg == "top" || arg == "ping")) {
+      command = arg;
+    } else {
+      return usage_error("unknown argument '" + arg + "'");
+    }
+  }
+  if (command.empty()) return usage_error("no command given");
+
+  Result<std::unique_ptr<ctl::AdminConnection>> connection = ctl::AdminConnection::open(socket_path);
+  if (!connection.ok()) return fail(connection.status());
+  ctl::AdminConnection& admin = *connection.value();
+
+  if (command == "ping") {
+    Result<uint64_t> round_trip = admin.ping();
+    if (!round_trip.ok()) return fail(round_trip.status());
+    std::printf("membard at %s is alive (backend %s, protocol v1), round trip %s\n", socket_path.c_str(),
+                admin.backend().c_str(), ctl::human_duration_ns(round_trip.value()).c_str());
+    return 0;
+  }
+  if (command == "stats") {
+    Result<RuntimeStats> stats = admin.stats();
+    if (!stats.ok()) return fail(stats.status());
+    std::string text = json ? ctl::format_stats_json(stats.value(), socket_path)
+                            : ctl::format_stats_text(stats.value(), socket_path);
+    std::fputs(text.c_str(), stdout);
+    return 0;
+  }
+  // top
+  bool terminal = ::isatty(STDOUT_FILENO) != 0;
+  RuntimeStats previous;
+  bool have_previous = false;
+  auto last = std::chrono::steady_clock::now();
+  for (long long i = 0; iterations < 0 || i < iterations; ++i) {
+    if (i > 0) std::this_thread::sleep_for(std::chrono::milliseconds(interval_ms));
+    Result<RuntimeStats> stats = admin.stats();
+    if (!stats.ok()) return fail(stats.status());
+    auto now = std::chrono::steady_clock::now();
+    double interval_s = std::chrono::duration<double>(now - last).count();
+    last = now;
+    std::string screen = ctl::format_top(stats.value(), have_previous ? &previous : nullptr, interval_s, socket_path);
+    if (terminal) std::fputs("\033[H\033[2J", stdout);
+    std::fputs(screen.c_str(), stdout);
+    if (!terminal) std::fputs("\n", stdout);
+    std::fflush(stdout);
+    previous = std::move(stats).value();
+    have_previous = true;
+  }
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) { return run(argc, argv); }
