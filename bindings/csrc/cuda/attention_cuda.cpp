@@ -1,0 +1,163 @@
+// CUDA implementations of the paged-attention ops (schemas, meta functions and shared
+// validation in ../attention_ops.cpp): validate, fill the kernel's params, launch on the current
+// stream of q's device. The shape checks of prepare_* run first; then what the CUDA kernels
+// support on top (head_dim 64/128, page_tokens 64/128, bf16/fp16, query tiles of 64k rows); then
+// the page index values, read back in one small transfer, so that a bad index is an error and
+// never an out-of-bounds access.
+#include <ATen/ATen.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+
+#include <vector>
+
+#include "attention_ops.h"
+// The CUDA kernels' own checks (kernels/cuda is not on the bindings' include path).
+#include "../../../kernels/cuda/attention_cuda_internal.h"
+
+namespace membar::bindings::attention {
+namespace {
+
+namespace k = membar::kernels;
+
+void check_cuda(const at::Tensor& tensor, const char* op) {
+  TORCH_CHECK(tensor.is_cuda(), op, ": the CUDA implementation got a tensor on ", tensor.device(), ".");
+}
+
+void check_launch(int error, const char* op) {
+  TORCH_CHECK(error == 0, op, ": the CUDA kernel failed to launch: ", cudaGetErrorString(static_cast<cudaError_t>(error)),
+              ".");
+}
+
+void check_supported(const k::PagedAttentionShape& shape, const k::PageSelection& selection, const char* op) {
+  const char* problem = k::cuda::paged_attention_cuda_check(shape, selection);
+  TORCH_CHECK(problem[0] == '\0', op, ": ", problem);
+}
+
+void check_aligned(std::initializer_list<std::pair<const void*, const char*>> tensors, const char* op) {
+  std::vector<const void*> pointers;
+  std::vector<const char*> names;
+  for (const auto& [pointer, name] : tensors) {
+    pointers.push_back(pointer);
+    names.push_back(name);
+  }
+  const char* problem = k::cuda::paged_attention_check_alignment(pointers.data(), names.data(), int(pointers.size()));
+  TORCH_CHECK(problem[0] == '\0', op, ": ", problem);
+}
+
+// Every page index value must name a row of its pool: [min, max] of each index in one transfer.
+void check_index_ranges(std::initializer_list<std::tuple<const at::Tensor*, int64_t, const char*>> indices,
+                        const char* op) {
+  std::vector<at::Tensor> bounds;
+  for (const auto& [index, pool_pages, name] : indices) {
+    if (index->numel() == 0) continue;
+    const auto [low, high] = at::aminmax(*index);
+    bounds.push_back(at::stack({low, high}));
+  }
+  if (bounds.empty()) return;
+  const at::Tensor host = at::stack(bounds).cpu();
+  const int32_t* values = host.data_ptr<int32_t>();
+  int slot = 0;
+  for (const auto& [index, pool_pages, name] : indices) {
+    if (index->numel() == 0) continue;
+    const int32_t low = values[2 * slot], high = values[2 * slot + 1];
+    TORCH_CHECK(low >= 0 && high < pool_pages, op, ": ", name, " holds values in [", low, ", ", high,
+                "] but its pool has ", pool_pages, " pages.");
+    ++slot;
+  }
+}
+
+std::tuple<at::Tensor, at::Tensor> forward_cuda(const at::Tensor& q, const at::Tensor& k_chunk, const at::Tensor& v_chunk,
+                                                const at::Tensor& k_pool, const at::Tensor& k_page_index,
+                                                const at::Tensor& v_pool, const at::Tensor& v_page_index,
+                                                int64_t history_tokens, double softmax_scale,
+                                                const std::optional<at::Tensor>& selected_pages,
+                                                int64_t query_tile_tokens) {
+  constexpr const char* kOp = "paged_attention_forward";
+  check_cuda(q, kOp);
+  const c10::cuda::CUDAGuard guard(q.device());
+  ForwardCall call = prepare_forward(q, k_chunk, v_chunk, k_pool, k_page_index, v_pool, v_page_index, history_tokens,
+                                     softmax_scale, selected_pages, query_tile_tokens, /*check_index_values=*/false);
+  const k::PagedAttentionForwardParams& p = call.params;
+  check_supported(p.shape, p.selection, kOp);
+  check_aligned({{p.q, "q"}, {p.k_chunk, "k_chunk"}, {p.v_chunk, "v_chunk"}, {p.history.k_pool, "k_pool"},
+                 {p.history.v_pool, "v_pool"}, {p.out, "out"}},
+                kOp);
+  check_index_ranges({{&k_page_index, k_pool.size(0), "k_page_index"}, {&v_page_index, v_pool.size(0), "v_page_index"}},
+                     kOp);
+  check_launch(k::cuda::paged_attention_forward(p, at::cuda::getCurrentCUDAStream().stream()), kOp);
+  return {call.out, call.lse};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_cuda(
+    const at::Tensor& q, const at::Tensor& k_chunk, const at::Tensor& v_chunk, const at::Tensor& k_pool,
+    const at::Tensor& k_page_index, const at::Tensor& v_pool, const at::Tensor& v_page_index, const at::Tensor& out,
+    const at::Tensor& dout, const at::Tensor& lse, at::Tensor& dk_pool, const at::Tensor& dk_page_index,
+    at::Tensor& dv_pool, const at::Tensor& dv_page_index, int64_t history_tokens, double softmax_scale,
+    const std::optional<at::Tensor>& selected_pages, int64_t query_tile_tokens, bool deterministic) {
+  constexpr const char* kOp = "paged_attention_backward";
+  check_cuda(q, kOp);
+  const c10::cuda::CUDAGuard guard(q.device());
+  BackwardCall call = prepare_backward(q, k_chunk, v_chunk, k_pool, k_page_index, v_pool, v_page_index, out, dout, lse,
+                                       dk_pool, dk_page_index, dv_pool, dv_page_index, history_tokens, softmax_scale,
+                                       selected_pages, query_tile_tokens, deterministic, /*check_index_values=*/false);
+  k::PagedAttentionBackwardParams& p = call.params;
+  check_supported(p.shape, p.selection, kOp);
+  TORCH_CHECK(p.grad_page_dtype == k::DType::kFloat32 || p.grad_page_dtype == k::DType::kBFloat16, kOp,
+              ": the CUDA kernel accumulates into float32 or bfloat16 grad pages (got ", dk_pool.scalar_type(), ").");
+  const at::Tensor workspace =
+      at::empty({int64_t(k::cuda::paged_attention_backward_workspace_bytes(p.shape))}, q.options().dtype(at::kByte));
+  p.workspace = workspace.data_ptr();
+  check_aligned({{p.q, "q"}, {p.k_chunk, "k_chunk"}, {p.v_chunk, "v_chunk"}, {p.history.k_pool, "k_pool"},
+                 {p.history.v_pool, "v_pool"}, {p.out, "out"}, {p.dout, "dout"}, {p.dq, "dq"},
+                 {p.dk_chunk, "dk_chunk"}, {p.dv_chunk, "dv_chunk"}, {p.grad_history.dk_pool, "dk_pool"},
+                 {p.grad_history.dv_pool, "dv_pool"}},
+                kOp);
+  check_index_ranges({{&k_page_index, k_pool.size(0), "k_page_index"},
+                      {&v_page_index, v_pool.size(0), "v_page_index"},
+                      {&dk_page_index, dk_pool.size(0), "dk_page_index"},
+                      {&dv_page_index, dv_pool.size(0), "dv_page_index"}},
+                     kOp);
+  check_launch(k::cuda::paged_attention_backward(p, at::cuda::getCurrentCUDAStream().stream()), kOp);
+  return {call.dq, call.dk_chunk, call.dv_chunk};
+}
+
+std::tuple<at::Tensor, std::optional<at::Tensor>, std::optional<at::Tensor>> summary_cuda(
+    const at::Tensor& k_pool, const at::Tensor& k_page_index, int64_t history_tokens, bool with_bounds) {
+  constexpr const char* kOp = "page_summary";
+  check_cuda(k_pool, kOp);
+  const c10::cuda::CUDAGuard guard(k_pool.device());
+  SummaryCall call = prepare_summary(k_pool, k_page_index, history_tokens, with_bounds, /*check_index_values=*/false);
+  const k::DType dtype = call.params.shape.dtype;
+  TORCH_CHECK(dtype == k::DType::kBFloat16 || dtype == k::DType::kFloat16, kOp,
+              ": the CUDA kernel takes bfloat16 or float16 pools (got ", k_pool.scalar_type(), ").");
+  check_index_ranges({{&k_page_index, k_pool.size(0), "k_page_index"}}, kOp);
+  check_launch(k::cuda::page_summary(call.params, at::cuda::getCurrentCUDAStream().stream()), kOp);
+  return {call.mean, call.min, call.max};
+}
+
+at::Tensor select_cuda(const at::Tensor& q, const at::Tensor& mean, const std::optional<at::Tensor>& min,
+                       const std::optional<at::Tensor>& max, int64_t top_k, int64_t query_tile_tokens) {
+  constexpr const char* kOp = "page_select";
+  check_cuda(q, kOp);
+  const c10::cuda::CUDAGuard guard(q.device());
+  SelectCall call = prepare_select(q, mean, min, max, top_k, query_tile_tokens);
+  const k::PagedAttentionShape& shape = call.params.shape;
+  TORCH_CHECK(shape.dtype == k::DType::kBFloat16 || shape.dtype == k::DType::kFloat16, kOp,
+              ": the CUDA kernel takes bfloat16 or float16 queries (got ", q.scalar_type(), ").");
+  TORCH_CHECK(top_k >= 1, kOp, ": top_k must be at least 1.");
+  const int64_t max_pages = k::cuda::page_select_max_pages(shape);
+  TORCH_CHECK(mean.size(0) <= max_pages, kOp, ": the CUDA kernel scores at most ", max_pages,
+              " pages per call for this shape (got ", mean.size(0), ").");
+  check_launch(k::cuda::page_select(call.params, at::cuda::getCurrentCUDAStream().stream()), kOp);
+  return call.selected_pages;
+}
+
+}  // namespace
+}  // namespace membar::bindings::attention
+
+TORCH_LIBRARY_IMPL(membar, CUDA, m) {
+  m.impl("paged_attention_forward", &membar::bindings::attention::forward_cuda);
+  m.impl("paged_attention_backward", &membar::bindings::attention::backward_cuda);
+  m.impl("page_summary", &membar::bindings::attention::summary_cuda);
+  m.impl("page_select", &membar::bindings::attention::select_cuda);
+}
