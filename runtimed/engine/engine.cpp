@@ -23,7 +23,8 @@
 // batch if it has not finished, so "a page with an in-flight copy is not reused until the copy
 // completes" holds without any waiting on the caller's thread. A frame going back to the pool
 // with copies still in flight (client_close in the middle of a transfer) drains first: it joins
-// the free list only when its last batch completes.
+// the free list only when its last batch completes; a live client's emptied frame with copies in
+// flight stays with the client until they complete, then is revoked.
 // Tickets: every call that moves data gets the next ticket of its client; a ticket completes when
 // its batches and every earlier ticket's have, which is what lets one 64-bit signal word
 // (kSignalCompleted) describe completion to CPU and GPU waiters alike.
@@ -840,8 +841,12 @@ class EngineImpl final : public Engine {
     auto it = std::find(frame.pending_batches.begin(), frame.pending_batches.end(), batch_id);
     if (it == frame.pending_batches.end()) return;
     frame.pending_batches.erase(it);
-    if (frame.owner == 0 && frame.pending_batches.empty()) {
+    if (!frame.pending_batches.empty()) return;
+    if (frame.owner == 0) {
       pools_[tier_index(tier)].free_frames.push_back(index);
+    } else if (frame.used_slots == 0) {
+      auto owner = clients_.find(frame.owner);
+      if (owner != clients_.end()) owner->second->maybe_empty[tier_index(tier)].push_back(index);
     }
   }
 
@@ -855,7 +860,11 @@ class EngineImpl final : public Engine {
       candidates.erase(std::unique(candidates.begin(), candidates.end()), candidates.end());
       for (FrameIndex index : candidates) {
         Frame& frame = frame_of(tier, index);
-        if (frame.owner == client.id && frame.used_slots == 0) return_frame_to_pool(client, tier, index, true);
+        // A frame still touched by copies stays with the client (which may reuse its slots at
+        // once); the last copy's completion trims it again.
+        if (frame.owner == client.id && frame.used_slots == 0 && frame.pending_batches.empty()) {
+          return_frame_to_pool(client, tier, index, true);
+        }
       }
     }
   }
@@ -1283,6 +1292,8 @@ class EngineImpl final : public Engine {
     Batch batch = std::move(it->second);
     batches_.erase(it);
     for (auto [tier, frame] : batch.frames) drop_pending_batch(tier, frame, id);
+    auto owner = clients_.find(batch.client);
+    if (owner != clients_.end() && !owner->second->closed) trim(*owner->second);
     for (uint64_t dependent : batch.dependents) {
       auto next = batches_.find(dependent);
       if (next == batches_.end()) continue;
