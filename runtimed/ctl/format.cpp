@@ -123,7 +123,7 @@ std::string format_stats_json(const RuntimeStats& stats, const std::string& sock
       << ",\n  \"tiers\": [";
   for (size_t i = 0; i < stats.tiers.size(); ++i) {
     const TierStats& t = stats.tiers[i];
-    out << (i ? ", " : "") << "\n    {\"tier\": \"" << tier_name(t.tier) << "\", \"frames_total\": " << t.frames_total
+    out << (i ? "," : "") << "\n    {\"tier\": \"" << tier_name(t.tier) << "\", \"frames_total\": " << t.frames_total
         << ", \"frames_used\": " << t.frames_used << ", \"frames_free\": " << t.frames_free
         << ", \"frame_bytes\": " << kFrameBytes << "}";
   }

@@ -10,6 +10,7 @@
 #include <mutex>
 #include <span>
 #include <thread>
+#include <type_traits>
 
 #include "engine.h"
 #include "membar/protocol/ring.h"
@@ -29,6 +30,7 @@ class SessionChannel {
   // Sends one message (and passes `fd_to_pass`, which stays the caller's). Serialised.
   Status send(protocol::v1::MessageType type, std::span<const uint8_t> payload, int fd_to_pass = -1);
   template <typename T>
+    requires std::is_trivially_copyable_v<T>
   Status send(protocol::v1::MessageType type, const T& payload, int fd_to_pass = -1) {
     return send(type, std::span<const uint8_t>(reinterpret_cast<const uint8_t*>(&payload), sizeof(T)), fd_to_pass);
   }

@@ -29,6 +29,7 @@
 #include <span>
 #include <string>
 #include <string_view>
+#include <type_traits>
 #include <vector>
 
 #include "membar/status.h"
@@ -271,7 +272,9 @@ Result<SegmentLayout> read_segment_header(const void* segment, uint64_t mapped_b
 // A whole socket message: header + payload.
 std::vector<uint8_t> encode_message(MessageType type, std::span<const uint8_t> payload,
                                     uint32_t fd_count = 0);
+// A fixed-size wire struct as the payload (containers go through the span overload).
 template <typename T>
+  requires std::is_trivially_copyable_v<T>
 std::vector<uint8_t> encode_message(MessageType type, const T& payload, uint32_t fd_count = 0) {
   return encode_message(type, std::span<const uint8_t>(reinterpret_cast<const uint8_t*>(&payload),
                                                        sizeof(T)),
