@@ -313,7 +313,7 @@ class PolicySubscriber:
         self.keep_masters = keep_masters
         self.masters = {}
         for matrix_id, weight in weights.items():
-            self.masters[matrix_id] = weight.detach().float().clone() if keep_masters else weight
+            self.masters[matrix_id] = weight.detach().float().clone() if keep_masters else weight.detach()
         self.applied = 0
         self.reanchors = 0
         if join == "snapshot":
@@ -328,13 +328,14 @@ class PolicySubscriber:
         update_count, weights = decode_snapshot(payload)
         if update_count != sequence:
             raise ValueError("the snapshot's header and its ring entry disagree")
-        for matrix_id, values in weights.items():
-            if matrix_id not in self.masters:
-                continue
-            master = self.masters[matrix_id]
-            master.copy_(values.to(master.device))
-            if self.keep_masters:
-                self.weights[matrix_id].copy_(master)
+        with torch.no_grad():
+            for matrix_id, values in weights.items():
+                if matrix_id not in self.masters:
+                    continue
+                master = self.masters[matrix_id]
+                master.copy_(values.to(master.device))
+                if self.keep_masters:
+                    self.weights[matrix_id].copy_(master)
         self.applied = update_count
         self.reanchors += 1
 
