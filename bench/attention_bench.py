@@ -1,0 +1,223 @@
+"""Paged attention (membar CUDA ops) against torch SDPA with the flash backend, at Qwen2.5-7B
+attention shape: 28 q heads, 4 KV heads, head_dim 128, bf16, a chunk of 4096 queries after a
+history of 32K/128K/256K tokens in pages of 128.
+
+FLOPs are counted the same way for both: 4 * Tc * Hq * D * (history + Tc / 2) for the forward
+(the chunk's own keys are causal, so half of them count), 2.5 times that for the backward (five
+matrix products instead of two). SDPA gets the chunk as queries and the whole sequence as keys
+(GQA heads expanded beforehand, outside the timing) with a bottom-right causal mask; it has no
+paging, so it is the dense-attention ceiling a paged kernel is measured against.
+
+Sparse: each 128-query tile attends to its top-64 history pages (page_select on page_summary
+means) plus the chunk; reported as speedup of forward + backward over the dense op.
+
+Writes attention.json and attention.txt into $MEMBAR_RESULTS_DIR (default bench/results/latest).
+Usage: PYTHONPATH=bindings/python python3 bench/attention_bench.py [--histories 32768,131072,262144]
+"""
+import argparse
+import json
+import math
+import os
+import platform
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+
+import membar  # noqa: F401  (loads the ops library)
+
+ops = torch.ops.membar
+Q_HEADS, KV_HEADS, HEAD_DIM, PAGE_TOKENS, CHUNK = 28, 4, 128, 128, 4096
+
+
+def time_ms(function, warmup=2, iterations=5):
+    for _ in range(warmup):
+        function()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(iterations):
+        start.record()
+        function()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    times.sort()
+    return times[len(times) // 2]
+
+
+def forward_flops(chunk, history):
+    return 4.0 * chunk * Q_HEADS * HEAD_DIM * (history + chunk / 2)
+
+
+def make_inputs(history, generator_seed=0):
+    torch.manual_seed(generator_seed)
+    device, dtype = "cuda", torch.bfloat16
+    num_pages = history // PAGE_TOKENS
+    q = torch.randn(CHUNK, Q_HEADS, HEAD_DIM, device=device, dtype=dtype)
+    k = torch.randn(CHUNK, KV_HEADS, HEAD_DIM, device=device, dtype=dtype)
+    v = torch.randn(CHUNK, KV_HEADS, HEAD_DIM, device=device, dtype=dtype)
+    dout = torch.randn(CHUNK, Q_HEADS, HEAD_DIM, device=device, dtype=dtype)
+    k_pool = torch.randn(num_pages, PAGE_TOKENS, KV_HEADS, HEAD_DIM, device=device, dtype=dtype)
+    v_pool = torch.randn(num_pages, PAGE_TOKENS, KV_HEADS, HEAD_DIM, device=device, dtype=dtype)
+    # Pages in shuffled pool order, as a runtime would hand them out.
+    k_index = torch.randperm(num_pages, device=device).to(torch.int32)
+    v_index = torch.randperm(num_pages, device=device).to(torch.int32)
+    return dict(q=q, k=k, v=v, dout=dout, k_pool=k_pool, v_pool=v_pool, k_index=k_index, v_index=v_index,
+                history=history, scale=1.0 / math.sqrt(HEAD_DIM))
+
+
+def membar_runner(p, selection=None, grad_dtype=torch.float32, deterministic=False):
+    dk_pool = torch.zeros(p["k_pool"].shape, device="cuda", dtype=grad_dtype)
+    dv_pool = torch.zeros(p["v_pool"].shape, device="cuda", dtype=grad_dtype)
+    state = {}
+
+    def forward():
+        state["out"], state["lse"] = ops.paged_attention_forward(
+            p["q"], p["k"], p["v"], p["k_pool"], p["k_index"], p["v_pool"], p["v_index"], p["history"], p["scale"],
+            selection, 128)
+
+    def backward():
+        return ops.paged_attention_backward(
+            p["q"], p["k"], p["v"], p["k_pool"], p["k_index"], p["v_pool"], p["v_index"], state["out"], p["dout"],
+            state["lse"], dk_pool, p["k_index"], dv_pool, p["v_index"], p["history"], p["scale"], selection, 128,
+            deterministic)
+
+    return forward, backward, state
+
+
+def sdpa_runner(p):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.attention.bias import causal_lower_right
+
+    group = Q_HEADS // KV_HEADS
+    keys = torch.cat([p["k_pool"][p["k_index"].long()].reshape(-1, KV_HEADS, HEAD_DIM), p["k"]])
+    values = torch.cat([p["v_pool"][p["v_index"].long()].reshape(-1, KV_HEADS, HEAD_DIM), p["v"]])
+    q = p["q"].transpose(0, 1).unsqueeze(0).detach().requires_grad_()
+    k = keys.repeat_interleave(group, dim=1).transpose(0, 1).unsqueeze(0).detach().requires_grad_()
+    v = values.repeat_interleave(group, dim=1).transpose(0, 1).unsqueeze(0).detach().requires_grad_()
+    dout = p["dout"].transpose(0, 1).unsqueeze(0)
+    mask = causal_lower_right(q.shape[2], k.shape[2])
+    state = {}
+
+    def forward():
+        with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+            state["out"] = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+    def forward_backward():
+        forward()
+        state["out"].backward(dout)
+        q.grad = k.grad = v.grad = None
+
+    return forward, forward_backward, state
+
+
+def bench_history(history, results):
+    p = make_inputs(history)
+    fwd_flops = forward_flops(CHUNK, history)
+    bwd_flops = 2.5 * fwd_flops
+    row = {"history": history, "chunk": CHUNK, "forward_tflop": fwd_flops / 1e12}
+
+    forward, backward, state = membar_runner(p)
+    row["membar_forward_ms"] = time_ms(forward)
+    forward()
+    row["membar_backward_ms"] = time_ms(backward)
+    membar_out = state["out"]
+
+    _, deterministic_backward, det_state = membar_runner(p, deterministic=True)
+    det_state.update(state)
+    row["membar_backward_deterministic_ms"] = time_ms(deterministic_backward, warmup=1, iterations=3)
+    _, bf16_backward, bf16_state = membar_runner(p, grad_dtype=torch.bfloat16)
+    bf16_state.update(state)
+    row["membar_backward_bf16_pages_ms"] = time_ms(bf16_backward, warmup=1, iterations=3)
+
+    sdpa_forward, sdpa_forward_backward, sdpa_state = sdpa_runner(p)
+    row["sdpa_forward_ms"] = time_ms(sdpa_forward)
+    row["sdpa_forward_backward_ms"] = time_ms(sdpa_forward_backward)
+    row["sdpa_backward_ms"] = row["sdpa_forward_backward_ms"] - row["sdpa_forward_ms"]
+    sdpa_forward()
+    row["max_abs_diff_vs_sdpa"] = (membar_out - sdpa_state["out"][0].transpose(0, 1)).abs().max().item()
+    del sdpa_state, sdpa_forward, sdpa_forward_backward
+    torch.cuda.empty_cache()
+
+    for who in ("membar", "sdpa"):
+        row[f"{who}_forward_tflops"] = fwd_flops / (row[f"{who}_forward_ms"] * 1e-3) / 1e12
+        row[f"{who}_backward_tflops"] = bwd_flops / (row[f"{who}_backward_ms"] * 1e-3) / 1e12
+    row["forward_ratio"] = row["membar_forward_tflops"] / row["sdpa_forward_tflops"]
+    row["backward_ratio"] = row["membar_backward_tflops"] / row["sdpa_backward_tflops"]
+    results["dense"].append(row)
+    print(json.dumps(row), flush=True)
+
+    if history == max(results["histories"]):
+        # Sparse: top-64 pages per 128-query tile, selected from the page means.
+        summary_select = lambda: ops.page_select(p["q"], ops.page_summary(p["k_pool"], p["k_index"], history, False)[0],
+                                                 None, None, 64, 128)
+        select_ms = time_ms(summary_select)
+        selection = summary_select()
+        sparse_forward, sparse_backward, sparse_state = membar_runner(p, selection=selection)
+        sparse = {"history": history, "top_k_pages": 64, "page_tokens": PAGE_TOKENS, "summary_select_ms": select_ms}
+        sparse["forward_ms"] = time_ms(sparse_forward)
+        sparse_forward()
+        sparse["backward_ms"] = time_ms(sparse_backward)
+        dense_total = row["membar_forward_ms"] + row["membar_backward_ms"]
+        sparse["speedup_fwd_bwd_over_dense"] = dense_total / (sparse["forward_ms"] + sparse["backward_ms"])
+        sparse["speedup_fwd_bwd_over_sdpa"] = row["sdpa_forward_backward_ms"] / (sparse["forward_ms"] + sparse["backward_ms"])
+        results["sparse"] = sparse
+        print(json.dumps(sparse), flush=True)
+    del p
+    torch.cuda.empty_cache()
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--histories", default="32768,131072,262144")
+    args = parser.parse_args()
+    histories = [int(h) for h in args.histories.split(",")]
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                                cwd=Path(__file__).parent).stdout.strip()
+    except OSError:
+        commit = ""
+    results = {
+        "benchmark": "paged attention vs torch SDPA (flash), Qwen2.5-7B attention shape",
+        "commit": commit or os.environ.get("MEMBAR_COMMIT", "unknown"),
+        "machine": f"{torch.cuda.get_device_name()} ({platform.node()})",
+        "torch": torch.__version__,
+        "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+        "shape": {"q_heads": Q_HEADS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM, "page_tokens": PAGE_TOKENS,
+                  "chunk": CHUNK, "dtype": "bfloat16", "grad_pages": "float32"},
+        "flop_convention": "fwd 4*Tc*Hq*D*(history + Tc/2); bwd 2.5x fwd; same for both",
+        "histories": histories,
+        "dense": [],
+        "sparse": None,
+    }
+    for history in histories:
+        bench_history(history, results)
+
+    lines = [f"paged attention vs SDPA flash, {results['machine']}, commit {results['commit'][:12]}, {results['date']}",
+             "Qwen2.5-7B attention: 28 q heads, 4 kv heads, D=128, bf16, chunk 4096, pages of 128, fp32 grad pages",
+             f"{'history':>8} {'fwd TF/s':>9} {'SDPA fwd':>9} {'ratio':>6} {'bwd TF/s':>9} {'SDPA bwd':>9} {'ratio':>6}"
+             f" {'bwd det ms':>10} {'bwd bf16pg ms':>13} {'|diff|':>8}"]
+    for row in results["dense"]:
+        lines.append(f"{row['history']:>8} {row['membar_forward_tflops']:>9.1f} {row['sdpa_forward_tflops']:>9.1f}"
+                     f" {row['forward_ratio']:>6.2f} {row['membar_backward_tflops']:>9.1f}"
+                     f" {row['sdpa_backward_tflops']:>9.1f} {row['backward_ratio']:>6.2f}"
+                     f" {row['membar_backward_deterministic_ms']:>10.1f} {row['membar_backward_bf16_pages_ms']:>13.1f}"
+                     f" {row['max_abs_diff_vs_sdpa']:>8.4f}")
+    if results["sparse"]:
+        s = results["sparse"]
+        lines.append(f"sparse top-{s['top_k_pages']} pages at {s['history']}: fwd {s['forward_ms']:.2f} ms, "
+                     f"bwd {s['backward_ms']:.2f} ms, summary+select {s['summary_select_ms']:.2f} ms; "
+                     f"fwd+bwd speedup {s['speedup_fwd_bwd_over_dense']:.1f}x over dense paged, "
+                     f"{s['speedup_fwd_bwd_over_sdpa']:.1f}x over SDPA")
+    text = "\n".join(lines) + "\n"
+    print(text)
+    out_dir = Path(os.environ.get("MEMBAR_RESULTS_DIR", Path(__file__).parent / "results" / "latest"))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "attention.json").write_text(json.dumps(results, indent=2) + "\n")
+    (out_dir / "attention.txt").write_text(text)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,217 @@
+"""The CUDA paged-attention ops (bindings/csrc/cuda/attention_cuda.cpp) against a plain torch
+reference on the GPU (fp32 math on the gathered history + chunk, autograd for the gradients),
+torch SDPA, and the ops' own CPU implementation.
+
+Error bound (FlashAttention's rule): the CUDA op's error against the fp32 reference may be at
+most twice the error of the CPU op run in the same precision (bf16 inputs, fp32 accumulation),
+plus a small slack for the bf16 rounding of P and dS that tensor cores need."""
+import math
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA device", allow_module_level=True)
+
+import membar  # noqa: E402  (loads the ops library)
+
+ops = torch.ops.membar
+DEVICE = "cuda"
+
+
+def make_problem(chunk_tokens, history_tokens, page_tokens, q_heads, kv_heads, head_dim, generator, dtype=torch.bfloat16,
+                 spare_pages=3):
+    num_pages = (history_tokens + page_tokens - 1) // page_tokens
+    pool_pages = num_pages + spare_pages
+
+    def randn(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=generator) * scale).to(dtype)
+
+    problem = {
+        "q": randn(chunk_tokens, q_heads, head_dim, scale=1.5),
+        "k": randn(chunk_tokens, kv_heads, head_dim),
+        "v": randn(chunk_tokens, kv_heads, head_dim),
+        "dout": randn(chunk_tokens, q_heads, head_dim),
+        "k_pool": randn(pool_pages, page_tokens, kv_heads, head_dim),
+        "v_pool": randn(pool_pages, page_tokens, kv_heads, head_dim),
+    }
+    for name in ("k_index", "v_index", "dk_index", "dv_index"):
+        problem[name] = torch.randperm(pool_pages, generator=generator)[:num_pages].to(torch.int32)
+    problem["history_tokens"] = history_tokens
+    problem["scale"] = 1.0 / math.sqrt(head_dim)
+    return problem
+
+
+def to_device(problem, device):
+    return {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in problem.items()}
+
+
+def gathered(pool, index, history_tokens):
+    return pool.index_select(0, index.long()).reshape(-1, *pool.shape[2:])[:history_tokens]
+
+
+def visibility_mask(chunk_tokens, history_tokens, page_tokens, selection, tile, device):
+    """[Tc, history + Tc] bool: history visible (or the tile's selected pages), chunk causal."""
+    history = torch.ones(chunk_tokens, history_tokens, dtype=torch.bool, device=device)
+    if selection is not None:
+        history = torch.zeros_like(history)
+        for t in range(selection.shape[0]):
+            for page in selection[t].tolist():
+                if page >= 0:
+                    history[t * tile:(t + 1) * tile, page * page_tokens:(page + 1) * page_tokens] = True
+    causal = torch.ones(chunk_tokens, chunk_tokens, dtype=torch.bool, device=device).tril()
+    return torch.cat([history, causal], dim=1)
+
+
+def reference(p, selection=None, tile=128):
+    """fp32 attention over [history; chunk] with autograd: out, lse, and the gradients."""
+    history_tokens = p["history_tokens"]
+    page_tokens = p["k_pool"].shape[1]
+    q = p["q"].float().requires_grad_()
+    k_hist = gathered(p["k_pool"], p["k_index"], history_tokens).float().requires_grad_()
+    v_hist = gathered(p["v_pool"], p["v_index"], history_tokens).float().requires_grad_()
+    k = p["k"].float().requires_grad_()
+    v = p["v"].float().requires_grad_()
+    group = q.shape[1] // k.shape[1]
+    keys = torch.cat([k_hist, k]).repeat_interleave(group, dim=1)
+    values = torch.cat([v_hist, v]).repeat_interleave(group, dim=1)
+    scores = torch.einsum("thd,shd->hts", q, keys) * p["scale"]
+    mask = visibility_mask(q.shape[0], history_tokens, page_tokens, selection, tile, q.device)
+    scores = scores.masked_fill(~mask, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    out = torch.einsum("hts,shd->thd", torch.softmax(scores, dim=-1), values)
+    out.backward(p["dout"].float())
+    return {"out": out.detach(), "lse": lse.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad,
+            "dk_hist": k_hist.grad, "dv_hist": v_hist.grad}
+
+
+def run_ops(p, grad_dtype, selection=None, tile=128, deterministic=False):
+    out, lse = ops.paged_attention_forward(p["q"], p["k"], p["v"], p["k_pool"], p["k_index"], p["v_pool"],
+                                           p["v_index"], p["history_tokens"], p["scale"], selection, tile)
+    dk_pool = p["dk_pool0"].to(grad_dtype).clone()
+    dv_pool = p["dv_pool0"].to(grad_dtype).clone()
+    dq, dk, dv = ops.paged_attention_backward(p["q"], p["k"], p["v"], p["k_pool"], p["k_index"], p["v_pool"],
+                                              p["v_index"], out, p["dout"], lse, dk_pool, p["dk_index"], dv_pool,
+                                              p["dv_index"], p["history_tokens"], p["scale"], selection, tile,
+                                              deterministic)
+    history_tokens = p["history_tokens"]
+    return {"out": out, "lse": lse, "dq": dq, "dk": dk, "dv": dv,
+            "dk_hist": gathered(dk_pool, p["dk_index"], history_tokens).double()
+            - gathered(p["dk_pool0"].to(grad_dtype), p["dk_index"], history_tokens).double(),
+            "dv_hist": gathered(dv_pool, p["dv_index"], history_tokens).double()
+            - gathered(p["dv_pool0"].to(grad_dtype), p["dv_index"], history_tokens).double(),
+            "dk_pool": dk_pool, "dv_pool": dv_pool}
+
+
+def max_error(a, b):
+    return (a.double().cpu() - b.double().cpu()).abs().max().item() if a.numel() else 0.0
+
+
+CASES = [
+    # (chunk_tokens, history_tokens, page_tokens, q_heads, kv_heads, head_dim, sparse tile or 0, top_k)
+    (200, 300, 128, 8, 2, 128, 0, 0),
+    (77, 130, 64, 7, 1, 64, 0, 0),
+    (256, 0, 128, 4, 4, 128, 0, 0),
+    (300, 1100, 128, 8, 1, 128, 128, 4),
+    (130, 700, 64, 4, 1, 64, 64, 5),
+]
+
+
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", CASES)
+def test_ops_match_reference(case, grad_dtype):
+    chunk_tokens, history_tokens, page_tokens, q_heads, kv_heads, head_dim, tile, top_k = case
+    generator = torch.Generator().manual_seed(torch.seed() % (2**31))
+    host = make_problem(chunk_tokens, history_tokens, page_tokens, q_heads, kv_heads, head_dim, generator)
+    pool_shape = host["k_pool"].shape
+    host["dk_pool0"] = (torch.randn(pool_shape, generator=generator) * 0.1).to(grad_dtype).float()
+    host["dv_pool0"] = (torch.randn(pool_shape, generator=generator) * 0.1).to(grad_dtype).float()
+    selection = None
+    if tile:
+        num_pages = host["k_index"].shape[0]
+        tiles = (chunk_tokens + tile - 1) // tile
+        selection = torch.full((tiles, top_k), -1, dtype=torch.int32)
+        for t in range(tiles):
+            chosen = torch.randperm(num_pages, generator=generator)[:top_k - 1].to(torch.int32)
+            selection[t, :chosen.numel()] = chosen
+            selection[t] = selection[t][torch.randperm(top_k, generator=generator)]
+    tile_or_default = tile or 128
+    gpu = to_device(host, DEVICE)
+    gpu_selection = selection.to(DEVICE) if selection is not None else None
+
+    truth = reference(gpu, gpu_selection, tile_or_default)
+    cpu = run_ops(host, grad_dtype, selection, tile_or_default)
+    for deterministic in (False, True):
+        result = run_ops(gpu, grad_dtype, gpu_selection, tile_or_default, deterministic)
+        for name in ("out", "lse", "dq", "dk", "dv", "dk_hist", "dv_hist"):
+            if truth[name] is None or truth[name].numel() == 0:
+                continue
+            error = max_error(result[name], truth[name])
+            cpu_error = max_error(cpu[name], truth[name])
+            slack = (1e-4 if name == "lse" else 4e-3) * max(1.0, truth[name].abs().max().item())
+            assert error <= 2 * cpu_error + slack, (name, deterministic, error, cpu_error)
+
+
+def test_deterministic_backward_repeats_bit_for_bit():
+    generator = torch.Generator().manual_seed(torch.seed() % (2**31))
+    p = to_device(make_problem(300, 1000, 128, 8, 2, 128, generator), DEVICE)
+    p["dk_pool0"] = torch.randn(p["k_pool"].shape, device=DEVICE)
+    p["dv_pool0"] = torch.randn(p["k_pool"].shape, device=DEVICE)
+    first = run_ops(p, torch.float32, deterministic=True)
+    second = run_ops(p, torch.float32, deterministic=True)
+    for name in ("dq", "dk", "dv", "dk_pool", "dv_pool"):
+        assert torch.equal(first[name], second[name]), name
+
+
+def test_forward_matches_sdpa_without_history():
+    """No history: the op is plain causal attention, which SDPA computes directly."""
+    generator = torch.Generator().manual_seed(torch.seed() % (2**31))
+    p = to_device(make_problem(512, 0, 128, 8, 2, 128, generator), DEVICE)
+    out, _ = ops.paged_attention_forward(p["q"], p["k"], p["v"], p["k_pool"], p["k_index"], p["v_pool"], p["v_index"],
+                                         0, p["scale"], None, 128)
+    q = p["q"].transpose(0, 1).unsqueeze(0)
+    k = p["k"].repeat_interleave(4, dim=1).transpose(0, 1).unsqueeze(0)
+    v = p["v"].repeat_interleave(4, dim=1).transpose(0, 1).unsqueeze(0)
+    expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)[0].transpose(0, 1)
+    truth = reference(p)["out"]
+    sdpa_error = max_error(expected, truth)
+    assert max_error(out, truth) <= 2 * sdpa_error + 1e-3
+
+
+def test_summary_and_select_match_cpu():
+    generator = torch.Generator().manual_seed(torch.seed() % (2**31))
+    host = make_problem(300, 5000, 128, 8, 2, 128, generator)
+    history_tokens = host["history_tokens"]
+    mean, low, high = ops.page_summary(host["k_pool"], host["k_index"], history_tokens, True)
+    gpu_mean, gpu_low, gpu_high = ops.page_summary(host["k_pool"].to(DEVICE), host["k_index"].to(DEVICE),
+                                                   history_tokens, True)
+    torch.testing.assert_close(gpu_mean.cpu(), mean, rtol=1e-5, atol=1e-5)
+    assert torch.equal(gpu_low.cpu(), low) and torch.equal(gpu_high.cpu(), high)
+    for bounds in (False, True):
+        args = (low, high) if bounds else (None, None)
+        expected = ops.page_select(host["q"], mean, *args, 8, 128)
+        got = ops.page_select(host["q"].to(DEVICE), mean.to(DEVICE),
+                              *(a.to(DEVICE) if a is not None else None for a in args), 8, 128).cpu()
+        # Scores summed in another order may swap a near-tie at the k-th place in one tile at most.
+        assert (expected != got).any(dim=1).sum().item() <= 1
+        assert torch.equal(got, got.sort(dim=1).values)
+
+
+def test_unsupported_shape_is_a_clear_error():
+    generator = torch.Generator().manual_seed(1)
+    p = to_device(make_problem(64, 64, 64, 2, 2, 96, generator), DEVICE)
+    with pytest.raises(RuntimeError, match="head_dim 64 or 128"):
+        ops.paged_attention_forward(p["q"], p["k"], p["v"], p["k_pool"], p["k_index"], p["v_pool"], p["v_index"],
+                                    64, p["scale"], None, 128)
+
+
+def test_bad_page_index_is_a_clear_error():
+    generator = torch.Generator().manual_seed(2)
+    p = to_device(make_problem(64, 256, 128, 2, 2, 64, generator), DEVICE)
+    bad_index = p["k_index"].clone()
+    bad_index[0] = 1000
+    with pytest.raises(RuntimeError, match="k_page_index"):
+        ops.paged_attention_forward(p["q"], p["k"], p["v"], p["k_pool"], bad_index, p["v_pool"], p["v_index"],
+                                    256, p["scale"], None, 128)
