@@ -1,0 +1,298 @@
+// Page integrity through the whole client API on the CUDA backend (label gpu): trainers write
+// random pages from their CUDA streams, the runtime evicts (a GPU quota far below the space)
+// and prefetches them back, and every read is checked against what was written.
+//   - EmbeddedCuda: one trainer, the engine in-process (embedded:cuda).
+//   - DaemonTwoProcesses: `membard --backend cuda` plus two trainer processes started from this
+//     binary, each with its own space, over the socket and shared-memory rings.
+// Pages move through stream_wait (the trainer's stream waits for the ticket on the GPU) and
+// stream_release (the stream says when it is done with pages it wrote).
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <spawn.h>
+#include <stdlib.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <random>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "membar/client.h"
+
+extern char** environ;
+
+namespace membar {
+namespace {
+
+constexpr uint64_t kPageBytes = 256ull << 10;
+constexpr uint32_t kPages = 64;     // 16 MiB per trainer
+constexpr uint32_t kMaxGroup = 8;   // pages per acquire: 2 MiB
+constexpr int kOperations = 400;
+
+struct WorkerReport {
+  uint64_t pages_written = 0;
+  uint64_t pages_checked = 0;
+  uint64_t pages_corrupted = 0;
+  std::string error;
+};
+
+void fill_pattern(void* pointer, uint64_t seed, uint32_t page, uint32_t version) {
+  auto* words = static_cast<uint64_t*>(pointer);
+  uint64_t state = seed ^ (uint64_t{page} << 32) ^ (uint64_t{version} << 8);
+  for (uint64_t i = 0; i < kPageBytes / 8; ++i) {
+    uint64_t z = (state += 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    words[i] = z ^ (z >> 31);
+  }
+}
+
+// Waits for `ticket` on the stream when the client can, else on the CPU.
+Status wait_on_stream(Client& client, Ticket ticket, cudaStream_t stream) {
+  Status status = client.stream_wait(ticket, stream);
+  if (status.code() == StatusCode::UNIMPLEMENTED) return client.wait(ticket);
+  return status;
+}
+
+// One trainer: random groups of pages written (new version), read back and checked, offloaded
+// or prefetched, through a GPU quota smaller than the space.
+WorkerReport run_worker(Client& client, uint64_t seed, const std::string& space_name) {
+  WorkerReport report;
+  auto fail = [&](const std::string& what, const Status& status) {
+    report.error = what + ": " + status.to_string();
+    return report;
+  };
+  Result<SpaceId> space = client.create_space(space_name, kPageBytes, kPages);
+  if (!space.ok()) return fail("create_space", space.status());
+  cudaStream_t stream = nullptr;
+  if (cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking) != cudaSuccess) return fail("stream", internal_error("no stream"));
+  uint8_t* staging = nullptr;
+  if (cudaMallocHost(&staging, kMaxGroup * kPageBytes) != cudaSuccess) return fail("staging", internal_error("no pinned memory"));
+  std::vector<uint32_t> version(kPages, 0);  // 0: never written
+  std::vector<uint8_t> expected(kPageBytes);
+  std::mt19937_64 generator(seed);
+
+  for (int operation = 0; operation < kOperations; ++operation) {
+    uint32_t count = 1 + generator() % kMaxGroup;
+    uint32_t first = generator() % (kPages - count + 1);
+    PageRange range{space.value(), first, count};
+    bool never_written = false;
+    for (uint32_t page = first; page < first + count; ++page) never_written = never_written || version[page] == 0;
+    uint64_t choice = never_written ? 0 : generator() % 4;
+    if (choice == 0) {  // write a new version of every page in the group
+      Result<Acquired> acquired = client.acquire(range, kAcquireWrite | kAcquireZeroNew);
+      if (!acquired.ok()) return fail("acquire for write", acquired.status());
+      Status waited = wait_on_stream(client, acquired.value().ticket, stream);
+      if (!waited.ok()) return fail("wait", waited);
+      for (uint32_t i = 0; i < count; ++i) {
+        fill_pattern(staging + i * kPageBytes, seed, first + i, version[first + i] + 1);
+        if (cudaMemcpyAsync(acquired.value().page_pointers[i], staging + i * kPageBytes, kPageBytes,
+                            cudaMemcpyHostToDevice, stream) != cudaSuccess) {
+          return fail("write copy", internal_error("cudaMemcpyAsync failed"));
+        }
+      }
+      Status released = client.stream_release(range, true, stream);
+      if (released.code() == StatusCode::UNIMPLEMENTED) {
+        cudaStreamSynchronize(stream);
+        released = client.release(range, true);
+      }
+      if (!released.ok()) return fail("release", released);
+      if (cudaStreamSynchronize(stream) != cudaSuccess) return fail("stream", internal_error("stream failed"));
+      for (uint32_t i = 0; i < count; ++i) ++version[first + i];
+      report.pages_written += count;
+    } else if (choice == 1) {  // read back and check
+      Result<Acquired> acquired = client.acquire(range, kAcquireRead);
+      if (!acquired.ok()) return fail("acquire for read", acquired.status());
+      Status waited = wait_on_stream(client, acquired.value().ticket, stream);
+      if (!waited.ok()) return fail("wait", waited);
+      for (uint32_t i = 0; i < count; ++i) {
+        if (cudaMemcpyAsync(staging + i * kPageBytes, acquired.value().page_pointers[i], kPageBytes,
+                            cudaMemcpyDeviceToHost, stream) != cudaSuccess) {
+          return fail("read copy", internal_error("cudaMemcpyAsync failed"));
+        }
+      }
+      if (cudaStreamSynchronize(stream) != cudaSuccess) return fail("stream", internal_error("stream failed"));
+      Status released = client.release(range, false);
+      if (!released.ok()) return fail("release", released);
+      for (uint32_t i = 0; i < count; ++i) {
+        fill_pattern(expected.data(), seed, first + i, version[first + i]);
+        ++report.pages_checked;
+        if (std::memcmp(staging + i * kPageBytes, expected.data(), kPageBytes) != 0) ++report.pages_corrupted;
+      }
+    } else {  // move the group out or in ahead of time
+      Result<Ticket> ticket = choice == 2 ? client.offload(range) : client.prefetch(range);
+      if (!ticket.ok()) return fail(choice == 2 ? "offload" : "prefetch", ticket.status());
+      Status waited = client.wait(ticket.value());
+      if (!waited.ok()) return fail("wait", waited);
+    }
+  }
+  // Finally every page ever written is read once more (most now come back from the host).
+  for (uint32_t page = 0; page < kPages; ++page) {
+    if (version[page] == 0) continue;
+    PageRange range{space.value(), page, 1};
+    Result<Acquired> acquired = client.acquire(range, kAcquireRead);
+    if (!acquired.ok()) return fail("final acquire", acquired.status());
+    Status waited = wait_on_stream(client, acquired.value().ticket, stream);
+    if (!waited.ok()) return fail("wait", waited);
+    cudaMemcpyAsync(staging, acquired.value().page_pointers[0], kPageBytes, cudaMemcpyDeviceToHost, stream);
+    if (cudaStreamSynchronize(stream) != cudaSuccess) return fail("stream", internal_error("stream failed"));
+    Status released = client.release(range, false);
+    if (!released.ok()) return fail("release", released);
+    fill_pattern(expected.data(), seed, page, version[page]);
+    ++report.pages_checked;
+    if (std::memcmp(staging, expected.data(), kPageBytes) != 0) ++report.pages_corrupted;
+  }
+  cudaFreeHost(staging);
+  cudaStreamDestroy(stream);
+  return report;
+}
+
+bool gpu_present() {
+  int devices = 0;
+  return cudaGetDeviceCount(&devices) == cudaSuccess && devices > 0;
+}
+
+TEST(CudaClientIntegrity, EmbeddedCuda) {
+  if (!gpu_present()) GTEST_SKIP() << "no CUDA GPU";
+  EmbeddedConfig config;
+  config.backend = BackendKind::kCuda;
+  config.gpu_pool_bytes = 4 * kFrameBytes;  // a quarter of the space: every pass evicts
+  config.host_pool_bytes = 32 * kFrameBytes;
+  Result<std::unique_ptr<Client>> client = make_embedded_client(config);
+  ASSERT_TRUE(client.ok()) << client.status().to_string();
+  EXPECT_EQ(client.value()->describe(), "embedded:cuda");
+  WorkerReport report = run_worker(*client.value(), std::random_device{}(), "integrity.k");
+  ASSERT_TRUE(report.error.empty()) << report.error;
+  EXPECT_GT(report.pages_written, 0u);
+  EXPECT_GT(report.pages_checked, uint64_t{kPages} / 2);
+  EXPECT_EQ(report.pages_corrupted, 0u);
+  Result<RuntimeStats> stats = client.value()->stats();
+  ASSERT_TRUE(stats.ok());
+  ASSERT_FALSE(stats.value().clients.empty());
+  EXPECT_GT(stats.value().clients[0].evictions, 0u) << "the test should have forced evictions";
+  EXPECT_GT(stats.value().clients[0].bytes_gpu_to_host, 0u);
+}
+
+#if defined(MEMBAR_MEMBARD_PATH)
+// Kills and reaps a process when the test stops early.
+struct ProcessGuard {
+  explicit ProcessGuard(pid_t process, int signal = SIGKILL) : pid(process), signal_number(signal) {}
+  ProcessGuard(ProcessGuard&& other) noexcept : pid(std::exchange(other.pid, -1)), signal_number(other.signal_number) {}
+  ProcessGuard(const ProcessGuard&) = delete;
+  ProcessGuard& operator=(const ProcessGuard&) = delete;
+  pid_t pid = -1;
+  int signal_number = SIGKILL;
+  ~ProcessGuard() {
+    if (pid <= 0) return;
+    kill(pid, signal_number);
+    int status = 0;
+    waitpid(pid, &status, 0);
+  }
+};
+
+pid_t spawn(std::vector<std::string> arguments) {
+  std::vector<char*> argv;
+  for (std::string& argument : arguments) argv.push_back(argument.data());
+  argv.push_back(nullptr);
+  pid_t pid = -1;
+  if (posix_spawn(&pid, argv[0], nullptr, nullptr, argv.data(), environ) != 0) return -1;
+  return pid;
+}
+
+// Waits for `pid` up to `seconds`; returns its wait status, or -1 on timeout.
+int wait_with_timeout(pid_t pid, int seconds) {
+  auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(seconds);
+  while (std::chrono::steady_clock::now() < deadline) {
+    int status = 0;
+    if (waitpid(pid, &status, WNOHANG) == pid) return status;
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  return -1;
+}
+
+TEST(CudaClientIntegrity, DaemonTwoProcesses) {
+  if (!gpu_present()) GTEST_SKIP() << "no CUDA GPU";
+  char directory_template[] = "/tmp/membar-cuda-integrity-XXXXXX";
+  ASSERT_NE(mkdtemp(directory_template), nullptr);
+  std::string socket_path = std::string(directory_template) + "/membard.sock";
+  ProcessGuard daemon(spawn({MEMBAR_MEMBARD_PATH, "--backend", "cuda", "--socket", socket_path, "--gpu-pool", "64MiB",
+                             "--host-pool", "256MiB", "--default-gpu-quota", "8MiB", "--foreground", "--log-level",
+                             "warn"}),
+                      SIGTERM);
+  ASSERT_GT(daemon.pid, 0) << "cannot start " << MEMBAR_MEMBARD_PATH;
+
+  // The daemon answers once its frames exist.
+  ConnectOptions options;
+  options.socket_path = socket_path;
+  options.allow_embedded = false;
+  options.client_name = "integrity-probe";
+  bool up = false;
+  for (int attempt = 0; attempt < 300 && !up; ++attempt) {
+    int status = 0;
+    ASSERT_NE(waitpid(daemon.pid, &status, WNOHANG), daemon.pid) << "membard exited at start-up (status " << status << ")";
+    up = connect(options).ok();
+    if (!up) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  ASSERT_TRUE(up) << "membard --backend cuda did not answer on " << socket_path;
+
+  uint64_t seed = std::random_device{}();
+  std::vector<ProcessGuard> workers;
+  for (int worker = 0; worker < 2; ++worker) {
+    workers.emplace_back(spawn({"/proc/self/exe", "--membar-worker", socket_path,
+                                std::to_string(seed + 1000003ull * worker), std::to_string(worker)}));
+    ASSERT_GT(workers.back().pid, 0);
+  }
+  for (ProcessGuard& worker : workers) {
+    int status = wait_with_timeout(worker.pid, 240);
+    ASSERT_NE(status, -1) << "a trainer process did not finish";
+    worker.pid = -1;
+    EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << "trainer exit status " << status;
+  }
+  kill(daemon.pid, SIGTERM);
+  int status = wait_with_timeout(daemon.pid, 20);
+  EXPECT_NE(status, -1) << "membard did not stop on SIGTERM";
+  if (status != -1) daemon.pid = -1;
+  unlink(socket_path.c_str());
+  rmdir(directory_template);
+}
+#endif
+
+// A trainer process of DaemonTwoProcesses: exit 0 when every checked page was intact.
+int worker_main(const std::string& socket_path, uint64_t seed, const std::string& name) {
+  ConnectOptions options;
+  options.socket_path = socket_path;
+  options.allow_embedded = false;
+  options.client_name = "integrity-" + name;
+  Result<std::unique_ptr<Client>> client = connect(options);
+  if (!client.ok()) {
+    std::fprintf(stderr, "[trainer %s] connect: %s\n", name.c_str(), client.status().to_string().c_str());
+    return 2;
+  }
+  if (client.value()->backend() != BackendKind::kCuda) {
+    std::fprintf(stderr, "[trainer %s] the daemon does not run the CUDA backend\n", name.c_str());
+    return 2;
+  }
+  WorkerReport report = run_worker(*client.value(), seed, "integrity." + name);
+  std::printf("[trainer %s] %llu pages written, %llu checked, %llu corrupted %s\n", name.c_str(),
+              static_cast<unsigned long long>(report.pages_written), static_cast<unsigned long long>(report.pages_checked),
+              static_cast<unsigned long long>(report.pages_corrupted), report.error.c_str());
+  if (!report.error.empty()) return 2;
+  return report.pages_corrupted == 0 && report.pages_checked > 0 ? 0 : 3;
+}
+
+}  // namespace
+}  // namespace membar
+
+int main(int argc, char** argv) {
+  if (argc == 5 && std::string(argv[1]) == "--membar-worker") {
+    return membar::worker_main(argv[2], std::stoull(argv[3]), argv[4]);
+  }
+  ::testing::InitGoogleTest(&argc, argv);
+  return RUN_ALL_TESTS();
+}
