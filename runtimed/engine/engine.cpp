@@ -47,8 +47,11 @@
 // Without a schedule every next use is "never" and the order is pure LRU; pages the schedule
 // never names are evicted before any page it does name. Schedule-driven prefetch (advance's
 // lookahead) evicts a page only when its next use is strictly later than that of the page being
-// brought in, so prefetching can never displace something needed sooner (MIN's rule);
-// acquire, which must succeed, takes the first victim whatever its next use.
+// brought in, so prefetching can never displace something needed sooner, and only when MIN
+// itself would choose that victim at the step that needs the page: if a page the intervening
+// steps still use will be needed even later, MIN would evict that one once those steps ran, so
+// the prefetch waits (conservative prefetching, after Cao et al.: same replacements as MIN, made
+// earlier). Acquire, which must succeed, takes the first victim whatever its next use.
 // Limitations: next use is counted in steps, not in pages within a step, so pages of one step
 // tie and fall back to LRU among themselves; a prefetch in flight is not a victim until it
 // lands in the set (it is, immediately, but its copy keeps the slot busy through batch ordering).
@@ -937,7 +940,14 @@ class EngineImpl final : public Engine {
   // A free GPU slot for a page of page_bytes: a free slot of an owned frame, a new frame under
   // quota, or an evicted page's slot (Note [Eviction order]). With `limit`, only pages whose next
   // use is strictly later than *limit may be evicted, and whole frames are never retyped.
-  Result<SlotRef> get_gpu_slot(ClientState& client, Builder& builder, uint64_t page_bytes, const uint64_t* limit) {
+  // For schedule-driven prefetch: the page is needed at step `needed_at`; a victim must be used
+  // later than that, and no later than any page of the steps before it would be (`floor`).
+  struct PrefetchLimit {
+    uint64_t needed_at;
+    uint64_t floor;
+  };
+
+  Result<SlotRef> get_gpu_slot(ClientState& client, Builder& builder, uint64_t page_bytes, const PrefetchLimit* limit) {
     constexpr int t = 0;
     for (;;) {
       auto& partial = client.partial[t][page_bytes];
@@ -952,7 +962,7 @@ class EngineImpl final : public Engine {
       auto set = client.eviction_sets.find(page_bytes);
       if (set != client.eviction_sets.end() && !set->second.empty()) {
         EvictionKey victim = *set->second.begin();
-        if (limit != nullptr && victim.next_use <= *limit) {
+        if (limit != nullptr && (victim.next_use <= limit->needed_at || victim.next_use < limit->floor)) {
           return exhausted(client, Tier::kGpu, page_bytes, " and every resident page is needed sooner");
         }
         Space& space = client.spaces.at(victim.space);
@@ -1065,9 +1075,14 @@ class EngineImpl final : public Engine {
   // ---- Eviction index (Note [Eviction order]) ---------------------------------------------------
 
   uint64_t next_use(const ClientState& client, const Space& space, uint32_t p) const {
+    return next_use_from(space, p, client.current_step);
+  }
+
+  // The first step >= `step` that names page p.
+  static uint64_t next_use_from(const Space& space, uint32_t p, uint64_t step) {
     if (space.uses.empty()) return kNeverUsed;
     const std::vector<uint32_t>& uses = space.uses[p];
-    auto it = std::lower_bound(uses.begin(), uses.end(), client.current_step);
+    auto it = std::lower_bound(uses.begin(), uses.end(), step);
     return it == uses.end() ? kNeverUsed : *it;
   }
 
@@ -1119,13 +1134,23 @@ class EngineImpl final : public Engine {
     std::vector<Wanted> slotted;
     bool full = false;
     for (uint64_t s = client.current_step; s < end && !full; ++s) {
+      // MIN evicts, when step s needs a page, the resident page used last after s. If that is a
+      // page the steps before s still use, the eviction must wait until they ran: the floor.
+      PrefetchLimit limit{s, 0};
+      for (uint64_t before = client.current_step; before < s; ++before) {
+        for (const PageRange& range : client.schedule[before].ranges) {
+          const Space& space = client.spaces.at(range.space);
+          for (uint32_t p = range.first_page; p < range.first_page + range.page_count; ++p) {
+            if (space.pages[p].gpu.valid()) limit.floor = std::max(limit.floor, next_use_from(space, p, s));
+          }
+        }
+      }
       for (const PageRange& range : client.schedule[s].ranges) {
         Space& space = client.spaces.at(range.space);
         for (uint32_t p = range.first_page; p < range.first_page + range.page_count && !full; ++p) {
           Page& page = space.pages[p];
           if (page.gpu.valid() || !page.host_valid || page.host_pins != 0) continue;
-          uint64_t needed_at = s;
-          Result<SlotRef> slot = get_gpu_slot(client, builder, space.info.page_bytes, &needed_at);
+          Result<SlotRef> slot = get_gpu_slot(client, builder, space.info.page_bytes, &limit);
           if (!slot.ok()) {
             full = true;
             break;

@@ -5,7 +5,10 @@
 #include <dirent.h>
 #include <gtest/gtest.h>
 
+#include <atomic>
+#include <chrono>
 #include <cstdint>
+#include <thread>
 #include <cstring>
 #include <map>
 #include <memory>
@@ -63,8 +66,8 @@ struct MappedClient {
   ClientId id = 0;
   std::unique_ptr<Window> gpu_window;
   std::unique_ptr<Window> host_window;
-  int grants = 0;
-  int revokes = 0;
+  std::atomic<int> grants{0};    // callbacks may run on the engine's completion thread
+  std::atomic<int> revokes{0};
   std::map<SpaceId, uint64_t> page_bytes;
 
   static std::unique_ptr<MappedClient> open(runtimed::Engine& engine, runtimed::ClientConfig config = {}) {
@@ -123,6 +126,15 @@ struct MappedClient {
     std::vector<char*> pointers;
     for (const PageLocation& location : result.value()) pointers.push_back(pointer(Tier::kHost, range.space, location));
     return pointers;
+  }
+
+  // Events are delivered after the engine call or completion that produced them: poll.
+  bool eventually_revoked(int count) {
+    auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(2);
+    while (revokes.load() < count && std::chrono::steady_clock::now() < deadline) {
+      std::this_thread::sleep_for(std::chrono::microseconds(100));
+    }
+    return revokes.load() == count;
   }
 
   ClientStats stats() { return engine->stats(id).value().clients.at(0); }
