@@ -34,6 +34,16 @@ class HistoryView:
     v_pool: torch.Tensor        # [pool_pages, page_tokens, Hkv, D]
     page_index: torch.Tensor    # int32 [num_history_pages]; pool row of history page p
     history_tokens: int
+    # Set when the view holds only the selected pages of a sparse access, renumbered 0..n-1 in
+    # order (page_index then covers those n pages): int64 [original history pages], the new number
+    # of each original page or -1. Selections must go through remap_selection.
+    page_map: torch.Tensor | None = None
+
+    def remap_selection(self, selection: torch.Tensor | None) -> torch.Tensor | None:
+        if selection is None or self.page_map is None:
+            return selection
+        mapped = self.page_map[selection.clamp(min=0).long()]
+        return torch.where(selection >= 0, mapped, -1).to(torch.int32)
 
 
 @dataclass
@@ -50,7 +60,7 @@ def attention_forward(q, k, v, history: HistoryView, softmax_scale: float,
     """Returns (out [Tc, Hq, D], lse [Hq, Tc] float32). Does not block on the GPU."""
     return _ops().paged_attention_forward(
         q, k, v, history.k_pool, history.page_index, history.v_pool, history.page_index,
-        history.history_tokens, softmax_scale, selected, query_tile_tokens)
+        history.history_tokens, softmax_scale, history.remap_selection(selected), query_tile_tokens)
 
 
 def attention_backward(q, k, v, history: HistoryView, softmax_scale: float, out, dout, lse,
@@ -59,16 +69,16 @@ def attention_backward(q, k, v, history: HistoryView, softmax_scale: float, out,
     """Returns (dq, dk, dv) of the chunk and ADDS the history's dK/dV into grads' pools."""
     return _ops().paged_attention_backward(
         q, k, v, history.k_pool, history.page_index, history.v_pool, history.page_index,
-        history.history_tokens, softmax_scale, out, dout, lse,
-        grads.dk_pool, grads.page_index, grads.dv_pool, grads.page_index,
-        selected, query_tile_tokens, deterministic)
+        out, dout, lse, grads.dk_pool, grads.page_index, grads.dv_pool, grads.page_index,
+        history.history_tokens, softmax_scale, history.remap_selection(selected), query_tile_tokens, deterministic)
 
 
 def page_summary(k_pool, page_index, history_tokens: int) -> torch.Tensor:
     """Mean key of each page per kv head: float32 [num_pages, Hkv, D]."""
-    return _ops().page_summary(k_pool, page_index, history_tokens)
+    mean, _, _ = _ops().page_summary(k_pool, page_index, history_tokens, False)
+    return mean
 
 
 def page_select(q, mean, top_k: int, query_tile_tokens: int) -> torch.Tensor:
     """Top-k history pages per query tile: int32 [num_query_tiles, top_k], ascending, -1 padded."""
-    return _ops().page_select(q, mean, top_k, query_tile_tokens)
+    return _ops().page_select(q, mean, None, None, top_k, query_tile_tokens)

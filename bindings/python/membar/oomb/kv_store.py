@@ -314,7 +314,14 @@ class TensorKVStore(KVStore):
             return HistoryView(self.k_pools[access.layer], self.v_pools[access.layer],
                                self._page_numbers[: access.num_pages], history_tokens)
         k_pool, v_pool, page_index = self._serve(access)
-        return HistoryView(k_pool, v_pool, page_index, history_tokens)
+        if access.selected is None:
+            return HistoryView(k_pool, v_pool, page_index, history_tokens)
+        if history_tokens != access.num_pages * self.layout.page_tokens:
+            raise ValueError("a sparse history must consist of whole pages.")
+        page_map = torch.full((access.num_pages,), -1, dtype=torch.int64)
+        page_map[torch.tensor(access.selected, dtype=torch.int64) - access.first_page] = torch.arange(len(access.selected))
+        return HistoryView(k_pool, v_pool, page_index, len(access.selected) * self.layout.page_tokens,
+                           page_map.to(self.device))
 
     def grad_history(self, access: Access) -> GradView:
         dk_pool, dv_pool = self._grad_pools(access.layer)
@@ -395,11 +402,9 @@ class TensorKVStore(KVStore):
             dtype = layout.grad_dtype
         pages = self._pages_of(access)
         shape = (len(pages), layout.page_tokens, layout.num_kv_heads, layout.head_dim)
-        # The kernels address history page p as pool row page_index[p]; pages not selected point
-        # at row 0 and are never read.
-        index = torch.zeros(access.num_pages, dtype=torch.int32)
-        for row, page in enumerate(pages):
-            index[page - access.first_page] = row
+        # The copy holds the pages in order, so page p of the copy is pool row p. A sparse access
+        # copies only its selected pages: the view renumbers them (HistoryView.page_map).
+        index = torch.arange(len(pages), dtype=torch.int32)
         if self._side_stream is not None:
             with torch.cuda.stream(self._side_stream):
                 k_dev = torch.empty(shape, dtype=dtype, device=self.device)
