@@ -1,0 +1,317 @@
+"""Paged attention for chunk-recurrent training (OOMB), from Python.
+
+The ops live in ``torch.ops.membar`` (bindings/csrc/attention_ops.cpp; CPU kernels always, CUDA
+kernels when built with CUDA). Shapes::
+
+    q                 [chunk_tokens, q_heads, head_dim]
+    k_chunk, v_chunk  [chunk_tokens, kv_heads, head_dim]
+    k_pool, v_pool    [pool_pages, page_tokens, kv_heads, head_dim]   (page_tokens from the shape)
+    *_page_index      int32 [num_history_pages]: history page p is pool row index[p]
+    lse               [q_heads, chunk_tokens], float32 (float64 for float64 inputs)
+    selected_pages    int32 [ceil(chunk_tokens / query_tile_tokens), k], -1 = padding
+
+Every query sees every history token (or, with ``selected_pages``, the pages its query tile
+selected) and the chunk's own keys up to its position (causal). The backward ADDS the history's
+dK/dV into the grad pools in place (float32 or bfloat16 pools) and returns the chunk's dq, dk, dv.
+
+``ChunkAttention`` is the autograd view: its forward takes the chunk's q, k, v (differentiable)
+and a ``PagedHistory`` (not differentiable); its backward returns the chunk's gradients and, as a
+side effect, adds the history's dK/dV into the history's grad pools.
+"""
+from __future__ import annotations
+
+import math
+import struct
+from dataclasses import dataclass
+from typing import Optional, Tuple
+
+import torch
+
+from . import ops as _ops  # loads membar/_C.so
+
+__all__ = [
+    "PagedHistory",
+    "ChunkAttention",
+    "chunk_attention",
+    "paged_attention_forward",
+    "paged_attention_backward",
+    "page_summary",
+    "page_select",
+    "reference_chunk_attention",
+    "reference_chunk_attention_backward",
+]
+
+
+def _scale(head_dim: int, softmax_scale: Optional[float]) -> float:
+    """softmax_scale, default 1/sqrt(head_dim), rounded to float32: the kernels take a float32
+    scale, and the reference below uses the same value so that float64 results agree exactly."""
+    scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
+    return struct.unpack("f", struct.pack("f", scale))[0]
+
+
+def paged_attention_forward(
+    q: torch.Tensor,
+    k_chunk: torch.Tensor,
+    v_chunk: torch.Tensor,
+    k_pool: torch.Tensor,
+    k_page_index: torch.Tensor,
+    v_pool: torch.Tensor,
+    v_page_index: torch.Tensor,
+    history_tokens: int,
+    softmax_scale: Optional[float] = None,
+    selected_pages: Optional[torch.Tensor] = None,
+    query_tile_tokens: int = 128,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Returns (out [Tc, Hq, D], lse [Hq, Tc]). softmax_scale defaults to 1/sqrt(head_dim)."""
+    return _ops.paged_attention_forward(
+        q, k_chunk, v_chunk, k_pool, k_page_index, v_pool, v_page_index, int(history_tokens),
+        _scale(q.shape[-1], softmax_scale), selected_pages, int(query_tile_tokens))
+
+
+def paged_attention_backward(
+    q: torch.Tensor,
+    k_chunk: torch.Tensor,
+    v_chunk: torch.Tensor,
+    k_pool: torch.Tensor,
+    k_page_index: torch.Tensor,
+    v_pool: torch.Tensor,
+    v_page_index: torch.Tensor,
+    out: torch.Tensor,
+    dout: torch.Tensor,
+    lse: torch.Tensor,
+    dk_pool: torch.Tensor,
+    dk_page_index: torch.Tensor,
+    dv_pool: torch.Tensor,
+    dv_page_index: torch.Tensor,
+    history_tokens: int,
+    softmax_scale: Optional[float] = None,
+    selected_pages: Optional[torch.Tensor] = None,
+    query_tile_tokens: int = 128,
+    deterministic: bool = False,
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Returns (dq, dk_chunk, dv_chunk) and ADDS the history's dK/dV into dk_pool/dv_pool."""
+    return _ops.paged_attention_backward(
+        q, k_chunk, v_chunk, k_pool, k_page_index, v_pool, v_page_index, out, dout, lse,
+        dk_pool, dk_page_index, dv_pool, dv_page_index, int(history_tokens),
+        _scale(q.shape[-1], softmax_scale), selected_pages, int(query_tile_tokens), bool(deterministic))
+
+
+def page_summary(
+    k_pool: torch.Tensor, k_page_index: torch.Tensor, history_tokens: int, with_bounds: bool = False
+) -> Tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """Per history page and kv head: mean of the page's valid key rows (float32
+    [num_history_pages, Hkv, D]) and, with_bounds, the elementwise min and max (else None)."""
+    return _ops.page_summary(k_pool, k_page_index, int(history_tokens), bool(with_bounds))
+
+
+def page_select(
+    q: torch.Tensor,
+    mean: torch.Tensor,
+    min: Optional[torch.Tensor] = None,
+    max: Optional[torch.Tensor] = None,
+    top_k: int = 64,
+    query_tile_tokens: int = 128,
+) -> torch.Tensor:
+    """Top-k history pages per query tile (int32 [num_tiles, top_k], ascending, -1 padded).
+    Scores use the mean keys, or the min/max upper bound when both are given."""
+    return _ops.page_select(q, mean, min, max, int(top_k), int(query_tile_tokens))
+
+
+@dataclass
+class PagedHistory:
+    """The history a chunk attends to, and where its gradients go.
+
+    The pools must hold the same contents when the backward runs as during the forward.
+    ``dk_pool``/``dv_pool`` (float32 or bfloat16, same page shape as the K/V pools) receive the
+    history's dK/dV, added in place; when they are None the history's gradients are computed
+    into a scratch buffer and dropped.
+    """
+
+    k_pool: torch.Tensor
+    k_page_index: torch.Tensor
+    v_pool: torch.Tensor
+    v_page_index: torch.Tensor
+    history_tokens: int
+    dk_pool: Optional[torch.Tensor] = None
+    dk_page_index: Optional[torch.Tensor] = None
+    dv_pool: Optional[torch.Tensor] = None
+    dv_page_index: Optional[torch.Tensor] = None
+    selected_pages: Optional[torch.Tensor] = None
+    query_tile_tokens: int = 128
+
+    @staticmethod
+    def empty(page_tokens: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
+              device: torch.device | str = "cpu") -> "PagedHistory":
+        """A history of zero tokens (the first chunk of a sequence)."""
+        pool = torch.empty((0, page_tokens, kv_heads, head_dim), dtype=dtype, device=device)
+        index = torch.empty((0,), dtype=torch.int32, device=device)
+        return PagedHistory(pool, index, pool, index, 0)
+
+    def grad_pools(self) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        if self.dk_pool is not None:
+            if self.dv_pool is None or self.dk_page_index is None or self.dv_page_index is None:
+                raise ValueError("PagedHistory: give dk_pool, dk_page_index, dv_pool and dv_page_index together.")
+            return self.dk_pool, self.dk_page_index, self.dv_pool, self.dv_page_index
+        # No grad pools: a scratch pool with one page per history page (float64 for float64
+        # inputs, so that gradcheck sees exact values), both indices 0..n-1 over separate pools.
+        num_pages = self.k_page_index.shape[0]
+        shape = (num_pages,) + tuple(self.k_pool.shape[1:])
+        grad_dtype = torch.float64 if self.k_pool.dtype == torch.float64 else torch.float32
+        dk = torch.zeros(shape, dtype=grad_dtype, device=self.k_pool.device)
+        dv = torch.zeros(shape, dtype=grad_dtype, device=self.k_pool.device)
+        index = torch.arange(num_pages, dtype=torch.int32, device=self.k_pool.device)
+        return dk, index, dv, index
+
+
+class ChunkAttention(torch.autograd.Function):
+    """out = attention(q, [history keys, k_chunk], [history values, v_chunk]) for one chunk.
+
+    forward(q, k_chunk, v_chunk, history: PagedHistory, softmax_scale=None, deterministic=False)
+    returns out [Tc, Hq, D]. backward returns dq, dk_chunk, dv_chunk and adds the history's
+    dK/dV into history.dk_pool / history.dv_pool (in place, outside autograd).
+    """
+
+    @staticmethod
+    def forward(ctx, q, k_chunk, v_chunk, history: PagedHistory, softmax_scale=None, deterministic=False):
+        scale = _scale(q.shape[-1], softmax_scale)
+        out, lse = _ops.paged_attention_forward(
+            q, k_chunk, v_chunk, history.k_pool, history.k_page_index, history.v_pool, history.v_page_index,
+            int(history.history_tokens), scale, history.selected_pages, int(history.query_tile_tokens))
+        ctx.save_for_backward(q, k_chunk, v_chunk, out, lse)
+        ctx.history = history
+        ctx.scale = scale
+        ctx.deterministic = bool(deterministic)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k_chunk, v_chunk, out, lse = ctx.saved_tensors
+        history: PagedHistory = ctx.history
+        dk_pool, dk_page_index, dv_pool, dv_page_index = history.grad_pools()
+        dq, dk_chunk, dv_chunk = _ops.paged_attention_backward(
+            q, k_chunk, v_chunk, history.k_pool, history.k_page_index, history.v_pool, history.v_page_index,
+            out, dout.contiguous(), lse, dk_pool, dk_page_index, dv_pool, dv_page_index,
+            int(history.history_tokens), ctx.scale, history.selected_pages, int(history.query_tile_tokens),
+            ctx.deterministic)
+        return dq, dk_chunk, dv_chunk, None, None, None
+
+
+def chunk_attention(q: torch.Tensor, k_chunk: torch.Tensor, v_chunk: torch.Tensor, history: PagedHistory,
+                    softmax_scale: Optional[float] = None, deterministic: bool = False) -> torch.Tensor:
+    """Autograd-aware paged attention of one chunk (see ChunkAttention)."""
+    return ChunkAttention.apply(q, k_chunk, v_chunk, history, softmax_scale, deterministic)
+
+
+def _gather_history(pool: torch.Tensor, page_index: torch.Tensor, history_tokens: int) -> torch.Tensor:
+    """[pool_pages, page_tokens, Hkv, D] + index -> [history_tokens, Hkv, D] (differentiable)."""
+    pages = pool.index_select(0, page_index.long())
+    return pages.reshape((-1,) + tuple(pool.shape[2:]))[:history_tokens]
+
+
+def _reference_probabilities(q, k_chunk, v_chunk, k_pool, k_page_index, v_pool, v_page_index, history_tokens,
+                             softmax_scale, selected_pages, query_tile_tokens, compute_dtype):
+    """Materialised attention: (scores [Hq, Tc, L] with -inf where hidden, keys and values
+    [L, Hq, D] expanded to the q heads), L = history_tokens + Tc, all in compute_dtype."""
+    chunk_tokens, q_heads, head_dim = q.shape
+    kv_heads = k_chunk.shape[1]
+    group = q_heads // kv_heads
+    page_tokens = k_pool.shape[1]
+    scale = _scale(head_dim, softmax_scale)
+    keys = torch.cat([_gather_history(k_pool, k_page_index, history_tokens), k_chunk]).to(compute_dtype)
+    values = torch.cat([_gather_history(v_pool, v_page_index, history_tokens), v_chunk]).to(compute_dtype)
+    keys = keys.repeat_interleave(group, dim=1)      # [L, Hq, D]
+    values = values.repeat_interleave(group, dim=1)  # [L, Hq, D]
+    scores = torch.einsum("thd,lhd->htl", q.to(compute_dtype), keys) * scale  # [Hq, Tc, L]
+
+    device = q.device
+    query_positions = torch.arange(chunk_tokens, device=device)
+    chunk_visible = torch.arange(chunk_tokens, device=device)[None, :] <= query_positions[:, None]  # [Tc, Tc]
+    if selected_pages is None:
+        history_visible = torch.ones((chunk_tokens, history_tokens), dtype=torch.bool, device=device)
+    else:
+        num_pages = (history_tokens + page_tokens - 1) // page_tokens
+        num_tiles = selected_pages.shape[0]
+        chosen = torch.zeros((num_tiles, num_pages + 1), dtype=torch.bool, device=device)
+        slots = selected_pages.long().clone()
+        slots[slots < 0] = num_pages  # padding lands in a column that is dropped
+        chosen.scatter_(1, slots, True)
+        tile_of_query = query_positions // query_tile_tokens
+        page_of_token = torch.arange(history_tokens, device=device) // page_tokens
+        history_visible = chosen[:, :num_pages][tile_of_query][:, page_of_token]
+    visible = torch.cat([history_visible, chunk_visible], dim=1)  # [Tc, L]
+    return scores.masked_fill(~visible[None], float("-inf")), keys, values
+
+
+def reference_chunk_attention(
+    q: torch.Tensor,
+    k_chunk: torch.Tensor,
+    v_chunk: torch.Tensor,
+    k_pool: torch.Tensor,
+    k_page_index: torch.Tensor,
+    v_pool: torch.Tensor,
+    v_page_index: torch.Tensor,
+    history_tokens: int,
+    softmax_scale: Optional[float] = None,
+    selected_pages: Optional[torch.Tensor] = None,
+    query_tile_tokens: int = 128,
+    compute_dtype: Optional[torch.dtype] = None,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Plain-torch paged attention with every score materialised (for tests only).
+
+    Computes in compute_dtype (default: float64 for float64 inputs, else float32); returns
+    (out in q's dtype [Tc, Hq, D], lse [Hq, Tc] in compute_dtype). Differentiable with respect
+    to q, k_chunk, v_chunk and the pools.
+    """
+    if compute_dtype is None:
+        compute_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    scores, _, values = _reference_probabilities(q, k_chunk, v_chunk, k_pool, k_page_index, v_pool, v_page_index,
+                                                 history_tokens, softmax_scale, selected_pages, query_tile_tokens,
+                                                 compute_dtype)
+    lse = torch.logsumexp(scores, dim=-1)  # [Hq, Tc]
+    probabilities = torch.exp(scores - lse[..., None])
+    out = torch.einsum("htl,lhd->thd", probabilities, values)
+    return out.to(q.dtype), lse
+
+
+def reference_chunk_attention_backward(
+    q: torch.Tensor,
+    k_chunk: torch.Tensor,
+    v_chunk: torch.Tensor,
+    k_pool: torch.Tensor,
+    k_page_index: torch.Tensor,
+    v_pool: torch.Tensor,
+    v_page_index: torch.Tensor,
+    out: torch.Tensor,
+    dout: torch.Tensor,
+    history_tokens: int,
+    softmax_scale: Optional[float] = None,
+    selected_pages: Optional[torch.Tensor] = None,
+    query_tile_tokens: int = 128,
+    compute_dtype: Optional[torch.dtype] = None,
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Plain-torch attention backward with materialised probabilities (for tests only), using
+    the given (stored, possibly rounded) ``out`` for D_i = rowsum(dO_i * O_i) as a kernel does.
+    Returns (dq, dk_chunk, dv_chunk) in q's dtype and the history's (dk, dv) rows
+    [history_tokens, Hkv, D] in compute_dtype."""
+    if compute_dtype is None:
+        compute_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    chunk_tokens, q_heads, head_dim = q.shape
+    kv_heads = k_chunk.shape[1]
+    group = q_heads // kv_heads
+    scale = _scale(head_dim, softmax_scale)
+    scores, keys, values = _reference_probabilities(q, k_chunk, v_chunk, k_pool, k_page_index, v_pool, v_page_index,
+                                                    history_tokens, softmax_scale, selected_pages, query_tile_tokens,
+                                                    compute_dtype)
+    probabilities = torch.softmax(scores, dim=-1)  # [Hq, Tc, L]
+    dout_c = dout.to(compute_dtype)
+    delta = (dout_c * out.to(compute_dtype)).sum(-1).transpose(0, 1)  # [Hq, Tc]
+    dprobabilities = torch.einsum("thd,lhd->htl", dout_c, values)
+    dscores = probabilities * (dprobabilities - delta[..., None]) * scale
+    dq = torch.einsum("htl,lhd->thd", dscores, keys)
+    dkeys = torch.einsum("htl,thd->lhd", dscores, q.to(compute_dtype))       # [L, Hq, D]
+    dvalues = torch.einsum("htl,thd->lhd", probabilities, dout_c)            # [L, Hq, D]
+    length = dkeys.shape[0]
+    dkeys = dkeys.reshape(length, kv_heads, group, head_dim).sum(2)
+    dvalues = dvalues.reshape(length, kv_heads, group, head_dim).sum(2)
+    return (dq.to(q.dtype), dkeys[history_tokens:].to(q.dtype), dvalues[history_tokens:].to(q.dtype),
+            dkeys[:history_tokens], dvalues[:history_tokens])
