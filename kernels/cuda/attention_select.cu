@@ -165,10 +165,13 @@ __global__ void page_select_kernel(const PageSelectParams params) {
 }  // namespace
 
 int page_summary(const PageSummaryParams& params, void* stream) {
+  // Only history_tokens, page_tokens, num_kv_heads, head_dim and dtype describe a summary.
   const PagedAttentionShape& shape = params.shape;
-  if (paged_attention_check_shape(shape)[0] != '\0') return cudaErrorInvalidValue;
+  if (shape.history_tokens < 0 || shape.page_tokens < 1 || shape.num_kv_heads < 1 || shape.head_dim < 1 ||
+      shape.head_dim > 1024 || params.mean == nullptr) {
+    return cudaErrorInvalidValue;
+  }
   if (shape.dtype != DType::kBFloat16 && shape.dtype != DType::kFloat16) return cudaErrorInvalidValue;
-  if (shape.head_dim > 1024 || params.mean == nullptr) return cudaErrorInvalidValue;
   const int num_pages = history_page_count(shape);
   if (num_pages == 0) return cudaSuccess;
   if (params.k_pool == nullptr || params.k_page_index == nullptr) return cudaErrorInvalidValue;

@@ -32,5 +32,5 @@ status=0
 timeout 240 /tmp/membar-build/bin/test_attention_cuda 2>&1 | tee "$out/gtest.log" | grep -E "^\[  (FAILED|PASSED) |Failure|error|gpu error" | head -80 || status=1
 grep -q "\[  PASSED  \]" "$out/gtest.log" && ! grep -q "\[  FAILED  \]" "$out/gtest.log" || status=1
 cd /tmp/membar-src && PYTHONPATH=/tmp/membar-src/bindings/python timeout 240 python3 -m pytest -q -x tests/python/test_attention_cuda.py 2>&1 | tail -15 | tee "$out/pytest.log"
-[ "${MEMBAR_SKIP_BENCH:-0}" = 1 ] || MEMBAR_RESULTS_DIR="$out" PYTHONPATH=/tmp/membar-src/bindings/python timeout 300 python3 /tmp/membar-src/bench/attention_bench.py ${MEMBAR_BENCH_ARGS:-} 2>&1 | tail -12 | tee "$out/bench.log"
+[ "${MEMBAR_SKIP_BENCH:-0}" = 1 ] || MEMBAR_RESULTS_DIR="$out" PYTHONPATH=/tmp/membar-src/bindings/python timeout 300 python3 /tmp/membar-src/bench/attention_bench.py ${MEMBAR_BENCH_ARGS:-} 2>&1 | tee "$out/bench.log" | tail -40
 exit $status
