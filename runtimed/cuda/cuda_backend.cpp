@@ -47,6 +47,7 @@
 #include <vector>
 
 #include "backend.h"
+#include "cuda/copy_plan.h"
 #include "cuda/driver_api.h"
 #include "cuda/resources.h"
 
@@ -251,13 +252,6 @@ struct PendingPart {
   std::shared_ptr<Batch> batch;
 };
 
-// One contiguous transfer after merging, in daemon pointers.
-struct Transfer {
-  char* source = nullptr;
-  char* destination = nullptr;
-  uint64_t bytes = 0;
-};
-
 class CudaVmmBackend final : public DeviceBackend {
  public:
   static Result<std::unique_ptr<DeviceBackend>> create(const BackendConfig& config);
@@ -321,6 +315,9 @@ class CudaVmmBackend final : public DeviceBackend {
   std::vector<ScopedFd> host_frame_fds_;
   HostMapping host_reservation_;
   std::vector<HostRegistration> host_registrations_;
+  // True when one registration covers the whole host pool; otherwise each frame has its own and
+  // no transfer may cross a host frame boundary.
+  bool host_registered_whole_ = false;
 
   DeviceBuffer zero_source_;  // kFrameBytes of zeros, source of host-tier zero fills
 
@@ -442,6 +439,7 @@ Status CudaVmmBackend::create_host_frames(uint64_t count) {
   CUresult whole = api_->cuMemHostRegister(base, bytes, CU_MEMHOSTREGISTER_PORTABLE);
   if (whole == CUDA_SUCCESS) {
     host_registrations_.emplace_back(api_.get(), base);
+    host_registered_whole_ = true;
     return Status::Ok();
   }
   if (whole == CUDA_ERROR_OUT_OF_MEMORY) {
@@ -599,24 +597,14 @@ Status CudaVmmBackend::enqueue_copies(std::vector<CopyOp> ops, std::function<voi
     by_stream[stream].push_back(Transfer{pointer(op.src_tier, op.src_frame) + op.src_offset,
                                          pointer(op.dst_tier, op.dst_frame) + op.dst_offset, op.bytes});
   }
-  // Merge: sort by source address and join runs whose source and destination both continue.
-  // Ops of one batch never overlap (the engine's contract), so their order does not matter.
+  // Merge (Note [CUDA frames and copies]). With frames registered one by one, no transfer may
+  // cross a host frame boundary: each must stay inside one pinned region.
   for (auto& transfers : by_stream) {
-    std::sort(transfers.begin(), transfers.end(),
-              [](const Transfer& a, const Transfer& b) { return a.source < b.source; });
-    size_t merged = 0;
-    for (size_t i = 0; i < transfers.size(); ++i) {
-      if (merged > 0) {
-        Transfer& last = transfers[merged - 1];
-        if (last.source + last.bytes == transfers[i].source &&
-            last.destination + last.bytes == transfers[i].destination) {
-          last.bytes += transfers[i].bytes;
-          continue;
-        }
-      }
-      transfers[merged++] = transfers[i];
+    copy_plan_merge(transfers);
+    if (!host_registered_whole_) {
+      char* host_begin = static_cast<char*>(host_reservation_.get());
+      copy_plan_split(transfers, host_begin, host_begin + host_reservation_.bytes(), kFrameBytes);
     }
-    transfers.resize(merged);
   }
 
   MEMBAR_RETURN_IF_ERROR(bind_device());
@@ -649,11 +637,14 @@ Status CudaVmmBackend::enqueue_zero(Tier tier, FrameIndex frame, uint64_t offset
     return finish_enqueue({kHostToDevice}, std::move(done));
   }
   // Host frames fill by DMA from a zeroed device buffer, in stream order with offloads.
-  for (uint64_t done_bytes = 0; done_bytes < bytes; done_bytes += kFrameBytes) {
-    uint64_t piece = std::min<uint64_t>(kFrameBytes, bytes - done_bytes);
-    MEMBAR_RETURN_IF_ERROR(runtime_status(cudaMemcpyAsync(target + done_bytes, zero_source_.get(), piece,
+  // Pieces end at frame boundaries: at most one frame of zeros each, inside one registration.
+  for (uint64_t filled = 0; filled < bytes;) {
+    uint64_t into_frame = (offset + filled) % kFrameBytes;
+    uint64_t piece = std::min<uint64_t>(kFrameBytes - into_frame, bytes - filled);
+    MEMBAR_RETURN_IF_ERROR(runtime_status(cudaMemcpyAsync(target + filled, zero_source_.get(), piece,
                                                           cudaMemcpyDeviceToHost, copy_streams_[kDeviceToHost].get()),
                                           "cudaMemcpyAsync zero fill of a host range"));
+    filled += piece;
   }
   return finish_enqueue({kDeviceToHost}, std::move(done));
 }
