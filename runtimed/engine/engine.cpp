@@ -331,7 +331,17 @@ class EngineImpl final : public Engine {
         space->pages[p].gpu = slot.value();
         slotted.push_back(p);
       }
-      // Phase 2: contents.
+      // Phase 2: contents. A resident page that never had contents (acquired before without
+      // zero-fill and never written) is zero-filled now if asked.
+      if (flags & kAcquireZeroNew) {
+        for (uint32_t p : pinned_now) {
+          Page& page = space->pages[p];
+          if (!page.dirty && !page.host_valid && !page.write_intent) {
+            add_zero(builder, *space, Tier::kGpu, page.gpu);
+            page.dirty = true;
+          }
+        }
+      }
       for (uint32_t p : slotted) {
         Page& page = space->pages[p];
         if (page.host_valid) {
@@ -536,7 +546,15 @@ class EngineImpl final : public Engine {
             add_copy(builder, *space, Tier::kGpu, page.gpu, Tier::kHost, page.host);
             page.dirty = false;
           } else {
+            // No contents anywhere: the host copy reads as zeros, and a GPU slot holding
+            // leftovers is dropped so the two tiers never disagree about a clean page.
             add_zero(builder, *space, Tier::kHost, page.host);
+            if (page.gpu.valid()) {
+              eviction_erase(client, *space, page);
+              clear_slot(client, Tier::kGpu, page.gpu);
+              page.gpu = {};
+              page.prefetched = false;
+            }
           }
           page.host_valid = true;
         }
@@ -544,6 +562,7 @@ class EngineImpl final : public Engine {
         answer.locations.push_back(location_of(client, Tier::kHost, page.host, space->info.page_bytes));
       }
       answer.ticket = finish_builder(builder);
+      trim(client);
       return answer;
     }();
     if (owner) deliver_events(owner);

@@ -1,0 +1,247 @@
+// The embedded client end to end on the host backend: random acquire / release / offload /
+// prefetch / free / host-access cycles from several threads with every page's contents
+// checksummed, under GPU pressure (evictions, mixed page sizes, frame retyping).
+#include <atomic>
+#include <random>
+#include <thread>
+
+#include "membar/client.h"
+#include "runtime_test_util.h"
+
+namespace membar {
+namespace {
+
+using membar::testing::check_pattern;
+using membar::testing::fill_pattern;
+using membar::testing::is_zero;
+
+std::unique_ptr<Client> make_client(uint64_t gpu_frames, uint64_t host_frames) {
+  EmbeddedConfig config;
+  config.backend = BackendKind::kHost;
+  config.gpu_pool_bytes = gpu_frames * kFrameBytes;
+  config.host_pool_bytes = host_frames * kFrameBytes;
+  auto client = make_embedded_client(config);
+  EXPECT_TRUE(client.ok()) << client.status().to_string();
+  return std::move(client).value();
+}
+
+TEST(EmbeddedClient, BasicsOnTheHostBackend) {
+  auto client = make_client(4, 8);
+  EXPECT_EQ(client->describe(), "embedded:host");
+  EXPECT_EQ(client->backend(), BackendKind::kHost);
+  EXPECT_EQ(client->window_bytes(), 4 * kFrameBytes);
+  EXPECT_NE(client->window_base(), nullptr);
+  auto space = client->create_space("L00.k", 128 << 10, 16);
+  ASSERT_TRUE(space.ok());
+  EXPECT_EQ(client->create_space("L00.k", 128 << 10, 16).status().code(), StatusCode::ALREADY_EXISTS);
+  auto acquired = client->acquire({space.value(), 0, 16}, kAcquireZeroNew | kAcquireWrite);
+  ASSERT_TRUE(acquired.ok()) << acquired.status().to_string();
+  ASSERT_TRUE(client->wait(acquired.value().ticket).ok());
+  EXPECT_GE(client->completed_ticket(), acquired.value().ticket);
+  char* base = static_cast<char*>(client->window_base());
+  for (uint32_t p = 0; p < 16; ++p) {
+    char* page = static_cast<char*>(acquired.value().page_pointers[p]);
+    ASSERT_GE(page, base);
+    ASSERT_LE(page + (128 << 10), base + client->window_bytes());
+    EXPECT_TRUE(is_zero(page, 128 << 10));
+    fill_pattern(page, 128 << 10, p);
+  }
+  // Pool index arithmetic of client.h: (window_frame * 2 MiB + slot * page_bytes) / page_bytes.
+  auto locations = client->locations({space.value(), 0, 16});
+  ASSERT_TRUE(locations.ok());
+  for (uint32_t p = 0; p < 16; ++p) {
+    uint64_t index = (uint64_t(locations.value()[p].window_frame) * kFrameBytes +
+                      uint64_t(locations.value()[p].slot) * (128 << 10)) / (128 << 10);
+    EXPECT_EQ(base + index * (128 << 10), acquired.value().page_pointers[p]);
+  }
+  EXPECT_EQ(client->stream_wait(acquired.value().ticket, nullptr).code(), StatusCode::UNIMPLEMENTED);
+  EXPECT_EQ(client->stream_release({space.value(), 0, 16}, true, nullptr).code(), StatusCode::UNIMPLEMENTED);
+  ASSERT_TRUE(client->release({space.value(), 0, 16}, true).ok());
+  auto offloaded = client->offload({space.value(), 0, 16});
+  ASSERT_TRUE(offloaded.ok());
+  auto host = client->acquire_host({space.value(), 0, 16});
+  ASSERT_TRUE(host.ok()) << host.status().to_string();
+  for (uint32_t p = 0; p < 16; ++p) EXPECT_TRUE(check_pattern(host.value()[p], 128 << 10, p));
+  ASSERT_TRUE(client->release_host({space.value(), 0, 16}, false).ok());
+  auto stats = client->stats();
+  ASSERT_TRUE(stats.ok());
+  EXPECT_EQ(stats.value().backend, "host");
+  EXPECT_EQ(stats.value().clients.at(0).pages_host, 16u);
+  EXPECT_EQ(stats.value().clients.at(0).bytes_gpu_to_host, 16u * (128 << 10));
+  ASSERT_TRUE(client->destroy_space(space.value()).ok());
+  EXPECT_EQ(client->acquire({space.value(), 0, 1}, 0).status().code(), StatusCode::NOT_FOUND);
+}
+
+TEST(EmbeddedClient, AskingForCudaWithoutCudaIsAClearError) {
+#if !defined(MEMBAR_WITH_CUDA)
+  EmbeddedConfig config;
+  config.backend = BackendKind::kCuda;
+  auto client = make_embedded_client(config);
+  ASSERT_FALSE(client.ok());
+  EXPECT_EQ(client.status().code(), StatusCode::UNIMPLEMENTED);
+#else
+  GTEST_SKIP() << "built with CUDA";
+#endif
+}
+
+// One thread's workload over its own space; every page's expected contents tracked by version.
+struct Worker {
+  Client* client;
+  SpaceId space;
+  uint64_t page_bytes;
+  uint32_t pages;
+  uint64_t salt;
+  std::vector<uint32_t> version;  // 0: no contents
+  uint64_t cycles = 0, corrupted = 0, exhausted = 0, checked = 0, zero_failures = 0, host_failures = 0;
+
+  uint64_t tag(uint32_t page) const { return salt * 1000003 + uint64_t(page) * 7919 + version[page]; }
+
+  void verify(uint32_t page, void* pointer) {
+    if (version[page] == 0) return;
+    ++checked;
+    if (!check_pattern(pointer, page_bytes, tag(page))) ++corrupted;
+  }
+
+  void run(uint64_t iterations, uint64_t seed) {
+    std::mt19937_64 random(seed);
+    for (uint64_t i = 0; i < iterations; ++i) {
+      uint32_t count = 1 + uint32_t(random() % 4);
+      uint32_t first = uint32_t(random() % (pages - count + 1));
+      PageRange range{space, first, count};
+      switch (random() % 8) {
+        case 0:
+        case 1:
+        case 2: {  // acquire on the "GPU", check, maybe write
+          bool write = random() % 2 == 0;
+          uint32_t flags = write ? kAcquireWrite : 0;
+          if (random() % 2) flags |= kAcquireZeroNew;
+          auto acquired = client->acquire(range, flags);
+          if (!acquired.ok()) {
+            ASSERT_EQ(acquired.status().code(), StatusCode::RESOURCE_EXHAUSTED) << acquired.status().to_string();
+            ++exhausted;
+            break;
+          }
+          ASSERT_TRUE(client->wait(acquired.value().ticket).ok());
+          for (uint32_t k = 0; k < count; ++k) {
+            void* pointer = acquired.value().page_pointers[k];
+            if (version[first + k] == 0 && (flags & kAcquireZeroNew) && !is_zero(pointer, page_bytes)) {
+              // Zero-fill applies to pages without contents; a freed page may keep a stale GPU
+              // slot only if the engine got it wrong.
+              ++corrupted;
+              ++zero_failures;
+            }
+            verify(first + k, pointer);
+            if (write) {
+              ++version[first + k];
+              fill_pattern(pointer, page_bytes, tag(first + k));
+            }
+          }
+          ASSERT_TRUE(client->release(range, write).ok());
+          break;
+        }
+        case 3: {
+          auto ticket = client->offload(range);
+          ASSERT_TRUE(ticket.ok() || ticket.status().code() == StatusCode::RESOURCE_EXHAUSTED)
+              << ticket.status().to_string();
+          if (ticket.ok() && random() % 2) ASSERT_TRUE(client->wait(ticket.value()).ok());
+          break;
+        }
+        case 4: {
+          auto ticket = client->prefetch(range);
+          if (!ticket.ok()) {
+            ASSERT_EQ(ticket.status().code(), StatusCode::RESOURCE_EXHAUSTED) << ticket.status().to_string();
+            ++exhausted;
+          }
+          break;
+        }
+        case 5: {  // free, when every page has contents; otherwise the engine must refuse
+          bool all = true;
+          for (uint32_t k = 0; k < count; ++k) all = all && version[first + k] != 0;
+          Status status = client->free_pages(range);
+          if (all) {
+            ASSERT_TRUE(status.ok()) << status.to_string();
+            for (uint32_t k = 0; k < count; ++k) version[first + k] = 0;
+          } else if (status.ok()) {
+            // Pages without contents may still hold slots (acquired without zero-fill): freeing
+            // them is legal. Their versions stay 0.
+            for (uint32_t k = 0; k < count; ++k) version[first + k] = 0;
+          } else {
+            ASSERT_EQ(status.code(), StatusCode::FAILED_PRECONDITION) << status.to_string();
+          }
+          break;
+        }
+        default: {  // host access: check, maybe write
+          auto host = client->acquire_host(range);
+          if (!host.ok()) {
+            ASSERT_EQ(host.status().code(), StatusCode::RESOURCE_EXHAUSTED) << host.status().to_string();
+            ++exhausted;
+            break;
+          }
+          bool write = random() % 2 == 0;
+          for (uint32_t k = 0; k < count; ++k) {
+            uint64_t before = corrupted;
+            verify(first + k, host.value()[k]);
+            host_failures += corrupted - before;
+            if (write) {
+              ++version[first + k];
+              fill_pattern(host.value()[k], page_bytes, tag(first + k));
+            }
+          }
+          ASSERT_TRUE(client->release_host(range, write).ok());
+          break;
+        }
+      }
+      ++cycles;
+    }
+  }
+
+  // Every page with contents, read back through the host tier.
+  void audit() {
+    auto host = client->acquire_host({space, 0, pages});
+    ASSERT_TRUE(host.ok()) << host.status().to_string();
+    for (uint32_t p = 0; p < pages; ++p) verify(p, host.value()[p]);
+    ASSERT_TRUE(client->release_host({space, 0, pages}, false).ok());
+  }
+};
+
+TEST(EmbeddedClient, RandomCyclesFromFourThreadsLoseNothing) {
+  // 12 GPU frames for four spaces whose pages total ~80 MiB: constant eviction and retyping.
+  auto client = make_client(12, 128);
+  const uint64_t page_sizes[] = {64 << 10, 256 << 10, 1 << 20, 2 << 20};
+  std::vector<Worker> workers;
+  for (int t = 0; t < 4; ++t) {
+    uint32_t pages = uint32_t(std::min<uint64_t>(24, (48ull << 20) / page_sizes[t]));
+    auto space = client->create_space("thread" + std::to_string(t), page_sizes[t], pages);
+    ASSERT_TRUE(space.ok());
+    workers.push_back(Worker{client.get(), space.value(), page_sizes[t], pages, uint64_t(t + 1),
+                             std::vector<uint32_t>(pages, 0)});
+  }
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 4; ++t) threads.emplace_back([&workers, t] { workers[t].run(1500, 99 + t); });
+  for (auto& thread : threads) thread.join();
+  uint64_t cycles = 0, corrupted = 0, exhausted = 0, checked = 0, zero_failures = 0, host_failures = 0;
+  for (Worker& worker : workers) {
+    worker.audit();
+    cycles += worker.cycles;
+    corrupted += worker.corrupted;
+    std::printf("worker %llu: corrupted %llu (zero %llu, host %llu)\n", (unsigned long long)worker.salt,
+                (unsigned long long)worker.corrupted, (unsigned long long)worker.zero_failures,
+                (unsigned long long)worker.host_failures);
+    exhausted += worker.exhausted;
+    checked += worker.checked;
+  }
+  auto stats = client->stats().value().clients.at(0);
+  std::printf("cycles %llu, pages checked %llu, corrupted %llu, exhausted (retried later) %llu, evictions %llu, "
+              "host->gpu %llu MiB, gpu->host %llu MiB\n",
+              (unsigned long long)cycles, (unsigned long long)checked, (unsigned long long)corrupted,
+              (unsigned long long)exhausted, (unsigned long long)stats.evictions,
+              (unsigned long long)(stats.bytes_host_to_gpu >> 20), (unsigned long long)(stats.bytes_gpu_to_host >> 20));
+  EXPECT_EQ(cycles, 6000u);
+  EXPECT_EQ(corrupted, 0u);
+  EXPECT_GT(checked, 3000u);
+  EXPECT_GT(stats.evictions, 100u);
+  EXPECT_LT(exhausted, cycles / 10);
+}
+
+}  // namespace
+}  // namespace membar
