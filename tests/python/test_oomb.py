@@ -22,6 +22,15 @@ from membar.oomb.baseline import full_sequence_step
 VOCAB = 97
 
 
+@pytest.fixture(autouse=True)
+def _one_thread():
+    # The models here are tiny: threads only add overhead (and contention on a 2-core CI box).
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def tiny_model(kind: str, seed: int = 0, layers: int = 2):
     torch.manual_seed(seed)
     common = dict(hidden_size=64, num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
@@ -116,10 +125,10 @@ def test_layer_checkpointing_and_bf16_grad_pages():
 @pytest.mark.parametrize("mode", ["dense", "sparse"])
 def test_offload_changes_no_gradient_bit(mode):
     model = tiny_model("qwen2", seed=3, layers=3)
-    input_ids = torch.randint(0, VOCAB, (1, 170), generator=torch.Generator().manual_seed(5))
+    input_ids = torch.randint(0, VOCAB, (1, 130), generator=torch.Generator().manual_seed(5))
     options = dict(chunk_tokens=32, page_tokens=16, mode=mode, top_k=3, query_tile_tokens=16, deterministic=True)
     loss_resident, resident, _ = oomb_grads(model, input_ids, offload=False, **options)
-    for depth, resident_layers in ((0, 0), (2, 0), (5, 0), (2, 1)):
+    for depth, resident_layers in ((0, 0), (5, 0), (2, 1)):
         loss_offload, offloaded, trainer = oomb_grads(model, input_ids, offload=True, prefetch_depth=depth,
                                                       gpu_resident_layers=resident_layers, **options)
         assert loss_offload == loss_resident
