@@ -17,6 +17,7 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cmath>
 #include <condition_variable>
 #include <cstdio>
 #include <cstdlib>
@@ -438,7 +439,14 @@ int run(bool quick) {
     json << "  \"" << name << "\": [\n";
     for (size_t i = 0; i < rows.size(); ++i) {
       json << "    {\"name\": \"" << rows[i].name << "\"";
-      for (const auto& [key, value] : rows[i].values) json << ", \"" << key << "\": " << value;
+      for (const auto& [key, value] : rows[i].values) {
+        json << ", \"" << key << "\": ";
+        if (std::isfinite(value)) {
+          json << value;
+        } else {
+          json << "null";
+        }
+      }
       json << "}" << (i + 1 < rows.size() ? "," : "") << "\n";
     }
     json << "  ]" << (last ? "\n" : ",\n");
