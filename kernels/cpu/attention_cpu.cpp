@@ -36,9 +36,10 @@
 namespace membar::kernels::cpu {
 namespace {
 
-using detail::exp_subtract_sum;
+using detail::exp_subtract_columns;
 using detail::from_compute;
-using detail::matmul_accumulate;
+using detail::matmul;
+using detail::matmul_transposed_a;
 using detail::parallel_for;
 using detail::to_compute;
 
@@ -185,72 +186,59 @@ struct Problem {
   }
 };
 
-// Loads `rows` rows of `cols` elements (source rows `source_stride` apart) into a dense
-// [rows][destination_stride] compute-type matrix, optionally multiplied by `scale`.
+// Loads `rows` key (or value) rows of one kv head (source rows `source_stride` apart) into a
+// dense [rows][head_dim] compute-type matrix.
 template <typename Element, typename Compute>
-void load_rows(const Element* source, int64_t source_stride, int rows, int cols, Compute* destination,
-               int64_t destination_stride) {
-  for (int r = 0; r < rows; ++r) {
-    const Element* from = source + r * source_stride;
-    Compute* to = destination + r * destination_stride;
-    for (int c = 0; c < cols; ++c) to[c] = to_compute(from[c]);
-  }
+void load_key_rows(const Element* source, int64_t source_stride, int rows, int32_t head_dim, Compute* destination) {
+  for (int r = 0; r < rows; ++r) detail::widen(source + r * source_stride, destination + int64_t(r) * head_dim, head_dim);
 }
 
-// The same, transposed: destination is [cols][destination_stride] and holds rows as columns.
+// Loads the rows of a query block from a [Tc, Hq, D] tensor: into `rows_out` as [rows][D]
+// and/or into `transposed_out` as [D][rows], multiplied by `scale`.
 template <typename Element, typename Compute>
-void load_rows_transposed(const Element* source, int64_t source_stride, int rows, int cols,
-                          Compute* destination, int64_t destination_stride) {
-  for (int r = 0; r < rows; ++r) {
-    const Element* from = source + r * source_stride;
-    for (int c = 0; c < cols; ++c) destination[c * destination_stride + r] = to_compute(from[c]);
-  }
-}
-
-// Transposes a dense [rows][cols] matrix into [cols][rows].
-template <typename Compute>
-void transpose(const Compute* source, int rows, int cols, Compute* destination) {
-  for (int r = 0; r < rows; ++r) {
-    for (int c = 0; c < cols; ++c) destination[int64_t(c) * rows + r] = source[int64_t(r) * cols + c];
-  }
-}
-
-// Sets scores[r][c] to -inf where the chunk key first_chunk_key + c lies after row r's token.
-template <typename Compute>
-void apply_causal_mask(Compute* scores, int rows, int cols, int group, int32_t query_begin,
-                       int32_t first_chunk_key) {
-  if (first_chunk_key < 0) return;
-  for (int r = 0; r < rows; ++r) {
-    const int32_t token = query_begin + r / group;
-    const int first_hidden = std::max(0, token - first_chunk_key + 1);
-    Compute* row = scores + int64_t(r) * cols;
-    for (int c = first_hidden; c < cols; ++c) row[c] = -std::numeric_limits<Compute>::infinity();
-  }
-}
-
-// Loads the rows of a query block from a [Tc, Hq, D] tensor into [rows][D].
-template <typename Element, typename Compute>
-void load_query_rows(const Problem<Element>& problem, const Element* base, const QueryBlock& block,
-                     Compute* destination) {
+void load_query_block(const Problem<Element>& problem, const Element* base, const QueryBlock& block, Compute scale,
+                      Compute* rows_out, Compute* transposed_out, Compute* scratch) {
   const int32_t head_dim = problem.shape.head_dim;
+  const int rows = (block.query_end - block.query_begin) * problem.group;
   // The group's q heads of one token are adjacent in memory: one token is `group` rows.
+  Compute* dense = rows_out ? rows_out : scratch;
   for (int32_t token = block.query_begin; token < block.query_end; ++token) {
-    const Element* from = problem.row_of(base, token, block.kv_head * problem.group);
-    Compute* to = destination + int64_t(token - block.query_begin) * problem.group * head_dim;
-    for (int32_t i = 0; i < problem.group * head_dim; ++i) to[i] = to_compute(from[i]);
+    detail::widen(problem.row_of(base, token, block.kv_head * problem.group),
+                  dense + int64_t(token - block.query_begin) * problem.group * head_dim, int64_t(problem.group) * head_dim);
+  }
+  if (scale != Compute(1)) {
+    for (int64_t i = 0; i < int64_t(rows) * head_dim; ++i) dense[i] *= scale;
+  }
+  if (transposed_out) {
+    for (int r = 0; r < rows; ++r) {
+      for (int32_t d = 0; d < head_dim; ++d) transposed_out[int64_t(d) * rows + r] = dense[int64_t(r) * head_dim + d];
+    }
   }
 }
 
-// Gathers per-row values of a [Hq, Tc] array (lse, D) for a query block.
+// Gathers per-row values of a [Hq, Tc] array (lse, delta) for a query block.
 template <typename Element, typename Value, typename Compute>
-void load_row_values(const Problem<Element>& problem, const Value* base, const QueryBlock& block,
-                     Compute* destination) {
+void load_row_values(const Problem<Element>& problem, const Value* base, const QueryBlock& block, Compute* destination) {
   int r = 0;
   for (int32_t token = block.query_begin; token < block.query_end; ++token) {
     for (int32_t head = 0; head < problem.group; ++head, ++r) {
       const int32_t q_head = block.kv_head * problem.group + head;
       destination[r] = Compute(base[int64_t(q_head) * problem.shape.chunk_tokens + token]);
     }
+  }
+}
+
+// Scores are kept transposed, [key][query row]. Sets scores[c][r] to -inf where chunk key
+// first_chunk_key + c lies after row r's token (rows are token-major, `group` rows per token).
+template <typename Compute>
+void apply_causal_mask(Compute* scores_transposed, int keys, int rows, int group, int32_t query_begin,
+                       int32_t first_chunk_key) {
+  if (first_chunk_key < 0) return;
+  for (int c = 0; c < keys; ++c) {
+    // Rows of tokens before key c cannot see it.
+    const int64_t hidden_rows = std::clamp<int64_t>(int64_t(first_chunk_key + c - query_begin) * group, 0, rows);
+    Compute* row = scores_transposed + int64_t(c) * rows;
+    for (int64_t r = 0; r < hidden_rows; ++r) row[r] = -std::numeric_limits<Compute>::infinity();
   }
 }
 
@@ -261,54 +249,64 @@ template <typename Element, typename Compute>
 void forward_query_block(const Problem<Element>& problem, const QueryBlock& block, Element* out, Compute* lse) {
   const int32_t head_dim = problem.shape.head_dim;
   const int rows = (block.query_end - block.query_begin) * problem.group;
-  const Compute scale = Compute(problem.shape.softmax_scale);
-  // [rows][head_dim] queries (pre-scaled), [rows][head_dim] output accumulator,
-  // [head_dim][kMaxKeyBlock] transposed keys, [kMaxKeyBlock][head_dim] values,
-  // [rows][kMaxKeyBlock] scores then probabilities.
-  std::vector<Compute> queries(size_t(rows) * head_dim), accumulator(size_t(rows) * head_dim, Compute(0));
-  std::vector<Compute> keys_transposed(size_t(head_dim) * kMaxKeyBlock), values(size_t(kMaxKeyBlock) * head_dim);
-  std::vector<Compute> scores(size_t(rows) * kMaxKeyBlock);
-  std::vector<Compute> running_max(rows, -std::numeric_limits<Compute>::infinity()), running_sum(rows, Compute(0));
+  constexpr Compute kMinusInfinity = -std::numeric_limits<Compute>::infinity();
+  // [D][rows] queries (pre-scaled), [rows][D] output accumulator, [n][D] keys and values,
+  // [n][rows] scores then probabilities; per-row running max, running sum and rescale factor.
+  std::vector<Compute> queries_transposed(size_t(rows) * head_dim), scratch(size_t(rows) * head_dim);
+  std::vector<Compute> accumulator(size_t(rows) * head_dim, Compute(0));
+  std::vector<Compute> keys(size_t(kMaxKeyBlock) * head_dim), values(size_t(kMaxKeyBlock) * head_dim);
+  std::vector<Compute> scores(size_t(kMaxKeyBlock) * rows);
+  std::vector<Compute> running_max(rows, kMinusInfinity), running_sum(rows, Compute(0));
+  std::vector<Compute> block_max(rows), subtract(rows), correction(rows);
 
-  load_query_rows(problem, problem.q, block, queries.data());
-  for (Compute& value : queries) value *= scale;
+  load_query_block(problem, problem.q, block, Compute(problem.shape.softmax_scale), static_cast<Compute*>(nullptr),
+                   queries_transposed.data(), scratch.data());
 
-  problem.for_each_key_block(block, [&](const KeyBlock<Element>& keys) {
-    const int n = keys.rows;
-    load_rows_transposed(keys.k, problem.kv_row_stride, n, head_dim, keys_transposed.data(), n);
-    load_rows(keys.v, problem.kv_row_stride, n, head_dim, values.data(), head_dim);
-    std::fill(scores.begin(), scores.begin() + int64_t(rows) * n, Compute(0));
-    matmul_accumulate(rows, n, head_dim, queries.data(), head_dim, keys_transposed.data(), n, scores.data(), n);
-    apply_causal_mask(scores.data(), rows, n, problem.group, block.query_begin, keys.first_chunk_key);
+  problem.for_each_key_block(block, [&](const KeyBlock<Element>& key_block) {
+    const int n = key_block.rows;
+    load_key_rows(key_block.k, problem.kv_row_stride, n, head_dim, keys.data());
+    load_key_rows(key_block.v, problem.kv_row_stride, n, head_dim, values.data());
+    // scores^T [n][rows] = K [n][D] x (scale Q)^T [D][rows]
+    matmul(n, rows, head_dim, keys.data(), head_dim, queries_transposed.data(), rows, scores.data(), rows, false);
+    apply_causal_mask(scores.data(), n, rows, problem.group, block.query_begin, key_block.first_chunk_key);
+    std::copy(running_max.begin(), running_max.end(), block_max.begin());
+    for (int c = 0; c < n; ++c) {
+      const Compute* score_row = scores.data() + int64_t(c) * rows;
+      for (int r = 0; r < rows; ++r) block_max[size_t(r)] = std::max(block_max[size_t(r)], score_row[r]);
+    }
+    bool rescale = false;
     for (int r = 0; r < rows; ++r) {
-      Compute* row = scores.data() + int64_t(r) * n;
-      Compute block_max = *std::max_element(row, row + n);
-      const Compute new_max = std::max(running_max[r], block_max);
-      if (new_max == -std::numeric_limits<Compute>::infinity()) {
-        std::fill(row, row + n, Compute(0));  // every key so far is hidden from this row
-        continue;
-      }
-      const Compute correction = std::exp(running_max[r] - new_max);
-      running_max[r] = new_max;
-      const Compute block_sum = exp_subtract_sum(row, n, new_max);
-      running_sum[r] = running_sum[r] * correction + block_sum;
-      if (correction != Compute(1)) {
+      // A row that has seen no visible key yet keeps max -inf; subtracting 0 keeps its
+      // probabilities exactly 0 and its (empty) accumulator untouched.
+      const Compute new_max = block_max[size_t(r)];
+      subtract[size_t(r)] = new_max == kMinusInfinity ? Compute(0) : new_max;
+      correction[size_t(r)] = new_max == kMinusInfinity ? Compute(1) : std::exp(running_max[size_t(r)] - new_max);
+      running_max[size_t(r)] = new_max;
+      running_sum[size_t(r)] *= correction[size_t(r)];
+      rescale = rescale || correction[size_t(r)] != Compute(1);
+    }
+    if (rescale) {
+      for (int r = 0; r < rows; ++r) {
+        if (correction[size_t(r)] == Compute(1)) continue;
         Compute* out_row = accumulator.data() + int64_t(r) * head_dim;
-        for (int32_t d = 0; d < head_dim; ++d) out_row[d] *= correction;
+        for (int32_t d = 0; d < head_dim; ++d) out_row[d] *= correction[size_t(r)];
       }
     }
-    matmul_accumulate(rows, head_dim, n, scores.data(), n, values.data(), head_dim, accumulator.data(), head_dim);
+    exp_subtract_columns(scores.data(), n, rows, subtract.data(), running_sum.data());
+    // out [rows][D] += P [rows][n] x V [n][D], with P given transposed.
+    matmul_transposed_a(rows, head_dim, n, scores.data(), rows, values.data(), head_dim, accumulator.data(), head_dim,
+                        true);
   });
 
   int r = 0;
   for (int32_t token = block.query_begin; token < block.query_end; ++token) {
     for (int32_t head = 0; head < problem.group; ++head, ++r) {
       const int32_t q_head = block.kv_head * problem.group + head;
-      const Compute inverse_sum = Compute(1) / running_sum[r];
+      const Compute inverse_sum = Compute(1) / running_sum[size_t(r)];
       const Compute* from = accumulator.data() + int64_t(r) * head_dim;
       Element* to = problem.row_of(out, token, q_head);
       for (int32_t d = 0; d < head_dim; ++d) to[d] = from_compute<Element>(from[d] * inverse_sum);
-      lse[int64_t(q_head) * problem.shape.chunk_tokens + token] = running_max[r] + std::log(running_sum[r]);
+      lse[int64_t(q_head) * problem.shape.chunk_tokens + token] = running_max[size_t(r)] + std::log(running_sum[size_t(r)]);
     }
   }
 }
@@ -329,70 +327,87 @@ int forward_typed(const PagedAttentionForwardParams& params) {
 // ---------------------------------------------------------------------------------------------
 // Backward.
 
-// Per-block work buffers of the backward passes.
+// Per-task work buffers of the backward passes. Query-side blocks are [rows][D] or transposed
+// [D][rows]; key-side blocks [n][D]; score-shaped blocks transposed, [n][rows].
 template <typename Compute>
 struct BackwardBuffers {
-  std::vector<Compute> queries, output_grads, row_lse, row_delta;  // [rows][D], [rows][D], [rows], [rows]
-  std::vector<Compute> keys, keys_transposed, values_transposed;  // [n][D], [D][n], [D][n]
-  std::vector<Compute> probabilities, score_grads, transposed;    // [rows][n] each; [n][rows]
+  std::vector<Compute> queries, queries_transposed, output_grads, output_grads_transposed, scratch;
+  std::vector<Compute> row_lse, row_delta;
+  std::vector<Compute> keys, values;
+  std::vector<Compute> probabilities, score_grads;
 
   BackwardBuffers(int max_rows, int head_dim)
       : queries(size_t(max_rows) * head_dim),
+        queries_transposed(size_t(max_rows) * head_dim),
         output_grads(size_t(max_rows) * head_dim),
+        output_grads_transposed(size_t(max_rows) * head_dim),
+        scratch(size_t(max_rows) * head_dim),
         row_lse(max_rows),
         row_delta(max_rows),
         keys(size_t(kMaxKeyBlock) * head_dim),
-        keys_transposed(size_t(kMaxKeyBlock) * head_dim),
-        values_transposed(size_t(kMaxKeyBlock) * head_dim),
+        values(size_t(kMaxKeyBlock) * head_dim),
         probabilities(size_t(max_rows) * kMaxKeyBlock),
-        score_grads(size_t(max_rows) * kMaxKeyBlock),
-        transposed(size_t(max_rows) * kMaxKeyBlock) {}
+        score_grads(size_t(max_rows) * kMaxKeyBlock) {}
 };
 
-// Recomputes, for the query rows loaded in `buffers` and key block `keys` (whose transposed K
-// and V are loaded), P = exp(scale * Q K^T - lse) and dS = scale * P * (dO V^T - delta).
-template <typename Element, typename Compute>
-void recompute_probabilities_and_score_grads(const Problem<Element>& problem, const QueryBlock& block, int rows,
-                                             const KeyBlock<Element>& keys, BackwardBuffers<Compute>& buffers) {
-  const int n = keys.rows;
-  const int32_t head_dim = problem.shape.head_dim;
-  const Compute scale = Compute(problem.shape.softmax_scale);
-  Compute* probabilities = buffers.probabilities.data();
-  Compute* score_grads = buffers.score_grads.data();
-  std::fill(probabilities, probabilities + int64_t(rows) * n, Compute(0));
-  matmul_accumulate(rows, n, head_dim, buffers.queries.data(), head_dim, buffers.keys_transposed.data(), n,
-                    probabilities, n);
-  for (int64_t i = 0; i < int64_t(rows) * n; ++i) probabilities[i] *= scale;
-  apply_causal_mask(probabilities, rows, n, problem.group, block.query_begin, keys.first_chunk_key);
-  for (int r = 0; r < rows; ++r) exp_subtract_sum(probabilities + int64_t(r) * n, n, buffers.row_lse[r]);
-  std::fill(score_grads, score_grads + int64_t(rows) * n, Compute(0));
-  matmul_accumulate(rows, n, head_dim, buffers.output_grads.data(), head_dim, buffers.values_transposed.data(), n,
-                    score_grads, n);
-  for (int r = 0; r < rows; ++r) {
-    const Compute delta = buffers.row_delta[r];
-    Compute* grad_row = score_grads + int64_t(r) * n;
-    const Compute* probability_row = probabilities + int64_t(r) * n;
-    for (int c = 0; c < n; ++c) grad_row[c] = scale * probability_row[c] * (grad_row[c] - delta);
-  }
-}
-
+// Loads a query block for the backward: scale * Q^T and dO^T always; Q and dO row-major
+// when with_rows (pass 1 needs them for dK and dV).
 template <typename Element, typename Compute>
 void load_backward_query_block(const Problem<Element>& problem, const QueryBlock& block, const Element* dout,
-                               const Compute* lse, const Compute* delta, BackwardBuffers<Compute>& buffers) {
-  load_query_rows(problem, problem.q, block, buffers.queries.data());
-  load_query_rows(problem, dout, block, buffers.output_grads.data());
+                               const Compute* lse, const Compute* delta, bool with_rows,
+                               BackwardBuffers<Compute>& buffers) {
+  const Compute scale = Compute(problem.shape.softmax_scale);
+  const int32_t head_dim = problem.shape.head_dim;
+  const int rows = (block.query_end - block.query_begin) * problem.group;
+  if (with_rows) {
+    load_query_block(problem, problem.q, block, Compute(1), buffers.queries.data(), static_cast<Compute*>(nullptr),
+                     buffers.scratch.data());
+    for (int r = 0; r < rows; ++r) {
+      for (int32_t d = 0; d < head_dim; ++d) {
+        buffers.queries_transposed[int64_t(d) * rows + r] = scale * buffers.queries[int64_t(r) * head_dim + d];
+      }
+    }
+    load_query_block(problem, dout, block, Compute(1), buffers.output_grads.data(), buffers.output_grads_transposed.data(),
+                     buffers.scratch.data());
+  } else {
+    load_query_block(problem, problem.q, block, scale, static_cast<Compute*>(nullptr), buffers.queries_transposed.data(),
+                     buffers.scratch.data());
+    load_query_block(problem, dout, block, Compute(1), static_cast<Compute*>(nullptr),
+                     buffers.output_grads_transposed.data(), buffers.scratch.data());
+  }
   load_row_values(problem, lse, block, buffers.row_lse.data());
   load_row_values(problem, delta, block, buffers.row_delta.data());
 }
 
+// For the query block and key block loaded in `buffers`, recomputes (transposed, [n][rows])
+// P^T = exp(scale K Q^T - lse) and dS^T = scale * P^T * (V dO^T - delta).
 template <typename Element, typename Compute>
-void load_backward_key_block(const Problem<Element>& problem, const KeyBlock<Element>& keys,
-                             BackwardBuffers<Compute>& buffers) {
+void recompute_probabilities_and_score_grads(const Problem<Element>& problem, const QueryBlock& block, int rows,
+                                             const KeyBlock<Element>& key_block, BackwardBuffers<Compute>& buffers) {
+  const int n = key_block.rows;
   const int32_t head_dim = problem.shape.head_dim;
-  load_rows(keys.k, problem.kv_row_stride, keys.rows, head_dim, buffers.keys.data(), head_dim);
-  load_rows_transposed(keys.k, problem.kv_row_stride, keys.rows, head_dim, buffers.keys_transposed.data(), keys.rows);
-  load_rows_transposed(keys.v, problem.kv_row_stride, keys.rows, head_dim, buffers.values_transposed.data(),
-                       keys.rows);
+  const Compute scale = Compute(problem.shape.softmax_scale);
+  Compute* probabilities = buffers.probabilities.data();
+  Compute* score_grads = buffers.score_grads.data();
+  matmul(n, rows, head_dim, buffers.keys.data(), head_dim, buffers.queries_transposed.data(), rows, probabilities, rows,
+         false);
+  apply_causal_mask(probabilities, n, rows, problem.group, block.query_begin, key_block.first_chunk_key);
+  exp_subtract_columns(probabilities, n, rows, buffers.row_lse.data(), static_cast<Compute*>(nullptr));
+  matmul(n, rows, head_dim, buffers.values.data(), head_dim, buffers.output_grads_transposed.data(), rows, score_grads,
+         rows, false);
+  const Compute* delta = buffers.row_delta.data();
+  for (int c = 0; c < n; ++c) {
+    Compute* grad_row = score_grads + int64_t(c) * rows;
+    const Compute* probability_row = probabilities + int64_t(c) * rows;
+    for (int r = 0; r < rows; ++r) grad_row[r] = scale * probability_row[r] * (grad_row[r] - delta[r]);
+  }
+}
+
+template <typename Element, typename Compute>
+void load_backward_key_block(const Problem<Element>& problem, const KeyBlock<Element>& key_block,
+                             BackwardBuffers<Compute>& buffers) {
+  load_key_rows(key_block.k, problem.kv_row_stride, key_block.rows, problem.shape.head_dim, buffers.keys.data());
+  load_key_rows(key_block.v, problem.kv_row_stride, key_block.rows, problem.shape.head_dim, buffers.values.data());
 }
 
 // Adds a [rows][head_dim] block of key gradients into grad page rows (row stride kv_row_stride).
@@ -494,25 +509,14 @@ int backward_typed(const PagedAttentionBackwardParams& params) {
   ok = ok && parallel_for(int64_t(owned.size()), [&](int64_t index) {
     const OwnedKeyBlock& task = owned[size_t(index)];
     const bool is_history = task.chunk_first_key < 0;
-    const KeyBlock<Element> keys = is_history ? problem.history_block(task.page, task.part, task.kv_head)
-                                              : problem.chunk_block(task.chunk_first_key, task.kv_head);
-    const int n = keys.rows;
+    const KeyBlock<Element> key_block = is_history ? problem.history_block(task.page, task.part, task.kv_head)
+                                                   : problem.chunk_block(task.chunk_first_key, task.kv_head);
+    const int n = key_block.rows;
     BackwardBuffers<Compute> buffers(max_rows, head_dim);
+    // [n][D] each.
     std::vector<Compute> key_grads(size_t(n) * head_dim, Compute(0)), value_grads(size_t(n) * head_dim, Compute(0));
-    load_backward_key_block(problem, keys, buffers);
+    load_backward_key_block(problem, key_block, buffers);
 
-    auto visit_query_block = [&](const QueryBlock& block) {
-      const int rows = (block.query_end - block.query_begin) * problem.group;
-      load_backward_query_block(problem, block, dout, lse, delta.data(), buffers);
-      recompute_probabilities_and_score_grads(problem, block, rows, keys, buffers);
-      // dV += P^T dO and dK += dS^T Q, both [n][D].
-      transpose(buffers.probabilities.data(), rows, n, buffers.transposed.data());
-      matmul_accumulate(n, head_dim, rows, buffers.transposed.data(), rows, buffers.output_grads.data(), head_dim,
-                        value_grads.data(), head_dim);
-      transpose(buffers.score_grads.data(), rows, n, buffers.transposed.data());
-      matmul_accumulate(n, head_dim, rows, buffers.transposed.data(), rows, buffers.queries.data(), head_dim,
-                        key_grads.data(), head_dim);
-    };
     std::vector<QueryBlock> blocks;
     if (!is_history) {
       problem.append_query_blocks(task.chunk_first_key, chunk_tokens, 0, task.kv_head, blocks);
@@ -525,7 +529,16 @@ int backward_typed(const PagedAttentionBackwardParams& params) {
     } else {
       problem.append_query_blocks(0, chunk_tokens, 0, task.kv_head, blocks);
     }
-    for (const QueryBlock& block : blocks) visit_query_block(block);
+    for (const QueryBlock& block : blocks) {
+      const int rows = (block.query_end - block.query_begin) * problem.group;
+      load_backward_query_block(problem, block, dout, lse, delta.data(), /*with_rows=*/true, buffers);
+      recompute_probabilities_and_score_grads(problem, block, rows, key_block, buffers);
+      // dV [n][D] += P^T [n][rows] x dO [rows][D];  dK [n][D] += dS^T [n][rows] x Q [rows][D].
+      matmul(n, head_dim, rows, buffers.probabilities.data(), rows, buffers.output_grads.data(), head_dim,
+             value_grads.data(), head_dim, true);
+      matmul(n, head_dim, rows, buffers.score_grads.data(), rows, buffers.queries.data(), head_dim, key_grads.data(),
+             head_dim, true);
+    }
 
     if (is_history) {
       const int64_t page_elements = int64_t(shape.page_tokens) * problem.kv_row_stride;
@@ -555,14 +568,14 @@ int backward_typed(const PagedAttentionBackwardParams& params) {
     const QueryBlock& block = query_blocks[size_t(index)];
     const int rows = (block.query_end - block.query_begin) * problem.group;
     BackwardBuffers<Compute> buffers(max_rows, head_dim);
-    std::vector<Compute> query_grads(size_t(rows) * head_dim, Compute(0));
-    load_backward_query_block(problem, block, dout, lse, delta.data(), buffers);
-    problem.for_each_key_block(block, [&](const KeyBlock<Element>& keys) {
-      load_backward_key_block(problem, keys, buffers);
-      recompute_probabilities_and_score_grads(problem, block, rows, keys, buffers);
-      // dQ += dS K, [rows][D].
-      matmul_accumulate(rows, head_dim, keys.rows, buffers.score_grads.data(), keys.rows, buffers.keys.data(),
-                        head_dim, query_grads.data(), head_dim);
+    std::vector<Compute> query_grads(size_t(rows) * head_dim, Compute(0));  // [rows][D]
+    load_backward_query_block(problem, block, dout, lse, delta.data(), /*with_rows=*/false, buffers);
+    problem.for_each_key_block(block, [&](const KeyBlock<Element>& key_block) {
+      load_backward_key_block(problem, key_block, buffers);
+      recompute_probabilities_and_score_grads(problem, block, rows, key_block, buffers);
+      // dQ [rows][D] += dS [rows][n] x K [n][D], with dS given transposed.
+      matmul_transposed_a(rows, head_dim, key_block.rows, buffers.score_grads.data(), rows, buffers.keys.data(),
+                          head_dim, query_grads.data(), head_dim, true);
     });
     Element* dq = static_cast<Element*>(params.dq);
     int r = 0;

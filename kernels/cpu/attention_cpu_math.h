@@ -9,19 +9,34 @@
 
 namespace membar::kernels::cpu::detail {
 
-// C[rows][cols] += A[rows][depth] * B[depth][cols]; all three row-major with the given leading
-// dimensions (elements between consecutive rows). Picks AVX-512, AVX2+FMA or baseline code
-// once, from what the running CPU supports.
-void matmul_accumulate(int rows, int cols, int depth, const float* a, int64_t lda, const float* b,
-                       int64_t ldb, float* c, int64_t ldc);
-void matmul_accumulate(int rows, int cols, int depth, const double* a, int64_t lda, const double* b,
-                       int64_t ldb, double* c, int64_t ldc);
+// C[rows][cols] (+)= A[rows][depth] * B[depth][cols]; all three row-major with the given leading
+// dimensions (elements between consecutive rows). With accumulate the product is added to C,
+// otherwise it overwrites C. Picks AVX-512, AVX2+FMA or baseline code once, from what the
+// running CPU supports.
+void matmul(int rows, int cols, int depth, const float* a, int64_t lda, const float* b, int64_t ldb, float* c,
+            int64_t ldc, bool accumulate);
+void matmul(int rows, int cols, int depth, const double* a, int64_t lda, const double* b, int64_t ldb, double* c,
+            int64_t ldc, bool accumulate);
 
-// values[i] = exp(values[i] - subtract), with exp(-inf) = 0; returns the sum of the results.
-// The float version uses a polynomial accurate to about 2 ulp (softmax needs no more); the
-// double version calls std::exp.
-float exp_subtract_sum(float* values, int count, float subtract);
-double exp_subtract_sum(double* values, int count, double subtract);
+// The same with A given transposed: C[rows][cols] (+)= A^T B where a_transposed is
+// [depth][rows] (lda elements between its rows).
+void matmul_transposed_a(int rows, int cols, int depth, const float* a_transposed, int64_t lda, const float* b,
+                         int64_t ldb, float* c, int64_t ldc, bool accumulate);
+void matmul_transposed_a(int rows, int cols, int depth, const double* a_transposed, int64_t lda, const double* b,
+                         int64_t ldb, double* c, int64_t ldc, bool accumulate);
+
+// For a dense [rows][cols] block: values[i][j] = exp(values[i][j] - subtract[j]), with
+// exp(-inf) = 0; when column_sums is not null, adds each column's new values into it. The float
+// version uses a polynomial accurate to about 2 ulp (softmax needs no more); the double version
+// calls std::exp.
+void exp_subtract_columns(float* values, int rows, int cols, const float* subtract, float* column_sums);
+void exp_subtract_columns(double* values, int rows, int cols, const double* subtract, double* column_sums);
+
+// Widens `count` contiguous elements into the compute type.
+void widen(const BFloat16* from, float* to, int64_t count);
+void widen(const Float16* from, float* to, int64_t count);
+void widen(const float* from, float* to, int64_t count);
+void widen(const double* from, double* to, int64_t count);
 
 // Element conversions: widening into the compute type and narrowing (round to nearest even).
 inline float to_compute(float value) { return value; }

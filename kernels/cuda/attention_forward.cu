@@ -1,8 +1,9 @@
 // Paged attention forward on CUDA (FlashAttention-2 style, mma.sync tensor cores).
 //
 // Note [Forward kernel]
-// One CTA per (block of 16 * kWarps queries, q head); each warp owns 16 query rows and keeps
-// their Q fragments, the output accumulator and the online-softmax state in registers. The CTA
+// One CTA per (block of 128 queries, q head) with four warps of 32 query rows (64 rows, 16 per
+// warp, when a sparse selection's tiles are an odd multiple of 64); each warp keeps its output
+// accumulator and online-softmax state in registers and reads Q fragments from shared memory. The CTA
 // walks its key sequence in blocks of 64 keys (KeySequence: the history pages, or the selected
 // ones, then the chunk's own keys up to its last query), double-buffering K and V through
 // cp.async so that block i + 1 loads while block i is multiplied. Scores are masked only where a
@@ -22,15 +23,19 @@ using namespace detail;
 
 constexpr int kForwardKeys = 64;
 
-template <int kHeadDim, int kWarps>
+template <int kHeadDim, int kRows>
 constexpr size_t forward_shared_bytes_fixed() {
-  // Q [16 * kWarps, D] + K and V [2 stages, 64, D], 16-bit elements.
-  return size_t(16 * kWarps * kHeadDim + 4 * kForwardKeys * kHeadDim) * 2;
+  // Q [kRows, D] + K and V [2 stages, 64, D], 16-bit elements.
+  return size_t(kRows * kHeadDim + 4 * kForwardKeys * kHeadDim) * 2;
 }
 
-template <typename Element, int kHeadDim, int kWarps>
+// kRowTiles: 16-row tiles per warp. Two tiles per warp read every K and V fragment from shared
+// memory once for 32 rows, halving the shared-memory traffic per tensor-core instruction
+// (ldmatrix bandwidth, not the tensor cores, bounds a 16-row warp).
+template <typename Element, int kHeadDim, int kWarps, int kRowTiles>
 __global__ void __launch_bounds__(kWarps * 32, 1) paged_attention_forward_kernel(const PagedAttentionForwardParams params) {
-  constexpr int kRows = 16 * kWarps;
+  constexpr int kWarpRows = 16 * kRowTiles;
+  constexpr int kRows = kWarpRows * kWarps;
   constexpr int kThreads = kWarps * 32;
   constexpr int kKeys = kForwardKeys;
   extern __shared__ __align__(128) unsigned char shared_raw[];
@@ -96,24 +101,19 @@ __global__ void __launch_bounds__(kWarps * 32, 1) paged_attention_forward_kernel
   };
   load_block(0, 0);
   copy_async_commit();
-  copy_async_wait<1>();
-  __syncthreads();
-
-  // This warp's 16 query rows as A fragments, [D / 16][4].
-  uint32_t q_fragments[kHeadDim / 16][4];
-#pragma unroll
-  for (int kk = 0; kk < kHeadDim / 16; ++kk) {
-    ldmatrix_x4(q_fragments[kk], q_tile + swizzled_offset<kHeadDim>(warp * 16 + (lane & 15), kk * 16 + (lane >> 4) * 8));
-  }
 
   const float scale_log2 = shape.softmax_scale * kLog2e;
-  // Rows this thread holds: warp * 16 + lane / 4 and that + 8.
-  const int row_in_tile = warp * 16 + lane / 4;
-  const int query_position[2] = {first_query + row_in_tile, first_query + row_in_tile + 8};
-  float output[kHeadDim / 8][4];
-  clear(output);
-  float row_max[2] = {-INFINITY, -INFINITY};
-  float row_sum[2] = {0.f, 0.f};
+  // Rows this thread holds, per row tile t: warp_row + 16 t + lane / 4 and that + 8.
+  const int warp_row = warp * kWarpRows;
+  float output[kRowTiles][kHeadDim / 8][4];
+  float row_max[kRowTiles][2];
+  float row_sum[kRowTiles][2];
+#pragma unroll
+  for (int t = 0; t < kRowTiles; ++t) {
+    clear(output[t]);
+    row_max[t][0] = row_max[t][1] = -INFINITY;
+    row_sum[t][0] = row_sum[t][1] = 0.f;
+  }
 
   for (int index = 0; index < num_blocks; ++index) {
     const int stage = index & 1;
@@ -124,69 +124,98 @@ __global__ void __launch_bounds__(kWarps * 32, 1) paged_attention_forward_kernel
 
     const Element* k_tile = k_tiles + stage * kKeys * kHeadDim;
     const Element* v_tile = v_tiles + stage * kKeys * kHeadDim;
-    float scores[kKeys / 8][4];
-    clear(scores);
+    float scores[kRowTiles][kKeys / 8][4];
+#pragma unroll
+    for (int t = 0; t < kRowTiles; ++t) clear(scores[t]);
 #pragma unroll
     for (int kk = 0; kk < kHeadDim / 16; ++kk) {
+      uint32_t a[kRowTiles][4];
+#pragma unroll
+      for (int t = 0; t < kRowTiles; ++t) {
+        ldmatrix_x4(a[t], q_tile + swizzled_offset<kHeadDim>(warp_row + t * 16 + (lane & 15), kk * 16 + (lane >> 4) * 8));
+      }
 #pragma unroll
       for (int nn = 0; nn < kKeys / 16; ++nn) {
         uint32_t b[4];
         const int row = nn * 16 + (lane & 7) + ((lane >> 4) << 3);
         const int column = kk * 16 + ((lane >> 3) & 1) * 8;
         ldmatrix_x4(b, k_tile + swizzled_offset<kHeadDim>(row, column));
-        ElementTraits<Element>::mma(scores[2 * nn], q_fragments[kk], b[0], b[1]);
-        ElementTraits<Element>::mma(scores[2 * nn + 1], q_fragments[kk], b[2], b[3]);
+#pragma unroll
+        for (int t = 0; t < kRowTiles; ++t) {
+          ElementTraits<Element>::mma(scores[t][2 * nn], a[t], b[0], b[1]);
+          ElementTraits<Element>::mma(scores[t][2 * nn + 1], a[t], b[2], b[3]);
+        }
       }
     }
 
     const KeyBlock<Element> block = keys.block(index);
     const bool chunk_block = block.first_position >= 0;
     const bool needs_mask = block.valid_rows < kKeys ||
-                            (chunk_block && block.first_position + kKeys - 1 > first_query + warp * 16);
-    if (needs_mask) {
+                            (chunk_block && block.first_position + kKeys - 1 > first_query + warp_row);
+    uint32_t p_fragments[kRowTiles][kKeys / 16][4];
 #pragma unroll
-      for (int n = 0; n < kKeys / 8; ++n) {
+    for (int t = 0; t < kRowTiles; ++t) {
+      const int row_position = first_query + warp_row + t * 16 + lane / 4;
+      if (needs_mask) {
 #pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          const int key = n * 8 + 2 * (lane % 4) + (j & 1);
-          bool visible = key < block.valid_rows;
-          if (chunk_block) visible = visible && block.first_position + key <= query_position[j >> 1];
-          if (!visible) scores[n][j] = -INFINITY;
+        for (int n = 0; n < kKeys / 8; ++n) {
+#pragma unroll
+          for (int j = 0; j < 4; ++j) {
+            const int key = n * 8 + 2 * (lane % 4) + (j & 1);
+            bool visible = key < block.valid_rows;
+            if (chunk_block) visible = visible && block.first_position + key <= row_position + (j >> 1) * 8;
+            if (!visible) scores[t][n][j] = -INFINITY;
+          }
+        }
+      }
+      // Online softmax over this block (Note [Forward kernel]).
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        float block_max = -INFINITY;
+#pragma unroll
+        for (int n = 0; n < kKeys / 8; ++n) {
+          block_max = fmaxf(block_max, fmaxf(scores[t][n][2 * half], scores[t][n][2 * half + 1]));
+        }
+        block_max = quad_max(block_max);
+        const float new_max = fmaxf(row_max[t][half], block_max);
+        const float max_scaled = new_max == -INFINITY ? 0.f : new_max * scale_log2;
+        const float correction = exp2f(row_max[t][half] * scale_log2 - max_scaled);
+        row_max[t][half] = new_max;
+        float sum = 0.f;
+#pragma unroll
+        for (int n = 0; n < kKeys / 8; ++n) {
+#pragma unroll
+          for (int j = 2 * half; j < 2 * half + 2; ++j) {
+            scores[t][n][j] = exp2f(scores[t][n][j] * scale_log2 - max_scaled);
+            sum += scores[t][n][j];
+          }
+        }
+        row_sum[t][half] = row_sum[t][half] * correction + sum;
+#pragma unroll
+        for (int n = 0; n < kHeadDim / 8; ++n) {
+          output[t][n][2 * half] *= correction;
+          output[t][n][2 * half + 1] *= correction;
+        }
+      }
+      accumulator_to_a_fragments<Element, kKeys>(p_fragments[t], scores[t]);
+    }
+
+    // O += P V: every V fragment serves all row tiles of the warp.
+#pragma unroll
+    for (int kk = 0; kk < kKeys / 16; ++kk) {
+#pragma unroll
+      for (int nn = 0; nn < kHeadDim / 16; ++nn) {
+        uint32_t b[4];
+        const int row = kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
+        const int column = nn * 16 + (lane >> 4) * 8;
+        ldmatrix_x4_trans(b, v_tile + swizzled_offset<kHeadDim>(row, column));
+#pragma unroll
+        for (int t = 0; t < kRowTiles; ++t) {
+          ElementTraits<Element>::mma(output[t][2 * nn], p_fragments[t][kk], b[0], b[1]);
+          ElementTraits<Element>::mma(output[t][2 * nn + 1], p_fragments[t][kk], b[2], b[3]);
         }
       }
     }
-
-    // Online softmax over this block (Note [Forward kernel]).
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      float block_max = -INFINITY;
-#pragma unroll
-      for (int n = 0; n < kKeys / 8; ++n) block_max = fmaxf(block_max, fmaxf(scores[n][2 * half], scores[n][2 * half + 1]));
-      block_max = quad_max(block_max);
-      const float new_max = fmaxf(row_max[half], block_max);
-      const float max_scaled = new_max == -INFINITY ? 0.f : new_max * scale_log2;
-      const float correction = exp2f(row_max[half] * scale_log2 - max_scaled);
-      row_max[half] = new_max;
-      float sum = 0.f;
-#pragma unroll
-      for (int n = 0; n < kKeys / 8; ++n) {
-#pragma unroll
-        for (int j = 2 * half; j < 2 * half + 2; ++j) {
-          scores[n][j] = exp2f(scores[n][j] * scale_log2 - max_scaled);
-          sum += scores[n][j];
-        }
-      }
-      row_sum[half] = row_sum[half] * correction + sum;
-#pragma unroll
-      for (int n = 0; n < kHeadDim / 8; ++n) {
-        output[n][2 * half] *= correction;
-        output[n][2 * half + 1] *= correction;
-      }
-    }
-
-    uint32_t p_fragments[kKeys / 16][4];
-    accumulator_to_a_fragments<Element, kKeys>(p_fragments, scores);
-    warp_matmul_registers_nn<Element, kHeadDim, kKeys, kHeadDim>(output, p_fragments, v_tile, 0, 0, lane);
     // The next iteration's copy overwrites the stage read here.
     __syncthreads();
   }
@@ -194,51 +223,56 @@ __global__ void __launch_bounds__(kWarps * 32, 1) paged_attention_forward_kernel
   Element* out = static_cast<Element*>(params.out);
   float* lse = static_cast<float*>(params.lse);
 #pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    const float sum = quad_sum(row_sum[half]);
-    const int position = query_position[half];
-    if (position >= chunk_tokens) continue;
-    const float inverse = sum > 0.f ? 1.f / sum : 0.f;
-    Element* out_row = out + int64_t(position) * q_row_stride + int64_t(q_head) * kHeadDim;
+  for (int t = 0; t < kRowTiles; ++t) {
 #pragma unroll
-    for (int n = 0; n < kHeadDim / 8; ++n) {
-      const int column = n * 8 + 2 * (lane % 4);
-      *reinterpret_cast<uint32_t*>(out_row + column) =
-          ElementTraits<Element>::pack(output[n][2 * half] * inverse, output[n][2 * half + 1] * inverse);
-    }
-    if (lane % 4 == 0) {
-      lse[int64_t(q_head) * chunk_tokens + position] =
-          sum > 0.f ? row_max[half] * shape.softmax_scale + logf(sum) : -INFINITY;
+    for (int half = 0; half < 2; ++half) {
+      const float sum = quad_sum(row_sum[t][half]);
+      const int position = first_query + warp_row + t * 16 + lane / 4 + half * 8;
+      if (position >= chunk_tokens) continue;
+      const float inverse = sum > 0.f ? 1.f / sum : 0.f;
+      Element* out_row = out + int64_t(position) * q_row_stride + int64_t(q_head) * kHeadDim;
+#pragma unroll
+      for (int n = 0; n < kHeadDim / 8; ++n) {
+        const int column = n * 8 + 2 * (lane % 4);
+        *reinterpret_cast<uint32_t*>(out_row + column) =
+            ElementTraits<Element>::pack(output[t][n][2 * half] * inverse, output[t][n][2 * half + 1] * inverse);
+      }
+      if (lane % 4 == 0) {
+        lse[int64_t(q_head) * chunk_tokens + position] =
+            sum > 0.f ? row_max[t][half] * shape.softmax_scale + logf(sum) : -INFINITY;
+      }
     }
   }
 }
 
-template <typename Element, int kHeadDim, int kWarps>
+template <typename Element, int kHeadDim, int kWarps, int kRowTiles>
 cudaError_t launch_forward(const PagedAttentionForwardParams& params, cudaStream_t stream) {
+  constexpr int kRows = 16 * kRowTiles * kWarps;
   const PagedAttentionShape& shape = params.shape;
-  const size_t shared_bytes = forward_shared_bytes_fixed<kHeadDim, kWarps>() +
-                              ((params.selection.selected_pages != nullptr) ? size_t(params.selection.selected_per_tile) * 4 : 0);
-  auto kernel = paged_attention_forward_kernel<Element, kHeadDim, kWarps>;
+  const size_t shared_bytes = forward_shared_bytes_fixed<kHeadDim, kRows>() +
+                              (params.selection.selected_pages != nullptr ? size_t(params.selection.selected_per_tile) * 4 : 0);
+  auto kernel = paged_attention_forward_kernel<Element, kHeadDim, kWarps, kRowTiles>;
   cudaError_t error = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(shared_bytes));
   if (error != cudaSuccess) return error;
-  const dim3 grid((shape.chunk_tokens + 16 * kWarps - 1) / (16 * kWarps), shape.num_q_heads);
+  const dim3 grid((shape.chunk_tokens + kRows - 1) / kRows, shape.num_q_heads);
   kernel<<<grid, kWarps * 32, shared_bytes, stream>>>(params);
   return cudaGetLastError();
 }
 
 template <typename Element, int kHeadDim>
-cudaError_t dispatch_warps(const PagedAttentionForwardParams& params, cudaStream_t stream) {
-  // A CTA's queries must lie in one selection tile (Note [Forward kernel]).
-  if ((params.selection.selected_pages != nullptr) && params.selection.query_tile_tokens % 128 != 0) {
-    return launch_forward<Element, kHeadDim, 4>(params, stream);
+cudaError_t dispatch_rows(const PagedAttentionForwardParams& params, cudaStream_t stream) {
+  // A CTA's queries must lie in one selection tile (Note [Forward kernel]): 128 rows (four warps
+  // of 32) unless the selection's tiles are an odd multiple of 64 rows.
+  if (params.selection.selected_pages != nullptr && params.selection.query_tile_tokens % 128 != 0) {
+    return launch_forward<Element, kHeadDim, 4, 1>(params, stream);
   }
-  return launch_forward<Element, kHeadDim, 8>(params, stream);
+  return launch_forward<Element, kHeadDim, 4, 2>(params, stream);
 }
 
 template <typename Element>
 cudaError_t dispatch_head_dim(const PagedAttentionForwardParams& params, cudaStream_t stream) {
-  if (params.shape.head_dim == 64) return dispatch_warps<Element, 64>(params, stream);
-  return dispatch_warps<Element, 128>(params, stream);
+  if (params.shape.head_dim == 64) return dispatch_rows<Element, 64>(params, stream);
+  return dispatch_rows<Element, 128>(params, stream);
 }
 
 }  // namespace

@@ -18,7 +18,8 @@ plain tensors from membar.logra.state.allocate_state, the one place that will ha
 runtime pages once the runtime can page them.
 """
 from membar.logra.kl import KLPrediction, measured_kl, predict_kl, softmax_fisher_quadratic, step_scale
-from membar.logra.linear import DEFAULT_TARGETS, KeyState, LoGRALinear, LoGRAModel, apply_logra
+from membar.logra.linear import (DEFAULT_TARGETS, KeyState, LoGRALinear, LoGRAModel, apply_logra, target_linears,
+                                 target_weights)
 from membar.logra.ops import ProjectionKey, fused_update_, generate, project, sketch_accumulate_
 from membar.logra.optimizer import KLControl, LoGRAOptimizer, StepResult
 from membar.logra.state import allocate_state
@@ -28,5 +29,5 @@ __all__ = [
     "DEFAULT_TARGETS", "KLControl", "KLPrediction", "KeyState", "LoGRALinear", "LoGRAModel", "LoGRAOptimizer",
     "PolicyPublisher", "PolicySubscriber", "ProjectionKey", "SharedMemoryRing", "StepResult", "SyncOverrun",
     "allocate_state", "apply_logra", "fused_update_", "generate", "measured_kl", "predict_kl", "project",
-    "sketch_accumulate_", "softmax_fisher_quadratic", "step_scale",
+    "sketch_accumulate_", "softmax_fisher_quadratic", "step_scale", "target_linears", "target_weights",
 ]

@@ -158,6 +158,24 @@ class LoGRAModel:
         return [layer.master if layer.master is not None else layer.weight for layer in self.layers]
 
 
+def target_linears(model: nn.Module, targets: Iterable[str] = DEFAULT_TARGETS) -> list[tuple[str, nn.Module, str, nn.Linear]]:
+    """(parent name, parent, attribute, linear) of every ``nn.Linear`` named in ``targets``, in
+    ``named_modules`` order: index i is matrix id i. Rollout processes use it to find the weights
+    a subscriber updates without wrapping them."""
+    targets = tuple(targets)
+    found = []
+    for parent_name, parent in model.named_modules():
+        for child_name, child in parent.named_children():
+            if child_name in targets and isinstance(child, (nn.Linear, LoGRALinear)):
+                found.append((parent_name, parent, child_name, child))
+    return found
+
+
+def target_weights(model: nn.Module, targets: Iterable[str] = DEFAULT_TARGETS) -> dict[int, torch.Tensor]:
+    """matrix id -> weight [d, k] of the targeted projections (the subscriber's view)."""
+    return {index: entry[3].weight for index, entry in enumerate(target_linears(model, targets))}
+
+
 def apply_logra(
     model: nn.Module,
     rank: int,
@@ -174,11 +192,9 @@ def apply_logra(
     key_state = KeyState(seed=int(seed))
     layers: list[LoGRALinear] = []
     names: list[str] = []
-    replacements = []
-    for parent_name, parent in model.named_modules():
-        for child_name, child in parent.named_children():
-            if child_name in targets and isinstance(child, nn.Linear):
-                replacements.append((parent_name, parent, child_name, child))
+    replacements = target_linears(model, targets)
+    if any(isinstance(entry[3], LoGRALinear) for entry in replacements):
+        raise ValueError("apply_logra: the model already has LoGRA layers")
     for parent_name, parent, child_name, child in replacements:
         layer = LoGRALinear(child, rank, len(layers), key_state, master_weights=master_weights)
         setattr(parent, child_name, layer)
