@@ -421,7 +421,7 @@ void ServerImpl::handle_hello(Connection& connection, const v1::HelloV1& hello) 
   if (!layout.ok()) return fail(layout.status());
   std::string name = "membar." + std::to_string(::getpid()) + "." + std::to_string(connection.client) + "." +
                      std::to_string(++segment_counter_);
-  Result<std::unique_ptr<SharedSegment>> segment = SharedSegment::create(name, layout.value());
+  Result<std::unique_ptr<SharedSegment>> segment = SharedSegment::create(name, layout.value(), connection.uid);
   if (!segment.ok()) return fail(segment.status());
   connection.segment = std::move(segment).value();
   channel->set_segment(connection.segment);

@@ -1,5 +1,10 @@
 #include "shared_segment.h"
 
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+
 #include <boost/interprocess/mapped_region.hpp>
 #include <boost/interprocess/shared_memory_object.hpp>
 
@@ -12,7 +17,8 @@ struct SharedSegment::Mapping {
 };
 
 Result<std::unique_ptr<SharedSegment>> SharedSegment::create(const std::string& name,
-                                                             const protocol::v1::SegmentLayout& layout) {
+                                                             const protocol::v1::SegmentLayout& layout,
+                                                             uint32_t owner_uid) {
   std::unique_ptr<SharedSegment> segment(new SharedSegment());
   segment->name_ = name;
   segment->layout_ = layout;
@@ -23,6 +29,11 @@ Result<std::unique_ptr<SharedSegment>> SharedSegment::create(const std::string& 
     bip::shared_memory_object object(bip::create_only, name.c_str(), bip::read_write, permissions);
     try {
       object.truncate(static_cast<bip::offset_t>(layout.segment_bytes));
+      if (owner_uid != ::geteuid() && ::fchown(object.get_mapping_handle().handle, owner_uid, static_cast<gid_t>(-1)) != 0) {
+        bip::shared_memory_object::remove(name.c_str());
+        return permission_denied("cannot hand segment " + name + " to uid " + std::to_string(owner_uid) +
+                                 ": " + std::strerror(errno) + " (serving other uids needs a root daemon)");
+      }
       segment->mapping_ = std::make_unique<Mapping>(Mapping{bip::mapped_region(object, bip::read_write)});
     } catch (...) {
       bip::shared_memory_object::remove(name.c_str());

@@ -15,9 +15,12 @@ namespace membar::runtimed {
 
 class SharedSegment {
  public:
-  // Creates the segment `name` (mode 0600, zero-filled) and writes its header.
+  // Creates the segment `name` (mode 0600, zero-filled, owned by `owner_uid` so that a client
+  // admitted by --allow-uid can open it; changing the owner needs a root daemon) and writes its
+  // header.
   static Result<std::unique_ptr<SharedSegment>> create(const std::string& name,
-                                                       const protocol::v1::SegmentLayout& layout);
+                                                       const protocol::v1::SegmentLayout& layout,
+                                                       uint32_t owner_uid);
   ~SharedSegment();
   SharedSegment(const SharedSegment&) = delete;
   SharedSegment& operator=(const SharedSegment&) = delete;
