@@ -18,7 +18,7 @@ if [ -n "$gtest_src" ]; then
 fi
 "$root/tests/gpu/isolated_source.sh" /tmp/membar-src
 cmake -S /tmp/membar-src -B /tmp/membar-build -G Ninja -DCMAKE_BUILD_TYPE=Release -DMEMBAR_WITH_CUDA=ON \
-  -DMEMBAR_CUDA_ARCHS=90a -DMEMBAR_PYTHON=python3 "${prefix_args[@]}" >"$out/configure.log" 2>&1 || { tail -30 "$out/configure.log"; exit 1; }
+  -DMEMBAR_CUDA_ARCHS=90a -DMEMBAR_PYTHON=python3 "${prefix_args[@]}" >/tmp/membar-configure.log 2>&1 || { tail -30 /tmp/membar-configure.log; exit 1; }
 cmake --build /tmp/membar-build -j "$jobs" --target membar_C test_attention_cuda >"$out/build.log" 2>&1 || { grep -E "error" "$out/build.log" | head -30; exit 1; }
 grep -E "Compiling entry|registers|spill" "$out/build.log" | grep -B1 -A1 "attention\|registers" | sed -E 's/_ZN6membar[A-Za-z0-9_]*(paged_attention_[a-z_]*kernel|page_[a-z]*_kernel)/\1/' >"$out/ptxas.txt"
 {
@@ -26,11 +26,12 @@ grep -E "Compiling entry|registers|spill" "$out/build.log" | grep -B1 -A1 "atten
   for object in /tmp/membar-build/kernels/CMakeFiles/membar_kernels.dir/cuda/attention_*.cu.o; do
     echo "$(basename "$object"): HMMA $(cuobjdump --dump-sass "$object" | grep -c HMMA), HGMMA $(cuobjdump --dump-sass "$object" | grep -c HGMMA), LDSM $(cuobjdump --dump-sass "$object" | grep -c LDSM), LDL $(cuobjdump --dump-sass "$object" | grep -c 'LDL')"
   done
-} >"$out/sass.txt" 2>&1
-cat "$out/sass.txt"
+} >>"$out/ptxas.txt" 2>&1
+grep -A8 "SASS instruction" "$out/ptxas.txt"
 status=0
-timeout 240 /tmp/membar-build/bin/test_attention_cuda 2>&1 | tee "$out/gtest.log" | grep -E "^\[  (FAILED|PASSED) |Failure|error|gpu error" | head -80 || status=1
+timeout 240 /tmp/membar-build/bin/test_attention_cuda 2>&1 | tee "$out/gtest.log" | grep -E "^\[  (FAILED|PASSED) |Failure" | head -40 || status=1
 grep -q "\[  PASSED  \]" "$out/gtest.log" && ! grep -q "\[  FAILED  \]" "$out/gtest.log" || status=1
-cd /tmp/membar-src && PYTHONPATH=/tmp/membar-src/bindings/python timeout 240 python3 -m pytest -q -x tests/python/test_attention_cuda.py 2>&1 | tail -15 | tee "$out/pytest.log"
+cd /tmp/membar-src && PYTHONPATH=/tmp/membar-src/bindings/python timeout 240 python3 -m pytest -v -p faulthandler tests/python/test_attention_cuda.py >"$out/pytest.log" 2>&1 || status=1
+grep -E "PASSED|FAILED|ERROR|Fatal|line [0-9]+ in test_|passed|failed" "$out/pytest.log" | tail -40
 [ "${MEMBAR_SKIP_BENCH:-0}" = 1 ] || MEMBAR_RESULTS_DIR="$out" PYTHONPATH=/tmp/membar-src/bindings/python timeout 300 python3 /tmp/membar-src/bench/attention_bench.py ${MEMBAR_BENCH_ARGS:-} 2>&1 | tee "$out/bench.log" | tail -40
 exit $status

@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <numeric>
 #include <random>
@@ -429,6 +430,12 @@ TEST_P(PagedAttentionCuda, ForwardAndBackwardMatchReference) {
     EXPECT_EQ(pick(initial_dk, dk_used, false), pick(gpu.dk_pool, dk_used, false));
     EXPECT_EQ(pick(initial_dv, dv_used, false), pick(gpu.dv_pool, dv_used, false));
   }
+  // The forward's other layout (eight warps of 16 rows, chosen by an environment knob).
+  setenv("MEMBAR_ATTENTION_FORWARD_WARP_ROWS", "16", 1);
+  const Results other_layout = run_gpu(p, false);
+  unsetenv("MEMBAR_ATTENTION_FORWARD_WARP_ROWS");
+  expect_close("out16", other_layout.out, baseline.out, truth.out, slack);
+  expect_close("lse16", other_layout.lse, baseline.lse, truth.lse, 1e-4);
 }
 
 TEST_P(PagedAttentionCuda, DeterministicModeGivesSameBitsTwice) {
