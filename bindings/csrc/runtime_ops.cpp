@@ -1,0 +1,329 @@
+// The runtime as a TorchScript custom class, torch.classes.membar.Runtime: a membar::Client
+// (from connect(): a daemon, or the embedded runtime) with its calls translated to torch types.
+// Bindings only validate and translate; every Status that is not OK becomes a RuntimeError whose
+// message is the Status's sentence. The friendly Python API is membar/runtime.py.
+//
+// Pools: pool(page_bytes, dtype, page_shape) views the client's whole GPU window as
+//   [window_bytes / page_bytes, *page_shape]   (dtype; CUDA on the CUDA backend, CPU on the host one)
+// so page p of a space lives at pool[index] with index from acquire() / pool_indices(). The tensor
+// is made with at::from_blob over window_base; its deleter frees nothing and only holds a
+// reference to this Runtime, so the window (and the client that owns it) outlives every tensor
+// that views it. Only rows of pages that are acquired (and not yet released) may be touched:
+// other rows may be unmapped (reading them faults) or belong to another space's page size.
+#include <ATen/ATen.h>
+#include <torch/custom_class.h>
+#include <torch/library.h>
+
+#include <cstdio>
+#include <map>
+#include <mutex>
+#include <sstream>
+
+#include "membar/client.h"
+
+namespace membar::bindings {
+namespace {
+
+void check_ok(const Status& status, const char* what) {
+  TORCH_CHECK(status.ok(), "membar runtime ", what, ": ", status.to_string());
+}
+
+template <typename T>
+T take(Result<T> result, const char* what) {
+  check_ok(result.status(), what);
+  return std::move(result).value();
+}
+
+uint32_t to_u32(int64_t value, const char* name) {
+  TORCH_CHECK(value >= 0 && value <= int64_t(UINT32_MAX), "membar runtime: ", name,
+              " must be in [0, 2^32), got ", value, ".");
+  return uint32_t(value);
+}
+
+PageRange make_range(int64_t space, int64_t first, int64_t count) {
+  return PageRange{to_u32(space, "space"), to_u32(first, "first page"), to_u32(count, "page count")};
+}
+
+std::string json_escape(const std::string& text) {
+  std::string out;
+  for (char c : text) {
+    switch (c) {
+      case '"': out += "\\\""; break;
+      case '\\': out += "\\\\"; break;
+      case '\n': out += "\\n"; break;
+      default:
+        if (static_cast<unsigned char>(c) < 0x20) {
+          char buffer[8];
+          std::snprintf(buffer, sizeof(buffer), "\\u%04x", c);
+          out += buffer;
+        } else {
+          out += c;
+        }
+    }
+  }
+  return out;
+}
+
+void write_stat(std::ostringstream& out, const char* name, const Stat& stat) {
+  out << "\"" << name << "\": {\"current\": " << stat.current << ", \"peak\": " << stat.peak
+      << ", \"allocated\": " << stat.allocated << ", \"freed\": " << stat.freed << "}";
+}
+
+std::string stats_json(const RuntimeStats& stats) {
+  std::ostringstream out;
+  out << "{\"backend\": \"" << json_escape(stats.backend) << "\", \"tiers\": [";
+  for (size_t i = 0; i < stats.tiers.size(); ++i) {
+    const TierStats& tier = stats.tiers[i];
+    out << (i ? ", " : "") << "{\"tier\": \"" << (tier.tier == Tier::kGpu ? "gpu" : "host")
+        << "\", \"frames_total\": " << tier.frames_total << ", \"frames_used\": " << tier.frames_used
+        << ", \"frames_free\": " << tier.frames_free << "}";
+  }
+  out << "], \"clients\": [";
+  for (size_t i = 0; i < stats.clients.size(); ++i) {
+    const ClientStats& c = stats.clients[i];
+    out << (i ? ", " : "") << "{\"client\": " << c.client << ", \"pid\": " << c.pid << ", \"name\": \""
+        << json_escape(c.name) << "\", \"gpu_quota_bytes\": " << c.gpu_quota_bytes
+        << ", \"host_quota_bytes\": " << c.host_quota_bytes << ", ";
+    write_stat(out, "gpu_frames", c.gpu_frames);
+    out << ", ";
+    write_stat(out, "host_frames", c.host_frames);
+    out << ", \"pages_gpu\": " << c.pages_gpu << ", \"pages_host\": " << c.pages_host
+        << ", \"pages_both\": " << c.pages_both << ", \"pages_none\": " << c.pages_none
+        << ", \"bytes_host_to_gpu\": " << c.bytes_host_to_gpu << ", \"bytes_gpu_to_host\": " << c.bytes_gpu_to_host
+        << ", \"prefetch_hits\": " << c.prefetch_hits << ", \"prefetch_misses\": " << c.prefetch_misses
+        << ", \"evictions\": " << c.evictions << ", \"stall_ns\": " << c.stall_ns << "}";
+  }
+  out << "], \"spaces\": [";
+  for (size_t i = 0; i < stats.spaces.size(); ++i) {
+    const SpaceInfo& s = stats.spaces[i];
+    out << (i ? ", " : "") << "{\"id\": " << s.id << ", \"name\": \"" << json_escape(s.name)
+        << "\", \"page_bytes\": " << s.page_bytes << ", \"page_count\": " << s.page_count << "}";
+  }
+  out << "]}";
+  return out.str();
+}
+
+class Runtime : public torch::CustomClassHolder {
+ public:
+  // socket: "" = connect()'s usual order ($MEMBAR_SOCKET, default socket, embedded);
+  // "embedded" = always the embedded runtime; anything else = that daemon socket.
+  // backend: "auto", "host" or "cuda" (embedded mode).
+  static c10::intrusive_ptr<Runtime> connect(std::string socket, bool allow_embedded, std::string backend,
+                                             int64_t gpu_pool_bytes, int64_t host_pool_bytes, int64_t device,
+                                             std::string name, int64_t gpu_quota_bytes, int64_t host_quota_bytes) {
+    ConnectOptions options;
+    options.allow_embedded = allow_embedded;
+    options.client_name = std::move(name);
+    TORCH_CHECK(gpu_pool_bytes >= 0 && host_pool_bytes >= 0 && gpu_quota_bytes >= 0 && host_quota_bytes >= 0,
+                "membar runtime connect: pool and quota sizes must not be negative.");
+    TORCH_CHECK(device >= 0, "membar runtime connect: device must not be negative, got ", device, ".");
+    options.gpu_quota_bytes = uint64_t(gpu_quota_bytes);
+    options.host_quota_bytes = uint64_t(host_quota_bytes);
+    options.embedded.gpu_pool_bytes = uint64_t(gpu_pool_bytes);
+    options.embedded.host_pool_bytes = uint64_t(host_pool_bytes);
+    options.embedded.device = int(device);
+    if (backend == "auto") {
+      options.embedded.backend = BackendKind::kAuto;
+    } else if (backend == "host") {
+      options.embedded.backend = BackendKind::kHost;
+    } else if (backend == "cuda") {
+      options.embedded.backend = BackendKind::kCuda;
+    } else {
+      TORCH_CHECK(false, "membar runtime connect: backend must be 'auto', 'host' or 'cuda', not '", backend, "'.");
+    }
+    auto runtime = c10::make_intrusive<Runtime>();
+    runtime->device_ = int(device);
+    if (socket == "embedded") {
+      runtime->client_ = take(make_embedded_client(options.embedded), "connect (embedded)");
+    } else {
+      options.socket_path = socket;
+      runtime->client_ = take(membar::connect(options), "connect");
+    }
+    return runtime;
+  }
+
+  std::string describe() const { return client_->describe(); }
+  std::string backend() const { return client_->backend() == BackendKind::kCuda ? "cuda" : "host"; }
+
+  int64_t create_space(std::string name, int64_t page_bytes, int64_t page_count) {
+    TORCH_CHECK(page_bytes > 0, "membar runtime create_space: page_bytes must be positive, got ", page_bytes, ".");
+    SpaceId space = take(client_->create_space(name, uint64_t(page_bytes), to_u32(page_count, "page_count")),
+                         "create_space");
+    std::lock_guard<std::mutex> lock(mutex_);
+    page_bytes_[space] = uint64_t(page_bytes);
+    return space;
+  }
+
+  void destroy_space(int64_t space) {
+    check_ok(client_->destroy_space(to_u32(space, "space")), "destroy_space");
+    std::lock_guard<std::mutex> lock(mutex_);
+    page_bytes_.erase(SpaceId(space));
+  }
+
+  // Returns (ticket, pool indices [count] int32): wait(ticket) before touching the pages.
+  std::tuple<int64_t, at::Tensor> acquire(int64_t space, int64_t first, int64_t count, bool write, bool zero_new) {
+    uint32_t flags = (write ? uint32_t(kAcquireWrite) : 0u) | (zero_new ? uint32_t(kAcquireZeroNew) : 0u);
+    Acquired acquired = take(client_->acquire(make_range(space, first, count), flags), "acquire");
+    uint64_t page_bytes = page_bytes_of(space);
+    at::Tensor indices = at::empty({int64_t(acquired.page_pointers.size())}, at::kInt);
+    auto* out = indices.data_ptr<int32_t>();
+    auto* base = static_cast<char*>(client_->window_base());
+    for (size_t i = 0; i < acquired.page_pointers.size(); ++i) {
+      out[i] = int32_t((static_cast<char*>(acquired.page_pointers[i]) - base) / int64_t(page_bytes));
+    }
+    return {int64_t(acquired.ticket), indices};
+  }
+
+  void release(int64_t space, int64_t first, int64_t count, bool dirty) {
+    check_ok(client_->release(make_range(space, first, count), dirty), "release");
+  }
+
+  int64_t prefetch(int64_t space, int64_t first, int64_t count) {
+    return int64_t(take(client_->prefetch(make_range(space, first, count)), "prefetch"));
+  }
+
+  int64_t offload(int64_t space, int64_t first, int64_t count) {
+    return int64_t(take(client_->offload(make_range(space, first, count)), "offload"));
+  }
+
+  void free_pages(int64_t space, int64_t first, int64_t count) {
+    check_ok(client_->free_pages(make_range(space, first, count)), "free_pages");
+  }
+
+  // CPU uint8 views [page_bytes] of the pages' host copies, valid until release_host (blocks
+  // until the data is there). Like pools, they hold a reference to this Runtime.
+  std::vector<at::Tensor> acquire_host(int64_t space, int64_t first, int64_t count) {
+    std::vector<void*> pointers = take(client_->acquire_host(make_range(space, first, count)), "acquire_host");
+    uint64_t page_bytes = page_bytes_of(space);
+    std::vector<at::Tensor> pages;
+    c10::intrusive_ptr<Runtime> self = c10::intrusive_ptr<Runtime>::reclaim_copy(this);
+    for (void* pointer : pointers) {
+      pages.push_back(at::from_blob(pointer, {int64_t(page_bytes)}, [self](void*) {}, at::TensorOptions().dtype(at::kByte)));
+    }
+    return pages;
+  }
+
+  void release_host(int64_t space, int64_t first, int64_t count, bool dirty) {
+    check_ok(client_->release_host(make_range(space, first, count), dirty), "release_host");
+  }
+
+  // steps[i] is a flat list of (space, first, count) triples: the pages step i touches.
+  void set_schedule(std::vector<std::vector<int64_t>> steps) {
+    std::vector<ScheduleStep> schedule;
+    schedule.reserve(steps.size());
+    for (size_t s = 0; s < steps.size(); ++s) {
+      TORCH_CHECK(steps[s].size() % 3 == 0, "membar runtime set_schedule: step ", s,
+                  " must be a flat list of (space, first, count) triples; it has ", steps[s].size(), " numbers.");
+      ScheduleStep step;
+      for (size_t i = 0; i < steps[s].size(); i += 3) {
+        step.ranges.push_back(make_range(steps[s][i], steps[s][i + 1], steps[s][i + 2]));
+      }
+      schedule.push_back(std::move(step));
+    }
+    check_ok(client_->set_schedule(std::move(schedule)), "set_schedule");
+  }
+
+  void advance(int64_t step) { check_ok(client_->advance(to_u32(step, "step")), "advance"); }
+
+  void wait(int64_t ticket) {
+    TORCH_CHECK(ticket >= 0, "membar runtime wait: ticket must not be negative, got ", ticket, ".");
+    check_ok(client_->wait(Ticket(ticket)), "wait");
+  }
+  int64_t completed_ticket() const { return int64_t(client_->completed_ticket()); }
+
+  // cuda_stream: torch.cuda.Stream.cuda_stream (the raw cudaStream_t as an integer; 0 = legacy default).
+  void stream_wait(int64_t ticket, int64_t cuda_stream) {
+    check_ok(client_->stream_wait(Ticket(ticket), reinterpret_cast<void*>(cuda_stream)), "stream_wait");
+  }
+  void stream_release(int64_t space, int64_t first, int64_t count, bool dirty, int64_t cuda_stream) {
+    check_ok(client_->stream_release(make_range(space, first, count), dirty, reinterpret_cast<void*>(cuda_stream)),
+             "stream_release");
+  }
+
+  std::string stats() { return stats_json(take(client_->stats(), "stats")); }
+
+  int64_t window_pointer() const { return int64_t(reinterpret_cast<uintptr_t>(client_->window_base())); }
+  int64_t window_bytes() const { return int64_t(client_->window_bytes()); }
+
+  // [window_bytes / page_bytes, *page_shape] over the GPU window; see the header comment.
+  at::Tensor pool(int64_t page_bytes, at::ScalarType dtype, std::vector<int64_t> page_shape) {
+    TORCH_CHECK(page_bytes >= int64_t(kMinPageBytes) && page_bytes <= int64_t(kMaxPageBytes) &&
+                    (page_bytes & (page_bytes - 1)) == 0,
+                "membar runtime pool: page_bytes must be a power of two in [64 KiB, 2 MiB], got ", page_bytes, ".");
+    int64_t elements = 1;
+    for (int64_t extent : page_shape) {
+      TORCH_CHECK(extent > 0, "membar runtime pool: page_shape extents must be positive, got ", page_shape, ".");
+      elements *= extent;
+    }
+    int64_t element_bytes = int64_t(c10::elementSize(dtype));
+    TORCH_CHECK(elements * element_bytes == page_bytes, "membar runtime pool: page_shape ", page_shape, " of ",
+                dtype, " holds ", elements * element_bytes, " bytes, but a page has ", page_bytes, ".");
+    TORCH_CHECK(client_->window_base() != nullptr, "membar runtime pool: the client has no GPU window (quota 0?).");
+    std::vector<int64_t> sizes = {int64_t(client_->window_bytes()) / page_bytes};
+    sizes.insert(sizes.end(), page_shape.begin(), page_shape.end());
+    at::Device device = client_->backend() == BackendKind::kCuda ? at::Device(at::kCUDA, c10::DeviceIndex(device_))
+                                                                   : at::Device(at::kCPU);
+    c10::intrusive_ptr<Runtime> self = c10::intrusive_ptr<Runtime>::reclaim_copy(this);
+    return at::from_blob(client_->window_base(), sizes, [self](void*) {},
+                            at::TensorOptions().dtype(dtype).device(device));
+  }
+
+  // Pool indices [count] int32 of GPU-resident pages; -1 for pages not on the GPU.
+  at::Tensor pool_indices(int64_t space, int64_t first, int64_t count) {
+    std::vector<PageLocation> locations = take(client_->locations(make_range(space, first, count)), "pool_indices");
+    uint64_t page_bytes = page_bytes_of(space);
+    at::Tensor indices = at::empty({int64_t(locations.size())}, at::kInt);
+    auto* out = indices.data_ptr<int32_t>();
+    for (size_t i = 0; i < locations.size(); ++i) {
+      out[i] = locations[i].window_frame == kNoFrame
+                   ? -1
+                   : int32_t((uint64_t(locations[i].window_frame) * kFrameBytes +
+                              uint64_t(locations[i].slot) * page_bytes) / page_bytes);
+    }
+    return indices;
+  }
+
+ private:
+  uint64_t page_bytes_of(int64_t space) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto it = page_bytes_.find(SpaceId(space));
+    TORCH_CHECK(it != page_bytes_.end(), "membar runtime: space ", space, " was not created through this Runtime.");
+    return it->second;
+  }
+
+  std::unique_ptr<Client> client_;
+  int device_ = 0;
+  std::mutex mutex_;
+  std::map<SpaceId, uint64_t> page_bytes_;
+};
+
+}  // namespace
+}  // namespace membar::bindings
+
+TORCH_LIBRARY_FRAGMENT(membar, m) {
+  using membar::bindings::Runtime;
+  m.class_<Runtime>("Runtime")
+      .def_static("connect", &Runtime::connect)
+      .def("describe", &Runtime::describe)
+      .def("backend", &Runtime::backend)
+      .def("create_space", &Runtime::create_space)
+      .def("destroy_space", &Runtime::destroy_space)
+      .def("acquire", &Runtime::acquire)
+      .def("release", &Runtime::release)
+      .def("prefetch", &Runtime::prefetch)
+      .def("offload", &Runtime::offload)
+      .def("free_pages", &Runtime::free_pages)
+      .def("acquire_host", &Runtime::acquire_host)
+      .def("release_host", &Runtime::release_host)
+      .def("set_schedule", &Runtime::set_schedule)
+      .def("advance", &Runtime::advance)
+      .def("wait", &Runtime::wait)
+      .def("completed_ticket", &Runtime::completed_ticket)
+      .def("stream_wait", &Runtime::stream_wait)
+      .def("stream_release", &Runtime::stream_release)
+      .def("stats", &Runtime::stats)
+      .def("window_pointer", &Runtime::window_pointer)
+      .def("window_bytes", &Runtime::window_bytes)
+      .def("pool", &Runtime::pool)
+      .def("pool_indices", &Runtime::pool_indices);
+}
