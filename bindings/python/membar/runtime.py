@@ -1,0 +1,252 @@
+"""The membar memory runtime from Python.
+
+A :class:`Runtime` is one client of the runtime: a ``membard`` daemon when one answers, or the
+same engine embedded in this process (the default on machines without a daemon or a GPU).
+Pages live in named :class:`Space` objects; a trainer acquires pages (they become resident on
+the GPU and pinned), reads or writes them through a *pool* tensor, and releases them::
+
+    rt = Runtime.connect(embedded=True)
+    keys = rt.space("L07.k", page_shape=(128, 4, 128), dtype=torch.bfloat16, pages=512)
+    pool = keys.pool()                       # [window pages, 128, 4, 128] over the GPU window
+    acquired = keys.acquire(0, 8, write=True, zero=True)
+    acquired.wait()
+    pool[acquired.indices.long()] = new_keys  # pages 0..7 of L07.k
+    keys.release(0, 8, dirty=True)
+    keys.offload(0, 8)                        # asynchronous write back to host memory
+
+Pool tensors view the client's whole GPU window; only rows of acquired (not yet released) pages
+may be touched: other rows may be unmapped or hold another space's pages. A pool tensor keeps
+its Runtime alive, so the memory it views cannot go away under it.
+
+The runtime is also reachable as ``torch.classes.membar.Runtime`` (what TorchScript code uses);
+this module only adds names, defaults and Python types on top of it.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from typing import Iterable, Optional, Sequence, Tuple, Union
+
+import torch
+
+from . import ops as _ops  # noqa: F401  (loads the compiled library, which registers the class)
+
+__all__ = ["Runtime", "Space", "Acquired"]
+
+_KIB = 1 << 10
+_MIB = 1 << 20
+
+
+def _runtime_class():
+    return torch.classes.membar.Runtime
+
+
+@dataclass
+class Acquired:
+    """The answer of :meth:`Space.acquire`: the ticket to wait for and the pages' pool indices."""
+
+    runtime: "Runtime"
+    ticket: int
+    indices: torch.Tensor  # [count] int32: rows of the space's pool tensor
+
+    def wait(self) -> "Acquired":
+        """Blocks until the pages' contents are in place (copies done, zero fills done)."""
+        self.runtime.wait(self.ticket)
+        return self
+
+
+class Space:
+    """A named array of pages of one size, owned by a :class:`Runtime`.
+
+    Ranges are (first, count); count defaults to "through the last page".
+    """
+
+    def __init__(self, runtime: "Runtime", space_id: int, name: str, page_bytes: int, page_count: int,
+                 page_shape: Optional[Tuple[int, ...]] = None, dtype: Optional[torch.dtype] = None):
+        self.runtime = runtime
+        self.id = space_id
+        self.name = name
+        self.page_bytes = page_bytes
+        self.page_count = page_count
+        self.page_shape = page_shape
+        self.dtype = dtype
+
+    def __repr__(self) -> str:
+        return (f"Space({self.name!r}, id={self.id}, pages={self.page_count}, "
+                f"page_bytes={self.page_bytes}, page_shape={self.page_shape}, dtype={self.dtype})")
+
+    def _range(self, first: int, count: Optional[int]) -> Tuple[int, int, int]:
+        if count is None:
+            count = self.page_count - first
+        return self.id, int(first), int(count)
+
+    def range(self, first: int = 0, count: Optional[int] = None) -> Tuple[int, int, int]:
+        """(space id, first, count): one entry of a schedule step (see :meth:`Runtime.set_schedule`)."""
+        return self._range(first, count)
+
+    def acquire(self, first: int = 0, count: Optional[int] = None, *, write: bool = False,
+                zero: bool = False, wait: bool = False) -> Acquired:
+        """Makes pages GPU-resident and pinned. ``write``: they become dirty on release.
+        ``zero``: pages without contents are zero-filled. Returns before the copies finish unless
+        ``wait``."""
+        ticket, indices = self.runtime._native.acquire(*self._range(first, count), bool(write), bool(zero))
+        acquired = Acquired(self.runtime, int(ticket), indices)
+        return acquired.wait() if wait else acquired
+
+    def release(self, first: int = 0, count: Optional[int] = None, *, dirty: bool = False) -> None:
+        """Unpins; with ``dirty`` the GPU copy is the newest and is written back before eviction."""
+        self.runtime._native.release(*self._range(first, count), bool(dirty))
+
+    def prefetch(self, first: int = 0, count: Optional[int] = None) -> int:
+        """Starts bringing host-resident pages to the GPU (not pinned); returns the ticket."""
+        return int(self.runtime._native.prefetch(*self._range(first, count)))
+
+    def offload(self, first: int = 0, count: Optional[int] = None) -> int:
+        """Starts writing pages back to host memory and frees their GPU slots; returns the ticket."""
+        return int(self.runtime._native.offload(*self._range(first, count)))
+
+    def free(self, first: int = 0, count: Optional[int] = None) -> None:
+        """Drops the pages' contents in both tiers (freeing a page twice is an error)."""
+        self.runtime._native.free_pages(*self._range(first, count))
+
+    def acquire_host(self, first: int = 0, count: Optional[int] = None) -> list:
+        """CPU uint8 tensors [page_bytes], one per page, over the pages' host copies (blocks until
+        the data is there). Valid until :meth:`release_host`."""
+        return list(self.runtime._native.acquire_host(*self._range(first, count)))
+
+    def release_host(self, first: int = 0, count: Optional[int] = None, *, dirty: bool = False) -> None:
+        """Ends host access; with ``dirty`` the host copy becomes the newest."""
+        self.runtime._native.release_host(*self._range(first, count), bool(dirty))
+
+    def indices(self, first: int = 0, count: Optional[int] = None) -> torch.Tensor:
+        """Pool indices [count] int32 of the pages now on the GPU; -1 for the others."""
+        return self.runtime._native.pool_indices(*self._range(first, count))
+
+    def pool(self, dtype: Optional[torch.dtype] = None, page_shape: Optional[Sequence[int]] = None) -> torch.Tensor:
+        """The GPU window viewed as pages of this space: [window pages, *page_shape] of ``dtype``
+        (defaults: the space's own, else a flat uint8 page)."""
+        dtype = dtype or self.dtype or torch.uint8
+        if page_shape is None:
+            page_shape = self.page_shape if self.page_shape is not None and dtype == self.dtype else None
+        if page_shape is None:
+            element = torch.empty((), dtype=dtype).element_size()
+            page_shape = (self.page_bytes // element,)
+        return self.runtime.pool(dtype, page_shape, page_bytes=self.page_bytes)
+
+    def destroy(self) -> None:
+        """Frees every page and forgets the space (no page may be acquired)."""
+        self.runtime._native.destroy_space(self.id)
+
+
+class Runtime:
+    """One client of the membar runtime (see the module docstring)."""
+
+    def __init__(self, native, device: int = 0):
+        self._native = native
+        self._device_index = device
+
+    @classmethod
+    def connect(cls, socket: Optional[str] = None, embedded: Optional[bool] = None, *, backend: str = "auto",
+                gpu_pool_bytes: int = 256 * _MIB, host_pool_bytes: int = 1024 * _MIB, device: int = 0,
+                name: str = "", gpu_quota_bytes: int = 0, host_quota_bytes: int = 0) -> "Runtime":
+        """Connects to a runtime.
+
+        ``embedded=True``: always an in-process runtime (``backend`` "auto", "host" or "cuda";
+        pools of ``gpu_pool_bytes`` / ``host_pool_bytes`` made now). ``embedded=False``: a daemon
+        only (``socket``, else ``$MEMBAR_SOCKET``, else the default socket) or an error.
+        ``embedded=None`` (default): the daemon when one answers, else embedded.
+        Quotas of 0 take the daemon's default share (embedded: the whole pool).
+        """
+        if embedded and socket:
+            raise ValueError("Runtime.connect: give a socket or embedded=True, not both")
+        target = "embedded" if embedded else (socket or "")
+        native = _runtime_class().connect(target, embedded is not False, backend, int(gpu_pool_bytes),
+                                          int(host_pool_bytes), int(device), name, int(gpu_quota_bytes),
+                                          int(host_quota_bytes))
+        return cls(native, int(device))
+
+    def describe(self) -> str:
+        """"embedded:host", "embedded:cuda" or "daemon:<socket>"."""
+        return self._native.describe()
+
+    @property
+    def backend(self) -> str:
+        """"cuda" or "host"."""
+        return self._native.backend()
+
+    @property
+    def device(self) -> torch.device:
+        """Where pool tensors live."""
+        return torch.device("cuda", self._device_index) if self.backend == "cuda" else torch.device("cpu")
+
+    def space(self, name: str, page_bytes: Optional[int] = None, pages: int = 1, *,
+              page_shape: Optional[Sequence[int]] = None, dtype: Optional[torch.dtype] = None) -> Space:
+        """Creates a space of ``pages`` pages. Give ``page_bytes`` (a power of two in
+        [64 KiB, 2 MiB]) or ``page_shape`` and ``dtype`` (whose size must be one)."""
+        shape = tuple(int(x) for x in page_shape) if page_shape is not None else None
+        if shape is not None:
+            if dtype is None:
+                raise ValueError("Runtime.space: page_shape needs a dtype")
+            shaped = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+            if page_bytes is not None and page_bytes != shaped:
+                raise ValueError(f"Runtime.space: page_shape {shape} of {dtype} is {shaped} bytes, "
+                                 f"not page_bytes={page_bytes}")
+            page_bytes = shaped
+        if page_bytes is None:
+            raise ValueError("Runtime.space: give page_bytes or page_shape and dtype")
+        space_id = self._native.create_space(name, int(page_bytes), int(pages))
+        return Space(self, int(space_id), name, int(page_bytes), int(pages), shape, dtype)
+
+    def pool(self, dtype: torch.dtype, page_shape: Sequence[int], *, page_bytes: Optional[int] = None) -> torch.Tensor:
+        """The GPU window as [window_bytes / page_bytes, *page_shape] of ``dtype`` (page_bytes
+        defaults to the shape's size)."""
+        shape = [int(x) for x in page_shape]
+        if page_bytes is None:
+            page_bytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        return self._native.pool(int(page_bytes), dtype, shape)
+
+    def set_schedule(self, steps: Iterable[Iterable[Union[Tuple[int, int, int], Tuple[Space, int, int]]]]) -> None:
+        """The access schedule: ``steps[i]`` lists the (space, first, count) ranges step i touches
+        (a :class:`Space` or its id; ``Space.range(first, count)`` builds one). Eviction follows it
+        (farthest next use first) and :meth:`advance` prefetches ahead along it."""
+        flat = []
+        for step in steps:
+            numbers = []
+            for space, first, count in step:
+                numbers += [space.id if isinstance(space, Space) else int(space), int(first), int(count)]
+            flat.append(numbers)
+        self._native.set_schedule(flat)
+
+    def advance(self, step: int) -> None:
+        """Step ``step`` of the schedule is about to run: prefetch ahead within the GPU quota."""
+        self._native.advance(int(step))
+
+    def wait(self, ticket: int) -> None:
+        """Blocks until ``ticket`` (and every earlier one) has completed."""
+        self._native.wait(int(ticket))
+
+    @property
+    def completed_ticket(self) -> int:
+        return int(self._native.completed_ticket())
+
+    def stream_wait(self, ticket: int, stream: Optional["torch.cuda.Stream"] = None) -> None:
+        """Makes ``stream`` (default: the current CUDA stream) wait on the GPU for ``ticket``."""
+        stream = stream if stream is not None else torch.cuda.current_stream()
+        self._native.stream_wait(int(ticket), int(stream.cuda_stream))
+
+    def stats(self) -> dict:
+        """Frames per tier, this client's pages by residency, bytes moved each way, prefetch
+        hits / misses, evictions, stall time, and its spaces."""
+        return json.loads(self._native.stats())
+
+    @property
+    def window_pointer(self) -> int:
+        return int(self._native.window_pointer())
+
+    @property
+    def window_bytes(self) -> int:
+        return int(self._native.window_bytes())
+
+    def __repr__(self) -> str:
+        return f"Runtime({self.describe()}, window={self.window_bytes // _MIB} MiB)"

@@ -1,0 +1,121 @@
+"""The runtime from Python (bindings/csrc/runtime_ops.cpp + membar/runtime.py) on the embedded
+host backend: pools over the window, contents surviving offload / prefetch / eviction, host
+access, schedules, stats, and clear errors for bad input."""
+import pytest
+import torch
+
+from membar.runtime import Runtime
+
+MIB = 1 << 20
+
+
+def embedded(gpu_frames=8, host_frames=32, **kwargs):
+    return Runtime.connect(embedded=True, backend="host", gpu_pool_bytes=gpu_frames * 2 * MIB,
+                           host_pool_bytes=host_frames * 2 * MIB, **kwargs)
+
+
+def test_pool_roundtrip_through_host_memory():
+    rt = embedded()
+    assert rt.describe() == "embedded:host" and rt.backend == "host"
+    keys = rt.space("L00.k", page_shape=(128, 4, 128), dtype=torch.bfloat16, pages=16)
+    assert keys.page_bytes == 128 * 4 * 128 * 2
+    pool = keys.pool()
+    assert pool.shape == (rt.window_bytes // keys.page_bytes, 128, 4, 128) and pool.dtype == torch.bfloat16
+    generator = torch.Generator().manual_seed(0)
+    data = torch.randn(16, 128, 4, 128, generator=generator).to(torch.bfloat16)
+    acquired = keys.acquire(0, 16, write=True, zero=True, wait=True)
+    assert acquired.indices.dtype == torch.int32 and acquired.indices.unique().numel() == 16
+    assert torch.count_nonzero(pool[acquired.indices.long()]) == 0  # zero-filled
+    pool[acquired.indices.long()] = data
+    keys.release(0, 16, dirty=True)
+    rt.wait(keys.offload())
+    assert (keys.indices() == -1).all()
+    stats = rt.stats()["clients"][0]
+    assert stats["pages_host"] == 16 and stats["bytes_gpu_to_host"] == 16 * keys.page_bytes
+    back = keys.acquire(wait=True)
+    assert torch.equal(pool[back.indices.long()], data)
+    keys.release()
+    host = keys.acquire_host(3, 2)
+    assert len(host) == 2 and host[0].dtype == torch.uint8 and host[0].numel() == keys.page_bytes
+    assert torch.equal(host[0].view(torch.bfloat16).view(128, 4, 128), data[3])
+    keys.release_host(3, 2)
+
+
+def test_eviction_under_a_small_window_keeps_every_page():
+    rt = embedded(gpu_frames=2, host_frames=32)
+    space = rt.space("grads", page_bytes=1 * MIB, pages=12)
+    pool = space.pool(torch.float32)
+    generator = torch.Generator().manual_seed(1)
+    expected = torch.randn(12, MIB // 4, generator=generator)
+    for page in range(12):  # 12 MiB through a 4 MiB window: evictions write dirty pages back
+        acquired = space.acquire(page, 1, write=True, wait=True)
+        pool[acquired.indices.long()] = expected[page]
+        space.release(page, 1, dirty=True)
+    assert rt.stats()["clients"][0]["evictions"] >= 8
+    for page in reversed(range(12)):
+        acquired = space.acquire(page, 1, wait=True)
+        assert torch.equal(pool[acquired.indices.long()][0], expected[page])
+        space.release(page, 1)
+
+
+def test_schedule_prefetches_ahead():
+    rt = embedded(gpu_frames=2, host_frames=16)
+    space = rt.space("kv", page_bytes=2 * MIB, pages=4)
+    pool = space.pool(torch.int32)
+    for page in range(4):
+        host = space.acquire_host(page, 1)
+        host[0].view(torch.int32).fill_(page + 10)
+        space.release_host(page, 1, dirty=True)
+    rt.set_schedule([[space.range(page, 1)] for page in range(4)])
+    for step in range(4):
+        rt.advance(step)
+        acquired = space.acquire(step, 1, wait=True)
+        assert int(pool[acquired.indices.long()][0, 0]) == step + 10
+        space.release(step, 1)
+    stats = rt.stats()["clients"][0]
+    assert stats["prefetch_misses"] == 0 and stats["prefetch_hits"] == 4
+
+
+def test_bad_input_raises_clear_errors():
+    rt = embedded()
+    space = rt.space("s", page_bytes=64 << 10, pages=4)
+    with pytest.raises(RuntimeError, match="OUT_OF_RANGE"):
+        space.acquire(3, 2)
+    with pytest.raises(RuntimeError, match="INVALID_ARGUMENT"):
+        space.acquire(0, 0)
+    with pytest.raises(RuntimeError, match="FAILED_PRECONDITION"):
+        space.release(0, 1)
+    with pytest.raises(RuntimeError, match="double free"):
+        space.free(0, 1)
+    with pytest.raises(RuntimeError, match="ALREADY_EXISTS"):
+        rt.space("s", page_bytes=64 << 10, pages=4)
+    with pytest.raises(RuntimeError, match="power of two"):
+        rt.space("odd", page_bytes=100_000, pages=4)
+    with pytest.raises(RuntimeError, match="holds"):
+        rt.pool(torch.float16, (100,), page_bytes=64 << 10)
+    with pytest.raises(RuntimeError, match="OUT_OF_RANGE"):
+        rt.advance(0)
+    with pytest.raises(RuntimeError, match="UNIMPLEMENTED"):
+        rt._native.stream_wait(1, 0)
+    with pytest.raises(RuntimeError, match="backend must be"):
+        Runtime.connect(embedded=True, backend="tpu")
+    with pytest.raises(ValueError):
+        Runtime.connect(socket="/tmp/x.sock", embedded=True)
+
+
+def test_pool_keeps_the_runtime_alive():
+    rt = embedded()
+    space = rt.space("s", page_bytes=64 << 10, pages=2)
+    pool = space.pool(torch.uint8)
+    acquired = space.acquire(0, 2, write=True, zero=True, wait=True)
+    rows = acquired.indices.long()
+    del rt, space  # the pool's deleter holds the native runtime: the window stays mapped
+    import gc
+    gc.collect()
+    pool[rows] = 7
+    assert int(pool[rows].sum()) == 7 * 2 * (64 << 10)
+
+
+def test_daemon_only_without_a_daemon_is_an_error(tmp_path):
+    with pytest.raises(RuntimeError, match="UNAVAILABLE|NOT_FOUND|no"):
+        Runtime.connect(socket=str(tmp_path / "absent.sock"), embedded=False)
