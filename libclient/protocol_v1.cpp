@@ -393,6 +393,14 @@ Status validate_request(const RequestV1& request, uint64_t request_payload_capac
                           std::to_string(request.page_count) + ") overflows 32-bit page indices");
     }
     if (request.argument != 0) return invalid_argument(name + ": argument must be zero");
+  } else {
+    // Fields an opcode does not use must be zero, so that no request means two things.
+    if (request.first_page != 0 || (op != Opcode::kCreateSpace && request.page_count != 0)) {
+      return invalid_argument(name + ": takes no page range but names one");
+    }
+    if (request.space != 0 && op != Opcode::kDestroySpace) {
+      return invalid_argument(name + ": takes no space but names space " + std::to_string(request.space));
+    }
   }
   switch (op) {
     case Opcode::kCreateSpace:

@@ -7,6 +7,10 @@
 // is one (query token, q head) pair of one GQA group: the group's q heads share their keys, so
 // each key block is converted and loaded once for all of them. A key block is up to
 // kMaxKeyBlock rows of one kv head: part of a history page, or consecutive chunk keys.
+// Keys and values stay row-major as they come from the pools ([n][D], a plain widening copy);
+// queries are transposed once per query block ([D][rows]); scores, probabilities and their
+// gradients are kept transposed ([n][rows]), which lets every product below be one of the two
+// matmul forms in attention_cpu_math.h without transposing anything inside the key loop.
 //   Forward: one task per (kv head, query block); online softmax over key blocks (FlashAttention
 //   style): scores, running max, rescaled running sum and output; then out = acc / sum and
 //   lse = max + log(sum).
@@ -17,8 +21,9 @@
 //     buffers, then writes the chunk's dK/dV or ADDS the history's into the grad pages once;
 //     pass 2, one task per (kv head, query block): recomputes P and dS over the key blocks the
 //     block sees and accumulates dQ += dS K locally, then writes dq.
-//   Pass 2 costs two extra block products over a single pass, and buys determinism (every output
-//   element is summed by one task in one fixed order) and no per-thread copies of dq.
+//   Pass 2 costs two extra block products over a single pass (7 instead of 5), and buys
+//   determinism (every output element is summed by one task in one fixed order, whatever the
+//   thread count) and no per-thread copies of dq.
 // Limitations: compute is fp32 for fp32/bf16/fp16 inputs and fp64 for fp64 inputs; P is never
 // rounded to 16 bits (the CPU results are slightly more exact than the GPU kernels').
 #include <algorithm>

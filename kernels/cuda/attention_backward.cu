@@ -10,7 +10,8 @@
 // pairs that attend to it: every query block for a dense history page, the query blocks of the
 // tiles that selected the page in sparse mode (the inverse selection, built by
 // build_inverse_selection_kernel), and the query blocks at or after the block's first key for a
-// chunk block. Q and dO of the next pair load (cp.async) while the current pair computes
+// chunk block. Q and dO of the next pair load (cp.async, three stages) while the current pair
+// computes:
 //   S^T = K Q^T, P^T = exp(S^T * scale - lse), dP^T = V dO^T, dS^T = P^T o (dP^T - delta),
 //   dV += P^T dO, dK += dS^T Q                                  (registers, per warp),
 //   dQ += dS K                                                  (dS^T through shared memory,
@@ -35,6 +36,10 @@ namespace {
 using namespace detail;
 
 constexpr int kQueries = kQueryBlockTokens;
+// Q/dO stages: three, so that no barrier is needed at the end of an iteration (a stage is
+// rewritten two iterations after it was read, and every warp finished that iteration before
+// passing the current one's first barrier; dS^T is rewritten only after that barrier too).
+constexpr int kStages = 3;
 
 struct BackwardWorkspacePointers {
   float* dq_accumulator;          // [Tc, Hq, D] fp32, or nullptr in deterministic mode
@@ -48,8 +53,9 @@ struct BackwardWorkspacePointers {
 template <int kHeadDim, int kWarps>
 constexpr size_t backward_shared_bytes() {
   constexpr int kKeys = 16 * kWarps;
-  // K, V [kKeys, D]; Q, dO [2 stages, 64, D]; dS^T [kKeys, 64] (16-bit); lse, delta [2, 64] fp32.
-  return size_t(2 * kKeys * kHeadDim + 4 * kQueries * kHeadDim + kKeys * kQueries) * 2 + 4 * kQueries * 4;
+  // K, V [kKeys, D]; Q, dO [kStages, 64, D]; dS^T [kKeys, 64] (16-bit); lse, delta [kStages, 64] fp32.
+  return size_t(2 * kKeys * kHeadDim + 2 * kStages * kQueries * kHeadDim + kKeys * kQueries) * 2 +
+         2 * kStages * kQueries * 4;
 }
 
 // The (q head, query block) pairs a KV block attends to, numbered 0..count-1.
@@ -79,11 +85,11 @@ __global__ void __launch_bounds__(kWarps * 32, 1)
   extern __shared__ __align__(128) unsigned char shared_raw[];
   Element* k_tile = reinterpret_cast<Element*>(shared_raw);   // [kKeys, D]
   Element* v_tile = k_tile + kKeys * kHeadDim;                  // [kKeys, D]
-  Element* q_tiles = v_tile + kKeys * kHeadDim;                 // [2, 64, D]
-  Element* dout_tiles = q_tiles + 2 * kQueries * kHeadDim;      // [2, 64, D]
-  Element* ds_tile = dout_tiles + 2 * kQueries * kHeadDim;      // [kKeys, 64], dS^T
-  float* lse_tiles = reinterpret_cast<float*>(ds_tile + kKeys * kQueries);  // [2, 64], log2 units
-  float* delta_tiles = lse_tiles + 2 * kQueries;                              // [2, 64]
+  Element* q_tiles = v_tile + kKeys * kHeadDim;                 // [kStages, 64, D]
+  Element* dout_tiles = q_tiles + kStages * kQueries * kHeadDim;  // [kStages, 64, D]
+  Element* ds_tile = dout_tiles + kStages * kQueries * kHeadDim;  // [kKeys, 64], dS^T
+  float* lse_tiles = reinterpret_cast<float*>(ds_tile + kKeys * kQueries);  // [kStages, 64], log2 units
+  float* delta_tiles = lse_tiles + kStages * kQueries;                        // [kStages, 64]
 
   const PagedAttentionShape& shape = params.shape;
   const int thread = threadIdx.x;
@@ -174,10 +180,11 @@ __global__ void __launch_bounds__(kWarps * 32, 1)
   const int key_row = warp * 16 + lane / 4;
 
   for (int item = 0; item < work.count; ++item) {
-    const int stage = item & 1;
+    const int stage = item % kStages;
+    const int next_stage = (item + 1) % kStages;
     float next_lse = 0.f, next_delta = 0.f;
     if (item + 1 < work.count) {
-      load_queries(item + 1, stage ^ 1);
+      load_queries(item + 1, next_stage);
       if (thread < kQueries) read_row_statistics(item + 1, next_lse, next_delta);
     }
     copy_async_commit();
@@ -265,11 +272,9 @@ __global__ void __launch_bounds__(kWarps * 32, 1)
       }
     }
     if (item + 1 < work.count && thread < kQueries) {
-      lse_tiles[(stage ^ 1) * kQueries + thread] = next_lse;
-      delta_tiles[(stage ^ 1) * kQueries + thread] = next_delta;
+      lse_tiles[next_stage * kQueries + thread] = next_lse;
+      delta_tiles[next_stage * kQueries + thread] = next_delta;
     }
-    // The next iteration's copies overwrite the stage read here (and dS^T is rewritten).
-    __syncthreads();
   }
 
   // Write dK (scaled) and dV once.

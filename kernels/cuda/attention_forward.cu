@@ -6,7 +6,8 @@
 // accumulator and online-softmax state in registers and reads Q fragments from shared memory. The CTA
 // walks its key sequence in blocks of 64 keys (KeySequence: the history pages, or the selected
 // ones, then the chunk's own keys up to its last query), double-buffering K and V through
-// cp.async so that block i + 1 loads while block i is multiplied. Scores are masked only where a
+// cp.async in three stages so that block i + 1 loads while block i is multiplied and one barrier
+// per block suffices (a stage is rewritten two blocks after it was read). Scores are masked only where a
 // block can cut: the partial last history page and the chunk's diagonal blocks.
 // At the end each row is divided by its softmax sum and lse = max * scale + log(sum) is written.
 #include <cuda_runtime.h>
@@ -24,11 +25,13 @@ namespace {
 using namespace detail;
 
 constexpr int kForwardKeys = 64;
+// K/V stages: three, so that one barrier per block suffices.
+constexpr int kStages = 3;
 
 template <int kHeadDim, int kRows>
 constexpr size_t forward_shared_bytes_fixed() {
-  // Q [kRows, D] + K and V [2 stages, 64, D], 16-bit elements.
-  return size_t(kRows * kHeadDim + 4 * kForwardKeys * kHeadDim) * 2;
+  // Q [kRows, D] + K and V [kStages, 64, D], 16-bit elements.
+  return size_t(kRows * kHeadDim + 2 * kStages * kForwardKeys * kHeadDim) * 2;
 }
 
 // kRowTiles: 16-row tiles per warp. Two tiles per warp read every K and V fragment from shared
@@ -42,9 +45,9 @@ __global__ void __launch_bounds__(kWarps * 32, 1) paged_attention_forward_kernel
   constexpr int kKeys = kForwardKeys;
   extern __shared__ __align__(128) unsigned char shared_raw[];
   Element* q_tile = reinterpret_cast<Element*>(shared_raw);     // [kRows, D]
-  Element* k_tiles = q_tile + kRows * kHeadDim;                   // [2, kKeys, D]
-  Element* v_tiles = k_tiles + 2 * kKeys * kHeadDim;              // [2, kKeys, D]
-  int32_t* selected = reinterpret_cast<int32_t*>(v_tiles + 2 * kKeys * kHeadDim);  // [selected_per_tile]
+  Element* k_tiles = q_tile + kRows * kHeadDim;                   // [kStages, kKeys, D]
+  Element* v_tiles = k_tiles + kStages * kKeys * kHeadDim;        // [kStages, kKeys, D]
+  int32_t* selected = reinterpret_cast<int32_t*>(v_tiles + kStages * kKeys * kHeadDim);  // [selected_per_tile]
   __shared__ int selected_count;
 
   const PagedAttentionShape& shape = params.shape;
@@ -118,8 +121,8 @@ __global__ void __launch_bounds__(kWarps * 32, 1) paged_attention_forward_kernel
   }
 
   for (int index = 0; index < num_blocks; ++index) {
-    const int stage = index & 1;
-    if (index + 1 < num_blocks) load_block(index + 1, stage ^ 1);
+    const int stage = index % kStages;
+    if (index + 1 < num_blocks) load_block(index + 1, (index + 1) % kStages);
     copy_async_commit();
     copy_async_wait<1>();
     __syncthreads();
@@ -218,8 +221,8 @@ __global__ void __launch_bounds__(kWarps * 32, 1) paged_attention_forward_kernel
         }
       }
     }
-    // The next iteration's copy overwrites the stage read here.
-    __syncthreads();
+    // No barrier here: the copy issued next overwrites the stage read two blocks ago, which every
+    // warp finished before passing this iteration's barrier (Note [Forward kernel]).
   }
 
   Element* out = static_cast<Element*>(params.out);

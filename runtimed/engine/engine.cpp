@@ -148,7 +148,7 @@ class EngineImpl final : public Engine {
       }
       uint64_t quota_frames = quota_bytes == 0 ? pool_frames : std::min(pool_frames, quota_bytes / kFrameBytes);
       client->quota_frames[t] = uint32_t(quota_frames);
-      client->window_used[t].assign(quota_frames, false);
+      for (uint32_t w = 0; w < quota_frames; ++w) client->free_windows[t].insert(client->free_windows[t].end(), w);
     }
     client->stats.gpu_quota_bytes = uint64_t(client->quota_frames[0]) * kFrameBytes;
     client->stats.host_quota_bytes = uint64_t(client->quota_frames[1]) * kFrameBytes;
@@ -813,8 +813,7 @@ class EngineImpl final : public Engine {
     int t = tier_index(tier);
     TierPoolState& pool = pools_[t];
     FrameIndex index = pool.free_frames.back();
-    auto window = std::find(client.window_used[t].begin(), client.window_used[t].end(), false);
-    if (window == client.window_used[t].end()) {
+    if (client.free_windows[t].empty()) {
       return internal_error("client " + std::to_string(client.id) + " has no free window frame in the " +
                             tier_name(tier) + " tier although it is under quota");
     }
@@ -822,10 +821,10 @@ class EngineImpl final : public Engine {
     pool.free_frames.pop_back();
     Frame& frame = pool.frames[index];
     frame.owner = client.id;
-    frame.window_frame = uint32_t(window - client.window_used[t].begin());
-    *window = true;
+    frame.window_frame = *client.free_windows[t].begin();
+    client.free_windows[t].erase(client.free_windows[t].begin());
     set_frame_page_bytes(frame, page_bytes);
-    client.frames[t].push_back(index);
+    client.frames[t].insert(index);
     client.partial[t][page_bytes].insert(index);
     stat_increase(tier == Tier::kGpu ? client.stats.gpu_frames : client.stats.host_frames, 1);
     client.events_queue.push_back({ClientEvent::Kind::kGranted, frame.window_frame, tier, fd, 0});
@@ -844,10 +843,9 @@ class EngineImpl final : public Engine {
   void return_frame_to_pool(ClientState& client, Tier tier, FrameIndex index, bool announce) {
     int t = tier_index(tier);
     Frame& frame = frame_of(tier, index);
-    auto& owned = client.frames[t];
-    owned.erase(std::find(owned.begin(), owned.end(), index));
+    client.frames[t].erase(index);
     client.partial[t][frame.page_bytes].erase(index);
-    client.window_used[t][frame.window_frame] = false;
+    client.free_windows[t].insert(frame.window_frame);
     if (announce) client.events_queue.push_back({ClientEvent::Kind::kRevoked, frame.window_frame, tier, -1, 0});
     stat_decrease(tier == Tier::kGpu ? client.stats.gpu_frames : client.stats.host_frames, 1);
     frame.owner = 0;

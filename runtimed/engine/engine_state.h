@@ -139,8 +139,8 @@ struct ClientState {
   ClientEvents events;
   bool closed = false;
   uint32_t quota_frames[2] = {0, 0};
-  std::vector<bool> window_used[2];
-  std::vector<FrameIndex> frames[2];                         // owned frames per tier
+  std::set<uint32_t> free_windows[2];                       // window frame numbers not in use
+  std::set<FrameIndex> frames[2];                            // owned frames per tier
   std::map<uint64_t, std::set<FrameIndex>> partial[2];      // owned frames with a free slot, by page size
   std::vector<FrameIndex> maybe_empty[2];                   // frames whose last page left
 

@@ -280,6 +280,15 @@ TEST(Request, RejectsEveryMalformedField) {
   nop.opcode = static_cast<uint16_t>(Opcode::kNop);
   nop.argument = 5;
   expect_code(nop, StatusCode::INVALID_ARGUMENT, "argument on nop");
+  nop.argument = 0;
+  nop.page_count = 3;
+  expect_code(nop, StatusCode::INVALID_ARGUMENT, "page range on nop");
+  nop.page_count = 0;
+  nop.space = 2;
+  expect_code(nop, StatusCode::INVALID_ARGUMENT, "space on nop");
+  c = create;
+  c.first_page = 1;
+  expect_code(c, StatusCode::INVALID_ARGUMENT, "first page on create_space");
 }
 
 TEST(Completion, RejectsUnknownStatusAndOversizedPayload) {
