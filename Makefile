@@ -31,7 +31,7 @@ cuda-compile-check:
 	  PATH=$$PATH:/usr/local/cuda/bin; \
 	  cmake -S . -B $(BUILD)-cuda $(GENERATOR) -DMEMBAR_WITH_CUDA=ON -DMEMBAR_WITH_TORCH=OFF \
 	      -DMEMBAR_CUDA_ARCHS=90a >/dev/null && \
-	  cmake --build $(BUILD)-cuda -j $(JOBS) && \
+	  cmake --build $(BUILD)-cuda -j $(JOBS) --target membar_kernels membar_client test_cuda_driver_api test_cuda_copy_plan && \
 	  ctest --test-dir $(BUILD)-cuda -L unit -R 'CudaDriverApi|CopyPlan' --output-on-failure; \
 	else echo "[cuda-compile-check] no nvcc: skipped"; fi
 
