@@ -381,3 +381,28 @@ def test_chunk_attention_without_grad_pools_and_without_history():
     reference, _ = reference_chunk_attention(q, k, v, history.k_pool, history.k_page_index, history.v_pool,
                                              history.v_page_index, 0)
     torch.testing.assert_close(out.detach(), reference, rtol=1e-12, atol=1e-12)
+
+
+def test_opcheck_schemas_and_fake_tensors():
+    """torch.library.opcheck: mutation annotations match what the CPU kernels write, the meta
+    functions agree with the real outputs, and the ops trace under AOT dispatch."""
+    from torch.library import opcheck
+
+    generator = torch.Generator().manual_seed(10)
+    q, k, v = make_chunk(10, 4, 2, 16, torch.float32, generator)
+    k_pool, k_index, v_pool, v_index = make_history(12, 8, 2, 16, torch.float32, generator, spare_pages=1)
+    selection = torch.tensor([[1, -1], [0, 1]], dtype=torch.int32)
+    utils = ("test_schema", "test_faketensor", "test_aot_dispatch_dynamic")
+    ops = torch.ops.membar
+    k_pool, v_pool = k_pool.nan_to_num(), v_pool.nan_to_num()
+    opcheck(ops.paged_attention_forward.default, (q, k, v, k_pool, k_index, v_pool, v_index, 12, 0.25), test_utils=utils)
+    opcheck(ops.paged_attention_forward.default, (q, k, v, k_pool, k_index, v_pool, v_index, 12, 0.25, selection, 5),
+            test_utils=utils)
+    out, lse = ops.paged_attention_forward(q, k, v, k_pool, k_index, v_pool, v_index, 12, 0.25)
+    dk_pool, dv_pool = torch.zeros(k_pool.shape), torch.zeros(v_pool.shape)
+    opcheck(ops.paged_attention_backward.default,
+            (q, k, v, k_pool, k_index, v_pool, v_index, out, torch.randn(out.shape, generator=generator), lse,
+             dk_pool, k_index, dv_pool, v_index, 12, 0.25), test_utils=utils)
+    opcheck(ops.page_summary.default, (k_pool, k_index, 12, True), test_utils=utils)
+    mean = ops.page_summary(k_pool, k_index, 12, False)[0]
+    opcheck(ops.page_select.default, (q, mean, None, None, 1, 4), test_utils=utils)
