@@ -9,6 +9,7 @@
 #include "daemon_client.h"
 
 #include <poll.h>
+#include <sched.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
 #include <sys/un.h>
@@ -52,10 +53,16 @@ uint64_t env_milliseconds(const char* name, uint64_t fallback) {
   return (end != text && *end == 0 && value > 0) ? value : fallback;
 }
 
-void cpu_relax() {
+// One step of a bounded spin: a pause for the first few, then sched_yield, so that on a machine
+// with more runnable threads than cores (CI) the daemon's ring thread can run on this core.
+void spin_step(uint32_t spins) {
+  if (spins < 16) {
 #if defined(__x86_64__)
-  __builtin_ia32_pause();
+    __builtin_ia32_pause();
 #endif
+  } else {
+    sched_yield();
+  }
 }
 
 // The reply to one request: completion fields plus the response payload, copied out.
@@ -184,8 +191,8 @@ class DaemonClient final : public Client {
     auto* header = segment_header();
     for (uint32_t spins = 0;; ++spins) {
       if (completed_ticket() >= ticket) break;
-      if (spins < 2000) {
-        cpu_relax();
+      if (spins < 400) {
+        spin_step(spins);
         continue;
       }
       Status alive = check_alive();
@@ -436,8 +443,8 @@ class DaemonClient final : public Client {
       }
       // Spin for a few microseconds (the daemon's ring thread answers fast when awake), then
       // sleep on the doorbell in short slices, checking the daemon's liveness in between.
-      if (spins < 4000) {
-        cpu_relax();
+      if (spins < 1000) {
+        spin_step(spins);
         continue;
       }
       MEMBAR_RETURN_IF_ERROR(check_alive());

@@ -1,5 +1,7 @@
 #include "session.h"
 
+#include <sched.h>
+
 #include <spdlog/spdlog.h>
 
 #include <cstring>
@@ -93,6 +95,7 @@ void RingServer::stop() {
 void RingServer::serve() {
   uint64_t last_request_ns = protocol::monotonic_ns();
   const uint64_t spin_ns = uint64_t{config_.spin_us} * 1000;
+  uint32_t idle_spins = 0;
   while (!stopping_.load(std::memory_order_acquire)) {
     v1::RequestV1 request;
     int popped = requests_.try_pop(request);
@@ -103,12 +106,19 @@ void RingServer::serve() {
     if (popped > 0) {
       handle(request);
       last_request_ns = protocol::monotonic_ns();
+      idle_spins = 0;
       continue;
     }
+    // Spin briefly after a request (the next one usually follows at once), yielding so that a
+    // client sharing this core can run; then sleep on the doorbell.
     if (protocol::monotonic_ns() - last_request_ns < spin_ns) {
+      if (++idle_spins < 16) {
 #if defined(__x86_64__)
-      __builtin_ia32_pause();
+        __builtin_ia32_pause();
 #endif
+      } else {
+        sched_yield();
+      }
       continue;
     }
     requests_.wait_for_entries(100'000'000);
