@@ -46,6 +46,15 @@ Status send_message(int socket_fd, std::span<const uint8_t> bytes, int fd_to_pas
       continue;
     }
     if (n < 0 && errno == EINTR) continue;
+    // ETOOMANYREFS: the sender's uid has too many fds in flight (RLIMIT_NOFILE); they drain as
+    // the peer reads, exactly like a full buffer.
+    if (n < 0 && errno == ETOOMANYREFS) {
+      if (protocol::monotonic_ns() >= deadline) {
+        return {StatusCode::DEADLINE_EXCEEDED, "peer did not take its file descriptors for " + std::to_string(timeout_ms) + " ms"};
+      }
+      ::usleep(1000);
+      continue;
+    }
     if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
       uint64_t now = protocol::monotonic_ns();
       if (now >= deadline) return {StatusCode::DEADLINE_EXCEEDED, "peer did not read its socket for " + std::to_string(timeout_ms) + " ms"};
