@@ -47,6 +47,7 @@ using detail::matmul;
 using detail::matmul_transposed_a;
 using detail::parallel_for;
 using detail::to_compute;
+using detail::workers_for_work;
 
 // Rows (query token x q head of the group) per query block; the block's scores and
 // accumulators stay in L2.
@@ -161,6 +162,13 @@ struct Problem {
   }
 
   int32_t query_tokens_per_block() const { return std::max(1, kQueryRowsTarget / group); }
+
+  // Floating-point operations of the forward (dense; an upper bound when sparse): two products
+  // of 2 * D per visible (query, key) pair and q head.
+  double forward_flops() const {
+    const double pairs = double(shape.chunk_tokens) * (double(shape.history_tokens) + (shape.chunk_tokens + 1) / 2.0);
+    return 4.0 * pairs * shape.num_q_heads * shape.head_dim;
+  }
 
   // Splits tokens [begin, end) of tile `tile` into query blocks, for every kv head.
   void append_query_blocks(int32_t begin, int32_t end, int32_t tile, int32_t kv_head,
@@ -325,7 +333,7 @@ int forward_typed(const PagedAttentionForwardParams& params) {
   Compute* lse = static_cast<Compute*>(params.lse);
   const bool ok = parallel_for(int64_t(blocks.size()), [&](int64_t index) {
     forward_query_block<Element, Compute>(problem, blocks[size_t(index)], out, lse);
-  });
+  }, workers_for_work(problem.forward_flops()));
   return ok ? 0 : kCpuOutOfMemory;
 }
 
@@ -475,6 +483,7 @@ int backward_typed(const PagedAttentionBackwardParams& params) {
 
   // delta[h][i] = sum_d dO[i][h][d] * O[i][h][d], the softmax backward's row term ([Hq, Tc]).
   std::vector<Compute> delta(size_t(shape.num_q_heads) * chunk_tokens);
+  const int64_t workers = workers_for_work(3.5 * problem.forward_flops());
   bool ok = parallel_for(shape.num_q_heads, [&](int64_t head) {
     for (int32_t token = 0; token < chunk_tokens; ++token) {
       const Element* o_row = problem.row_of(out, token, int32_t(head));
@@ -483,7 +492,7 @@ int backward_typed(const PagedAttentionBackwardParams& params) {
       for (int32_t d = 0; d < head_dim; ++d) sum += to_compute(o_row[d]) * to_compute(do_row[d]);
       delta[size_t(head) * chunk_tokens + token] = sum;
     }
-  });
+  }, workers);
 
   // Sparse: the query tiles that selected each history page (tiles ascending).
   std::vector<std::vector<int32_t>> tiles_of_page;
@@ -565,7 +574,7 @@ int backward_typed(const PagedAttentionBackwardParams& params) {
         }
       }
     }
-  });
+  }, workers);
 
   // Pass 2: dQ, one task per query block.
   const std::vector<QueryBlock> query_blocks = problem.all_query_blocks();
@@ -590,7 +599,7 @@ int backward_typed(const PagedAttentionBackwardParams& params) {
         for (int32_t d = 0; d < head_dim; ++d) to[d] = from_compute<Element>(query_grads[size_t(r) * head_dim + d]);
       }
     }
-  });
+  }, workers);
   return ok ? 0 : kCpuOutOfMemory;
 }
 

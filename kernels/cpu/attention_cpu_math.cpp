@@ -271,7 +271,12 @@ int worker_count() {
   return count;
 }
 
-bool parallel_for(int64_t num_tasks, const std::function<void(int64_t)>& task) {
+int64_t workers_for_work(double work) {
+  constexpr double kWorkPerWorker = 4e6;
+  return std::max<int64_t>(1, int64_t(work / kWorkPerWorker));
+}
+
+bool parallel_for(int64_t num_tasks, const std::function<void(int64_t)>& task, int64_t max_workers) {
   if (num_tasks <= 0) return true;
   std::atomic<int64_t> next_task{0};
   std::atomic<bool> failed{false};
@@ -286,7 +291,7 @@ bool parallel_for(int64_t num_tasks, const std::function<void(int64_t)>& task) {
       }
     }
   };
-  const int64_t helpers = std::min<int64_t>(worker_count(), num_tasks) - 1;
+  const int64_t helpers = std::min<int64_t>({int64_t(worker_count()), num_tasks, std::max<int64_t>(1, max_workers)}) - 1;
   std::vector<std::thread> threads;
   for (int64_t i = 0; i < helpers; ++i) {
     try {

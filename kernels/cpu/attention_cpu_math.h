@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <climits>
 #include <functional>
 
 #include "membar/kernels/half_types.h"
@@ -61,10 +62,15 @@ inline double from_compute<double>(double value) { return value; }
 // std::thread::hardware_concurrency().
 int worker_count();
 
-// Calls task(index) for every index in [0, num_tasks), on up to worker_count() threads (the
-// calling thread is one of them); indices are handed out in increasing order. Blocks until
-// every task ran. Returns false when a task threw (its exception is swallowed; the remaining
-// tasks still run) so that kernels can report an error code instead of throwing.
-bool parallel_for(int64_t num_tasks, const std::function<void(int64_t)>& task);
+// Calls task(index) for every index in [0, num_tasks), on up to min(max_workers,
+// worker_count()) threads (the calling thread is one of them); indices are handed out in
+// increasing order. Blocks until every task ran. Returns false when a task threw (its exception
+// is swallowed; the remaining tasks still run) so that kernels can report an error code instead
+// of throwing.
+bool parallel_for(int64_t num_tasks, const std::function<void(int64_t)>& task, int64_t max_workers = INT64_MAX);
+
+// How many workers `work` floating-point operations deserve: starting a thread costs about as
+// much as a few million of them, so small problems stay on the calling thread.
+int64_t workers_for_work(double work);
 
 }  // namespace membar::kernels::cpu::detail
