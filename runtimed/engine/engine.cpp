@@ -53,8 +53,11 @@
 // the prefetch waits (conservative prefetching, after Cao et al.: same replacements as MIN, made
 // earlier). Acquire, which must succeed, takes the first victim whatever its next use.
 // Limitations: next use is counted in steps, not in pages within a step, so pages of one step
-// tie and fall back to LRU among themselves; a prefetch in flight is not a victim until it
-// lands in the set (it is, immediately, but its copy keeps the slot busy through batch ordering).
+// tie and fall back to LRU among themselves. Eviction is per client and per page size (see
+// Note [Pages and frames] for retyping whole frames). Explicit prefetch() is obeyed like
+// acquire (it may evict anything unpinned); only advance()'s lookahead follows MIN's rule.
+// A page brought in by a prefetch whose copy is still in flight may be chosen as a victim; its
+// slot is then reused only after that copy completes (batch ordering), never corrupted.
 #include "engine.h"
 
 #include <algorithm>
