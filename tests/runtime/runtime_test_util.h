@@ -93,6 +93,11 @@ struct MappedClient {
     return client;
   }
 
+  // The engine must stop calling back before the windows go (a no-op when already closed).
+  ~MappedClient() {
+    if (engine != nullptr) (void)engine->client_close(id);
+  }
+
   Window& window(Tier tier) { return tier == Tier::kGpu ? *gpu_window : *host_window; }
 
   SpaceId space(const std::string& name, uint64_t bytes, uint32_t count) {
