@@ -140,9 +140,9 @@ struct Problem {
     return block;
   }
 
-  // Calls visit(block) for every key block the queries of `query` see, in a fixed order: history
-  // pages ascending (all of them, or the tile's selection), then chunk keys ascending up to the
-  // block's last query.
+  // Calls visit(block) for every key block the queries of `query` see, in a fixed order: the
+  // history pages (all of them ascending, or the tile's selection in slot order), then the chunk
+  // keys ascending up to the block's last query.
   template <typename Visit>
   void for_each_key_block(const QueryBlock& query, Visit&& visit) const {
     if (selection.enabled()) {
