@@ -1,8 +1,8 @@
 // Paged attention forward on CUDA (FlashAttention-2 style, mma.sync tensor cores).
 //
 // Note [Forward kernel]
-// One CTA per (block of 128 queries, q head) with four warps of 32 query rows (64 rows, 16 per
-// warp, when a sparse selection's tiles are an odd multiple of 64); each warp keeps its output
+// One CTA per (block of 128 queries, q head) with eight warps of 16 query rows (four warps, 64
+// rows, when a sparse selection's tiles are an odd multiple of 64); each warp keeps its output
 // accumulator and online-softmax state in registers and reads Q fragments from shared memory. The CTA
 // walks its key sequence in blocks of 64 keys (KeySequence: the history pages, or the selected
 // ones, then the chunk's own keys up to its last query), double-buffering K and V through
@@ -35,8 +35,8 @@ constexpr size_t forward_shared_bytes_fixed() {
 }
 
 // kRowTiles: 16-row tiles per warp. Two tiles per warp read every K and V fragment from shared
-// memory once for 32 rows, halving the shared-memory traffic per tensor-core instruction
-// (ldmatrix bandwidth, not the tensor cores, bounds a 16-row warp).
+// memory once for 32 rows, halving the shared-memory traffic per tensor-core instruction, but
+// need more registers than the H200 has per thread at head_dim 128 (spills); one is the default.
 template <typename Element, int kHeadDim, int kWarps, int kRowTiles>
 __global__ void __launch_bounds__(kWarps * 32, 1) paged_attention_forward_kernel(const PagedAttentionForwardParams params) {
   constexpr int kWarpRows = 16 * kRowTiles;
@@ -266,18 +266,20 @@ cudaError_t launch_forward(const PagedAttentionForwardParams& params, cudaStream
 
 template <typename Element, int kHeadDim>
 cudaError_t dispatch_rows(const PagedAttentionForwardParams& params, cudaStream_t stream) {
-  // A CTA's queries must lie in one selection tile (Note [Forward kernel]): 128 rows (four warps
-  // of 32) unless the selection's tiles are an odd multiple of 64 rows.
+  // A CTA's queries must lie in one selection tile (Note [Forward kernel]): 128 rows (eight warps
+  // of 16) unless the selection's tiles are an odd multiple of 64 rows.
   if (params.selection.selected_pages != nullptr && params.selection.query_tile_tokens % 128 != 0) {
     return launch_forward<Element, kHeadDim, 4, 1>(params, stream);
   }
-  // Tuning knob for comparing layouts on a new GPU: MEMBAR_ATTENTION_FORWARD_WARP_ROWS=16 runs
-  // eight warps of 16 rows instead of four of 32 (same results, other speed).
+  // Tuning knob for comparing layouts on a new GPU: MEMBAR_ATTENTION_FORWARD_WARP_ROWS=32 runs four
+  // warps of 32 rows instead of eight of 16 (same results). On the H200 the 32-row layout spills
+  // (255 registers) and ran at 220 TFLOP/s against 272 for the default
+  // (bench/results/2026-11-30-attention-h200.json).
   const char* warp_rows = std::getenv("MEMBAR_ATTENTION_FORWARD_WARP_ROWS");
-  if (warp_rows != nullptr && std::strcmp(warp_rows, "16") == 0) {
-    return launch_forward<Element, kHeadDim, 8, 1>(params, stream);
+  if (warp_rows != nullptr && std::strcmp(warp_rows, "32") == 0) {
+    return launch_forward<Element, kHeadDim, 4, 2>(params, stream);
   }
-  return launch_forward<Element, kHeadDim, 4, 2>(params, stream);
+  return launch_forward<Element, kHeadDim, 8, 1>(params, stream);
 }
 
 template <typename Element>

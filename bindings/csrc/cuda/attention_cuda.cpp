@@ -8,6 +8,7 @@
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 
+#include <string>
 #include <vector>
 
 #include "attention_ops.h"
@@ -44,26 +45,38 @@ void check_aligned(std::initializer_list<std::pair<const void*, const char*>> te
   TORCH_CHECK(problem[0] == '\0', op, ": ", problem);
 }
 
-// Every page index value must name a row of its pool: [min, max] of each index in one transfer.
-void check_index_ranges(std::initializer_list<std::tuple<const at::Tensor*, int64_t, const char*>> indices,
-                        const char* op) {
+// Every page index value must name a row of its pool: [min, max] of each index, read back in
+// one transfer. Returns an empty string, or a sentence naming the first index out of range (the
+// caller raises it).
+struct IndexRange {
+  const at::Tensor* index;
+  int64_t pool_pages;
+  const char* name;
+};
+std::string index_range_problem(const std::vector<IndexRange>& indices) {
   std::vector<at::Tensor> bounds;
-  for (const auto& [index, pool_pages, name] : indices) {
-    if (index->numel() == 0) continue;
-    const auto [low, high] = at::aminmax(*index);
-    bounds.push_back(at::stack({low, high}));
+  for (const IndexRange& range : indices) {
+    if (range.index->numel() > 0) bounds.push_back(at::stack({range.index->min(), range.index->max()}));
   }
-  if (bounds.empty()) return;
-  const at::Tensor host = at::stack(bounds).cpu();
-  const int32_t* values = host.data_ptr<int32_t>();
-  int slot = 0;
-  for (const auto& [index, pool_pages, name] : indices) {
-    if (index->numel() == 0) continue;
-    const int32_t low = values[2 * slot], high = values[2 * slot + 1];
-    TORCH_CHECK(low >= 0 && high < pool_pages, op, ": ", name, " holds values in [", low, ", ", high,
-                "] but its pool has ", pool_pages, " pages.");
+  if (bounds.empty()) return "";
+  const at::Tensor host = at::stack(bounds).to(at::kCPU, at::kLong).contiguous();
+  const int64_t* values = host.data_ptr<int64_t>();
+  size_t slot = 0;
+  for (const IndexRange& range : indices) {
+    if (range.index->numel() == 0) continue;
+    const int64_t low = values[2 * slot], high = values[2 * slot + 1];
     ++slot;
+    if (low < 0 || high >= range.pool_pages) {
+      return std::string(range.name) + " holds values in [" + std::to_string(low) + ", " + std::to_string(high) +
+             "] but its pool has " + std::to_string(range.pool_pages) + " pages.";
+    }
   }
+  return "";
+}
+
+void check_index_ranges(const std::vector<IndexRange>& indices, const char* op) {
+  const std::string problem = index_range_problem(indices);
+  TORCH_CHECK(problem.empty(), op, ": ", problem);
 }
 
 std::tuple<at::Tensor, at::Tensor> forward_cuda(const at::Tensor& q, const at::Tensor& k_chunk, const at::Tensor& v_chunk,
