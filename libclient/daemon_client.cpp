@@ -53,8 +53,13 @@ uint64_t env_milliseconds(const char* name, uint64_t fallback) {
   return (end != text && *end == 0 && value > 0) ? value : fallback;
 }
 
-// One step of a bounded spin: a pause for the first few, then sched_yield, so that on a machine
-// with more runnable threads than cores (CI) the daemon's ring thread can run on this core.
+// How long a waiting call spins before it sleeps on a futex. The daemon usually answers within a
+// few microseconds; bounding the spin by time (not by count) matters on a loaded machine, where
+// one sched_yield can give away a whole time slice.
+constexpr uint64_t kSpinNs = 30'000;
+
+// One step of the spin: a pause for the first few, then sched_yield, so that on a machine with
+// more runnable threads than cores (CI) the daemon's ring thread can run on this core.
 void spin_step(uint32_t spins) {
   if (spins < 16) {
 #if defined(__x86_64__)
@@ -189,9 +194,14 @@ class DaemonClient final : public Client {
     uint64_t deadline = start + wait_timeout_ms_ * 1000000ull;
     Status result = Status::Ok();
     auto* header = segment_header();
+    uint64_t spin_until = start + kSpinNs;
     for (uint32_t spins = 0;; ++spins) {
       if (completed_ticket() >= ticket) break;
-      if (spins < 400) {
+      if (dead_.load(std::memory_order_acquire)) {
+        result = dead_status();
+        break;
+      }
+      if (protocol::monotonic_ns() < spin_until) {
         spin_step(spins);
         continue;
       }
@@ -429,7 +439,9 @@ class DaemonClient final : public Client {
       return dead_status();
     }
 
-    uint64_t deadline = protocol::monotonic_ns() + call_timeout_ms_ * 1000000ull;
+    uint64_t pushed = protocol::monotonic_ns();
+    uint64_t deadline = pushed + call_timeout_ms_ * 1000000ull;
+    uint64_t spin_until = pushed + kSpinNs;
     v1::CompletionV1 completion;
     for (uint32_t spins = 0;; ++spins) {
       int popped = completions_.try_pop(completion);
@@ -443,7 +455,7 @@ class DaemonClient final : public Client {
       }
       // Spin for a few microseconds (the daemon's ring thread answers fast when awake), then
       // sleep on the doorbell in short slices, checking the daemon's liveness in between.
-      if (spins < 1000) {
+      if (protocol::monotonic_ns() < spin_until) {
         spin_step(spins);
         continue;
       }
@@ -576,11 +588,14 @@ Status DaemonClient::handshake(const std::string& socket_path, const ConnectOpti
     if (c < 0x20 || c > 0x7e) c = '?';
   }
   v1::copy_text(hello.client_name, sizeof(hello.client_name), name);
-  MEMBAR_RETURN_IF_ERROR(wire::send_message(socket_.get(), v1::encode_message(v1::MessageType::kHello, hello)));
-
+  // A daemon that refuses this peer (SO_PEERCRED) writes its error and closes at once, possibly
+  // before the hello goes out: a failed send still reads what the daemon said.
+  Status sent = wire::send_message(socket_.get(), v1::encode_message(v1::MessageType::kHello, hello));
   std::vector<wire::ReceivedMessage> early;
-  MEMBAR_ASSIGN_OR_RETURN(wire::ReceivedMessage message,
-                          read_reply(socket_.get(), assembler_, protocol::monotonic_ns() + 5'000'000'000ull, early));
+  uint64_t reply_deadline = protocol::monotonic_ns() + (sent.ok() ? 5'000'000'000ull : 500'000'000ull);
+  Result<wire::ReceivedMessage> answered = read_reply(socket_.get(), assembler_, reply_deadline, early);
+  if (!sent.ok() && !answered.ok() && answered.status().code() == StatusCode::UNAVAILABLE) return sent;
+  MEMBAR_ASSIGN_OR_RETURN(wire::ReceivedMessage message, std::move(answered));
   MEMBAR_ASSIGN_OR_RETURN(v1::HelloReplyV1 reply, v1::decode_hello_reply(message.payload));
   if (reply.status != 0) {
     return Status(static_cast<StatusCode>(reply.status), std::string("membard refused the connection: ") + reply.message);

@@ -31,10 +31,12 @@ Result<std::unique_ptr<AdminConnection>> AdminConnection::open(const std::string
   v1::HelloV1 hello{};
   hello.role = static_cast<uint32_t>(v1::Role::kAdmin);
   v1::copy_text(hello.client_name, sizeof(hello.client_name), "membarctl");
-  MEMBAR_RETURN_IF_ERROR(
-      wire::send_message(connection->socket_.get(), v1::encode_message(v1::MessageType::kHello, hello)));
-  MEMBAR_ASSIGN_OR_RETURN(wire::ReceivedMessage message,
-                          connection->read_message(static_cast<uint16_t>(v1::MessageType::kHelloReply)));
+  // A refusing daemon may close before the hello is sent: read its error either way.
+  Status sent = wire::send_message(connection->socket_.get(), v1::encode_message(v1::MessageType::kHello, hello));
+  Result<wire::ReceivedMessage> answered =
+      connection->read_message(static_cast<uint16_t>(v1::MessageType::kHelloReply));
+  if (!sent.ok() && !answered.ok() && answered.status().code() == StatusCode::UNAVAILABLE) return sent;
+  MEMBAR_ASSIGN_OR_RETURN(wire::ReceivedMessage message, std::move(answered));
   MEMBAR_ASSIGN_OR_RETURN(v1::HelloReplyV1 reply, v1::decode_hello_reply(message.payload));
   if (reply.status != 0) {
     return Status(static_cast<StatusCode>(reply.status), std::string("membard refused: ") + reply.message);

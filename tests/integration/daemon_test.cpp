@@ -283,6 +283,18 @@ TEST_F(DaemonTest, FourClientProcessesKeepEveryPageAcrossTenThousandCycles) {
   EXPECT_EQ(frames_used("host"), 0);
 }
 
+TEST_F(DaemonTest, TheIntegrityCheckCatchesASabotagedPage) {
+  start_daemon({"--default-gpu-quota", "4MiB"});
+  Process worker = Process::spawn({WORKER_PATH, "integrity", "--socket", socket_path_, "--seed", "77", "--cycles",
+                                   "400", "--pages", "64", "--sabotage", "1"},
+                                  directory_ + "/sabotage.out");
+  EXPECT_EQ(worker.wait(60), 1) << worker.output();
+  std::smatch match;
+  std::string output = worker.output();
+  ASSERT_TRUE(std::regex_search(output, match, std::regex("corrupted=([0-9]+) lost=([0-9]+)"))) << output;
+  EXPECT_GE(std::stoull(match[1]) + std::stoull(match[2]), 1u) << output;
+}
+
 TEST_F(DaemonTest, KillNineOfAClientReclaimsAllItsFramesWithinOneSecond) {
   start_daemon();
   Process holder = Process::spawn({WORKER_PATH, "hold", "--socket", socket_path_, "--pages", "96"},

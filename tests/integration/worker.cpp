@@ -84,7 +84,9 @@ bool report_error(const char* what, const Status& status, Counters& counters) {
   return true;
 }
 
-int run_integrity(Client& client, uint64_t seed, uint64_t cycles, uint32_t pages) {
+// sabotage: after half the cycles, flip one byte of a written page behind the checker's back
+// (through the host tier, marked dirty): the run must then report it. Proves the check can fail.
+int run_integrity(Client& client, uint64_t seed, uint64_t cycles, uint32_t pages, bool sabotage) {
   Rng rng{seed};
   Counters counters;
   std::vector<Space> spaces(2);
@@ -103,6 +105,17 @@ int run_integrity(Client& client, uint64_t seed, uint64_t cycles, uint32_t pages
   int64_t next_version = 1;
 
   for (uint64_t cycle = 0; cycle < cycles; ++cycle) {
+    if (sabotage && cycle == cycles / 2) {
+      for (uint32_t page = 0; page < spaces[0].page_count; ++page) {
+        if (spaces[0].version[page] < 0) continue;
+        Result<std::vector<void*>> host = client.acquire_host(PageRange{spaces[0].id, page, 1});
+        if (!host.ok()) break;
+        static_cast<uint8_t*>(host.value()[0])[12345] ^= 0x40;
+        (void)client.release_host(PageRange{spaces[0].id, page, 1}, true);
+        std::fprintf(stderr, "worker: sabotaged page %u of space 0\n", page);
+        break;
+      }
+    }
     size_t s = rng.below(2);
     Space& space = spaces[s];
     uint32_t count = 1 + rng.below(4);
@@ -227,7 +240,8 @@ int main(int argc, char** argv) {
   if (mode == "integrity") {
     uint64_t seed = std::strtoull(flag(argc, argv, "--seed", "1").c_str(), nullptr, 10);
     uint64_t cycles = std::strtoull(flag(argc, argv, "--cycles", "1000").c_str(), nullptr, 10);
-    return run_integrity(*client.value(), seed, cycles, pages);
+    bool sabotage = flag(argc, argv, "--sabotage", "0") == "1";
+    return run_integrity(*client.value(), seed, cycles, pages, sabotage);
   }
   if (mode == "hold") return run_hold(*client.value(), pages);
   std::fprintf(stderr, "worker: unknown mode %s\n", mode.c_str());
