@@ -14,16 +14,19 @@
 //   Forward: one task per (kv head, query block); online softmax over key blocks (FlashAttention
 //   style): scores, running max, rescaled running sum and output; then out = acc / sum and
 //   lse = max + log(sum).
-//   Backward (FlashAttention-2 recomputation, D_i = rowsum(dO_i * O_i)), in two passes so that
-//   no two tasks ever write the same memory:
-//     pass 1, one task per (kv head, key block): loops over every query block that sees the
-//     block, recomputes P = exp(S - lse), accumulates dV += P^T dO and dK += dS^T Q in local
-//     buffers, then writes the chunk's dK/dV or ADDS the history's into the grad pages once;
-//     pass 2, one task per (kv head, query block): recomputes P and dS over the key blocks the
-//     block sees and accumulates dQ += dS K locally, then writes dq.
-//   Pass 2 costs two extra block products over a single pass (7 instead of 5), and buys
-//   determinism (every output element is summed by one task in one fixed order, whatever the
-//   thread count) and no per-thread copies of dq.
+//   Backward (FlashAttention-2 recomputation, D_i = rowsum(dO_i * O_i)). Pass 1, one task per
+//   (kv head, key block): loops over every query block that sees the block, recomputes
+//   P = exp(S - lse) and dS, accumulates dV += P^T dO and dK += dS^T Q in local buffers, then
+//   writes the chunk's dK/dV or ADDS the history's into the grad pages once. dQ needs the sum
+//   over key blocks, which different tasks own; two ways to get it:
+//     deterministic (params.deterministic, or when the copies below would not fit in memory):
+//     pass 2, one task per (kv head, query block), recomputes P and dS over the key blocks the
+//     block sees and accumulates dQ += dS K locally, then writes dq. Every output element is
+//     summed by one task in one fixed order, whatever the thread count: the same bits on every
+//     run. Cost: 7 block products per (query, key) block pair instead of 5;
+//     otherwise: pass 1 also accumulates dQ += dS K into a per-worker copy of dq (compute type), and the
+//     copies are summed at the end. 5 block products, but dq's rounding depends on which worker
+//     ran which block (with one worker it is deterministic too).
 // Limitations: compute is fp32 for fp32/bf16/fp16 inputs and fp64 for fp64 inputs; P is never
 // rounded to 16 bits (the CPU results are slightly more exact than the GPU kernels').
 #include <algorithm>
@@ -46,6 +49,8 @@ using detail::from_compute;
 using detail::matmul;
 using detail::matmul_transposed_a;
 using detail::parallel_for;
+using detail::parallel_for_workers;
+using detail::planned_workers;
 using detail::to_compute;
 using detail::workers_for_work;
 
@@ -56,6 +61,8 @@ constexpr int kQueryRowsTarget = 64;
 constexpr int kMaxKeyBlock = 128;
 // Chunk keys per key block.
 constexpr int kChunkKeyBlock = 64;
+// The most memory the non-deterministic backward spends on per-worker copies of dq.
+constexpr double kMaxDqPartialBytes = 256.0 * 1024 * 1024;
 
 // One key block: `rows` keys of one kv head. Row r's key is k[r * row_stride .. + head_dim].
 // For chunk keys, first_chunk_key is the chunk position of row 0 and the causal mask applies;
@@ -520,8 +527,26 @@ int backward_typed(const PagedAttentionBackwardParams& params) {
     for (int32_t kv_head = 0; kv_head < shape.num_kv_heads; ++kv_head) owned.push_back(OwnedKeyBlock{kv_head, -1, 0, first_key});
   }
 
-  ok = ok && parallel_for(int64_t(owned.size()), [&](int64_t index) {
+  // Without the determinism promise, and when per-worker copies of dq fit in kMaxDqPartialBytes,
+  // pass 1 also accumulates dQ += dS K into the copy of the worker that runs it, and the copies
+  // are summed afterwards: 5 block products instead of 7, but the summation order of dq depends
+  // on which worker ran which key block. See Note [CPU paged attention].
+  const int64_t pass_one_workers = planned_workers(int64_t(owned.size()), workers);
+  const int64_t rows_per_kv_head = int64_t(chunk_tokens) * problem.group;
+  const int64_t dq_partial_elements = int64_t(shape.num_kv_heads) * rows_per_kv_head * head_dim;
+  const bool single_pass = !params.deterministic &&
+                           double(pass_one_workers) * double(dq_partial_elements) * sizeof(Compute) <= kMaxDqPartialBytes;
+  // [worker][kv head][token * group + head in group][D]
+  std::vector<std::vector<Compute>> dq_partials(single_pass ? size_t(pass_one_workers) : 0);
+
+  ok = ok && parallel_for_workers(int64_t(owned.size()), [&](int64_t index, int worker) {
     const OwnedKeyBlock& task = owned[size_t(index)];
+    Compute* dq_partial = nullptr;
+    if (single_pass) {
+      std::vector<Compute>& partial = dq_partials[size_t(worker)];
+      if (partial.empty()) partial.assign(size_t(dq_partial_elements), Compute(0));
+      dq_partial = partial.data() + int64_t(task.kv_head) * rows_per_kv_head * head_dim;
+    }
     const bool is_history = task.chunk_first_key < 0;
     const KeyBlock<Element> key_block = is_history ? problem.history_block(task.page, task.part, task.kv_head)
                                                    : problem.chunk_block(task.chunk_first_key, task.kv_head);
@@ -552,6 +577,11 @@ int backward_typed(const PagedAttentionBackwardParams& params) {
              value_grads.data(), head_dim, true);
       matmul(n, head_dim, rows, buffers.score_grads.data(), rows, buffers.queries.data(), head_dim, key_grads.data(),
              head_dim, true);
+      if (dq_partial) {
+        // dQ [rows][D] += dS [rows][n] x K [n][D], with dS given transposed.
+        matmul_transposed_a(rows, head_dim, n, buffers.score_grads.data(), rows, buffers.keys.data(), head_dim,
+                            dq_partial + int64_t(block.query_begin) * problem.group * head_dim, head_dim, true);
+      }
     }
 
     if (is_history) {
@@ -575,6 +605,26 @@ int backward_typed(const PagedAttentionBackwardParams& params) {
       }
     }
   }, workers);
+
+  if (single_pass) {
+    // dq = the sum of the workers' copies, in worker order.
+    Element* dq = static_cast<Element*>(params.dq);
+    ok = ok && parallel_for(chunk_tokens, [&](int64_t token) {
+      for (int32_t head = 0; head < shape.num_q_heads; ++head) {
+        const int64_t row = (int64_t(head / problem.group) * rows_per_kv_head + token * problem.group + head % problem.group) *
+                            head_dim;
+        Element* to = problem.row_of(dq, int32_t(token), head);
+        for (int32_t d = 0; d < head_dim; ++d) {
+          Compute sum = 0;
+          for (const std::vector<Compute>& partial : dq_partials) {
+            if (!partial.empty()) sum += partial[size_t(row + d)];
+          }
+          to[d] = from_compute<Element>(sum);
+        }
+      }
+    }, workers);
+    return ok ? 0 : kCpuOutOfMemory;
+  }
 
   // Pass 2: dQ, one task per query block.
   const std::vector<QueryBlock> query_blocks = problem.all_query_blocks();

@@ -276,33 +276,41 @@ int64_t workers_for_work(double work) {
   return std::max<int64_t>(1, int64_t(work / kWorkPerWorker));
 }
 
-bool parallel_for(int64_t num_tasks, const std::function<void(int64_t)>& task, int64_t max_workers) {
+int64_t planned_workers(int64_t num_tasks, int64_t max_workers) {
+  return std::max<int64_t>(1, std::min<int64_t>({int64_t(worker_count()), num_tasks, max_workers}));
+}
+
+bool parallel_for_workers(int64_t num_tasks, const std::function<void(int64_t, int)>& task, int64_t max_workers) {
   if (num_tasks <= 0) return true;
   std::atomic<int64_t> next_task{0};
   std::atomic<bool> failed{false};
-  auto worker = [&]() noexcept {
+  auto worker = [&](int worker_index) noexcept {
     for (;;) {
       const int64_t index = next_task.fetch_add(1, std::memory_order_relaxed);
       if (index >= num_tasks) return;
       try {
-        task(index);
+        task(index, worker_index);
       } catch (...) {
         failed.store(true, std::memory_order_relaxed);
       }
     }
   };
-  const int64_t helpers = std::min<int64_t>({int64_t(worker_count()), num_tasks, std::max<int64_t>(1, max_workers)}) - 1;
+  const int64_t helpers = planned_workers(num_tasks, max_workers) - 1;
   std::vector<std::thread> threads;
   for (int64_t i = 0; i < helpers; ++i) {
     try {
-      threads.emplace_back(worker);
+      threads.emplace_back(worker, int(i + 1));
     } catch (...) {
       break;  // No more threads available: the ones we have (and this one) do the work.
     }
   }
-  worker();
+  worker(0);
   for (std::thread& thread : threads) thread.join();
   return !failed.load();
+}
+
+bool parallel_for(int64_t num_tasks, const std::function<void(int64_t)>& task, int64_t max_workers) {
+  return parallel_for_workers(num_tasks, [&](int64_t index, int) { task(index); }, max_workers);
 }
 
 }  // namespace membar::kernels::cpu::detail

@@ -69,6 +69,14 @@ int worker_count();
 // of throwing.
 bool parallel_for(int64_t num_tasks, const std::function<void(int64_t)>& task, int64_t max_workers = INT64_MAX);
 
+// The same, also passing the worker's number, in [0, planned_workers(num_tasks, max_workers)),
+// to each task (for per-worker buffers).
+bool parallel_for_workers(int64_t num_tasks, const std::function<void(int64_t, int)>& task,
+                          int64_t max_workers = INT64_MAX);
+
+// The number of workers parallel_for(_workers) starts at most for these arguments.
+int64_t planned_workers(int64_t num_tasks, int64_t max_workers);
+
 // How many workers `work` floating-point operations deserve: starting a thread costs about as
 // much as a few million of them, so small problems stay on the calling thread.
 int64_t workers_for_work(double work);

@@ -29,9 +29,10 @@
 // output is written, and kCpuOutOfMemory when a work buffer cannot be allocated. CPU functions block: they run on
 // the calling thread plus short-lived worker threads (MEMBAR_CPU_THREADS caps their number,
 // default std::thread::hardware_concurrency()). The CPU backward owns every key block in one
-// task and computes dQ in a second pass that owns every query block, so its results are the
-// same bits on every run whatever `deterministic` says. CUDA functions enqueue on `stream` and
-// return without waiting.
+// task, so dK/dV are always the same bits on every run; with `deterministic` it computes dQ in a
+// second pass that owns every query block (same bits too, 40% more work), without it it sums
+// per-thread copies of dQ (dq may differ in its last bits between multi-threaded runs). CUDA
+// functions enqueue on `stream` and return without waiting.
 #pragma once
 
 #include <cstdint>
