@@ -118,7 +118,8 @@ def rollout_worker(channel: str, model_path: str, device: str, args_dict: dict, 
             generator = torch.Generator().manual_seed(sample_seed)
             batch = sample_batch(model, args_dict["prompts"], args_dict["group"], args_dict["temperature"],
                                  generator, device)
-            results.put((version, subscriber.applied, batch))
+            # numpy, not torch: torch would share the tensors through file descriptors.
+            results.put((version, subscriber.applied, tuple(t.numpy() for t in batch)))
     finally:
         subscriber.close()
 
@@ -149,7 +150,8 @@ def train_logra(sft_model, args, device, out_dir: Path) -> dict:
             answer = results.get(timeout=600)
             if isinstance(answer, Exception):
                 raise answer
-            version, applied, (a, b, prompts, answers) = answer
+            version, applied, arrays = answer
+            a, b, prompts, answers = (torch.from_numpy(array) for array in arrays)
             assert version == update and applied == update, "the rollout must be on-policy"
             reward, _ = task.rewards(answers, a, b)
             advantages = group_advantages(reward, args.group).to(device)

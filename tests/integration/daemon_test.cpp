@@ -189,7 +189,7 @@ class DaemonTest : public ::testing::Test {
   }
 
   void start_daemon(std::vector<std::string> extra = {}) {
-    std::vector<std::string> argv = {MEMBARD_PATH, "--backend", "host", "--socket", socket_path_, "--gpu-pool",
+    std::vector<std::string> argv = {MEMBARD_PATH, "--backend", backend_, "--socket", socket_path_, "--gpu-pool",
                                      "32MiB", "--host-pool", "128MiB", "--foreground", "--log-level", "info"};
     argv.insert(argv.end(), extra.begin(), extra.end());
     daemon_ = Process::spawn(argv, directory_ + "/membard.log");
@@ -223,19 +223,20 @@ class DaemonTest : public ::testing::Test {
     return std::stoll(match[1]);
   }
 
+  std::string backend_ = "host";
   std::string directory_;
   std::string socket_path_;
   Process daemon_;
 };
 
 // Writes a recognisable pattern into pages and checks it later.
-void write_pattern(const std::vector<void*>& pages, uint64_t page_bytes, uint8_t seed) {
+[[maybe_unused]] void write_pattern(const std::vector<void*>& pages, uint64_t page_bytes, uint8_t seed) {
   for (size_t i = 0; i < pages.size(); ++i) {
     auto* bytes = static_cast<uint8_t*>(pages[i]);
     for (uint64_t b = 0; b < page_bytes; b += 64) bytes[b] = static_cast<uint8_t>(seed + i + b / 64);
   }
 }
-bool pattern_intact(const std::vector<void*>& pages, uint64_t page_bytes, uint8_t seed) {
+[[maybe_unused]] bool pattern_intact(const std::vector<void*>& pages, uint64_t page_bytes, uint8_t seed) {
   for (size_t i = 0; i < pages.size(); ++i) {
     auto* bytes = static_cast<const uint8_t*>(pages[i]);
     for (uint64_t b = 0; b < page_bytes; b += 64) {
@@ -246,6 +247,7 @@ bool pattern_intact(const std::vector<void*>& pages, uint64_t page_bytes, uint8_
 }
 
 // ---------------------------------------------------------------------------------------------
+#if !defined(MEMBAR_DAEMON_GPU_TESTS)
 
 TEST_F(DaemonTest, FourClientProcessesKeepEveryPageAcrossTenThousandCycles) {
   // 4 MiB of GPU quota each against 8 MiB of pages each: constant eviction and write-back.
@@ -774,6 +776,47 @@ TEST_F(DaemonTest, ConnectPrefersTheNamedDaemonAndFallsBackToEmbeddedOnlyWhenAll
   EXPECT_EQ(missing.status().code(), StatusCode::UNAVAILABLE);
   EXPECT_NE(missing.status().message().find("nobody.sock"), std::string::npos);
 }
+
+#else  // MEMBAR_DAEMON_GPU_TESTS: the same daemon on the CUDA VMM backend (label gpu).
+
+TEST_F(DaemonTest, CudaBackendTwoClientProcessesKeepEveryPage) {
+  backend_ = "cuda";
+  start_daemon({"--default-gpu-quota", "4MiB"});
+  std::vector<Process> workers;
+  for (int w = 0; w < 2; ++w) {
+    workers.push_back(Process::spawn({WORKER_PATH, "integrity", "--socket", socket_path_, "--seed",
+                                      std::to_string(2000 + w), "--cycles", "2500", "--pages", "64"},
+                                     directory_ + "/gpu-worker" + std::to_string(w) + ".out"));
+  }
+  for (int w = 0; w < 2; ++w) {
+    int code = workers[w].wait(300);
+    std::string output = workers[w].output();
+    EXPECT_EQ(code, 0) << "worker " << w << ":\n" << output << "\nmembard:\n" << daemon_.output();
+    EXPECT_NE(output.find("corrupted=0 lost=0 failed_calls=0"), std::string::npos) << output;
+  }
+  EXPECT_EQ(frames_used("gpu"), 0);
+}
+
+TEST_F(DaemonTest, CudaBackendKillNineReclaimsFrames) {
+  backend_ = "cuda";
+  start_daemon();
+  Process holder = Process::spawn({WORKER_PATH, "hold", "--socket", socket_path_, "--pages", "96"},
+                                  directory_ + "/holder.out");
+  auto start = Clock::now();
+  while (holder.output().find("READY") == std::string::npos && seconds_since(start) < 30) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  ASSERT_NE(holder.output().find("READY"), std::string::npos) << holder.output() << daemon_.output();
+  EXPECT_GT(frames_used("gpu"), 0);
+  holder.kill_now(SIGKILL);
+  auto killed = Clock::now();
+  holder.wait(5);
+  while (frames_used("gpu") != 0 && seconds_since(killed) < 3) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  EXPECT_EQ(frames_used("gpu"), 0);
+  EXPECT_LT(seconds_since(killed), 1.0);
+}
+
+#endif
 
 }  // namespace
 }  // namespace membar

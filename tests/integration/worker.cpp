@@ -18,6 +18,10 @@
 #include "daemon_client.h"
 #include "membar/client.h"
 
+#if defined(MEMBAR_WITH_CUDA)
+#include <cuda_runtime_api.h>
+#endif
+
 namespace {
 
 using namespace membar;
@@ -59,6 +63,32 @@ bool matches(const void* page, uint64_t bytes, uint64_t key, int64_t version) {
   return true;
 }
 
+// The acquire path hands out device pointers on the CUDA backend: the worker reads and writes
+// those pages through a host staging buffer. On the host backend the page is used in place.
+class PageView {
+ public:
+  explicit PageView(bool device) : device_(device) {}
+  // Host bytes holding the page's contents.
+  void* open(void* page, uint64_t bytes) {
+    if (!device_) return page;
+    staging_.resize(bytes);
+#if defined(MEMBAR_WITH_CUDA)
+    if (cudaMemcpy(staging_.data(), page, bytes, cudaMemcpyDeviceToHost) != cudaSuccess) std::abort();
+#endif
+    return staging_.data();
+  }
+  // Writes the staged bytes back to the page (no-op on the host backend).
+  void commit(void* page, uint64_t bytes) {
+#if defined(MEMBAR_WITH_CUDA)
+    if (device_ && cudaMemcpy(page, staging_.data(), bytes, cudaMemcpyHostToDevice) != cudaSuccess) std::abort();
+#endif
+  }
+
+ private:
+  bool device_;
+  std::vector<uint8_t> staging_;
+};
+
 struct Space {
   SpaceId id = 0;
   uint64_t page_bytes = 0;
@@ -89,6 +119,7 @@ bool report_error(const char* what, const Status& status, Counters& counters) {
 int run_integrity(Client& client, uint64_t seed, uint64_t cycles, uint32_t pages, bool sabotage) {
   Rng rng{seed};
   Counters counters;
+  PageView view(client.backend() == BackendKind::kCuda);
   std::vector<Space> spaces(2);
   spaces[0].page_bytes = 64 << 10;
   spaces[0].page_count = pages;
@@ -132,10 +163,12 @@ int run_integrity(Client& client, uint64_t seed, uint64_t cycles, uint32_t pages
         int64_t& version = space.version[first + i];
         if (version < 0) version = 0;  // zero-filled by kAcquireZeroNew
         void* page = acquired.value().page_pointers[i];
-        if (!matches(page, space.page_bytes, key(s, first + i), version)) ++counters.corrupted;
+        void* bytes = view.open(page, space.page_bytes);
+        if (!matches(bytes, space.page_bytes, key(s, first + i), version)) ++counters.corrupted;
         if (write) {
           version = next_version++;
-          fill(page, space.page_bytes, key(s, first + i), version);
+          fill(bytes, space.page_bytes, key(s, first + i), version);
+          view.commit(page, space.page_bytes);
         }
       }
       report_error("release", client.release(range, write), counters);
@@ -210,7 +243,11 @@ int run_hold(Client& client, uint32_t pages) {
   PageRange all{space.value(), 0, pages};
   Result<Acquired> acquired = client.acquire(all, kAcquireWrite | kAcquireZeroNew);
   if (!acquired.ok() || !client.wait(acquired.value().ticket).ok()) return 1;
-  for (void* page : acquired.value().page_pointers) std::memset(page, 0x5a, 64 << 10);
+  PageView view(client.backend() == BackendKind::kCuda);
+  for (void* page : acquired.value().page_pointers) {
+    std::memset(view.open(page, 64 << 10), 0x5a, 64 << 10);
+    view.commit(page, 64 << 10);
+  }
   if (!client.release(all, true).ok()) return 1;
   Result<Ticket> offloaded = client.offload(PageRange{space.value(), 0, pages / 2});
   if (!offloaded.ok() || !client.wait(offloaded.value()).ok()) return 1;

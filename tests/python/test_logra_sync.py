@@ -126,7 +126,8 @@ def _subscriber_process(name, updates, result_queue, announce_queue):
     subscriber = PolicySubscriber(name, subscriber_weights(model))
     announce_queue.put(os.getpid())
     ok = subscriber.wait_for(updates, timeout_s=120)
-    result_queue.put((ok, [subscriber.masters[i].clone() for i in range(len(TARGETS))]))
+    # numpy, not torch: torch shares tensors through file descriptors that die with this process.
+    result_queue.put((ok, [subscriber.masters[i].numpy().copy() for i in range(len(TARGETS))]))
     subscriber.close()
 
 
@@ -150,7 +151,7 @@ def test_dying_subscriber_does_not_disturb_trainer_and_another_process_stays_in_
         ok, masters = results.get(timeout=120)
         assert ok
         for index in range(len(TARGETS)):
-            assert torch.equal(masters[index], trainer.masters()[index])
+            assert torch.equal(torch.from_numpy(masters[index]), trainer.masters()[index])
         survivor.join(timeout=30)
     finally:
         for process in (survivor, victim):
