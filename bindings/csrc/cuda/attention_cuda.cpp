@@ -12,8 +12,8 @@
 #include <vector>
 
 #include "attention_ops.h"
-// The CUDA kernels' own checks (kernels/cuda is not on the bindings' include path).
-#include "../../../kernels/cuda/attention_cuda_internal.h"
+// The CUDA kernels' own checks.
+#include "attention_cuda_internal.h"
 
 namespace membar::bindings::attention {
 namespace {
