@@ -59,7 +59,7 @@ if has_stage build; then
   log "configure + build (CUDA, sm_90a)"
   cmake -S . -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=Release -DMEMBAR_WITH_CUDA=ON \
       -DMEMBAR_CUDA_ARCHS=90a -DMEMBAR_PYTHON="$py" "${deps_flags[@]}" > "$results/build.log" 2>&1 \
-    && cmake --build build-gpu -j "$jobs" -k 0 >> "$results/build.log" 2>&1
+    && cmake --build build-gpu -j "$jobs" -- -k 0 >> "$results/build.log" 2>&1
   rc=$?
   grep -E "registers|spill|error" "$results/build.log" | grep -v "^--" > "$results/ptxas.txt" || true
   if [ $rc -ne 0 ]; then

@@ -125,6 +125,7 @@ int run(int argc, char** argv) {
     spdlog::error("cannot create the engine: {}", engine.status().to_string());
     return 1;
   }
+  options.server.device = options.device;
   Result<std::unique_ptr<Server>> server = Server::create(options.server, std::move(engine).value());
   if (!server.ok()) {
     spdlog::error("cannot start: {}", server.status().to_string());

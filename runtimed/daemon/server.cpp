@@ -441,7 +441,7 @@ void ServerImpl::handle_hello(Connection& connection, const v1::HelloV1& hello) 
   reply.gpu_window_frames = gpu_frames.value();
   reply.host_window_frames = host_frames.value();
   reply.signal_words = 8;
-  reply.device = 0;
+  reply.device = config_.device;
   v1::copy_text(reply.segment_name, sizeof(reply.segment_name), name);
 
   // Start serving before the reply so the client's first request finds a thread.

@@ -28,6 +28,8 @@ struct ServerConfig {
   uint32_t ring_spin_us = 50;
   // Install SIGTERM / SIGINT handlers that shut the server down.
   bool handle_signals = true;
+  // CUDA device of the GPU tier, told to clients so they map frames on the same device.
+  int device = 0;
 };
 
 class Server {

@@ -144,7 +144,7 @@ int connect_unix(const std::string& path) {
 }
 
 // Reads messages from a raw socket until one arrives (or EOF / timeout).
-std::optional<wire::ReceivedMessage> read_one(int fd, wire::MessageAssembler& assembler, int timeout_ms = 3000) {
+[[maybe_unused]] std::optional<wire::ReceivedMessage> read_one(int fd, wire::MessageAssembler& assembler, int timeout_ms = 3000) {
   auto start = Clock::now();
   while (seconds_since(start) * 1000 < timeout_ms) {
     auto next = assembler.next();
@@ -162,7 +162,7 @@ std::optional<wire::ReceivedMessage> read_one(int fd, wire::MessageAssembler& as
 }
 
 // True when the peer has closed `fd` (EOF) within timeout_ms.
-bool peer_closes(int fd, int timeout_ms = 3000) {
+[[maybe_unused]] bool peer_closes(int fd, int timeout_ms = 3000) {
   auto start = Clock::now();
   while (seconds_since(start) * 1000 < timeout_ms) {
     char byte;
