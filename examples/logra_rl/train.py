@@ -37,14 +37,15 @@ from membar.logra.sync import PolicyPublisher, PolicySubscriber  # noqa: E402
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--sft-steps", type=int, default=150)
+    parser.add_argument("--sft-steps", type=int, default=300)
     parser.add_argument("--rl-steps", type=int, default=60)
     parser.add_argument("--prompts", type=int, default=32, help="prompts per RL update")
     parser.add_argument("--group", type=int, default=8, help="samples per prompt")
     parser.add_argument("--rank", type=int, default=32)
-    parser.add_argument("--lr-logra", type=float, default=2e-3)
-    parser.add_argument("--lr-dense", type=float, default=1e-3)
-    parser.add_argument("--kl-delta", type=float, default=1e-2, help="target KL per update (LoGRA)")
+    parser.add_argument("--lr-logra", type=float, default=1e-3,
+                        help="eta; the KL control scales each step by alpha <= 1")
+    parser.add_argument("--lr-dense", type=float, default=3e-4)
+    parser.add_argument("--kl-delta", type=float, default=5e-3, help="target KL per update (LoGRA)")
     parser.add_argument("--threads", type=int, default=1,
                         help="CPU threads per process (the trainer and the rollout process alternate; more "
                              "threads than cores make PyTorch's spinning workers fight)")
