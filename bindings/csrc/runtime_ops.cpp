@@ -264,8 +264,13 @@ class Runtime : public torch::CustomClassHolder {
     at::Device device = client_->backend() == BackendKind::kCuda ? at::Device(at::kCUDA, c10::DeviceIndex(device_))
                                                                    : at::Device(at::kCPU);
     c10::intrusive_ptr<Runtime> self = c10::intrusive_ptr<Runtime>::reclaim_copy(this);
-    return at::from_blob(client_->window_base(), sizes, [self](void*) {},
-                            at::TensorOptions().dtype(dtype).device(device));
+    // target_device: the window's first frame may be unmapped, so torch must not ask CUDA which
+    // device the base pointer belongs to (it would answer "host memory, not registered").
+    return at::for_blob(client_->window_base(), sizes)
+        .deleter([self](void*) {})
+        .options(at::TensorOptions().dtype(dtype).device(device))
+        .target_device(device)
+        .make_tensor();
   }
 
   // Pool indices [count] int32 of GPU-resident pages; -1 for pages not on the GPU.

@@ -80,7 +80,12 @@ class PageView {
   // Writes the staged bytes back to the page (no-op on the host backend).
   void commit(void* page, uint64_t bytes) {
 #if defined(MEMBAR_WITH_CUDA)
-    if (device_ && cudaMemcpy(page, staging_.data(), bytes, cudaMemcpyHostToDevice) != cudaSuccess) std::abort();
+    // A pageable host-to-device cudaMemcpy may return before its DMA lands; the daemon copies
+    // the page out in its own process right after release, so the write must be complete first.
+    if (device_ && (cudaMemcpy(page, staging_.data(), bytes, cudaMemcpyHostToDevice) != cudaSuccess ||
+                    cudaDeviceSynchronize() != cudaSuccess)) {
+      std::abort();
+    }
 #endif
   }
 

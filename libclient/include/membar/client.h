@@ -71,6 +71,8 @@ class Client {
   // request is accepted, not until the copies are done: wait(ticket) or stream_wait(ticket, s).
   virtual Result<Acquired> acquire(PageRange range, uint32_t flags) = 0;
   // Unpins; with dirty, the GPU copy becomes the newest (written back before eviction).
+  // The client's own writes to the pages must be complete when it calls release (on CUDA:
+  // synchronize the stream that wrote them, or use stream_release, which orders on the GPU).
   virtual Status release(PageRange range, bool dirty) = 0;
 
   // Asynchronous hints; return when accepted.
