@@ -193,7 +193,8 @@ class EmbeddedClient final : public Client {
   }
 
   Ticket completed_ticket() const override {
-    return signal_words_ != nullptr ? signal_words_[runtimed::kSignalCompleted] : 0;
+    if (signal_words_ == nullptr) return 0;
+    return __atomic_load_n(const_cast<uint64_t*>(signal_words_ + runtimed::kSignalCompleted), __ATOMIC_ACQUIRE);
   }
 
   Status stream_wait(Ticket ticket, void* cuda_stream) override {
@@ -211,7 +212,9 @@ class EmbeddedClient final : public Client {
     if (stream_signals_) {
       uint64_t marker = ++release_marker_;
       MEMBAR_RETURN_IF_ERROR(stream_signals_->stream_write(runtimed::kSignalReleased, marker, cuda_stream));
-      while (signal_words_[runtimed::kSignalReleased] < marker) std::this_thread::yield();
+      while (__atomic_load_n(const_cast<uint64_t*>(signal_words_ + runtimed::kSignalReleased), __ATOMIC_ACQUIRE) < marker) {
+        std::this_thread::yield();
+      }
       return release(range, dirty);
     }
 #endif

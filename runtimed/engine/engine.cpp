@@ -1371,8 +1371,9 @@ class EngineImpl final : public Engine {
     }
     if (client.completed == before) return;
     if (client.signal_words != nullptr) {
-      std::atomic_thread_fence(std::memory_order_release);
-      client.signal_words[kSignalCompleted] = client.completed;
+      // A release store: a reader that sees the ticket also sees the pages' bytes.
+      __atomic_store_n(const_cast<uint64_t*>(client.signal_words + kSignalCompleted), client.completed,
+                       __ATOMIC_RELEASE);
     }
     if (client.events.tickets_completed) {
       client.events_queue.push_back({ClientEvent::Kind::kCompleted, 0, Tier::kGpu, -1, client.completed});

@@ -389,8 +389,9 @@ class HostBackend final : public DeviceBackend {
       if (!ready(signal)) continue;
       auto it = signal_blocks_.find(signal.block);
       if (it == signal_blocks_.end()) continue;
-      std::atomic_thread_fence(std::memory_order_release);
-      reinterpret_cast<volatile uint64_t*>(it->second.mapping.get())[signal.index] = signal.value;
+      // A release store: whoever reads the word also sees every byte the copies wrote.
+      __atomic_store_n(reinterpret_cast<uint64_t*>(it->second.mapping.get()) + signal.index, signal.value,
+                       __ATOMIC_RELEASE);
     }
     pending_signals_.erase(std::remove_if(pending_signals_.begin(), pending_signals_.end(), ready),
                            pending_signals_.end());
