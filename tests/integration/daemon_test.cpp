@@ -101,6 +101,13 @@ struct Process {
     return -1;
   }
 
+  // True while the child has not exited (it is not reaped here).
+  bool running() const {
+    siginfo_t info{};
+    return pid > 0 && ::waitid(P_PID, static_cast<id_t>(pid), &info, WEXITED | WNOHANG | WNOWAIT) == 0 &&
+           info.si_pid == 0;
+  }
+
   void kill_now(int signal_number = SIGKILL) {
     if (pid > 0) ::kill(pid, signal_number);
   }
@@ -281,6 +288,30 @@ TEST_F(DaemonTest, FourClientProcessesKeepEveryPageAcrossTenThousandCycles) {
   EXPECT_GT(bytes_moved, 100ull << 20) << "the schedule should move data between tiers";
   EXPECT_GT(evictions, 0u) << "the quota should force evictions";
   // Everyone left: every frame is back in the pools.
+  EXPECT_EQ(frames_used("gpu"), 0);
+  EXPECT_EQ(frames_used("host"), 0);
+}
+
+TEST_F(DaemonTest, AClientKilledMidScheduleCostsTheOthersNothing) {
+  start_daemon({"--default-gpu-quota", "4MiB"});
+  Process victim = Process::spawn({WORKER_PATH, "integrity", "--socket", socket_path_, "--seed", "501", "--cycles",
+                                   "1000000", "--pages", "64"},
+                                  directory_ + "/victim.out");
+  Process survivor = Process::spawn({WORKER_PATH, "integrity", "--socket", socket_path_, "--seed", "502", "--cycles",
+                                     "5000", "--pages", "64"},
+                                    directory_ + "/survivor.out");
+  // Let both run (transfers in flight), then kill one in the middle of its schedule.
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  EXPECT_TRUE(survivor.running()) << "the survivor should still be running when the victim dies";
+  EXPECT_TRUE(victim.running());
+  victim.kill_now(SIGKILL);
+  EXPECT_EQ(victim.wait(5), 128 + SIGKILL);
+  EXPECT_EQ(survivor.wait(120), 0) << survivor.output();
+  EXPECT_NE(survivor.output().find("corrupted=0 lost=0 failed_calls=0"), std::string::npos) << survivor.output();
+  auto start = Clock::now();
+  while ((frames_used("gpu") != 0 || frames_used("host") != 0) && seconds_since(start) < 3) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
   EXPECT_EQ(frames_used("gpu"), 0);
   EXPECT_EQ(frames_used("host"), 0);
 }
