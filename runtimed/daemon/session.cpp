@@ -15,13 +15,13 @@ namespace v1 = protocol::v1;
 
 Status SessionChannel::send(v1::MessageType type, std::span<const uint8_t> payload, int fd_to_pass) {
   std::vector<uint8_t> bytes = v1::encode_message(type, payload, fd_to_pass >= 0 ? 1 : 0);
-  std::lock_guard<std::mutex> lock(mutex_);
+  std::lock_guard<std::mutex> lock(send_mutex_);
   if (closed_) return unavailable("the client's connection is closed");
   return wire::send_message(socket_.get(), bytes, fd_to_pass);
 }
 
 void SessionChannel::set_segment(std::shared_ptr<SharedSegment> segment) {
-  std::lock_guard<std::mutex> lock(mutex_);
+  std::lock_guard<std::mutex> lock(segment_mutex_);
   segment_ = std::move(segment);
 }
 
@@ -36,7 +36,7 @@ void wake_client(v1::SegmentHeaderV1* header) {
 }  // namespace
 
 void SessionChannel::publish_completed(Ticket completed) {
-  std::lock_guard<std::mutex> lock(mutex_);
+  std::lock_guard<std::mutex> lock(segment_mutex_);
   if (!segment_) return;
   v1::SegmentHeaderV1* header = segment_->header();
   auto word = std::atomic_ref<uint64_t>(header->completed_ticket);
@@ -48,7 +48,7 @@ void SessionChannel::publish_completed(Ticket completed) {
 }
 
 void SessionChannel::publish_shutdown() {
-  std::lock_guard<std::mutex> lock(mutex_);
+  std::lock_guard<std::mutex> lock(segment_mutex_);
   if (!segment_) return;
   v1::SegmentHeaderV1* header = segment_->header();
   std::atomic_ref<uint32_t>(header->daemon_state).store(v1::kDaemonShuttingDown, std::memory_order_release);
@@ -58,9 +58,12 @@ void SessionChannel::publish_shutdown() {
 }
 
 void SessionChannel::close() {
-  std::lock_guard<std::mutex> lock(mutex_);
-  closed_ = true;
-  socket_.reset();
+  {
+    std::lock_guard<std::mutex> lock(send_mutex_);
+    closed_ = true;
+    socket_.reset();
+  }
+  std::lock_guard<std::mutex> lock(segment_mutex_);
   segment_.reset();
 }
 

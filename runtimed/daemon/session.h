@@ -44,9 +44,12 @@ class SessionChannel {
   void close();
 
  private:
-  std::mutex mutex_;
+  // Two locks, so a send blocked on a client that stopped reading (up to send_message's
+  // timeout) never delays publishing completions, which the engine's shared dispatcher does.
+  std::mutex send_mutex_;   // guards socket_ and closed_
   wire::UniqueFd socket_;
   bool closed_ = false;
+  std::mutex segment_mutex_;  // guards segment_
   std::shared_ptr<SharedSegment> segment_;
 };
 
