@@ -139,7 +139,13 @@ __attribute__((always_inline)) inline void widen_bfloat16_body(const BFloat16* f
 }
 
 #if defined(__x86_64__)
+// GCC vectorises with 256-bit registers by default even for AVX-512 targets; ask for 512 (clang
+// takes no such target attribute).
+#if defined(__clang__)
+#define MEMBAR_TARGET_AVX512 __attribute__((target("avx512f,avx512vl,fma")))
+#else
 #define MEMBAR_TARGET_AVX512 __attribute__((target("avx512f,avx512vl,fma,prefer-vector-width=512")))
+#endif
 #define MEMBAR_TARGET_AVX2 __attribute__((target("avx2,fma")))
 #define MEMBAR_FOR_EACH_ISA(X) X(avx512, MEMBAR_TARGET_AVX512, 32, 16) X(avx2, MEMBAR_TARGET_AVX2, 16, 8)
 #else
