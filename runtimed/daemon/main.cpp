@@ -5,6 +5,7 @@
 
 #include <spdlog/spdlog.h>
 
+#include <csignal>
 #include <cstdio>
 #include <fstream>
 #include <string>
@@ -83,6 +84,9 @@ int run(int argc, char** argv) {
     std::fputs(daemon_usage().c_str(), stdout);
     return 0;
   }
+  // A Prometheus scraper that hangs up mid-response must not kill the daemon: libuv's writes
+  // report EPIPE, and only if SIGPIPE is ignored.
+  std::signal(SIGPIPE, SIG_IGN);
   spdlog::set_level(spdlog::level::from_str(options.log_level));
   spdlog::set_pattern("[%Y-%m-%d %H:%M:%S.%e] [membard] [%^%l%$] %v");
 

@@ -150,6 +150,15 @@ Status ServerImpl::start() {
     return invalid_argument("socket path must be 1.." + std::to_string(sizeof(sockaddr_un::sun_path) - 1) +
                             " bytes: '" + config_.socket_path + "'");
   }
+  // The socket's directory (/run/membar) is made if missing; systemd's RuntimeDirectory usually has.
+  size_t slash = config_.socket_path.rfind('/');
+  if (slash != std::string::npos && slash > 0) {
+    std::string parent = config_.socket_path.substr(0, slash);
+    struct stat parent_info {};
+    if (::stat(parent.c_str(), &parent_info) != 0 && ::mkdir(parent.c_str(), 0755) != 0) {
+      return unavailable("cannot create the socket directory " + parent + ": " + std::strerror(errno));
+    }
+  }
   struct stat existing {};
   if (::lstat(config_.socket_path.c_str(), &existing) == 0) {
     if (!S_ISSOCK(existing.st_mode)) {
