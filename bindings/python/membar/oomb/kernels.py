@@ -38,6 +38,12 @@ class HistoryView:
     # order (page_index then covers those n pages): int64 [original history pages], the new number
     # of each original page or -1. Selections must go through remap_selection.
     page_map: torch.Tensor | None = None
+    v_page_index: torch.Tensor | None = None   # when V pages sit in other rows than K pages
+    handles: list | None = None                # the store's bookkeeping (what to release)
+
+    @property
+    def v_index(self) -> torch.Tensor:
+        return self.page_index if self.v_page_index is None else self.v_page_index
 
     def remap_selection(self, selection: torch.Tensor | None) -> torch.Tensor | None:
         if selection is None or self.page_map is None:
@@ -53,13 +59,19 @@ class GradView:
     dk_pool: torch.Tensor       # [pool_pages, page_tokens, Hkv, D], grad page dtype
     dv_pool: torch.Tensor
     page_index: torch.Tensor    # int32 [num_history_pages]
+    dv_page_index: torch.Tensor | None = None   # when dV pages sit in other rows than dK pages
+    handles: list | None = None
+
+    @property
+    def dv_index(self) -> torch.Tensor:
+        return self.page_index if self.dv_page_index is None else self.dv_page_index
 
 
 def attention_forward(q, k, v, history: HistoryView, softmax_scale: float,
                       selected: torch.Tensor | None, query_tile_tokens: int):
     """Returns (out [Tc, Hq, D], lse [Hq, Tc] float32). Does not block on the GPU."""
     return _ops().paged_attention_forward(
-        q, k, v, history.k_pool, history.page_index, history.v_pool, history.page_index,
+        q, k, v, history.k_pool, history.page_index, history.v_pool, history.v_index,
         history.history_tokens, softmax_scale, history.remap_selection(selected), query_tile_tokens)
 
 
@@ -68,8 +80,8 @@ def attention_backward(q, k, v, history: HistoryView, softmax_scale: float, out,
                        deterministic: bool):
     """Returns (dq, dk, dv) of the chunk and ADDS the history's dK/dV into grads' pools."""
     return _ops().paged_attention_backward(
-        q, k, v, history.k_pool, history.page_index, history.v_pool, history.page_index,
-        out, dout, lse, grads.dk_pool, grads.page_index, grads.dv_pool, grads.page_index,
+        q, k, v, history.k_pool, history.page_index, history.v_pool, history.v_index,
+        out, dout, lse, grads.dk_pool, grads.page_index, grads.dv_pool, grads.dv_index,
         history.history_tokens, softmax_scale, history.remap_selection(selected), query_tile_tokens, deterministic)
 
 

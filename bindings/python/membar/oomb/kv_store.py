@@ -149,15 +149,6 @@ class KVStore(abc.ABC):
         """The kernels enqueued so far are done with `view`; a grad view is written back."""
 
     @abc.abstractmethod
-    def _drop_stale(self, layer: int, written_kind: str, pages) -> None:
-        """A prefetched copy of pages that were just written is stale: drop it (it is loaded again
-        when served). written_kind: "kv" (K/V pages) or "grad" (dK/dV pages)."""
-        written = set(pages)
-        for key in [key for key, (prefetched, _) in self._prefetched.items()
-                    if prefetched.layer == layer and (prefetched.kind == "kv") == (written_kind == "kv")
-                    and written.intersection(self._pages_of(prefetched))]:
-            del self._prefetched[key]
-
     def free_pages(self, first_page: int, num_pages: int) -> None:
         """No later access reads these pages (in any layer)."""
 
