@@ -427,6 +427,15 @@ TEST_F(DaemonTest, AClientCannotReachAnotherClientsPages) {
   auto intruder_stats = intruder->stats();
   ASSERT_TRUE(intruder_stats.ok());
   for (const SpaceInfo& info : intruder_stats.value().spaces) EXPECT_NE(info.name, "secret");
+  // No frame was ever granted to the intruder (frames are only sent to their owner).
+  bool found = false;
+  for (const ClientStats& c : intruder_stats.value().clients) {
+    if (c.name != "intruder") continue;
+    found = true;
+    EXPECT_EQ(c.gpu_frames.allocated, 0);
+    EXPECT_EQ(c.host_frames.allocated, 0);
+  }
+  EXPECT_TRUE(found) << "the intruder's own stats should list it";
 
   // The owner's pages are untouched.
   auto host = owner->acquire_host({space.value(), 0, 8});
