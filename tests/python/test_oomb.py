@@ -292,3 +292,31 @@ def test_gpu_offload_changes_no_gradient_bit(mode):
     for name in resident:
         assert torch.equal(offloaded[name], resident[name]), name
     assert trainer.stats["prefetch_hits"] > 0
+
+
+def test_passkey_task_places_the_key_far_enough_back():
+    from membar.oomb.tasks import PasskeyTask
+
+    task = PasskeyTask(vocab_size=64, tokens=600, distance=500, num_keys=8, seed=0)
+    batch = task.batch(4)
+    for row in range(4):
+        ids = batch.input_ids[row]
+        key_position = int((ids == PasskeyTask.KEY_MARKER).nonzero()[0]) + 1
+        assert ids[key_position] == batch.keys[row] == ids[batch.query_position + 1]
+        assert batch.query_position - key_position >= 500
+        assert ids[batch.query_position] == PasskeyTask.QUERY_MARKER
+        # Keys appear only at the two places: nothing else gives the answer away.
+        assert int(((ids >= 2) & (ids < 10)).sum()) == 2
+        assert (batch.labels[row] != -100).sum() == 1
+
+
+def test_cli_trains_and_prints_a_json_summary(capsys):
+    from membar.train import run
+
+    summary = run(["--model", "tiny-qwen2", "--seq-len", "200", "--chunk", "64", "--page-tokens", "32",
+                   "--steps", "3", "--lr", "1e-2", "--json", "--no-progress", "--store", "tensor", "--offload"])
+    printed = capsys.readouterr().out.strip().splitlines()
+    assert json.loads(printed[-1])["steps_run"] == 3
+    assert summary["steps"][0]["pages_moved"] > 0
+    # Uniform random tokens: the loss stays near log(vocab) = 6.24 (nothing to learn in 3 steps).
+    assert all(abs(step["loss"] - math.log(512)) < 0.5 for step in summary["steps"])

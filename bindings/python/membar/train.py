@@ -36,9 +36,12 @@ def _parse(argv):
     parser.add_argument("--top-k", type=int, default=64, help="sparse: history pages per query tile")
     parser.add_argument("--query-tile", type=int, default=128, help="sparse: queries sharing a selection")
     parser.add_argument("--offload", action="store_true", help="keep KV/dKV pages in host memory")
+    parser.add_argument("--store", choices=["auto", "runtime", "tensor"], default="auto",
+                        help="where pages live: membar's runtime (embedded, or the daemon of --socket) or "
+                             "plain tensor pools; auto: the runtime when --socket is given or on CPU when the "
+                             "page size suits it, else tensor pools")
     parser.add_argument("--socket", default=None,
-                        help="keep pages in a running membard daemon reached at this socket "
-                             "(default: embedded runtime / plain tensors)")
+                        help="keep pages in a running membard daemon reached at this socket")
     parser.add_argument("--grad-dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
                         help="model dtype (default: bfloat16 on GPU, float32 on CPU)")
@@ -69,12 +72,23 @@ def _make_trainer(args, model):
     config = OOMBConfig(chunk_tokens=args.chunk, page_tokens=args.page_tokens, mode=args.mode, top_k=args.top_k,
                         query_tile_tokens=args.query_tile, offload=args.offload, grad_page_dtype=args.grad_dtype,
                         deterministic=args.deterministic, checkpoint_layers=args.checkpoint_layers)
+    device = next(model.parameters()).device
+    kind = args.store
+    if kind == "auto":
+        text = model.config
+        head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+        page = args.page_tokens * text.num_key_value_heads * head_dim
+        sizes = [page * model.dtype.itemsize, page * config.grad_page_dtype.itemsize]
+        fits = all(size & (size - 1) == 0 and 64 * 1024 <= size <= 2 * 1024 * 1024 for size in sizes)
+        kind = "runtime" if args.socket or (device.type == "cpu" and fits) else "tensor"
     store = None
-    if args.socket:
-        from membar.oomb import runtime_store
+    if kind == "runtime":
+        from membar.oomb.runtime_store import RuntimeKVStore
 
-        store = runtime_store.RuntimeKVStore(device=next(model.parameters()).device, socket=args.socket,
-                                             offload=args.offload)
+        store = RuntimeKVStore(device=device, socket=args.socket, offload=args.offload)
+    elif args.socket:
+        raise ValueError("--socket needs --store runtime (or auto).")
+    args.store = kind
     return OOMBTrainer(model, config, store=store)
 
 
@@ -130,10 +144,12 @@ def run(argv=None) -> dict:
     parameters = sum(p.numel() for p in model.parameters())
     print(f"membar-train: {args.model} ({parameters / 1e6:.1f}M parameters, {dtype}) on {device}; "
           f"{args.seq_len} tokens/sequence, chunk {args.chunk}, pages of {args.page_tokens}, {args.mode}"
-          f"{f' top-{args.top_k}' if args.mode == 'sparse' else ''}, offload {'on' if args.offload else 'off'}",
+          f"{f' top-{args.top_k}' if args.mode == 'sparse' else ''}, offload {'on' if args.offload else 'off'}, "
+          f"pages in {'the runtime' if args.store == 'runtime' else 'tensor pools'}",
           flush=True)
     summary = {"model": args.model, "device": str(device), "dtype": str(dtype), "seq_len": args.seq_len,
                "chunk": args.chunk, "page_tokens": args.page_tokens, "mode": args.mode, "offload": args.offload,
+               "store": args.store,
                "parameters": parameters, "steps": []}
     accuracy_before = None
     if task is not None:
