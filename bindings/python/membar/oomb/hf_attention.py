@@ -48,6 +48,7 @@ class ChunkContext:
     # Sparse mode, shared across chunks of one sequence:
     summaries: dict = field(default_factory=dict)    # layer -> float32 [num_pages, Hkv, D]
     selections: dict = field(default_factory=dict)   # (layer, chunk) -> int32 [tiles, top_k] or None
+    selection_unions: dict = field(default_factory=dict)  # (layer, chunk) -> sorted tuple of pages
 
     @property
     def history_tokens(self) -> int:
@@ -58,7 +59,12 @@ class ChunkContext:
         selected = None
         selection = self.selections.get((layer, self.chunk))
         if selection is not None:
-            selected = selected_pages(selection)
+            # The union of a selection is needed by every access of the chunk: compute it once
+            # (it reads the selection back from the GPU).
+            selected = self.selection_unions.get((layer, self.chunk))
+            if selected is None:
+                selected = selected_pages(selection)
+                self.selection_unions[(layer, self.chunk)] = selected
         return Access(kind, layer, self.chunk, phase, 0, self.history_pages, selected)
 
     def own_grad_access(self, layer: int) -> Access:

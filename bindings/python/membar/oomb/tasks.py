@@ -1,7 +1,9 @@
 """Synthetic long-range tasks for training and demos.
 
 PasskeyTask: a key token sits right after a KEY marker near the start of the sequence; after at
-least `distance` filler tokens a QUERY marker asks for it. Only the answer is trained (all other
+least `distance` filler tokens a QUERY marker asks for it. As in the usual passkey test, the filler
+is a short random "sentence" repeated (filler_period tokens; 0 = independent random tokens), so
+the haystack is regular and only the key is news. Only the answer is trained (all other
 labels are -100) and scored: accuracy is the share of sequences whose most likely next token at
 the QUERY marker is the key. Key tokens never appear in the filler, so a model that cannot see
 >= distance tokens back can only guess (1 / num_keys).
@@ -29,20 +31,28 @@ class PasskeyTask:
     KEY_MARKER = 0
     QUERY_MARKER = 1
 
-    def __init__(self, vocab_size: int, tokens: int, distance: int, num_keys: int = 16, seed: int = 0):
+    def __init__(self, vocab_size: int, tokens: int, distance: int, num_keys: int = 16, seed: int = 0,
+                 filler_period: int = 8):
         if num_keys < 2:
             raise ValueError(f"num_keys must be >= 2, got {num_keys}.")
         if vocab_size < 2 + num_keys + 8:
             raise ValueError(f"vocab_size {vocab_size} leaves too few filler tokens for {num_keys} keys.")
         if distance + 8 > tokens:
             raise ValueError(f"a sequence of {tokens} tokens cannot hold a key {distance} tokens before the question.")
+        if filler_period < 0:
+            raise ValueError(f"filler_period must be >= 0, got {filler_period}.")
         self.vocab_size, self.tokens, self.distance, self.num_keys = vocab_size, tokens, distance, num_keys
+        self.filler_period = filler_period
         self.generator = torch.Generator().manual_seed(seed)
 
     def batch(self, size: int = 1) -> PasskeyBatch:
         tokens, generator = self.tokens, self.generator
         first_filler = 2 + self.num_keys
-        input_ids = torch.randint(first_filler, self.vocab_size, (size, tokens), generator=generator)
+        if self.filler_period:
+            sentence = torch.randint(first_filler, self.vocab_size, (size, self.filler_period), generator=generator)
+            input_ids = sentence.repeat(1, -(-tokens // self.filler_period))[:, :tokens].contiguous()
+        else:
+            input_ids = torch.randint(first_filler, self.vocab_size, (size, tokens), generator=generator)
         keys = torch.randint(2, 2 + self.num_keys, (size,), generator=generator)
         query_position = tokens - 2
         latest_key = query_position - self.distance - 1   # the key token's position, at the latest

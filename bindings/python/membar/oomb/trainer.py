@@ -244,7 +244,8 @@ class OOMBTrainer:
             history_pages=first // config.page_tokens, later_chunks=chunk < count - 1,
             page_tokens=config.page_tokens, mode=config.mode, top_k=config.top_k,
             query_tile_tokens=config.query_tile_tokens, deterministic=config.deterministic,
-            summaries=shared["summaries"], selections=shared["selections"])
+            summaries=shared["summaries"], selections=shared["selections"],
+            selection_unions=shared.setdefault("unions", {}))
 
     def _stage1_plan(self, chunks) -> list[Access]:
         plan = []
