@@ -33,5 +33,6 @@ def test_cuda_pool_roundtrip_and_eviction():
         rt.stream_wait(acquired.ticket)  # the current stream waits on the GPU, no CPU round trip
         got = pool[acquired.indices.long().cuda()]
         assert torch.equal(got, expected[first:first + 16])
-        torch.cuda.synchronize()
-        space.release(first, 16)
+        space.stream_release(first, 16)  # released once the current stream has read the pages
+    torch.cuda.synchronize()
+    assert rt.stats()["clients"][0]["pages_gpu"] + rt.stats()["clients"][0]["pages_both"] > 0

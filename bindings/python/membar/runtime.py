@@ -98,6 +98,14 @@ class Space:
         """Unpins; with ``dirty`` the GPU copy is the newest and is written back before eviction."""
         self.runtime._native.release(*self._range(first, count), bool(dirty))
 
+    def stream_release(self, first: int = 0, count: Optional[int] = None, *, dirty: bool = False,
+                       stream: Optional["torch.cuda.Stream"] = None) -> None:
+        """Releases once the work enqueued so far on ``stream`` (default: the current CUDA stream)
+        is done with the pages. Through a daemon this costs the CPU nothing; the embedded runtime
+        has no one watching the stream, so it waits here until the stream reaches this point."""
+        stream = stream if stream is not None else torch.cuda.current_stream()
+        self.runtime._native.stream_release(*self._range(first, count), bool(dirty), int(stream.cuda_stream))
+
     def prefetch(self, first: int = 0, count: Optional[int] = None) -> int:
         """Starts bringing host-resident pages to the GPU (not pinned); returns the ticket."""
         return int(self.runtime._native.prefetch(*self._range(first, count)))
