@@ -2,7 +2,10 @@
 // implementations. The CUDA implementations live in cuda/logra_cuda.cpp.
 //
 //   logra_generate_(Tensor! out, int seed, int matrix_id, int step)           out [r, k] fp32 := A
-//   logra_project(Tensor x, int seed, int matrix_id, int step, int rank)      [..., k] -> [..., r]
+//   logra_project(Tensor x, int seed, int matrix_id, int step, int rank, bool exact=False)
+//                                                                             [..., k] -> [..., r]
+//     exact: on the GPU, use the kernel that is bit-identical to the CPU (see cuda/logra_cuda.cpp,
+//     Note [LoGRA projection paths on the GPU]); the CPU always is.
 //   logra_sketch_accumulate_(Tensor! sketch, Tensor grad_output, Tensor projected)
 //                                                                             S [d, r] += dY^T P
 //   logra_fused_update_(Tensor! weight, Tensor update, float coefficient, int seed, int matrix_id, int step)
@@ -144,14 +147,14 @@ void generate_cpu(at::Tensor out, int64_t seed, int64_t matrix_id, int64_t step)
   TORCH_CHECK(k::cpu::logra_generate(p) == k::kLograOk, "LoGRA generate: the CPU kernel rejected its parameters.");
 }
 
-at::Tensor project_cpu(const at::Tensor& x, int64_t seed, int64_t matrix_id, int64_t step, int64_t rank) {
+at::Tensor project_cpu(const at::Tensor& x, int64_t seed, int64_t matrix_id, int64_t step, int64_t rank, bool exact) {
   check_cpu(x, "x");
   auto call = prepare_project(x, seed, matrix_id, step, rank);
   TORCH_CHECK(k::cpu::logra_project(call.params) == k::kLograOk, "LoGRA project: the CPU kernel rejected its parameters.");
   return call.out.view(call.out_shape);
 }
 
-at::Tensor project_meta(const at::Tensor& x, int64_t seed, int64_t matrix_id, int64_t step, int64_t rank) {
+at::Tensor project_meta(const at::Tensor& x, int64_t seed, int64_t matrix_id, int64_t step, int64_t rank, bool exact) {
   TORCH_CHECK(x.dim() >= 1 && rank >= 1, "LoGRA project: x must be [..., in_features] and rank at least 1.");
   auto shape = x.sizes().vec();
   shape.back() = rank;
@@ -181,7 +184,7 @@ void fused_update_meta(at::Tensor weight, const at::Tensor& update, double coeff
 
 TORCH_LIBRARY_FRAGMENT(membar, m) {
   m.def("logra_generate_(Tensor! out, int seed, int matrix_id, int step) -> ()");
-  m.def("logra_project(Tensor x, int seed, int matrix_id, int step, int rank) -> Tensor");
+  m.def("logra_project(Tensor x, int seed, int matrix_id, int step, int rank, bool exact=False) -> Tensor");
   m.def("logra_sketch_accumulate_(Tensor! sketch, Tensor grad_output, Tensor projected) -> ()");
   m.def("logra_fused_update_(Tensor! weight, Tensor update, float coefficient, int seed, int matrix_id, int step) -> ()");
 }

@@ -203,6 +203,18 @@ __global__ void generate_kernel(LograGenerateParams params, uint64_t key_hash, f
   }
 }
 
+// out[j, c] = sign of A[j, column_begin + c] as bf16 (+1 or -1, exact).
+__global__ void sign_tile_kernel(LograSignTileParams params, uint64_t key_hash) {
+  const int64_t total = params.shape.rank * params.columns;
+  for (int64_t index = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; index < total;
+       index += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t row = index / params.columns;
+    const int64_t column = params.column_begin + index % params.columns;
+    static_cast<__nv_bfloat16*>(params.out)[index] =
+        __float2bfloat16_rn(logra_sign(key_hash, static_cast<uint32_t>(row), static_cast<uint32_t>(column)));
+  }
+}
+
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 }  // namespace
@@ -213,6 +225,17 @@ int logra_generate(const LograGenerateParams& params, void* stream) {
   const int blocks = static_cast<int>(ceil_div(total, 256) < 4096 ? ceil_div(total, 256) : 4096);
   generate_kernel<<<blocks, 256, 0, static_cast<cudaStream_t>(stream)>>>(
       params, logra_key_hash(params.key), 1.0f / std::sqrt(static_cast<float>(params.shape.rank)));
+  return cudaGetLastError();
+}
+
+int logra_sign_tile(const LograSignTileParams& params, void* stream) {
+  if (params.shape.rank < 1 || params.columns < 1 || params.column_begin < 0 || params.column_begin % 64 != 0 ||
+      params.column_begin + params.columns > params.shape.in_features || params.out == nullptr) {
+    return cudaErrorInvalidValue;
+  }
+  const int64_t total = params.shape.rank * params.columns;
+  const int blocks = static_cast<int>(ceil_div(total, 256) < 4096 ? ceil_div(total, 256) : 4096);
+  sign_tile_kernel<<<blocks, 256, 0, static_cast<cudaStream_t>(stream)>>>(params, logra_key_hash(params.key));
   return cudaGetLastError();
 }
 

@@ -1,7 +1,11 @@
 // CUDA implementations of the LoGRA ops (schemas in ../logra_ops.cpp): validate, fill the
 // kernel's params, launch on the current stream of the tensor's device.
+#include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
+
+#include <algorithm>
+#include <cmath>
 
 #include "logra_ops.h"
 
@@ -26,11 +30,48 @@ void generate_cuda(at::Tensor out, int64_t seed, int64_t matrix_id, int64_t step
   check_launch(k::cuda::logra_generate(p, at::cuda::getCurrentCUDAStream().stream()), "generate");
 }
 
-at::Tensor project_cuda(const at::Tensor& x, int64_t seed, int64_t matrix_id, int64_t step, int64_t rank) {
+// Columns of A per transient sign tile of the tensor-core path: r x 4096 bf16 (2 MiB at r = 256).
+// Most projections (k <= 4096) take one tile; an MLP down projection a handful.
+constexpr int64_t kSignTileColumns = 4096;
+
+// Note [LoGRA projection paths on the GPU]
+// exact = true: the fused kernel (A regenerated in shared memory, fp32 CUDA-core math), bit-identical
+// to the CPU reference. exact = false with bf16 x (the training default): A's signs are written
+// tile by tile into a transient bf16 buffer (+-1 is exact in bf16) and cuBLAS multiplies x's
+// matching columns on tensor cores with fp32 accumulation; the result is scaled by 1/sqrt(r) once.
+// Same values up to fp32 summation order, several times faster than the CUDA-core kernel.
+at::Tensor project_cuda(const at::Tensor& x, int64_t seed, int64_t matrix_id, int64_t step, int64_t rank, bool exact) {
   check_cuda(x, "x");
   const c10::cuda::CUDAGuard guard(x.device());
   auto call = prepare_project(x, seed, matrix_id, step, rank);
-  check_launch(k::cuda::logra_project(call.params, at::cuda::getCurrentCUDAStream().stream()), "project");
+  const auto stream = at::cuda::getCurrentCUDAStream().stream();
+  if (exact || x.scalar_type() != at::kBFloat16 || call.params.tokens == 0) {
+    check_launch(k::cuda::logra_project(call.params, stream), "project");
+    return call.out.view(call.out_shape);
+  }
+  const int64_t in_features = call.params.shape.in_features;
+  const int64_t tile_columns = std::min(kSignTileColumns, in_features);
+  auto sign_buffer = at::empty({rank * tile_columns}, x.options());  // transient, bf16
+  at::Tensor accumulator;
+  for (int64_t column_begin = 0; column_begin < in_features; column_begin += tile_columns) {
+    const int64_t columns = std::min(tile_columns, in_features - column_begin);
+    auto tile = sign_buffer.narrow(0, 0, rank * columns).view({rank, columns});  // [r, columns]
+    k::LograSignTileParams tile_params;
+    tile_params.shape = call.params.shape;
+    tile_params.key = call.params.key;
+    tile_params.column_begin = column_begin;
+    tile_params.columns = columns;
+    tile_params.out = tile.data_ptr();
+    check_launch(k::cuda::logra_sign_tile(tile_params, stream), "sign tile");
+    auto partial = at::mm(call.x_rows.narrow(1, column_begin, columns), tile.t(), at::kFloat);  // [T, r] fp32
+    if (accumulator.defined()) {
+      accumulator.add_(partial);
+    } else {
+      accumulator = partial;
+    }
+  }
+  accumulator.mul_(1.0 / std::sqrt(static_cast<double>(rank)));
+  call.out.copy_(accumulator);
   return call.out.view(call.out_shape);
 }
 

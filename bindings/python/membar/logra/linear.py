@@ -185,7 +185,9 @@ def apply_logra(
 ) -> LoGRAModel:
     """Freezes every parameter of ``model`` and replaces each ``nn.Linear`` whose attribute name
     is in ``targets`` with a :class:`LoGRALinear` of the given rank. Matrix ids follow
-    ``named_modules`` order, so two processes that build the same model get the same ids."""
+    ``named_modules`` order, so two processes that build the same model get the same ids.
+    Call it after the model is on its device and in its dtype: states and masters are created on
+    the weights' device and do not follow a later ``model.to()``."""
     targets = tuple(targets)
     for parameter in model.parameters():
         parameter.requires_grad_(False)

@@ -39,9 +39,10 @@ def generate(key: ProjectionKey, rank: int, in_features: int, device: torch.devi
     return out
 
 
-def project(x: torch.Tensor, key: ProjectionKey, rank: int) -> torch.Tensor:
-    """x [..., k] -> x A^T [..., r] in x's dtype (fp32 accumulation)."""
-    return _ops.logra_project(x, key.seed, key.matrix_id, key.step, rank)
+def project(x: torch.Tensor, key: ProjectionKey, rank: int, exact: bool = False) -> torch.Tensor:
+    """x [..., k] -> x A^T [..., r] in x's dtype (fp32 accumulation). On the GPU, bf16 x goes
+    through tensor cores unless ``exact`` asks for the kernel that is bit-identical to the CPU."""
+    return _ops.logra_project(x, key.seed, key.matrix_id, key.step, rank, exact)
 
 
 def sketch_accumulate_(sketch: torch.Tensor, grad_output: torch.Tensor, projected: torch.Tensor) -> None:

@@ -127,6 +127,17 @@ struct LograUpdateParams {
   void* weight = nullptr;    // W [d, k], contiguous; read-modify-write
 };
 
+// Writes the unscaled signs (+1 / -1) of columns [column_begin, column_begin + columns) of A as
+// bf16 [r, columns] (a transient tile for the tensor-core projection path of the CUDA op: the op
+// multiplies x's matching columns by the tile with cuBLAS and scales by 1/sqrt(r) at the end).
+struct LograSignTileParams {
+  LograShape shape;          // rank r and the full in_features k
+  LograKey key;
+  int64_t column_begin = 0;  // a multiple of 64
+  int64_t columns = 0;       // >= 1, column_begin + columns <= k
+  void* out = nullptr;       // [r, columns], bf16, contiguous
+};
+
 // Returns an empty string when the parameters are usable, else a sentence saying what is wrong.
 // The bindings and every launcher call these before touching memory.
 const char* logra_check_project(const LograProjectParams& params);
@@ -149,6 +160,7 @@ namespace cuda {
 // Return cudaError_t values as int so that this header needs no CUDA include. Invalid
 // parameters return cudaErrorInvalidValue (1) without launching.
 int logra_generate(const LograGenerateParams& params, void* stream);
+int logra_sign_tile(const LograSignTileParams& params, void* stream);
 int logra_project(const LograProjectParams& params, void* stream);
 int logra_fused_update(const LograUpdateParams& params, void* stream);
 }  // namespace cuda
