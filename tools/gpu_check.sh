@@ -84,6 +84,9 @@ if has_stage bench; then
   if has_bench runtime && [ -x build-gpu/bin/runtime_bench ]; then
     log "bench: runtime"; timeout 300 build-gpu/bin/runtime_bench 2>&1 | tail -30 || status=1
   fi
+  if has_bench runtime && [ -x build-gpu/bin/ring_latency ]; then
+    log "bench: ring latency (cuda backend)"; timeout 120 build-gpu/bin/ring_latency --backend cuda 2>&1 | tail -12 || status=1
+  fi
   if has_bench attention && [ -f bench/attention_bench.py ]; then
     log "bench: attention"; timeout 400 $py bench/attention_bench.py 2>&1 | tail -30 || status=1
   fi
