@@ -2,7 +2,20 @@
 // one node. Used by the daemon (one engine, many clients over IPC) and by the embedded runtime
 // (one engine, one in-process client). Policy only: all memory and copies go through the
 // DeviceBackend it is given. Thread-safe: every public method may be called from any thread;
-// none blocks on transfers (completions arrive through callbacks / signal words).
+// none blocks on transfers (completions arrive through callbacks / signal words) except wait and
+// acquire_host, which say so.
+//
+// Answers to bad input (never a crash): NOT_FOUND for an unknown client or space;
+// INVALID_ARGUMENT for a zero-length range, a page size that is not a power of two in
+// [64 KiB, 2 MiB], unknown acquire flags or a ticket never issued; OUT_OF_RANGE for pages past
+// the space's end or advance() past the schedule; ALREADY_EXISTS for a duplicate space name;
+// FAILED_PRECONDITION for releasing a page that is not acquired, freeing a page that holds
+// nothing (double free) or is acquired, offloading an acquired page, destroying a space with
+// acquired pages, and mixing GPU and host acquisition of one page (a page is acquired on one
+// side at a time). RESOURCE_EXHAUSTED names the client, the tier, its quota and the pool;
+// UNAVAILABLE means the pool is momentarily empty because a closed client's frames are still
+// finishing copies: retry. A call that fails changes nothing it was asked to do (copies it
+// already started for evictions still complete).
 //
 // See Note [Pages and frames] and Note [Eviction order] in engine.cpp.
 #pragma once
