@@ -14,8 +14,9 @@
 // acquired pages, and mixing GPU and host acquisition of one page (a page is acquired on one
 // side at a time). RESOURCE_EXHAUSTED names the client, the tier, its quota and the pool;
 // UNAVAILABLE means the pool is momentarily empty because a closed client's frames are still
-// finishing copies: retry. A call that fails changes nothing it was asked to do (copies it
-// already started for evictions still complete).
+// finishing copies: retry. Every range is checked before anything moves; past the checks, a
+// failed acquire pins nothing and maps nothing new (evictions it started still complete), while
+// a failed prefetch or offload keeps the part of the range it already moved.
 //
 // See Note [Pages and frames] and Note [Eviction order] in engine.cpp.
 #pragma once
