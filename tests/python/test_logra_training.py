@@ -205,3 +205,24 @@ def test_optimizer_rejects_bad_configuration():
     optimizer = logra.LoGRAOptimizer(handle, lr=1e-3, kl_control=logra.KLControl())
     with pytest.raises(ValueError, match="kl_probe"):
         optimizer.step()
+
+
+@pytest.mark.parametrize("policy", ["reset_first", "reset_both", "keep"])
+def test_moments_follow_the_redraw_policy(policy):
+    torch.manual_seed(6)
+    model = nn.Sequential(nn.Linear(16, 12))
+    handle = logra.apply_logra(model, rank=4, targets=("0",))
+    optimizer = logra.LoGRAOptimizer(handle, lr=1e-3, redraw_every=2, moments_on_redraw=policy)
+    x = torch.randn(8, 16)
+    steps = []
+    for update in range(3):
+        model(x).square().sum().backward()
+        optimizer.step()
+        steps.append(handle.key_state.step)
+        first, second = optimizer._first_moments[0], optimizer._second_moments[0]
+        if update == 0:  # no redraw yet: both moments hold the first sketch
+            assert first.abs().sum() > 0 and second.abs().sum() > 0
+        if update == 1:  # the redraw happened after this update
+            assert (first.abs().sum() == 0) == (policy != "keep")
+            assert (second.abs().sum() == 0) == (policy == "reset_both")
+    assert steps == [0, 1, 1]
