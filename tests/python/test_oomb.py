@@ -297,17 +297,20 @@ def test_gpu_offload_changes_no_gradient_bit(mode):
 def test_passkey_task_places_the_key_far_enough_back():
     from membar.oomb.tasks import PasskeyTask
 
-    task = PasskeyTask(vocab_size=64, tokens=600, distance=500, num_keys=8, seed=0)
-    batch = task.batch(4)
-    for row in range(4):
-        ids = batch.input_ids[row]
-        key_position = int((ids == PasskeyTask.KEY_MARKER).nonzero()[0]) + 1
-        assert ids[key_position] == batch.keys[row] == ids[batch.query_position + 1]
-        assert batch.query_position - key_position >= 500
-        assert ids[batch.query_position] == PasskeyTask.QUERY_MARKER
-        # Keys appear only at the two places: nothing else gives the answer away.
-        assert int(((ids >= 2) & (ids < 10)).sum()) == 2
-        assert (batch.labels[row] != -100).sum() == 1
+    for repeats in (1, 3):
+        task = PasskeyTask(vocab_size=64, tokens=600, distance=500, num_keys=8, seed=0, key_repeats=repeats)
+        batch = task.batch(4)
+        for row in range(4):
+            ids = batch.input_ids[row]
+            markers = (ids == PasskeyTask.KEY_MARKER).nonzero().flatten()
+            assert len(markers) == repeats
+            last_key = int(markers[-1]) + 1
+            assert ids[last_key] == batch.keys[row] == ids[batch.query_position + 1]
+            assert batch.query_position - last_key >= 500
+            assert ids[batch.query_position] == PasskeyTask.QUERY_MARKER
+            # Keys appear only in the statement and the answer: nothing else gives them away.
+            assert int(((ids >= 2) & (ids < 10)).sum()) == repeats + 1
+            assert (batch.labels[row] != -100).sum() == 1
 
 
 def test_cli_trains_and_prints_a_json_summary(capsys):
@@ -320,3 +323,15 @@ def test_cli_trains_and_prints_a_json_summary(capsys):
     assert summary["steps"][0]["pages_moved"] > 0
     # Uniform random tokens: the loss stays near log(vocab) = 6.24 (nothing to learn in 3 steps).
     assert all(abs(step["loss"] - math.log(512)) < 0.5 for step in summary["steps"])
+
+
+@pytest.mark.parametrize("mode", ["dense", "sparse"])
+def test_predict_matches_the_full_forward(mode):
+    model = tiny_model("llama", seed=9)
+    input_ids = torch.randint(0, VOCAB, (1, 150), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        reference = model(input_ids=input_ids).logits[0]
+    trainer = OOMBTrainer(model, chunk_tokens=32, page_tokens=16, mode=mode, top_k=64)
+    positions = [0, 31, 32, 100, 149]
+    logits = trainer.predict(input_ids[0], positions)
+    assert torch.allclose(logits, reference[positions], atol=1e-4, rtol=1e-4)

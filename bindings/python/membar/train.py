@@ -100,9 +100,9 @@ def _demo_defaults(args):
     args.num_keys = 8
     args.chunk = 2048
     args.page_tokens = 64
-    args.lr = 3e-3
+    args.lr = 1e-2
     args.batch = 1
-    args.eval_sequences = 24
+    args.eval_sequences = 16
     args.steps = args.demo_steps if args.demo_steps is not None else 10**6
     return args
 
@@ -116,8 +116,8 @@ def run(argv=None) -> dict:
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, None: None}[args.dtype]
     if dtype is None:
         dtype = torch.bfloat16 if device.type == "cuda" and not args.demo else torch.float32
-    if device.type == "cpu":
-        torch.set_num_threads(max(1, torch.get_num_threads()))
+    if device.type == "cpu" and args.demo:
+        torch.set_num_threads(1)   # the demo model is tiny: threads would only add overhead
 
     from membar.oomb.presets import build_model
     from membar.oomb.tasks import PasskeyTask, passkey_accuracy

@@ -8,8 +8,9 @@ PRESETS = {
     "tiny-llama": ("llama", dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                                  intermediate_size=128, vocab_size=512)),
     # The passkey demo: small enough to train at 16K+ tokens on two CPU cores in minutes.
-    "demo": ("qwen2", dict(hidden_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
-                           intermediate_size=128, vocab_size=64)),
+    # One narrow attention head keeps the O(tokens^2) attention cheap on a CPU.
+    "demo": ("qwen2", dict(hidden_size=64, num_hidden_layers=1, num_attention_heads=1, num_key_value_heads=1,
+                           head_dim=16, intermediate_size=128, vocab_size=64)),
     # Qwen2.5 shapes (random init), as in /work/shared/probes/torch_baseline.py.
     "qwen2.5-0.5b": ("qwen2", dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
                                    intermediate_size=4864, vocab_size=151936)),
