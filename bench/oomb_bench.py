@@ -205,7 +205,8 @@ def run_learning(args) -> dict:
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     tokens, distance = args.learning_tokens, args.learning_distance
-    outcome = {"tokens": tokens, "distance": distance, "steps": args.learning_steps, "device": str(device)}
+    outcome = {"tokens": tokens, "distance": distance, "steps": args.learning_steps, "device": str(device),
+               "key_repeats": args.learning_key_repeats, "chance": 1 / 16}
     for name, window in (("oomb_full_context", None), ("short_window", args.short_window)):
         torch.manual_seed(0)
         config = Qwen2Config(hidden_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -214,8 +215,8 @@ def run_learning(args) -> dict:
         model = Qwen2ForCausalLM(config).to(device)
         trainer = OOMBTrainer(model, OOMBConfig(chunk_tokens=2048, page_tokens=64))
         optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_lr, weight_decay=0.0)
-        task = PasskeyTask(64, tokens, distance, num_keys=16, seed=1)
-        evaluation = PasskeyTask(64, tokens, distance, num_keys=16, seed=2)
+        task = PasskeyTask(64, tokens, distance, num_keys=16, seed=1, key_repeats=args.learning_key_repeats)
+        evaluation = PasskeyTask(64, tokens, distance, num_keys=16, seed=2, key_repeats=args.learning_key_repeats)
         started = time.monotonic()
         for step in range(args.learning_steps):
             batch = task.batch(1)
@@ -251,6 +252,7 @@ def main() -> int:
     parser.add_argument("--learning-distance", type=int, default=16384)
     parser.add_argument("--learning-steps", type=int, default=400)
     parser.add_argument("--learning-lr", type=float, default=1e-3)
+    parser.add_argument("--learning-key-repeats", type=int, default=1, help="(KEY, key) pairs in the statement")
     parser.add_argument("--short-window", type=int, default=4096)
     parser.add_argument("--eval-sequences", type=int, default=100)
     args = parser.parse_args()
