@@ -53,7 +53,7 @@ SHAPES = {
 }
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 DEFAULT_VARIANTS = "logra64,logra256,adamw_fp32master,adamw_bf16,lora64,sketch64,sketch256,sketch64_chunked"
-LOSS_CHUNK_TOKENS = 2048
+LOSS_CHUNK_TOKENS = 1024
 
 
 def parse_args():
@@ -267,6 +267,13 @@ def run_child(model_name, variant, args):
 # ----------------------------------------------------------------------------------------------
 # Parent: one subprocess per config, then the table.
 
+def human_bytes(count):
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if count >= size:
+            return f"{count / size:.1f} {unit}"
+    return f"{count} B"
+
+
 def format_table(results):
     header = ["model", "variant", "trainable", "peak GiB", "mean GiB", "s/update", "sync payload / full"]
     rows = [header]
@@ -280,7 +287,7 @@ def format_table(results):
         peak = r.get("peak_gib", r.get("peak_host_rss_gib"))
         payload = ""
         if "sync_payload_bytes" in r:
-            payload = (f"{r['sync_payload_bytes'] / 2**20:.1f} MiB / {r['full_weight_bytes'] / 2**20:.0f} MiB "
+            payload = (f"{human_bytes(r['sync_payload_bytes'])} / {human_bytes(r['full_weight_bytes'])} "
                        f"({r['sync_payload_bytes'] / r['full_weight_bytes']:.4f})")
         rows.append([r["model"], r["variant"], f"{r['trainable'] / 1e6:.1f}M",
                      f"{peak:.2f}" + ("" if "peak_gib" in r else " (host RSS)"),
