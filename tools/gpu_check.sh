@@ -4,7 +4,9 @@
 #
 # Results go to $MEMBAR_RESULTS_DIR (default: $OUT when set, else bench/results/latest).
 # Stages (GPU_CHECK_STAGES, space-separated; default all): build tests bench
-# Benchmarks (GPU_CHECK_BENCH; default all): runtime attention logra oomb
+# Benchmarks (GPU_CHECK_BENCH; default all): runtime attention logra oomb; extra arguments for
+# each Python benchmark in ATTENTION_BENCH_ARGS, LOGRA_BENCH_ARGS, OOMB_BENCH_ARGS (defaults: the
+# full sweeps, which take far longer than one 10-minute device call).
 # Where libuv/spdlog/boost/gtest are missing, they come from .deps/bundle.tgz
 # (tools/make_gpu_deps.sh), built into /tmp/membar-deps.
 set -uo pipefail
@@ -88,13 +90,13 @@ if has_stage bench; then
     log "bench: ring latency (cuda backend)"; timeout 120 build-gpu/bin/ring_latency --backend cuda 2>&1 | tail -12 || status=1
   fi
   if has_bench attention && [ -f bench/attention_bench.py ]; then
-    log "bench: attention"; timeout 400 $py bench/attention_bench.py 2>&1 | tail -30 || status=1
+    log "bench: attention"; timeout 400 $py bench/attention_bench.py ${ATTENTION_BENCH_ARGS:-} 2>&1 | tail -30 || status=1
   fi
   if has_bench logra && [ -f bench/logra_bench.py ]; then
-    log "bench: logra"; timeout 600 $py bench/logra_bench.py 2>&1 | tail -30 || status=1
+    log "bench: logra"; timeout ${LOGRA_BENCH_TIMEOUT:-600} $py bench/logra_bench.py ${LOGRA_BENCH_ARGS:-} 2>&1 | tail -30 || status=1
   fi
   if has_bench oomb && [ -f bench/oomb_bench.py ]; then
-    log "bench: oomb"; timeout 900 $py bench/oomb_bench.py 2>&1 | tail -30 || status=1
+    log "bench: oomb"; timeout ${OOMB_BENCH_TIMEOUT:-900} $py bench/oomb_bench.py ${OOMB_BENCH_ARGS:-} 2>&1 | tail -30 || status=1
   fi
 fi
 log "done (status $status); results in $results"
