@@ -13,7 +13,9 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 root=$PWD
 py=${PYTHON:-python3}
-results=${MEMBAR_RESULTS_DIR:-${OUT:-$root/bench/results/latest}}
+# On the lent device machine only 8 files come back from $OUT: results are written elsewhere and
+# packed into $OUT/gpu_check_results.tgz at the end.
+results=${MEMBAR_RESULTS_DIR:-$([ -n "${OUT:-}" ] && echo /tmp/membar-results || echo "$root/bench/results/latest")}
 stages=${GPU_CHECK_STAGES:-"build tests bench"}
 benches=${GPU_CHECK_BENCH:-"runtime attention logra oomb"}
 jobs=${JOBS:-$(nproc)}
@@ -98,6 +100,9 @@ if has_stage bench; then
   if has_bench oomb && [ -f bench/oomb_bench.py ]; then
     log "bench: oomb"; timeout ${OOMB_BENCH_TIMEOUT:-900} $py bench/oomb_bench.py ${OOMB_BENCH_ARGS:-} 2>&1 | tail -30 || status=1
   fi
+fi
+if [ -n "${OUT:-}" ] && [ "$results" != "$OUT" ]; then
+  tar czf "$OUT/gpu_check_results.tgz" -C "$results" . && cp "$results/machine.txt" "$OUT/" 2>/dev/null
 fi
 log "done (status $status); results in $results"
 exit $status
