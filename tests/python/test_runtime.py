@@ -1,6 +1,7 @@
 """The runtime from Python (bindings/csrc/runtime_ops.cpp + membar/runtime.py) on the embedded
-host backend: pools over the window, contents surviving offload / prefetch / eviction, host
-access, schedules, stats, and clear errors for bad input."""
+host backend (and through a membard daemon when one is built): pools over the window, contents
+surviving offload / prefetch / eviction, host access, schedules, stats, and clear errors for bad
+input."""
 import pytest
 import torch
 
@@ -119,3 +120,47 @@ def test_pool_keeps_the_runtime_alive():
 def test_daemon_only_without_a_daemon_is_an_error(tmp_path):
     with pytest.raises(RuntimeError, match="UNAVAILABLE|NOT_FOUND|no"):
         Runtime.connect(socket=str(tmp_path / "absent.sock"), embedded=False)
+
+
+def _membard():
+    import os
+    from pathlib import Path
+    build = Path(os.environ.get("MEMBAR_BUILD_DIR", Path(__file__).resolve().parents[2] / "build"))
+    binary = build / "bin" / "membard"
+    return binary if binary.exists() else None
+
+
+@pytest.mark.skipif(_membard() is None, reason="membard is not built (set MEMBAR_BUILD_DIR)")
+def test_same_api_through_a_daemon(tmp_path):
+    import subprocess
+    import time
+
+    socket = tmp_path / "membard.sock"
+    daemon = subprocess.Popen([str(_membard()), "--backend", "host", "--socket", str(socket), "--gpu-pool", "16MiB",
+                               "--host-pool", "64MiB", "--foreground", "--log-level", "warn"])
+    try:
+        for _ in range(200):
+            if socket.exists():
+                break
+            time.sleep(0.02)
+        rt = Runtime.connect(socket=str(socket), embedded=False, name="pytest")
+        assert rt.describe().startswith("daemon:")
+        space = rt.space("L00.v", page_shape=(64, 4, 128), dtype=torch.float32, pages=40)  # 128 KiB pages
+        pool = space.pool()
+        generator = torch.Generator().manual_seed(3)
+        data = torch.randn(40, 64, 4, 128, generator=generator)
+        for first in range(0, 40, 8):
+            acquired = space.acquire(first, 8, write=True, wait=True)
+            pool[acquired.indices.long()] = data[first:first + 8]
+            space.release(first, 8, dirty=True)
+            rt.wait(space.offload(first, 8))
+        for first in range(0, 40, 8):
+            acquired = space.acquire(first, 8, wait=True)
+            assert torch.equal(pool[acquired.indices.long()], data[first:first + 8])
+            space.release(first, 8)
+        stats = rt.stats()
+        assert stats["backend"] == "host"
+        assert stats["clients"][0]["bytes_gpu_to_host"] == 40 * space.page_bytes
+    finally:
+        daemon.terminate()
+        daemon.wait(timeout=10)
