@@ -29,6 +29,7 @@ def _parse(argv):
     parser.add_argument("--seq-len", type=int, default=8192, help="tokens per sequence")
     parser.add_argument("--distance", type=int, default=None, help="passkey: minimum key-to-question distance")
     parser.add_argument("--num-keys", type=int, default=16, help="passkey: number of distinct keys")
+    parser.add_argument("--key-repeats", type=int, default=1, help="passkey: (KEY marker, key) pairs stating the key")
     parser.add_argument("--batch", type=int, default=1, help="sequences per step")
     parser.add_argument("--chunk", type=int, default=4096, help="tokens per chunk")
     parser.add_argument("--page-tokens", type=int, default=128, help="tokens per KV page")
@@ -100,7 +101,8 @@ def _demo_defaults(args):
     args.num_keys = 8
     args.chunk = 2048
     args.page_tokens = 64
-    args.lr = 1e-2
+    args.key_repeats = 16
+    args.lr = 3e-3
     args.batch = 1
     args.eval_sequences = 16
     args.steps = args.demo_steps if args.demo_steps is not None else 10**6
@@ -130,8 +132,10 @@ def run(argv=None) -> dict:
     task = None
     if args.task == "passkey":
         distance = args.distance if args.distance is not None else int(args.seq_len * 0.9)
-        task = PasskeyTask(vocab, args.seq_len, distance, num_keys=args.num_keys, seed=args.seed + 1)
-        eval_task = PasskeyTask(vocab, args.seq_len, distance, num_keys=args.num_keys, seed=args.seed + 1000)
+        task = PasskeyTask(vocab, args.seq_len, distance, num_keys=args.num_keys, seed=args.seed + 1,
+                           key_repeats=args.key_repeats)
+        eval_task = PasskeyTask(vocab, args.seq_len, distance, num_keys=args.num_keys, seed=args.seed + 1000,
+                                key_repeats=args.key_repeats)
     generator = torch.Generator().manual_seed(args.seed + 2)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
 
