@@ -234,10 +234,14 @@ class EngineImpl final : public Engine {
                               " bytes is not a power of two in [64 KiB, 2 MiB]");
     }
     if (page_count == 0) return invalid_argument("space '" + name + "' must have at least one page");
-    constexpr uint32_t kMaxPagesPerSpace = 1u << 26;
-    if (page_count > kMaxPagesPerSpace) {
-      return invalid_argument("space '" + name + "' asks for " + std::to_string(page_count) +
-                              " pages; at most " + std::to_string(kMaxPagesPerSpace) + " are allowed");
+    // Page tables cost ~64 bytes a page in the daemon: bound what one client can make it hold.
+    constexpr uint64_t kMaxPagesPerClient = 1ull << 25;
+    uint64_t existing = 0;
+    for (const auto& [other_id, other] : client->spaces) existing += other.pages.size();
+    if (existing + page_count > kMaxPagesPerClient) {
+      return resource_exhausted("space '" + name + "' asks for " + std::to_string(page_count) + " pages; client " +
+                                std::to_string(id) + " already has " + std::to_string(existing) +
+                                " and may have at most " + std::to_string(kMaxPagesPerClient) + " in all its spaces");
     }
     if (client->space_names.count(name) != 0) {
       return already_exists("client " + std::to_string(id) + " already has a space named '" + name + "'");

@@ -38,6 +38,7 @@ TEST(Engine, BadInputGetsClearErrors) {
   }
   EXPECT_EQ(engine->create_space(id, "zero", k64K, 0).status().code(), StatusCode::INVALID_ARGUMENT);
   EXPECT_EQ(engine->create_space(id, "", k64K, 1).status().code(), StatusCode::INVALID_ARGUMENT);
+  EXPECT_EQ(engine->create_space(id, "huge", k64K, 0xffffffffu).status().code(), StatusCode::RESOURCE_EXHAUSTED);
   SpaceId space = client->space("L00.k", k64K, 8);
   EXPECT_EQ(engine->create_space(id, "L00.k", k64K, 8).status().code(), StatusCode::ALREADY_EXISTS);
   // Unknown client, space, page.
