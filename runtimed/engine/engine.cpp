@@ -614,6 +614,16 @@ class EngineImpl final : public Engine {
     if (steps.size() > (1u << 24)) {
       return invalid_argument("a schedule may have at most 16M steps, not " + std::to_string(steps.size()));
     }
+    // The engine keeps every (page, step) use: bound them as it bounds page tables.
+    constexpr uint64_t kMaxPageUses = 1ull << 26;
+    uint64_t uses = 0;
+    for (const ScheduleStep& step : steps) {
+      for (const PageRange& range : step.ranges) uses += range.page_count;
+    }
+    if (uses > kMaxPageUses) {
+      return resource_exhausted("a schedule may name at most " + std::to_string(kMaxPageUses) +
+                                " pages in all its steps; this one names " + std::to_string(uses));
+    }
     for (size_t s = 0; s < steps.size(); ++s) {
       for (const PageRange& range : steps[s].ranges) {
         Result<Space*> space = check_range(*client, range);
