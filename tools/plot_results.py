@@ -1,0 +1,136 @@
+#!/usr/bin/env python3
+"""Plots for the README from committed benchmark results (bench/results/**.json) into docs/img/.
+
+    .venv/bin/python tools/plot_results.py
+
+Each plot is drawn only when its results exist; the newest file of each kind wins.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "bench" / "results"
+IMG = REPO / "docs" / "img"
+
+
+def newest(pattern: str) -> Path | None:
+    files = sorted(RESULTS.rglob(pattern), key=lambda p: (p.parent.name, p.name))
+    return files[-1] if files else None
+
+
+def plot_runtime(path: Path) -> Path:
+    data = json.loads(path.read_text())
+    rows = data["bandwidth"]
+    names = [r["name"].replace("/", "\n", 1) for r in rows]
+    fig, ax = plt.subplots(figsize=(11, 4))
+    ax.bar(range(len(rows)), [r["backend_gbps"] for r in rows], label="membar backend", color="#3465a4")
+    ax.plot(range(len(rows)), [r["raw_gbps"] for r in rows], "k_", markersize=18, mew=2,
+            label="raw cudaMemcpyAsync (same run)")
+    ax.set_xticks(range(len(rows)), names, fontsize=6, rotation=90)
+    ax.set_ylabel("GB/s")
+    ax.set_title(f"Page transfers through membard's CUDA backend vs raw copies, {data['machine']['gpu']}")
+    ax.legend(loc="upper left")
+    fig.tight_layout()
+    out = IMG / "runtime_bandwidth.png"
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+def plot_attention(path: Path) -> Path:
+    data = json.loads(path.read_text())
+    dense = data["dense"]
+    hist = [d["history"] // 1024 for d in dense]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    fwd = [d.get("forward_default_tflops", d["membar_forward_tflops"]) for d in dense]
+    ax.plot(hist, fwd, "o-", label="membar forward", color="#3465a4")
+    ax.plot(hist, [d["sdpa_forward_tflops"] for d in dense], "o--", label="SDPA flash forward", color="#729fcf")
+    ax.plot(hist, [d["membar_backward_tflops"] for d in dense], "s-", label="membar backward", color="#cc0000")
+    ax.plot(hist, [d["sdpa_backward_tflops"] for d in dense], "s--", label="SDPA flash backward", color="#ef2929")
+    ax.set_xlabel("history (K tokens), chunk of 4096 queries")
+    ax.set_ylabel("TFLOP/s")
+    ax.set_ylim(0, None)
+    ax.set_title("Paged attention, Qwen2.5-7B shape (28/4 heads, D=128), H200")
+    ax.legend()
+    fig.tight_layout()
+    out = IMG / "attention_tflops.png"
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+def plot_logra(path: Path) -> Path | None:
+    data = json.loads(path.read_text())
+    rows = [r for r in data.get("results", []) if r.get("peak_gib") is not None]
+    if not rows:
+        return None
+    models = sorted({r["model"] for r in rows})
+    fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4), squeeze=False)
+    for ax, model in zip(axes[0], models):
+        mine = [r for r in rows if r["model"] == model]
+        ax.barh([r["variant"] for r in mine], [r["peak_gib"] for r in mine],
+                color=["#3465a4" if r["variant"].startswith("logra") else "#babdb6" for r in mine])
+        ax.set_xlabel("peak GPU memory (GiB)")
+        ax.set_title(f"one update, {model} shape, batch 4 x 2048")
+    fig.tight_layout()
+    out = IMG / "logra_memory.png"
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+def plot_oomb(path: Path) -> Path | None:
+    data = json.loads(path.read_text())
+    rows = [r for r in data.get("results", []) if r.get("peak_gpu_gib") is not None]
+    if not rows:
+        return None
+    fig, (ax_mem, ax_time) = plt.subplots(1, 2, figsize=(12, 4))
+    for variant in sorted({r["variant"] for r in rows}):
+        mine = sorted((r for r in rows if r["variant"] == variant), key=lambda r: r["context"])
+        x = [r["context"] // 1024 for r in mine]
+        ax_mem.plot(x, [r["peak_gpu_gib"] for r in mine], "o-", label=variant)
+        ax_time.plot(x, [r["step_s"] for r in mine], "o-", label=variant)
+    for ax in (ax_mem, ax_time):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("context (K tokens)")
+        ax.legend(fontsize=8)
+    ax_mem.set_ylabel("peak GPU memory (GiB)")
+    ax_time.set_ylabel("seconds per step (fwd + bwd)")
+    fig.suptitle(f"Chunk-recurrent training vs full-sequence, {data.get('model')} shape, H200")
+    fig.tight_layout()
+    out = IMG / "oomb_memory_time.png"
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+def main() -> int:
+    IMG.mkdir(parents=True, exist_ok=True)
+    made = []
+    for pattern, plot in (("runtime_bench.json", plot_runtime), ("*attention-h200.json", plot_attention),
+                          ("attention_bench.json", plot_attention), ("logra_bench.json", plot_logra),
+                          ("oomb_bench.json", plot_oomb)):
+        path = newest(pattern)
+        if path is None:
+            continue
+        try:
+            out = plot(path)
+        except (KeyError, TypeError, ValueError) as error:
+            print(f"skipped {path}: {type(error).__name__}: {error}", file=sys.stderr)
+            continue
+        if out:
+            made.append(out)
+            print(f"{path.relative_to(REPO)} -> {out.relative_to(REPO)}")
+    return 0 if made else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
