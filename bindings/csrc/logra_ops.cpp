@@ -8,8 +8,9 @@
 //     Note [LoGRA projection paths on the GPU]); the CPU always is.
 //   logra_sketch_accumulate_(Tensor! sketch, Tensor grad_output, Tensor projected)
 //                                                                             S [d, r] += dY^T P
-//   logra_fused_update_(Tensor! weight, Tensor update, float coefficient, int seed, int matrix_id, int step)
-//                                                                             W [d, k] -= c U A
+//   logra_fused_update_(Tensor! weight, Tensor update, float coefficient, int seed, int matrix_id, int step,
+//                       int rounding_seed=0)                                 W [d, k] -= c U A
+//     rounding_seed: bf16 W only; nonzero rounds stochastically (Note [LoGRA stochastic rounding]).
 #include "logra_ops.h"
 
 #include <ATen/ATen.h>
@@ -98,7 +99,7 @@ void sketch_accumulate_matmul(at::Tensor& sketch, const at::Tensor& grad_rows, c
 }
 
 k::LograUpdateParams prepare_update(const at::Tensor& weight, const at::Tensor& update, double coefficient,
-                                    int64_t seed, int64_t matrix_id, int64_t step) {
+                                    int64_t seed, int64_t matrix_id, int64_t step, int64_t rounding_seed) {
   TORCH_CHECK(weight.dim() == 2, "LoGRA update: the weight must be [out_features, in_features] (got ",
               weight.sizes(), ").");
   TORCH_CHECK(update.dim() == 2, "LoGRA update: the update must be [out_features, rank] (got ", update.sizes(), ").");
@@ -119,6 +120,7 @@ k::LograUpdateParams prepare_update(const at::Tensor& weight, const at::Tensor& 
   p.update = update.data_ptr<float>();
   p.weight_dtype = to_kernel_dtype(weight.scalar_type());
   p.weight = weight.data_ptr();
+  p.rounding_seed = static_cast<uint64_t>(rounding_seed);
   const char* problem = k::logra_check_update(p);
   TORCH_CHECK(problem[0] == '\0', "LoGRA update: ", problem);
   return p;
@@ -167,14 +169,14 @@ void sketch_accumulate(at::Tensor sketch, const at::Tensor& grad_output, const a
 }
 
 void fused_update_cpu(at::Tensor weight, const at::Tensor& update, double coefficient, int64_t seed, int64_t matrix_id,
-                      int64_t step) {
+                      int64_t step, int64_t rounding_seed) {
   check_cpu(weight, "the weight");
-  const auto p = prepare_update(weight, update, coefficient, seed, matrix_id, step);
+  const auto p = prepare_update(weight, update, coefficient, seed, matrix_id, step, rounding_seed);
   TORCH_CHECK(k::cpu::logra_fused_update(p) == k::kLograOk, "LoGRA update: the CPU kernel rejected its parameters.");
 }
 
 void fused_update_meta(at::Tensor weight, const at::Tensor& update, double coefficient, int64_t seed,
-                       int64_t matrix_id, int64_t step) {
+                       int64_t matrix_id, int64_t step, int64_t rounding_seed) {
   TORCH_CHECK(weight.dim() == 2 && update.dim() == 2 && weight.size(0) == update.size(0),
               "LoGRA update: weight [d, k] and update [d, r] must agree on d.");
 }
@@ -186,7 +188,8 @@ TORCH_LIBRARY_FRAGMENT(membar, m) {
   m.def("logra_generate_(Tensor! out, int seed, int matrix_id, int step) -> ()");
   m.def("logra_project(Tensor x, int seed, int matrix_id, int step, int rank, bool exact=False) -> Tensor");
   m.def("logra_sketch_accumulate_(Tensor! sketch, Tensor grad_output, Tensor projected) -> ()");
-  m.def("logra_fused_update_(Tensor! weight, Tensor update, float coefficient, int seed, int matrix_id, int step) -> ()");
+  m.def("logra_fused_update_(Tensor! weight, Tensor update, float coefficient, int seed, int matrix_id, int step, "
+        "int rounding_seed=0) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(membar, CPU, m) {

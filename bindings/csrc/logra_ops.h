@@ -27,7 +27,7 @@ std::pair<at::Tensor, at::Tensor> prepare_sketch(const at::Tensor& sketch, const
                                                  const at::Tensor& projected);
 
 kernels::LograUpdateParams prepare_update(const at::Tensor& weight, const at::Tensor& update, double coefficient,
-                                          int64_t seed, int64_t matrix_id, int64_t step);
+                                          int64_t seed, int64_t matrix_id, int64_t step, int64_t rounding_seed);
 
 kernels::LograGenerateParams prepare_generate(const at::Tensor& out, int64_t seed, int64_t matrix_id, int64_t step);
 

@@ -263,7 +263,14 @@ int logra_fused_update(const LograUpdateParams& params) {
         uint16_t* weight = static_cast<uint16_t*>(params.weight) + offset;
         for (int64_t c = 0; c < columns; ++c) {
           const float change = step * delta[c];
-          weight[c] = float_to_bfloat16(bfloat16_to_float(weight[c]) - change);
+          const float value = bfloat16_to_float(weight[c]) - change;
+          if (params.rounding_seed == 0) {
+            weight[c] = float_to_bfloat16(value);
+          } else {
+            uint32_t bits;
+            std::memcpy(&bits, &value, sizeof(bits));
+            weight[c] = logra_bfloat16_stochastic(bits, params.rounding_seed, static_cast<uint64_t>(offset + c));
+          }
         }
       }
     }

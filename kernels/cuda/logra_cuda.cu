@@ -134,6 +134,23 @@ __device__ __forceinline__ float load_weight<__nv_bfloat16>(const __nv_bfloat16*
   return __bfloat162float(weight[index]);
 }
 
+template <typename W>
+__device__ __forceinline__ void store_weight(W* weight, int64_t index, float value, uint64_t rounding_seed);
+template <>
+__device__ __forceinline__ void store_weight<float>(float* weight, int64_t index, float value, uint64_t) {
+  weight[index] = value;
+}
+template <>
+__device__ __forceinline__ void store_weight<__nv_bfloat16>(__nv_bfloat16* weight, int64_t index, float value,
+                                                            uint64_t rounding_seed) {
+  if (rounding_seed == 0) {
+    weight[index] = __float2bfloat16_rn(value);
+  } else {
+    const uint16_t bits = logra_bfloat16_stochastic(__float_as_uint(value), rounding_seed, static_cast<uint64_t>(index));
+    weight[index] = __ushort_as_bfloat16(bits);
+  }
+}
+
 // W[i, c] -= step * sum_j U[i, j] sign[j, c].
 // grid: (ceil(k / 64), ceil(d / 64)); block: 256.
 template <typename W>
@@ -188,7 +205,8 @@ __global__ void __launch_bounds__(kThreads) update_kernel(LograUpdateParams para
       if (column >= in_features) continue;
       const int64_t index = output * in_features + column;
       const float change = __fmul_rn(step, delta[i][c]);
-      weight[index] = from_float<W>(__fsub_rn(load_weight<W>(weight, index), change));
+      const float value = __fsub_rn(load_weight<W>(weight, index), change);
+      store_weight<W>(weight, index, value, params.rounding_seed);
     }
   }
 }

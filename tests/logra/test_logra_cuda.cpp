@@ -89,7 +89,7 @@ TEST(LograCuda, ProjectMatchesCpuFloat32) { check_project(130, 300, 72, DType::k
 TEST(LograCuda, ProjectMatchesCpuBFloat16) { check_project(257, 1000, 256, DType::kBFloat16); }
 TEST(LograCuda, ProjectMatchesCpuFloat16) { check_project(65, 64, 8, DType::kFloat16); }
 
-void check_update(int64_t d, int64_t k, int64_t r, DType weight_dtype) {
+void check_update(int64_t d, int64_t k, int64_t r, DType weight_dtype, uint64_t rounding_seed = 0) {
   const auto u = random_vector(d * r, 4);
   const auto w = random_vector(d * k, 5);
   const size_t element = dtype_size(weight_dtype);
@@ -111,6 +111,7 @@ void check_update(int64_t d, int64_t k, int64_t r, DType weight_dtype) {
   params.update = u.data();
   params.weight_dtype = weight_dtype;
   params.weight = cpu_weight.data();
+  params.rounding_seed = rounding_seed;
   ASSERT_EQ(cpu::logra_fused_update(params), kLograOk);
   DeviceBuffer device_u(u.size() * 4), device_w(weight.size());
   ASSERT_CUDA(cudaMemcpy(device_u.pointer, u.data(), u.size() * 4, cudaMemcpyHostToDevice));
@@ -124,6 +125,7 @@ void check_update(int64_t d, int64_t k, int64_t r, DType weight_dtype) {
 
 TEST(LograCuda, UpdateMatchesCpuFloat32) { check_update(100, 250, 40, DType::kFloat32); }
 TEST(LograCuda, UpdateMatchesCpuBFloat16) { check_update(300, 520, 256, DType::kBFloat16); }
+TEST(LograCuda, StochasticRoundingMatchesCpu) { check_update(130, 200, 16, DType::kBFloat16, 0x1234567ull); }
 
 TEST(LograCuda, BadParametersAreRejectedWithoutLaunch) {
   LograUpdateParams params;

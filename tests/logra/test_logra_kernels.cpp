@@ -191,6 +191,42 @@ TEST(LograUpdate, Float32MatchesDense) { check_update(40, 150, 20, DType::kFloat
 TEST(LograUpdate, Float32RankAboveTile) { check_update(9, 64, 100, DType::kFloat32); }
 TEST(LograUpdate, BFloat16MatchesDense) { check_update(33, 96, 8, DType::kBFloat16); }
 
+TEST(LograUpdate, StochasticRoundingIsUnbiased) {
+  // W = 1 (bf16 ulp 2^-7 above 1, 2^-8 below), 200 updates of -1e-4 * sign pattern: round to
+  // nearest never moves; stochastic rounding follows the fp32 sum on average.
+  const int64_t d = 32, k = 128, r = 4;
+  const LograKey key{3, 1, 0};
+  std::vector<float> u(d * r, 1e-4f);
+  std::vector<float> exact(d * k, 1.f);
+  std::vector<uint16_t> rounded(d * k, to_bfloat16(1.f));
+  LograUpdateParams params;
+  params.shape = {r, k};
+  params.key = key;
+  params.out_features = d;
+  params.coefficient = 1.f;
+  params.update = u.data();
+  for (int update = 0; update < 200; ++update) {
+    params.weight_dtype = DType::kFloat32;
+    params.weight = exact.data();
+    params.rounding_seed = 0;
+    ASSERT_EQ(cpu::logra_fused_update(params), kLograOk);
+    params.weight_dtype = DType::kBFloat16;
+    params.weight = rounded.data();
+    params.rounding_seed = 1000 + update;
+    ASSERT_EQ(cpu::logra_fused_update(params), kLograOk);
+  }
+  double error = 0, movement = 0;
+  for (int64_t i = 0; i < d * k; ++i) {
+    error += from_bfloat16(rounded[i]) - exact[i];
+    movement += std::abs(exact[i] - 1.0);
+    // Each rounding errs by less than one ulp (<= 2^-7 here) with zero mean: after 200 updates
+    // an element is off by a random walk of about 0.05 (1 sigma); 0.3 is 6 sigma.
+    ASSERT_LT(std::abs(from_bfloat16(rounded[i]) - exact[i]), 0.3) << "element " << i;
+  }
+  EXPECT_GT(movement / (d * k), 5e-3);
+  EXPECT_LT(std::abs(error) / (d * k), 0.05 * movement / (d * k));
+}
+
 // Mean over n independent seeds of S A, with S = G A^T, estimates G; the error should fall like
 // 1/sqrt(n) (E[A^T A] = I, so the estimator is unbiased).
 double sketch_estimate_error(const std::vector<float>& g, int64_t d, int64_t k, int64_t r, int samples, uint64_t seed0) {

@@ -49,6 +49,18 @@ def test_fused_update_bit_identical_to_cpu(dtype):
     assert torch.equal(weight, weight_gpu.cpu())
 
 
+def test_stochastic_rounding_bit_identical_to_cpu():
+    torch.manual_seed(5)
+    key = ops.ProjectionKey(5, 8, 2)
+    weight = torch.randn(200, 700).to(torch.bfloat16)
+    update = torch.randn(200, 32) * 1e-3
+    weight_gpu = weight.cuda()
+    seed = ops.rounding_seed_for(3, 17)
+    logra.fused_update_(weight, update, 0.1, key, seed)
+    logra.fused_update_(weight_gpu, update.cuda(), 0.1, key, seed)
+    assert torch.equal(weight, weight_gpu.cpu())
+
+
 def test_sketch_accumulate_bf16_on_gpu_matches_reference():
     torch.manual_seed(2)
     sketch = torch.randn(1536, 64, device="cuda")

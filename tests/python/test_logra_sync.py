@@ -25,11 +25,12 @@ class Trainer:
     """A LoGRA trainer whose sketches are filled with random values (the sync path does not care
     where they came from)."""
 
-    def __init__(self, name, lr=1e-3, slots=64, snapshot_every=16):
+    def __init__(self, name, lr=1e-3, slots=64, snapshot_every=16, master_weights=True, stochastic_rounding=True):
         self.model = make_model()
-        self.handle = logra.apply_logra(self.model, rank=6, targets=TARGETS, seed=21, master_weights=True)
+        self.handle = logra.apply_logra(self.model, rank=6, targets=TARGETS, seed=21, master_weights=master_weights)
         self.publisher = PolicyPublisher(name, self.handle, slots=slots, snapshot_every=snapshot_every)
-        self.optimizer = logra.LoGRAOptimizer(self.handle, lr=lr, algorithm="adam", publisher=self.publisher)
+        self.optimizer = logra.LoGRAOptimizer(self.handle, lr=lr, algorithm="adam", publisher=self.publisher,
+                                              stochastic_rounding=stochastic_rounding)
         self.generator = torch.Generator().manual_seed(1)
 
     def update(self, count=1):
@@ -39,7 +40,7 @@ class Trainer:
             self.optimizer.step()
 
     def masters(self):
-        return [layer.master for layer in self.handle.layers]
+        return self.handle.authoritative_weights()
 
     def close(self):
         self.publisher.close()
@@ -56,7 +57,8 @@ def channel_name():
 
 
 def test_receiver_matches_trainer_after_100_updates_and_bf16_only_receiver_drifts(channel_name):
-    trainer = Trainer(channel_name, lr=2e-4)
+    # Round-to-nearest messages: a receiver without masters applies them to bf16 as they are.
+    trainer = Trainer(channel_name, lr=2e-4, stochastic_rounding=False)
     receiver_model = make_model()
     naive_model = make_model()
     receiver = PolicySubscriber(channel_name, subscriber_weights(receiver_model))
@@ -85,6 +87,49 @@ def test_receiver_matches_trainer_after_100_updates_and_bf16_only_receiver_drift
         receiver.close()
         naive.close()
         trainer.close()
+
+
+def test_bf16_trainer_and_bf16_receiver_stay_bit_identical_with_stochastic_rounding(channel_name):
+    # No fp32 copies anywhere: both sides round the same updates with the same random bits.
+    trainer = Trainer(channel_name, lr=2e-4, master_weights=False, stochastic_rounding=True)
+    initial = [w.clone() for w in trainer.masters()]
+    receiver_model = make_model()
+    receiver = PolicySubscriber(channel_name, subscriber_weights(receiver_model), keep_masters=False)
+    try:
+        trainer.update(100)
+        receiver.poll()
+        assert receiver.applied == 100
+        for index, name in enumerate(TARGETS):
+            assert trainer.masters()[index].dtype == torch.bfloat16
+            assert torch.equal(receiver_model[int(name)].weight, trainer.masters()[index])
+        # The updates (about 2e-4 per entry, below half a bf16 ulp of most weights) still moved
+        # the weights: round-to-nearest would have left most of them untouched.
+        changed = sum((w != w0).float().mean().item() for w, w0 in zip(trainer.masters(), initial)) / len(initial)
+        assert changed > 0.5
+    finally:
+        receiver.close()
+        trainer.close()
+
+
+def test_stochastic_rounding_is_unbiased_and_deterministic():
+    key = logra.ProjectionKey(1, 0, 0)
+    update = torch.full((64, 4), 2e-4)  # each step moves an entry by about 4e-4 (|U A| ~ 2e-4 * 2)
+    exact = torch.ones(64, 256)
+    rounded = torch.ones(64, 256, dtype=torch.bfloat16)
+    nearest = torch.ones(64, 256, dtype=torch.bfloat16)
+    for update_index in range(40):
+        seed = logra.ops.rounding_seed_for(7, update_index)
+        logra.fused_update_(exact, update, 1.0, key)
+        logra.fused_update_(rounded, update, 1.0, key, seed)
+        logra.fused_update_(nearest, update, 1.0, key)
+    assert torch.all(nearest == 1.0)  # every change was below half an ulp of 1.0 (2^-8)
+    error = (rounded.float() - exact).mean().abs().item()
+    movement = (exact - 1.0).abs().mean().item()
+    assert movement > 5e-3 and error < 0.05 * movement
+    again = torch.ones(64, 256, dtype=torch.bfloat16)
+    for update_index in range(40):
+        logra.fused_update_(again, update, 1.0, key, logra.ops.rounding_seed_for(7, update_index))
+    assert torch.equal(again, rounded)
 
 
 def test_late_joiner_reanchors_from_snapshot(channel_name):

@@ -76,11 +76,11 @@ at::Tensor project_cuda(const at::Tensor& x, int64_t seed, int64_t matrix_id, in
 }
 
 void fused_update_cuda(at::Tensor weight, const at::Tensor& update, double coefficient, int64_t seed,
-                       int64_t matrix_id, int64_t step) {
+                       int64_t matrix_id, int64_t step, int64_t rounding_seed) {
   check_cuda(weight, "the weight");
   check_cuda(update, "the update");
   const c10::cuda::CUDAGuard guard(weight.device());
-  const auto p = prepare_update(weight, update, coefficient, seed, matrix_id, step);
+  const auto p = prepare_update(weight, update, coefficient, seed, matrix_id, step, rounding_seed);
   check_launch(k::cuda::logra_fused_update(p, at::cuda::getCurrentCUDAStream().stream()), "update");
 }
 

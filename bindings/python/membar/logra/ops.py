@@ -50,6 +50,20 @@ def sketch_accumulate_(sketch: torch.Tensor, grad_output: torch.Tensor, projecte
     _ops.logra_sketch_accumulate_(sketch, grad_output, projected)
 
 
-def fused_update_(weight: torch.Tensor, update: torch.Tensor, coefficient: float, key: ProjectionKey) -> None:
-    """weight [d, k] -= coefficient * update [d, r] A, A regenerated tile by tile."""
-    _ops.logra_fused_update_(weight, update, float(coefficient), key.seed, key.matrix_id, key.step)
+def fused_update_(weight: torch.Tensor, update: torch.Tensor, coefficient: float, key: ProjectionKey,
+                  rounding_seed: int = 0) -> None:
+    """weight [d, k] -= coefficient * update [d, r] A, A regenerated tile by tile. For a bf16
+    weight, a nonzero ``rounding_seed`` rounds stochastically and deterministically (the same
+    seed gives the same bits on every device; Note [LoGRA stochastic rounding])."""
+    if not 0 <= rounding_seed < _SEED_LIMIT:
+        raise ValueError(f"the rounding seed must be in [0, 2^63), got {rounding_seed}")
+    _ops.logra_fused_update_(weight, update, float(coefficient), key.seed, key.matrix_id, key.step, rounding_seed)
+
+
+def rounding_seed_for(seed: int, update_index: int) -> int:
+    """The stochastic-rounding seed of update ``update_index`` of a run (never 0, below 2^63).
+    Trainer and receivers derive it from what every update message carries."""
+    mask = (1 << 64) - 1
+    value = (seed * 0x9E3779B97F4A7C15 + (update_index + 1) * 0xD1B54A32D192ED03) & mask
+    value ^= value >> 29
+    return (value & (_SEED_LIMIT - 1)) | 1

@@ -70,6 +70,7 @@ class LoGRAOptimizer:
         moments_on_redraw: str = "reset_first",
         kl_control: KLControl | None = None,
         publisher=None,
+        stochastic_rounding: bool = True,
     ):
         if algorithm not in ("adam", "sgd"):
             raise ValueError(f"algorithm must be 'adam' or 'sgd', got {algorithm!r}")
@@ -89,6 +90,9 @@ class LoGRAOptimizer:
         self.moments_on_redraw = moments_on_redraw
         self.kl_control = kl_control
         self.publisher = publisher
+        # bf16 weights without fp32 masters are updated with deterministic stochastic rounding
+        # (Note [LoGRA stochastic rounding] in membar/kernels/logra.h); fp32 targets ignore it.
+        self.stochastic_rounding = stochastic_rounding
         self.update_index = 0
         self._first_moments: list[torch.Tensor | None] = [None] * len(logra.layers)
         self._second_moments: list[torch.Tensor | None] = [None] * len(logra.layers)
@@ -137,6 +141,7 @@ class LoGRAOptimizer:
 
         coefficient = alpha * self.lr
         key_step = self.logra.key_state.step
+        rounding_seed = ops.rounding_seed_for(self.logra.key_state.seed, self.update_index) if self.stochastic_rounding else 0
         published = []
         with torch.no_grad():
             for layer, update in zip(layers, updates):
@@ -144,12 +149,14 @@ class LoGRAOptimizer:
                 # very same tensor with coefficient 1 so both sides compute the same bits.
                 scaled = update.mul_(coefficient)
                 target = layer.master if layer.master is not None else layer.weight
-                ops.fused_update_(target, scaled, 1.0, layer.current_key())
+                ops.fused_update_(target, scaled, 1.0, layer.current_key(),
+                                  rounding_seed if target.dtype == torch.bfloat16 else 0)
                 if layer.master is not None:
                     layer.weight.copy_(layer.master)
                 published.append((layer.matrix_id, scaled))
         if self.publisher is not None:
-            self.publisher.publish(self.update_index, self.logra.key_state.seed, key_step, published)
+            self.publisher.publish(self.update_index, self.logra.key_state.seed, key_step, published,
+                                   stochastic_rounding=self.stochastic_rounding)
         self.logra.zero_sketches()
         result = StepResult(update_index=self.update_index, alpha=alpha, predicted_kl=predicted, key_step=key_step)
         self.update_index += 1

@@ -190,7 +190,7 @@ class SharedMemoryRing:
 
 
 # Message format: header (magic u32, version u32, update_index u64, seed u64, step u64,
-# matrix count u32, pad u32) then per matrix (matrix_id u32, rows u32, rank u32, pad u32) and
+# matrix count u32, flags u32; bit 0: bf16 targets were rounded stochastically) then per matrix (matrix_id u32, rows u32, rank u32, pad u32) and
 # rows * rank fp32 values of alpha * eta * U.
 _MESSAGE_HEADER = struct.Struct("<IIQQQII")
 _MATRIX_HEADER = struct.Struct("<IIII")
@@ -199,16 +199,22 @@ _MATRIX_HEADER = struct.Struct("<IIII")
 _SNAPSHOT_HEADER = struct.Struct("<IIQII")
 
 
+_FLAG_STOCHASTIC_ROUNDING = 1
+
+
 @dataclass
 class PolicyUpdate:
     update_index: int
     seed: int
     step: int
     matrices: list[tuple[int, torch.Tensor]]  # (matrix_id, alpha * eta * U [d, r] fp32, CPU)
+    stochastic_rounding: bool = False
 
 
-def encode_update(update_index: int, seed: int, step: int, matrices: Sequence[tuple[int, torch.Tensor]]) -> bytes:
-    parts = [_MESSAGE_HEADER.pack(_MESSAGE_MAGIC, _VERSION, update_index, seed, step, len(matrices), 0)]
+def encode_update(update_index: int, seed: int, step: int, matrices: Sequence[tuple[int, torch.Tensor]],
+                  stochastic_rounding: bool = False) -> bytes:
+    flags = _FLAG_STOCHASTIC_ROUNDING if stochastic_rounding else 0
+    parts = [_MESSAGE_HEADER.pack(_MESSAGE_MAGIC, _VERSION, update_index, seed, step, len(matrices), flags)]
     for matrix_id, values in matrices:
         values = values.detach().to(device="cpu", dtype=torch.float32).contiguous()
         parts.append(_MATRIX_HEADER.pack(matrix_id, values.shape[0], values.shape[1], 0))
@@ -217,7 +223,7 @@ def encode_update(update_index: int, seed: int, step: int, matrices: Sequence[tu
 
 
 def decode_update(payload: bytes) -> PolicyUpdate:
-    magic, version, update_index, seed, step, count, _ = _MESSAGE_HEADER.unpack_from(payload, 0)
+    magic, version, update_index, seed, step, count, flags = _MESSAGE_HEADER.unpack_from(payload, 0)
     if magic != _MESSAGE_MAGIC or version != _VERSION:
         raise ValueError("not a version-1 LoGRA update message")
     offset = _MESSAGE_HEADER.size
@@ -228,7 +234,7 @@ def decode_update(payload: bytes) -> PolicyUpdate:
         values = torch.frombuffer(bytearray(payload[offset:offset + rows * rank * 4]), dtype=torch.float32)
         matrices.append((matrix_id, values.view(rows, rank)))
         offset += rows * rank * 4
-    return PolicyUpdate(update_index, seed, step, matrices)
+    return PolicyUpdate(update_index, seed, step, matrices, bool(flags & _FLAG_STOCHASTIC_ROUNDING))
 
 
 def update_message_bytes(shapes: Sequence[tuple[int, int]]) -> int:
@@ -281,8 +287,9 @@ class PolicyPublisher:
         self.full_weight_bytes = sum(layer.weight.numel() * layer.weight.element_size() for layer in logra.layers)
         self.publish_snapshot(0)
 
-    def publish(self, update_index: int, seed: int, step: int, matrices: Sequence[tuple[int, torch.Tensor]]) -> None:
-        sequence = self.ring.write_message(encode_update(update_index, seed, step, matrices))
+    def publish(self, update_index: int, seed: int, step: int, matrices: Sequence[tuple[int, torch.Tensor]],
+                stochastic_rounding: bool = False) -> None:
+        sequence = self.ring.write_message(encode_update(update_index, seed, step, matrices, stochastic_rounding))
         if sequence != update_index:
             raise RuntimeError(f"update {update_index} landed as ring message {sequence}; one publisher per optimizer")
         if self.snapshot_every and (update_index + 1) % self.snapshot_every == 0:
@@ -346,7 +353,13 @@ class PolicySubscriber:
                     continue
                 master = self.masters[matrix_id]
                 values = values.to(master.device)
-                ops.fused_update_(master, values, 1.0, ops.ProjectionKey(update.seed, matrix_id, update.step))
+                # Without masters, a bf16 weight takes the trainer's stochastic rounding (same
+                # seed, same bits); with fp32 masters rounding does not arise.
+                rounding_seed = 0
+                if update.stochastic_rounding and master.dtype == torch.bfloat16:
+                    rounding_seed = ops.rounding_seed_for(update.seed, update.update_index)
+                ops.fused_update_(master, values, 1.0, ops.ProjectionKey(update.seed, matrix_id, update.step),
+                                  rounding_seed)
                 if self.keep_masters:
                     self.weights[matrix_id].copy_(master)
 

@@ -81,6 +81,24 @@ MEMBAR_HOST_DEVICE float logra_sign(uint64_t key_hash, uint32_t row, uint32_t co
   return ((word >> (column & 63u)) & 1u) ? -1.0f : 1.0f;
 }
 
+// Note [LoGRA stochastic rounding]
+// Rationale: a bf16 weight swallows any change below half its ulp (|w| / 512): at RL learning
+// rates a bf16-only trainer would not move at all, and a bf16-only receiver would drift from an
+// fp32 trainer. Stochastic rounding keeps the expected value exact. Drawing its random bits from
+// a counter-based hash of (rounding_seed, element index) keeps it deterministic, so a receiver
+// applying the same update with the same rounding seed gets the same bits as the trainer.
+// Approach: add 16 random bits below the bf16 mantissa to the fp32 bit pattern, then truncate.
+// Non-finite values round to nearest even (the random add could turn a NaN into an infinity).
+MEMBAR_HOST_DEVICE uint16_t logra_bfloat16_stochastic(uint32_t float_bits, uint64_t rounding_seed, uint64_t index) {
+  if ((float_bits & 0x7F800000u) == 0x7F800000u) {
+    const uint32_t rounding_bias = 0x7FFFu + ((float_bits >> 16) & 1u);
+    const bool is_nan = (float_bits & 0x7FFFFFFFu) > 0x7F800000u;
+    return static_cast<uint16_t>(is_nan ? ((float_bits >> 16) | 0x0040u) : ((float_bits + rounding_bias) >> 16));
+  }
+  const uint32_t random = static_cast<uint32_t>(logra_mix64(rounding_seed ^ logra_mix64(index)) & 0xFFFFu);
+  return static_cast<uint16_t>((float_bits + random) >> 16);
+}
+
 struct LograShape {
   int64_t rank = 0;          // r >= 1
   int64_t in_features = 0;   // k >= 1
@@ -125,6 +143,9 @@ struct LograUpdateParams {
   const float* update = nullptr;  // U [d, r], fp32, contiguous
   DType weight_dtype = DType::kFloat32;  // fp32 or bf16
   void* weight = nullptr;    // W [d, k], contiguous; read-modify-write
+  // bf16 W only: 0 rounds to nearest even; any other value rounds stochastically with bits from
+  // hash(rounding_seed, i * k + c) (Note [LoGRA stochastic rounding]). Ignored for fp32 W.
+  uint64_t rounding_seed = 0;
 };
 
 // Writes the unscaled signs (+1 / -1) of columns [column_begin, column_begin + columns) of A as
