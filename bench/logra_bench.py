@@ -3,8 +3,10 @@
 One training update = forward + backward + optimizer step of an HF Qwen2ForCausalLM (random
 init, from config) on batch x seqlen tokens with gradient checkpointing. Variants:
   logra64, logra256     membar.logra: bf16 W frozen, x A^T saved instead of x, sketches + Adam
-                        on sketches, fused merged update; loss computed in checkpointed chunks
-                        (no full-vocabulary logits kept)
+                        on sketches, fused merged update (bf16 stochastic rounding); loss computed
+                        in checkpointed chunks (no full-vocabulary logits kept)
+  logra64_kl            logra64 plus predicted-KL step control: one forward-mode pass over a
+                        512-token probe (the first sequence's first 512 tokens) per update
   adamw_fp32master      AdamW on fp32 params with bf16 autocast (HF loss, full logits)
   adamw_bf16            AdamW on bf16 params (HF loss)
   lora64                PEFT LoRA r=64 on the 7 projections (HF loss); skipped without peft
@@ -52,7 +54,7 @@ SHAPES = {
                  intermediate_size=160, vocab_size=1000),
 }
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-DEFAULT_VARIANTS = "logra64,logra256,adamw_fp32master,adamw_bf16,lora64,sketch64,sketch256,sketch64_chunked"
+DEFAULT_VARIANTS = "logra64,logra256,logra64_kl,adamw_fp32master,adamw_bf16,lora64,sketch64,sketch256,sketch64_chunked"
 LOSS_CHUNK_TOKENS = 1024
 
 
@@ -120,16 +122,19 @@ def build(model_name, variant, device):
         from membar import logra
         from membar.logra.sync import update_message_bytes
 
-        rank = int(variant[len("logra"):])
+        rank = int(variant[len("logra"):].split("_")[0])
+        kl = variant.endswith("_kl")
         handle = logra.apply_logra(model, rank=rank, targets=TARGETS, seed=1)
-        optimizer = logra.LoGRAOptimizer(handle, lr=1e-5, algorithm="adam")
+        optimizer = logra.LoGRAOptimizer(handle, lr=1e-5, algorithm="adam",
+                                          kl_control=logra.KLControl(delta=2e-4, alpha_max=1.0) if kl else None)
         info["sync_payload_bytes"] = update_message_bytes([(l.out_features, l.rank) for l in handle.layers])
         info["full_weight_bytes"] = sum(l.weight.numel() * l.weight.element_size() for l in handle.layers)
         info["trainable"] = sum(l.out_features * l.rank for l in handle.layers)
 
         def update(input_ids):
             chunked_causal_lm_loss(model, input_ids).backward()
-            optimizer.step()
+            probe_ids = input_ids[:1, :512]
+            optimizer.step(kl_probe=(lambda: model(input_ids=probe_ids).logits) if kl else None)
 
         info["state_bytes"] = lambda: optimizer.state_bytes()
         return model, update, info
@@ -303,7 +308,7 @@ def main():
         return
     if args.quick:
         models, batch, seqlen, updates, device = ["tiny"], 2, 64, 2, "cpu"
-        variants = "logra16,adamw_bf16,sketch16_chunked"
+        variants = "logra16,logra16_kl,adamw_bf16,sketch16_chunked"
     else:
         models, batch, seqlen, updates, device = args.models.split(","), args.batch, args.seqlen, args.updates, None
         variants = args.variants

@@ -15,7 +15,10 @@ ring behind gets SyncOverrun and re-anchors from the newest snapshot (full fp32 
 number of updates they contain). Subscribers keep fp32 masters of the targeted weights, apply
 every update to the masters with the same fused kernel as the trainer, and copy the masters
 into the model's (bf16) weights, so they match the trainer's authoritative weights exactly when
-both run the same kernel and device type, and within bf16 rounding otherwise.
+both run the same kernel and device type, and within bf16 rounding otherwise. A receiver without
+masters (keep_masters=False) applies updates to its bf16 weights with the trainer's stochastic
+rounding (same per-update seed, derived from the message): it stays bit-identical to a bf16-only
+trainer and unbiased against an fp32 one.
 Limitations: the transport is Python's multiprocessing.shared_memory and relies on x86's store
 ordering for the seqlock (no explicit fences); it sits behind the small `SharedMemoryRing`
 interface (write_message / read_message / latest_sequence / write_snapshot / read_snapshot) so
