@@ -123,46 +123,50 @@ class LoGRAOptimizer:
 
     def step(self, kl_probe: Callable | None = None) -> StepResult:
         layers = self.logra.layers
-        updates = []
-        for index, layer in enumerate(layers):
-            sketch = layer.sketch_for_accumulation()
-            updates.append(self._direction(index, sketch))
-        self._first_count += 1
-        self._second_count += 1
-
-        alpha = 1.0
-        predicted = None
-        if self.kl_control is not None:
-            if kl_probe is None:
-                raise ValueError("this optimizer has KL control: pass kl_probe to step()")
-            prediction = kl_module.predict_kl(self.logra.model, layers, updates, self.lr, kl_probe)
-            predicted = prediction.predicted_kl
-            alpha = kl_module.step_scale(predicted, self.kl_control.delta, self.kl_control.alpha_max)
-
-        coefficient = alpha * self.lr
         key_step = self.logra.key_state.step
         rounding_seed = ops.rounding_seed_for(self.logra.key_state.seed, self.update_index) if self.stochastic_rounding else 0
-        published = []
-        with torch.no_grad():
+        alpha = 1.0
+        predicted = None
+        if self.kl_control is None and self.publisher is None:
+            # Nothing needs every U at once: compute and apply layer by layer, so only one
+            # layer's U [d, r] exists at a time.
+            for index, layer in enumerate(layers):
+                self._apply(layer, self._direction(index, layer.sketch_for_accumulation()).mul_(self.lr), rounding_seed)
+        else:
+            updates = [self._direction(index, layer.sketch_for_accumulation()) for index, layer in enumerate(layers)]
+            if self.kl_control is not None:
+                if kl_probe is None:
+                    raise ValueError("this optimizer has KL control: pass kl_probe to step()")
+                prediction = kl_module.predict_kl(self.logra.model, layers, updates, self.lr, kl_probe)
+                predicted = prediction.predicted_kl
+                alpha = kl_module.step_scale(predicted, self.kl_control.delta, self.kl_control.alpha_max)
+            published = []
             for layer, update in zip(layers, updates):
                 # The scaled update is what travels to rollout processes; the trainer applies the
                 # very same tensor with coefficient 1 so both sides compute the same bits.
-                scaled = update.mul_(coefficient)
-                target = layer.master if layer.master is not None else layer.weight
-                ops.fused_update_(target, scaled, 1.0, layer.current_key(),
-                                  rounding_seed if target.dtype == torch.bfloat16 else 0)
-                if layer.master is not None:
-                    layer.weight.copy_(layer.master)
+                scaled = update.mul_(alpha * self.lr)
+                self._apply(layer, scaled, rounding_seed)
                 published.append((layer.matrix_id, scaled))
-        if self.publisher is not None:
-            self.publisher.publish(self.update_index, self.logra.key_state.seed, key_step, published,
-                                   stochastic_rounding=self.stochastic_rounding)
+            if self.publisher is not None:
+                self.publisher.publish(self.update_index, self.logra.key_state.seed, key_step, published,
+                                       stochastic_rounding=self.stochastic_rounding)
+        self._first_count += 1
+        self._second_count += 1
         self.logra.zero_sketches()
         result = StepResult(update_index=self.update_index, alpha=alpha, predicted_kl=predicted, key_step=key_step)
         self.update_index += 1
         if self.update_index % self.redraw_every == 0:
             self._redraw()
         return result
+
+    @torch.no_grad()
+    def _apply(self, layer, scaled_update: torch.Tensor, rounding_seed: int) -> None:
+        """W -= scaled_update A (into the fp32 master when kept, then copied to W)."""
+        target = layer.master if layer.master is not None else layer.weight
+        ops.fused_update_(target, scaled_update, 1.0, layer.current_key(),
+                          rounding_seed if target.dtype == torch.bfloat16 else 0)
+        if layer.master is not None:
+            layer.weight.copy_(layer.master)
 
     def _redraw(self) -> None:
         self.logra.key_state.step += 1
