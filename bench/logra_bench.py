@@ -54,19 +54,23 @@ SHAPES = {
                  intermediate_size=160, vocab_size=1000),
 }
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-DEFAULT_VARIANTS = "logra64,logra256,logra64_kl,adamw_fp32master,adamw_bf16,lora64,sketch64,sketch256,sketch64_chunked"
+# Most telling first: results are written after every config, so a run cut short still reports.
+DEFAULT_VARIANTS = "logra64,sketch64,logra256,sketch256,logra64_kl,adamw_bf16,lora64,adamw_fp32master,sketch64_chunked"
 LOSS_CHUNK_TOKENS = 1024
 
 
 def parse_args():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--models", default="1.5b,7b")
+    parser.add_argument("--models", default="7b,1.5b")
     parser.add_argument("--variants", default=DEFAULT_VARIANTS)
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seqlen", type=int, default=2048)
     parser.add_argument("--updates", type=int, default=4, help="updates per config (the first is warm-up)")
     parser.add_argument("--timeout", type=int, default=900, help="seconds per config")
     parser.add_argument("--quick", action="store_true", help="tiny shapes on the CPU, a smoke run")
+    parser.add_argument("--append", action="store_true",
+                        help="merge into an existing logra_bench.json (same model and variant: replaced), "
+                             "for running the configs in several pieces")
     parser.add_argument("--child", nargs=2, metavar=("MODEL", "VARIANT"), help=argparse.SUPPRESS)
     parser.add_argument("--device", default=None, help=argparse.SUPPRESS)
     return parser.parse_args()
@@ -314,7 +318,17 @@ def main():
         variants = args.variants
     out_dir = Path(os.environ.get("MEMBAR_RESULTS_DIR", REPO / "bench" / "results" / "latest"))
     out_dir.mkdir(parents=True, exist_ok=True)
+    json_path = out_dir / "logra_bench.json"
+    earlier = json.loads(json_path.read_text()) if args.append and json_path.exists() else []
     results = []
+
+    def write():
+        merged = [r for r in earlier if (r["model"], r["variant"]) not in {(n["model"], n["variant"]) for n in results}]
+        merged += results
+        json_path.write_text(json.dumps(merged, indent=1))
+        (out_dir / "logra_bench.txt").write_text(format_table(merged) + "\n")
+        return merged
+
     for model_name in models:
         for variant in variants.split(","):
             command = [sys.executable, __file__, "--child", model_name, variant, "--batch", str(batch),
@@ -335,10 +349,8 @@ def main():
             result["wall_s"] = time.time() - started
             results.append(result)
             print(json.dumps(result), flush=True)
-    table = format_table(results)
-    (out_dir / "logra_bench.json").write_text(json.dumps(results, indent=1))
-    (out_dir / "logra_bench.txt").write_text(table + "\n")
-    print(table)
+            merged = write()
+    print(format_table(merged))
     failed = [r for r in results if "error" in r]
     sys.exit(1 if failed else 0)
 
