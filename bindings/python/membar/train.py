@@ -59,7 +59,7 @@ def _parse(argv):
     parser.add_argument("--demo", action="store_true",
                         help="train a small model on passkey retrieval over >= 16K tokens and print accuracy")
     parser.add_argument("--demo-steps", type=int, default=None, help="demo: training steps (default: time-boxed)")
-    parser.add_argument("--demo-minutes", type=float, default=3.5, help="demo: training time budget")
+    parser.add_argument("--demo-minutes", type=float, default=3.0, help="demo: training time budget")
     return parser.parse_args(argv)
 
 
