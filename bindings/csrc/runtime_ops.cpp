@@ -17,7 +17,6 @@
 #include <cstdio>
 #include <map>
 #include <mutex>
-#include <sstream>
 
 #include "membar/client.h"
 
@@ -64,43 +63,87 @@ std::string json_escape(const std::string& text) {
   return out;
 }
 
-void write_stat(std::ostringstream& out, const char* name, const Stat& stat) {
-  out << "\"" << name << "\": {\"current\": " << stat.current << ", \"peak\": " << stat.peak
-      << ", \"allocated\": " << stat.allocated << ", \"freed\": " << stat.freed << "}";
+// Plain string building, no iostreams: on the H200 image's toolchain (/opt/gcc), ostream
+// number formatting inside this library crashed (std::ostream::_M_insert resolved to a copy of
+// libstdc++'s internals that was not initialised for this library; seen 2026-11-30).
+void append_number(std::string& out, uint64_t value) { out += std::to_string(value); }
+void append_number(std::string& out, int64_t value) { out += std::to_string(value); }
+
+void append_field(std::string& out, const char* name, uint64_t value, bool comma = true) {
+  if (comma) out += ", ";
+  out += "\"";
+  out += name;
+  out += "\": ";
+  append_number(out, value);
+}
+
+void write_stat(std::string& out, const char* name, const Stat& stat) {
+  out += "\"";
+  out += name;
+  out += "\": {\"current\": ";
+  append_number(out, int64_t(stat.current));
+  out += ", \"peak\": ";
+  append_number(out, int64_t(stat.peak));
+  out += ", \"allocated\": ";
+  append_number(out, int64_t(stat.allocated));
+  out += ", \"freed\": ";
+  append_number(out, int64_t(stat.freed));
+  out += "}";
 }
 
 std::string stats_json(const RuntimeStats& stats) {
-  std::ostringstream out;
-  out << "{\"backend\": \"" << json_escape(stats.backend) << "\", \"tiers\": [";
+  std::string out = "{\"backend\": \"" + json_escape(stats.backend) + "\", \"tiers\": [";
   for (size_t i = 0; i < stats.tiers.size(); ++i) {
     const TierStats& tier = stats.tiers[i];
-    out << (i ? ", " : "") << "{\"tier\": \"" << (tier.tier == Tier::kGpu ? "gpu" : "host")
-        << "\", \"frames_total\": " << tier.frames_total << ", \"frames_used\": " << tier.frames_used
-        << ", \"frames_free\": " << tier.frames_free << "}";
+    out += i ? ", " : "";
+    out += "{\"tier\": \"";
+    out += tier.tier == Tier::kGpu ? "gpu" : "host";
+    out += "\"";
+    append_field(out, "frames_total", tier.frames_total);
+    append_field(out, "frames_used", tier.frames_used);
+    append_field(out, "frames_free", tier.frames_free);
+    out += "}";
   }
-  out << "], \"clients\": [";
+  out += "], \"clients\": [";
   for (size_t i = 0; i < stats.clients.size(); ++i) {
     const ClientStats& c = stats.clients[i];
-    out << (i ? ", " : "") << "{\"client\": " << c.client << ", \"pid\": " << c.pid << ", \"name\": \""
-        << json_escape(c.name) << "\", \"gpu_quota_bytes\": " << c.gpu_quota_bytes
-        << ", \"host_quota_bytes\": " << c.host_quota_bytes << ", ";
+    out += i ? ", " : "";
+    out += "{";
+    append_field(out, "client", c.client, /*comma=*/false);
+    out += ", \"pid\": ";
+    append_number(out, int64_t(c.pid));
+    out += ", \"name\": \"" + json_escape(c.name) + "\"";
+    append_field(out, "gpu_quota_bytes", c.gpu_quota_bytes);
+    append_field(out, "host_quota_bytes", c.host_quota_bytes);
+    out += ", ";
     write_stat(out, "gpu_frames", c.gpu_frames);
-    out << ", ";
+    out += ", ";
     write_stat(out, "host_frames", c.host_frames);
-    out << ", \"pages_gpu\": " << c.pages_gpu << ", \"pages_host\": " << c.pages_host
-        << ", \"pages_both\": " << c.pages_both << ", \"pages_none\": " << c.pages_none
-        << ", \"bytes_host_to_gpu\": " << c.bytes_host_to_gpu << ", \"bytes_gpu_to_host\": " << c.bytes_gpu_to_host
-        << ", \"prefetch_hits\": " << c.prefetch_hits << ", \"prefetch_misses\": " << c.prefetch_misses
-        << ", \"evictions\": " << c.evictions << ", \"stall_ns\": " << c.stall_ns << "}";
+    append_field(out, "pages_gpu", c.pages_gpu);
+    append_field(out, "pages_host", c.pages_host);
+    append_field(out, "pages_both", c.pages_both);
+    append_field(out, "pages_none", c.pages_none);
+    append_field(out, "bytes_host_to_gpu", c.bytes_host_to_gpu);
+    append_field(out, "bytes_gpu_to_host", c.bytes_gpu_to_host);
+    append_field(out, "prefetch_hits", c.prefetch_hits);
+    append_field(out, "prefetch_misses", c.prefetch_misses);
+    append_field(out, "evictions", c.evictions);
+    append_field(out, "stall_ns", c.stall_ns);
+    out += "}";
   }
-  out << "], \"spaces\": [";
+  out += "], \"spaces\": [";
   for (size_t i = 0; i < stats.spaces.size(); ++i) {
-    const SpaceInfo& s = stats.spaces[i];
-    out << (i ? ", " : "") << "{\"id\": " << s.id << ", \"name\": \"" << json_escape(s.name)
-        << "\", \"page_bytes\": " << s.page_bytes << ", \"page_count\": " << s.page_count << "}";
+    const SpaceInfo& space = stats.spaces[i];
+    out += i ? ", " : "";
+    out += "{";
+    append_field(out, "id", space.id, /*comma=*/false);
+    out += ", \"name\": \"" + json_escape(space.name) + "\"";
+    append_field(out, "page_bytes", space.page_bytes);
+    append_field(out, "page_count", space.page_count);
+    out += "}";
   }
-  out << "]}";
-  return out.str();
+  out += "]}";
+  return out;
 }
 
 class Runtime : public torch::CustomClassHolder {
