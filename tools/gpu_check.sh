@@ -58,6 +58,14 @@ if ! { [ -f /usr/include/uv.h ] && [ -d /usr/include/boost/interprocess ] && [ -
   export LD_LIBRARY_PATH="$prefix/lib:${LD_LIBRARY_PATH:-}"
 fi
 
+# Use the distribution's compiler where there is one: the H200 image's default g++ (/opt/gcc)
+# ships no libstdc++.so, so it links libstdc++ statically into membar/_C.so, and that private
+# copy's iostreams crash inside a process whose libstdc++ is the system one (seen 2026-11-30:
+# SIGSEGV in std::codecvt under std::ostream::_M_insert from a TORCH_CHECK message).
+if [ -z "${CXX:-}" ] && [ -x /usr/bin/g++ ]; then
+  export CC=/usr/bin/gcc CXX=/usr/bin/g++ CUDAHOSTCXX=/usr/bin/g++
+fi
+
 status=0
 if has_stage build; then
   log "configure + build (CUDA, sm_90a)"
