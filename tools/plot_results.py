@@ -69,7 +69,8 @@ def plot_attention(path: Path) -> Path:
 
 def plot_logra(path: Path) -> Path | None:
     data = json.loads(path.read_text())
-    rows = [r for r in data.get("results", []) if r.get("peak_gib") is not None]
+    rows = data if isinstance(data, list) else data.get("results", [])
+    rows = [r for r in rows if r.get("peak_gib") is not None]
     if not rows:
         return None
     models = sorted({r["model"] for r in rows})
@@ -94,10 +95,10 @@ def plot_oomb(path: Path) -> Path | None:
         return None
     fig, (ax_mem, ax_time) = plt.subplots(1, 2, figsize=(12, 4))
     for variant in sorted({r["variant"] for r in rows}):
-        mine = sorted((r for r in rows if r["variant"] == variant), key=lambda r: r["context"])
-        x = [r["context"] // 1024 for r in mine]
+        mine = sorted((r for r in rows if r["variant"] == variant), key=lambda r: r["tokens"])
+        x = [r["tokens"] // 1024 for r in mine]
         ax_mem.plot(x, [r["peak_gpu_gib"] for r in mine], "o-", label=variant)
-        ax_time.plot(x, [r["step_s"] for r in mine], "o-", label=variant)
+        ax_time.plot(x, [r["step_seconds"] for r in mine], "o-", label=variant)
     for ax in (ax_mem, ax_time):
         ax.set_xscale("log", base=2)
         ax.set_xlabel("context (K tokens)")
