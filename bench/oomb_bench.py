@@ -73,7 +73,8 @@ def run_one(spec: dict) -> dict:
     generator = torch.Generator().manual_seed(0)
     sequence = torch.randint(0, vocab, (1, tokens), generator=generator).to(device)
     warmup = sequence[:, : min(tokens, 2 * spec["chunk"])]
-    result = {"variant": variant, "tokens": tokens, "model": spec["model"], "weights_gib": weights_bytes / 2**30}
+    result = {"variant": variant, "tokens": tokens, "model": spec["model"], "weights_gib": weights_bytes / 2**30,
+              "checkpoint_layers": variant != "full" and spec.get("checkpoint_layers", True)}
 
     if variant == "full":
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -99,7 +100,8 @@ def run_one(spec: dict) -> dict:
                 return result
         config = OOMBConfig(chunk_tokens=spec["chunk"], page_tokens=spec["page_tokens"], mode=mode,
                             top_k=spec["top_k"], query_tile_tokens=spec["page_tokens"], offload=offload,
-                            gpu_resident_layers=int(resident), loss_piece_tokens=4096)
+                            gpu_resident_layers=int(resident), loss_piece_tokens=4096,
+                            checkpoint_layers=spec.get("checkpoint_layers", True))
         trainer = OOMBTrainer(model, config)
 
         def step(ids):
@@ -134,7 +136,8 @@ def run_series(args) -> list[dict]:
     for variant in args.variants:
         for tokens in args.contexts:
             spec = dict(variant=variant, tokens=tokens, model=args.model, chunk=args.chunk,
-                        page_tokens=args.page_tokens, top_k=args.top_k, gpu_reserve_gib=args.gpu_reserve_gib)
+                        page_tokens=args.page_tokens, top_k=args.top_k, gpu_reserve_gib=args.gpu_reserve_gib,
+                        checkpoint_layers=not args.no_checkpoint_layers)
             started = time.monotonic()
             try:
                 child = subprocess.run([sys.executable, __file__, "--one", json.dumps(spec)], capture_output=True,
@@ -247,6 +250,9 @@ def main() -> int:
     parser.add_argument("--gpu-reserve-gib", type=float, default=30.0,
                         help="dense-hybrid: GPU memory kept free for activations beside the pages")
     parser.add_argument("--time-limit", type=int, default=1200, help="seconds per configuration")
+    parser.add_argument("--no-checkpoint-layers", action="store_true",
+                        help="OOMB variants keep each chunk's layer activations (default: recompute them in "
+                             "backward, like the full-sequence baseline's gradient checkpointing)")
     parser.add_argument("--learning", action="store_true", help="run the passkey learning experiment")
     parser.add_argument("--learning-tokens", type=int, default=16384 + 1024)
     parser.add_argument("--learning-distance", type=int, default=16384)
