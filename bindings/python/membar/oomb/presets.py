@@ -7,10 +7,12 @@ PRESETS = {
                                  intermediate_size=128, vocab_size=512)),
     "tiny-llama": ("llama", dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                                  intermediate_size=128, vocab_size=512)),
-    # The passkey demo: small enough to train at 16K+ tokens on two CPU cores in minutes.
-    # One narrow attention head keeps the O(tokens^2) attention cheap on a CPU.
+    # The recall demo: small enough to train at 16K+ tokens on two CPU cores in minutes.
+    # One narrow attention head keeps the O(tokens^2) attention cheap on a CPU. Tied embeddings make
+    # "copy a token of the context" one skill for every key, and a vocabulary of 1024 makes the
+    # average of the random filler small beside a key the context repeats.
     "demo": ("qwen2", dict(hidden_size=64, num_hidden_layers=1, num_attention_heads=1, num_key_value_heads=1,
-                           head_dim=16, intermediate_size=128, vocab_size=64)),
+                           head_dim=16, intermediate_size=128, vocab_size=1024, tie_word_embeddings=True)),
     # Qwen2.5 shapes (random init), as in /work/shared/probes/torch_baseline.py.
     "qwen2.5-0.5b": ("qwen2", dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
                                    intermediate_size=4864, vocab_size=151936)),
@@ -22,13 +24,14 @@ PRESETS = {
 
 
 def preset_config(name: str, max_positions: int = 32768):
-    """A transformers config of a preset shape (rope_theta 1e6 as Qwen2.5, untied embeddings)."""
+    """A transformers config of a preset shape (rope_theta 1e6 as Qwen2.5; untied embeddings unless the
+    preset ties them)."""
     if name not in PRESETS:
         raise ValueError(f"unknown model preset {name!r}; known: {', '.join(sorted(PRESETS))}.")
     from transformers import LlamaConfig, Qwen2Config
 
     family, shape = PRESETS[name]
-    common = dict(shape, max_position_embeddings=max(max_positions, 32768), tie_word_embeddings=False)
+    common = dict({"tie_word_embeddings": False}, **shape, max_position_embeddings=max(max_positions, 32768))
     if family == "qwen2":
         return Qwen2Config(**common, rope_theta=1e6)
     return LlamaConfig(**common, rope_theta=5e5)
