@@ -37,6 +37,7 @@ def _parse(argv):
     parser.add_argument("--key-repeats", type=int, default=1, help="passkey: (KEY marker, key) pairs stating the key")
     parser.add_argument("--key-tokens", type=int, default=1, help="recall: copies of the key opening the sequence")
     parser.add_argument("--queries", type=int, default=1, help="recall: questions at the end (each trained)")
+    parser.add_argument("--key-marker", action="store_true", help="recall: state the key as (KEY marker, key) pairs")
     parser.add_argument("--window", type=int, default=None,
                         help="passkey/recall: also score the trained model on only the last WINDOW tokens "
                              "(the question without the key)")
@@ -120,6 +121,7 @@ def _demo_defaults(args):
     args.num_keys = 8
     args.key_tokens = 2048
     args.queries = 8
+    args.key_marker = True
     args.chunk = 2048
     args.page_tokens = 64
     # Sparse attention (each tile of 128 queries sees its top 16 history pages of 64 tokens, plus its
@@ -169,9 +171,9 @@ def run(argv=None) -> dict:
                                 key_repeats=args.key_repeats)
     elif args.task == "recall":
         task = RecallTask(vocab, distance, num_keys=args.num_keys, key_tokens=args.key_tokens,
-                          queries=args.queries, seed=args.seed + 1)
+                          queries=args.queries, seed=args.seed + 1, key_marker=args.key_marker)
         eval_task = RecallTask(vocab, distance, num_keys=args.num_keys, key_tokens=args.key_tokens,
-                               queries=args.queries, seed=args.seed + 1000)
+                               queries=args.queries, seed=args.seed + 1000, key_marker=args.key_marker)
     held_out = [eval_task.batch(1) for _ in range(args.eval_sequences)] if task is not None else []
     generator = torch.Generator().manual_seed(args.seed + 2)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)

@@ -10,7 +10,7 @@ the QUERY marker is the key. Key tokens never appear in the filler, so a model t
 >= distance tokens back can only guess (1 / num_keys).
 
 RecallTask (what `membar-train --demo` trains): the sequence opens with the key (one token,
-repeated key_tokens times), then `distance` independent random filler tokens, then `queries` + 1
+repeated to fill key_tokens tokens; with key_marker, as (KEY marker, key) pairs), then `distance` independent random filler tokens, then `queries` + 1
 QUERY markers. The first `queries` markers are each trained to predict the key (the keys of one
 batch are distinct, so favouring one key cannot lower a step's loss); the answer is
 never fed back into the input, so every answer must come from the opening, at least `distance`
@@ -100,10 +100,11 @@ class RecallBatch:
 class RecallTask:
     """The key opens the sequence; after `distance` filler tokens, `queries` questions ask for it."""
 
+    KEY_MARKER = 0
     QUERY_MARKER = 1
 
     def __init__(self, vocab_size: int, distance: int, num_keys: int = 8, key_tokens: int = 1,
-                 queries: int = 1, seed: int = 0):
+                 queries: int = 1, seed: int = 0, key_marker: bool = False):
         if num_keys < 2:
             raise ValueError(f"num_keys must be >= 2, got {num_keys}.")
         if vocab_size < 2 + num_keys + 8:
@@ -112,7 +113,9 @@ class RecallTask:
             raise ValueError(f"key_tokens, queries and distance must be >= 1, got {key_tokens}, {queries}, "
                              f"{distance}.")
         self.vocab_size, self.distance, self.num_keys = vocab_size, distance, num_keys
-        self.key_tokens, self.queries = key_tokens, queries
+        if key_marker and key_tokens < 2:
+            raise ValueError(f"a key statement with KEY markers needs key_tokens >= 2, got {key_tokens}.")
+        self.key_tokens, self.queries, self.key_marker = key_tokens, queries, key_marker
         # The last key copy is at key_tokens - 1 and the first question at key_tokens + distance, so
         # every question is more than `distance` tokens after the key; one more QUERY marker at the
         # end carries the last answer's label.
@@ -128,6 +131,8 @@ class RecallTask:
         rounds = -(-size // self.num_keys)
         keys = torch.cat([torch.randperm(self.num_keys, generator=generator) for _ in range(rounds)])[:size] + 2
         input_ids[:, :self.key_tokens] = keys.unsqueeze(1)
+        if self.key_marker:
+            input_ids[:, 0:self.key_tokens:2] = self.KEY_MARKER
         first_query = self.key_tokens + self.distance
         input_ids[:, first_query:] = self.QUERY_MARKER
         labels = torch.full_like(input_ids, IGNORE_INDEX)
