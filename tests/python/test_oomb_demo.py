@@ -41,6 +41,18 @@ def test_recall_task_layout():
     assert all(keys.count(key) == 2 for key in range(2, 10))
 
 
+def test_recall_task_with_key_markers_states_the_key_in_pairs():
+    task = RecallTask(vocab_size=64, distance=200, num_keys=4, key_tokens=6, queries=2, seed=3, key_marker=True)
+    batch = task.batch(4)
+    for row in range(4):
+        ids = batch.input_ids[row]
+        assert (ids[0:6:2] == RecallTask.KEY_MARKER).all()
+        assert (ids[1:6:2] == batch.keys[row]).all()
+        assert not (ids[6:] == RecallTask.KEY_MARKER).any()
+    with pytest.raises(ValueError, match="key_tokens >= 2"):
+        RecallTask(vocab_size=64, distance=100, key_tokens=1, key_marker=True)
+
+
 def test_recall_task_rejects_bad_arguments():
     with pytest.raises(ValueError, match="num_keys"):
         RecallTask(vocab_size=64, distance=100, num_keys=1)
@@ -98,3 +110,18 @@ def test_window_that_misses_the_question_is_rejected():
     batch = RecallTask(64, distance=100, num_keys=8, key_tokens=2, queries=4, seed=0).batch(1)
     with pytest.raises(ValueError, match="does not reach the question"):
         passkey_accuracy(trainer, None, 1, window=3, batches=[batch])
+
+
+def test_cli_recall_task_reports_whole_and_window_accuracy(capsys):
+    from membar.train import run
+
+    summary = run(["--model", "tiny-qwen2", "--task", "recall", "--distance", "150", "--key-tokens", "8",
+                   "--queries", "4", "--key-marker", "--num-keys", "4", "--chunk", "64", "--page-tokens", "32",
+                   "--steps", "2", "--batch", "2", "--window", "64", "--eval-sequences", "4", "--no-progress",
+                   "--store", "tensor"])
+    assert summary["seq_len"] == 8 + 150 + 4 + 1
+    assert summary["steps_run"] == 2
+    assert 0.0 <= summary["accuracy"] <= 1.0 and 0.0 <= summary["window_accuracy"] <= 1.0
+    assert summary["chance"] == 0.25
+    printed = capsys.readouterr().out
+    assert "only the last 64 tokens" in printed

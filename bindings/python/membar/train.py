@@ -121,7 +121,7 @@ def _demo_defaults(args):
     args.num_keys = 8
     args.key_tokens = 2048
     args.queries = 8
-    args.key_marker = True
+    args.key_marker = False
     args.chunk = 2048
     args.page_tokens = 64
     # Sparse attention (each tile of 128 queries sees its top 16 history pages of 64 tokens, plus its
@@ -231,10 +231,13 @@ def run(argv=None) -> dict:
                   "host_rss_bytes": stats["rss_bytes"], "pages_moved": stats["pages_moved"]}
         summary["steps"].append(record)
         recent = (recent + [loss])[-10:]
-        line = (f"step {step}: {'answer loss' if args.demo else 'loss'} {loss:.4f}  "
-                f"{stats['tokens_per_second']:,.0f} tok/s  "
-                f"peak GPU {_gib(record['peak_gpu_bytes'])}  host {_gib(record['host_rss_bytes'])}  "
-                f"pages moved {record['pages_moved']:,}")
+        if args.demo:
+            line = (f"step {step}: answer loss {loss:.3f}  ({time.monotonic() - started:.0f} s, "
+                    f"{stats['tokens_per_second']:,.0f} tok/s, host {_gib(record['host_rss_bytes'])})")
+        else:
+            line = (f"step {step}: loss {loss:.4f}  {stats['tokens_per_second']:,.0f} tok/s  "
+                    f"peak GPU {_gib(record['peak_gpu_bytes'])}  host {_gib(record['host_rss_bytes'])}  "
+                    f"pages moved {record['pages_moved']:,}")
         if bar is not None:
             bar.set_postfix(loss=f"{sum(recent) / len(recent):.3f}", tok_s=f"{stats['tokens_per_second']:,.0f}")
             bar.update(1)
