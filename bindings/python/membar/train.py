@@ -18,8 +18,8 @@ import time
 import torch
 
 
-# The demo's training steps: about 2.3 minutes on one core of an unloaded 2-core CPU (~2.7 s a step).
-DEMO_STEPS = 50
+# The demo's training steps: about 3 minutes on one core of an unloaded 2-core CPU (~2.7 s a step).
+DEMO_STEPS = 64
 
 
 def _parse(argv):
@@ -32,8 +32,8 @@ def _parse(argv):
                         help="passkey: retrieve a key placed --distance tokens back; recall: the key opens the "
                              "sequence, questions after --distance filler tokens end it; random: uniform tokens")
     parser.add_argument("--seq-len", type=int, default=8192, help="tokens per sequence")
-    parser.add_argument("--distance", type=int, default=None, help="passkey: minimum key-to-question distance")
-    parser.add_argument("--num-keys", type=int, default=16, help="passkey: number of distinct keys")
+    parser.add_argument("--distance", type=int, default=None, help="passkey/recall: minimum key-to-question distance")
+    parser.add_argument("--num-keys", type=int, default=16, help="passkey/recall: number of distinct keys")
     parser.add_argument("--key-repeats", type=int, default=1, help="passkey: (KEY marker, key) pairs stating the key")
     parser.add_argument("--key-tokens", type=int, default=1, help="recall: copies of the key opening the sequence")
     parser.add_argument("--queries", type=int, default=1, help="recall: questions at the end (each trained)")
@@ -108,12 +108,12 @@ def _make_trainer(args, model):
 def _demo_defaults(args):
     """The demo: recall a key stated at the start of the sequence, 16K tokens after it.
 
-    The task is the easiest long-range one (RecallTask): the key opens the sequence (DEMO_KEY_TOKENS
-    copies), DEMO_DISTANCE random filler tokens follow, then DEMO_QUERIES questions whose answers are
-    never in the input. The model ties its input and output embeddings, so "copy what the context
-    held" is one skill shared by all keys, and a large vocabulary makes the filler average out.
-    Each step trains 4 sequences with 4 different keys: with one key per step the model chases the
-    last key it saw and stays at chance for the whole budget (measured: 100 steps of batch 1).
+    The task is the easiest long-range one (RecallTask): the key opens the sequence (2048 copies),
+    16384 random filler tokens follow, then 8 questions whose answers are never in the input. The
+    model ties its input and output embeddings, so "copy what the context held" is one skill shared
+    by all keys, and a large vocabulary makes the filler average out. Each step trains 4 sequences
+    with 4 different keys: with one key per step the model chases the last key it saw and stayed
+    near chance (12-19% held-out accuracy after 30 dense steps at lr 1e-2 or 100 sparse at 3e-3).
     """
     args.model = "demo"
     args.task = "recall"
