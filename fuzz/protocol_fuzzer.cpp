@@ -28,6 +28,7 @@ void decode_payload_of(uint16_t type, std::span<const uint8_t> payload) {
     case v1::MessageType::kPing:
     case v1::MessageType::kPong: (void)v1::decode_ping(payload); break;
     case v1::MessageType::kError: (void)v1::decode_error(payload); break;
+    case v1::MessageType::kChannelGrant: (void)v1::decode_channel_notice(payload); break;
     case v1::MessageType::kStatsReply: (void)v1::decode_stats(payload); break;
     default: break;
   }

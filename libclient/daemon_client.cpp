@@ -25,6 +25,7 @@
 #include <mutex>
 #include <thread>
 
+#include "channel_table.h"
 #include "membar/protocol/ring.h"
 #include "membar/protocol/v1.h"
 #include "window.h"
@@ -280,6 +281,30 @@ class DaemonClient final : public Client {
     return v1::decode_stats(reply.payload);
   }
 
+  Result<Channel> create_channel(const std::string& name, uint64_t bytes) override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    v1::RequestV1 request = make_request(v1::Opcode::kCreateChannel);
+    request.argument = bytes;
+    MEMBAR_ASSIGN_OR_RETURN(Reply reply, call(request, as_bytes(name)));
+    return take_channel_grant(static_cast<uint32_t>(reply.value), /*owner=*/true);
+  }
+
+  Result<Channel> open_channel(const std::string& name) override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    MEMBAR_ASSIGN_OR_RETURN(Reply reply, call(make_request(v1::Opcode::kOpenChannel), as_bytes(name)));
+    return take_channel_grant(static_cast<uint32_t>(reply.value), /*owner=*/false);
+  }
+
+  Status close_channel(uint32_t handle) override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    ChannelTable::Entry entry;
+    MEMBAR_RETURN_IF_ERROR(channels_.remove(handle, &entry));
+    if (!entry.owner) return Status::Ok();
+    v1::RequestV1 request = make_request(v1::Opcode::kCloseChannel);
+    request.argument = entry.runtime_id;
+    return call(request).status();
+  }
+
   // A round trip through the ring that the daemon answers without touching the engine (latency
   // benchmark). Not part of membar::Client; reached through ring_round_trip() below.
   Status nop() {
@@ -406,12 +431,39 @@ class DaemonClient final : public Client {
         }
         return;
       }
+      case v1::MessageType::kChannelGrant: {
+        Result<v1::ChannelNoticeV1> notice = v1::decode_channel_notice(message.payload);
+        if (!notice.ok()) return note_window_error(notice.status());
+        channel_grants_[notice.value().channel] = std::move(message);
+        return;
+      }
       case v1::MessageType::kPong:
         return;
       default:
         mark_dead(unavailable("membard sent unexpected message type " + std::to_string(message.header.type)));
         return;
     }
+  }
+
+  static std::span<const uint8_t> as_bytes(const std::string& text) {
+    return std::span<const uint8_t>(reinterpret_cast<const uint8_t*>(text.data()), text.size());
+  }
+
+  // The channel's descriptor arrived on the socket before the completion (drained by call()).
+  Result<Channel> take_channel_grant(uint32_t runtime_id, bool owner) {
+    wire::ReceivedMessage grant;
+    {
+      std::lock_guard<std::mutex> socket_lock(socket_mutex_);
+      auto it = channel_grants_.find(runtime_id);
+      if (it == channel_grants_.end()) {
+        return internal_error("membard answered channel " + std::to_string(runtime_id) + " without its descriptor");
+      }
+      grant = std::move(it->second);
+      channel_grants_.erase(it);
+    }
+    MEMBAR_ASSIGN_OR_RETURN(v1::ChannelNoticeV1 notice, v1::decode_channel_notice(grant.payload));
+    return channels_.add(grant.fd.release(), runtime_id, notice.bytes, (notice.flags & v1::kChannelWritable) != 0,
+                         owner);
   }
 
   void note_window_error(const Status& status) {
@@ -522,6 +574,8 @@ class DaemonClient final : public Client {
   std::map<SpaceId, uint64_t> page_bytes_;
   volatile uint64_t* signal_words_ = nullptr;
   Status window_error_;
+  std::map<uint32_t, wire::ReceivedMessage> channel_grants_;  // guarded by socket_mutex_
+  ChannelTable channels_;                                       // guarded by mutex_
   std::atomic<bool> dead_{false};
   std::mutex dead_mutex_;
   Status dead_status_;

@@ -6,12 +6,15 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstring>
 #include <map>
 #include <mutex>
 #include <thread>
 
+#include "channel_table.h"
+#include "channels.h"
 #include "engine.h"
 #include "membar/client.h"
 #include "window.h"
@@ -24,9 +27,19 @@ namespace {
 
 using runtimed::Engine;
 
+// Every embedded client of this process shares one channel registry (there is no daemon), so a
+// channel created by one is found by the others; owners are numbered per process because each
+// embedded client has its own engine (and engine client ids repeat).
+runtimed::ChannelRegistry& process_channels() {
+  static runtimed::ChannelRegistry registry;
+  return registry;
+}
+std::atomic<ClientId> next_channel_owner{1};
+
 class EmbeddedClient final : public Client {
  public:
   ~EmbeddedClient() override {
+    process_channels().close_all(channel_owner_);
     if (engine_) {
       (void)engine_->client_close(id_);
       engine_.reset();
@@ -69,6 +82,7 @@ class EmbeddedClient final : public Client {
     auto client = std::unique_ptr<EmbeddedClient>(new EmbeddedClient());
     client->kind_ = kind;
     client->device_ = config.device;
+    client->host_pool_bytes_ = config.host_pool_bytes;
     EmbeddedClient* self = client.get();
     runtimed::ClientEvents events;
     events.frame_granted = [self](uint32_t window_frame, Tier tier, int fd) {
@@ -232,6 +246,32 @@ class EmbeddedClient final : public Client {
 
   Result<RuntimeStats> stats() override { return engine_->stats(id_); }
 
+  Result<Channel> create_channel(const std::string& name, uint64_t bytes) override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    MEMBAR_ASSIGN_OR_RETURN(runtimed::ChannelGrant grant,
+                            process_channels().create(channel_owner_, ::getuid(), name, bytes, host_pool_bytes_));
+    return channels_.add(grant.fd, grant.id, grant.bytes, grant.writable, /*owner=*/true);
+  }
+
+  Result<Channel> open_channel(const std::string& name) override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    Result<runtimed::ChannelGrant> grant = process_channels().open(::getuid(), name);
+    if (!grant.ok()) {
+      return Status(grant.status().code(), grant.status().message() +
+                                               "; this is an embedded runtime, which finds only channels created in "
+                                               "this process (start membard to share channels between processes)");
+    }
+    return channels_.add(grant.value().fd, grant.value().id, grant.value().bytes, grant.value().writable,
+                         /*owner=*/false);
+  }
+
+  Status close_channel(uint32_t handle) override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    ChannelTable::Entry entry;
+    MEMBAR_RETURN_IF_ERROR(channels_.remove(handle, &entry));
+    return entry.owner ? process_channels().close(channel_owner_, entry.runtime_id) : Status::Ok();
+  }
+
  private:
   EmbeddedClient() = default;
 
@@ -294,6 +334,9 @@ class EmbeddedClient final : public Client {
   uint64_t signal_bytes_ = 0;
   std::mutex window_error_mutex_;
   Status window_error_;
+  uint64_t host_pool_bytes_ = 0;
+  ClientId channel_owner_ = next_channel_owner.fetch_add(1);
+  ChannelTable channels_;  // guarded by mutex_
 #if defined(MEMBAR_WITH_CUDA)
   std::unique_ptr<StreamSignals> stream_signals_;
   uint64_t release_marker_ = 0;

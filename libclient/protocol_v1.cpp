@@ -30,6 +30,7 @@ uint32_t max_payload_bytes(MessageType type) {
     case MessageType::kPing: return sizeof(PingV1);
     case MessageType::kPong: return sizeof(PingV1);
     case MessageType::kError: return sizeof(ErrorV1);
+    case MessageType::kChannelGrant: return sizeof(ChannelNoticeV1);
   }
   return 0;
 }
@@ -38,7 +39,7 @@ uint32_t max_payload_bytes(MessageType type) {
 bool payload_size_is_fixed(MessageType type) { return type != MessageType::kStatsReply; }
 
 uint32_t expected_fd_count(MessageType type) {
-  return type == MessageType::kFrameGrant ? 1 : 0;
+  return type == MessageType::kFrameGrant || type == MessageType::kChannelGrant ? 1 : 0;
 }
 
 template <typename T>
@@ -333,6 +334,18 @@ Result<FrameNoticeV1> decode_frame_notice(std::span<const uint8_t> payload) {
   return notice;
 }
 
+Result<ChannelNoticeV1> decode_channel_notice(std::span<const uint8_t> payload) {
+  MEMBAR_ASSIGN_OR_RETURN(ChannelNoticeV1 notice, decode_fixed<ChannelNoticeV1>(payload, "channel notice"));
+  if ((notice.flags & ~kChannelWritable) != 0) {
+    return invalid_argument("channel notice has unknown flags " + std::to_string(notice.flags));
+  }
+  if (notice.channel == 0 || notice.bytes == 0 || notice.bytes > (64ull << 30)) {
+    return invalid_argument("channel notice names channel " + std::to_string(notice.channel) + " of " +
+                            std::to_string(notice.bytes) + " bytes");
+  }
+  return notice;
+}
+
 Result<ShutdownV1> decode_shutdown(std::span<const uint8_t> payload) {
   MEMBAR_ASSIGN_OR_RETURN(ShutdownV1 shutdown, decode_fixed<ShutdownV1>(payload, "shutdown"));
   if (!text_has_nul(shutdown.reason, sizeof(shutdown.reason))) {
@@ -382,7 +395,8 @@ Status validate_request(const RequestV1& request, uint64_t request_payload_capac
     return invalid_argument(name + ": payload of " + std::to_string(request.payload_bytes) +
                             " bytes exceeds the payload area (" + std::to_string(request_payload_capacity) + ")");
   }
-  bool takes_payload = op == Opcode::kCreateSpace || op == Opcode::kSetSchedule;
+  bool takes_payload = op == Opcode::kCreateSpace || op == Opcode::kSetSchedule ||
+                       op == Opcode::kCreateChannel || op == Opcode::kOpenChannel;
   if (!takes_payload && request.payload_bytes != 0) {
     return invalid_argument(name + ": takes no payload but announces " + std::to_string(request.payload_bytes) + " bytes");
   }
@@ -424,6 +438,21 @@ Status validate_request(const RequestV1& request, uint64_t request_payload_capac
     case Opcode::kNop: case Opcode::kDestroySpace: case Opcode::kStats:
       if (request.argument != 0) return invalid_argument(name + ": argument must be zero");
       break;
+    case Opcode::kCreateChannel:
+    case Opcode::kOpenChannel:
+      if (request.payload_bytes == 0 || request.payload_bytes > kMaxSpaceNameBytes) {
+        return invalid_argument(name + ": name must be 1.." + std::to_string(kMaxSpaceNameBytes) + " bytes");
+      }
+      if (op == Opcode::kCreateChannel && (request.argument == 0 || request.argument > (64ull << 30))) {
+        return invalid_argument("create_channel: size " + std::to_string(request.argument) + " is not in [1, 64 GiB]");
+      }
+      if (op == Opcode::kOpenChannel && request.argument != 0) return invalid_argument(name + ": argument must be zero");
+      break;
+    case Opcode::kCloseChannel:
+      if (request.argument == 0 || request.argument > std::numeric_limits<uint32_t>::max()) {
+        return invalid_argument("close_channel: channel id " + std::to_string(request.argument) + " is not valid");
+      }
+      break;
     default:
       break;
   }
@@ -456,6 +485,9 @@ std::string_view opcode_name(uint16_t opcode) {
     case Opcode::kAdvance: return "advance";
     case Opcode::kLocations: return "locations";
     case Opcode::kStats: return "stats";
+    case Opcode::kCreateChannel: return "create_channel";
+    case Opcode::kOpenChannel: return "open_channel";
+    case Opcode::kCloseChannel: return "close_channel";
   }
   return "unknown_opcode";
 }

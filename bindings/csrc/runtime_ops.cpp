@@ -283,6 +283,21 @@ class Runtime : public torch::CustomClassHolder {
 
   std::string stats() { return stats_json(take(client_->stats(), "stats")); }
 
+  // Channels (runtimed/channels.h): [handle, fd, bytes, writable]. The fd stays the client's
+  // (valid until close_channel); Python maps it again with mmap.
+  std::vector<int64_t> create_channel(std::string name, int64_t bytes) {
+    TORCH_CHECK(bytes > 0, "membar runtime create_channel: bytes must be positive, got ", bytes, ".");
+    return channel_answer(take(client_->create_channel(name, uint64_t(bytes)), "create_channel"));
+  }
+  std::vector<int64_t> open_channel(std::string name) {
+    return channel_answer(take(client_->open_channel(name), "open_channel"));
+  }
+  void close_channel(int64_t handle) {
+    TORCH_CHECK(handle > 0 && handle <= int64_t(UINT32_MAX), "membar runtime close_channel: no channel handle ",
+                handle, ".");
+    check_ok(client_->close_channel(uint32_t(handle)), "close_channel");
+  }
+
   int64_t window_pointer() const { return int64_t(reinterpret_cast<uintptr_t>(client_->window_base())); }
   int64_t window_bytes() const { return int64_t(client_->window_bytes()); }
 
@@ -330,6 +345,10 @@ class Runtime : public torch::CustomClassHolder {
   }
 
  private:
+  static std::vector<int64_t> channel_answer(const Channel& channel) {
+    return {int64_t(channel.handle), int64_t(channel.fd), int64_t(channel.bytes), channel.writable ? 1 : 0};
+  }
+
   uint64_t page_bytes_of(int64_t space) {
     std::lock_guard<std::mutex> lock(mutex_);
     auto it = page_bytes_.find(SpaceId(space));
@@ -368,6 +387,9 @@ TORCH_LIBRARY_FRAGMENT(membar, m) {
       .def("stream_wait", &Runtime::stream_wait)
       .def("stream_release", &Runtime::stream_release)
       .def("stats", &Runtime::stats)
+      .def("create_channel", &Runtime::create_channel)
+      .def("open_channel", &Runtime::open_channel)
+      .def("close_channel", &Runtime::close_channel)
       .def("window_pointer", &Runtime::window_pointer)
       .def("window_bytes", &Runtime::window_bytes)
       .def("pool", &Runtime::pool)

@@ -104,6 +104,7 @@ class ServerImpl final : public Server {
 
   ServerConfig config_;
   std::unique_ptr<Engine> engine_;
+  ChannelRegistry channels_;  // Note [Channels]
   uv_loop_t loop_{};
   uv_pipe_t listener_{};
   uv_async_t wakeup_{};
@@ -457,7 +458,7 @@ void ServerImpl::handle_hello(Connection& connection, const v1::HelloV1& hello) 
   ClientId id = connection.client;
   Connection* raw = &connection;
   connection.ring = std::make_unique<RingServer>(
-      *engine_, id, connection.segment, channel, RingServerConfig{config_.ring_spin_us},
+      *engine_, id, connection.segment, channel, RingServerConfig{config_.ring_spin_us, &channels_, connection.uid},
       [this, raw](std::string why) {
         {
           std::lock_guard<std::mutex> lock(raw->violation_mutex);
@@ -497,6 +498,7 @@ void ServerImpl::close_connection(Connection& connection, const std::string& rea
   // Close the channel first: the engine's revocations during client_close go nowhere.
   if (connection.channel) connection.channel->close();
   if (connection.client_open) {
+    channels_.close_all(connection.client);
     uint64_t start = protocol::monotonic_ns();
     Status closed = engine_->client_close(connection.client);
     if (!closed.ok()) spdlog::error("client {}: close failed: {}", connection.client, closed.to_string());

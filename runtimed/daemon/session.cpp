@@ -1,6 +1,7 @@
 #include "session.h"
 
 #include <sched.h>
+#include <unistd.h>
 
 #include <spdlog/spdlog.h>
 
@@ -250,6 +251,43 @@ void RingServer::handle(const v1::RequestV1& request) {
       if (stats.ok()) response = v1::encode_stats(stats.value());
       break;
     }
+    case v1::Opcode::kCreateChannel:
+    case v1::Opcode::kOpenChannel: {
+      if (config_.channels == nullptr) {
+        status = unimplemented("this membard serves no channels");
+        break;
+      }
+      std::string name(request_payload_.begin(), request_payload_.end());
+      Result<ChannelGrant> grant = Status::Ok();
+      if (request.opcode == static_cast<uint16_t>(v1::Opcode::kCreateChannel)) {
+        Result<uint32_t> host_frames = engine_.client_window_frames(client_, Tier::kHost);
+        uint64_t limit = host_frames.ok() ? uint64_t{host_frames.value()} * kFrameBytes : 0;
+        grant = config_.channels->create(client_, config_.uid, name, request.argument, limit);
+      } else {
+        grant = config_.channels->open(config_.uid, name);
+      }
+      status = grant.status();
+      if (!grant.ok()) break;
+      // The descriptor travels before the completion (Note [Two channels]).
+      v1::ChannelNoticeV1 notice{grant.value().id, grant.value().writable ? v1::kChannelWritable : 0u,
+                                 grant.value().bytes};
+      status = channel_->send(v1::MessageType::kChannelGrant, notice, grant.value().fd);
+      ::close(grant.value().fd);
+      if (!status.ok()) {
+        if (request.opcode == static_cast<uint16_t>(v1::Opcode::kCreateChannel)) {
+          (void)config_.channels->close(client_, grant.value().id);
+        }
+        break;
+      }
+      completion.value = grant.value().id;
+      spdlog::debug("client {}: {} channel '{}' ({} bytes)", client_, v1::opcode_name(request.opcode), name,
+                    grant.value().bytes);
+      break;
+    }
+    case v1::Opcode::kCloseChannel:
+      status = config_.channels == nullptr ? unimplemented("this membard serves no channels")
+                                           : config_.channels->close(client_, static_cast<uint32_t>(request.argument));
+      break;
   }
   if (!status.ok()) {
     complete_error(request, status);

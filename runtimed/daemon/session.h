@@ -12,6 +12,7 @@
 #include <thread>
 #include <type_traits>
 
+#include "channels.h"
 #include "engine.h"
 #include "membar/protocol/ring.h"
 #include "membar/protocol/v1.h"
@@ -55,6 +56,8 @@ class SessionChannel {
 
 struct RingServerConfig {
   uint32_t spin_us = 50;
+  ChannelRegistry* channels = nullptr;  // the daemon's (null: channel requests fail UNIMPLEMENTED)
+  uint32_t uid = 0;                      // the client's, for channel visibility
 };
 
 // The thread serving one client's request ring. Started after the segment exists; stop() joins.

@@ -6,6 +6,7 @@
 #include <netinet/in.h>
 #include <poll.h>
 #include <signal.h>
+#include <sys/mman.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
@@ -396,6 +397,74 @@ TEST_F(DaemonTest, SigtermShutsDownCleanlyAndTellsClients) {
   struct stat info {};
   EXPECT_NE(::stat(socket_path_.c_str(), &info), 0) << "the socket should be removed";
   EXPECT_NE(daemon_.output().find("shutting down"), std::string::npos);
+}
+
+TEST_F(DaemonTest, ChannelsCarryBytesToReadersInOtherProcessesAndEndWithTheirCreator) {
+  start_daemon();
+  auto publisher = connect_client("publisher");
+  ASSERT_TRUE(publisher);
+  constexpr uint64_t kBytes = 3 << 20;
+  auto channel = publisher->create_channel("policy.sync", kBytes);
+  ASSERT_TRUE(channel.ok()) << channel.status().to_string();
+  ASSERT_TRUE(channel.value().writable);
+  ASSERT_EQ(channel.value().bytes, kBytes);
+  auto* words = static_cast<uint64_t*>(channel.value().data);
+  for (uint64_t i = 0; i < kBytes / 8; ++i) ASSERT_EQ(words[i], 0u) << "channels start zero-filled";
+  for (uint64_t i = 0; i < kBytes / 8; ++i) words[i] = i * 0x9E3779B97F4A7C15ull;
+
+  // A reader in another process (its own connection) sees every byte, and cannot write.
+  pid_t child = ::fork();
+  if (child == 0) {
+    ConnectOptions options;
+    options.client_name = "reader";
+    auto reader = connect_daemon(socket_path_, options);
+    if (!reader.ok()) ::_exit(10);
+    auto opened = reader.value()->open_channel("policy.sync");
+    if (!opened.ok() || opened.value().writable || opened.value().bytes != kBytes) ::_exit(11);
+    const auto* seen = static_cast<const uint64_t*>(opened.value().data);
+    for (uint64_t i = 0; i < kBytes / 8; ++i) {
+      if (seen[i] != i * 0x9E3779B97F4A7C15ull) ::_exit(12);
+    }
+    void* writable = ::mmap(nullptr, kBytes, PROT_READ | PROT_WRITE, MAP_SHARED, opened.value().fd, 0);
+    if (writable != MAP_FAILED) ::_exit(13);
+    // Names that do not exist are a clear NOT_FOUND; creating a taken name is ALREADY_EXISTS.
+    if (reader.value()->open_channel("policy.none").status().code() != StatusCode::NOT_FOUND) ::_exit(14);
+    if (reader.value()->create_channel("policy.sync", 4096).status().code() != StatusCode::ALREADY_EXISTS) ::_exit(15);
+    ::_exit(0);
+  }
+  ASSERT_GT(child, 0);
+  int child_status = 0;
+  ASSERT_EQ(::waitpid(child, &child_status, 0), child);
+  ASSERT_TRUE(WIFEXITED(child_status));
+  EXPECT_EQ(WEXITSTATUS(child_status), 0) << "reader failed at step " << WEXITSTATUS(child_status);
+
+  // A reader that keeps its mapping sees later writes too (same memory, no copies).
+  auto reader = connect_client("reader2");
+  ASSERT_TRUE(reader);
+  auto opened = reader->open_channel("policy.sync");
+  ASSERT_TRUE(opened.ok()) << opened.status().to_string();
+  words[7] = 77;
+  EXPECT_EQ(static_cast<const uint64_t*>(opened.value().data)[7], 77u);
+
+  // Bad sizes and names get clear errors; the daemon keeps serving.
+  EXPECT_EQ(publisher->create_channel("", 4096).status().code(), StatusCode::INVALID_ARGUMENT);
+  EXPECT_EQ(publisher->create_channel("zero", 0).status().code(), StatusCode::INVALID_ARGUMENT);
+  EXPECT_EQ(publisher->create_channel("huge", 1ull << 40).status().code(), StatusCode::INVALID_ARGUMENT);
+  EXPECT_EQ(publisher->create_channel("over.quota", 512ull << 20).status().code(), StatusCode::RESOURCE_EXHAUSTED);
+  EXPECT_EQ(reader->close_channel(9999).code(), StatusCode::NOT_FOUND);
+
+  // The creator goes away: its name is dropped, an existing mapping still reads the last bytes.
+  publisher.reset();
+  auto start = Clock::now();
+  Status reopened;
+  while (seconds_since(start) < 2) {
+    reopened = reader->open_channel("policy.sync").status();
+    if (reopened.code() == StatusCode::NOT_FOUND) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  EXPECT_EQ(reopened.code(), StatusCode::NOT_FOUND) << reopened.to_string();
+  EXPECT_EQ(static_cast<const uint64_t*>(opened.value().data)[7], 77u);
+  EXPECT_TRUE(reader->close_channel(opened.value().handle).ok());
 }
 
 TEST_F(DaemonTest, AClientCannotReachAnotherClientsPages) {

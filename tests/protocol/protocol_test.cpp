@@ -147,6 +147,42 @@ TEST(SmallMessages, RejectBadTierErrorStatusAndText) {
   EXPECT_FALSE(decode_shutdown(bytes_of(shutdown)).ok());
 }
 
+TEST(Channels, NoticesAndRequestsRejectBadFields) {
+  ChannelNoticeV1 notice{4, kChannelWritable, 1 << 20};
+  ASSERT_TRUE(decode_channel_notice(bytes_of(notice)).ok());
+  auto message = encode_message(MessageType::kChannelGrant, notice, 1);
+  auto header = decode_message_header(message);
+  ASSERT_TRUE(header.ok()) << header.status().to_string();
+  EXPECT_EQ(header.value().fd_count, 1u);
+  EXPECT_FALSE(decode_message_header(encode_message(MessageType::kChannelGrant, notice, 0)).ok())
+      << "a channel grant without its descriptor is malformed";
+  for (ChannelNoticeV1 bad : {ChannelNoticeV1{4, 2, 1 << 20}, ChannelNoticeV1{0, 0, 1 << 20}, ChannelNoticeV1{4, 0, 0},
+                              ChannelNoticeV1{4, 0, 1ull << 40}}) {
+    EXPECT_FALSE(decode_channel_notice(bytes_of(bad)).ok()) << bad.channel << " " << bad.flags << " " << bad.bytes;
+  }
+  RequestV1 create{};
+  create.opcode = static_cast<uint16_t>(Opcode::kCreateChannel);
+  create.payload_bytes = 4;
+  EXPECT_FALSE(validate_request(create, 4096).ok()) << "size 0";
+  create.argument = 1ull << 40;
+  EXPECT_FALSE(validate_request(create, 4096).ok()) << "over 64 GiB";
+  create.argument = 4096;
+  create.payload_bytes = 0;
+  EXPECT_FALSE(validate_request(create, 4096).ok()) << "no name";
+  create.payload_bytes = 64;
+  EXPECT_FALSE(validate_request(create, 4096).ok()) << "name too long";
+  RequestV1 open{};
+  open.opcode = static_cast<uint16_t>(Opcode::kOpenChannel);
+  open.payload_bytes = 3;
+  open.argument = 5;
+  EXPECT_FALSE(validate_request(open, 4096).ok()) << "open takes no argument";
+  RequestV1 close{};
+  close.opcode = static_cast<uint16_t>(Opcode::kCloseChannel);
+  EXPECT_FALSE(validate_request(close, 4096).ok()) << "channel 0";
+  close.argument = 1ull << 33;
+  EXPECT_FALSE(validate_request(close, 4096).ok()) << "id beyond 32 bits";
+}
+
 TEST(Text, CopyTruncatesAndTerminates) {
   char field[8];
   copy_text(field, sizeof(field), "abcdefghijkl");
@@ -188,6 +224,16 @@ TEST(Request, AcceptsValidRequestsOfEveryOpcode) {
         request.argument = 7;
         break;
       case Opcode::kNop: case Opcode::kDestroySpace: case Opcode::kStats:
+        break;
+      case Opcode::kCreateChannel:
+        request.argument = 1 << 20;
+        request.payload_bytes = 4;
+        break;
+      case Opcode::kOpenChannel:
+        request.payload_bytes = 4;
+        break;
+      case Opcode::kCloseChannel:
+        request.argument = 3;
         break;
       default:
         request.page_count = 1;

@@ -164,3 +164,69 @@ def test_same_api_through_a_daemon(tmp_path):
     finally:
         daemon.terminate()
         daemon.wait(timeout=10)
+
+
+def test_channels_in_one_process_embedded():
+    import numpy as np
+    writer = embedded()
+    reader = embedded()
+    channel = writer.create_channel("pytest.embedded", 1 << 16)
+    assert channel.writable and channel.nbytes == 1 << 16
+    words = np.frombuffer(channel.buffer, dtype=np.uint64)
+    assert not words.any(), "channels start zero-filled"
+    expected = np.random.default_rng(5).integers(0, 2**63, size=words.size, dtype=np.uint64)
+    words[:] = expected
+    opened = reader.open_channel("pytest.embedded")
+    seen = np.frombuffer(opened.buffer, dtype=np.uint64)
+    assert not opened.writable and np.array_equal(seen, expected)
+    with pytest.raises(TypeError):
+        opened.buffer[0] = 1  # read-only for openers
+    with pytest.raises(RuntimeError, match="ALREADY_EXISTS"):
+        writer.create_channel("pytest.embedded", 4096)
+    with pytest.raises(RuntimeError, match="NOT_FOUND"):
+        reader.open_channel("pytest.nobody")
+    del words, seen
+    opened.close()
+    channel.close()
+    with pytest.raises(RuntimeError, match="NOT_FOUND"):
+        reader.open_channel("pytest.embedded")
+
+
+_CHANNEL_READER = """
+import sys, numpy as np
+from membar.runtime import Runtime
+rt = Runtime.connect(socket=sys.argv[1], embedded=False, name="reader")
+channel = rt.open_channel("pytest.daemon")
+words = np.frombuffer(channel.buffer, dtype=np.uint64)
+expected = np.arange(words.size, dtype=np.uint64) * np.uint64(2654435761)
+print("match" if np.array_equal(words, expected) else "differ", channel.writable)
+"""
+
+
+@pytest.mark.skipif(_membard() is None, reason="membard is not built (set MEMBAR_BUILD_DIR)")
+def test_channels_reach_another_process_through_a_daemon(tmp_path):
+    import subprocess
+    import sys
+    import time
+    import numpy as np
+
+    socket = tmp_path / "membard.sock"
+    daemon = subprocess.Popen([str(_membard()), "--backend", "host", "--socket", str(socket), "--gpu-pool", "16MiB",
+                               "--host-pool", "64MiB", "--foreground", "--log-level", "warn"])
+    try:
+        for _ in range(200):
+            if socket.exists():
+                break
+            time.sleep(0.02)
+        rt = Runtime.connect(socket=str(socket), embedded=False, name="writer")
+        channel = rt.create_channel("pytest.daemon", 1 << 20)
+        words = np.frombuffer(channel.buffer, dtype=np.uint64)
+        words[:] = np.arange(words.size, dtype=np.uint64) * np.uint64(2654435761)
+        answer = subprocess.run([sys.executable, "-c", _CHANNEL_READER, str(socket)], capture_output=True, text=True,
+                                timeout=60)
+        assert answer.stdout.split() == ["match", "False"], answer.stderr
+        del words
+        channel.close()
+    finally:
+        daemon.terminate()
+        daemon.wait(timeout=10)

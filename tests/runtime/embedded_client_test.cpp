@@ -1,7 +1,10 @@
 // The embedded client end to end on the host backend: random acquire / release / offload /
 // prefetch / free / host-access cycles from several threads with every page's contents
 // checksummed, under GPU pressure (evictions, mixed page sizes, frame retyping).
+#include <sys/mman.h>
+
 #include <atomic>
+#include <cstring>
 #include <random>
 #include <thread>
 
@@ -70,6 +73,44 @@ TEST(EmbeddedClient, BasicsOnTheHostBackend) {
   EXPECT_EQ(stats.value().clients.at(0).bytes_gpu_to_host, 16u * (128 << 10));
   ASSERT_TRUE(client->destroy_space(space.value()).ok());
   EXPECT_EQ(client->acquire({space.value(), 0, 1}, 0).status().code(), StatusCode::NOT_FOUND);
+}
+
+TEST(EmbeddedClient, ChannelsAreSharedInsideTheProcessAndReadOnlyForOpeners) {
+  EmbeddedConfig config;
+  config.backend = BackendKind::kHost;
+  config.gpu_pool_bytes = 8ull << 20;
+  config.host_pool_bytes = 16ull << 20;
+  auto publisher = make_embedded_client(config);
+  auto reader = make_embedded_client(config);
+  ASSERT_TRUE(publisher.ok() && reader.ok());
+  auto channel = publisher.value()->create_channel("embedded.sync", 1 << 20);
+  ASSERT_TRUE(channel.ok()) << channel.status().to_string();
+  std::mt19937_64 random(42);
+  std::vector<uint64_t> expected(channel.value().bytes / 8);
+  for (uint64_t& word : expected) word = random();
+  std::memcpy(channel.value().data, expected.data(), channel.value().bytes);
+
+  auto opened = reader.value()->open_channel("embedded.sync");
+  ASSERT_TRUE(opened.ok()) << opened.status().to_string();
+  EXPECT_FALSE(opened.value().writable);
+  EXPECT_EQ(std::memcmp(opened.value().data, expected.data(), expected.size() * 8), 0);
+  EXPECT_EQ(::mmap(nullptr, 4096, PROT_WRITE, MAP_SHARED, opened.value().fd, 0), MAP_FAILED);
+
+  EXPECT_EQ(publisher.value()->create_channel("embedded.sync", 4096).status().code(), StatusCode::ALREADY_EXISTS);
+  EXPECT_EQ(publisher.value()->create_channel("big", 64ull << 20).status().code(), StatusCode::RESOURCE_EXHAUSTED);
+  auto missing = reader.value()->open_channel("nobody");
+  EXPECT_EQ(missing.status().code(), StatusCode::NOT_FOUND);
+  EXPECT_NE(missing.status().message().find("embedded"), std::string::npos) << missing.status().message();
+
+  // The creator's close drops the name; the reader's mapping keeps the bytes.
+  ASSERT_TRUE(publisher.value()->close_channel(channel.value().handle).ok());
+  EXPECT_EQ(reader.value()->open_channel("embedded.sync").status().code(), StatusCode::NOT_FOUND);
+  EXPECT_EQ(std::memcmp(opened.value().data, expected.data(), expected.size() * 8), 0);
+  EXPECT_EQ(publisher.value()->close_channel(channel.value().handle).code(), StatusCode::NOT_FOUND);
+  // The name is free again, and a destroyed client's channels go with it.
+  ASSERT_TRUE(publisher.value()->create_channel("embedded.sync", 4096).ok());
+  publisher.value().reset();
+  EXPECT_EQ(reader.value()->open_channel("embedded.sync").status().code(), StatusCode::NOT_FOUND);
 }
 
 TEST(EmbeddedClient, AskingForCudaWithoutCudaIsAClearError) {

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import math
+import mmap
 from dataclasses import dataclass
 from typing import Iterable, Optional, Sequence, Tuple, Union
 
@@ -32,7 +33,7 @@ import torch
 
 from . import ops as _ops  # noqa: F401  (loads the compiled library, which registers the class)
 
-__all__ = ["Runtime", "Space", "Acquired"]
+__all__ = ["Runtime", "Space", "Acquired", "Channel"]
 
 _KIB = 1 << 10
 _MIB = 1 << 20
@@ -54,6 +55,51 @@ class Acquired:
         """Blocks until the pages' contents are in place (copies done, zero fills done)."""
         self.runtime.wait(self.ticket)
         return self
+
+
+class Channel:
+    """A named shared-memory buffer made by the runtime (:meth:`Runtime.create_channel`): one
+    process writes it, processes of the same user on the same daemon read it
+    (:meth:`Runtime.open_channel`). ``buffer`` is a memoryview, writable for the creator and
+    read-only for openers (the memory is mapped read-only, so a reader cannot corrupt it).
+
+    A channel lives while its creator's Runtime is connected or until the creator calls
+    :meth:`close`; readers keep what they mapped (they see the last contents) but new opens fail.
+    With an embedded runtime only channels created in this process are found.
+    """
+
+    def __init__(self, runtime: "Runtime", name: str, answer: Sequence[int]):
+        handle, fd, nbytes, writable = (int(v) for v in answer)
+        self.runtime = runtime
+        self.name = name
+        self.handle = handle
+        self.nbytes = nbytes
+        self.writable = bool(writable)
+        protection = mmap.PROT_READ | (mmap.PROT_WRITE if self.writable else 0)
+        self._map = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=protection)
+        view = memoryview(self._map)
+        self.buffer = view if self.writable else view.toreadonly()
+        self._view = view
+
+    def close(self) -> None:
+        """Unmaps; the creator's close also drops the name. Views of ``buffer`` must be gone."""
+        if self._map is None:
+            return
+        self.buffer.release()
+        self._view.release()
+        self._map.close()
+        self._map = None
+        self.runtime._native.close_channel(self.handle)
+
+    def __enter__(self) -> "Channel":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        mode = "rw" if self.writable else "ro"
+        return f"Channel({self.name!r}, {self.nbytes} bytes, {mode})"
 
 
 class Space:
@@ -247,6 +293,14 @@ class Runtime:
         """Frames per tier, this client's pages by residency, bytes moved each way, prefetch
         hits / misses, evictions, stall time, and its spaces."""
         return json.loads(self._native.stats())
+
+    def create_channel(self, name: str, nbytes: int) -> Channel:
+        """A zero-filled channel of ``nbytes`` that this process writes (see :class:`Channel`)."""
+        return Channel(self, name, self._native.create_channel(str(name), int(nbytes)))
+
+    def open_channel(self, name: str) -> Channel:
+        """Maps an existing channel read-only; RuntimeError (NOT_FOUND) when there is none."""
+        return Channel(self, name, self._native.open_channel(str(name)))
 
     @property
     def window_pointer(self) -> int:

@@ -8,7 +8,10 @@
 //
 // Plain structs with fixed sizes and offsets, little-endian (every membar host is x86-64 or
 // aarch64 little-endian). Like NCCL's net_vN.h: a breaking change gets a v2.h, never a silent
-// edit of this file. No CUDA, Boost or libuv here; the encode/decode/validate functions are
+// edit of this file. Additions keep the version: new message types and opcodes are appended
+// (numbers never reused, existing structs never change), and a peer that predates one answers it
+// with INVALID_ARGUMENT ("unknown opcode"), a clear error rather than a misreading. Added since
+// the first release: kChannelGrant; kCreateChannel, kOpenChannel, kCloseChannel. No CUDA, Boost or libuv here; the encode/decode/validate functions are
 // implemented in libclient/protocol_v1.cpp, which depends on nothing but the standard library
 // and membar/status.h, so it can be fuzzed on its own (fuzz/protocol_fuzzer.cpp).
 //
@@ -63,9 +66,10 @@ enum class MessageType : uint16_t {
   kPing = 9,          // admin or client -> daemon: PingV1
   kPong = 10,         // daemon -> admin or client: PingV1 (same nonce)
   kError = 11,        // daemon -> peer: ErrorV1, then the daemon closes the connection
+  kChannelGrant = 12, // daemon -> client: ChannelNoticeV1 (+1 fd, the channel's memory)
 };
 inline constexpr uint16_t kFirstMessageType = 1;
-inline constexpr uint16_t kLastMessageType = 11;
+inline constexpr uint16_t kLastMessageType = 12;
 
 struct MessageHeaderV1 {
   uint32_t magic;          // kMagic
@@ -119,6 +123,16 @@ struct FrameNoticeV1 {
   uint8_t reserved[3];
 };
 static_assert(sizeof(FrameNoticeV1) == 8, "fixed wire size");
+
+// A channel (runtimed/channels.h, Note [Channels]) the client created or opened; sent before
+// the completion of the kCreateChannel / kOpenChannel request it answers.
+inline constexpr uint32_t kChannelWritable = 1u << 0;
+struct ChannelNoticeV1 {
+  uint32_t channel;        // the daemon's channel id (the completion's value)
+  uint32_t flags;          // kChannelWritable for the creator
+  uint64_t bytes;
+};
+static_assert(sizeof(ChannelNoticeV1) == 16, "fixed wire size");
 
 struct ShutdownV1 {
   char reason[kMessageBytes];
@@ -207,9 +221,12 @@ enum class Opcode : uint16_t {
   kAdvance = 12,       // argument: step
   kLocations = 13,     // range -> payload: locations (GPU window)
   kStats = 14,         // -> payload: encoded RuntimeStats of this client
+  kCreateChannel = 15, // payload: name; argument: bytes -> value: channel id (+ kChannelGrant)
+  kOpenChannel = 16,   // payload: name -> value: channel id (+ kChannelGrant, read-only)
+  kCloseChannel = 17,  // argument: channel id (one this client created)
 };
 inline constexpr uint16_t kFirstOpcode = 1;
-inline constexpr uint16_t kLastOpcode = 14;
+inline constexpr uint16_t kLastOpcode = 17;
 
 inline constexpr uint32_t kReleaseDirty = 1u << 0;
 
@@ -288,6 +305,7 @@ Result<MessageHeaderV1> decode_message_header(std::span<const uint8_t> bytes);
 Result<HelloV1> decode_hello(std::span<const uint8_t> payload);
 Result<HelloReplyV1> decode_hello_reply(std::span<const uint8_t> payload);
 Result<FrameNoticeV1> decode_frame_notice(std::span<const uint8_t> payload);
+Result<ChannelNoticeV1> decode_channel_notice(std::span<const uint8_t> payload);
 Result<ShutdownV1> decode_shutdown(std::span<const uint8_t> payload);
 Result<PingV1> decode_ping(std::span<const uint8_t> payload);
 Result<ErrorV1> decode_error(std::span<const uint8_t> payload);

@@ -52,6 +52,16 @@ struct Acquired {
                                        // pointers on CUDA, host pointers on the host backend)
 };
 
+// A channel (runtimed/channels.h, Note [Channels]): a named shared-memory buffer that one
+// client writes and other processes of the same user (on the same daemon) read.
+struct Channel {
+  uint32_t handle = 0;     // this client's handle, for close_channel
+  void* data = nullptr;    // mapped in this process: read-write for the creator, read-only for openers
+  uint64_t bytes = 0;
+  bool writable = false;
+  int fd = -1;             // the mapping's descriptor, owned by the Client until close_channel
+};
+
 class Client {
  public:
   virtual ~Client() = default;
@@ -109,6 +119,16 @@ class Client {
   virtual Result<std::vector<PageLocation>> locations(PageRange range) = 0;
 
   virtual Result<RuntimeStats> stats() = 0;
+
+  // Channels. create_channel makes a zero-filled channel of `bytes` (counted against the host
+  // quota) under a name unique on the daemon (ALREADY_EXISTS otherwise); open_channel maps an
+  // existing one read-only (NOT_FOUND when no channel of that name is visible: another user's,
+  // closed, or its creator gone). With an embedded runtime only channels created in this process
+  // are found. close_channel unmaps; the creator's close also drops the name (mappings other
+  // processes hold stay valid). Destroying the Client closes its channels. Blocks (one round trip).
+  virtual Result<Channel> create_channel(const std::string& name, uint64_t bytes) = 0;
+  virtual Result<Channel> open_channel(const std::string& name) = 0;
+  virtual Status close_channel(uint32_t handle) = 0;
 };
 
 // Connects to a daemon or starts an embedded runtime (see the header comment).
