@@ -3,10 +3,12 @@
 // schemas with TORCH_LIBRARY_IMPL(membar, CUDA, m) in cuda/.
 //
 //   paged_attention_forward(q, k_chunk, v_chunk, k_pool, k_page_index, v_pool, v_page_index,
-//       history_tokens, softmax_scale, selected_pages?, query_tile_tokens) -> (out, lse)
+//       history_tokens, softmax_scale, selected_pages?, query_tile_tokens, attend_chunk) -> (out, lse)
 //   paged_attention_backward(..., out, dout, lse, dk_pool!, dk_page_index, dv_pool!,
-//       dv_page_index, ...) -> (dq, dk_chunk, dv_chunk); ADDS the history's dK/dV into the
-//       grad pools in place.
+//       dv_page_index, ..., deterministic, attend_chunk) -> (dq, dk_chunk, dv_chunk); ADDS the
+//       history's dK/dV into the grad pools in place. attend_chunk=False: the queries attend only
+//       the history (Note [Blocked history] in membar/kernels/attention.h); dk_chunk/dv_chunk
+//       are then zeros.
 //   page_summary(k_pool, k_page_index, history_tokens, with_bounds) -> (mean, min?, max?)
 //   page_select(q, mean, min?, max?, top_k, query_tile_tokens) -> selected_pages
 #include "attention_ops.h"
@@ -114,7 +116,7 @@ ForwardCall prepare_forward(const at::Tensor& q, const at::Tensor& k_chunk, cons
                             const at::Tensor& k_pool, const at::Tensor& k_page_index, const at::Tensor& v_pool,
                             const at::Tensor& v_page_index, int64_t history_tokens, double softmax_scale,
                             const std::optional<at::Tensor>& selected_pages, int64_t query_tile_tokens,
-                            bool check_index_values) {
+                            bool attend_chunk, bool check_index_values) {
   check_dims(q, 3, "q", "[chunk_tokens, q_heads, head_dim]");
   check_dims(k_chunk, 3, "k_chunk", "[chunk_tokens, kv_heads, head_dim]");
   check_dims(v_chunk, 3, "v_chunk", "[chunk_tokens, kv_heads, head_dim]");
@@ -148,6 +150,7 @@ ForwardCall prepare_forward(const at::Tensor& q, const at::Tensor& k_chunk, cons
   shape.head_dim = checked_int32(q.size(2), "head_dim");
   shape.softmax_scale = static_cast<float>(softmax_scale);
   shape.dtype = kernel_dtype;
+  shape.attend_chunk = attend_chunk;
   const char* problem = k::paged_attention_check_shape(shape);
   TORCH_CHECK(problem[0] == '\0', "paged attention: ", problem, " (q ", q.sizes(), ", k_chunk ", k_chunk.sizes(),
               ", k_pool ", k_pool.sizes(), ", history_tokens ", history_tokens, ").");
@@ -201,10 +204,11 @@ BackwardCall prepare_backward(const at::Tensor& q, const at::Tensor& k_chunk, co
                               const at::Tensor& lse, const at::Tensor& dk_pool, const at::Tensor& dk_page_index,
                               const at::Tensor& dv_pool, const at::Tensor& dv_page_index, int64_t history_tokens,
                               double softmax_scale, const std::optional<at::Tensor>& selected_pages,
-                              int64_t query_tile_tokens, bool deterministic, bool check_index_values) {
+                              int64_t query_tile_tokens, bool deterministic, bool attend_chunk,
+                              bool check_index_values) {
   BackwardCall call;
   call.forward = prepare_forward(q, k_chunk, v_chunk, k_pool, k_page_index, v_pool, v_page_index, history_tokens,
-                                 softmax_scale, selected_pages, query_tile_tokens, check_index_values);
+                                 softmax_scale, selected_pages, query_tile_tokens, attend_chunk, check_index_values);
   // The forward's own outputs are not needed.
   call.forward.out = at::Tensor();
   call.forward.lse = at::Tensor();
@@ -241,8 +245,10 @@ BackwardCall prepare_backward(const at::Tensor& q, const at::Tensor& k_chunk, co
   call.dout = dout.contiguous();
   call.lse = lse.contiguous();
   call.dq = at::empty_like(call.forward.q);
-  call.dk_chunk = at::empty_like(call.forward.k_chunk);
-  call.dv_chunk = at::empty_like(call.forward.v_chunk);
+  // Without attend_chunk the chunk's keys get no gradient from this call: zeros, which the
+  // kernel never sees (it takes null dk_chunk/dv_chunk then).
+  call.dk_chunk = attend_chunk ? at::empty_like(call.forward.k_chunk) : at::zeros_like(call.forward.k_chunk);
+  call.dv_chunk = attend_chunk ? at::empty_like(call.forward.v_chunk) : at::zeros_like(call.forward.v_chunk);
 
   k::PagedAttentionBackwardParams& p = call.params;
   const k::PagedAttentionForwardParams& f = call.forward.params;
@@ -256,8 +262,8 @@ BackwardCall prepare_backward(const at::Tensor& q, const at::Tensor& k_chunk, co
   p.dout = call.dout.data_ptr();
   p.lse = call.lse.data_ptr();
   p.dq = call.dq.data_ptr();
-  p.dk_chunk = call.dk_chunk.data_ptr();
-  p.dv_chunk = call.dv_chunk.data_ptr();
+  p.dk_chunk = attend_chunk ? call.dk_chunk.data_ptr() : nullptr;
+  p.dv_chunk = attend_chunk ? call.dv_chunk.data_ptr() : nullptr;
   p.grad_history.dk_pool = dk_pool.data_ptr();
   p.grad_history.dk_page_index = dk_page_index.data_ptr<int32_t>();
   p.grad_history.dv_pool = dv_pool.data_ptr();
@@ -365,10 +371,11 @@ std::tuple<at::Tensor, at::Tensor> forward_cpu(const at::Tensor& q, const at::Te
                                                const at::Tensor& v_pool, const at::Tensor& v_page_index,
                                                int64_t history_tokens, double softmax_scale,
                                                const std::optional<at::Tensor>& selected_pages,
-                                               int64_t query_tile_tokens) {
+                                               int64_t query_tile_tokens, bool attend_chunk) {
   check_cpu(q, "paged_attention_forward");
   ForwardCall call = prepare_forward(q, k_chunk, v_chunk, k_pool, k_page_index, v_pool, v_page_index, history_tokens,
-                                     softmax_scale, selected_pages, query_tile_tokens, /*check_index_values=*/true);
+                                     softmax_scale, selected_pages, query_tile_tokens, attend_chunk,
+                                     /*check_index_values=*/true);
   check_kernel_status(k::cpu::paged_attention_forward(call.params), "paged_attention_forward");
   return {call.out, call.lse};
 }
@@ -378,11 +385,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_cpu(
     const at::Tensor& k_page_index, const at::Tensor& v_pool, const at::Tensor& v_page_index, const at::Tensor& out,
     const at::Tensor& dout, const at::Tensor& lse, at::Tensor& dk_pool, const at::Tensor& dk_page_index,
     at::Tensor& dv_pool, const at::Tensor& dv_page_index, int64_t history_tokens, double softmax_scale,
-    const std::optional<at::Tensor>& selected_pages, int64_t query_tile_tokens, bool deterministic) {
+    const std::optional<at::Tensor>& selected_pages, int64_t query_tile_tokens, bool deterministic,
+    bool attend_chunk) {
   check_cpu(q, "paged_attention_backward");
   BackwardCall call = prepare_backward(q, k_chunk, v_chunk, k_pool, k_page_index, v_pool, v_page_index, out, dout, lse,
                                        dk_pool, dk_page_index, dv_pool, dv_page_index, history_tokens, softmax_scale,
-                                       selected_pages, query_tile_tokens, deterministic, /*check_index_values=*/true);
+                                       selected_pages, query_tile_tokens, deterministic, attend_chunk,
+                                       /*check_index_values=*/true);
   check_kernel_status(k::cpu::paged_attention_backward(call.params), "paged_attention_backward");
   return {call.dq, call.dk_chunk, call.dv_chunk};
 }
@@ -407,7 +416,7 @@ at::Tensor select_cpu(const at::Tensor& q, const at::Tensor& mean, const std::op
 std::tuple<at::Tensor, at::Tensor> forward_meta(const at::Tensor& q, const at::Tensor&, const at::Tensor&,
                                                 const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                                 const at::Tensor&, int64_t, double, const std::optional<at::Tensor>&,
-                                                int64_t) {
+                                                int64_t, bool) {
   TORCH_CHECK(q.dim() == 3, "paged attention: q must have 3 dimensions [chunk_tokens, q_heads, head_dim].");
   return {at::empty_like(q, at::MemoryFormat::Contiguous),
           at::empty({q.size(1), q.size(0)}, q.options().dtype(lse_dtype_for(q.scalar_type())))};
@@ -416,7 +425,8 @@ std::tuple<at::Tensor, at::Tensor> forward_meta(const at::Tensor& q, const at::T
 std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_meta(
     const at::Tensor& q, const at::Tensor& k_chunk, const at::Tensor& v_chunk, const at::Tensor&, const at::Tensor&,
     const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, at::Tensor&,
-    const at::Tensor&, at::Tensor&, const at::Tensor&, int64_t, double, const std::optional<at::Tensor>&, int64_t, bool) {
+    const at::Tensor&, at::Tensor&, const at::Tensor&, int64_t, double, const std::optional<at::Tensor>&, int64_t, bool,
+    bool) {
   return {at::empty_like(q, at::MemoryFormat::Contiguous), at::empty_like(k_chunk, at::MemoryFormat::Contiguous),
           at::empty_like(v_chunk, at::MemoryFormat::Contiguous)};
 }
@@ -445,13 +455,13 @@ TORCH_LIBRARY_FRAGMENT(membar, m) {
   m.def(
       "paged_attention_forward(Tensor q, Tensor k_chunk, Tensor v_chunk, Tensor k_pool, Tensor k_page_index, "
       "Tensor v_pool, Tensor v_page_index, int history_tokens, float softmax_scale, "
-      "Tensor? selected_pages=None, int query_tile_tokens=128) -> (Tensor out, Tensor lse)");
+      "Tensor? selected_pages=None, int query_tile_tokens=128, bool attend_chunk=True) -> (Tensor out, Tensor lse)");
   m.def(
       "paged_attention_backward(Tensor q, Tensor k_chunk, Tensor v_chunk, Tensor k_pool, Tensor k_page_index, "
       "Tensor v_pool, Tensor v_page_index, Tensor out, Tensor dout, Tensor lse, "
       "Tensor(a!) dk_pool, Tensor dk_page_index, Tensor(b!) dv_pool, Tensor dv_page_index, "
       "int history_tokens, float softmax_scale, Tensor? selected_pages=None, int query_tile_tokens=128, "
-      "bool deterministic=False) -> (Tensor dq, Tensor dk_chunk, Tensor dv_chunk)");
+      "bool deterministic=False, bool attend_chunk=True) -> (Tensor dq, Tensor dk_chunk, Tensor dv_chunk)");
   m.def(
       "page_summary(Tensor k_pool, Tensor k_page_index, int history_tokens, bool with_bounds=False) "
       "-> (Tensor mean, Tensor? min, Tensor? max)");

@@ -7,6 +7,8 @@
 //   q [Tc, Hq, D]; k_chunk, v_chunk [Tc, Hkv, D]; pools [pool_pages, page_tokens, Hkv, D];
 //   page indices int32 [num_history_pages]; lse [Hq, Tc] fp32 (fp64 for fp64 inputs);
 //   selected_pages int32 [ceil(Tc / query_tile_tokens), k].
+// attend_chunk = false: the queries attend only the history (Note [Blocked history] in
+// membar/kernels/attention.h).
 #pragma once
 
 #include <optional>
@@ -32,13 +34,13 @@ ForwardCall prepare_forward(const at::Tensor& q, const at::Tensor& k_chunk, cons
                             const at::Tensor& k_pool, const at::Tensor& k_page_index, const at::Tensor& v_pool,
                             const at::Tensor& v_page_index, int64_t history_tokens, double softmax_scale,
                             const std::optional<at::Tensor>& selected_pages, int64_t query_tile_tokens,
-                            bool check_index_values);
+                            bool attend_chunk, bool check_index_values);
 
 struct BackwardCall {
   kernels::PagedAttentionBackwardParams params;
   ForwardCall forward;               // the forward's inputs (its out/lse are not allocated)
   at::Tensor out, dout, lse;         // contiguous
-  at::Tensor dq, dk_chunk, dv_chunk; // outputs
+  at::Tensor dq, dk_chunk, dv_chunk; // outputs (dk/dv_chunk zeros, not passed to the kernel, without attend_chunk)
 };
 BackwardCall prepare_backward(const at::Tensor& q, const at::Tensor& k_chunk, const at::Tensor& v_chunk,
                               const at::Tensor& k_pool, const at::Tensor& k_page_index, const at::Tensor& v_pool,
@@ -46,7 +48,8 @@ BackwardCall prepare_backward(const at::Tensor& q, const at::Tensor& k_chunk, co
                               const at::Tensor& lse, const at::Tensor& dk_pool, const at::Tensor& dk_page_index,
                               const at::Tensor& dv_pool, const at::Tensor& dv_page_index, int64_t history_tokens,
                               double softmax_scale, const std::optional<at::Tensor>& selected_pages,
-                              int64_t query_tile_tokens, bool deterministic, bool check_index_values);
+                              int64_t query_tile_tokens, bool deterministic, bool attend_chunk,
+                              bool check_index_values);
 
 struct SummaryCall {
   kernels::PageSummaryParams params;

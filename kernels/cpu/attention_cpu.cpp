@@ -148,8 +148,8 @@ struct Problem {
   }
 
   // Calls visit(block) for every key block the queries of `query` see, in a fixed order: the
-  // history pages (all of them ascending, or the tile's selection in slot order), then the chunk
-  // keys ascending up to the block's last query.
+  // history pages (all of them ascending, or the tile's selection in slot order), then (with
+  // attend_chunk) the chunk keys ascending up to the block's last query.
   template <typename Visit>
   void for_each_key_block(const QueryBlock& query, Visit&& visit) const {
     if (selection.enabled()) {
@@ -163,6 +163,7 @@ struct Problem {
         for (int32_t part = 0; part < parts_of_page(page); ++part) visit(history_block(page, part, query.kv_head));
       }
     }
+    if (!shape.attend_chunk) return;
     for (int32_t first_key = 0; first_key < query.query_end; first_key += kChunkKeyBlock) {
       visit(chunk_block(first_key, query.kv_head));
     }
@@ -322,11 +323,14 @@ void forward_query_block(const Problem<Element>& problem, const QueryBlock& bloc
   for (int32_t token = block.query_begin; token < block.query_end; ++token) {
     for (int32_t head = 0; head < problem.group; ++head, ++r) {
       const int32_t q_head = block.kv_head * problem.group + head;
-      const Compute inverse_sum = Compute(1) / running_sum[size_t(r)];
+      // A row that saw no key (Note [Blocked history] in attention.h) gets out = 0, lse = -inf.
+      const bool saw_keys = running_sum[size_t(r)] > Compute(0);
+      const Compute inverse_sum = saw_keys ? Compute(1) / running_sum[size_t(r)] : Compute(0);
       const Compute* from = accumulator.data() + int64_t(r) * head_dim;
       Element* to = problem.row_of(out, token, q_head);
       for (int32_t d = 0; d < head_dim; ++d) to[d] = from_compute<Element>(from[d] * inverse_sum);
-      lse[int64_t(q_head) * problem.shape.chunk_tokens + token] = running_max[size_t(r)] + std::log(running_sum[size_t(r)]);
+      lse[int64_t(q_head) * problem.shape.chunk_tokens + token] =
+          saw_keys ? running_max[size_t(r)] + std::log(running_sum[size_t(r)]) : kMinusInfinity;
     }
   }
 }
@@ -396,6 +400,12 @@ void load_backward_query_block(const Problem<Element>& problem, const QueryBlock
                      buffers.output_grads_transposed.data(), buffers.scratch.data());
   }
   load_row_values(problem, lse, block, buffers.row_lse.data());
+  // lse = -inf marks a row that sees no key at all: +inf makes its P exactly 0.
+  for (int r = 0; r < rows; ++r) {
+    if (buffers.row_lse[size_t(r)] == -std::numeric_limits<Compute>::infinity()) {
+      buffers.row_lse[size_t(r)] = std::numeric_limits<Compute>::infinity();
+    }
+  }
   load_row_values(problem, delta, block, buffers.row_delta.data());
 }
 
@@ -523,7 +533,7 @@ int backward_typed(const PagedAttentionBackwardParams& params) {
       for (int32_t part = 0; part < problem.parts_of_page(page); ++part) owned.push_back(OwnedKeyBlock{kv_head, page, part, -1});
     }
   }
-  for (int32_t first_key = 0; first_key < chunk_tokens; first_key += kChunkKeyBlock) {
+  for (int32_t first_key = 0; shape.attend_chunk && first_key < chunk_tokens; first_key += kChunkKeyBlock) {
     for (int32_t kv_head = 0; kv_head < shape.num_kv_heads; ++kv_head) owned.push_back(OwnedKeyBlock{kv_head, -1, 0, first_key});
   }
 
@@ -754,7 +764,8 @@ bool grad_page_dtype_supported(DType dtype) {
 
 int paged_attention_forward(const PagedAttentionForwardParams& params) {
   if (paged_attention_check_shape(params.shape)[0] != '\0') return kCpuInvalidArgument;
-  if (!params.q || !params.k_chunk || !params.v_chunk || !params.out || !params.lse) return kCpuInvalidArgument;
+  if (!params.q || !params.out || !params.lse) return kCpuInvalidArgument;
+  if (params.shape.attend_chunk && (!params.k_chunk || !params.v_chunk)) return kCpuInvalidArgument;
   if (params.shape.history_tokens > 0 && (!params.history.k_pool || !params.history.k_page_index ||
                                           !params.history.v_pool || !params.history.v_page_index)) {
     return kCpuInvalidArgument;
@@ -775,8 +786,9 @@ int paged_attention_forward(const PagedAttentionForwardParams& params) {
 
 int paged_attention_backward(const PagedAttentionBackwardParams& params) {
   if (paged_attention_check_shape(params.shape)[0] != '\0') return kCpuInvalidArgument;
-  if (!params.q || !params.k_chunk || !params.v_chunk || !params.out || !params.dout || !params.lse ||
-      !params.dq || !params.dk_chunk || !params.dv_chunk) {
+  if (!params.q || !params.out || !params.dout || !params.lse || !params.dq) return kCpuInvalidArgument;
+  if (params.shape.attend_chunk &&
+      (!params.k_chunk || !params.v_chunk || !params.dk_chunk || !params.dv_chunk)) {
     return kCpuInvalidArgument;
   }
   if (!grad_page_dtype_supported(params.grad_page_dtype)) return kCpuInvalidArgument;

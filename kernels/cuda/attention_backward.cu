@@ -157,7 +157,9 @@ __global__ void __launch_bounds__(kWarps * 32, 1)
     const int q_head = kv_head * group + head_in_group;
     const int position = query_block * kQueries + thread;
     if (position < chunk_tokens) {
-      row_lse = lse[int64_t(q_head) * chunk_tokens + position] * kLog2e;
+      // lse = -inf: the row sees no key (Note [Blocked history]); +inf makes its P exactly 0.
+      const float value = lse[int64_t(q_head) * chunk_tokens + position];
+      row_lse = value == -INFINITY ? INFINITY : value * kLog2e;
       row_delta = workspace.delta[int64_t(q_head) * chunk_tokens + position];
     } else {
       row_lse = INFINITY;
@@ -395,6 +397,7 @@ cudaError_t launch_kv(const PagedAttentionBackwardParams& params, const Backward
   cudaError_t error = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kSharedBytes));
   if (error != cudaSuccess) return error;
   const dim3 grid(workspace.num_chunk_blocks + history_page_count(params.shape), params.shape.num_kv_heads);
+  if (grid.x == 0) return cudaSuccess;  // no key at all (attend_chunk false, empty history)
   kernel<<<grid, kWarps * 32, kSharedBytes, stream>>>(params, workspace);
   return cudaGetLastError();
 }
@@ -411,7 +414,8 @@ cudaError_t launch_backward(const PagedAttentionBackwardParams& params, cudaStre
   workspace.inverse_count = reinterpret_cast<const int32_t*>(base + layout.inverse_count_offset);
   workspace.inverse_tiles = reinterpret_cast<const int32_t*>(base + layout.inverse_tiles_offset);
   workspace.inverse_capacity = layout.inverse_tiles_capacity;
-  workspace.num_chunk_blocks = (shape.chunk_tokens + shape.page_tokens - 1) / shape.page_tokens;
+  // Without attend_chunk no CTA owns chunk keys: dk_chunk/dv_chunk stay untouched.
+  workspace.num_chunk_blocks = shape.attend_chunk ? (shape.chunk_tokens + shape.page_tokens - 1) / shape.page_tokens : 0;
 
   const int64_t rows = int64_t(shape.chunk_tokens) * shape.num_q_heads;
   backward_delta_kernel<Element><<<unsigned((rows + 7) / 8), 256, 0, stream>>>(
@@ -462,10 +466,15 @@ int paged_attention_backward(const PagedAttentionBackwardParams& params, void* s
   const char* names[] = {"q",  "k_chunk", "v_chunk",  "k_pool",   "v_pool",    "out",    "dout",
                          "dq", "dk_chunk", "dv_chunk", "workspace", "dk_pool", "dv_pool"};
   if (paged_attention_check_alignment(pointers, names, 13)[0] != '\0') return cudaErrorInvalidValue;
-  const void* required[] = {params.q,  params.k_chunk,  params.v_chunk,  params.out,      params.dout,
-                            params.lse, params.dq, params.dk_chunk, params.dv_chunk, params.workspace};
+  const void* required[] = {params.q, params.out, params.dout, params.lse, params.dq, params.workspace};
   for (const void* pointer : required) {
     if (pointer == nullptr) return cudaErrorInvalidValue;
+  }
+  if (shape.attend_chunk) {
+    const void* chunk_required[] = {params.k_chunk, params.v_chunk, params.dk_chunk, params.dv_chunk};
+    for (const void* pointer : chunk_required) {
+      if (pointer == nullptr) return cudaErrorInvalidValue;
+    }
   }
   if (shape.history_tokens > 0) {
     const void* history_required[] = {params.history.k_pool, params.history.v_pool, params.grad_history.dk_pool,

@@ -84,7 +84,7 @@ __global__ void __launch_bounds__(kDqWarps * 32) paged_attention_backward_dq_ker
     keys.num_history_blocks = (shape.history_tokens + kKeys - 1) / kKeys;
   }
   const int last_query = min(first_query + kDqRows, chunk_tokens) - 1;
-  const int num_blocks = keys.num_history_blocks + last_query / kKeys + 1;
+  const int num_blocks = keys.num_history_blocks + (shape.attend_chunk ? last_query / kKeys + 1 : 0);
   const int64_t kv_row_stride = int64_t(shape.num_kv_heads) * kHeadDim;
   auto load_block = [&](int index, int stage) {
     const KeyBlock<Element> block = keys.block(index);
@@ -93,7 +93,7 @@ __global__ void __launch_bounds__(kDqWarps * 32) paged_attention_backward_dq_ker
     load_tile_async<Element, kKeys, kHeadDim, kThreads>(v_tiles + stage * kKeys * kHeadDim, block.v_base, kv_row_stride,
                                                         block.valid_rows, thread);
   };
-  load_block(0, 0);
+  if (num_blocks > 0) load_block(0, 0);
   copy_async_commit();
 
   // Rows of this thread: warp * 16 + lane / 4 and that + 8; their lse (log2 units) and delta.
@@ -105,7 +105,9 @@ __global__ void __launch_bounds__(kDqWarps * 32) paged_attention_backward_dq_ker
   for (int half = 0; half < 2; ++half) {
     const bool valid = query_position[half] < chunk_tokens;
     const int64_t index = int64_t(q_head) * chunk_tokens + query_position[half];
-    row_lse[half] = valid ? lse[index] * kLog2e : INFINITY;
+    // lse = -inf: the row sees no key (Note [Blocked history]); +inf makes its P exactly 0.
+    const float value = valid ? lse[index] : INFINITY;
+    row_lse[half] = value == -INFINITY ? INFINITY : value * kLog2e;
     row_delta[half] = valid ? delta[index] : 0.f;
   }
   const float scale_log2 = shape.softmax_scale * kLog2e;
@@ -150,6 +152,8 @@ __global__ void __launch_bounds__(kDqWarps * 32) paged_attention_backward_dq_ker
     warp_matmul_registers_nn<Element, kHeadDim, kKeys, kHeadDim>(dq, fragments, k_tile, 0, 0, lane);
     __syncthreads();
   }
+  // Leave no copy in flight (a CTA without key blocks never waited for its Q copy).
+  copy_async_wait<0>();
 
   Element* dq_out = static_cast<Element*>(params.dq);
 #pragma unroll

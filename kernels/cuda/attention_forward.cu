@@ -94,7 +94,9 @@ __global__ void __launch_bounds__(kWarps * 32, 1) paged_attention_forward_kernel
     keys.num_history_blocks = (shape.history_tokens + kKeys - 1) / kKeys;
   }
   const int last_query = min(first_query + kRows, chunk_tokens) - 1;
-  const int num_blocks = keys.num_history_blocks + last_query / kKeys + 1;
+  // Without attend_chunk only the history blocks (Note [Blocked history] in attention.h); a CTA
+  // with no block at all writes out = 0 and lse = -inf.
+  const int num_blocks = keys.num_history_blocks + (shape.attend_chunk ? last_query / kKeys + 1 : 0);
   const int64_t kv_row_stride = int64_t(shape.num_kv_heads) * kHeadDim;
 
   auto load_block = [&](int index, int stage) {
@@ -104,7 +106,7 @@ __global__ void __launch_bounds__(kWarps * 32, 1) paged_attention_forward_kernel
     load_tile_async<Element, kKeys, kHeadDim, kThreads>(v_tiles + stage * kKeys * kHeadDim, block.v_base, kv_row_stride,
                                                         block.valid_rows, thread);
   };
-  load_block(0, 0);
+  if (num_blocks > 0) load_block(0, 0);
   copy_async_commit();
 
   const float scale_log2 = shape.softmax_scale * kLog2e;
@@ -224,6 +226,8 @@ __global__ void __launch_bounds__(kWarps * 32, 1) paged_attention_forward_kernel
     // No barrier here: the copy issued next overwrites the stage read two blocks ago, which every
     // warp finished before passing this iteration's barrier (Note [Forward kernel]).
   }
+  // Leave no copy in flight (a CTA without key blocks never waited for its Q copy).
+  copy_async_wait<0>();
 
   Element* out = static_cast<Element*>(params.out);
   float* lse = static_cast<float*>(params.lse);
@@ -297,10 +301,8 @@ int paged_attention_forward(const PagedAttentionForwardParams& params, void* str
                             params.out};
   const char* names[] = {"q", "k_chunk", "v_chunk", "k_pool", "v_pool", "out"};
   if (paged_attention_check_alignment(pointers, names, 6)[0] != '\0') return cudaErrorInvalidValue;
-  if (params.q == nullptr || params.k_chunk == nullptr || params.v_chunk == nullptr || params.out == nullptr ||
-      params.lse == nullptr) {
-    return cudaErrorInvalidValue;
-  }
+  if (params.q == nullptr || params.out == nullptr || params.lse == nullptr) return cudaErrorInvalidValue;
+  if (params.shape.attend_chunk && (params.k_chunk == nullptr || params.v_chunk == nullptr)) return cudaErrorInvalidValue;
   if (params.shape.history_tokens > 0 &&
       (params.history.k_pool == nullptr || params.history.v_pool == nullptr ||
        params.history.k_page_index == nullptr || params.history.v_page_index == nullptr)) {

@@ -84,12 +84,13 @@ std::tuple<at::Tensor, at::Tensor> forward_cuda(const at::Tensor& q, const at::T
                                                 const at::Tensor& v_pool, const at::Tensor& v_page_index,
                                                 int64_t history_tokens, double softmax_scale,
                                                 const std::optional<at::Tensor>& selected_pages,
-                                                int64_t query_tile_tokens) {
+                                                int64_t query_tile_tokens, bool attend_chunk) {
   constexpr const char* kOp = "paged_attention_forward";
   check_cuda(q, kOp);
   const c10::cuda::CUDAGuard guard(q.device());
   ForwardCall call = prepare_forward(q, k_chunk, v_chunk, k_pool, k_page_index, v_pool, v_page_index, history_tokens,
-                                     softmax_scale, selected_pages, query_tile_tokens, /*check_index_values=*/false);
+                                     softmax_scale, selected_pages, query_tile_tokens, attend_chunk,
+                                     /*check_index_values=*/false);
   const k::PagedAttentionForwardParams& p = call.params;
   check_supported(p.shape, p.selection, kOp);
   check_aligned({{p.q, "q"}, {p.k_chunk, "k_chunk"}, {p.v_chunk, "v_chunk"}, {p.history.k_pool, "k_pool"},
@@ -106,13 +107,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_cuda(
     const at::Tensor& k_page_index, const at::Tensor& v_pool, const at::Tensor& v_page_index, const at::Tensor& out,
     const at::Tensor& dout, const at::Tensor& lse, at::Tensor& dk_pool, const at::Tensor& dk_page_index,
     at::Tensor& dv_pool, const at::Tensor& dv_page_index, int64_t history_tokens, double softmax_scale,
-    const std::optional<at::Tensor>& selected_pages, int64_t query_tile_tokens, bool deterministic) {
+    const std::optional<at::Tensor>& selected_pages, int64_t query_tile_tokens, bool deterministic,
+    bool attend_chunk) {
   constexpr const char* kOp = "paged_attention_backward";
   check_cuda(q, kOp);
   const c10::cuda::CUDAGuard guard(q.device());
   BackwardCall call = prepare_backward(q, k_chunk, v_chunk, k_pool, k_page_index, v_pool, v_page_index, out, dout, lse,
                                        dk_pool, dk_page_index, dv_pool, dv_page_index, history_tokens, softmax_scale,
-                                       selected_pages, query_tile_tokens, deterministic, /*check_index_values=*/false);
+                                       selected_pages, query_tile_tokens, deterministic, attend_chunk,
+                                       /*check_index_values=*/false);
   k::PagedAttentionBackwardParams& p = call.params;
   check_supported(p.shape, p.selection, kOp);
   TORCH_CHECK(p.grad_page_dtype == k::DType::kFloat32 || p.grad_page_dtype == k::DType::kBFloat16, kOp,

@@ -35,6 +35,7 @@ __all__ = [
     "chunk_attention",
     "paged_attention_forward",
     "paged_attention_backward",
+    "merge_attention",
     "page_summary",
     "page_select",
     "reference_chunk_attention",
@@ -61,11 +62,16 @@ def paged_attention_forward(
     softmax_scale: Optional[float] = None,
     selected_pages: Optional[torch.Tensor] = None,
     query_tile_tokens: int = 128,
+    attend_chunk: bool = True,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Returns (out [Tc, Hq, D], lse [Hq, Tc]). softmax_scale defaults to 1/sqrt(head_dim)."""
+    """Returns (out [Tc, Hq, D], lse [Hq, Tc]). softmax_scale defaults to 1/sqrt(head_dim).
+
+    attend_chunk=False: the queries attend only the given history pages (one block of a history
+    streamed in blocks); a row that sees no key gets out 0 and lse -inf. Merge the blocks' results
+    with ``merge_attention``."""
     return _ops.paged_attention_forward(
         q, k_chunk, v_chunk, k_pool, k_page_index, v_pool, v_page_index, int(history_tokens),
-        _scale(q.shape[-1], softmax_scale), selected_pages, int(query_tile_tokens))
+        _scale(q.shape[-1], softmax_scale), selected_pages, int(query_tile_tokens), bool(attend_chunk))
 
 
 def paged_attention_backward(
@@ -88,12 +94,35 @@ def paged_attention_backward(
     selected_pages: Optional[torch.Tensor] = None,
     query_tile_tokens: int = 128,
     deterministic: bool = False,
+    attend_chunk: bool = True,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Returns (dq, dk_chunk, dv_chunk) and ADDS the history's dK/dV into dk_pool/dv_pool."""
+    """Returns (dq, dk_chunk, dv_chunk) and ADDS the history's dK/dV into dk_pool/dv_pool.
+
+    attend_chunk=False (one block of a streamed history): ``out`` and ``lse`` must be the FINAL
+    merged ones of the rows; dq is this block's contribution and dk_chunk/dv_chunk are zeros."""
     return _ops.paged_attention_backward(
         q, k_chunk, v_chunk, k_pool, k_page_index, v_pool, v_page_index, out, dout, lse,
         dk_pool, dk_page_index, dv_pool, dv_page_index, int(history_tokens),
-        _scale(q.shape[-1], softmax_scale), selected_pages, int(query_tile_tokens), bool(deterministic))
+        _scale(q.shape[-1], softmax_scale), selected_pages, int(query_tile_tokens), bool(deterministic),
+        bool(attend_chunk))
+
+
+def merge_attention(parts) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Merges partial attention results over disjoint key sets: ``parts`` is a sequence of
+    (out [Tc, Hq, D], lse [Hq, Tc]); returns (out, lse) of the softmax over all their keys:
+    lse = logsumexp of the parts' lse, out = sum of exp(lse_part - lse) * out_part, computed in
+    float32 (float64 for float64 inputs) and returned in out's dtype. A part whose lse is -inf for
+    a row (no key there) weighs 0; a row with -inf everywhere gets out 0 and lse -inf."""
+    parts = list(parts)
+    if not parts:
+        raise ValueError("merge_attention needs at least one (out, lse) part.")
+    compute = torch.float64 if parts[0][0].dtype == torch.float64 else torch.float32
+    lses = torch.stack([lse.to(compute) for _, lse in parts])          # [P, Hq, Tc]
+    lse = torch.logsumexp(lses, dim=0)                                  # [Hq, Tc]
+    finite = torch.isfinite(lse)
+    weights = torch.where(finite, torch.exp(lses - torch.where(finite, lse, 0.0)), 0.0)  # [P, Hq, Tc]
+    out = sum(w.transpose(0, 1).unsqueeze(-1) * o.to(compute) for w, (o, _) in zip(weights, parts))
+    return out.to(parts[0][0].dtype), lse.to(parts[0][1].dtype)
 
 
 def page_summary(

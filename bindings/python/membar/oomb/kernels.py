@@ -35,21 +35,34 @@ class HistoryView:
     page_index: torch.Tensor    # int32 [num_history_pages]; pool row of history page p
     history_tokens: int
     # Set when the view holds only the selected pages of a sparse access, renumbered 0..n-1 in
-    # order (page_index then covers those n pages): int64 [original history pages], the new number
-    # of each original page or -1. Selections must go through remap_selection.
+    # order (page_index then covers those n pages): int64 [pages of the access], the new number of
+    # each of the access's pages (counted from block_first_page) or -1. Host or device.
     page_map: torch.Tensor | None = None
     v_page_index: torch.Tensor | None = None   # when V pages sit in other rows than K pages
     handles: list | None = None                # the store's bookkeeping (what to release)
+    # Set when the view covers one block of the history, pages [block_first_page,
+    # block_first_page + block_pages): selections (history page numbers) are then made local to it.
+    block_first_page: int = 0
+    block_pages: int | None = None
 
     @property
     def v_index(self) -> torch.Tensor:
         return self.page_index if self.v_page_index is None else self.v_page_index
 
     def remap_selection(self, selection: torch.Tensor | None) -> torch.Tensor | None:
-        if selection is None or self.page_map is None:
+        """A selection int32 [tiles, top_k] of history page numbers (host or device), as the call
+        over this view must see it: pages outside the view's block dropped (-1), the rest numbered
+        from the block's first page and, for a view of selected pages only, through page_map.
+        Returned on the device of page_index (copied without blocking the host)."""
+        if selection is None or (self.page_map is None and self.block_pages is None):
             return selection
-        mapped = self.page_map[selection.clamp(min=0).long()]
-        return torch.where(selection >= 0, mapped, -1).to(torch.int32)
+        local = selection.long() - self.block_first_page
+        if self.block_pages is not None:
+            local = torch.where((local >= 0) & (local < self.block_pages), local, -1)
+        if self.page_map is not None:
+            page_map = self.page_map.to(local.device)
+            local = torch.where(local >= 0, page_map[local.clamp(min=0)], -1)
+        return to_device(local.to(torch.int32), self.page_index.device)
 
 
 @dataclass
@@ -68,21 +81,29 @@ class GradView:
 
 
 def attention_forward(q, k, v, history: HistoryView, softmax_scale: float,
-                      selected: torch.Tensor | None, query_tile_tokens: int):
-    """Returns (out [Tc, Hq, D], lse [Hq, Tc] float32). Does not block on the GPU."""
+                      selected: torch.Tensor | None, query_tile_tokens: int, attend_chunk: bool = True):
+    """Returns (out [Tc, Hq, D], lse [Hq, Tc] float32). Does not block on the GPU.
+
+    attend_chunk=False: attend only the history's pages (one block of a streamed history; rows
+    that see no key get out 0, lse -inf); merge blocks with membar.attention.merge_attention."""
     return _ops().paged_attention_forward(
         q, k, v, history.k_pool, history.page_index, history.v_pool, history.v_index,
-        history.history_tokens, softmax_scale, history.remap_selection(selected), query_tile_tokens)
+        history.history_tokens, softmax_scale, history.remap_selection(selected), query_tile_tokens,
+        attend_chunk)
 
 
 def attention_backward(q, k, v, history: HistoryView, softmax_scale: float, out, dout, lse,
                        grads: GradView, selected: torch.Tensor | None, query_tile_tokens: int,
-                       deterministic: bool):
-    """Returns (dq, dk, dv) of the chunk and ADDS the history's dK/dV into grads' pools."""
+                       deterministic: bool, attend_chunk: bool = True):
+    """Returns (dq, dk, dv) of the chunk and ADDS the history's dK/dV into grads' pools.
+
+    attend_chunk=False: out/lse must be the rows' FINAL merged ones; dq is this block's part and
+    dk/dv are zeros."""
     return _ops().paged_attention_backward(
         q, k, v, history.k_pool, history.page_index, history.v_pool, history.v_index,
         out, dout, lse, grads.dk_pool, grads.page_index, grads.dv_pool, grads.dv_index,
-        history.history_tokens, softmax_scale, history.remap_selection(selected), query_tile_tokens, deterministic)
+        history.history_tokens, softmax_scale, history.remap_selection(selected), query_tile_tokens, deterministic,
+        attend_chunk)
 
 
 def page_summary(k_pool, page_index, history_tokens: int) -> torch.Tensor:
@@ -94,3 +115,15 @@ def page_summary(k_pool, page_index, history_tokens: int) -> torch.Tensor:
 def page_select(q, mean, top_k: int, query_tile_tokens: int) -> torch.Tensor:
     """Top-k history pages per query tile: int32 [num_query_tiles, top_k], ascending, -1 padded."""
     return _ops().page_select(q, mean, None, None, top_k, query_tile_tokens)
+
+
+def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """tensor on device; a host tensor is copied through pinned memory without blocking the host
+    (the copy is ordered on the current stream, like any kernel)."""
+    if tensor.device == device:
+        return tensor
+    if device.type == "cuda" and tensor.device.type == "cpu":
+        if not tensor.is_pinned():
+            tensor = tensor.pin_memory()
+        return tensor.to(device, non_blocking=True)
+    return tensor.to(device)

@@ -20,6 +20,28 @@
 // skipped; a page listed twice is an error the selection kernel never produces), plus the chunk's own
 // keys causally. The same selection must be passed to the backward call.
 //
+// Blocked history (attend_chunk == false): the queries attend ONLY the given history pages, not
+// the chunk's own keys, so that a caller can stream one layer's history through the GPU in blocks
+// of pages and merge the partial results (Note [Blocked history]). k_chunk and v_chunk are not
+// read (they may be null). The forward writes out and lse of that partial softmax. The backward
+// must be given the FINAL out and lse of the rows (merged over every block and the chunk-only
+// call, so that delta = rowsum(dout * out) and P = exp(S - lse) are the full softmax's): it ADDS
+// this block's dK/dV into the grad pages and writes this block's contribution to dq; dk_chunk
+// and dv_chunk are not written (they may be null). A query row that sees no key in a call
+// (history_tokens == 0 with attend_chunk false, or a sparse tile listing only padding) gets
+// out = 0 and lse = -inf, and contributes nothing in the backward; an lse of -inf given to the
+// backward likewise means "no key", and the row contributes nothing.
+//
+// Note [Blocked history]
+// Split the history into blocks of pages b = 1..B (each a slice of the page indices, with its own
+// history_tokens; only the last block may end in a partial page). Forward: (out_b, lse_b) from a
+// call per block with attend_chunk = false, plus (out_0, lse_0) from a chunk-only call
+// (history_tokens = 0, attend_chunk = true). Then lse = logsumexp_b lse_b and
+// out = sum_b exp(lse_b - lse) out_b (rows with lse_b = -inf weigh 0). Backward: call every block,
+// and the chunk-only call, with that final (out, lse); dK/dV of each block's pages accumulate in
+// place, and dq is the sum of the calls' dq. The result equals one call over the whole history up
+// to rounding.
+//
 // Element types: q, k_chunk, v_chunk, pages, out and dout share `dtype` (bf16 or fp16 on the GPU;
 // the CPU reference also takes fp32 and fp64). Accumulation is fp32 (fp64 for fp64 inputs).
 // lse is fp32 (fp64 for fp64 inputs), natural log, [num_q_heads, chunk_tokens].
@@ -50,6 +72,9 @@ struct PagedAttentionShape {
   int32_t head_dim = 0;        // 64, 128 (256 where supported)
   float softmax_scale = 0.f;   // usually 1 / sqrt(head_dim)
   DType dtype = DType::kBFloat16;
+  // false: attend only the history pages (Note [Blocked history]); k_chunk/v_chunk and
+  // dk_chunk/dv_chunk are then neither read nor written and may be null.
+  bool attend_chunk = true;
 
   int32_t num_history_pages() const { return (history_tokens + page_tokens - 1) / page_tokens; }
 };
@@ -95,12 +120,12 @@ struct PagedAttentionBackwardParams {
   const void* v_chunk = nullptr;          // [Tc, Hkv, D]
   HistoryPages history;                   // as in the forward
   PageSelection selection;                // the forward's selection
-  const void* out = nullptr;              // [Tc, Hq, D], the forward's output
+  const void* out = nullptr;              // [Tc, Hq, D], the forward's output (the final, merged one)
   const void* dout = nullptr;             // [Tc, Hq, D]
-  const void* lse = nullptr;              // [Hq, Tc], the forward's lse
+  const void* lse = nullptr;              // [Hq, Tc], the forward's lse (the final, merged one)
   void* dq = nullptr;                     // [Tc, Hq, D], dtype; overwritten
-  void* dk_chunk = nullptr;               // [Tc, Hkv, D], dtype; overwritten
-  void* dv_chunk = nullptr;               // [Tc, Hkv, D], dtype; overwritten
+  void* dk_chunk = nullptr;               // [Tc, Hkv, D], dtype; overwritten (untouched without attend_chunk)
+  void* dv_chunk = nullptr;               // [Tc, Hkv, D], dtype; overwritten (untouched without attend_chunk)
   // Gradient pages of the history: dK/dV of every attended history row is ADDED in place.
   // Rows past history_tokens in the last page are left untouched.
   HistoryGradPages grad_history;
