@@ -29,7 +29,13 @@ class OOMBConfig:
     loss_piece_tokens: the loss is computed this many tokens at a time, each piece checkpointed, so
         full-vocabulary logits of a whole chunk never exist at once.
     checkpoint_layers: recompute each decoder layer in backward (HF gradient checkpointing) to cut
-        stage 2 activation memory further.
+        stage 2 activation memory further. The recompute reuses the attention output of the chunk's
+        stage-2 forward (kept per layer until its backward), so attention is not computed a third time.
+    history_block_tokens: with offload, a layer's history travels through the GPU in blocks of this
+        many tokens (a multiple of page_tokens; 0 = the whole history at once). Each block is one
+        attention call without the chunk's own keys, merged by log-sum-exp with a chunk-only call, so
+        GPU memory no longer grows with the sequence (Note [Streaming a layer's history] in
+        hf_attention.py).
     """
 
     chunk_tokens: int = 4096
@@ -44,6 +50,7 @@ class OOMBConfig:
     deterministic: bool = False
     loss_piece_tokens: int = 4096
     checkpoint_layers: bool = False
+    history_block_tokens: int = 32768
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self):
@@ -74,6 +81,9 @@ class OOMBConfig:
             raise ValueError(f"loss_piece_tokens must be >= 1, got {self.loss_piece_tokens}.")
         if self.gpu_resident_layers < 0:
             raise ValueError(f"gpu_resident_layers must be >= 0, got {self.gpu_resident_layers}.")
+        if self.history_block_tokens < 0 or self.history_block_tokens % self.page_tokens != 0:
+            raise ValueError(f"history_block_tokens ({self.history_block_tokens}) must be 0 or a positive multiple "
+                             f"of page_tokens ({self.page_tokens}): blocks hold whole pages.")
         if self.prefetch_depth < 0:
             raise ValueError(f"prefetch_depth must be >= 0, got {self.prefetch_depth}.")
 

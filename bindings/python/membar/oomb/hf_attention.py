@@ -19,6 +19,11 @@ from .kv_store import Access, KVStore
 
 ATTENTION_NAME = "membar_paged"
 
+# Passed as the attention mask of a chunk: a 4-D mask is taken as given by transformers' mask
+# builder, which otherwise inspects position_ids for packed sequences on the host (a wait for the
+# GPU per chunk). The paged attention reads no mask; the empty shape says so.
+NO_MASK = torch.empty((1, 1, 0, 0), dtype=torch.bool)
+
 _state = threading.local()
 
 
@@ -30,6 +35,9 @@ class ChunkContext:
     chunk: chunk number; first_token: its absolute position; first_page: its first page.
     history_pages / history_tokens: pages and tokens of all earlier chunks.
     later_chunks: whether any later chunk exists (then its dK/dV pages hold gradient to inject).
+    history_block_pages: offloaded layers stream their history in blocks of this many pages
+    (0: the whole history in one call). keep_attention_outputs: stage 2 keeps each layer's
+    attention output until its backward, for the layer recompute of checkpointing.
     """
 
     store: KVStore
@@ -45,27 +53,61 @@ class ChunkContext:
     top_k: int
     query_tile_tokens: int
     deterministic: bool
+    history_block_pages: int = 0
+    keep_attention_outputs: bool = False
     # Sparse mode, shared across chunks of one sequence:
     summaries: dict = field(default_factory=dict)    # layer -> float32 [num_pages, Hkv, D]
-    selections: dict = field(default_factory=dict)   # (layer, chunk) -> int32 [tiles, top_k] or None
+    # (layer, chunk) -> int32 [tiles, top_k] or None. On the host for layers whose store reads
+    # selected pages (the union must be known there), else on the device.
+    selections: dict = field(default_factory=dict)
     selection_unions: dict = field(default_factory=dict)  # (layer, chunk) -> sorted tuple of pages
+    # Stage 2, this chunk only: layer -> (out, lse) of the first forward (see keep_attention_outputs).
+    attention_outputs: dict = field(default_factory=dict)
+    attended_layers: set = field(default_factory=set)
 
     @property
     def history_tokens(self) -> int:
         # Every earlier chunk is whole and starts on a page boundary.
         return self.first_token
 
-    def history_access(self, layer: int, phase: str, kind: str = "kv") -> Access:
-        selected = None
+    def streams(self, layer: int) -> bool:
+        """Whether this layer's history goes through the GPU in several blocks."""
+        return (self.store.offloaded(layer) and 0 < self.history_block_pages < self.history_pages)
+
+    def _union(self, layer: int) -> tuple[int, ...] | None:
         selection = self.selections.get((layer, self.chunk))
-        if selection is not None:
-            # The union of a selection is needed by every access of the chunk: compute it once
-            # (it reads the selection back from the GPU).
-            selected = self.selection_unions.get((layer, self.chunk))
-            if selected is None:
-                selected = selected_pages(selection)
-                self.selection_unions[(layer, self.chunk)] = selected
-        return Access(kind, layer, self.chunk, phase, 0, self.history_pages, selected)
+        if selection is None or not self.store.reads_selected_pages(layer):
+            return None
+        # The union of a selection is needed by every access of the chunk: compute it once.
+        union = self.selection_unions.get((layer, self.chunk))
+        if union is None:
+            union = selected_pages(selection)
+            self.selection_unions[(layer, self.chunk)] = union
+        return union
+
+    def history_access(self, layer: int, phase: str, kind: str = "kv") -> Access:
+        """The one access covering the whole history (the unstreamed path)."""
+        return Access(kind, layer, self.chunk, phase, 0, self.history_pages, self._union(layer))
+
+    def history_accesses(self, layer: int, phase: str, kind: str = "kv") -> list[Access]:
+        """The accesses one attention call (forward or backward) of this layer makes, in order:
+        none without history, one over the whole history, or one per block of a streamed history
+        (in sparse mode, blocks holding no selected page are left out)."""
+        if self.history_pages == 0:
+            return []
+        if not self.streams(layer):
+            return [self.history_access(layer, phase, kind)]
+        union = self._union(layer)
+        accesses = []
+        for block, first in enumerate(range(0, self.history_pages, self.history_block_pages)):
+            count = min(self.history_block_pages, self.history_pages - first)
+            selected = None
+            if union is not None:
+                selected = tuple(page for page in union if first <= page < first + count)
+                if not selected:
+                    continue
+            accesses.append(Access(kind, layer, self.chunk, phase, first, count, selected, block))
+        return accesses
 
     def own_grad_access(self, layer: int) -> Access:
         pages = -(-self.chunk_tokens // self.page_tokens)
@@ -92,23 +134,108 @@ def chunk_context(context: ChunkContext):
         _state.context = previous
 
 
+# Note [Streaming a layer's history]
+#   Rationale: with offload, the pages of one layer's whole history on the GPU at once make GPU
+#   memory grow with the sequence (K+V+dK+dV of one layer, ~6 KiB per token for a 7B model).
+#   Approach: an offloaded layer whose history is longer than history_block_pages runs one
+#   attention call per block of pages without the chunk's own keys (attend_chunk=False), plus one
+#   call over the chunk alone (history_tokens 0), and merges them by log-sum-exp (the kernel
+#   contract's Note [Blocked history]): lse = logaddexp of the parts, out = sum of
+#   exp(lse_part - lse) * out_part, accumulated in float32 one block at a time. The backward calls
+#   every block, and the chunk alone, with the final out and lse: each block adds its dK/dV into
+#   its grad pages and returns its part of dq, which is summed in float32. Every block is an
+#   access of the plan, so the store copies block i+1 in while block i computes, and writes dK/dV
+#   back behind. The chunk's own keys get dK/dV from the chunk-only call alone.
+#   Limitations: the merged out is rounded to the model dtype once, like the single call's; dq
+#   is rounded per block before the float32 sum (bf16 on the GPU: a few ulps more than one call).
+
+
+def _merge_into(total: torch.Tensor, total_lse: torch.Tensor, out: torch.Tensor, lse: torch.Tensor):
+    """Adds a partial attention result over other keys into a running one, in place.
+    total float32 [Tc, Hq, D], total_lse float32 [Hq, Tc] (finite); out [Tc, Hq, D], lse [Hq, Tc]
+    (-inf where a row saw no key, whose out is then 0). Returns the new lse."""
+    merged = torch.logaddexp(total_lse, lse)
+    total.mul_(torch.exp(total_lse - merged).t().unsqueeze(-1))
+    total.add_(out.float() * torch.exp(lse - merged).t().unsqueeze(-1))
+    return merged
+
+
+def _forward(context: ChunkContext, layer: int, phase: str, q, k, v, scale: float, selection):
+    """Attention of the chunk over its history and itself: (out [Tc, Hq, D], lse [Hq, Tc])."""
+    store = context.store
+    accesses = context.history_accesses(layer, phase)
+    if not context.streams(layer):
+        history = _history(context, accesses[0] if accesses else None)
+        out, lse = kernels.attention_forward(q, k, v, history, scale, selection, context.query_tile_tokens)
+        if accesses:
+            store.release(accesses[0], history)
+        return out, lse
+    # Note [Streaming a layer's history].
+    out, lse = kernels.attention_forward(q, k, v, _history(context, None), scale, None, context.query_tile_tokens)
+    total = out.float()
+    for access in accesses:
+        history = _history(context, access)
+        part, part_lse = kernels.attention_forward(q, k, v, history, scale, selection, context.query_tile_tokens,
+                                                   attend_chunk=False)
+        store.release(access, history)
+        lse = _merge_into(total, lse, part, part_lse)
+    return total.to(q.dtype), lse
+
+
+def _backward(context: ChunkContext, layer: int, q, k, v, out, dout, lse, scale: float, selection):
+    """dq, dk, dv of the chunk; ADDS the history's dK/dV into the store's grad pages."""
+    store = context.store
+    accesses = context.history_accesses(layer, "backward")
+    if not context.streams(layer):
+        access = accesses[0] if accesses else None
+        history = _history(context, access)
+        grad_access = context.history_access(layer, "backward", kind="dkv") if access is not None else None
+        grads = store.grad_history(grad_access) if access is not None else _empty_grads(store, k)
+        dq, dk, dv = kernels.attention_backward(q, k, v, history, scale, out, dout, lse, grads, selection,
+                                                context.query_tile_tokens, context.deterministic)
+        if access is not None:
+            store.release(access, history)
+            store.release(grad_access, grads)
+        return dq, dk, dv
+    # Note [Streaming a layer's history]: the chunk alone, then each block, all given the final out/lse.
+    dq, dk, dv = kernels.attention_backward(q, k, v, _history(context, None), scale, out, dout, lse,
+                                            _empty_grads(store, k), None, context.query_tile_tokens,
+                                            context.deterministic)
+    dq_total = dq.float()
+    grad_accesses = context.history_accesses(layer, "backward", kind="dkv")
+    for access, grad_access in zip(accesses, grad_accesses):
+        history = _history(context, access)
+        grads = store.grad_history(grad_access)
+        part, _, _ = kernels.attention_backward(q, k, v, history, scale, out, dout, lse, grads, selection,
+                                                context.query_tile_tokens, context.deterministic,
+                                                attend_chunk=False)
+        store.release(access, history)
+        store.release(grad_access, grads)
+        dq_total += part.float()
+    return dq_total.to(dq.dtype), dk, dv
+
+
 class _ChunkPagedAttention(torch.autograd.Function):
     """Attention of one chunk over its paged history, with grad (stage 2).
 
     forward(q [Tc, Hq, D], k [Tc, Hkv, D], v [Tc, Hkv, D]) -> out [Tc, Hq, D]. The history pages are
     fetched from the store again in backward (they may have been offloaded in between); backward
     returns dq, dk, dv of the chunk and ADDS the history's dK/dV into the store's grad pages.
+    A second forward of the same layer in the same chunk is the recompute of layer checkpointing:
+    it returns the first forward's output when that was kept (keep_attention_outputs).
     """
 
     @staticmethod
     def forward(ctx, q, k, v, context: ChunkContext, layer: int, scale: float):
-        store = context.store
-        access = context.history_access(layer, "forward")
-        history = _history(context, access)
         selection = context.selections.get((layer, context.chunk))
-        out, lse = kernels.attention_forward(q, k, v, history, scale, selection, context.query_tile_tokens)
-        if context.history_pages > 0:
-            store.release(access, history)
+        kept = context.attention_outputs.pop(layer, None) if layer in context.attended_layers else None
+        if kept is not None:
+            out, lse = kept
+        else:
+            out, lse = _forward(context, layer, "forward", q, k, v, scale, selection)
+            if context.keep_attention_outputs and layer not in context.attended_layers:
+                context.attention_outputs[layer] = (out, lse)
+            context.attended_layers.add(layer)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.context, ctx.layer, ctx.scale = context, layer, scale
         return out
@@ -117,33 +244,28 @@ class _ChunkPagedAttention(torch.autograd.Function):
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         context, layer = ctx.context, ctx.layer
-        store = context.store
-        access = context.history_access(layer, "backward")
-        history = _history(context, access)
-        grad_access = context.history_access(layer, "backward", kind="dkv")
-        grads = store.grad_history(grad_access) if context.history_pages > 0 else _empty_grads(store, k)
+        context.attention_outputs.pop(layer, None)
         selection = context.selections.get((layer, context.chunk))
-        dq, dk, dv = kernels.attention_backward(
-            q, k, v, history, ctx.scale, out, dout.contiguous(), lse, grads, selection,
-            context.query_tile_tokens, context.deterministic)
-        if context.history_pages > 0:
-            store.release(access, history)
-            store.release(grad_access, grads)
+        dq, dk, dv = _backward(context, layer, q, k, v, out, dout.contiguous(), lse, ctx.scale, selection)
         return dq, dk, dv, None, None, None
 
 
-def _history(context: ChunkContext, access: Access) -> kernels.HistoryView:
-    """The store's history view, or a one-page placeholder for chunk 0 (no page is read)."""
-    if context.history_pages > 0:
-        return context.store.history(access, context.history_tokens)
+def _history(context: ChunkContext, access: Access | None) -> kernels.HistoryView:
+    """The store's view of access's pages, or a one-page placeholder when there is no access
+    (chunk 0, or the chunk-only call of a streamed history: no page is read)."""
     layout = context.store.layout
-    empty = torch.zeros((1, layout.page_tokens, layout.num_kv_heads, layout.head_dim),
-                        dtype=layout.dtype, device=layout.device)
-    return kernels.HistoryView(empty, empty, torch.zeros(0, dtype=torch.int32, device=layout.device), 0)
+    if access is None:
+        empty = torch.zeros((1, layout.page_tokens, layout.num_kv_heads, layout.head_dim),
+                            dtype=layout.dtype, device=layout.device)
+        return kernels.HistoryView(empty, empty, torch.zeros(0, dtype=torch.int32, device=layout.device), 0)
+    view = context.store.history(access, access.num_pages * layout.page_tokens)
+    if access.first_page != 0 or access.num_pages != context.history_pages:
+        view.block_first_page, view.block_pages = access.first_page, access.num_pages
+    return view
 
 
 def _empty_grads(store: KVStore, like: torch.Tensor) -> kernels.GradView:
-    """Grad pools for a chunk without history (chunk 0): nothing will be written."""
+    """Grad pools for a call without history pages: nothing will be written."""
     layout = store.layout
     empty = torch.zeros((1, layout.page_tokens, layout.num_kv_heads, layout.head_dim),
                         dtype=layout.grad_dtype, device=like.device)
@@ -177,12 +299,12 @@ def _stage1_attention(context: ChunkContext, layer: int, q, k, v, scale: float):
     selection = None
     if context.mode == "sparse":
         selection = _select_pages(context, layer, q)
+        if selection is not None and store.reads_selected_pages(layer):
+            # The store copies only the selected pages, so their union must be known on the host:
+            # this waits for the GPU (once per layer and chunk, sparse mode with offload only).
+            selection = selection.cpu()
         context.selections[(layer, context.chunk)] = selection
-    access = context.history_access(layer, "stage1")
-    history = _history(context, access)
-    out, _ = kernels.attention_forward(q, k, v, history, scale, selection, context.query_tile_tokens)
-    if context.history_pages > 0:
-        store.release(access, history)
+    out, _ = _forward(context, layer, "stage1", q, k, v, scale, selection)
     store.write_chunk(layer, context.first_page, k, v)
     if context.mode == "sparse" and context.later_chunks:
         _summarise_chunk(context, layer, k)
@@ -193,12 +315,13 @@ def _select_pages(context: ChunkContext, layer: int, q) -> torch.Tensor | None:
     """Top-k history pages per query tile, or None when the whole history fits in top_k pages."""
     if context.history_pages <= context.top_k:
         return None
-    mean = context.summaries[layer][: context.history_pages]
+    mean = kernels.to_device(context.summaries[layer][: context.history_pages], q.device)
     return kernels.page_select(q, mean, context.top_k, context.query_tile_tokens)
 
 
 def _summarise_chunk(context: ChunkContext, layer: int, k) -> None:
-    """Appends the mean key of each of the chunk's pages to the layer's page summaries."""
+    """Records the mean key of each of the chunk's pages in the layer's page summaries (host
+    memory for offloaded layers, copied there behind the compute stream)."""
     tokens, heads, dim = k.shape
     page_tokens = context.page_tokens
     pages = -(-tokens // page_tokens)
@@ -209,9 +332,13 @@ def _summarise_chunk(context: ChunkContext, layer: int, k) -> None:
     mean = kernels.page_summary(pool, index, tokens)   # [pages, Hkv, D]
     summaries = context.summaries.get(layer)
     if summaries is None:
-        summaries = mean.new_zeros((context.store.layout.num_pages, heads, dim))
+        shape = (context.store.layout.num_pages, heads, dim)
+        if context.store.offloaded(layer):
+            summaries = torch.zeros(shape, dtype=mean.dtype, pin_memory=k.device.type == "cuda")
+        else:
+            summaries = mean.new_zeros(shape)
         context.summaries[layer] = summaries
-    summaries[context.first_page: context.first_page + pages] = mean
+    summaries[context.first_page: context.first_page + pages].copy_(mean, non_blocking=True)
 
 
 def membar_paged_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -222,7 +349,7 @@ def membar_paged_attention(module, query, key, value, attention_mask, scaling=No
 
         return sdpa_attention_forward(module, query, key, value, attention_mask,
                                       scaling=scaling, dropout=dropout, **kwargs)
-    if attention_mask is not None:
+    if attention_mask is not None and attention_mask is not NO_MASK:
         raise ValueError("chunk-recurrent training takes one unpadded sequence: pass no attention_mask.")
     if kwargs.get("sliding_window"):
         raise ValueError("sliding-window attention layers are not supported by chunk-recurrent training.")

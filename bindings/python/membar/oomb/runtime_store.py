@@ -167,6 +167,9 @@ class RuntimeKVStore(KVStore):
 
     # -- KVStore ------------------------------------------------------------------------------------
 
+    def offloaded(self, layer: int) -> bool:
+        return self.offload
+
     def write_chunk(self, layer: int, first_page: int, k: torch.Tensor, v: torch.Tensor) -> None:
         # k, v: [tokens, Hkv, D]
         layout = self.layout
@@ -192,7 +195,7 @@ class RuntimeKVStore(KVStore):
             # Only the selected pages are acquired: renumber them 0..n-1 (kernels.HistoryView.page_map).
             page_map = torch.full((access.num_pages,), -1, dtype=torch.int64)
             page_map[torch.tensor(pages, dtype=torch.int64) - access.first_page] = torch.arange(len(pages))
-            view.page_map = page_map.to(self.device)
+            view.page_map = page_map   # host: HistoryView.remap_selection applies it
             view.history_tokens = len(pages) * self.layout.page_tokens
         return view
 

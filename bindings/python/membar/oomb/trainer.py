@@ -27,7 +27,8 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from .config import OOMBConfig
-from .hf_attention import ATTENTION_NAME, ChunkContext, chunk_context, register
+from .hf_attention import ATTENTION_NAME, NO_MASK, ChunkContext, chunk_context, register
+from . import kernels
 from .kv_store import Access, KVStore, PageLayout, TensorKVStore
 
 SUPPORTED_MODEL_TYPES = ("qwen2", "llama")
@@ -126,7 +127,7 @@ class OOMBTrainer:
         IGNORE_INDEX = -100 skips a target); default input_ids. Gradients ACCUMULATE into .grad.
         """
         input_ids, labels = self._check_inputs(input_ids, labels)
-        predicted = int((labels[:, 1:] != IGNORE_INDEX).sum())
+        predicted = int((labels[:, 1:] != IGNORE_INDEX).sum())   # host tensors: no wait for the GPU
         if predicted == 0:
             raise ValueError("no token has a target: every label after the first is -100.")
         store_before = self.store.stats.as_dict()
@@ -135,11 +136,13 @@ class OOMBTrainer:
             torch.cuda.reset_peak_memory_stats(self.device)
         start = time.perf_counter()
         timings = {"stage1_seconds": 0.0, "stage2_seconds": 0.0}
-        total = 0.0
+        total = torch.zeros((), dtype=torch.float64, device=self.device)   # summed on the device
         for row in range(input_ids.shape[0]):
-            total += self._sequence(input_ids[row], labels[row], 1.0 / predicted, timings)
+            self._sequence(input_ids[row], labels[row], 1.0 / predicted, timings, total)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+        # The one read of a GPU value in a step (a meta device, used to count memory, has none).
+        total = float(total) if self.device.type != "meta" else float("nan")
         seconds = time.perf_counter() - start
         store_after = self.store.stats.as_dict()
         tokens = input_ids.numel()
@@ -180,7 +183,7 @@ class OOMBTrainer:
         logits = [None] * len(positions)
         self.store.open_sequence(self._layout(tokens))
         try:
-            self.store.plan(self._stage1_plan(chunks))
+            self.store.plan(self._stage1_plan(chunks, shared))
             for chunk, (first, end) in enumerate(chunks):
                 with chunk_context(self._context(1, chunk, (first, end), len(chunks), shared)):
                     hidden = self._run_decoder(input_ids[first:end], first)
@@ -196,6 +199,8 @@ class OOMBTrainer:
     # -- internals ------------------------------------------------------------------------------
 
     def _check_inputs(self, input_ids, labels):
+        """Validated (input_ids, labels) [batch, tokens] int64 on the host (pinned with CUDA): per
+        sequence data stays there and each chunk's slice is copied to the device when it runs."""
         if not isinstance(input_ids, torch.Tensor):
             raise TypeError(f"input_ids must be a torch.Tensor, got {type(input_ids).__name__}.")
         if input_ids.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8):
@@ -206,10 +211,10 @@ class OOMBTrainer:
             raise ValueError(f"input_ids must be [tokens] or [batch, tokens], got shape {tuple(input_ids.shape)}.")
         if input_ids.shape[1] < 2:
             raise ValueError(f"a sequence needs at least 2 tokens to have a target, got {input_ids.shape[1]}.")
+        input_ids = self._to_host(input_ids)
         if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= self.vocab_size):
             raise ValueError(f"token ids must lie in [0, {self.vocab_size}), got range "
                              f"[{int(input_ids.min())}, {int(input_ids.max())}].")
-        input_ids = input_ids.to(self.device, torch.long)
         if labels is None:
             labels = input_ids
         else:
@@ -220,11 +225,26 @@ class OOMBTrainer:
             if labels.shape != input_ids.shape:
                 raise ValueError(f"labels shape {tuple(labels.shape)} differs from input_ids shape "
                                  f"{tuple(input_ids.shape)}.")
-            labels = labels.to(self.device, torch.long)
+            labels = self._to_host(labels)
             bad = (labels != IGNORE_INDEX) & ((labels < 0) | (labels >= self.vocab_size))
             if bool(bad.any()):
                 raise ValueError(f"labels must be -100 or lie in [0, {self.vocab_size}).")
         return input_ids, labels
+
+    def _to_host(self, tensor: torch.Tensor) -> torch.Tensor:
+        tensor = tensor.to("cpu", torch.long)
+        if self.device.type == "cuda" and not tensor.is_pinned():
+            tensor = tensor.pin_memory()
+        return tensor
+
+    def _on_device(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A host slice on the compute device, copied without blocking the host."""
+        return kernels.to_device(tensor.contiguous(), self.device)
+
+    def reserve(self, tokens: int) -> None:
+        """Allocates the page pools for sequences of up to `tokens` tokens now, so that no step
+        pays for it (pinned host memory takes ~40 ms per GiB to allocate)."""
+        self.store.reserve(self._layout(tokens))
 
     def _layout(self, tokens: int) -> PageLayout:
         return PageLayout(self.num_layers, -(-tokens // self.config.page_tokens), self.config.page_tokens,
@@ -244,54 +264,62 @@ class OOMBTrainer:
             history_pages=first // config.page_tokens, later_chunks=chunk < count - 1,
             page_tokens=config.page_tokens, mode=config.mode, top_k=config.top_k,
             query_tile_tokens=config.query_tile_tokens, deterministic=config.deterministic,
+            history_block_pages=config.history_block_tokens // config.page_tokens,
+            keep_attention_outputs=config.checkpoint_layers,
             summaries=shared["summaries"], selections=shared["selections"],
             selection_unions=shared.setdefault("unions", {}))
 
-    def _stage1_plan(self, chunks) -> list[Access]:
+    def _stage1_plan(self, chunks, shared) -> list[Access]:
         plan = []
-        for chunk, (first, _) in enumerate(chunks):
-            history_pages = first // self.config.page_tokens
-            if history_pages == 0 or (self.config.mode == "sparse" and history_pages > self.config.top_k):
-                continue   # no history, or the pages are chosen only when the chunk's queries exist
-            plan += [Access("kv", layer, chunk, "stage1", 0, history_pages) for layer in range(self.num_layers)]
+        for chunk, bounds in enumerate(chunks):
+            context = self._context(1, chunk, bounds, len(chunks), shared)
+            if self.config.mode == "sparse" and context.history_pages > self.config.top_k:
+                continue   # the pages are chosen only when the chunk's queries exist
+            for layer in range(self.num_layers):
+                plan += context.history_accesses(layer, "stage1")
         return plan
 
     def _stage2_plan(self, chunks, shared) -> list[Access]:
+        """Every page access of stage 2 in order: per chunk (last first) the forward's history of
+        every layer, then per layer (last first) the backward's history and grad pages (block by
+        block when streamed) and the chunk's own grad pages. Layer recomputes of checkpointing
+        reuse the forward's attention output and access nothing."""
         plan = []
-        page_tokens = self.config.page_tokens
         for chunk in reversed(range(len(chunks))):
-            first, end = chunks[chunk]
             context = self._context(2, chunk, chunks[chunk], len(chunks), shared)
-            if context.history_pages > 0:
-                plan += [context.history_access(layer, "forward") for layer in range(self.num_layers)]
+            for layer in range(self.num_layers):
+                plan += context.history_accesses(layer, "forward")
             for layer in reversed(range(self.num_layers)):
-                if context.history_pages > 0:
-                    plan.append(context.history_access(layer, "backward"))
-                    plan.append(context.history_access(layer, "backward", kind="dkv"))
+                for access, grad_access in zip(context.history_accesses(layer, "backward"),
+                                               context.history_accesses(layer, "backward", kind="dkv")):
+                    plan += [access, grad_access]
                 if context.later_chunks:
-                    plan.append(Access("chunk_grad", layer, chunk, "backward", first // page_tokens,
-                                       -(-(end - first) // page_tokens)))
+                    plan.append(context.own_grad_access(layer))
         return plan
 
     def _run_decoder(self, chunk_ids: torch.Tensor, first: int) -> torch.Tensor:
+        """chunk_ids: int64 [tokens] on the host; returns the last hidden states [tokens, hidden]."""
         positions = torch.arange(first, first + chunk_ids.shape[0], device=self.device).unsqueeze(0)
-        output = self.decoder(input_ids=chunk_ids.unsqueeze(0), position_ids=positions, use_cache=False)
+        output = self.decoder(input_ids=self._on_device(chunk_ids).unsqueeze(0), position_ids=positions,
+                              attention_mask=NO_MASK, use_cache=False)
         return output.last_hidden_state[0]   # [tokens, hidden_size]
 
     def _chunk_loss(self, hidden: torch.Tensor, targets: torch.Tensor):
-        """Summed cross-entropy of a chunk, computed piece by piece; None when nothing is predicted."""
+        """Summed cross-entropy of a chunk, computed piece by piece; None when nothing is predicted.
+        targets: int64 [tokens] on the host (which pieces predict nothing is known without the GPU)."""
         total = None
         piece = self.config.loss_piece_tokens
         for start in range(0, targets.shape[0], piece):
             piece_targets = targets[start: start + piece]
             if not bool((piece_targets != IGNORE_INDEX).any()):
                 continue
-            part = checkpoint(_piece_loss, self.lm_head, hidden[start: start + piece], piece_targets,
-                              use_reentrant=False)
+            part = checkpoint(_piece_loss, self.lm_head, hidden[start: start + piece],
+                              self._on_device(piece_targets), use_reentrant=False)
             total = part if total is None else total + part
         return total
 
-    def _sequence(self, input_ids, labels, scale: float, timings: dict) -> float:
+    def _sequence(self, input_ids, labels, scale: float, timings: dict, total: torch.Tensor) -> None:
+        """Forward + backward of one sequence (host tensors [tokens]); adds its scaled loss to total."""
         tokens = input_ids.shape[0]
         chunks = self._chunks(tokens)
         count = len(chunks)
@@ -299,10 +327,9 @@ class OOMBTrainer:
         targets = torch.cat([labels[1:], labels.new_full((1,), IGNORE_INDEX)])
         shared = {"summaries": {}, "selections": {}}
         self.store.open_sequence(self._layout(tokens))
-        total = 0.0
         try:
             started = time.perf_counter()
-            self.store.plan(self._stage1_plan(chunks))
+            self.store.plan(self._stage1_plan(chunks, shared))
             with torch.no_grad():
                 for chunk, bounds in enumerate(chunks):
                     with chunk_context(self._context(1, chunk, bounds, count, shared)):
@@ -329,10 +356,9 @@ class OOMBTrainer:
                         # with a zero loss that keeps the graph.
                         loss = hidden.sum() * 0.0
                     (loss * scale).backward()
-                    total += float(loss.detach()) * scale
+                    total += loss.detach().double() * scale
                 self.store.free_pages(first // page_tokens, -(-(end - first) // page_tokens))
             timings["stage2_seconds"] += time.perf_counter() - middle
         finally:
             self.store.close_sequence()
             self.last_selections = shared["selections"]
-        return total
