@@ -245,21 +245,19 @@ class DaemonClient final : public Client {
                          " (use wait(ticket))");
   }
 
-  // The daemon does not watch the released word yet, so the client waits (on the CPU) for its
-  // stream to pass the marker and then releases through the ring.
+  // Stream-ordered: the stream writes the marker when it gets there; the daemon holds copies of
+  // these pages (and their frames) until it sees the word (Note [Stream-ordered release]).
+  // Nothing here waits for the GPU.
   Status stream_release(PageRange range, bool dirty, void* cuda_stream) override {
 #if defined(MEMBAR_WITH_CUDA)
     if (stream_signals_) {
+      std::lock_guard<std::mutex> lock(mutex_);
       uint64_t marker = ++release_marker_;
       MEMBAR_RETURN_IF_ERROR(stream_signals_->stream_write(kSignalReleasedWord, marker, cuda_stream));
-      uint64_t deadline = protocol::monotonic_ns() + wait_timeout_ms_ * 1000000ull;
-      while (signal_words_[kSignalReleasedWord] < marker) {
-        if (protocol::monotonic_ns() > deadline) {
-          return Status(StatusCode::DEADLINE_EXCEEDED, "the CUDA stream did not reach its release marker");
-        }
-        std::this_thread::yield();
-      }
-      return release(range, dirty);
+      v1::RequestV1 request = range_request(v1::Opcode::kRelease, range);
+      request.flags = (dirty ? v1::kReleaseDirty : 0) | v1::kReleaseAfterMarker;
+      request.argument = marker;
+      return call(request).status();
     }
 #endif
     return unimplemented("stream_release needs the CUDA backend; this client runs on " + describe() +

@@ -219,17 +219,15 @@ class EmbeddedClient final : public Client {
                          " (use wait(ticket))");
   }
 
-  // Embedded mode has no daemon watching the released word, so the pages are released once the
-  // stream has reached this point: the CPU waits for the stream's marker (blocking this thread).
+  // Stream-ordered, as through a daemon: the engine holds copies of these pages (and their
+  // frames) until it sees the stream's marker (Note [Stream-ordered release]).
   Status stream_release(PageRange range, bool dirty, void* cuda_stream) override {
 #if defined(MEMBAR_WITH_CUDA)
     if (stream_signals_) {
+      std::lock_guard<std::mutex> lock(mutex_);
       uint64_t marker = ++release_marker_;
       MEMBAR_RETURN_IF_ERROR(stream_signals_->stream_write(runtimed::kSignalReleased, marker, cuda_stream));
-      while (__atomic_load_n(const_cast<uint64_t*>(signal_words_ + runtimed::kSignalReleased), __ATOMIC_ACQUIRE) < marker) {
-        std::this_thread::yield();
-      }
-      return release(range, dirty);
+      return engine_->release_after(id_, range, dirty, marker);
     }
 #endif
     return unimplemented("stream_release needs the CUDA backend; this client runs on " + describe() +

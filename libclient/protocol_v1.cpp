@@ -153,7 +153,8 @@ bool opcode_takes_range(Opcode op) {
 uint32_t allowed_flags(Opcode op) {
   switch (op) {
     case Opcode::kAcquire: return kAcquireWrite | kAcquireZeroNew;
-    case Opcode::kRelease: case Opcode::kReleaseHost: return kReleaseDirty;
+    case Opcode::kRelease: return kReleaseDirty | kReleaseAfterMarker;
+    case Opcode::kReleaseHost: return kReleaseDirty;
     default: return 0;
   }
 }
@@ -406,7 +407,9 @@ Status validate_request(const RequestV1& request, uint64_t request_payload_capac
       return out_of_range(name + ": page range [" + std::to_string(request.first_page) + ", +" +
                           std::to_string(request.page_count) + ") overflows 32-bit page indices");
     }
-    if (request.argument != 0) return invalid_argument(name + ": argument must be zero");
+    bool after_marker = op == Opcode::kRelease && (request.flags & kReleaseAfterMarker) != 0;
+    if (after_marker && request.argument == 0) return invalid_argument(name + ": the release marker must be at least 1");
+    if (!after_marker && request.argument != 0) return invalid_argument(name + ": argument must be zero");
   } else {
     // Fields an opcode does not use must be zero, so that no request means two things.
     if (request.first_page != 0 || (op != Opcode::kCreateSpace && request.page_count != 0)) {

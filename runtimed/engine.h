@@ -75,7 +75,7 @@ struct ClientEvents {
 
 // Signal word indices inside a client's signal block.
 inline constexpr uint32_t kSignalCompleted = 0;  // highest ticket whose operations are done
-inline constexpr uint32_t kSignalReleased = 1;   // highest ticket the client's GPU is done with
+inline constexpr uint32_t kSignalReleased = 1;   // highest release marker the client's GPU passed
 
 class Engine {
  public:
@@ -97,6 +97,11 @@ class Engine {
   virtual Result<SpaceInfo> space_info(ClientId client, SpaceId space) = 0;
   virtual Result<AcquireResult> acquire(ClientId client, PageRange range, uint32_t flags) = 0;
   virtual Status release(ClientId client, PageRange range, bool dirty) = 0;
+  // Stream-ordered release (Note [Stream-ordered release] in engine.cpp): like release, but the
+  // client's GPU may still be using the pages until its stream writes `marker` (>= 1) into its
+  // kSignalReleased word. Returns at once; copies out of or into the pages' GPU slots, and the
+  // revocation of their frames, wait until the word is seen at or past `marker`.
+  virtual Status release_after(ClientId client, PageRange range, bool dirty, uint64_t marker) = 0;
   virtual Result<Ticket> prefetch(ClientId client, PageRange range) = 0;
   virtual Result<Ticket> offload(ClientId client, PageRange range) = 0;
   virtual Status free_pages(ClientId client, PageRange range) = 0;

@@ -213,7 +213,9 @@ void RingServer::handle(const v1::RequestV1& request) {
       break;
     }
     case v1::Opcode::kRelease:
-      status = engine_.release(client_, range, dirty);
+      status = (request.flags & v1::kReleaseAfterMarker) != 0
+                   ? engine_.release_after(client_, range, dirty, request.argument)
+                   : engine_.release(client_, range, dirty);
       break;
     case v1::Opcode::kReleaseHost:
       status = engine_.release_host(client_, range, dirty);

@@ -58,10 +58,28 @@
 // acquire (it may evict anything unpinned); only advance()'s lookahead follows MIN's rule.
 // A page brought in by a prefetch whose copy is still in flight may be chosen as a victim; its
 // slot is then reused only after that copy completes (batch ordering), never corrupted.
+//
+// Note [Stream-ordered release]
+// Rationale: a trainer releases pages its kernels are still reading or writing; waiting on its
+// CPU for the stream to drain before every release would stall the pipeline of prefetch,
+// compute and offload (the point of the runtime). Approach: the client enqueues
+// cuStreamWriteValue64(released word, marker) on its stream and calls release_after(marker),
+// which returns at once. The pages' GPU slots remember the marker (Frame::slot_fence). A batch
+// that touches such a slot (the writeback of a dirty page, or a copy or zero fill into a slot
+// whose page was evicted) takes the marker as its fence and is held, not handed to the backend,
+// until the client's word is seen at or past it; an emptied frame with an unmet fence is not
+// revoked (the client's kernels may still be using the mapping). The engine's dispatcher watches
+// the words of clients with something held (every 20 us while there is), so the daemon learns
+// when the trainer's GPU passed the marker without the trainer's CPU taking part.
+// Limitations: markers are ordered per client; releases from several streams must write their
+// markers in increasing order (one stream, or streams ordered with events), else a release may
+// wait for a later marker. The watch is the daemon's CPU reading the word, not a GPU-side wait on
+// the copy streams (a stuck client stream would otherwise stall every client's copies).
 #include "engine.h"
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <cstring>
 #include <thread>
@@ -383,6 +401,36 @@ class EngineImpl final : public Engine {
     for (uint32_t p = range.first_page; p < range.first_page + range.page_count; ++p) {
       if (space->pages[p].pins == 0) {
         return failed_precondition("release: " + page_text(*space, p) + " is not acquired");
+      }
+    }
+    for (uint32_t p = range.first_page; p < range.first_page + range.page_count; ++p) {
+      Page& page = space->pages[p];
+      if (dirty || page.write_intent) {
+        page.dirty = true;
+        page.host_valid = false;
+      }
+      if (page.pins == 1) page.write_intent = false;
+      unpin(*client, *space, p);
+    }
+    return Status::Ok();
+  }
+
+  Status release_after(ClientId id, PageRange range, bool dirty, uint64_t marker) override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    MEMBAR_ASSIGN_OR_RETURN(ClientState * client, find_client(id));
+    MEMBAR_ASSIGN_OR_RETURN(Space * space, check_range(*client, range));
+    if (marker == 0) return invalid_argument("release_after: the release marker must be at least 1");
+    for (uint32_t p = range.first_page; p < range.first_page + range.page_count; ++p) {
+      if (space->pages[p].pins == 0) {
+        return failed_precondition("release: " + page_text(*space, p) + " is not acquired");
+      }
+    }
+    if (!fence_met(*client, marker)) {
+      for (uint32_t p = range.first_page; p < range.first_page + range.page_count; ++p) {
+        const Page& page = space->pages[p];
+        if (!page.gpu.valid()) continue;
+        uint64_t& fence = frame_of(Tier::kGpu, page.gpu.frame).slot_fence[page.gpu.slot];
+        fence = std::max(fence, marker);
       }
     }
     for (uint32_t p = range.first_page; p < range.first_page + range.page_count; ++p) {
@@ -853,6 +901,7 @@ class EngineImpl final : public Engine {
     frame.used_slots = 0;
     frame.slots.assign(kFrameBytes / page_bytes, SlotOwner{});
     frame.slot_batch.assign(kFrameBytes / page_bytes, kNoBatch);
+    frame.slot_fence.assign(kFrameBytes / page_bytes, 0);
   }
 
   // Takes the frame from the client (its pages must be gone) and returns it to the pool, or to
@@ -870,6 +919,7 @@ class EngineImpl final : public Engine {
     frame.used_slots = 0;
     frame.slots.clear();
     frame.slot_batch.clear();
+    frame.slot_fence.clear();
     if (frame.pending_batches.empty()) pools_[t].free_frames.push_back(index);
   }
 
@@ -900,6 +950,13 @@ class EngineImpl final : public Engine {
         // A frame still touched by copies stays with the client (which may reuse its slots at
         // once); the last copy's completion trims it again.
         if (frame.owner == client.id && frame.used_slots == 0 && frame.pending_batches.empty()) {
+          if (tier == Tier::kGpu && !frame_fences_met(client, frame)) {
+            // The client's kernels may still use the mapping: keep it until the fence is seen.
+            client.maybe_empty[t].push_back(index);
+            client.awaiting_fence = true;
+            request_fence_watch();
+            continue;
+          }
           return_frame_to_pool(client, tier, index, true);
         }
       }
@@ -1268,7 +1325,59 @@ class EngineImpl final : public Engine {
       depend(builder.current, frame.slot_batch[slot.slot]);
       frame.slot_batch[slot.slot] = builder.current;
       attach_frame(builder.current, tier, slot.frame);
+      if (tier == Tier::kGpu && frame.slot_fence[slot.slot] != 0) {
+        uint64_t& fence = frame.slot_fence[slot.slot];
+        if (fence_met(*builder.client, fence)) {
+          fence = 0;
+        } else {
+          Batch& batch = batches_.at(builder.current);
+          batch.fence = std::max(batch.fence, fence);
+        }
+      }
     }
+  }
+
+  // True when the client's stream was seen past `marker` (reads its released word).
+  bool fence_met(ClientState& client, uint64_t marker) {
+    if (marker <= client.released_seen) return true;
+    if (client.signal_words != nullptr) {
+      uint64_t word = __atomic_load_n(const_cast<uint64_t*>(client.signal_words + kSignalReleased), __ATOMIC_ACQUIRE);
+      client.released_seen = std::max(client.released_seen, word);
+    }
+    return marker <= client.released_seen;
+  }
+
+  bool frame_fences_met(ClientState& client, Frame& frame) {
+    for (uint64_t& fence : frame.slot_fence) {
+      if (fence == 0) continue;
+      if (!fence_met(client, fence)) return false;
+      fence = 0;
+    }
+    return true;
+  }
+
+  // Hands over held batches whose fence is now met and revokes frames kept for a fence. Returns
+  // whether the client still waits for something. Caller holds mutex_.
+  bool release_fences(ClientState& client) {
+    if (!client.awaiting_fence) return false;
+    std::vector<uint64_t> still_held;
+    std::vector<uint64_t> ready;
+    for (uint64_t id : client.held_batches) {
+      auto it = batches_.find(id);
+      if (it == batches_.end()) continue;
+      (fence_met(client, it->second.fence) ? ready : still_held).push_back(id);
+    }
+    client.held_batches = std::move(still_held);
+    client.awaiting_fence = !client.held_batches.empty();
+    for (uint64_t id : ready) {
+      auto it = batches_.find(id);
+      if (it == batches_.end()) continue;
+      it->second.held = false;
+      it->second.fence = 0;
+      submit(id);
+    }
+    trim(client);  // sets awaiting_fence again for frames still waiting
+    return client.awaiting_fence;
   }
 
   void add_copy(Builder& builder, const Space& space, Tier from, SlotRef source, Tier to, SlotRef destination) {
@@ -1306,7 +1415,9 @@ class EngineImpl final : public Engine {
     client.pending_tickets.push_back(PendingTicket{builder.ticket, uint32_t(builder.batches.size()), Status::Ok()});
     for (uint64_t id : builder.batches) {
       auto it = batches_.find(id);
-      if (it != batches_.end() && !it->second.submitted && it->second.unmet_dependencies == 0) submit(id);
+      if (it != batches_.end() && !it->second.submitted && !it->second.held && it->second.unmet_dependencies == 0) {
+        submit(id);
+      }
     }
     advance_completed(client);
     return builder.ticket;
@@ -1314,6 +1425,19 @@ class EngineImpl final : public Engine {
 
   void submit(uint64_t id) {
     Batch& batch = batches_.at(id);
+    if (batch.fence != 0) {
+      auto owner = clients_.find(batch.client);
+      if (owner != clients_.end() && !fence_met(*owner->second, batch.fence)) {
+        if (!batch.held) {
+          batch.held = true;
+          owner->second->held_batches.push_back(id);
+          owner->second->awaiting_fence = true;
+          request_fence_watch();
+        }
+        return;
+      }
+      batch.fence = 0;
+    }
     batch.submitted = true;
     batch.outstanding_callbacks = uint32_t((batch.copies.empty() ? 0 : 1) + batch.zeros.size());
     uint32_t failed = 0;
@@ -1395,13 +1519,49 @@ class EngineImpl final : public Engine {
     ticket_done_.notify_all();
   }
 
+  // Wakes the dispatcher to watch released words. Caller holds mutex_ (never the other way
+  // round: the dispatcher takes completion_mutex_ without mutex_).
+  void request_fence_watch() {
+    if (fence_watch_needed_.exchange(true)) return;
+    { std::lock_guard<std::mutex> lock(completion_mutex_); }
+    completion_ready_.notify_one();
+  }
+
+  // Looks at the released words of clients that wait for a fence (Note [Stream-ordered release]).
+  void watch_fences() {
+    if (!fence_watch_needed_.load()) return;
+    std::vector<std::shared_ptr<ClientState>> touched;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      bool any = false;
+      for (auto& [id, client] : clients_) {
+        if (client->closed || !client->awaiting_fence) continue;
+        uint64_t seen = client->released_seen;
+        bool waiting = release_fences(*client);
+        any = any || waiting;
+        if (client->released_seen != seen) touched.push_back(client);
+      }
+      fence_watch_needed_ = any;
+    }
+    for (const auto& client : touched) deliver_events(client);
+  }
+
   void dispatcher_loop() {
     for (;;) {
+      watch_fences();
       std::pair<uint64_t, Status> completion;
       {
         std::unique_lock<std::mutex> lock(completion_mutex_);
-        completion_ready_.wait(lock, [this] { return stopping_ || !completions_.empty(); });
-        if (completions_.empty()) return;
+        auto ready = [this] { return stopping_ || !completions_.empty(); };
+        if (fence_watch_needed_.load()) {
+          completion_ready_.wait_for(lock, std::chrono::microseconds(20), ready);
+        } else {
+          completion_ready_.wait(lock, [&] { return ready() || fence_watch_needed_.load(); });
+        }
+        if (completions_.empty()) {
+          if (stopping_) return;
+          continue;
+        }
         completion = std::move(completions_.front());
         completions_.pop_front();
       }
@@ -1459,6 +1619,9 @@ class EngineImpl final : public Engine {
   ClientId next_client_ = 1;
   std::unordered_map<uint64_t, Batch> batches_;
   uint64_t next_batch_ = 1;
+  // Some client waits for a release marker: the dispatcher polls (guarded by mutex_ for writes;
+  // read without it by the dispatcher to choose how long to sleep).
+  std::atomic<bool> fence_watch_needed_{false};
 
   std::mutex completion_mutex_;
   std::condition_variable completion_ready_;

@@ -86,6 +86,9 @@ struct Frame {
   uint32_t used_slots = 0;
   std::vector<SlotOwner> slots;
   std::vector<uint64_t> slot_batch;  // last batch that touched each slot (may be finished)
+  // GPU tier: the owner's release marker each slot waits for (Note [Stream-ordered release]);
+  // 0 when none, or once the owner's stream was seen past it.
+  std::vector<uint64_t> slot_fence;
   std::vector<uint64_t> pending_batches;  // unfinished batches touching this frame
 };
 
@@ -113,6 +116,8 @@ struct Batch {
   std::vector<uint64_t> dependents;
   bool sealed = false;
   bool submitted = false;
+  uint64_t fence = 0;   // the client's release marker the copies wait for (0: none)
+  bool held = false;    // ready, but waiting for `fence`
   uint32_t outstanding_callbacks = 0;
   Status status;
   uint64_t bytes_host_to_gpu = 0;
@@ -150,6 +155,9 @@ struct ClientState {
 
   uint32_t signal_block = 0;
   volatile uint64_t* signal_words = nullptr;
+  uint64_t released_seen = 0;           // highest release marker its streams were seen past
+  std::vector<uint64_t> held_batches;   // batches waiting for a release marker, in order
+  bool awaiting_fence = false;          // held batches, or emptied frames kept for a fence
   Ticket next_ticket = 1;
   Ticket completed = 0;
   std::deque<PendingTicket> pending_tickets;

@@ -280,6 +280,65 @@ TEST(Engine, CloseReclaimsEverythingWhileCopiesRun) {
   EXPECT_TRUE(stats.clients.empty());
 }
 
+// Note [Stream-ordered release]: copies of released pages and the revocation of their frames wait
+// until the client's released word reaches the marker (here written by the test, as a CUDA
+// stream's cuStreamWriteValue64 would).
+TEST(Engine, StreamOrderedReleaseHoldsCopiesAndFramesUntilTheMarker) {
+  auto engine = make_engine(2, 4);
+  auto client = MappedClient::open(*engine);
+  ClientId id = client->id;
+  auto signal_fd = engine->client_signal_fd(id);
+  ASSERT_TRUE(signal_fd.ok());
+  void* mapped = ::mmap(nullptr, 4096, PROT_READ | PROT_WRITE, MAP_SHARED, signal_fd.value(), 0);
+  ::close(signal_fd.value());
+  ASSERT_NE(mapped, MAP_FAILED);
+  auto* released_word = static_cast<uint64_t*>(mapped) + kSignalReleased;
+  auto set_released = [&](uint64_t value) { __atomic_store_n(released_word, value, __ATOMIC_RELEASE); };
+
+  SpaceId space = client->space("L00.k", k64K, 4);
+  std::vector<char*> pages = client->acquire({space, 0, 4}, kAcquireWrite | kAcquireZeroNew);
+  ASSERT_EQ(pages.size(), 4u);
+  for (int i = 0; i < 4; ++i) fill_pattern(pages[i], k64K, 100 + i);
+  EXPECT_EQ(engine->release_after(id, {space, 0, 4}, true, 0).code(), StatusCode::INVALID_ARGUMENT);
+  ASSERT_TRUE(engine->release_after(id, {space, 0, 4}, true, 1).ok());
+  EXPECT_EQ(engine->release_after(id, {space, 0, 4}, true, 2).code(), StatusCode::FAILED_PRECONDITION);
+  // The "GPU" is still writing after the release call: these are the bytes that must reach host.
+  for (int i = 0; i < 4; ++i) fill_pattern(pages[i], k64K, 200 + i);
+
+  auto offloaded = engine->offload(id, {space, 0, 4});
+  ASSERT_TRUE(offloaded.ok()) << offloaded.status().to_string();
+  std::this_thread::sleep_for(std::chrono::milliseconds(30));
+  EXPECT_LT(engine->completed_ticket(id).value(), offloaded.value()) << "the writeback ran before the marker";
+  EXPECT_EQ(client->stats().bytes_gpu_to_host, 0u);
+  EXPECT_EQ(client->revokes.load(), 0) << "a frame the client may still use was taken back";
+
+  set_released(1);
+  ASSERT_TRUE(engine->wait(id, offloaded.value()).ok());
+  EXPECT_EQ(client->stats().bytes_gpu_to_host, 4 * k64K);
+  EXPECT_TRUE(client->eventually_revoked(1)) << "the emptied GPU frame goes back once the marker is seen";
+  std::vector<char*> host = client->acquire_host({space, 0, 4});
+  ASSERT_EQ(host.size(), 4u);
+  for (int i = 0; i < 4; ++i) EXPECT_TRUE(check_pattern(host[i], k64K, 200 + i)) << "page " << i;
+  ASSERT_TRUE(engine->release_host(id, {space, 0, 4}, false).ok());
+
+  // A clean page freed right after its stream-ordered release: its frame stays mapped until the
+  // marker, and a marker already passed holds nothing.
+  int revokes_before = client->revokes.load();
+  client->acquire({space, 0, 1}, 0);
+  ASSERT_TRUE(engine->release_after(id, {space, 0, 1}, false, 2).ok());
+  ASSERT_TRUE(engine->free_pages(id, {space, 0, 1}).ok());
+  std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  EXPECT_EQ(client->revokes.load(), revokes_before);
+  set_released(2);
+  EXPECT_TRUE(client->eventually_revoked(revokes_before + 1));
+  client->acquire({space, 1, 1}, 0);
+  ASSERT_TRUE(engine->release_after(id, {space, 1, 1}, true, 2).ok());
+  auto quick = engine->offload(id, {space, 1, 1});
+  ASSERT_TRUE(quick.ok());
+  EXPECT_TRUE(engine->wait(id, quick.value()).ok());
+  ::munmap(mapped, 4096);
+}
+
 TEST(Engine, TicketsCompleteInOrderAndSetTheSignalWord) {
   auto engine = make_engine(4, 16);
   std::vector<Ticket> seen;

@@ -11,7 +11,8 @@
 // edit of this file. Additions keep the version: new message types and opcodes are appended
 // (numbers never reused, existing structs never change), and a peer that predates one answers it
 // with INVALID_ARGUMENT ("unknown opcode"), a clear error rather than a misreading. Added since
-// the first release: kChannelGrant; kCreateChannel, kOpenChannel, kCloseChannel. No CUDA, Boost or libuv here; the encode/decode/validate functions are
+// the first release: kChannelGrant; kCreateChannel, kOpenChannel, kCloseChannel; the
+// kReleaseAfterMarker flag of kRelease. No CUDA, Boost or libuv here; the encode/decode/validate functions are
 // implemented in libclient/protocol_v1.cpp, which depends on nothing but the standard library
 // and membar/status.h, so it can be fuzzed on its own (fuzz/protocol_fuzzer.cpp).
 //
@@ -211,7 +212,7 @@ enum class Opcode : uint16_t {
   kCreateSpace = 2,    // payload: name; argument: page_bytes; page_count -> value: space id
   kDestroySpace = 3,   // space
   kAcquire = 4,        // range, flags: AcquireFlags -> ticket, payload: locations
-  kRelease = 5,        // range, flags: kReleaseDirty
+  kRelease = 5,        // range, flags: kReleaseDirty, kReleaseAfterMarker (argument: marker)
   kPrefetch = 6,       // range -> ticket
   kOffload = 7,        // range -> ticket
   kFreePages = 8,      // range
@@ -229,6 +230,9 @@ inline constexpr uint16_t kFirstOpcode = 1;
 inline constexpr uint16_t kLastOpcode = 17;
 
 inline constexpr uint32_t kReleaseDirty = 1u << 0;
+// Stream-ordered release: the pages stay in use until the client's stream writes `argument`
+// (>= 1) into its released signal word (Note [Stream-ordered release] in runtimed/engine/engine.cpp).
+inline constexpr uint32_t kReleaseAfterMarker = 1u << 1;
 
 struct RequestV1 {
   uint64_t sequence;       // per client, increasing; echoed in the completion
