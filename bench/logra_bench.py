@@ -2,9 +2,11 @@
 
 One training update = forward + backward + optimizer step of an HF Qwen2ForCausalLM (random
 init, from config) on batch x seqlen tokens with gradient checkpointing. Variants:
-  logra64, logra256     membar.logra: bf16 W frozen, x A^T saved instead of x, sketches + Adam
-                        on sketches, fused merged update (bf16 stochastic rounding); loss computed
-                        in checkpointed chunks (no full-vocabulary logits kept)
+  logra64, logra256     membar.logra: bf16 W frozen, sketches accumulated in backward (x projected
+                        in backward under checkpointing), Adam on the flat sketch buffer, fused
+                        tensor-core merged update (bf16 stochastic rounding); loss through
+                        membar.logra.loss (chunked, gradient computed in the forward, no
+                        full-vocabulary logits kept)
   logra64_kl            logra64 plus predicted-KL step control: one forward-mode pass over a
                         512-token probe (the first sequence's first 512 tokens) per update
   adamw_fp32master      AdamW on fp32 params with bf16 autocast (HF loss, full logits)
@@ -15,16 +17,23 @@ init, from config) on batch x seqlen tokens with gradient checkpointing. Variant
                         ../shared/probes/optim_baseline.py
   sketch64_chunked      the plain sketch with the same chunked loss as LoGRA (separates the
                         loss's share of the saving from LoGRA's own)
+  logra64_rt            logra64 with sketches and Adam moments as pages of an embedded
+                        membar.runtime.Runtime (CUDA backend); peak adds the runtime's GPU window
+  logra64_offload       logra64_rt with the moments offloaded to host memory between updates
 Per config: peak and mean allocated GPU memory (mean sampled every 2 ms during the measured
 updates), seconds per update (best and mean of the measured updates), trainable / state bytes,
 and for LoGRA the policy-sync payload per update against the full targeted weights.
 
-Every config runs in a fresh subprocess. Results: logra_bench.json and logra_bench.txt in
-$MEMBAR_RESULTS_DIR (default bench/results/latest).
+Every config runs in a fresh subprocess (an OOM cannot poison the next). Configs that run out
+of memory are recorded as OOM with the memory they would need (weights, gradients, optimizer
+states; activations not counted). Results: logra_bench.json and logra_bench.txt in
+$MEMBAR_RESULTS_DIR (default bench/results/latest); with --profile also
+logra_profile_<shape>_<variant>.txt (top CUDA kernels of one update, and the split of the update
+into forward + backward and optimizer step).
 
-  python bench/logra_bench.py                       # H200: 1.5b and 7b, all variants
-  python bench/logra_bench.py --models 27b --variants logra64,adamw_bf16
-  python bench/logra_bench.py --quick               # tiny shapes on the CPU (CI smoke run)
+  python bench/logra_bench.py --shapes 1.5b,7b,27b        # H200: the full sweep (~6 minutes)
+  python bench/logra_bench.py --shapes 7b --variants logra64,sketch64 --profile
+  python bench/logra_bench.py --quick                     # tiny shapes on the CPU (CI smoke run)
 """
 from __future__ import annotations
 
@@ -55,14 +64,22 @@ SHAPES = {
 }
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # Most telling first: results are written after every config, so a run cut short still reports.
-DEFAULT_VARIANTS = "logra64,sketch64,logra256,sketch256,logra64_kl,adamw_bf16,lora64,adamw_fp32master,sketch64_chunked"
+DEFAULT_VARIANTS = ("logra64,sketch64,logra256,sketch256,logra64_kl,adamw_bf16,lora64,adamw_fp32master,"
+                    "sketch64_chunked,logra64_rt,logra64_offload")
+# At ~27B only LoGRA is expected to fit one H200; the dense variants are run to record their OOM.
+VARIANTS_BY_SHAPE = {"27b": "logra64,adamw_fp32master,adamw_bf16"}
 LOSS_CHUNK_TOKENS = 1024
 
 
 def parse_args():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--models", default="7b,1.5b")
-    parser.add_argument("--variants", default=DEFAULT_VARIANTS)
+    parser.add_argument("--shapes", "--models", dest="models", default="7b,1.5b",
+                        help="comma-separated model shapes: 1.5b, 7b, 27b, tiny")
+    parser.add_argument("--variants", default=None,
+                        help=f"comma-separated variants (default: {DEFAULT_VARIANTS}; at 27b: {VARIANTS_BY_SHAPE['27b']})")
+    parser.add_argument("--profile", action="store_true",
+                        help="profile one update per config with torch.profiler: top CUDA kernels, and the "
+                             "update split into forward + backward and optimizer step")
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seqlen", type=int, default=2048)
     parser.add_argument("--updates", type=int, default=4, help="updates per config (the first is warm-up)")
@@ -80,28 +97,34 @@ def parse_args():
 # Child: one config.
 
 def chunked_causal_lm_loss(model, input_ids):
-    """Mean next-token cross-entropy without keeping full-vocabulary logits: the final hidden
-    states [B, T, H] go through lm_head + CE in checkpointed pieces of LOSS_CHUNK_TOKENS tokens,
-    so only one piece's fp32 logits exist at a time (also in the backward)."""
-    import torch
-    import torch.nn.functional as F
-    from torch.utils.checkpoint import checkpoint
+    """Mean next-token cross-entropy without full-vocabulary logits: membar.logra.loss, chunks of
+    LOSS_CHUNK_TOKENS tokens, the hidden-state gradient computed in the forward (no logit is
+    computed twice; Note [Chunked linear cross-entropy])."""
+    from membar.logra.loss import causal_lm_loss
 
-    hidden = model.model(input_ids=input_ids).last_hidden_state[:, :-1, :]  # [B, T-1, H]
-    labels = input_ids[:, 1:]
-    hidden = hidden.reshape(-1, hidden.shape[-1])
-    labels = labels.reshape(-1)
-    head = model.lm_head
+    return causal_lm_loss(model, input_ids, chunk_tokens=LOSS_CHUNK_TOKENS)
 
-    def piece_loss(piece_hidden, piece_labels):
-        logits = head(piece_hidden).float()
-        return F.cross_entropy(logits, piece_labels, reduction="sum")
 
-    total = hidden.new_zeros((), dtype=torch.float32)
-    for start in range(0, hidden.shape[0], LOSS_CHUNK_TOKENS):
-        end = min(start + LOSS_CHUNK_TOKENS, hidden.shape[0])
-        total = total + checkpoint(piece_loss, hidden[start:end], labels[start:end], use_reentrant=False)
-    return total / hidden.shape[0]
+def parameter_count(model_name):
+    """Parameters of the HF Qwen2 shape, from its config (q/k/v biases, untied lm_head)."""
+    shape = SHAPES[model_name]
+    hidden, layers, intermediate, vocab = (shape["hidden_size"], shape["num_hidden_layers"],
+                                           shape["intermediate_size"], shape["vocab_size"])
+    kv = hidden // shape["num_attention_heads"] * shape["num_key_value_heads"]
+    attention = hidden * hidden + hidden + 2 * (hidden * kv + kv) + hidden * hidden
+    per_layer = attention + 3 * hidden * intermediate + 2 * hidden
+    return 2 * vocab * hidden + layers * per_layer + hidden
+
+
+def dense_need_bytes(model_name, variant):
+    """Bytes a dense variant needs before activations: weights + gradients + AdamW's two moments
+    (fp32 master: 4 + 4 + 8 bytes per parameter; bf16 params: 2 + 2 + 4)."""
+    count = parameter_count(model_name)
+    if variant == "adamw_fp32master":
+        return 16 * count
+    if variant == "adamw_bf16":
+        return 8 * count
+    return None
 
 
 def build(model_name, variant, device):
@@ -128,17 +151,38 @@ def build(model_name, variant, device):
 
         rank = int(variant[len("logra"):].split("_")[0])
         kl = variant.endswith("_kl")
-        handle = logra.apply_logra(model, rank=rank, targets=TARGETS, seed=1)
+        runtime = None
+        if variant.endswith("_rt") or variant.endswith("_offload"):
+            from membar.runtime import Runtime
+
+            # The embedded runtime's GPU window holds sketches and both moments; its host pool
+            # the offloaded moments. 2 MiB of slack per kind for page rounding.
+            state_bytes = sum(4 * child.out_features * rank for _, _, _, child in logra.target_linears(model, TARGETS))
+            window = 3 * (state_bytes + (4 << 20))
+            runtime = Runtime.connect(embedded=True, backend="cuda" if device == "cuda" else "host",
+                                      gpu_pool_bytes=window, host_pool_bytes=window)
+            info["runtime_window_bytes"] = runtime.window_bytes
+        handle = logra.apply_logra(model, rank=rank, targets=TARGETS, seed=1, runtime=runtime)
         optimizer = logra.LoGRAOptimizer(handle, lr=1e-5, algorithm="adam",
-                                          kl_control=logra.KLControl(delta=2e-4, alpha_max=1.0) if kl else None)
+                                          kl_control=logra.KLControl(delta=2e-4, alpha_max=1.0) if kl else None,
+                                          offload_moments=variant.endswith("_offload"))
+        info["runtime"] = runtime  # kept alive with the model
         info["sync_payload_bytes"] = update_message_bytes([(l.out_features, l.rank) for l in handle.layers])
         info["full_weight_bytes"] = sum(l.weight.numel() * l.weight.element_size() for l in handle.layers)
         info["trainable"] = sum(l.out_features * l.rank for l in handle.layers)
 
-        def update(input_ids):
+        def backward(input_ids):
             chunked_causal_lm_loss(model, input_ids).backward()
+
+        def step(input_ids):
             probe_ids = input_ids[:1, :512]
             optimizer.step(kl_probe=(lambda: model(input_ids=probe_ids).logits) if kl else None)
+
+        def update(input_ids):
+            backward(input_ids)
+            step(input_ids)
+
+        info["phases"] = (backward, step)
 
         info["state_bytes"] = lambda: optimizer.state_bytes()
         return model, update, info
@@ -175,15 +219,23 @@ def build(model_name, variant, device):
     chunked = variant.endswith("_chunked")
     autocast = variant == "adamw_fp32master"
 
-    def update(input_ids):
+    def backward(input_ids):
         with torch.autocast(device_type=device, dtype=torch.bfloat16, enabled=autocast):
             if chunked:
                 loss = chunked_causal_lm_loss(model, input_ids)
             else:
                 loss = model(input_ids=input_ids, labels=input_ids).loss
         loss.backward()
+
+    def step(input_ids):
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+
+    def update(input_ids):
+        backward(input_ids)
+        step(input_ids)
+
+    info["phases"] = (backward, step)
 
     def state_bytes():
         total = 0
@@ -226,6 +278,57 @@ class MemorySampler:
         return sum(self.samples) / max(1, len(self.samples))
 
 
+def is_out_of_memory(error):
+    import torch
+
+    if isinstance(error, torch.OutOfMemoryError):
+        return True
+    message = str(error)
+    return "out of memory" in message or "CUBLAS_STATUS_ALLOC_FAILED" in message or "RESOURCE_EXHAUSTED" in message
+
+
+def profile_update(update, phases, input_ids, out_path, title):
+    """One update under torch.profiler: the top CUDA kernels by their own GPU time, and the split
+    of the update into forward + backward and optimizer step (each synchronised). Written to
+    out_path; returns a short summary for the JSON."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    backward, step = phases
+    torch.cuda.synchronize()
+    started = time.time()
+    backward(input_ids)
+    torch.cuda.synchronize()
+    middle = time.time()
+    step(input_ids)
+    torch.cuda.synchronize()
+    ended = time.time()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as profiler:
+        update(input_ids)
+        torch.cuda.synchronize()
+    averages = profiler.key_averages()
+    kernels = [e for e in averages if getattr(e, "self_device_time_total", 0) > 0 and e.device_type.name == "CUDA"]
+    kernels.sort(key=lambda e: e.self_device_time_total, reverse=True)
+    total_us = sum(e.self_device_time_total for e in kernels)
+    lines = [f"# {title}: one update, forward+backward {middle - started:.4f} s, optimizer step {ended - middle:.4f} s "
+             f"(synchronised between phases); GPU kernel time {total_us / 1e6:.4f} s",
+             f"{'GPU ms':>9} {'share':>6} {'calls':>6}  kernel"]
+    top = []
+    for event in kernels[:30]:
+        lines.append(f"{event.self_device_time_total / 1e3:9.2f} {event.self_device_time_total / max(1, total_us):6.1%} "
+                     f"{event.count:6d}  {event.key[:150]}")
+        top.append([event.key[:120], round(event.self_device_time_total / 1e3, 3), event.count])
+    lines.append("")
+    lines.append("# top operators by GPU time (including their kernels)")
+    operators = [e for e in averages if e.device_type.name == "CPU" and getattr(e, "device_time_total", 0) > 0]
+    operators.sort(key=lambda e: e.device_time_total, reverse=True)
+    for event in operators[:25]:
+        lines.append(f"{event.device_time_total / 1e3:9.2f} ms {event.count:6d}  {event.key[:150]}")
+    Path(out_path).write_text("\n".join(lines) + "\n")
+    return dict(forward_backward_s=middle - started, optimizer_s=ended - middle, kernel_s=total_us / 1e6,
+                top_kernels=top[:12])
+
+
 def run_child(model_name, variant, args):
     import torch
 
@@ -233,10 +336,16 @@ def run_child(model_name, variant, args):
     cuda = device == "cuda"
     if not cuda:
         torch.set_num_threads(1)  # a smoke run on a shared CI machine: no spinning thread pools
-    result = dict(model=model_name, variant=variant, batch=args.batch, seqlen=args.seqlen, device=device)
+    result = dict(model=model_name, variant=variant, batch=args.batch, seqlen=args.seqlen, device=device,
+                  parameters=parameter_count(model_name))
+    need = dense_need_bytes(model_name, variant)
+    if need is not None:
+        result["need_gib_before_activations"] = need / 2**30
     if cuda:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
+        result["device_gib"] = torch.cuda.get_device_properties(0).total_memory / 2**30
+    phase = "build"
     try:
         model, update, info = build(model_name, variant, device)
         vocab = SHAPES[model_name]["vocab_size"]
@@ -244,6 +353,7 @@ def run_child(model_name, variant, args):
         times = []
         sampler = MemorySampler() if cuda else None
         for index in range(args.updates):
+            phase = f"update {index}"
             if cuda:
                 torch.cuda.synchronize()
             if index == 1 and sampler is not None:
@@ -258,18 +368,31 @@ def run_child(model_name, variant, args):
         measured = times[1:] or times
         result.update(step_s=min(measured), mean_step_s=sum(measured) / len(measured), trainable=info["trainable"],
                       state_bytes=info["state_bytes"]())
-        for key in ("sync_payload_bytes", "full_weight_bytes"):
+        for key in ("sync_payload_bytes", "full_weight_bytes", "runtime_window_bytes"):
             if key in info:
                 result[key] = info[key]
         if cuda:
-            result["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
-            result["mean_gib"] = sampler.mean() / 2**30
+            # Runtime pages live in the runtime's own VMM window, outside PyTorch's allocator.
+            extra = info.get("runtime_window_bytes", 0)
+            result["peak_gib"] = (torch.cuda.max_memory_allocated() + extra) / 2**30
+            result["mean_gib"] = (sampler.mean() + extra) / 2**30
+            if args.profile:
+                phase = "profile"
+                out_dir = Path(os.environ.get("MEMBAR_RESULTS_DIR", REPO / "bench" / "results" / "latest"))
+                result["profile"] = profile_update(update, info["phases"], input_ids,
+                                                   out_dir / f"logra_profile_{model_name}_{variant}.txt",
+                                                   f"{model_name} {variant}")
         else:
             result["peak_host_rss_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
-    except torch.OutOfMemoryError:
-        result["oom"] = True
     except ImportError as error:
         result["skipped"] = f"missing dependency: {error.name}"
+    except (RuntimeError, MemoryError) as error:  # torch.OutOfMemoryError is a RuntimeError
+        if not is_out_of_memory(error):
+            raise
+        result["oom"] = True
+        result["oom_at"] = phase
+        if cuda:
+            result["peak_gib_before_oom"] = torch.cuda.max_memory_allocated() / 2**30
     print("RESULT " + json.dumps(result), flush=True)
 
 
@@ -288,7 +411,11 @@ def format_table(results):
     rows = [header]
     for r in results:
         if r.get("oom"):
-            rows.append([r["model"], r["variant"], "", "OOM", "", "", ""])
+            need = r.get("need_gib_before_activations")
+            note = f"needs {need:.0f} GiB + activations" if need else ""
+            if "device_gib" in r:
+                note += f" ({r['device_gib']:.0f} GiB device)"
+            rows.append([r["model"], r["variant"], "", "OOM at " + r.get("oom_at", "?"), "", "", note])
             continue
         if "skipped" in r or "error" in r:
             rows.append([r["model"], r["variant"], "", r.get("skipped", r.get("error", ""))[:40], "", "", ""])
@@ -312,10 +439,13 @@ def main():
         return
     if args.quick:
         models, batch, seqlen, updates, device = ["tiny"], 2, 64, 2, "cpu"
-        variants = "logra16,logra16_kl,adamw_bf16,sketch16_chunked"
+        variants_for = lambda model: args.variants or "logra16,logra16_kl,adamw_bf16,sketch16_chunked,logra16_rt"
     else:
         models, batch, seqlen, updates, device = args.models.split(","), args.batch, args.seqlen, args.updates, None
-        variants = args.variants
+        variants_for = lambda model: args.variants or VARIANTS_BY_SHAPE.get(model, DEFAULT_VARIANTS)
+    for model in models:
+        if model not in SHAPES:
+            sys.exit(f"unknown shape {model!r}; known: {', '.join(SHAPES)}")
     out_dir = Path(os.environ.get("MEMBAR_RESULTS_DIR", REPO / "bench" / "results" / "latest"))
     out_dir.mkdir(parents=True, exist_ok=True)
     json_path = out_dir / "logra_bench.json"
@@ -330,11 +460,13 @@ def main():
         return merged
 
     for model_name in models:
-        for variant in variants.split(","):
+        for variant in variants_for(model_name).split(","):
             command = [sys.executable, __file__, "--child", model_name, variant, "--batch", str(batch),
                        "--seqlen", str(seqlen), "--updates", str(updates)]
             if device:
                 command += ["--device", device]
+            if args.profile:
+                command += ["--profile"]
             started = time.time()
             try:
                 completed = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout)
@@ -348,7 +480,10 @@ def main():
                 result = dict(model=model_name, variant=variant, error=f"timed out after {args.timeout} s")
             result["wall_s"] = time.time() - started
             results.append(result)
-            print(json.dumps(result), flush=True)
+            print(json.dumps({key: value for key, value in result.items() if key != "profile"}), flush=True)
+            profile_path = out_dir / f"logra_profile_{model_name}_{variant}.txt"
+            if "profile" in result and profile_path.exists():
+                print(profile_path.read_text(), flush=True)
             merged = write()
     print(format_table(merged))
     failed = [r for r in results if "error" in r]

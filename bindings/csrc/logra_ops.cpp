@@ -9,8 +9,10 @@
 //   logra_sketch_accumulate_(Tensor! sketch, Tensor grad_output, Tensor projected)
 //                                                                             S [d, r] += dY^T P
 //   logra_fused_update_(Tensor! weight, Tensor update, float coefficient, int seed, int matrix_id, int step,
-//                       int rounding_seed=0)                                 W [d, k] -= c U A
+//                       int rounding_seed=0, bool exact=False)               W [d, k] -= c U A
 //     rounding_seed: bf16 W only; nonzero rounds stochastically (Note [LoGRA stochastic rounding]).
+//     exact: on the GPU, use the CUDA-core kernel that is bit-identical to the CPU instead of the
+//     tensor-core kernel (Note [LoGRA tensor-core update]); the CPU always is.
 #include "logra_ops.h"
 
 #include <ATen/ATen.h>
@@ -169,14 +171,14 @@ void sketch_accumulate(at::Tensor sketch, const at::Tensor& grad_output, const a
 }
 
 void fused_update_cpu(at::Tensor weight, const at::Tensor& update, double coefficient, int64_t seed, int64_t matrix_id,
-                      int64_t step, int64_t rounding_seed) {
+                      int64_t step, int64_t rounding_seed, bool exact) {
   check_cpu(weight, "the weight");
   const auto p = prepare_update(weight, update, coefficient, seed, matrix_id, step, rounding_seed);
   TORCH_CHECK(k::cpu::logra_fused_update(p) == k::kLograOk, "LoGRA update: the CPU kernel rejected its parameters.");
 }
 
 void fused_update_meta(at::Tensor weight, const at::Tensor& update, double coefficient, int64_t seed,
-                       int64_t matrix_id, int64_t step, int64_t rounding_seed) {
+                       int64_t matrix_id, int64_t step, int64_t rounding_seed, bool exact) {
   TORCH_CHECK(weight.dim() == 2 && update.dim() == 2 && weight.size(0) == update.size(0),
               "LoGRA update: weight [d, k] and update [d, r] must agree on d.");
 }
@@ -189,7 +191,7 @@ TORCH_LIBRARY_FRAGMENT(membar, m) {
   m.def("logra_project(Tensor x, int seed, int matrix_id, int step, int rank, bool exact=False) -> Tensor");
   m.def("logra_sketch_accumulate_(Tensor! sketch, Tensor grad_output, Tensor projected) -> ()");
   m.def("logra_fused_update_(Tensor! weight, Tensor update, float coefficient, int seed, int matrix_id, int step, "
-        "int rounding_seed=0) -> ()");
+        "int rounding_seed=0, bool exact=False) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(membar, CPU, m) {

@@ -3,6 +3,7 @@
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <cstring>
 #include <random>
 #include <vector>
@@ -127,11 +128,60 @@ TEST(LograCuda, UpdateMatchesCpuFloat32) { check_update(100, 250, 40, DType::kFl
 TEST(LograCuda, UpdateMatchesCpuBFloat16) { check_update(300, 520, 256, DType::kBFloat16); }
 TEST(LograCuda, StochasticRoundingMatchesCpu) { check_update(130, 200, 16, DType::kBFloat16, 0x1234567ull); }
 
+// The tensor-core kernel against a double-precision reference W - c U A (A from the CPU
+// generator): U travels as two bf16 terms (error below 2^-16 |U|) and sums run in fp32, so the
+// error per element is bounded by c / sqrt(r) * sum_j |U[i, j]| * 2^-15 plus W's own rounding.
+void check_tensor_core_update(int64_t d, int64_t k, int64_t r) {
+  const auto u = random_vector(d * r, 6);
+  const auto w = random_vector(d * k, 7);
+  std::vector<float> a(r * k);
+  LograGenerateParams generate;
+  generate.shape = {r, k};
+  generate.key = {777, 3, 5};
+  generate.out = a.data();
+  ASSERT_EQ(cpu::logra_generate(generate), kLograOk);
+  const float coefficient = 0.21f;
+  DeviceBuffer device_u(u.size() * 4), device_w(w.size() * 4);
+  ASSERT_CUDA(cudaMemcpy(device_u.pointer, u.data(), u.size() * 4, cudaMemcpyHostToDevice));
+  ASSERT_CUDA(cudaMemcpy(device_w.pointer, w.data(), w.size() * 4, cudaMemcpyHostToDevice));
+  LograUpdateParams params;
+  params.shape = {r, k};
+  params.key = generate.key;
+  params.out_features = d;
+  params.coefficient = coefficient;
+  params.update = static_cast<const float*>(device_u.pointer);
+  params.weight_dtype = DType::kFloat32;
+  params.weight = device_w.pointer;
+  ASSERT_CUDA(cuda::logra_fused_update_tensor_core(params, nullptr));
+  std::vector<float> gpu_weight(w.size());
+  ASSERT_CUDA(cudaMemcpy(gpu_weight.data(), device_w.pointer, w.size() * 4, cudaMemcpyDeviceToHost));
+  int64_t bad = 0;
+  for (int64_t i = 0; i < d; ++i) {
+    double magnitude = 0.0;
+    for (int64_t j = 0; j < r; ++j) magnitude += std::abs(static_cast<double>(u[i * r + j]));
+    const double bound = coefficient / std::sqrt(static_cast<double>(r)) * magnitude * std::ldexp(1.0, -15);
+    for (int64_t c = 0; c < k; ++c) {
+      double delta = 0.0;
+      for (int64_t j = 0; j < r; ++j) delta += static_cast<double>(u[i * r + j]) * a[j * k + c];
+      const double reference = w[i * k + c] - coefficient * delta;
+      const double error = std::abs(gpu_weight[i * k + c] - reference);
+      if (error > bound + std::abs(reference) * std::ldexp(1.0, -23)) ++bad;
+    }
+  }
+  EXPECT_EQ(bad, 0) << d << " x " << k << " rank " << r;
+}
+
+// Ragged in every tile dimension (rows % 64, columns % 128, rank % 64), and a multi-chunk rank.
+TEST(LograCuda, TensorCoreUpdateMatchesReference) { check_tensor_core_update(131, 300, 40); }
+TEST(LograCuda, TensorCoreUpdateMatchesReferenceRank256) { check_tensor_core_update(64, 640, 256); }
+TEST(LograCuda, TensorCoreUpdateMatchesReferenceRagged) { check_tensor_core_update(70, 1000, 100); }
+
 TEST(LograCuda, BadParametersAreRejectedWithoutLaunch) {
   LograUpdateParams params;
   params.shape = {4, 4};
   params.out_features = 4;
   EXPECT_EQ(cuda::logra_fused_update(params, nullptr), cudaErrorInvalidValue);
+  EXPECT_EQ(cuda::logra_fused_update_tensor_core(params, nullptr), cudaErrorInvalidValue);
 }
 
 }  // namespace

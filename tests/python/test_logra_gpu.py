@@ -25,14 +25,15 @@ def test_project_bit_identical_to_cpu(dtype):
     assert torch.equal(cpu, gpu.cpu())
 
 
-@pytest.mark.parametrize("in_features", [1000, 4096, 9000])
-def test_tensor_core_projection_matches_cpu_within_rounding(in_features):
+# 40000 x 256 is past the single sign tile (8M elements): the multi-tile fp32 path.
+@pytest.mark.parametrize("in_features,rank", [(1000, 64), (4096, 64), (9000, 64), (18944, 256), (40000, 256)])
+def test_tensor_core_projection_matches_cpu_within_rounding(in_features, rank):
     torch.manual_seed(4)
     key = ops.ProjectionKey(9, 3, 1)
     x = torch.randn(2, 300, in_features).to(torch.bfloat16)
-    reference = x.double() @ logra.generate(key, 64, in_features).double().t()
-    gpu = logra.project(x.cuda(), key, 64).cpu()
-    assert gpu.shape == (2, 300, 64) and gpu.dtype == torch.bfloat16
+    reference = x.double() @ logra.generate(key, rank, in_features).double().t()
+    gpu = logra.project(x.cuda(), key, rank).cpu()
+    assert gpu.shape == (2, 300, rank) and gpu.dtype == torch.bfloat16
     # One bf16 rounding of the output plus fp32 accumulation.
     assert ((gpu.double() - reference).abs() <= reference.abs() / 128 + 1e-3).all()
 
@@ -45,7 +46,7 @@ def test_fused_update_bit_identical_to_cpu(dtype):
     update = torch.randn(300, 64)
     weight_gpu = weight.cuda()
     logra.fused_update_(weight, update, 0.01, key)
-    logra.fused_update_(weight_gpu, update.cuda(), 0.01, key)
+    logra.fused_update_(weight_gpu, update.cuda(), 0.01, key, exact=True)
     assert torch.equal(weight, weight_gpu.cpu())
 
 
@@ -57,8 +58,54 @@ def test_stochastic_rounding_bit_identical_to_cpu():
     weight_gpu = weight.cuda()
     seed = ops.rounding_seed_for(3, 17)
     logra.fused_update_(weight, update, 0.1, key, seed)
-    logra.fused_update_(weight_gpu, update.cuda(), 0.1, key, seed)
+    logra.fused_update_(weight_gpu, update.cuda(), 0.1, key, seed, exact=True)
     assert torch.equal(weight, weight_gpu.cpu())
+
+
+# Shapes with ragged edges in every tile dimension (rows % 64, columns % 128, rank % 64) and the
+# 7B shapes' rank / width.
+@pytest.mark.parametrize("rows,columns,rank", [(300, 520, 64), (131, 1000, 16), (64, 128, 256), (200, 3584, 100),
+                                               (96, 18944, 64)])
+def test_tensor_core_update_matches_fp64_reference(rows, columns, rank):
+    torch.manual_seed(6)
+    key = ops.ProjectionKey(5, 8, 2)
+    weight = torch.randn(rows, columns)
+    update = torch.randn(rows, rank)
+    coefficient = 0.37
+    reference = weight.double() - coefficient * update.double() @ logra.generate(key, rank, columns).double()
+    weight_gpu = weight.cuda()
+    logra.fused_update_(weight_gpu, update.cuda(), coefficient, key)
+    # U is carried as two bf16 terms (error below 2^-16 |U|) and summed in fp32 over r terms.
+    bound = coefficient / rank ** 0.5 * update.abs().double().sum(1, keepdim=True) * 2.0 ** -15
+    error = (weight_gpu.cpu().double() - reference).abs()
+    assert (error <= bound + reference.abs() * 2.0 ** -23).all(), float((error - bound).max())
+    # The exact kernel lands within the same bound, and the fast one is deterministic.
+    again = weight.cuda()
+    logra.fused_update_(again, update.cuda(), coefficient, key)
+    assert torch.equal(again, weight_gpu)
+
+
+def test_tensor_core_update_of_bf16_weights_rounds_like_the_exact_kernel():
+    torch.manual_seed(7)
+    key = ops.ProjectionKey(11, 2, 9)
+    weight = torch.randn(257, 700).to(torch.bfloat16).cuda()
+    update = torch.randn(257, 64).cuda() * 1e-3
+    seed = ops.rounding_seed_for(3, 5)
+    results = {}
+    for exact in (True, False):
+        for rounding in (0, seed):
+            target = weight.clone()
+            logra.fused_update_(target, update, 0.5, key, rounding, exact=exact)
+            results[exact, rounding] = target.float()
+    for rounding in (0, seed):
+        # Both kernels round the same fp32 value up to summation order: at most one bf16 ulp apart,
+        # and nearly always identical.
+        difference = (results[True, rounding] - results[False, rounding]).abs()
+        ulp = results[True, rounding].abs() * 2.0 ** -7 + 1e-30
+        assert (difference <= ulp).all()
+        assert (difference == 0).float().mean() > 0.99
+    # Stochastic rounding moves weights that nearest rounding leaves alone.
+    assert not torch.equal(results[False, 0], results[False, seed])
 
 
 def test_sketch_accumulate_bf16_on_gpu_matches_reference():
@@ -70,6 +117,24 @@ def test_sketch_accumulate_bf16_on_gpu_matches_reference():
     logra.sketch_accumulate_(sketch, grad_output, projected)
     reference = initial + grad_output.float().reshape(-1, 1536).t() @ projected.float().reshape(-1, 64)
     torch.testing.assert_close(sketch, reference, rtol=1e-3, atol=1e-2)
+
+
+def test_chunked_linear_cross_entropy_on_gpu_matches_full_logits():
+    from membar.logra.loss import chunked_linear_cross_entropy
+
+    torch.manual_seed(8)
+    hidden = torch.randn(2, 300, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    weight = (torch.randn(5000, 256, device="cuda") * 0.05).to(torch.bfloat16)
+    labels = torch.randint(0, 5000, (2, 300), device="cuda")
+    labels[1, :7] = -100
+    loss = chunked_linear_cross_entropy(hidden, weight, labels, chunk_tokens=128)
+    loss.backward()
+    reference_hidden = hidden.detach().clone().requires_grad_(True)
+    reference = torch.nn.functional.cross_entropy((reference_hidden @ weight.t()).float().reshape(-1, 5000),
+                                                  labels.reshape(-1))
+    reference.backward()
+    torch.testing.assert_close(loss, reference, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(hidden.grad.float(), reference_hidden.grad.float(), rtol=2e-2, atol=1e-5)
 
 
 def test_layer_and_optimizer_on_gpu_match_cpu():

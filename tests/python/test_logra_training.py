@@ -5,6 +5,7 @@ import math
 import pytest
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 from torch.func import functional_call, jvp
 
 from membar import logra
@@ -219,10 +220,99 @@ def test_moments_follow_the_redraw_policy(policy):
         model(x).square().sum().backward()
         optimizer.step()
         steps.append(handle.key_state.step)
-        first, second = optimizer._first_moments[0], optimizer._second_moments[0]
+        first, second = optimizer.moment("first_moment", 0), optimizer.moment("second_moment", 0)
         if update == 0:  # no redraw yet: both moments hold the first sketch
             assert first.abs().sum() > 0 and second.abs().sum() > 0
         if update == 1:  # the redraw happened after this update
             assert (first.abs().sum() == 0) == (policy != "keep")
             assert (second.abs().sum() == 0) == (policy == "reset_both")
     assert steps == [0, 1, 1]
+
+
+def test_projection_in_backward_gives_the_same_sketches_as_in_forward():
+    ids = torch.randint(0, 48, (2, 10), generator=torch.Generator().manual_seed(1))
+    sketches = {}
+    for projection in ("forward", "backward"):
+        model = tiny_qwen2(seed=3)
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.train()
+        handle = logra.apply_logra(model, rank=8, seed=2, projection=projection)
+        assert all(layer.projection == projection for layer in handle.layers)
+        model(input_ids=ids, labels=ids).loss.backward()
+        sketches[projection] = [layer.sketch.clone() for layer in handle.layers]
+    for forward, backward in zip(sketches["forward"], sketches["backward"]):
+        assert forward.abs().sum() > 0
+        torch.testing.assert_close(forward, backward, rtol=1e-5, atol=1e-7)
+    # "auto" follows the model's checkpointing.
+    model = tiny_qwen2()
+    assert logra.apply_logra(model, rank=4).layers[0].projection == "forward"
+    model = tiny_qwen2()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    assert logra.apply_logra(model, rank=4).layers[0].projection == "backward"
+    with pytest.raises(ValueError, match="projection"):
+        logra.apply_logra(tiny_qwen2(), rank=4, projection="sideways")
+
+
+def test_flat_adam_over_all_layers_matches_per_layer_adam():
+    torch.manual_seed(9)
+    model = nn.Sequential(nn.Linear(12, 20), nn.Tanh(), nn.Linear(20, 6))
+    reference_weights = [model[0].weight.detach().clone(), model[2].weight.detach().clone()]
+    handle = logra.apply_logra(model, rank=5, targets=("0", "2"), seed=1)
+    lr, beta1, beta2, eps = 1e-2, 0.9, 0.999, 1e-8
+    optimizer = logra.LoGRAOptimizer(handle, lr=lr, betas=(beta1, beta2), eps=eps, moments_on_redraw="keep",
+                                     stochastic_rounding=False)
+    first = [torch.zeros(layer.out_features, 5) for layer in handle.layers]
+    second = [torch.zeros(layer.out_features, 5) for layer in handle.layers]
+    x = torch.randn(16, 12)
+    for update in range(3):
+        model(x).square().mean().backward()
+        sketches = [layer.sketch.clone() for layer in handle.layers]
+        keys = [layer.current_key() for layer in handle.layers]
+        assert handle.states.flat("sketch").data_ptr() == handle.layers[0].sketch.data_ptr()
+        optimizer.step()
+        for index, layer in enumerate(handle.layers):
+            first[index] = beta1 * first[index] + (1 - beta1) * sketches[index]
+            second[index] = beta2 * second[index] + (1 - beta2) * sketches[index] ** 2
+            direction = (first[index] / (1 - beta1 ** (update + 1))) / (
+                (second[index] / (1 - beta2 ** (update + 1))).sqrt() + eps)
+            a = logra.generate(keys[index], 5, layer.in_features)
+            reference_weights[index] = reference_weights[index] - lr * direction @ a
+            torch.testing.assert_close(layer.weight.detach(), reference_weights[index], rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(optimizer.moment("first_moment", index), first[index])
+        assert handle.layers[0].sketch.abs().sum() == 0, "the step consumes the sketches"
+
+
+def test_chunked_linear_cross_entropy_matches_full_logits():
+    from membar.logra.loss import causal_lm_loss, chunked_linear_cross_entropy
+
+    torch.manual_seed(10)
+    hidden = torch.randn(3, 37, 16, requires_grad=True)
+    weight = (torch.randn(50, 16) * 0.5).requires_grad_(True)
+    bias = torch.randn(50, requires_grad=True)
+    labels = torch.randint(0, 50, (3, 37))
+    labels[0, :5] = -100
+    loss = chunked_linear_cross_entropy(hidden, weight, labels, bias=bias, chunk_tokens=10)
+    (3 * loss).backward()
+    copies = [t.detach().clone().requires_grad_(True) for t in (hidden, weight, bias)]
+    reference = F.cross_entropy(F.linear(*copies).reshape(-1, 50), labels.reshape(-1))
+    (3 * reference).backward()
+    torch.testing.assert_close(loss, reference)
+    for mine, theirs in zip((hidden, weight, bias), copies):
+        torch.testing.assert_close(mine.grad, theirs.grad, rtol=1e-5, atol=1e-7)
+    summed = chunked_linear_cross_entropy(hidden.detach(), weight.detach(), labels, bias=bias.detach(),
+                                          reduction="sum", chunk_tokens=7)
+    torch.testing.assert_close(summed, reference.detach() * (labels != -100).sum(), rtol=1e-5, atol=1e-4)
+    with pytest.raises(ValueError, match="leading"):
+        chunked_linear_cross_entropy(hidden, weight, labels[:, :5])
+    # On an HF model: the same loss and sketches as HF's own loss.
+    model = tiny_qwen2(seed=4)
+    twin = copy.deepcopy(model)
+    handles = [logra.apply_logra(m, rank=4, seed=5) for m in (model, twin)]
+    ids = torch.randint(0, 48, (2, 12), generator=torch.Generator().manual_seed(2))
+    mine = causal_lm_loss(model, ids, chunk_tokens=5)
+    mine.backward()
+    theirs = twin(input_ids=ids, labels=ids).loss
+    theirs.backward()
+    torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-6)
+    for a, b in zip(handles[0].layers, handles[1].layers):
+        torch.testing.assert_close(a.sketch, b.sketch, rtol=1e-4, atol=1e-6)

@@ -4,6 +4,20 @@ For a frozen W [d, k] and input x [..., k]:
   forward   y = x W^T + b, saves P = x A^T [..., r] (A [r, k] regenerated, never stored)
   backward  returns dX = dY W and adds dY^T P into the layer's sketch S [d, r] (fp32);
             W.grad stays None and the dense gradient G = dY^T x is never formed.
+
+Note [LoGRA projection under checkpointing]
+Rationale: saving P = x A^T instead of x is what keeps activation memory at r per token per
+layer. Under activation checkpointing, though, a layer's saved tensors exist only between its
+recomputation and its backward, for one layer at a time, while projecting in the forward costs
+the projection twice (the checkpointed forward projects and throws P away, the recomputation
+projects again).
+Approach: ``projection="backward"`` saves x (a reference to a tensor the recomputed layer holds
+anyway for most projections) and projects it in the backward, once per micro-batch;
+``projection="forward"`` saves P. ``apply_logra(projection="auto")`` picks "backward" when the
+model has gradient checkpointing enabled (HF's ``is_gradient_checkpointing``) and "forward"
+otherwise; :meth:`LoGRAModel.set_projection` changes it later.
+Limitations: without checkpointing, "backward" keeps every layer's input alive until its
+backward, which is the dense-activation memory LoGRA exists to avoid.
 """
 from __future__ import annotations
 
@@ -16,10 +30,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from membar.logra import ops
-from membar.logra.state import allocate_state
+from membar.logra.state import LoGRAStates, allocate_state
 
 # Projections of HF Qwen2 / Llama decoder layers (attention and MLP).
 DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+PROJECTIONS = ("forward", "backward")
 
 
 @dataclass
@@ -45,9 +60,13 @@ class _LoGRAFunction(torch.autograd.Function):
     def forward(ctx, x, weight, bias, anchor, layer):
         y = F.linear(x, weight, bias)
         key = layer.current_key()
-        with torch.no_grad():
-            projected = ops.project(x, key, layer.rank)  # [..., r]
-        ctx.save_for_backward(projected)
+        ctx.projected_in_backward = layer.projection == "backward"
+        if ctx.projected_in_backward:
+            ctx.save_for_backward(x)  # [..., k], projected in backward (Note [LoGRA projection under checkpointing])
+        else:
+            with torch.no_grad():
+                projected = ops.project(x, key, layer.rank)  # [..., r]
+            ctx.save_for_backward(projected)
         ctx.layer = layer
         ctx.key = key
         ctx.x_dtype = x.dtype
@@ -56,13 +75,18 @@ class _LoGRAFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output):
-        (projected,) = ctx.saved_tensors
+        (saved,) = ctx.saved_tensors
         layer: LoGRALinear = ctx.layer
         if layer.current_key() != ctx.key:
             raise RuntimeError(
                 "LoGRA: A was redrawn between this layer's forward and backward; "
                 "call the optimizer's step() only after every backward of the update."
             )
+        if ctx.projected_in_backward:
+            with torch.no_grad():
+                projected = ops.project(saved, ctx.key, layer.rank)  # [..., r]
+        else:
+            projected = saved
         if projected.dtype != grad_output.dtype:
             projected = projected.to(grad_output.dtype)
         ops.sketch_accumulate_(layer.sketch_for_accumulation(), grad_output, projected)
@@ -78,15 +102,20 @@ class _LoGRAFunction(torch.autograd.Function):
 class LoGRALinear(nn.Module):
     """Wraps an ``nn.Linear`` (its weight and bias become frozen) with LoGRA's sketching backward.
 
-    States (all from :func:`membar.logra.state.allocate_state`):
-      sketch  [d, r] fp32, accumulated by every backward until the optimizer consumes it;
+    States:
+      sketch  [d, r] fp32, accumulated by every backward until the optimizer consumes it: a view
+              of the model's flat sketch buffer (membar.logra.state.LoGRAStates), or of a
+              buffer of its own for a layer made outside :func:`apply_logra`;
       master  [d, k] fp32, optional: the authoritative weights when ``weight`` is bf16.
     """
 
-    def __init__(self, base: nn.Linear, rank: int, matrix_id: int, key_state: KeyState, master_weights: bool = False):
+    def __init__(self, base: nn.Linear, rank: int, matrix_id: int, key_state: KeyState, master_weights: bool = False,
+                 states: LoGRAStates | None = None, state_index: int = 0, projection: str = "forward"):
         super().__init__()
         if rank < 1:
             raise ValueError(f"the LoGRA rank must be at least 1, got {rank}")
+        if projection not in PROJECTIONS:
+            raise ValueError(f"projection must be one of {PROJECTIONS}, got {projection!r}")
         self.in_features = base.in_features
         self.out_features = base.out_features
         self.weight = base.weight
@@ -97,7 +126,12 @@ class LoGRALinear(nn.Module):
         self.rank = int(rank)
         self.matrix_id = int(matrix_id)
         self.key_state = key_state
-        self.sketch: torch.Tensor | None = None
+        self.projection = projection
+        if states is None:
+            states = LoGRAStates([(self.out_features, self.rank)], self.weight.device)
+            state_index = 0
+        self.states = states
+        self.state_index = int(state_index)
         self.master: torch.Tensor | None = None
         if master_weights:
             self.master = allocate_state(self.weight.shape, self.weight.device, "master")
@@ -111,10 +145,13 @@ class LoGRALinear(nn.Module):
     def current_key(self) -> ops.ProjectionKey:
         return self.key_state.key(self.matrix_id)
 
+    @property
+    def sketch(self) -> torch.Tensor | None:
+        """The sketch [d, r] fp32 accumulated since the last update (None before any backward)."""
+        return self.states.peek("sketch", self.state_index)
+
     def sketch_for_accumulation(self) -> torch.Tensor:
-        if self.sketch is None:
-            self.sketch = allocate_state((self.out_features, self.rank), self.weight.device, "sketch")
-        return self.sketch
+        return self.states.view("sketch", self.state_index)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._tangent_update is not None:
@@ -136,7 +173,7 @@ class LoGRALinear(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, rank={self.rank}, "
-                f"matrix_id={self.matrix_id}, master_weights={self.master is not None}")
+                f"matrix_id={self.matrix_id}, master_weights={self.master is not None}, projection={self.projection}")
 
 
 @dataclass
@@ -147,11 +184,18 @@ class LoGRAModel:
     layers: list[LoGRALinear]
     key_state: KeyState
     names: list[str] = field(default_factory=list)
+    states: LoGRAStates | None = None
 
     def zero_sketches(self) -> None:
+        if self.states is not None and self.states.allocated("sketch"):
+            self.states.flat("sketch").zero_()
+
+    def set_projection(self, projection: str) -> None:
+        """"forward" or "backward" for every layer (Note [LoGRA projection under checkpointing])."""
+        if projection not in PROJECTIONS:
+            raise ValueError(f"projection must be one of {PROJECTIONS}, got {projection!r}")
         for layer in self.layers:
-            if layer.sketch is not None:
-                layer.sketch.zero_()
+            layer.projection = projection
 
     def authoritative_weights(self) -> list[torch.Tensor]:
         """The weights updates are applied to: fp32 masters where kept, else the weights."""
@@ -182,13 +226,23 @@ def apply_logra(
     targets: Iterable[str] = DEFAULT_TARGETS,
     seed: int = 0,
     master_weights: bool = False,
+    projection: str = "auto",
+    runtime=None,
 ) -> LoGRAModel:
     """Freezes every parameter of ``model`` and replaces each ``nn.Linear`` whose attribute name
     is in ``targets`` with a :class:`LoGRALinear` of the given rank. Matrix ids follow
     ``named_modules`` order, so two processes that build the same model get the same ids.
     Call it after the model is on its device and in its dtype: states and masters are created on
-    the weights' device and do not follow a later ``model.to()``."""
+    the weights' device and do not follow a later ``model.to()``.
+
+    ``projection``: "forward", "backward" or "auto" (Note [LoGRA projection under checkpointing]).
+    ``runtime``: a membar.runtime.Runtime whose pages hold the sketches and optimizer moments
+    (Note [LoGRA state storage]); None keeps them in plain tensors."""
     targets = tuple(targets)
+    if projection == "auto":
+        projection = "backward" if getattr(model, "is_gradient_checkpointing", False) else "forward"
+    if projection not in PROJECTIONS:
+        raise ValueError(f"projection must be 'auto' or one of {PROJECTIONS}, got {projection!r}")
     for parameter in model.parameters():
         parameter.requires_grad_(False)
     key_state = KeyState(seed=int(seed))
@@ -197,11 +251,19 @@ def apply_logra(
     replacements = target_linears(model, targets)
     if any(isinstance(entry[3], LoGRALinear) for entry in replacements):
         raise ValueError("apply_logra: the model already has LoGRA layers")
+    if not replacements:
+        raise ValueError(f"apply_logra found no nn.Linear named any of {targets} in the model")
+    devices = {entry[3].weight.device for entry in replacements}
+    if len(devices) != 1:
+        raise ValueError(f"apply_logra: the targeted weights sit on several devices ({sorted(map(str, devices))})")
+    device = devices.pop()
+    if runtime is not None and runtime.device.type != device.type:
+        raise ValueError(f"apply_logra: the runtime's pages live on {runtime.device} but the weights on {device}")
+    states = LoGRAStates([(entry[3].out_features, int(rank)) for entry in replacements], device, runtime=runtime)
     for parent_name, parent, child_name, child in replacements:
-        layer = LoGRALinear(child, rank, len(layers), key_state, master_weights=master_weights)
+        layer = LoGRALinear(child, rank, len(layers), key_state, master_weights=master_weights, states=states,
+                            state_index=len(layers), projection=projection)
         setattr(parent, child_name, layer)
         layers.append(layer)
         names.append(f"{parent_name}.{child_name}" if parent_name else child_name)
-    if not layers:
-        raise ValueError(f"apply_logra found no nn.Linear named any of {targets} in the model")
-    return LoGRAModel(model=model, layers=layers, key_state=key_state, names=names)
+    return LoGRAModel(model=model, layers=layers, key_state=key_state, names=names, states=states)

@@ -51,13 +51,16 @@ def sketch_accumulate_(sketch: torch.Tensor, grad_output: torch.Tensor, projecte
 
 
 def fused_update_(weight: torch.Tensor, update: torch.Tensor, coefficient: float, key: ProjectionKey,
-                  rounding_seed: int = 0) -> None:
+                  rounding_seed: int = 0, exact: bool = False) -> None:
     """weight [d, k] -= coefficient * update [d, r] A, A regenerated tile by tile. For a bf16
     weight, a nonzero ``rounding_seed`` rounds stochastically and deterministically (the same
-    seed gives the same bits on every device; Note [LoGRA stochastic rounding])."""
+    seed and kernel give the same bits; Note [LoGRA stochastic rounding]). On the GPU the update
+    runs on tensor cores (deterministic, fp32-accurate, not bit-identical to the CPU) unless
+    ``exact`` asks for the kernel that is bit-identical to the CPU reference."""
     if not 0 <= rounding_seed < _SEED_LIMIT:
         raise ValueError(f"the rounding seed must be in [0, 2^63), got {rounding_seed}")
-    _ops.logra_fused_update_(weight, update, float(coefficient), key.seed, key.matrix_id, key.step, rounding_seed)
+    _ops.logra_fused_update_(weight, update, float(coefficient), key.seed, key.matrix_id, key.step, rounding_seed,
+                             bool(exact))
 
 
 def rounding_seed_for(seed: int, update_index: int) -> int:

@@ -17,7 +17,9 @@ fixed A, where nothing changes meaning). With the paper's default of redrawing e
 "reset_first", the step is U = S / (sqrt(v_hat) + eps): RMSprop on the sketch with Adam's v.
 Limitations: weight decay is not applied (W is frozen apart from the sketch updates).
 
-States come from membar.logra.state.allocate_state (plain tensors today, runtime pages later).
+States are flat buffers of membar.logra.state.LoGRAStates (Note [LoGRA state storage]): every
+elementwise step of the optimizer runs once over all layers, and U is computed over the sketch
+buffer (the sketches are consumed by the update), so no [d, r] tensor is allocated per layer.
 """
 from __future__ import annotations
 
@@ -29,7 +31,6 @@ import torch
 from membar.logra import kl as kl_module
 from membar.logra import ops
 from membar.logra.linear import LoGRAModel
-from membar.logra.state import allocate_state
 
 MOMENT_POLICIES = ("reset_first", "reset_both", "keep")
 
@@ -53,10 +54,11 @@ class StepResult:
 class LoGRAOptimizer:
     """Consumes the sketches of a :class:`LoGRAModel` once per update.
 
-    ``step()`` blocks: it computes U per layer, optionally predicts the KL (one forward-mode pass
-    of ``kl_probe``), applies W -= alpha * lr * U A with the fused kernel, publishes the update
-    if a publisher is attached, zeroes the sketches and redraws A when due. Call it from the
-    training thread after every backward of the update."""
+    ``step()`` blocks: it computes U for all layers at once, optionally predicts the KL (one
+    forward-mode pass of ``kl_probe``), applies W -= alpha * lr * U A with the fused kernel,
+    publishes the update if a publisher is attached, zeroes the sketches, redraws A when due and,
+    with ``offload_moments``, hands the moments to host memory until the next update. Call it
+    from the training thread after every backward of the update."""
 
     def __init__(
         self,
@@ -71,6 +73,7 @@ class LoGRAOptimizer:
         kl_control: KLControl | None = None,
         publisher=None,
         stochastic_rounding: bool = True,
+        offload_moments: bool = False,
     ):
         if algorithm not in ("adam", "sgd"):
             raise ValueError(f"algorithm must be 'adam' or 'sgd', got {algorithm!r}")
@@ -93,63 +96,62 @@ class LoGRAOptimizer:
         # bf16 weights without fp32 masters are updated with deterministic stochastic rounding
         # (Note [LoGRA stochastic rounding] in membar/kernels/logra.h); fp32 targets ignore it.
         self.stochastic_rounding = stochastic_rounding
+        # Keep the moments in host memory between updates (Note [LoGRA state storage]).
+        self.offload_moments = offload_moments
         self.update_index = 0
-        self._first_moments: list[torch.Tensor | None] = [None] * len(logra.layers)
-        self._second_moments: list[torch.Tensor | None] = [None] * len(logra.layers)
         self._first_count = 0   # updates folded into the first moments since their last reset
         self._second_count = 0  # the same for the second moments
 
-    # The per-layer direction U [d, r] fp32 from the sketch, updating the moments.
-    def _direction(self, index: int, sketch: torch.Tensor) -> torch.Tensor:
-        layer = self.logra.layers[index]
+    @property
+    def states(self):
+        return self.logra.states
+
+    @torch.no_grad()
+    def _directions(self) -> torch.Tensor:
+        """U for every layer at once, written over the flat sketch buffer [total] (the sketches
+        are consumed: zeroed after the update). One pass of each elementwise op over all layers."""
+        sketch = self.states.flat("sketch")
         if self.algorithm == "sgd":
-            if self.momentum == 0.0:
-                return sketch.clone()
-            if self._first_moments[index] is None:
-                self._first_moments[index] = allocate_state(sketch.shape, sketch.device, "first_moment")
-            buffer = self._first_moments[index]
-            buffer.mul_(self.momentum).add_(sketch)
-            return buffer.clone()
+            if self.momentum != 0.0:
+                buffer = self.states.flat("first_moment")
+                buffer.mul_(self.momentum).add_(sketch)
+                sketch.copy_(buffer)
+            return sketch
         beta1, beta2 = self.betas
-        if self._first_moments[index] is None:
-            self._first_moments[index] = allocate_state((layer.out_features, layer.rank), sketch.device, "first_moment")
-            self._second_moments[index] = allocate_state((layer.out_features, layer.rank), sketch.device, "second_moment")
-        first, second = self._first_moments[index], self._second_moments[index]
+        first, second = self.states.flat("first_moment"), self.states.flat("second_moment")
         first.mul_(beta1).add_(sketch, alpha=1 - beta1)
         second.mul_(beta2).addcmul_(sketch, sketch, value=1 - beta2)
-        first_hat = first / (1 - beta1 ** (self._first_count + 1))
-        second_hat = second / (1 - beta2 ** (self._second_count + 1))
-        return first_hat.div_(second_hat.sqrt_().add_(self.eps))
+        first_correction = 1 - beta1 ** (self._first_count + 1)
+        second_correction = 1 - beta2 ** (self._second_count + 1)
+        # U = (m / c1) / (sqrt(v / c2) + eps), computed into the sketch buffer.
+        torch.div(second, second_correction, out=sketch)
+        sketch.sqrt_().add_(self.eps)
+        torch.div(first, sketch, out=sketch)
+        return sketch.div_(first_correction)
 
     def step(self, kl_probe: Callable | None = None) -> StepResult:
         layers = self.logra.layers
         key_step = self.logra.key_state.step
         rounding_seed = ops.rounding_seed_for(self.logra.key_state.seed, self.update_index) if self.stochastic_rounding else 0
+        if self.kl_control is not None and kl_probe is None:
+            raise ValueError("this optimizer has KL control: pass kl_probe to step()")
         alpha = 1.0
         predicted = None
-        if self.kl_control is None and self.publisher is None:
-            # Nothing needs every U at once: compute and apply layer by layer, so only one
-            # layer's U [d, r] exists at a time.
-            for index, layer in enumerate(layers):
-                self._apply(layer, self._direction(index, layer.sketch_for_accumulation()).mul_(self.lr), rounding_seed)
-        else:
-            updates = [self._direction(index, layer.sketch_for_accumulation()) for index, layer in enumerate(layers)]
-            if self.kl_control is not None:
-                if kl_probe is None:
-                    raise ValueError("this optimizer has KL control: pass kl_probe to step()")
-                prediction = kl_module.predict_kl(self.logra.model, layers, updates, self.lr, kl_probe)
-                predicted = prediction.predicted_kl
-                alpha = kl_module.step_scale(predicted, self.kl_control.delta, self.kl_control.alpha_max)
-            published = []
-            for layer, update in zip(layers, updates):
-                # The scaled update is what travels to rollout processes; the trainer applies the
-                # very same tensor with coefficient 1 so both sides compute the same bits.
-                scaled = update.mul_(alpha * self.lr)
-                self._apply(layer, scaled, rounding_seed)
-                published.append((layer.matrix_id, scaled))
-            if self.publisher is not None:
-                self.publisher.publish(self.update_index, self.logra.key_state.seed, key_step, published,
-                                       stochastic_rounding=self.stochastic_rounding)
+        directions = self._directions()
+        updates = self.states.views("sketch")  # per layer [d, r] views of `directions`
+        if self.kl_control is not None:
+            prediction = kl_module.predict_kl(self.logra.model, layers, updates, self.lr, kl_probe)
+            predicted = prediction.predicted_kl
+            alpha = kl_module.step_scale(predicted, self.kl_control.delta, self.kl_control.alpha_max)
+        # The scaled update is what travels to rollout processes; the trainer applies the very
+        # same tensor with coefficient 1 so both sides compute the same bits.
+        directions.mul_(alpha * self.lr)
+        for layer, update in zip(layers, updates):
+            self._apply(layer, update, rounding_seed)
+        if self.publisher is not None:
+            self.publisher.publish(self.update_index, self.logra.key_state.seed, key_step,
+                                   [(layer.matrix_id, update) for layer, update in zip(layers, updates)],
+                                   stochastic_rounding=self.stochastic_rounding)
         self._first_count += 1
         self._second_count += 1
         self.logra.zero_sketches()
@@ -157,6 +159,8 @@ class LoGRAOptimizer:
         self.update_index += 1
         if self.update_index % self.redraw_every == 0:
             self._redraw()
+        if self.offload_moments:
+            self.states.offload([kind for kind in ("first_moment", "second_moment") if self.states.allocated(kind)])
         return result
 
     @torch.no_grad()
@@ -173,22 +177,25 @@ class LoGRAOptimizer:
         if self.moments_on_redraw == "keep":
             return
         # SGD's momentum buffer lives in the same sketch coordinates as Adam's first moment.
-        for moment in self._first_moments:
-            if moment is not None:
-                moment.zero_()
+        if self.states.allocated("first_moment"):
+            self.states.flat("first_moment").zero_()
         self._first_count = 0
         if self.moments_on_redraw == "reset_both":
-            for moment in self._second_moments:
-                if moment is not None:
-                    moment.zero_()
+            if self.states.allocated("second_moment"):
+                self.states.flat("second_moment").zero_()
             self._second_count = 0
 
+    def moment(self, kind: str, index: int) -> torch.Tensor | None:
+        """Layer ``index``'s first or second moment [d, r] (None before the first update). Brings
+        offloaded moments back."""
+        if kind not in ("first_moment", "second_moment"):
+            raise ValueError(f"kind must be 'first_moment' or 'second_moment', got {kind!r}")
+        return self.states.view(kind, index) if self.states.allocated(kind) else None
+
     def state_bytes(self) -> int:
-        """Bytes held by sketches, moments and masters (what the runtime will page)."""
-        total = 0
-        tensors = [layer.sketch for layer in self.logra.layers] + [layer.master for layer in self.logra.layers]
-        tensors += self._first_moments + self._second_moments
-        for tensor in tensors:
-            if tensor is not None:
-                total += tensor.numel() * tensor.element_size()
+        """Bytes held by sketches, moments (resident or offloaded) and masters."""
+        total = self.states.nbytes()
+        for layer in self.logra.layers:
+            if layer.master is not None:
+                total += layer.master.numel() * layer.master.element_size()
         return total

@@ -1,18 +1,34 @@
 """Where LoGRA keeps its per-matrix states (sketches, Adam moments, fp32 masters).
 
-Every state tensor is created by :func:`allocate_state` and by nothing else. Today that is a
-plain ``torch.zeros``; the plan (issue 5, item 4) is to hand these out as runtime pages so that
-sketches and optimizer moments can be offloaded like KV pages. Keeping the one allocation
-function is what lets that move happen without touching the layers or the optimizer.
+Note [LoGRA state storage]
+Rationale: the optimizer touches every layer's sketch and moments once per update. One small
+tensor per layer and state makes that hundreds of tiny kernels per kind (at 7B: 196 layers x ~12
+elementwise ops, several milliseconds of launch overhead that the GPU waits on), and it scatters
+the states over the caching allocator where the runtime cannot page them.
+Approach: :class:`LoGRAStates` keeps one flat fp32 buffer per kind (``sketch``,
+``first_moment``, ``second_moment``), every layer's [d, r] a view at a fixed offset, so the
+optimizer runs each elementwise step once over all layers. The buffers come from a storage:
+ - :class:`TensorStorage` (default): plain tensors on the weights' device; offloading copies a
+   kind to pinned host memory and frees the device copy.
+ - :class:`RuntimeStorage`: one space of membar.runtime.Runtime per kind (pages of up to 2 MiB),
+   acquired as a whole; the flat buffer is the span of the space's pool tensor that holds its
+   pages. Offloading hands the pages to the runtime (``Space.offload``: written back to host
+   memory, GPU slots freed); restoring acquires them again, possibly at other pool rows, so
+   views are rebuilt after every restore (callers ask for views each update, never keep them).
+Limitations: a kind's pages must land on consecutive pool rows (true for a space acquired in one
+call on a window with room); otherwise RuntimeStorage raises and says so. Masters ([d, k] fp32,
+optional) stay plain tensors from :func:`allocate_state`.
 """
 from __future__ import annotations
 
+import math
 from typing import Sequence
 
 import torch
 
-# What a state is for; the runtime will use this to choose placement and offload priority.
+# What a state is for; the runtime uses it to name spaces.
 STATE_KINDS = ("sketch", "first_moment", "second_moment", "master", "update")
+FLAT_KINDS = ("sketch", "first_moment", "second_moment")
 
 
 def allocate_state(
@@ -25,3 +41,191 @@ def allocate_state(
     if kind not in STATE_KINDS:
         raise ValueError(f"unknown LoGRA state kind {kind!r}; expected one of {STATE_KINDS}")
     return torch.zeros(tuple(shape), device=device, dtype=dtype)
+
+
+class TensorStorage:
+    """Flat fp32 buffers as plain tensors. ``offload`` moves a kind to pinned host memory."""
+
+    def __init__(self, device: torch.device | str):
+        self.device = torch.device(device)
+        self._host: dict[str, torch.Tensor] = {}
+
+    def describe(self) -> str:
+        return f"tensors on {self.device}"
+
+    def allocate(self, kind: str, numel: int) -> torch.Tensor:
+        return torch.zeros(numel, dtype=torch.float32, device=self.device)
+
+    def offload(self, kind: str, flat: torch.Tensor) -> None:
+        if self.device.type == "cpu":
+            self._host[kind] = flat
+            return
+        host = self._host.get(kind)
+        if host is None:
+            host = torch.empty(flat.numel(), dtype=flat.dtype, pin_memory=True)
+            self._host[kind] = host
+        host.copy_(flat, non_blocking=True)
+        # The device buffer is dropped by the caller; the caching allocator keeps the copy's
+        # source alive until the copy on the current stream is done.
+
+    def restore(self, kind: str, numel: int) -> torch.Tensor:
+        host = self._host[kind]
+        if self.device.type == "cpu":
+            return host
+        return host.to(self.device, non_blocking=True)
+
+    def close(self) -> None:
+        self._host.clear()
+
+
+class RuntimeStorage:
+    """Flat fp32 buffers as pages of a membar.runtime.Runtime (Note [LoGRA state storage])."""
+
+    PAGE_BYTES = 2 << 20
+    MIN_PAGE_BYTES = 64 << 10
+
+    def __init__(self, runtime, name: str = "logra"):
+        self.runtime = runtime
+        self.name = name
+        self.spaces = {}
+        self._pool_cache = {}
+
+    def describe(self) -> str:
+        return f"runtime pages ({self.runtime.describe()})"
+
+    @property
+    def device(self) -> torch.device:
+        return self.runtime.device
+
+    def _page_bytes(self, nbytes: int) -> int:
+        page = self.PAGE_BYTES
+        while page > self.MIN_PAGE_BYTES and page // 2 >= nbytes:
+            page //= 2
+        return page
+
+    def _flat_view(self, kind: str, numel: int) -> torch.Tensor:
+        space = self.spaces[kind]
+        acquired = space.acquire(0, space.page_count, write=True, zero=True, wait=True)
+        indices = acquired.indices.long().tolist()
+        first = indices[0]
+        if indices != list(range(first, first + len(indices))):
+            space.release(0, space.page_count)
+            raise RuntimeError(
+                f"LoGRA: the runtime placed the {len(indices)} pages of {space.name!r} on scattered pool rows "
+                f"({indices[:4]}...); the flat state needs them consecutive. Give the runtime a larger GPU window "
+                "or create the LoGRA states before other spaces fragment it.")
+        pool = self._pool_cache.get(space.page_bytes)
+        if pool is None:
+            pool = space.pool(torch.float32, (space.page_bytes // 4,))
+            self._pool_cache[space.page_bytes] = pool
+        return pool[first:first + len(indices)].reshape(-1)[:numel]
+
+    def allocate(self, kind: str, numel: int) -> torch.Tensor:
+        nbytes = numel * 4
+        page_bytes = self._page_bytes(nbytes)
+        pages = max(1, math.ceil(nbytes / page_bytes))
+        space = self.runtime.space(f"{self.name}.{kind}", page_bytes=page_bytes, pages=pages)
+        self.spaces[kind] = space
+        return self._flat_view(kind, numel)
+
+    def offload(self, kind: str, flat: torch.Tensor) -> None:
+        space = self.spaces[kind]
+        if flat.is_cuda:
+            space.stream_release(0, space.page_count, dirty=True)
+        else:
+            space.release(0, space.page_count, dirty=True)
+        self.runtime.wait(space.offload(0, space.page_count))
+
+    def restore(self, kind: str, numel: int) -> torch.Tensor:
+        return self._flat_view(kind, numel)
+
+    def close(self) -> None:
+        for space in self.spaces.values():
+            try:
+                space.release(0, space.page_count)
+            except RuntimeError:
+                pass  # already released (offloaded)
+            space.destroy()
+        self.spaces.clear()
+        self._pool_cache.clear()
+
+
+class LoGRAStates:
+    """One flat fp32 buffer per kind of state, every layer's [d, r] a view (Note [LoGRA state
+    storage]). Buffers are made zero-filled on first use. Not thread-safe: the training thread
+    owns it."""
+
+    def __init__(self, shapes: Sequence[tuple[int, int]], device: torch.device | str, runtime=None,
+                 name: str = "logra"):
+        self.shapes = [(int(rows), int(rank)) for rows, rank in shapes]
+        self.offsets = []
+        total = 0
+        for rows, rank in self.shapes:
+            self.offsets.append(total)
+            total += rows * rank
+        self.numel = total
+        self.storage = RuntimeStorage(runtime, name) if runtime is not None else TensorStorage(device)
+        self._flat: dict[str, torch.Tensor] = {}
+        self._views: dict[str, list[torch.Tensor]] = {}
+        self._offloaded: set[str] = set()
+
+    def _check(self, kind: str) -> None:
+        if kind not in FLAT_KINDS:
+            raise ValueError(f"unknown flat LoGRA state kind {kind!r}; expected one of {FLAT_KINDS}")
+
+    def allocated(self, kind: str) -> bool:
+        return kind in self._flat or kind in self._offloaded
+
+    def flat(self, kind: str) -> torch.Tensor:
+        """The kind's flat buffer [total] fp32 (made zero-filled on first use; brought back first
+        when offloaded)."""
+        self._check(kind)
+        if kind in self._offloaded:
+            self._set(kind, self.storage.restore(kind, self.numel))
+            self._offloaded.discard(kind)
+        elif kind not in self._flat:
+            self._set(kind, self.storage.allocate(kind, self.numel))
+        return self._flat[kind]
+
+    def _set(self, kind: str, flat: torch.Tensor) -> None:
+        self._flat[kind] = flat
+        self._views[kind] = [flat[offset:offset + rows * rank].view(rows, rank)
+                             for offset, (rows, rank) in zip(self.offsets, self.shapes)]
+
+    def view(self, kind: str, index: int) -> torch.Tensor:
+        """Layer ``index``'s [d, r] view of the kind (valid until the kind is offloaded)."""
+        self.flat(kind)
+        return self._views[kind][index]
+
+    def views(self, kind: str) -> list[torch.Tensor]:
+        self.flat(kind)
+        return self._views[kind]
+
+    def peek(self, kind: str, index: int) -> torch.Tensor | None:
+        """The view if the kind is resident, else None (never allocates or restores)."""
+        views = self._views.get(kind)
+        return views[index] if views is not None and kind in self._flat else None
+
+    def offload(self, kinds: Sequence[str]) -> None:
+        """Hands the kinds' buffers to host memory until their next use."""
+        for kind in kinds:
+            self._check(kind)
+            if kind not in self._flat:
+                continue
+            self.storage.offload(kind, self._flat.pop(kind))
+            self._views.pop(kind, None)
+            self._offloaded.add(kind)
+
+    def resident_bytes(self) -> int:
+        """Bytes of the kinds resident on the device now."""
+        return 4 * self.numel * len(self._flat)
+
+    def nbytes(self) -> int:
+        """Bytes of every allocated kind, resident or offloaded."""
+        return 4 * self.numel * (len(self._flat) + len(self._offloaded))
+
+    def close(self) -> None:
+        self._flat.clear()
+        self._views.clear()
+        self._offloaded.clear()
+        self.storage.close()

@@ -184,6 +184,10 @@ int logra_generate(const LograGenerateParams& params, void* stream);
 int logra_sign_tile(const LograSignTileParams& params, void* stream);
 int logra_project(const LograProjectParams& params, void* stream);
 int logra_fused_update(const LograUpdateParams& params, void* stream);
+// The same update on tensor cores (Note [LoGRA tensor-core update] in logra_cuda.cu): U split
+// into two bf16 terms, fp32 accumulation; deterministic but not bit-identical to the CPU.
+// Needs compute capability 8.0 or newer.
+int logra_fused_update_tensor_core(const LograUpdateParams& params, void* stream);
 }  // namespace cuda
 #endif
 
