@@ -26,6 +26,9 @@
 #include <cuda_runtime.h>
 
 #include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <type_traits>
 
 #include "attention_common.cuh"
 #include "attention_cuda_internal.h"
@@ -77,7 +80,10 @@ struct WorkList {
   }
 };
 
-template <typename Element, int kHeadDim, int kWarps>
+// kDqPieces: each warp computes its part of dQ in this many pieces of columns, one after the
+// other, so that fewer accumulators are live next to dK and dV (the whole part, 64 columns at
+// head_dim 128, made the kernel spill).
+template <typename Element, int kHeadDim, int kWarps, int kDqPieces>
 __global__ void __launch_bounds__(kWarps * 32, 1)
     paged_attention_backward_kv_kernel(const PagedAttentionBackwardParams params, const BackwardWorkspacePointers workspace) {
   constexpr int kKeys = 16 * kWarps;
@@ -246,29 +252,34 @@ __global__ void __launch_bounds__(kWarps * 32, 1)
         __syncthreads();
         // dQ [64, D] = dS [64, kKeys] K [kKeys, D]: warps split 4 row groups x (kWarps / 4) column parts.
         constexpr int kColumnParts = kWarps / 4;
-        constexpr int kDqColumns = kHeadDim / kColumnParts;
+        constexpr int kDqColumns = kHeadDim / kColumnParts / kDqPieces;
+        static_assert(kDqColumns % 16 == 0, "a dQ piece is whole 16-column fragments");
         const int row_group = warp % 4;
         const int column_part = warp / 4;
-        float dq[kDqColumns / 8][4];
-        clear(dq);
-        warp_matmul_shared_tn<Element, kDqColumns, kKeys, kQueries, kHeadDim>(dq, ds_tile, row_group * 16, k_tile,
-                                                                              column_part * kDqColumns, lane);
         const int q_head = kv_head * group + head_in_group;
 #pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          const int position = first_query + row_group * 16 + lane / 4 + half * 8;
-          if (position >= chunk_tokens) continue;
-          float* row = workspace.dq_accumulator + int64_t(position) * q_row_stride + int64_t(q_head) * kHeadDim +
-                       column_part * kDqColumns;
+        for (int piece = 0; piece < kDqPieces; ++piece) {
+          const int first_column = (column_part * kDqPieces + piece) * kDqColumns;
+          float dq[kDqColumns / 8][4];
+          clear(dq);
+          warp_matmul_shared_tn<Element, kDqColumns, kKeys, kQueries, kHeadDim>(dq, ds_tile, row_group * 16, k_tile,
+                                                                                first_column, lane);
 #pragma unroll
-          for (int n = 0; n < kDqColumns / 8; ++n) {
-            const int column = n * 8 + 2 * (lane % 4);
+          for (int half = 0; half < 2; ++half) {
+            const int position = first_query + row_group * 16 + lane / 4 + half * 8;
+            if (position >= chunk_tokens) continue;
+            float* row = workspace.dq_accumulator + int64_t(position) * q_row_stride + int64_t(q_head) * kHeadDim +
+                         first_column;
+#pragma unroll
+            for (int n = 0; n < kDqColumns / 8; ++n) {
+              const int column = n * 8 + 2 * (lane % 4);
 #if __CUDA_ARCH__ >= 900
-            atomicAdd(reinterpret_cast<float2*>(row + column), make_float2(dq[n][2 * half], dq[n][2 * half + 1]));
+              atomicAdd(reinterpret_cast<float2*>(row + column), make_float2(dq[n][2 * half], dq[n][2 * half + 1]));
 #else
-            atomicAdd(row + column, dq[n][2 * half]);
-            atomicAdd(row + column + 1, dq[n][2 * half + 1]);
+              atomicAdd(row + column, dq[n][2 * half]);
+              atomicAdd(row + column + 1, dq[n][2 * half + 1]);
 #endif
+            }
           }
         }
       }
@@ -389,17 +400,44 @@ __global__ void convert_dq_kernel(const float* accumulator, Element* dq, int64_t
   *reinterpret_cast<uint32_t*>(dq + index) = ElementTraits<Element>::pack(value.x * scale, value.y * scale);
 }
 
-template <typename Element, int kHeadDim, int kWarps>
+template <typename Element, int kHeadDim, int kWarps, int kDqPieces = 1>
 cudaError_t launch_kv(const PagedAttentionBackwardParams& params, const BackwardWorkspacePointers& workspace,
                       cudaStream_t stream) {
   constexpr size_t kSharedBytes = backward_shared_bytes<kHeadDim, kWarps>();
-  auto kernel = paged_attention_backward_kv_kernel<Element, kHeadDim, kWarps>;
+  auto kernel = paged_attention_backward_kv_kernel<Element, kHeadDim, kWarps, kDqPieces>;
   cudaError_t error = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kSharedBytes));
   if (error != cudaSuccess) return error;
   const dim3 grid(workspace.num_chunk_blocks + history_page_count(params.shape), params.shape.num_kv_heads);
   if (grid.x == 0) return cudaSuccess;  // no key at all (attend_chunk false, empty history)
   kernel<<<grid, kWarps * 32, kSharedBytes, stream>>>(params, workspace);
   return cudaGetLastError();
+}
+
+using KvLaunch = cudaError_t (*)(const PagedAttentionBackwardParams&, const BackwardWorkspacePointers&, cudaStream_t);
+struct BackwardVariant {
+  const char* name;
+  KvLaunch launch;
+};
+
+// Note [Backward variants]: compiled layouts of the dK/dV kernel for bf16, head_dim 128 and pages
+// of 128 keys (one page per CTA), picked by MEMBAR_ATTENTION_BACKWARD_VARIANT=<name> at every
+// launch (the default otherwise; other shapes always run the default layout). Names:
+// w<warps>_k<keys per CTA>_dq<columns of dQ a warp holds at once>.
+const BackwardVariant kBackwardVariants[] = {
+    {"w8_k128_dq64", &launch_kv<__nv_bfloat16, 128, 8, 1>},
+    {"w8_k128_dq32", &launch_kv<__nv_bfloat16, 128, 8, 2>},
+};
+constexpr int kDefaultBackwardVariant = 0;
+constexpr int kBackwardVariantCount = int(sizeof(kBackwardVariants) / sizeof(kBackwardVariants[0]));
+
+// The variant MEMBAR_ATTENTION_BACKWARD_VARIANT names: -1 when unset, -2 when it names none.
+int requested_backward_variant() {
+  const char* name = std::getenv("MEMBAR_ATTENTION_BACKWARD_VARIANT");
+  if (name == nullptr || name[0] == '\0') return -1;
+  for (int i = 0; i < kBackwardVariantCount; ++i) {
+    if (std::strcmp(name, kBackwardVariants[i].name) == 0) return i;
+  }
+  return -2;
 }
 
 template <typename Element>
@@ -436,7 +474,12 @@ cudaError_t launch_backward(const PagedAttentionBackwardParams& params, cudaStre
     if (error != cudaSuccess) return error;
   }
   const bool small_pages = shape.page_tokens == 64;
-  if (shape.head_dim == 64) {
+  if (std::is_same_v<Element, __nv_bfloat16> && shape.head_dim == 128 && !small_pages) {
+    int variant = requested_backward_variant();
+    if (variant == -2) return cudaErrorInvalidValue;
+    if (variant < 0) variant = kDefaultBackwardVariant;
+    error = kBackwardVariants[variant].launch(params, workspace, stream);
+  } else if (shape.head_dim == 64) {
     error = small_pages ? launch_kv<Element, 64, 4>(params, workspace, stream)
                         : launch_kv<Element, 64, 8>(params, workspace, stream);
   } else {
@@ -491,5 +534,11 @@ int paged_attention_backward(const PagedAttentionBackwardParams& params, void* s
   if (shape.dtype == DType::kBFloat16) return launch_backward<__nv_bfloat16>(params, cuda_stream);
   return launch_backward<__half>(params, cuda_stream);
 }
+
+int backward_variant_count() { return kBackwardVariantCount; }
+const char* backward_variant_name(int index) {
+  return index >= 0 && index < kBackwardVariantCount ? kBackwardVariants[index].name : nullptr;
+}
+const char* backward_default_variant() { return kBackwardVariants[kDefaultBackwardVariant].name; }
 
 }  // namespace membar::kernels::cuda

@@ -44,6 +44,19 @@ struct BackwardWorkspaceLayout {
 };
 BackwardWorkspaceLayout backward_workspace_layout(const PagedAttentionShape& shape);
 
+// Compiled variants of the bf16, head_dim 128 kernels, picked at run time by
+// MEMBAR_ATTENTION_FORWARD_VARIANT / MEMBAR_ATTENTION_BACKWARD_VARIANT = <name> (Note [Forward
+// variants] in attention_forward.cu, Note [Backward variants] in attention_backward.cu). A name
+// that is not listed makes the launch fail with cudaErrorInvalidValue; a variant that does not
+// apply to a call (e.g. 128-key blocks with pages of 64) leaves that call to the default layout.
+// forward_variant_name(i) is null outside [0, forward_variant_count()).
+int forward_variant_count();
+const char* forward_variant_name(int index);
+const char* forward_default_variant();
+int backward_variant_count();
+const char* backward_variant_name(int index);
+const char* backward_default_variant();
+
 // The deterministic backward's dQ pass (attention_backward_dq.cu): one CTA per 64 queries and q
 // head recomputes P and dS over the tile's keys and writes dQ once, with no atomics.
 // delta: [Hq, Tc] fp32, rowsum(dO * O). Enqueues on `stream`; returns a cudaError_t value.

@@ -1,15 +1,27 @@
 // Paged attention forward on CUDA (FlashAttention-2 style, mma.sync tensor cores).
 //
 // Note [Forward kernel]
-// One CTA per (block of 128 queries, q head) with eight warps of 16 query rows (four warps, 64
-// rows, when a sparse selection's tiles are an odd multiple of 64); each warp keeps its output
-// accumulator and online-softmax state in registers and reads Q fragments from shared memory. The CTA
-// walks its key sequence in blocks of 64 keys (KeySequence: the history pages, or the selected
-// ones, then the chunk's own keys up to its last query), double-buffering K and V through
-// cp.async in three stages so that block i + 1 loads while block i is multiplied and one barrier
-// per block suffices (a stage is rewritten two blocks after it was read). Scores are masked only where a
-// block can cut: the partial last history page and the chunk's diagonal blocks.
-// At the end each row is divided by its softmax sum and lse = max * scale + log(sum) is written.
+// One CTA per (block of kRows queries, q head) with kWarps warps of 16 * kRowTiles query rows; each
+// warp keeps its output accumulator and online-softmax state in registers, and reads Q fragments
+// from shared memory on every key block or (kQInRegisters) once into registers. The CTA walks its
+// key sequence in blocks of kKeys keys (KeySequence: the history pages, or the selected ones, then,
+// with attend_chunk, the chunk's own keys up to its last query), K and V through cp.async in
+// kStages stages, one barrier per block: with three stages the copy of block i + 1 is issued
+// before the barrier of block i (a stage is rewritten two blocks after it was read); with two it is
+// issued right after that barrier (the stage it overwrites was read in block i - 1, which every
+// warp finished before passing the barrier). Scores are masked only where a block can cut: the
+// partial last history page and the chunk's diagonal blocks. With kSkipRescale a warp whose row
+// maxima did not change in a block skips rescaling its accumulator (common once a long history
+// has shown its largest scores). At the end each row is divided by its softmax sum and
+// lse = max * scale + log(sum) is written.
+//
+// Note [Forward variants]
+// Rationale: the best layout depends on the GPU and is found by measuring (bench/attention_sweep.py).
+// Approach: kForwardVariants lists compiled configurations of the bf16, head_dim 128 kernel;
+// MEMBAR_ATTENTION_FORWARD_VARIANT=<name> picks one at run time (read at every launch), else the
+// default (kDefaultForwardVariant). A variant runs only where it applies (kKeys <= page_tokens;
+// sparse tiles a multiple of its kRows); elsewhere, and for the other dtypes and head dims, the
+// default layout runs. Every variant computes the same function; results differ only in rounding.
 #include <cuda_runtime.h>
 
 #include <cmath>
@@ -24,25 +36,48 @@ namespace {
 
 using namespace detail;
 
-constexpr int kForwardKeys = 64;
-// K/V stages: three, so that one barrier per block suffices.
-constexpr int kStages = 3;
+// A compiled layout of the forward kernel (Note [Forward kernel]).
+//   kWarps, kRowTiles: warps per CTA and 16-row tiles per warp (two tiles read every K and V
+//     fragment once for 32 rows, halving shared-memory traffic per tensor-core instruction, but
+//     need more registers: at head_dim 128 they spill);
+//   kKeys: keys per block (64 or 128; at most page_tokens);
+//   kStages: K/V stages in shared memory (2 or 3);
+//   kQInRegisters: Q fragments loaded once into registers instead of from shared memory per block;
+//   kSkipRescale: skip the accumulator rescale when a warp's row maxima did not change;
+//   kMinBlocks: CTAs per SM the registers are budgeted for (__launch_bounds__).
+template <int kWarps_, int kRowTiles_, int kKeys_, int kStages_, bool kQInRegisters_, bool kSkipRescale_, int kMinBlocks_>
+struct ForwardConfig {
+  static constexpr int kWarps = kWarps_;
+  static constexpr int kRowTiles = kRowTiles_;
+  static constexpr int kKeys = kKeys_;
+  static constexpr int kStages = kStages_;
+  static constexpr bool kQInRegisters = kQInRegisters_;
+  static constexpr bool kSkipRescale = kSkipRescale_;
+  static constexpr int kMinBlocks = kMinBlocks_;
+  static constexpr int kRows = 16 * kRowTiles * kWarps;
+  static_assert(kKeys == 64 || kKeys == 128, "a key block is 64 or 128 keys (a page holds whole blocks)");
+  static_assert(kStages == 2 || kStages == 3, "the barrier scheme of Note [Forward kernel] needs 2 or 3 stages");
+};
 
-template <int kHeadDim, int kRows>
+// The layout every dtype and head_dim runs by default: eight warps of 16 rows, 64-key blocks.
+using DefaultForwardConfig = ForwardConfig<8, 1, 64, 3, false, false, 1>;
+
+template <int kHeadDim, typename Config>
 constexpr size_t forward_shared_bytes_fixed() {
-  // Q [kRows, D] + K and V [kStages, 64, D], 16-bit elements.
-  return size_t(kRows * kHeadDim + 2 * kStages * kForwardKeys * kHeadDim) * 2;
+  // Q [kRows, D] + K and V [kStages, kKeys, D], 16-bit elements.
+  return size_t(Config::kRows * kHeadDim + 2 * Config::kStages * Config::kKeys * kHeadDim) * 2;
 }
 
-// kRowTiles: 16-row tiles per warp. Two tiles per warp read every K and V fragment from shared
-// memory once for 32 rows, halving the shared-memory traffic per tensor-core instruction, but
-// need more registers than the H200 has per thread at head_dim 128 (spills); one is the default.
-template <typename Element, int kHeadDim, int kWarps, int kRowTiles>
-__global__ void __launch_bounds__(kWarps * 32, 1) paged_attention_forward_kernel(const PagedAttentionForwardParams params) {
+template <typename Element, int kHeadDim, typename Config>
+__global__ void __launch_bounds__(Config::kWarps * 32, Config::kMinBlocks)
+    paged_attention_forward_kernel(const PagedAttentionForwardParams params) {
+  constexpr int kWarps = Config::kWarps;
+  constexpr int kRowTiles = Config::kRowTiles;
+  constexpr int kStages = Config::kStages;
   constexpr int kWarpRows = 16 * kRowTiles;
-  constexpr int kRows = kWarpRows * kWarps;
+  constexpr int kRows = Config::kRows;
   constexpr int kThreads = kWarps * 32;
-  constexpr int kKeys = kForwardKeys;
+  constexpr int kKeys = Config::kKeys;
   extern __shared__ __align__(128) unsigned char shared_raw[];
   Element* q_tile = reinterpret_cast<Element*>(shared_raw);     // [kRows, D]
   Element* k_tiles = q_tile + kRows * kHeadDim;                   // [kStages, kKeys, D]
@@ -122,12 +157,34 @@ __global__ void __launch_bounds__(kWarps * 32, 1) paged_attention_forward_kernel
     row_sum[t][0] = row_sum[t][1] = 0.f;
   }
 
-  for (int index = 0; index < num_blocks; ++index) {
-    const int stage = index % kStages;
-    if (index + 1 < num_blocks) load_block(index + 1, (index + 1) % kStages);
-    copy_async_commit();
+  // Q fragments of this warp's rows, loaded once (kQInRegisters): the Q copy is the oldest group.
+  uint32_t q_fragments[kRowTiles][Config::kQInRegisters ? kHeadDim / 16 : 1][4];
+  if constexpr (Config::kQInRegisters) {
     copy_async_wait<1>();
     __syncthreads();
+#pragma unroll
+    for (int t = 0; t < kRowTiles; ++t) {
+#pragma unroll
+      for (int kk = 0; kk < kHeadDim / 16; ++kk) {
+        ldmatrix_x4(q_fragments[t][kk],
+                    q_tile + swizzled_offset<kHeadDim>(warp_row + t * 16 + (lane & 15), kk * 16 + (lane >> 4) * 8));
+      }
+    }
+  }
+
+  for (int index = 0; index < num_blocks; ++index) {
+    const int stage = index % kStages;
+    if constexpr (kStages == 3) {
+      if (index + 1 < num_blocks) load_block(index + 1, (index + 1) % kStages);
+      copy_async_commit();
+      copy_async_wait<1>();
+      __syncthreads();
+    } else {
+      copy_async_wait<0>();
+      __syncthreads();
+      if (index + 1 < num_blocks) load_block(index + 1, (index + 1) % kStages);
+      copy_async_commit();
+    }
 
     const Element* k_tile = k_tiles + stage * kKeys * kHeadDim;
     const Element* v_tile = v_tiles + stage * kKeys * kHeadDim;
@@ -139,7 +196,12 @@ __global__ void __launch_bounds__(kWarps * 32, 1) paged_attention_forward_kernel
       uint32_t a[kRowTiles][4];
 #pragma unroll
       for (int t = 0; t < kRowTiles; ++t) {
-        ldmatrix_x4(a[t], q_tile + swizzled_offset<kHeadDim>(warp_row + t * 16 + (lane & 15), kk * 16 + (lane >> 4) * 8));
+        if constexpr (Config::kQInRegisters) {
+#pragma unroll
+          for (int j = 0; j < 4; ++j) a[t][j] = q_fragments[t][kk][j];
+        } else {
+          ldmatrix_x4(a[t], q_tile + swizzled_offset<kHeadDim>(warp_row + t * 16 + (lane & 15), kk * 16 + (lane >> 4) * 8));
+        }
       }
 #pragma unroll
       for (int nn = 0; nn < kKeys / 16; ++nn) {
@@ -198,10 +260,13 @@ __global__ void __launch_bounds__(kWarps * 32, 1) paged_attention_forward_kernel
           }
         }
         row_sum[t][half] = row_sum[t][half] * correction + sum;
+        // Skipped (kSkipRescale) when no row of the warp got a new maximum: every correction is 1.
+        if (!Config::kSkipRescale || __any_sync(0xffffffffu, correction != 1.f)) {
 #pragma unroll
-        for (int n = 0; n < kHeadDim / 8; ++n) {
-          output[t][n][2 * half] *= correction;
-          output[t][n][2 * half + 1] *= correction;
+          for (int n = 0; n < kHeadDim / 8; ++n) {
+            output[t][n][2 * half] *= correction;
+            output[t][n][2 * half + 1] *= correction;
+          }
         }
       }
       accumulator_to_a_fragments<Element, kKeys>(p_fragments[t], scores[t]);
@@ -254,18 +319,72 @@ __global__ void __launch_bounds__(kWarps * 32, 1) paged_attention_forward_kernel
   }
 }
 
-template <typename Element, int kHeadDim, int kWarps, int kRowTiles>
+template <typename Element, int kHeadDim, typename Config>
 cudaError_t launch_forward(const PagedAttentionForwardParams& params, cudaStream_t stream) {
-  constexpr int kRows = 16 * kRowTiles * kWarps;
   const PagedAttentionShape& shape = params.shape;
-  const size_t shared_bytes = forward_shared_bytes_fixed<kHeadDim, kRows>() +
+  const size_t shared_bytes = forward_shared_bytes_fixed<kHeadDim, Config>() +
                               (params.selection.selected_pages != nullptr ? size_t(params.selection.selected_per_tile) * 4 : 0);
-  auto kernel = paged_attention_forward_kernel<Element, kHeadDim, kWarps, kRowTiles>;
+  auto kernel = paged_attention_forward_kernel<Element, kHeadDim, Config>;
   cudaError_t error = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(shared_bytes));
   if (error != cudaSuccess) return error;
-  const dim3 grid((shape.chunk_tokens + kRows - 1) / kRows, shape.num_q_heads);
-  kernel<<<grid, kWarps * 32, shared_bytes, stream>>>(params);
+  if (Config::kMinBlocks > 1) {
+    // Ask for the largest shared-memory carveout, so that kMinBlocks CTAs fit on one SM.
+    error = cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout, int(cudaSharedmemCarveoutMaxShared));
+    if (error != cudaSuccess) return error;
+  }
+  const dim3 grid((shape.chunk_tokens + Config::kRows - 1) / Config::kRows, shape.num_q_heads);
+  kernel<<<grid, Config::kWarps * 32, shared_bytes, stream>>>(params);
   return cudaGetLastError();
+}
+
+// Whether a layout can run this call: a key block must lie inside one page, and a CTA's queries
+// inside one selection tile.
+template <typename Config>
+bool config_applies(const PagedAttentionForwardParams& params) {
+  if (Config::kKeys > params.shape.page_tokens) return false;
+  return params.selection.selected_pages == nullptr || params.selection.query_tile_tokens % Config::kRows == 0;
+}
+
+using ForwardLaunch = cudaError_t (*)(const PagedAttentionForwardParams&, cudaStream_t);
+using ForwardApplies = bool (*)(const PagedAttentionForwardParams&);
+struct ForwardVariant {
+  const char* name;
+  ForwardLaunch launch;
+  ForwardApplies applies;
+};
+
+template <typename Config>
+constexpr ForwardVariant bf16_d128_variant(const char* name) {
+  return ForwardVariant{name, &launch_forward<__nv_bfloat16, 128, Config>, &config_applies<Config>};
+}
+
+// Note [Forward variants]. Names: w<warps>r<rows per warp>_k<keys per block>_s<stages>, then
+// _qreg (Q in registers), _skip (rescale skip), _2cta (registers budgeted for two CTAs per SM).
+const ForwardVariant kForwardVariants[] = {
+    bf16_d128_variant<DefaultForwardConfig>("w8r16_k64_s3"),
+    bf16_d128_variant<ForwardConfig<8, 1, 64, 3, false, true, 1>>("w8r16_k64_s3_skip"),
+    bf16_d128_variant<ForwardConfig<8, 1, 64, 3, true, true, 1>>("w8r16_k64_s3_qreg_skip"),
+    bf16_d128_variant<ForwardConfig<8, 1, 128, 2, true, true, 1>>("w8r16_k128_s2_qreg_skip"),
+    bf16_d128_variant<ForwardConfig<4, 1, 64, 3, true, true, 2>>("w4r16_k64_s3_qreg_skip_2cta"),
+    bf16_d128_variant<ForwardConfig<4, 1, 64, 2, true, true, 2>>("w4r16_k64_s2_qreg_skip_2cta"),
+    bf16_d128_variant<ForwardConfig<4, 2, 64, 3, false, true, 1>>("w4r32_k64_s3_skip"),
+};
+constexpr int kDefaultForwardVariant = 0;
+constexpr int kForwardVariantCount = int(sizeof(kForwardVariants) / sizeof(kForwardVariants[0]));
+
+// The variant MEMBAR_ATTENTION_FORWARD_VARIANT names (-1 when unset; -2 when it names none), or
+// the last one (four warps of 32 rows) under the older knob MEMBAR_ATTENTION_FORWARD_WARP_ROWS=32.
+int requested_forward_variant() {
+  const char* name = std::getenv("MEMBAR_ATTENTION_FORWARD_VARIANT");
+  if (name == nullptr || name[0] == '\0') {
+    const char* warp_rows = std::getenv("MEMBAR_ATTENTION_FORWARD_WARP_ROWS");
+    if (warp_rows != nullptr && std::strcmp(warp_rows, "32") == 0) return kForwardVariantCount - 1;
+    return -1;
+  }
+  for (int i = 0; i < kForwardVariantCount; ++i) {
+    if (std::strcmp(name, kForwardVariants[i].name) == 0) return i;
+  }
+  return -2;
 }
 
 template <typename Element, int kHeadDim>
@@ -273,17 +392,9 @@ cudaError_t dispatch_rows(const PagedAttentionForwardParams& params, cudaStream_
   // A CTA's queries must lie in one selection tile (Note [Forward kernel]): 128 rows (eight warps
   // of 16) unless the selection's tiles are an odd multiple of 64 rows.
   if (params.selection.selected_pages != nullptr && params.selection.query_tile_tokens % 128 != 0) {
-    return launch_forward<Element, kHeadDim, 4, 1>(params, stream);
+    return launch_forward<Element, kHeadDim, ForwardConfig<4, 1, 64, 3, false, false, 1>>(params, stream);
   }
-  // Tuning knob for comparing layouts on a new GPU: MEMBAR_ATTENTION_FORWARD_WARP_ROWS=32 runs four
-  // warps of 32 rows instead of eight of 16 (same results). On the H200 the 32-row layout spills
-  // (255 registers) and ran at 220 TFLOP/s against 272 for the default
-  // (bench/results/2026-11-30-attention-h200.json).
-  const char* warp_rows = std::getenv("MEMBAR_ATTENTION_FORWARD_WARP_ROWS");
-  if (warp_rows != nullptr && std::strcmp(warp_rows, "32") == 0) {
-    return launch_forward<Element, kHeadDim, 4, 2>(params, stream);
-  }
-  return launch_forward<Element, kHeadDim, 8, 1>(params, stream);
+  return launch_forward<Element, kHeadDim, DefaultForwardConfig>(params, stream);
 }
 
 template <typename Element>
@@ -309,8 +420,20 @@ int paged_attention_forward(const PagedAttentionForwardParams& params, void* str
     return cudaErrorInvalidValue;
   }
   cudaStream_t cuda_stream = static_cast<cudaStream_t>(stream);
+  if (params.shape.dtype == DType::kBFloat16 && params.shape.head_dim == 128) {
+    int variant = requested_forward_variant();
+    if (variant == -2) return cudaErrorInvalidValue;
+    if (variant < 0) variant = kDefaultForwardVariant;
+    if (kForwardVariants[variant].applies(params)) return kForwardVariants[variant].launch(params, cuda_stream);
+  }
   if (params.shape.dtype == DType::kBFloat16) return dispatch_head_dim<__nv_bfloat16>(params, cuda_stream);
   return dispatch_head_dim<__half>(params, cuda_stream);
 }
+
+int forward_variant_count() { return kForwardVariantCount; }
+const char* forward_variant_name(int index) {
+  return index >= 0 && index < kForwardVariantCount ? kForwardVariants[index].name : nullptr;
+}
+const char* forward_default_variant() { return kForwardVariants[kDefaultForwardVariant].name; }
 
 }  // namespace membar::kernels::cuda

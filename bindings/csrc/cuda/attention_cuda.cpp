@@ -8,7 +8,9 @@
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 
+#include <cstdlib>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "attention_ops.h"
@@ -79,6 +81,41 @@ void check_index_ranges(const std::vector<IndexRange>& indices, const char* op) 
   TORCH_CHECK(problem.empty(), op, ": ", problem);
 }
 
+// The kernel variants of one kind ("forward" or "backward"): their names, default first.
+std::vector<std::string> variant_names(bool forward) {
+  std::vector<std::string> names;
+  const int count = forward ? k::cuda::forward_variant_count() : k::cuda::backward_variant_count();
+  names.push_back(forward ? k::cuda::forward_default_variant() : k::cuda::backward_default_variant());
+  for (int i = 0; i < count; ++i) {
+    const char* name = forward ? k::cuda::forward_variant_name(i) : k::cuda::backward_variant_name(i);
+    if (names.front() != name) names.push_back(name);
+  }
+  return names;
+}
+
+// MEMBAR_ATTENTION_{FORWARD,BACKWARD}_VARIANT, when set, must name a compiled variant.
+void check_variant_environment(bool forward, const char* op) {
+  const char* variable = forward ? "MEMBAR_ATTENTION_FORWARD_VARIANT" : "MEMBAR_ATTENTION_BACKWARD_VARIANT";
+  const char* value = std::getenv(variable);
+  if (value == nullptr || value[0] == '\0') return;
+  const std::vector<std::string> names = variant_names(forward);
+  std::string known;
+  for (const std::string& name : names) {
+    if (name == value) return;
+    known += (known.empty() ? "" : ", ") + name;
+  }
+  TORCH_CHECK(false, op, ": ", variable, "=", value, " names no compiled kernel variant (known: ", known, ").");
+}
+
+// (names, default) of the compiled variants of `kernel` ("forward" or "backward").
+std::tuple<std::vector<std::string>, std::string> attention_cuda_variants(const std::string& kernel) {
+  TORCH_CHECK(kernel == "forward" || kernel == "backward",
+              "attention_cuda_variants: kernel must be \"forward\" or \"backward\" (got \"", kernel, "\").");
+  std::vector<std::string> names = variant_names(kernel == "forward");
+  std::string default_name = names.front();
+  return {names, default_name};
+}
+
 std::tuple<at::Tensor, at::Tensor> forward_cuda(const at::Tensor& q, const at::Tensor& k_chunk, const at::Tensor& v_chunk,
                                                 const at::Tensor& k_pool, const at::Tensor& k_page_index,
                                                 const at::Tensor& v_pool, const at::Tensor& v_page_index,
@@ -87,6 +124,7 @@ std::tuple<at::Tensor, at::Tensor> forward_cuda(const at::Tensor& q, const at::T
                                                 int64_t query_tile_tokens, bool attend_chunk) {
   constexpr const char* kOp = "paged_attention_forward";
   check_cuda(q, kOp);
+  check_variant_environment(/*forward=*/true, kOp);
   const c10::cuda::CUDAGuard guard(q.device());
   ForwardCall call = prepare_forward(q, k_chunk, v_chunk, k_pool, k_page_index, v_pool, v_page_index, history_tokens,
                                      softmax_scale, selected_pages, query_tile_tokens, attend_chunk,
@@ -111,6 +149,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_cuda(
     bool attend_chunk) {
   constexpr const char* kOp = "paged_attention_backward";
   check_cuda(q, kOp);
+  check_variant_environment(/*forward=*/false, kOp);
   const c10::cuda::CUDAGuard guard(q.device());
   BackwardCall call = prepare_backward(q, k_chunk, v_chunk, k_pool, k_page_index, v_pool, v_page_index, out, dout, lse,
                                        dk_pool, dk_page_index, dv_pool, dv_page_index, history_tokens, softmax_scale,
@@ -170,6 +209,13 @@ at::Tensor select_cuda(const at::Tensor& q, const at::Tensor& mean, const std::o
 
 }  // namespace
 }  // namespace membar::bindings::attention
+
+// Only CUDA builds have kernel variants (Note [Forward variants] in kernels/cuda/attention_forward.cu):
+// membar::attention_cuda_variants("forward" | "backward") -> (names, default name).
+TORCH_LIBRARY_FRAGMENT(membar, m) {
+  m.def("attention_cuda_variants(str kernel) -> (str[] names, str default_name)",
+        &membar::bindings::attention::attention_cuda_variants);
+}
 
 TORCH_LIBRARY_IMPL(membar, CUDA, m) {
   m.impl("paged_attention_forward", &membar::bindings::attention::forward_cuda);

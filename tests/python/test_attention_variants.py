@@ -1,0 +1,148 @@
+"""Every compiled variant of the CUDA attention kernels (MEMBAR_ATTENTION_FORWARD_VARIANT /
+MEMBAR_ATTENTION_BACKWARD_VARIANT, Note [Forward variants] in kernels/cuda/attention_forward.cu)
+against the CPU ops: the truth is the CPU op in float64 on the same (bf16-rounded) inputs; a
+variant's error may be at most twice that of the CPU op run in bf16 (fp32 accumulation), plus a
+small slack for the bf16 rounding of P and dS that tensor cores need. Shapes cover what a variant
+may meet: dense and sparse histories with partial last pages, pages of 64 (where 128-key variants
+fall back to the default), no history, and a history block without the chunk (attend_chunk=False)."""
+import math
+import os
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA device", allow_module_level=True)
+
+import membar  # noqa: E402  (loads the ops library)
+
+ops = torch.ops.membar
+
+if not hasattr(ops, "attention_cuda_variants"):
+    pytest.skip("the ops library was built without CUDA", allow_module_level=True)
+
+FORWARD_VARIANTS = list(ops.attention_cuda_variants("forward")[0])
+BACKWARD_VARIANTS = list(ops.attention_cuda_variants("backward")[0])
+
+CASES = [
+    # (chunk_tokens, history_tokens, page_tokens, q_heads, kv_heads, sparse tile or 0, top_k, attend_chunk)
+    (300, 1000, 128, 8, 2, 0, 0, True),
+    (200, 333, 64, 7, 1, 0, 0, True),
+    (256, 0, 128, 4, 4, 0, 0, True),
+    (384, 2000, 128, 8, 1, 128, 4, True),
+    (192, 1100, 128, 4, 1, 64, 3, True),
+    (250, 700, 128, 8, 2, 0, 0, False),
+]
+
+
+def make_problem(case, seed):
+    chunk_tokens, history_tokens, page_tokens, q_heads, kv_heads, tile, top_k, attend_chunk = case
+    generator = torch.Generator().manual_seed(seed)
+    num_pages = (history_tokens + page_tokens - 1) // page_tokens
+    pool_pages = num_pages + 2
+
+    def randn(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=generator) * scale).to(torch.bfloat16)
+
+    p = {
+        "q": randn(chunk_tokens, q_heads, 128, scale=1.5), "k": randn(chunk_tokens, kv_heads, 128),
+        "v": randn(chunk_tokens, kv_heads, 128), "dout": randn(chunk_tokens, q_heads, 128),
+        "k_pool": randn(pool_pages, page_tokens, kv_heads, 128), "v_pool": randn(pool_pages, page_tokens, kv_heads, 128),
+        "history_tokens": history_tokens, "scale": 1.0 / math.sqrt(128), "tile": tile or 128,
+        "attend_chunk": attend_chunk, "selection": None,
+    }
+    for name in ("k_index", "v_index", "dk_index", "dv_index"):
+        p[name] = torch.randperm(pool_pages, generator=generator)[:num_pages].to(torch.int32)
+    p["dk_pool0"] = (torch.randn(p["k_pool"].shape, generator=generator) * 0.1)
+    p["dv_pool0"] = (torch.randn(p["k_pool"].shape, generator=generator) * 0.1)
+    if tile:
+        tiles = (chunk_tokens + tile - 1) // tile
+        selection = torch.full((tiles, top_k), -1, dtype=torch.int32)
+        for t in range(tiles):
+            chosen = torch.randperm(num_pages, generator=generator)[:top_k - 1].to(torch.int32)
+            selection[t, :chosen.numel()] = chosen
+        p["selection"] = selection
+    return p
+
+
+def run(p, device, dtype=None):
+    """Forward and backward through the ops on `device`; floating inputs converted to `dtype`."""
+    def move(value):
+        if not isinstance(value, torch.Tensor):
+            return value
+        value = value.to(device)
+        return value.to(dtype) if dtype is not None and value.is_floating_point() else value
+
+    t = {name: move(value) for name, value in p.items()}
+    grad_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+    out, lse = ops.paged_attention_forward(t["q"], t["k"], t["v"], t["k_pool"], t["k_index"], t["v_pool"], t["v_index"],
+                                           t["history_tokens"], t["scale"], t["selection"], t["tile"], t["attend_chunk"])
+    # The backward gets the truth's out and lse (a blocked caller passes the final merged ones).
+    given_out = t["given_out"] if "given_out" in t else out
+    given_lse = t["given_lse"].to(lse.dtype) if "given_lse" in t else lse
+    dk_pool, dv_pool = t["dk_pool0"].to(grad_dtype).clone(), t["dv_pool0"].to(grad_dtype).clone()
+    dq, dk, dv = ops.paged_attention_backward(t["q"], t["k"], t["v"], t["k_pool"], t["k_index"], t["v_pool"],
+                                              t["v_index"], given_out, t["dout"], given_lse, dk_pool, t["dk_index"],
+                                              dv_pool, t["dv_index"], t["history_tokens"], t["scale"], t["selection"],
+                                              t["tile"], False, t["attend_chunk"])
+    return {"out": out, "lse": lse, "dq": dq, "dk": dk, "dv": dv, "dk_pool": dk_pool, "dv_pool": dv_pool}
+
+
+def errors(result, truth):
+    error = {}
+    for name, want in truth.items():
+        got = result[name].double().cpu()
+        finite = torch.isfinite(want)
+        error[name] = (got[finite] - want[finite]).abs().max().item() if finite.any() else 0.0
+        assert torch.equal(torch.isfinite(got), finite) or name != "lse", name
+    return error
+
+
+@pytest.fixture(scope="module")
+def problems():
+    prepared = []
+    for index, case in enumerate(CASES):
+        p = make_problem(case, seed=100 + index)
+        truth = {k: v.double() for k, v in run(p, "cpu", torch.float64).items()}
+        # Without the chunk a history block's backward is given the rows' final out and lse;
+        # the block's own stand in for them here (any out and lse are valid inputs).
+        p["given_out"] = truth["out"].to(torch.bfloat16)
+        p["given_lse"] = truth["lse"].float()
+        truth = {k: v.double() for k, v in run(p, "cpu", torch.float64).items()}
+        plain = errors(run(p, "cpu"), truth)
+        prepared.append((case, p, truth, plain))
+    return prepared
+
+
+def check_variant(problems, variable, name, names):
+    os.environ[variable] = name
+    try:
+        for case, p, truth, plain in problems:
+            got = errors(run(p, "cuda"), truth)
+            for tensor in names:
+                slack = (1e-4 if tensor == "lse" else 4e-3) * max(1.0, truth[tensor].abs().max().item())
+                assert got[tensor] <= 2 * plain[tensor] + slack, (name, case, tensor, got[tensor], plain[tensor])
+    finally:
+        del os.environ[variable]
+
+
+@pytest.mark.parametrize("name", FORWARD_VARIANTS)
+def test_forward_variant_matches_cpu(problems, name):
+    check_variant(problems, "MEMBAR_ATTENTION_FORWARD_VARIANT", name, ("out", "lse"))
+
+
+@pytest.mark.parametrize("name", BACKWARD_VARIANTS)
+def test_backward_variant_matches_cpu(problems, name):
+    check_variant(problems, "MEMBAR_ATTENTION_BACKWARD_VARIANT", name, ("dq", "dk", "dv", "dk_pool", "dv_pool"))
+
+
+def test_unknown_variant_is_a_clear_error(problems):
+    _, p, _, _ = problems[0]
+    os.environ["MEMBAR_ATTENTION_FORWARD_VARIANT"] = "no_such_variant"
+    try:
+        with pytest.raises(RuntimeError, match="names no compiled kernel variant"):
+            run(p, "cuda")
+    finally:
+        del os.environ["MEMBAR_ATTENTION_FORWARD_VARIANT"]
