@@ -5,7 +5,10 @@
 //   - DaemonTwoProcesses: `membard --backend cuda` plus two trainer processes started from this
 //     binary, each with its own space, over the socket and shared-memory rings.
 // Pages move through stream_wait (the trainer's stream waits for the ticket on the GPU) and
-// stream_release (the stream says when it is done with pages it wrote).
+// stream_release (the stream says when it is done with pages it wrote; the runtime holds copies
+// of those pages until then, Note [Stream-ordered release]). The trainer never synchronizes its
+// stream after a release, and every worker first checks that a write still queued behind a slow
+// stream reaches the host copy, and that stream_release returned without waiting for it.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 #include <signal.h>
@@ -60,6 +63,37 @@ Status wait_on_stream(Client& client, Ticket ticket, cudaStream_t stream) {
   return status;
 }
 
+void sleep_on_stream(void* milliseconds) {
+  std::this_thread::sleep_for(std::chrono::milliseconds(reinterpret_cast<uintptr_t>(milliseconds)));
+}
+
+// A write queued behind 50 ms of stream work, stream_release'd, then offloaded at once: the
+// host copy must hold the write, and stream_release must not have waited for the stream.
+std::string check_late_write(Client& client, SpaceId space, uint64_t seed, cudaStream_t stream, uint8_t* staging) {
+  PageRange range{space, 0, 1};
+  Result<Acquired> acquired = client.acquire(range, kAcquireWrite | kAcquireZeroNew);
+  if (!acquired.ok()) return "late write acquire: " + acquired.status().to_string();
+  if (!client.stream_wait(acquired.value().ticket, stream).ok()) return "late write stream_wait failed";
+  fill_pattern(staging, seed, 0, 1);
+  cudaLaunchHostFunc(stream, sleep_on_stream, reinterpret_cast<void*>(uintptr_t{50}));
+  cudaMemcpyAsync(acquired.value().page_pointers[0], staging, kPageBytes, cudaMemcpyHostToDevice, stream);
+  auto start = std::chrono::steady_clock::now();
+  Status released = client.stream_release(range, true, stream);
+  double release_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
+  if (!released.ok()) return "late write stream_release: " + released.to_string();
+  Result<Ticket> offloaded = client.offload(range);
+  if (!offloaded.ok()) return "late write offload: " + offloaded.status().to_string();
+  if (release_ms > 25) return "stream_release waited " + std::to_string(release_ms) + " ms for the stream";
+  Status waited = client.wait(offloaded.value());
+  if (!waited.ok()) return "late write wait: " + waited.to_string();
+  Result<std::vector<void*>> host = client.acquire_host(range);
+  if (!host.ok()) return "late write acquire_host: " + host.status().to_string();
+  bool intact = std::memcmp(host.value()[0], staging, kPageBytes) == 0;
+  (void)client.release_host(range, false);
+  cudaStreamSynchronize(stream);
+  return intact ? "" : "the offload copied the page before the stream's write (late write lost)";
+}
+
 // One trainer: random groups of pages written (new version), read back and checked, offloaded
 // or prefetched, through a GPU quota smaller than the space.
 WorkerReport run_worker(Client& client, uint64_t seed, const std::string& space_name) {
@@ -77,6 +111,15 @@ WorkerReport run_worker(Client& client, uint64_t seed, const std::string& space_
   std::vector<uint32_t> version(kPages, 0);  // 0: never written
   std::vector<uint8_t> expected(kPageBytes);
   std::mt19937_64 generator(seed);
+  // The staging buffer is reused once the stream's copies out of it are done (not at release).
+  cudaEvent_t staging_free = nullptr;
+  if (cudaEventCreateWithFlags(&staging_free, cudaEventDisableTiming) != cudaSuccess) {
+    return fail("event", internal_error("no event"));
+  }
+  std::string late = check_late_write(client, space.value(), seed, stream, staging);
+  if (!late.empty()) return fail("stream-ordered release", internal_error(late));
+  version[0] = 1;
+  report.pages_written += 1;
 
   for (int operation = 0; operation < kOperations; ++operation) {
     uint32_t count = 1 + generator() % kMaxGroup;
@@ -90,6 +133,9 @@ WorkerReport run_worker(Client& client, uint64_t seed, const std::string& space_
       if (!acquired.ok()) return fail("acquire for write", acquired.status());
       Status waited = wait_on_stream(client, acquired.value().ticket, stream);
       if (!waited.ok()) return fail("wait", waited);
+      cudaEventSynchronize(staging_free);
+      // Now and then the stream runs late, so releases and later copies overlap its work.
+      if (generator() % 8 == 0) cudaLaunchHostFunc(stream, sleep_on_stream, reinterpret_cast<void*>(uintptr_t{2}));
       for (uint32_t i = 0; i < count; ++i) {
         fill_pattern(staging + i * kPageBytes, seed, first + i, version[first + i] + 1);
         if (cudaMemcpyAsync(acquired.value().page_pointers[i], staging + i * kPageBytes, kPageBytes,
@@ -103,10 +149,11 @@ WorkerReport run_worker(Client& client, uint64_t seed, const std::string& space_
         released = client.release(range, true);
       }
       if (!released.ok()) return fail("release", released);
-      if (cudaStreamSynchronize(stream) != cudaSuccess) return fail("stream", internal_error("stream failed"));
+      cudaEventRecord(staging_free, stream);
       for (uint32_t i = 0; i < count; ++i) ++version[first + i];
       report.pages_written += count;
     } else if (choice == 1) {  // read back and check
+      cudaEventSynchronize(staging_free);
       Result<Acquired> acquired = client.acquire(range, kAcquireRead);
       if (!acquired.ok()) return fail("acquire for read", acquired.status());
       Status waited = wait_on_stream(client, acquired.value().ticket, stream);
@@ -133,6 +180,7 @@ WorkerReport run_worker(Client& client, uint64_t seed, const std::string& space_
     }
   }
   // Finally every page ever written is read once more (most now come back from the host).
+  cudaEventSynchronize(staging_free);
   for (uint32_t page = 0; page < kPages; ++page) {
     if (version[page] == 0) continue;
     PageRange range{space.value(), page, 1};
@@ -148,6 +196,8 @@ WorkerReport run_worker(Client& client, uint64_t seed, const std::string& space_
     ++report.pages_checked;
     if (std::memcmp(staging, expected.data(), kPageBytes) != 0) ++report.pages_corrupted;
   }
+  cudaStreamSynchronize(stream);
+  cudaEventDestroy(staging_free);
   cudaFreeHost(staging);
   cudaStreamDestroy(stream);
   return report;
