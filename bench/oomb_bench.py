@@ -1,28 +1,41 @@
 #!/usr/bin/env python3
 """OOMB benchmark: chunk-recurrent training beside full-sequence training, on one GPU.
 
-    python bench/oomb_bench.py                 # Qwen2.5-7B shape, 32K .. 2M tokens
-    python bench/oomb_bench.py --quick         # Qwen2.5-0.5B shape, 16K .. 64K tokens (minutes)
-    python bench/oomb_bench.py --learning      # passkey >= 16K tokens back: OOMB vs short windows
+    python bench/oomb_bench.py --time-budget 330          # Qwen2.5-7B shape, 32K .. 2M, what fits in 330 s
+    python bench/oomb_bench.py --quick                    # Qwen2.5-0.5B shape, 16K .. 64K tokens (minutes)
+    python bench/oomb_bench.py --learning                 # recall >= 16K tokens back: OOMB vs short windows
+    python bench/oomb_bench.py --parts sweep,learning --time-budget 330 --learning-seconds 240
 
-Every (variant, context) runs in its own subprocess under a time limit, so an out-of-memory or a
-hang ends that configuration only; a series (one variant) stops at its first failure, since longer
-contexts would fail too. Variants:
+Configurations (variant, context) run in priority order: context by context (shortest first), and
+within a context in the order of --variants. A child process builds the model once and runs the
+configurations one after another, printing one JSON line each; the parent enforces a per-config
+time limit and the overall budget (killing the child and starting a fresh one for what is left),
+and rewrites the results after every line, so whatever finished is kept. Before each
+configuration the child estimates its time from the H200 numbers measured so far (this run's,
+else bench/results' 7B numbers, scaled by context^1.6 for dense, ^1.1 for sparse) and skips it
+when the budget left cannot hold it. A variant that fails (OOM, timeout) skips its longer contexts.
+Variants:
   full            HF full-sequence training: SDPA, gradient checkpointing, loss in 4K pieces
   dense           OOMB, exact gradients, all pages on the GPU
-  dense-offload   OOMB, pages of every layer in pinned host memory, prefetched per layer
+  dense-offload   OOMB, pages of every layer in pinned host memory, streamed per layer in blocks
   dense-hybrid    OOMB, as many layers' pages on the GPU as fit, the rest in host memory
   sparse          OOMB, top-k pages per query tile (selection from stage 1 reused in stage 2)
   sparse-offload  the same with offload
 Each step is forward + backward of one sequence (no optimizer step, like the baseline in
-/work/shared/docs/measured.md), after a short warm-up sequence. Results: oomb_bench.json and
-oomb_bench.txt in $MEMBAR_RESULTS_DIR (default bench/results/latest).
+/work/shared/docs/measured.md), after a short warm-up sequence; OOMB variants recompute layer
+activations in backward (like the baseline's gradient checkpointing) unless --no-checkpoint-layers.
+Columns: step time, tokens/s, peak GPU memory (torch allocator), GPU growth per 10K tokens (against
+the same variant's previous context), peak host RSS during the configuration, pinned page pools,
+bytes moved, offload overhead (X-offload step time / X step time - 1 at the same context).
+Results: oomb_bench.json and oomb_bench.txt (sweep), oomb_learning.json (learning) in
+$MEMBAR_RESULTS_DIR (default bench/results/latest).
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import selectors
 import subprocess
 import sys
 import time
@@ -31,19 +44,32 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "bindings" / "python"))
 
-VARIANTS = ["full", "dense", "dense-offload", "dense-hybrid", "sparse", "sparse-offload"]
+VARIANTS = ["full", "dense", "dense-offload", "sparse", "sparse-offload", "dense-hybrid"]
+K = 1024
+
+# Step seconds measured on the H200 at the Qwen2.5-7B shape (bench/results/2026-11-30-h200 and
+# /work/shared/docs/measured.md; 128K dense from the issue). Only used to decide what fits the budget.
+KNOWN_7B_SECONDS = {
+    ("full", 32 * K): 5.1, ("full", 64 * K): 13.6, ("full", 128 * K): 42.5,
+    ("dense", 32 * K): 8.0, ("dense", 64 * K): 23.9, ("dense", 128 * K): 70.0,
+    ("dense-offload", 32 * K): 10.5, ("dense-offload", 64 * K): 27.1,
+    ("sparse", 32 * K): 6.3, ("sparse", 64 * K): 13.2,
+}
+# Seconds each configuration costs beside its timed step: trainer, page pools, warm-up sequence.
+CONFIG_OVERHEAD_SECONDS = 6.0
+MODEL_BUILD_SECONDS = {"qwen2.5-7b": 35.0}
 
 
 def parse_tokens(text: str) -> int:
     text = text.strip().upper()
-    scale = {"K": 1024, "M": 1024 * 1024}.get(text[-1], 1)
+    scale = {"K": K, "M": K * K}.get(text[-1], 1)
     return int(float(text[:-1] if text[-1] in "KM" else text) * scale)
 
 
 def human_tokens(tokens: int) -> str:
-    if tokens % (1024 * 1024) == 0:
-        return f"{tokens // (1024 * 1024)}M"
-    return f"{tokens // 1024}K" if tokens % 1024 == 0 else str(tokens)
+    if tokens % (K * K) == 0:
+        return f"{tokens // (K * K)}M"
+    return f"{tokens // K}K" if tokens % K == 0 else str(tokens)
 
 
 def host_available_bytes() -> int:
@@ -54,30 +80,55 @@ def host_available_bytes() -> int:
     return 0
 
 
-# -- one configuration (child process) ------------------------------------------------------------
+def estimate_seconds(variant: str, tokens: int, model: str, measured: dict) -> float:
+    """Expected seconds of one configuration (timed step, warm-up, set-up), from the closest
+    shorter measurement of the same variant (this run's first, then the known 7B numbers)."""
+    exponent = 1.1 if variant.startswith("sparse") else 1.6
+    known = dict(KNOWN_7B_SECONDS) if model == "qwen2.5-7b" else {}
+    known.update(measured)
+    base = variant.replace("-hybrid", "-offload")
+    points = [(t, s) for (v, t), s in known.items() if v in (variant, base) and t <= tokens]
+    if not points:
+        points = [(t, s) for (v, t), s in known.items() if v == base.split("-")[0] and t <= tokens]
+    if not points:
+        return 0.0   # nothing to go by (other shapes): run it, the per-config limit still applies
+    t0, s0 = max(points)
+    step = s0 * (tokens / t0) ** exponent
+    return step + min(step, 0.2 * step + 2.0) + CONFIG_OVERHEAD_SECONDS   # the warm-up is a short step
 
-def run_one(spec: dict) -> dict:
+
+def reset_peak_rss() -> None:
+    """Starts a new peak of this process's resident set (Linux: VmHWM is reset by clear_refs 5)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as refs:
+            refs.write("5")
+    except OSError:
+        pass
+
+
+# -- configurations (child process) ----------------------------------------------------------------
+
+def run_one(model, spec: dict) -> dict:
     import torch
 
     from membar.oomb import OOMBConfig, OOMBTrainer, pool_bytes_per_layer
     from membar.oomb.baseline import full_sequence_step
-    from membar.oomb.presets import build_model
     from membar.oomb.trainer import host_memory
 
     tokens, variant = spec["tokens"], spec["variant"]
-    device = torch.device("cuda")
-    model = build_model(spec["model"], dtype=torch.bfloat16, device=device, max_positions=tokens, seed=0)
-    model.train()
-    weights_bytes = torch.cuda.memory_allocated()
+    device = next(model.parameters()).device
+    cuda = device.type == "cuda"
+    weights_bytes = torch.cuda.memory_allocated() if cuda else 0
     vocab = model.config.vocab_size
     generator = torch.Generator().manual_seed(0)
-    sequence = torch.randint(0, vocab, (1, tokens), generator=generator).to(device)
+    sequence = torch.randint(0, vocab, (1, tokens), generator=generator)   # on the host: OOMB keeps it there
     warmup = sequence[:, : min(tokens, 2 * spec["chunk"])]
-    result = {"variant": variant, "tokens": tokens, "model": spec["model"], "weights_gib": weights_bytes / 2**30,
+    result = {"variant": variant, "tokens": tokens, "model": spec["model"],
               "checkpoint_layers": variant != "full" and spec.get("checkpoint_layers", True)}
-
+    trainer = None
     if variant == "full":
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        sequence, warmup = sequence.to(device), warmup.to(device)
 
         def step(ids):
             full_sequence_step(model, ids, loss_piece_tokens=4096, attn_implementation="sdpa")
@@ -90,7 +141,7 @@ def run_one(spec: dict) -> dict:
             head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
             per_layer = pool_bytes_per_layer(tokens, spec["page_tokens"], text.num_key_value_heads, head_dim,
                                              torch.bfloat16, torch.float32)
-            free = torch.cuda.mem_get_info()[1] - weights_bytes - int(spec["gpu_reserve_gib"] * 2**30)
+            free = (torch.cuda.mem_get_info()[1] if cuda else host_available_bytes()) - weights_bytes - int(spec["gpu_reserve_gib"] * 2**30)
             resident = max(0, min(text.num_hidden_layers, free // per_layer))
             host_needed = (text.num_hidden_layers - resident) * per_layer
             result.update(gpu_resident_layers=int(resident), host_pool_needed_gib=host_needed / 2**30)
@@ -101,93 +152,232 @@ def run_one(spec: dict) -> dict:
         config = OOMBConfig(chunk_tokens=spec["chunk"], page_tokens=spec["page_tokens"], mode=mode,
                             top_k=spec["top_k"], query_tile_tokens=spec["page_tokens"], offload=offload,
                             gpu_resident_layers=int(resident), loss_piece_tokens=4096,
-                            checkpoint_layers=spec.get("checkpoint_layers", True))
+                            checkpoint_layers=spec.get("checkpoint_layers", True),
+                            history_block_tokens=spec["history_block_tokens"])
         trainer = OOMBTrainer(model, config)
+        trainer.reserve(tokens)   # page pools are allocated once, before the timed step
 
         def step(ids):
             trainer.step(ids)
 
     step(warmup)
     model.zero_grad(set_to_none=False)
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    reset_peak_rss()
     started = time.perf_counter()
     step(sequence)
-    torch.cuda.synchronize()
+    if cuda:
+        torch.cuda.synchronize()
     seconds = time.perf_counter() - started
+    memory = host_memory()
     result.update(
         step_seconds=seconds, tokens_per_second=tokens / seconds,
-        peak_gpu_gib=torch.cuda.max_memory_allocated() / 2**30,
-        peak_gpu_reserved_gib=torch.cuda.max_memory_reserved() / 2**30,
-        host_peak_rss_gib=host_memory()["peak_rss_bytes"] / 2**30)
-    if variant != "full":
+        peak_gpu_gib=torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0,
+        peak_gpu_reserved_gib=torch.cuda.max_memory_reserved() / 2**30 if cuda else 0.0,
+        host_peak_rss_gib=memory["peak_rss_bytes"] / 2**30, host_rss_gib=memory["rss_bytes"] / 2**30)
+    if trainer is not None:
         stats = trainer.stats
         result.update(pages_moved=stats["pages_moved"], bytes_moved_gib=stats["bytes_moved"] / 2**30,
                       host_pool_gib=stats["host_pool_bytes"] / 2**30,
                       device_pool_gib=stats["device_pool_bytes"] / 2**30,
-                      stage1_seconds=stats["stage1_seconds"], stage2_seconds=stats["stage2_seconds"])
+                      prefetch_hits=stats["prefetch_hits"], prefetch_misses=stats["prefetch_misses"],
+                      stage1_seconds=stats["stage1_seconds"], stage2_seconds=stats["stage2_seconds"],
+                      history_block_tokens=spec["history_block_tokens"])
     return result
 
 
-# -- the series (parent process) ------------------------------------------------------------------
+def child_main(job: dict) -> None:
+    """Runs job["specs"] in order with one model, printing one JSON line per configuration."""
+    import gc
 
-def run_series(args) -> list[dict]:
-    results = []
-    for variant in args.variants:
-        for tokens in args.contexts:
-            spec = dict(variant=variant, tokens=tokens, model=args.model, chunk=args.chunk,
-                        page_tokens=args.page_tokens, top_k=args.top_k, gpu_reserve_gib=args.gpu_reserve_gib,
-                        checkpoint_layers=not args.no_checkpoint_layers)
-            started = time.monotonic()
-            try:
-                child = subprocess.run([sys.executable, __file__, "--one", json.dumps(spec)], capture_output=True,
-                                       text=True, timeout=args.time_limit, cwd=REPO)
-                lines = [line for line in child.stdout.splitlines() if line.startswith("{")]
-                if lines:
-                    result = json.loads(lines[-1])
-                else:
-                    tail = (child.stderr or "").strip().splitlines()[-3:]
-                    oom = "OutOfMemoryError" in child.stderr or "out of memory" in child.stderr
-                    result = dict(spec, oom=oom, error=" | ".join(tail) or f"exit {child.returncode}")
-            except subprocess.TimeoutExpired:
-                result = dict(spec, timeout=True, error=f"over the {args.time_limit} s limit")
-            result["wall_seconds"] = time.monotonic() - started
+    import torch
+
+    from membar.oomb.presets import build_model
+
+    deadline = job["deadline"]
+    longest = max(spec["tokens"] for spec in job["specs"])
+    device = torch.device(job.get("device", "cuda"))
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    model = build_model(job["model"], dtype=dtype, device=device, max_positions=longest, seed=0)
+    model.train()
+    measured = {tuple(key): value for key, value in job.get("measured", [])}
+    failed = set(job.get("failed", []))
+    for spec in job["specs"]:
+        variant, tokens = spec["variant"], spec["tokens"]
+        if variant in failed:
+            result = dict(spec, skipped=f"{variant} already failed at a shorter context")
+        else:
+            expected = estimate_seconds(variant, tokens, job["model"], measured)
+            left = deadline - time.time()
+            if expected > left:
+                result = dict(spec, skipped=f"estimated {expected:.0f} s, {max(left, 0):.0f} s of the budget left")
+            else:
+                try:
+                    result = run_one(model, spec)
+                    if "step_seconds" in result:
+                        measured[(variant, tokens)] = result["step_seconds"]
+                except Exception as error:   # an OOM ends this configuration, not the run
+                    import traceback
+
+                    traceback.print_exc()
+                    oom = isinstance(error, torch.OutOfMemoryError) or "out of memory" in str(error).lower()
+                    result = dict(spec, oom=oom, error=f"{type(error).__name__}: {error}"[:300])
+                if result.get("error") or result.get("oom"):
+                    failed.add(variant)
+                model.zero_grad(set_to_none=True)
+                model.gradient_checkpointing_disable()
+                gc.collect()
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+                if device.type == "cuda" and hasattr(torch._C, "_host_emptyCache"):
+                    torch._C._host_emptyCache()   # give the page pools' pinned memory back
+        print(json.dumps({"result": result}), flush=True)
+    print(json.dumps({"done": True}), flush=True)
+
+
+# -- the sweep (parent process) ---------------------------------------------------------------------
+
+def run_sweep(args, write) -> list[dict]:
+    specs = [dict(variant=variant, tokens=tokens, model=args.model, chunk=args.chunk, page_tokens=args.page_tokens,
+                  top_k=args.top_k, gpu_reserve_gib=args.gpu_reserve_gib,
+                  checkpoint_layers=not args.no_checkpoint_layers, history_block_tokens=args.history_block_tokens)
+             for tokens in args.contexts for variant in args.variants]
+    started = time.time()
+    deadline = started + args.time_budget if args.time_budget else started + 10**9
+    results: list[dict] = []
+    pending = list(specs)
+    while pending:
+        measured = [[[r["variant"], r["tokens"]], r["step_seconds"]] for r in results if "step_seconds" in r]
+        failed = sorted({r["variant"] for r in results if r.get("error") or r.get("oom") or r.get("timeout")})
+        startup = MODEL_BUILD_SECONDS.get(args.model, 15.0)
+        if time.time() + startup > deadline:
+            for spec in pending:
+                results.append(dict(spec, skipped="no budget left to start a process"))
+                print(format_row(results[-1]), flush=True)
+            break
+        job = {"specs": pending, "deadline": deadline, "model": args.model, "measured": measured, "failed": failed,
+               "device": args.device}
+        child = subprocess.Popen([sys.executable, __file__, "--child", json.dumps(job)], stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, cwd=REPO)
+        stderr_tail: list[str] = []
+        selector = selectors.DefaultSelector()
+        selector.register(child.stdout, selectors.EVENT_READ, "out")
+        selector.register(child.stderr, selectors.EVENT_READ, "err")
+        partial = {"out": b"", "err": b""}
+        last_progress = time.time()
+        first_line = True
+        killed = None
+        done = False
+        while not done and selector.get_map():
+            limit = args.time_limit + (startup if first_line else 0)
+            now = time.time()
+            if now - last_progress > limit:
+                killed = f"over the {args.time_limit} s limit per configuration"
+            elif now > deadline + 30:
+                killed = "over the time budget"
+            if killed:
+                child.kill()
+                break
+            for key, _ in selector.select(timeout=1.0):
+                # Raw reads split into lines here: a buffered readline could hold a finished line
+                # back while select() waits for more bytes.
+                data = os.read(key.fileobj.fileno(), 1 << 16)
+                if not data:
+                    selector.unregister(key.fileobj)
+                    continue
+                *lines, partial[key.data] = (partial[key.data] + data).split(b"\n")
+                for raw in lines:
+                    line = raw.decode(errors="replace")
+                    if key.data == "err":
+                        stderr_tail = (stderr_tail + [line.rstrip()])[-5:]
+                        continue
+                    if not line.startswith("{"):
+                        continue
+                    message = json.loads(line)
+                    if message.get("done"):
+                        done = True
+                        continue
+                    result = message["result"]
+                    result["wall_seconds"] = time.time() - last_progress
+                    last_progress = time.time()
+                    first_line = False
+                    pending.pop(0)
+                    results.append(result)
+                    write(results)
+                    print(format_row(annotate(results)[-1]), flush=True)
+        child.wait()
+        if pending and not done:
+            # The configuration in flight ended the process (timeout, budget, crash): record it.
+            spec = pending.pop(0)
+            if killed:
+                result = dict(spec, timeout=True, error=killed)
+            else:
+                text = " | ".join(stderr_tail)
+                result = dict(spec, oom="out of memory" in text.lower(), error=text[-300:] or f"exit {child.returncode}")
             results.append(result)
-            print(format_row(result), flush=True)
-            if result.get("error") or result.get("oom"):
-                break   # longer contexts of this variant would fail as well
+            write(results)
+            print(format_row(annotate(results)[-1]), flush=True)
+    return results
+
+
+def annotate(results: list[dict]) -> list[dict]:
+    """Adds growth per 10K tokens (against the variant's previous context) and offload overhead."""
+    ok = {(r["variant"], r["tokens"]): r for r in results if "step_seconds" in r}
+    for r in results:
+        if "step_seconds" not in r:
+            continue
+        earlier = [t for (v, t) in ok if v == r["variant"] and t < r["tokens"]]
+        if earlier:
+            previous = ok[(r["variant"], max(earlier))]
+            r["gpu_growth_mib_per_10k"] = ((r["peak_gpu_gib"] - previous["peak_gpu_gib"]) * 1024
+                                           / ((r["tokens"] - previous["tokens"]) / 1e4))
+        if r["variant"].endswith("-offload"):
+            resident = ok.get((r["variant"][: -len("-offload")], r["tokens"]))
+            if resident:
+                r["offload_overhead"] = r["step_seconds"] / resident["step_seconds"] - 1
     return results
 
 
 def format_row(r: dict) -> str:
     head = f"{r['variant']:<15} {human_tokens(r['tokens']):>5}"
+    if r.get("skipped"):
+        return f"{head}  skipped: {r['skipped']}"
     if r.get("oom"):
-        return f"{head}  OOM"
+        return f"{head}  OOM  ({r.get('error', '')[:120]})"
     if r.get("error"):
         return f"{head}  -- {r['error']}"
-    return (f"{head}  {r['step_seconds']:9.1f} s  {r['tokens_per_second']:9,.0f} tok/s  "
-            f"GPU {r['peak_gpu_gib']:6.1f} GiB  host {r['host_peak_rss_gib']:6.1f} GiB"
-            + (f"  moved {r['bytes_moved_gib']:8.1f} GiB" if "bytes_moved_gib" in r else ""))
+    growth = r.get("gpu_growth_mib_per_10k")
+    overhead = r.get("offload_overhead")
+    return (f"{head}  {r['step_seconds']:8.1f} s  {r['tokens_per_second']:8,.0f} tok/s  "
+            f"GPU {r['peak_gpu_gib']:6.1f} GiB  "
+            + (f"{growth:+8.1f}" if growth is not None else f"{'':>8}") + " MiB/10K  "
+            f"host {r['host_peak_rss_gib']:6.1f} GiB"
+            + (f"  pools {r['host_pool_gib']:6.1f} GiB  moved {r['bytes_moved_gib']:7.1f} GiB"
+               if "bytes_moved_gib" in r else "")
+            + (f"  overhead {overhead:+.1%}" if overhead is not None else ""))
 
 
 def summarise(results: list[dict]) -> dict:
     """The issue's goals, where the measured points allow checking them."""
     ok = {(r["variant"], r["tokens"]): r for r in results if "step_seconds" in r}
     goals = {}
-    offload = sorted((t, r["peak_gpu_gib"]) for (v, t), r in ok.items() if v == "dense-offload")
-    if len(offload) >= 2:
-        (t0, g0), (t1, g1) = offload[0], offload[-1]
-        goals["gpu_mib_per_10k_tokens_offload"] = (g1 - g0) * 1024 / ((t1 - t0) / 1e4)
+    for variant in ("dense-offload", "sparse-offload"):
+        points = sorted((t, r["peak_gpu_gib"]) for (v, t), r in ok.items() if v == variant)
+        if len(points) >= 2:
+            (t0, g0), (t1, g1) = points[0], points[-1]
+            goals[f"gpu_mib_per_10k_tokens_{variant.replace('-', '_')}"] = (g1 - g0) * 1024 / ((t1 - t0) / 1e4)
+            goals[f"gpu_growth_tokens_{variant.replace('-', '_')}"] = [t0, t1]
     longest = max([t for (v, t) in ok if v.startswith("dense")], default=0)
     goals["longest_dense_tokens"] = longest
-    k128 = 128 * 1024
+    k128 = 128 * K
     if ("dense", k128) in ok and ("full", k128) in ok:
         goals["dense_vs_full_step_time_128k"] = ok[("dense", k128)]["step_seconds"] / ok[("full", k128)]["step_seconds"]
-    both = [t for (v, t) in ok if v == "dense" and ("dense-offload", t) in ok]
+    both = sorted(t for (v, t) in ok if v == "dense" and ("dense-offload", t) in ok)
     if both:
-        t = max(both)
-        goals["offload_overhead"] = ok[("dense-offload", t)]["step_seconds"] / ok[("dense", t)]["step_seconds"] - 1
-        goals["offload_overhead_tokens"] = t
+        goals["offload_overhead"] = {human_tokens(t): ok[("dense-offload", t)]["step_seconds"]
+                                     / ok[("dense", t)]["step_seconds"] - 1 for t in both}
     for t in sorted({t for (v, t) in ok}, reverse=True):
         if ("dense", t) in ok and ("sparse", t) in ok:
             goals["sparse_speedup"] = ok[("dense", t)]["step_seconds"] / ok[("sparse", t)]["step_seconds"]
@@ -196,111 +386,169 @@ def summarise(results: list[dict]) -> dict:
     return goals
 
 
-# -- learning experiment --------------------------------------------------------------------------
+# -- learning experiment ----------------------------------------------------------------------------
 
 def run_learning(args) -> dict:
-    """Passkey >= 16K tokens back: OOMB on whole sequences vs training on short windows only."""
+    """Recall a key >= 16K tokens back (RecallTask, as `make demo`): a small model trained from
+    scratch with OOMB on whole sequences, against the same model trained on the last
+    --short-window tokens only (the questions, but never the key). Both get the same steps; the
+    OOMB run ends early once held-out accuracy reaches --learning-target."""
+    import math
+
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     from membar.oomb import OOMBConfig, OOMBTrainer
-    from membar.oomb.tasks import PasskeyTask, passkey_accuracy
+    from membar.oomb.tasks import RecallTask, passkey_accuracy
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    tokens, distance = args.learning_tokens, args.learning_distance
-    outcome = {"tokens": tokens, "distance": distance, "steps": args.learning_steps, "device": str(device),
-               "key_repeats": args.learning_key_repeats, "chance": 1 / 16}
-    for name, window in (("oomb_full_context", None), ("short_window", args.short_window)):
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    distance, num_keys, vocab = args.learning_distance, 8, 1024
+    task = RecallTask(vocab, distance, num_keys=num_keys, key_tokens=2048, queries=8, seed=1)
+    held_out_task = RecallTask(vocab, distance, num_keys=num_keys, key_tokens=2048, queries=8, seed=1000)
+    held_out = [held_out_task.batch(1) for _ in range(args.eval_sequences)]
+    outcome = {"task": "recall", "tokens": task.tokens, "distance": distance, "num_keys": num_keys,
+               "chance": 1 / num_keys, "device": str(device), "dtype": str(dtype), "batch": args.learning_batch,
+               "lr": args.learning_lr, "budget_seconds": args.learning_seconds}
+    budget = args.learning_seconds
+    steps_done = None
+    for name, window, share in (("oomb_full_context", None, 0.72), ("short_window", args.short_window, 0.22)):
         torch.manual_seed(0)
-        config = Qwen2Config(hidden_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                             head_dim=64, intermediate_size=512, vocab_size=64, max_position_embeddings=tokens,
-                             rope_theta=1e6, tie_word_embeddings=False, attn_implementation="sdpa")
-        model = Qwen2ForCausalLM(config).to(device)
-        trainer = OOMBTrainer(model, OOMBConfig(chunk_tokens=2048, page_tokens=64))
+        # The `demo` preset's shape (one layer, one head, tied embeddings, vocabulary 1024), with
+        # head_dim 64 for the GPU kernels.
+        config = Qwen2Config(hidden_size=64, num_hidden_layers=1, num_attention_heads=1, num_key_value_heads=1,
+                             head_dim=64, intermediate_size=128, vocab_size=vocab, tie_word_embeddings=True,
+                             max_position_embeddings=task.tokens + 1024, rope_theta=1e6, attn_implementation="sdpa")
+        model = Qwen2ForCausalLM(config).to(device=device, dtype=dtype)
+        trainer = OOMBTrainer(model, OOMBConfig(chunk_tokens=2048, page_tokens=64, mode=args.learning_mode,
+                                                top_k=16, query_tile_tokens=128))
         optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_lr, weight_decay=0.0)
-        task = PasskeyTask(64, tokens, distance, num_keys=16, seed=1, key_repeats=args.learning_key_repeats)
-        evaluation = PasskeyTask(64, tokens, distance, num_keys=16, seed=2, key_repeats=args.learning_key_repeats)
+        seconds = budget * share
         started = time.monotonic()
-        for step in range(args.learning_steps):
-            batch = task.batch(1)
+        curve, step, losses = [], 0, []
+        last_eval = started
+        while True:
+            elapsed = time.monotonic() - started
+            if steps_done is not None:
+                if step >= steps_done:
+                    break
+                progress = step / max(steps_done, 1)
+            else:
+                if elapsed >= seconds:
+                    break
+                progress = elapsed / seconds
+            for group in optimizer.param_groups:   # cosine decay to a tenth over the run
+                group["lr"] = args.learning_lr * (0.1 + 0.45 * (1 + math.cos(math.pi * min(progress, 1.0))))
+            batch = task.batch(args.learning_batch)
             ids, labels = batch.input_ids, batch.labels
             if window is not None:
-                ids, labels = ids[:, -window:], labels[:, -window:]   # the question, but not the key
-            trainer.step(ids, labels)
+                ids, labels = ids[:, -window:], labels[:, -window:]   # the questions, but not the key
+            losses.append(trainer.step(ids, labels))
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-        accuracy = passkey_accuracy(trainer, evaluation, args.eval_sequences)
-        outcome[name] = {"accuracy": accuracy, "train_seconds": time.monotonic() - started, "window": window}
-        print(f"{name}: passkey accuracy {accuracy:.0%} after {args.learning_steps} steps "
-              f"({outcome[name]['train_seconds']:.0f} s)", flush=True)
+            step += 1
+            if window is None and time.monotonic() - last_eval >= args.learning_eval_seconds:
+                accuracy = passkey_accuracy(trainer, held_out_task, len(held_out), batches=held_out[:32])
+                curve.append({"step": step, "seconds": time.monotonic() - started, "accuracy": accuracy,
+                              "loss": sum(losses[-10:]) / len(losses[-10:])})
+                print(f"{name}: step {step}, {curve[-1]['seconds']:.0f} s, answer loss {curve[-1]['loss']:.3f}, "
+                      f"held-out accuracy {accuracy:.0%}", flush=True)
+                last_eval = time.monotonic()
+                if accuracy >= args.learning_target:
+                    break
+        train_seconds = time.monotonic() - started
+        accuracy = passkey_accuracy(trainer, held_out_task, len(held_out), batches=held_out)
+        outcome[name] = {"accuracy": accuracy, "steps": step, "train_seconds": train_seconds, "window": window,
+                         "final_loss": sum(losses[-10:]) / max(len(losses[-10:]), 1), "curve": curve,
+                         "tokens_per_second": trainer.stats.get("tokens_per_second")}
+        print(f"{name}: held-out accuracy {accuracy:.0%} ({len(held_out)} sequences) after {step} steps "
+              f"({train_seconds:.0f} s; chance {1 / num_keys:.0%})", flush=True)
+        steps_done = step
+    outcome["goal_met"] = outcome["oomb_full_context"]["accuracy"] >= 0.9
     return outcome
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--one", help=argparse.SUPPRESS)
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--parts", default="sweep", help="comma list of: sweep, learning")
     parser.add_argument("--quick", action="store_true", help="0.5B shape at 16K..64K")
     parser.add_argument("--model", default=None)
     parser.add_argument("--contexts", default=None, help="comma list, e.g. 32K,64K,1M")
-    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--variants", default="full,dense,dense-offload,sparse,sparse-offload",
+                        help=f"comma list in priority order within a context, of {','.join(VARIANTS)}")
+    parser.add_argument("--device", default="cuda", help="cuda (the benchmark) or cpu (a smoke test of the harness)")
     parser.add_argument("--chunk", type=int, default=4096)
     parser.add_argument("--page-tokens", type=int, default=128)
     parser.add_argument("--top-k", type=int, default=64)
+    parser.add_argument("--history-block-tokens", type=int, default=32768,
+                        help="offloaded layers stream their history through the GPU in blocks of this many tokens")
     parser.add_argument("--gpu-reserve-gib", type=float, default=30.0,
                         help="dense-hybrid: GPU memory kept free for activations beside the pages")
-    parser.add_argument("--time-limit", type=int, default=1200, help="seconds per configuration")
+    parser.add_argument("--time-budget", type=float, default=0.0,
+                        help="seconds for the whole sweep (0: no budget); configurations that would not fit are skipped")
+    parser.add_argument("--time-limit", type=int, default=900, help="seconds per configuration")
     parser.add_argument("--no-checkpoint-layers", action="store_true",
                         help="OOMB variants keep each chunk's layer activations (default: recompute them in "
                              "backward, like the full-sequence baseline's gradient checkpointing)")
-    parser.add_argument("--learning", action="store_true", help="run the passkey learning experiment")
-    parser.add_argument("--learning-tokens", type=int, default=16384 + 1024)
+    parser.add_argument("--learning", action="store_true", help="run only the learning experiment (--parts learning)")
+    parser.add_argument("--learning-seconds", type=float, default=225.0,
+                        help="training seconds of the learning experiment (OOMB run 72%%, control 22%%)")
     parser.add_argument("--learning-distance", type=int, default=16384)
-    parser.add_argument("--learning-steps", type=int, default=400)
-    parser.add_argument("--learning-lr", type=float, default=1e-3)
-    parser.add_argument("--learning-key-repeats", type=int, default=1, help="(KEY, key) pairs in the statement")
+    parser.add_argument("--learning-batch", type=int, default=4)
+    parser.add_argument("--learning-lr", type=float, default=1e-2)
+    parser.add_argument("--learning-mode", choices=["dense", "sparse"], default="dense")
+    parser.add_argument("--learning-target", type=float, default=0.97,
+                        help="the OOMB run stops once held-out accuracy (32 sequences) reaches this")
+    parser.add_argument("--learning-eval-seconds", type=float, default=20.0)
     parser.add_argument("--short-window", type=int, default=4096)
-    parser.add_argument("--eval-sequences", type=int, default=100)
+    parser.add_argument("--eval-sequences", type=int, default=64)
     args = parser.parse_args()
 
-    if args.one:
-        try:
-            print(json.dumps(run_one(json.loads(args.one))), flush=True)
-        except Exception as error:   # report the failure as data; the parent decides what it means
-            import torch
-
-            oom = isinstance(error, torch.OutOfMemoryError) or "out of memory" in str(error).lower()
-            print(json.dumps(dict(json.loads(args.one), oom=oom, error=f"{type(error).__name__}: {error}"[:300])))
+    if args.child:
+        child_main(json.loads(args.child))
         return 0
 
     out = Path(os.environ.get("MEMBAR_RESULTS_DIR", REPO / "bench" / "results" / "latest"))
     out.mkdir(parents=True, exist_ok=True)
-    if args.learning:
+    parts = {"learning"} if args.learning else {p.strip() for p in args.parts.split(",") if p.strip()}
+    unknown_parts = parts - {"sweep", "learning"}
+    if unknown_parts:
+        parser.error(f"unknown parts {sorted(unknown_parts)}; known: sweep, learning")
+
+    if "sweep" in parts:
+        args.model = args.model or ("qwen2.5-0.5b" if args.quick else "qwen2.5-7b")
+        contexts = args.contexts or ("16K,32K,64K" if args.quick else "32K,64K,128K,256K,512K,1M,2M")
+        args.contexts = [parse_tokens(c) for c in contexts.split(",")]
+        args.variants = [v for v in args.variants.split(",") if v]
+        unknown = set(args.variants) - set(VARIANTS)
+        if unknown:
+            parser.error(f"unknown variants {sorted(unknown)}; known: {VARIANTS}")
+        if args.quick and args.time_limit == 900:
+            args.time_limit = 300
+        header = [f"OOMB benchmark, {args.model} shape (random init, {'bf16' if args.device == 'cuda' else 'fp32'} on {args.device}), chunk {args.chunk}, pages of "
+                  f"{args.page_tokens}, sparse top-{args.top_k}, offloaded history in blocks of "
+                  f"{args.history_block_tokens} tokens, layer recompute "
+                  f"{'off' if args.no_checkpoint_layers else 'on'}"
+                  + (f", time budget {args.time_budget:.0f} s" if args.time_budget else "")]
+
+        def write(results):
+            annotate(results)
+            report = {"model": args.model, "chunk": args.chunk, "page_tokens": args.page_tokens, "top_k": args.top_k,
+                      "history_block_tokens": args.history_block_tokens, "time_budget": args.time_budget,
+                      "results": results, "goals": summarise(results)}
+            (out / "oomb_bench.json").write_text(json.dumps(report, indent=1))
+            table = header + [format_row(r) for r in results] + ["", "goals: " + json.dumps(report["goals"])]
+            (out / "oomb_bench.txt").write_text("\n".join(table) + "\n")
+
+        print(header[0], flush=True)
+        results = run_sweep(args, write)
+        write(results)
+        print("goals: " + json.dumps(summarise(results)), flush=True)
+    if "learning" in parts:
         outcome = run_learning(args)
         (out / "oomb_learning.json").write_text(json.dumps(outcome, indent=1))
-        return 0
-
-    args.model = args.model or ("qwen2.5-0.5b" if args.quick else "qwen2.5-7b")
-    contexts = args.contexts or ("16K,32K,64K" if args.quick else "32K,64K,128K,256K,512K,1M,2M")
-    args.contexts = [parse_tokens(c) for c in contexts.split(",")]
-    args.variants = [v for v in args.variants.split(",") if v]
-    unknown = set(args.variants) - set(VARIANTS)
-    if unknown:
-        parser.error(f"unknown variants {sorted(unknown)}; known: {VARIANTS}")
-    if args.quick and args.time_limit == 1200:
-        args.time_limit = 300
-    results = run_series(args)
-    goals = summarise(results)
-    report = {"model": args.model, "chunk": args.chunk, "page_tokens": args.page_tokens, "top_k": args.top_k,
-              "results": results, "goals": goals}
-    (out / "oomb_bench.json").write_text(json.dumps(report, indent=1))
-    table = [f"OOMB benchmark, {args.model} shape (random init, bf16), chunk {args.chunk}, pages of "
-             f"{args.page_tokens}, sparse top-{args.top_k}",
-             f"{'variant':<15} {'ctx':>5}  {'step':>11}  {'tokens/s':>15}  {'peak GPU':>14}  {'peak host RSS':>15}"]
-    table += [format_row(r) for r in results]
-    table += ["", "goals: " + json.dumps(goals)]
-    (out / "oomb_bench.txt").write_text("\n".join(table) + "\n")
-    print("\n".join(table[-1:]))
     return 0
 
 

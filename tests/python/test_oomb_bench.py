@@ -1,0 +1,66 @@
+"""bench/oomb_bench.py's harness on the CPU: configurations run in a child process in priority
+order, results are annotated (growth per 10K tokens, offload overhead) and written after every
+configuration, and the time budget skips what would not fit."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def load_bench():
+    spec = importlib.util.spec_from_file_location("oomb_bench", REPO / "bench" / "oomb_bench.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_estimates_scale_from_the_closest_shorter_measurement():
+    bench = load_bench()
+    K = 1024
+    # Known 7B numbers: dense 128K ~70 s, so 256K is ~3x that (context^1.6) plus a warm-up.
+    assert 200 < bench.estimate_seconds("dense", 256 * K, "qwen2.5-7b", {}) < 330
+    # This run's own measurement wins over the table.
+    assert bench.estimate_seconds("dense", 64 * K, "qwen2.5-7b", {("dense", 64 * K): 1.0}) < 10
+    # Sparse grows about linearly; hybrid follows offload.
+    sparse = bench.estimate_seconds("sparse-offload", 128 * K, "qwen2.5-7b", {("sparse-offload", 64 * K): 10.0})
+    assert 20 < sparse < 40
+    assert bench.estimate_seconds("dense-hybrid", 64 * K, "qwen2.5-7b", {}) > 27
+    assert bench.estimate_seconds("dense", 64 * K, "tiny-qwen2", {}) == 0.0
+
+
+def test_annotate_and_summarise():
+    bench = load_bench()
+    K = 1024
+    rows = [dict(variant="dense", tokens=32 * K, step_seconds=10.0, peak_gpu_gib=40.0),
+            dict(variant="dense-offload", tokens=32 * K, step_seconds=10.2, peak_gpu_gib=30.0),
+            dict(variant="dense-offload", tokens=64 * K, step_seconds=30.0, peak_gpu_gib=30.01),
+            dict(variant="dense", tokens=64 * K, oom=True, error="OutOfMemoryError")]
+    bench.annotate(rows)
+    assert abs(rows[1]["offload_overhead"] - 0.02) < 1e-9
+    assert abs(rows[2]["gpu_growth_mib_per_10k"] - 0.01 * 1024 / 3.2768) < 1e-9
+    goals = bench.summarise(rows)
+    assert goals["longest_dense_tokens"] == 64 * K
+    assert set(goals["offload_overhead"]) == {"32K"}
+
+
+def test_sweep_runs_on_the_cpu_and_writes_results(tmp_path):
+    environment = dict(os.environ, MEMBAR_RESULTS_DIR=str(tmp_path),
+                       PYTHONPATH=str(REPO / "bindings" / "python"), OMP_NUM_THREADS="1")
+    command = [sys.executable, str(REPO / "bench" / "oomb_bench.py"), "--device", "cpu", "--model", "tiny-qwen2",
+               "--contexts", "256,512", "--variants", "dense,dense-offload", "--chunk", "64", "--page-tokens", "16",
+               "--history-block-tokens", "128", "--time-budget", "120", "--time-limit", "100"]
+    finished = subprocess.run(command, capture_output=True, text=True, timeout=200, env=environment)
+    assert finished.returncode == 0, finished.stderr[-2000:]
+    report = json.loads((tmp_path / "oomb_bench.json").read_text())
+    rows = {(r["variant"], r["tokens"]): r for r in report["results"]}
+    assert set(rows) == {("dense", 256), ("dense-offload", 256), ("dense", 512), ("dense-offload", 512)}
+    assert all("step_seconds" in r for r in rows.values()), report["results"]
+    offloaded = rows[("dense-offload", 512)]
+    assert offloaded["bytes_moved_gib"] > 0 and "offload_overhead" in offloaded and "gpu_growth_mib_per_10k" in offloaded
+    assert "dense-offload" in (tmp_path / "oomb_bench.txt").read_text()
