@@ -267,7 +267,10 @@ def variant_kernel_pattern(kind, name):
         warps, keys, columns = (int(g) for g in match.groups())
         pieces = (HEAD_DIM // (warps // 4)) // columns
         return f"paged_attention_backward_kv_kernel<__nv_bfloat16, 128, {warps}, {pieces}>"
-    return name  # other backward kernels carry the variant's name in their own
+    match = re.match(r"w8_k128_split_s(\d)$", name)
+    if match:
+        return f"paged_attention_backward_split_kernel<__nv_bfloat16, 128, {match.group(1)}>"
+    return None
 
 
 def lookup_usage(usage, kind, name):

@@ -80,6 +80,96 @@ struct WorkList {
   }
 };
 
+// The keys one CTA of a dK/dV kernel owns (kKeys rows of one kv head: a history page or a block
+// of the chunk's own keys) and the (q head, query block) pairs that see them.
+template <typename Element>
+struct OwnedKeys {
+  bool chunk_block;
+  const Element* k_base;  // row r of the keys at k_base + r * kv_row_stride
+  const Element* v_base;
+  int valid_keys;
+  int first_key;  // chunk position of key row 0 (chunk blocks)
+  int page;       // history page (history blocks)
+  WorkList work;
+};
+
+template <typename Element, int kHeadDim, int kKeys>
+__device__ __forceinline__ OwnedKeys<Element> own_keys(const PagedAttentionBackwardParams& params,
+                                                        const BackwardWorkspacePointers& workspace) {
+  const PagedAttentionShape& shape = params.shape;
+  const int kv_head = blockIdx.y;
+  const int num_query_blocks = (shape.chunk_tokens + kQueries - 1) / kQueries;
+  const int64_t kv_row_stride = int64_t(shape.num_kv_heads) * kHeadDim;
+  OwnedKeys<Element> owned;
+  owned.chunk_block = int(blockIdx.x) < workspace.num_chunk_blocks;
+  owned.first_key = 0;
+  owned.page = 0;
+  owned.work = WorkList{0, 0, 0, nullptr, 1};
+  if (owned.chunk_block) {
+    owned.first_key = blockIdx.x * kKeys;
+    owned.k_base = static_cast<const Element*>(params.k_chunk) + owned.first_key * kv_row_stride + kv_head * kHeadDim;
+    owned.v_base = static_cast<const Element*>(params.v_chunk) + owned.first_key * kv_row_stride + kv_head * kHeadDim;
+    owned.valid_keys = min(kKeys, shape.chunk_tokens - owned.first_key);
+    owned.work.first_query_block = owned.first_key / kQueries;
+    owned.work.per_head = num_query_blocks - owned.work.first_query_block;
+  } else {
+    owned.page = blockIdx.x - workspace.num_chunk_blocks;
+    owned.k_base = static_cast<const Element*>(params.history.k_pool) +
+                   int64_t(params.history.k_page_index[owned.page]) * shape.page_tokens * kv_row_stride + kv_head * kHeadDim;
+    owned.v_base = static_cast<const Element*>(params.history.v_pool) +
+                   int64_t(params.history.v_page_index[owned.page]) * shape.page_tokens * kv_row_stride + kv_head * kHeadDim;
+    owned.valid_keys = min(kKeys, shape.history_tokens - owned.page * kKeys);
+    if (params.selection.selected_pages != nullptr) {
+      owned.work.tiles = workspace.inverse_tiles + int64_t(owned.page) * workspace.inverse_capacity;
+      owned.work.blocks_per_tile = params.selection.query_tile_tokens / kQueries;
+      owned.work.per_head = workspace.inverse_count[owned.page] * owned.work.blocks_per_tile;
+    } else {
+      owned.work.per_head = num_query_blocks;
+    }
+  }
+  owned.work.count = owned.work.per_head * (shape.num_q_heads / shape.num_kv_heads);
+  return owned;
+}
+
+// Writes dK (times the softmax scale) and dV of key row `key`, columns `column` and `column + 1`:
+// overwritten for chunk keys, ADDED into the grad pages for history keys (fp32, or bf16 with
+// round-to-nearest-even).
+template <typename Element, int kHeadDim>
+__device__ __forceinline__ void write_key_gradients(const PagedAttentionBackwardParams& params, bool chunk_block,
+                                                    int first_key, int page, int key, int column, float dk0, float dk1,
+                                                    float dv0, float dv1) {
+  const PagedAttentionShape& shape = params.shape;
+  const int kv_head = blockIdx.y;
+  const int64_t kv_row_stride = int64_t(shape.num_kv_heads) * kHeadDim;
+  dk0 *= shape.softmax_scale;
+  dk1 *= shape.softmax_scale;
+  if (chunk_block) {
+    const int64_t offset = int64_t(first_key + key) * kv_row_stride + int64_t(kv_head) * kHeadDim + column;
+    *reinterpret_cast<uint32_t*>(static_cast<Element*>(params.dk_chunk) + offset) = ElementTraits<Element>::pack(dk0, dk1);
+    *reinterpret_cast<uint32_t*>(static_cast<Element*>(params.dv_chunk) + offset) = ElementTraits<Element>::pack(dv0, dv1);
+    return;
+  }
+  const HistoryGradPages& grad = params.grad_history;
+  const int64_t dk_offset =
+      (int64_t(grad.dk_page_index[page]) * shape.page_tokens + key) * kv_row_stride + int64_t(kv_head) * kHeadDim + column;
+  const int64_t dv_offset =
+      (int64_t(grad.dv_page_index[page]) * shape.page_tokens + key) * kv_row_stride + int64_t(kv_head) * kHeadDim + column;
+  if (params.grad_page_dtype == DType::kFloat32) {
+    float2* dk_pair = reinterpret_cast<float2*>(static_cast<float*>(grad.dk_pool) + dk_offset);
+    float2* dv_pair = reinterpret_cast<float2*>(static_cast<float*>(grad.dv_pool) + dv_offset);
+    const float2 dk_old = *dk_pair, dv_old = *dv_pair;
+    *dk_pair = make_float2(dk_old.x + dk0, dk_old.y + dk1);
+    *dv_pair = make_float2(dv_old.x + dv0, dv_old.y + dv1);
+  } else {
+    using Bf16 = ElementTraits<__nv_bfloat16>;
+    uint32_t* dk_bits = reinterpret_cast<uint32_t*>(static_cast<__nv_bfloat16*>(grad.dk_pool) + dk_offset);
+    uint32_t* dv_bits = reinterpret_cast<uint32_t*>(static_cast<__nv_bfloat16*>(grad.dv_pool) + dv_offset);
+    const float2 dk_old = Bf16::unpack(*dk_bits), dv_old = Bf16::unpack(*dv_bits);
+    *dk_bits = Bf16::pack(dk_old.x + dk0, dk_old.y + dk1);
+    *dv_bits = Bf16::pack(dv_old.x + dv0, dv_old.y + dv1);
+  }
+}
+
 // kDqPieces: each warp computes its part of dQ in this many pieces of columns, one after the
 // other, so that fewer accumulators are live next to dK and dV (the whole part, 64 columns at
 // head_dim 128, made the kernel spill).
@@ -104,41 +194,18 @@ __global__ void __launch_bounds__(kWarps * 32, 1)
   const int kv_head = blockIdx.y;
   const int group = shape.num_q_heads / shape.num_kv_heads;
   const int chunk_tokens = shape.chunk_tokens;
-  const int num_query_blocks = (chunk_tokens + kQueries - 1) / kQueries;
   const int64_t q_row_stride = int64_t(shape.num_q_heads) * kHeadDim;
   const int64_t kv_row_stride = int64_t(shape.num_kv_heads) * kHeadDim;
 
   // Which keys this CTA owns, and which query blocks see them.
-  const bool chunk_block = int(blockIdx.x) < workspace.num_chunk_blocks;
-  const Element* k_base;
-  const Element* v_base;
-  int valid_keys;
-  int first_key = 0;  // chunk position of key row 0 (chunk blocks)
-  int page = 0;       // history page (history blocks)
-  WorkList work{0, 0, 0, nullptr, 1};
-  if (chunk_block) {
-    first_key = blockIdx.x * kKeys;
-    k_base = static_cast<const Element*>(params.k_chunk) + first_key * kv_row_stride + kv_head * kHeadDim;
-    v_base = static_cast<const Element*>(params.v_chunk) + first_key * kv_row_stride + kv_head * kHeadDim;
-    valid_keys = min(kKeys, chunk_tokens - first_key);
-    work.first_query_block = first_key / kQueries;
-    work.per_head = num_query_blocks - work.first_query_block;
-  } else {
-    page = blockIdx.x - workspace.num_chunk_blocks;
-    k_base = static_cast<const Element*>(params.history.k_pool) +
-             int64_t(params.history.k_page_index[page]) * shape.page_tokens * kv_row_stride + kv_head * kHeadDim;
-    v_base = static_cast<const Element*>(params.history.v_pool) +
-             int64_t(params.history.v_page_index[page]) * shape.page_tokens * kv_row_stride + kv_head * kHeadDim;
-    valid_keys = min(kKeys, shape.history_tokens - page * kKeys);
-    if ((params.selection.selected_pages != nullptr)) {
-      work.tiles = workspace.inverse_tiles + int64_t(page) * workspace.inverse_capacity;
-      work.blocks_per_tile = params.selection.query_tile_tokens / kQueries;
-      work.per_head = workspace.inverse_count[page] * work.blocks_per_tile;
-    } else {
-      work.per_head = num_query_blocks;
-    }
-  }
-  work.count = work.per_head * group;
+  const OwnedKeys<Element> owned = own_keys<Element, kHeadDim, kKeys>(params, workspace);
+  const bool chunk_block = owned.chunk_block;
+  const Element* k_base = owned.k_base;
+  const Element* v_base = owned.v_base;
+  const int valid_keys = owned.valid_keys;
+  const int first_key = owned.first_key;
+  const int page = owned.page;
+  const WorkList work = owned.work;
   // A page no query tile selected receives nothing: adding zeros is a no-op.
   if (work.count == 0) return;
 
@@ -295,56 +362,319 @@ __global__ void __launch_bounds__(kWarps * 32, 1)
   for (int half = 0; half < 2; ++half) {
     const int key = key_row + half * 8;
     if (key >= valid_keys) continue;
-    if (chunk_block) {
-      const int64_t offset = int64_t(first_key + key) * kv_row_stride + int64_t(kv_head) * kHeadDim;
-      Element* dk_row = static_cast<Element*>(params.dk_chunk) + offset;
-      Element* dv_row = static_cast<Element*>(params.dv_chunk) + offset;
 #pragma unroll
-      for (int n = 0; n < kHeadDim / 8; ++n) {
-        const int column = n * 8 + 2 * (lane % 4);
-        *reinterpret_cast<uint32_t*>(dk_row + column) = ElementTraits<Element>::pack(
-            dk[n][2 * half] * shape.softmax_scale, dk[n][2 * half + 1] * shape.softmax_scale);
-        *reinterpret_cast<uint32_t*>(dv_row + column) = ElementTraits<Element>::pack(dv[n][2 * half], dv[n][2 * half + 1]);
-      }
-    } else {
-      const HistoryGradPages& grad = params.grad_history;
-      const int64_t dk_offset = (int64_t(grad.dk_page_index[page]) * shape.page_tokens + key) * kv_row_stride +
-                                int64_t(kv_head) * kHeadDim;
-      const int64_t dv_offset = (int64_t(grad.dv_page_index[page]) * shape.page_tokens + key) * kv_row_stride +
-                                int64_t(kv_head) * kHeadDim;
-      if (params.grad_page_dtype == DType::kFloat32) {
-        float* dk_row = static_cast<float*>(grad.dk_pool) + dk_offset;
-        float* dv_row = static_cast<float*>(grad.dv_pool) + dv_offset;
+    for (int n = 0; n < kHeadDim / 8; ++n) {
+      write_key_gradients<Element, kHeadDim>(params, chunk_block, first_key, page, key, n * 8 + 2 * (lane % 4),
+                                             dk[n][2 * half], dk[n][2 * half + 1], dv[n][2 * half], dv[n][2 * half + 1]);
+    }
+  }
+}
+
+// acc[32 x 32] += A[32 x D] B^T for the split layout's phase 1: A is rows [a_row, a_row + 32) of a
+// swizzled [*, D] tile, B rows [b_row, b_row + 32) of another; acc is [row tile][n8 tile][4].
+template <typename Element, int kHeadDim>
+__device__ __forceinline__ void warp_matmul_two_tiles_nt(float (&acc)[2][4][4], const Element* a_tile, int a_row,
+                                                         const Element* b_tile, int b_row, int lane) {
 #pragma unroll
-        for (int n = 0; n < kHeadDim / 8; ++n) {
-          const int column = n * 8 + 2 * (lane % 4);
-          float2 dk_value = *reinterpret_cast<float2*>(dk_row + column);
-          dk_value.x += dk[n][2 * half] * shape.softmax_scale;
-          dk_value.y += dk[n][2 * half + 1] * shape.softmax_scale;
-          *reinterpret_cast<float2*>(dk_row + column) = dk_value;
-          float2 dv_value = *reinterpret_cast<float2*>(dv_row + column);
-          dv_value.x += dv[n][2 * half];
-          dv_value.y += dv[n][2 * half + 1];
-          *reinterpret_cast<float2*>(dv_row + column) = dv_value;
-        }
-      } else {
-        __nv_bfloat16* dk_row = static_cast<__nv_bfloat16*>(grad.dk_pool) + dk_offset;
-        __nv_bfloat16* dv_row = static_cast<__nv_bfloat16*>(grad.dv_pool) + dv_offset;
-        using Bf16 = ElementTraits<__nv_bfloat16>;
+  for (int kk = 0; kk < kHeadDim / 16; ++kk) {
+    uint32_t a[2][4];
 #pragma unroll
-        for (int n = 0; n < kHeadDim / 8; ++n) {
-          const int column = n * 8 + 2 * (lane % 4);
-          uint32_t* dk_bits = reinterpret_cast<uint32_t*>(dk_row + column);
-          uint32_t* dv_bits = reinterpret_cast<uint32_t*>(dv_row + column);
-          const float2 dk_old = Bf16::unpack(*dk_bits);
-          const float2 dv_old = Bf16::unpack(*dv_bits);
-          *dk_bits = Bf16::pack(dk_old.x + dk[n][2 * half] * shape.softmax_scale,
-                                dk_old.y + dk[n][2 * half + 1] * shape.softmax_scale);
-          *dv_bits = Bf16::pack(dv_old.x + dv[n][2 * half], dv_old.y + dv[n][2 * half + 1]);
-        }
+    for (int t = 0; t < 2; ++t) {
+      ldmatrix_x4(a[t], a_tile + swizzled_offset<kHeadDim>(a_row + t * 16 + (lane & 15), kk * 16 + (lane >> 4) * 8));
+    }
+#pragma unroll
+    for (int nn = 0; nn < 2; ++nn) {
+      // Matrices: (n 0-7, k 0-7), (n 0-7, k 8-15), (n 8-15, k 0-7), (n 8-15, k 8-15).
+      uint32_t b[4];
+      ldmatrix_x4(b, b_tile + swizzled_offset<kHeadDim>(b_row + nn * 16 + (lane & 7) + ((lane >> 4) << 3),
+                                                        kk * 16 + ((lane >> 3) & 1) * 8));
+#pragma unroll
+      for (int t = 0; t < 2; ++t) {
+        ElementTraits<Element>::mma(acc[t][2 * nn], a[t], b[0], b[1]);
+        ElementTraits<Element>::mma(acc[t][2 * nn + 1], a[t], b[2], b[3]);
       }
     }
   }
+}
+
+// Note [Backward split layout]
+// Rationale: in the kernel above every warp owns 16 keys and multiplies them with all 64 queries
+// of an item, so each warp reads the whole Q and dO tiles from shared memory for every product;
+// shared-memory traffic, not the tensor cores, bounds it. FlashAttention-2's backward gives each
+// warp a squarer piece of every product instead.
+// Approach: one CTA of eight warps per (128 keys, kv head), the same work list and pipeline as
+// above (Q, dO, lse and delta of the next item load while the current one computes). Per item of
+// 64 queries, three phases with their own warp layouts:
+//   1. S^T, dP^T [128 keys, 64 queries]: warps 4 (32 keys) x 2 (32 queries); P^T and
+//      dS^T = P^T o (dP^T - delta) go to shared memory in 16 bits; barrier;
+//   2. dV += P^T dO, dK += dS^T Q [128 keys, D]: warps 4 (32 keys) x 2 (D / 2 columns), each
+//      warp's dK and dV stay in registers for the whole loop;
+//   3. dQ [64 queries, D] = dS K: warps 2 (32 queries) x 4 (D / 4 columns), fp32 atomics into the
+//      workspace (skipped in deterministic mode).
+// The next item's first barrier orders phase 3's reads of dS^T before phase 1 rewrites it.
+// Limitations: 128-key pages only (a CTA owns one page); head_dim 128.
+template <typename Element, int kHeadDim, int kStagesSplit>
+__global__ void __launch_bounds__(256, 1)
+    paged_attention_backward_split_kernel(const PagedAttentionBackwardParams params,
+                                          const BackwardWorkspacePointers workspace) {
+  constexpr int kKeys = 128;
+  constexpr int kThreads = 256;
+  constexpr int kStagesHere = kStagesSplit;
+  static_assert(kStagesHere == 2 || kStagesHere == 3, "the barrier scheme needs 2 or 3 stages");
+  static_assert(kHeadDim % 64 == 0, "phase 2 gives each warp D / 2 columns, phase 3 D / 4");
+  extern __shared__ __align__(128) unsigned char shared_raw[];
+  Element* k_tile = reinterpret_cast<Element*>(shared_raw);             // [128, D]
+  Element* v_tile = k_tile + kKeys * kHeadDim;                            // [128, D]
+  Element* q_tiles = v_tile + kKeys * kHeadDim;                           // [stages, 64, D]
+  Element* dout_tiles = q_tiles + kStagesHere * kQueries * kHeadDim;      // [stages, 64, D]
+  Element* pt_tile = dout_tiles + kStagesHere * kQueries * kHeadDim;      // [128, 64], P^T
+  Element* dst_tile = pt_tile + kKeys * kQueries;                         // [128, 64], dS^T
+  float* lse_tiles = reinterpret_cast<float*>(dst_tile + kKeys * kQueries);  // [stages, 64], log2 units
+  float* delta_tiles = lse_tiles + kStagesHere * kQueries;                    // [stages, 64]
+
+  const PagedAttentionShape& shape = params.shape;
+  const int thread = threadIdx.x;
+  const int warp = thread / 32;
+  const int lane = thread % 32;
+  const int kv_head = blockIdx.y;
+  const int group = shape.num_q_heads / shape.num_kv_heads;
+  const int chunk_tokens = shape.chunk_tokens;
+  const int64_t q_row_stride = int64_t(shape.num_q_heads) * kHeadDim;
+  const int64_t kv_row_stride = int64_t(shape.num_kv_heads) * kHeadDim;
+
+  const OwnedKeys<Element> owned = own_keys<Element, kHeadDim, kKeys>(params, workspace);
+  const WorkList work = owned.work;
+  // A page no query tile selected receives nothing: adding zeros is a no-op.
+  if (work.count == 0) return;
+
+  const Element* q = static_cast<const Element*>(params.q);
+  const Element* dout = static_cast<const Element*>(params.dout);
+  const float* lse = static_cast<const float*>(params.lse);
+  auto load_queries = [&](int item, int stage) {
+    int head_in_group, query_block;
+    work.decode(item, head_in_group, query_block);
+    const int q_head = kv_head * group + head_in_group;
+    const int64_t offset = int64_t(query_block) * kQueries * q_row_stride + int64_t(q_head) * kHeadDim;
+    const int valid = chunk_tokens - query_block * kQueries;
+    load_tile_async<Element, kQueries, kHeadDim, kThreads>(q_tiles + stage * kQueries * kHeadDim, q + offset, q_row_stride,
+                                                           valid, thread);
+    load_tile_async<Element, kQueries, kHeadDim, kThreads>(dout_tiles + stage * kQueries * kHeadDim, dout + offset,
+                                                           q_row_stride, valid, thread);
+  };
+  // lse (in log2 units) and delta of one query row; rows past the chunk get lse = +inf, so P = 0;
+  // lse = -inf (the row sees no key, Note [Blocked history]) becomes +inf too.
+  auto read_row_statistics = [&](int item, float& row_lse, float& row_delta) {
+    int head_in_group, query_block;
+    work.decode(item, head_in_group, query_block);
+    const int q_head = kv_head * group + head_in_group;
+    const int position = query_block * kQueries + thread;
+    if (position < chunk_tokens) {
+      const float value = lse[int64_t(q_head) * chunk_tokens + position];
+      row_lse = value == -INFINITY ? INFINITY : value * kLog2e;
+      row_delta = workspace.delta[int64_t(q_head) * chunk_tokens + position];
+    } else {
+      row_lse = INFINITY;
+      row_delta = 0.f;
+    }
+  };
+
+  load_tile_async<Element, kKeys, kHeadDim, kThreads>(k_tile, owned.k_base, kv_row_stride, owned.valid_keys, thread);
+  load_tile_async<Element, kKeys, kHeadDim, kThreads>(v_tile, owned.v_base, kv_row_stride, owned.valid_keys, thread);
+  load_queries(0, 0);
+  copy_async_commit();
+  if (thread < kQueries) read_row_statistics(0, lse_tiles[thread], delta_tiles[thread]);
+
+  const float scale_log2 = shape.softmax_scale * kLog2e;
+  // This warp's pieces (Note [Backward split layout]).
+  const int key_base = (warp % 4) * 32;                  // phases 1 and 2: 32 keys
+  const int query_base = (warp / 4) * 32;                // phases 1 and 3: 32 queries
+  const int dim_base = (warp / 4) * (kHeadDim / 2);      // phase 2: D / 2 columns
+  const int dq_dim_base = (warp % 4) * (kHeadDim / 4);   // phase 3: D / 4 columns
+  constexpr int kDimTiles = kHeadDim / 2 / 8;            // n8 tiles of dK, dV per 16-key row tile
+  constexpr int kDqDimTiles = kHeadDim / 4 / 8;
+  float dk[2][kDimTiles][4];
+  float dv[2][kDimTiles][4];
+#pragma unroll
+  for (int t = 0; t < 2; ++t) {
+    clear(dk[t]);
+    clear(dv[t]);
+  }
+
+  for (int item = 0; item < work.count; ++item) {
+    const int stage = item % kStagesHere;
+    const int next_stage = (item + 1) % kStagesHere;
+    float next_lse = 0.f, next_delta = 0.f;
+    if constexpr (kStagesHere == 3) {
+      if (item + 1 < work.count) {
+        load_queries(item + 1, next_stage);
+        if (thread < kQueries) read_row_statistics(item + 1, next_lse, next_delta);
+      }
+      copy_async_commit();
+      copy_async_wait<1>();
+      __syncthreads();
+    } else {
+      copy_async_wait<0>();
+      __syncthreads();
+      if (item + 1 < work.count) {
+        load_queries(item + 1, next_stage);
+        if (thread < kQueries) read_row_statistics(item + 1, next_lse, next_delta);
+      }
+      copy_async_commit();
+    }
+
+    int head_in_group, query_block;
+    work.decode(item, head_in_group, query_block);
+    const int first_query = query_block * kQueries;
+    const Element* q_tile = q_tiles + stage * kQueries * kHeadDim;
+    const Element* dout_tile = dout_tiles + stage * kQueries * kHeadDim;
+    const float* row_lse = lse_tiles + stage * kQueries;
+    const float* row_delta = delta_tiles + stage * kQueries;
+
+    // Phase 1: S^T = K Q^T and dP^T = V dO^T for 32 keys x 32 queries; [row tile][n8 tile][4].
+    {
+      float scores[2][4][4];
+      float dscores[2][4][4];
+#pragma unroll
+      for (int t = 0; t < 2; ++t) {
+        clear(scores[t]);
+        clear(dscores[t]);
+      }
+      // S^T first, then dP^T: fewer fragments live at once than with the two products interleaved.
+      warp_matmul_two_tiles_nt<Element, kHeadDim>(scores, k_tile, key_base, q_tile, query_base, lane);
+      warp_matmul_two_tiles_nt<Element, kHeadDim>(dscores, v_tile, key_base, dout_tile, query_base, lane);
+      const bool may_cut = owned.valid_keys < kKeys || (owned.chunk_block && owned.first_key + kKeys - 1 > first_query);
+#pragma unroll
+      for (int t = 0; t < 2; ++t) {
+#pragma unroll
+        for (int n = 0; n < 4; ++n) {
+#pragma unroll
+          for (int half = 0; half < 2; ++half) {
+            const int key = key_base + t * 16 + lane / 4 + half * 8;
+            const int query = query_base + n * 8 + 2 * (lane % 4);
+            float p[2], ds[2];
+#pragma unroll
+            for (int j = 0; j < 2; ++j) {
+              p[j] = exp2f(scores[t][n][2 * half + j] * scale_log2 - row_lse[query + j]);
+              if (may_cut) {
+                bool visible = key < owned.valid_keys;
+                if (owned.chunk_block) visible = visible && owned.first_key + key <= first_query + query + j;
+                if (!visible) p[j] = 0.f;
+              }
+              ds[j] = p[j] * (dscores[t][n][2 * half + j] - row_delta[query + j]);
+            }
+            const int offset = swizzled_offset<kQueries>(key, query);
+            *reinterpret_cast<uint32_t*>(pt_tile + offset) = ElementTraits<Element>::pack(p[0], p[1]);
+            *reinterpret_cast<uint32_t*>(dst_tile + offset) = ElementTraits<Element>::pack(ds[0], ds[1]);
+          }
+        }
+      }
+    }
+    __syncthreads();
+
+    // Phase 2: dV += P^T dO and dK += dS^T Q for 32 keys x D / 2 columns.
+#pragma unroll
+    for (int kk = 0; kk < kQueries / 16; ++kk) {
+      uint32_t a_p[2][4], a_ds[2][4];
+#pragma unroll
+      for (int t = 0; t < 2; ++t) {
+        const int offset = swizzled_offset<kQueries>(key_base + t * 16 + (lane & 15), kk * 16 + (lane >> 4) * 8);
+        ldmatrix_x4(a_p[t], pt_tile + offset);
+        ldmatrix_x4(a_ds[t], dst_tile + offset);
+      }
+#pragma unroll
+      for (int nn = 0; nn < kDimTiles / 2; ++nn) {
+        // Matrices (stored k x n): (k 0-7, n 0-7), (k 8-15, n 0-7), (k 0-7, n 8-15), (k 8-15, n 8-15).
+        const int offset = swizzled_offset<kHeadDim>(kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8,
+                                                     dim_base + nn * 16 + (lane >> 4) * 8);
+        uint32_t b_dout[4], b_q[4];
+        ldmatrix_x4_trans(b_dout, dout_tile + offset);
+        ldmatrix_x4_trans(b_q, q_tile + offset);
+#pragma unroll
+        for (int t = 0; t < 2; ++t) {
+          ElementTraits<Element>::mma(dv[t][2 * nn], a_p[t], b_dout[0], b_dout[1]);
+          ElementTraits<Element>::mma(dv[t][2 * nn + 1], a_p[t], b_dout[2], b_dout[3]);
+          ElementTraits<Element>::mma(dk[t][2 * nn], a_ds[t], b_q[0], b_q[1]);
+          ElementTraits<Element>::mma(dk[t][2 * nn + 1], a_ds[t], b_q[2], b_q[3]);
+        }
+      }
+    }
+
+    // Phase 3: dQ [32 queries, D / 4 columns] = dS K, with dS read transposed from dS^T.
+    if (workspace.dq_accumulator != nullptr) {
+      float dq[2][kDqDimTiles][4];
+#pragma unroll
+      for (int t = 0; t < 2; ++t) clear(dq[t]);
+#pragma unroll
+      for (int kk = 0; kk < kKeys / 16; ++kk) {
+        uint32_t a[2][4];
+#pragma unroll
+        for (int t = 0; t < 2; ++t) {
+          // Matrices (stored k x m): (k 0-7, m 0-7), (k 0-7, m 8-15), (k 8-15, m 0-7), (k 8-15, m 8-15).
+          ldmatrix_x4_trans(a[t], dst_tile + swizzled_offset<kQueries>(kk * 16 + (lane & 7) + (lane >> 4) * 8,
+                                                                      query_base + t * 16 + ((lane >> 3) & 1) * 8));
+        }
+#pragma unroll
+        for (int nn = 0; nn < kDqDimTiles / 2; ++nn) {
+          uint32_t b[4];
+          ldmatrix_x4_trans(b, k_tile + swizzled_offset<kHeadDim>(kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8,
+                                                                  dq_dim_base + nn * 16 + (lane >> 4) * 8));
+#pragma unroll
+          for (int t = 0; t < 2; ++t) {
+            ElementTraits<Element>::mma(dq[t][2 * nn], a[t], b[0], b[1]);
+            ElementTraits<Element>::mma(dq[t][2 * nn + 1], a[t], b[2], b[3]);
+          }
+        }
+      }
+      const int q_head = kv_head * group + head_in_group;
+#pragma unroll
+      for (int t = 0; t < 2; ++t) {
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const int position = first_query + query_base + t * 16 + lane / 4 + half * 8;
+          if (position >= chunk_tokens) continue;
+          float* row = workspace.dq_accumulator + int64_t(position) * q_row_stride + int64_t(q_head) * kHeadDim +
+                       dq_dim_base;
+#pragma unroll
+          for (int n = 0; n < kDqDimTiles; ++n) {
+            const int column = n * 8 + 2 * (lane % 4);
+#if __CUDA_ARCH__ >= 900
+            atomicAdd(reinterpret_cast<float2*>(row + column), make_float2(dq[t][n][2 * half], dq[t][n][2 * half + 1]));
+#else
+            atomicAdd(row + column, dq[t][n][2 * half]);
+            atomicAdd(row + column + 1, dq[t][n][2 * half + 1]);
+#endif
+          }
+        }
+      }
+    }
+    if (item + 1 < work.count && thread < kQueries) {
+      lse_tiles[next_stage * kQueries + thread] = next_lse;
+      delta_tiles[next_stage * kQueries + thread] = next_delta;
+    }
+  }
+
+  // Write dK (scaled) and dV once.
+#pragma unroll
+  for (int t = 0; t < 2; ++t) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int key = key_base + t * 16 + lane / 4 + half * 8;
+      if (key >= owned.valid_keys) continue;
+#pragma unroll
+      for (int n = 0; n < kDimTiles; ++n) {
+        write_key_gradients<Element, kHeadDim>(params, owned.chunk_block, owned.first_key, owned.page, key,
+                                               dim_base + n * 8 + 2 * (lane % 4), dk[t][n][2 * half],
+                                               dk[t][n][2 * half + 1], dv[t][n][2 * half], dv[t][n][2 * half + 1]);
+      }
+    }
+  }
+}
+
+template <int kHeadDim, int kStagesSplit>
+constexpr size_t backward_split_shared_bytes() {
+  // K, V [128, D]; Q, dO [stages, 64, D]; P^T, dS^T [128, 64] (16-bit); lse, delta [stages, 64] fp32.
+  return size_t(2 * 128 * kHeadDim + 2 * kStagesSplit * kQueries * kHeadDim + 2 * 128 * kQueries) * 2 +
+         2 * kStagesSplit * kQueries * 4;
 }
 
 // delta[h, i] = sum_d dO[i, h, d] * O[i, h, d] in fp32; one warp per (i, h). [Hq, Tc].
@@ -413,6 +743,19 @@ cudaError_t launch_kv(const PagedAttentionBackwardParams& params, const Backward
   return cudaGetLastError();
 }
 
+template <typename Element, int kHeadDim, int kStagesSplit>
+cudaError_t launch_kv_split(const PagedAttentionBackwardParams& params, const BackwardWorkspacePointers& workspace,
+                            cudaStream_t stream) {
+  constexpr size_t kSharedBytes = backward_split_shared_bytes<kHeadDim, kStagesSplit>();
+  auto kernel = paged_attention_backward_split_kernel<Element, kHeadDim, kStagesSplit>;
+  cudaError_t error = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kSharedBytes));
+  if (error != cudaSuccess) return error;
+  const dim3 grid(workspace.num_chunk_blocks + history_page_count(params.shape), params.shape.num_kv_heads);
+  if (grid.x == 0) return cudaSuccess;  // no key at all (attend_chunk false, empty history)
+  kernel<<<grid, 256, kSharedBytes, stream>>>(params, workspace);
+  return cudaGetLastError();
+}
+
 using KvLaunch = cudaError_t (*)(const PagedAttentionBackwardParams&, const BackwardWorkspacePointers&, cudaStream_t);
 struct BackwardVariant {
   const char* name;
@@ -422,10 +765,13 @@ struct BackwardVariant {
 // Note [Backward variants]: compiled layouts of the dK/dV kernel for bf16, head_dim 128 and pages
 // of 128 keys (one page per CTA), picked by MEMBAR_ATTENTION_BACKWARD_VARIANT=<name> at every
 // launch (the default otherwise; other shapes always run the default layout). Names:
-// w<warps>_k<keys per CTA>_dq<columns of dQ a warp holds at once>.
+// w<warps>_k<keys per CTA>_dq<columns of dQ a warp holds at once> for the kernel above,
+// w8_k128_split_s<Q/dO stages> for Note [Backward split layout].
 const BackwardVariant kBackwardVariants[] = {
     {"w8_k128_dq64", &launch_kv<__nv_bfloat16, 128, 8, 1>},
     {"w8_k128_dq32", &launch_kv<__nv_bfloat16, 128, 8, 2>},
+    {"w8_k128_split_s2", &launch_kv_split<__nv_bfloat16, 128, 2>},
+    {"w8_k128_split_s3", &launch_kv_split<__nv_bfloat16, 128, 3>},
 };
 constexpr int kDefaultBackwardVariant = 0;
 constexpr int kBackwardVariantCount = int(sizeof(kBackwardVariants) / sizeof(kBackwardVariants[0]));
