@@ -603,6 +603,15 @@ std::vector<uint8_t> encode_stats(const RuntimeStats& stats) {
     w.write<uint64_t>(s.page_bytes);
     w.write<uint32_t>(s.page_count);
   }
+  // Appended later (per-space residency): one record per space, in the same order. Decoders
+  // accept payloads without it (all zeros).
+  w.write<uint32_t>(static_cast<uint32_t>(stats.spaces.size()));
+  for (const SpaceInfo& s : stats.spaces) {
+    w.write<uint32_t>(s.client);
+    for (uint64_t v : {s.pages_gpu, s.pages_host, s.pages_both, s.pages_none, s.pages_dirty, s.pages_pinned}) {
+      w.write<uint64_t>(v);
+    }
+  }
   return w.take();
 }
 
@@ -650,6 +659,18 @@ Result<RuntimeStats> decode_stats(std::span<const uint8_t> payload) {
     s.page_bytes = r.read<uint64_t>();
     s.page_count = r.read<uint32_t>();
     stats.spaces.push_back(std::move(s));
+  }
+  if (r.ok() && !r.at_end()) {
+    uint32_t detail_count = r.read<uint32_t>();
+    if (!r.ok() || detail_count != space_count) {
+      return invalid_argument("stats payload: space residency records do not match the spaces");
+    }
+    for (SpaceInfo& s : stats.spaces) {
+      s.client = r.read<uint32_t>();
+      for (uint64_t* v : {&s.pages_gpu, &s.pages_host, &s.pages_both, &s.pages_none, &s.pages_dirty, &s.pages_pinned}) {
+        *v = r.read<uint64_t>();
+      }
+    }
   }
   if (!r.at_end()) return invalid_argument("stats payload is truncated or has trailing bytes");
   return stats;

@@ -138,6 +138,13 @@ std::string stats_json(const RuntimeStats& stats) {
     out += ", \"name\": \"" + json_escape(space.name) + "\"";
     append_field(out, "page_bytes", space.page_bytes);
     append_field(out, "page_count", space.page_count);
+    append_field(out, "client", space.client);
+    append_field(out, "pages_gpu", space.pages_gpu);
+    append_field(out, "pages_host", space.pages_host);
+    append_field(out, "pages_both", space.pages_both);
+    append_field(out, "pages_none", space.pages_none);
+    append_field(out, "pages_dirty", space.pages_dirty);
+    append_field(out, "pages_pinned", space.pages_pinned);
     out += "}";
   }
   out += "]}";

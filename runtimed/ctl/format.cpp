@@ -113,6 +113,13 @@ std::string format_stats_text(const RuntimeStats& stats, const std::string& sock
     out << "page_bytes: " << bytes_field(s.page_bytes) << '\n';
     out << "page_count: " << s.page_count << '\n';
     out << "bytes: " << bytes_field(s.page_bytes * s.page_count) << '\n';
+    out << "client: " << s.client << '\n';
+    out << "pages_gpu: " << s.pages_gpu << '\n';
+    out << "pages_host: " << s.pages_host << '\n';
+    out << "pages_both: " << s.pages_both << '\n';
+    out << "pages_none: " << s.pages_none << '\n';
+    out << "pages_dirty: " << s.pages_dirty << '\n';
+    out << "pages_pinned: " << s.pages_pinned << '\n';
   }
   return out.str();
 }
@@ -144,7 +151,10 @@ std::string format_stats_json(const RuntimeStats& stats, const std::string& sock
   for (size_t i = 0; i < stats.spaces.size(); ++i) {
     const SpaceInfo& s = stats.spaces[i];
     out << (i ? "," : "") << "\n    {\"id\": " << s.id << ", \"name\": " << json_string(s.name)
-        << ", \"page_bytes\": " << s.page_bytes << ", \"page_count\": " << s.page_count << "}";
+        << ", \"page_bytes\": " << s.page_bytes << ", \"page_count\": " << s.page_count
+        << ", \"client\": " << s.client << ", \"pages_gpu\": " << s.pages_gpu << ", \"pages_host\": " << s.pages_host
+        << ", \"pages_both\": " << s.pages_both << ", \"pages_none\": " << s.pages_none
+        << ", \"pages_dirty\": " << s.pages_dirty << ", \"pages_pinned\": " << s.pages_pinned << "}";
   }
   out << "\n  ]\n}\n";
   return out.str();

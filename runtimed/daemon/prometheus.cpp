@@ -75,6 +75,15 @@ std::string format_prometheus(const RuntimeStats& stats) {
   for (const ClientStats& c : stats.clients) {
     out << "membar_client_stall_seconds_total{" << labels(c) << "} " << static_cast<double>(c.stall_ns) * 1e-9 << '\n';
   }
+  family(out, "membar_space_pages", "gauge", "A space's pages by residency (and dirty, pinned).");
+  for (const SpaceInfo& s : stats.spaces) {
+    std::string space_labels = "client=\"" + std::to_string(s.client) + "\",space=\"" + escape_label(s.name) + "\"";
+    for (auto [state, count] : {std::pair<const char*, uint64_t>{"gpu", s.pages_gpu}, {"host", s.pages_host},
+                                {"both", s.pages_both}, {"none", s.pages_none}, {"dirty", s.pages_dirty},
+                                {"pinned", s.pages_pinned}}) {
+      out << "membar_space_pages{" << space_labels << ",state=\"" << state << "\"} " << count << '\n';
+    }
+  }
   return out.str();
 }
 

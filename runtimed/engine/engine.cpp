@@ -796,15 +796,23 @@ class EngineImpl final : public Engine {
       ClientStats stats = client.stats;
       stats.pages_gpu = stats.pages_host = stats.pages_both = stats.pages_none = 0;
       for (const auto& [space_id, space] : client.spaces) {
+        SpaceInfo info = space.info;
+        info.client = client.id;
         for (const Page& page : space.pages) {
           switch (page.residency()) {
-            case kResidentGpu: ++stats.pages_gpu; break;
-            case kResidentHost: ++stats.pages_host; break;
-            case kResidentBoth: ++stats.pages_both; break;
-            default: ++stats.pages_none; break;
+            case kResidentGpu: ++info.pages_gpu; break;
+            case kResidentHost: ++info.pages_host; break;
+            case kResidentBoth: ++info.pages_both; break;
+            default: ++info.pages_none; break;
           }
+          info.pages_dirty += page.dirty ? 1 : 0;
+          info.pages_pinned += (page.pins != 0 || page.host_pins != 0) ? 1 : 0;
         }
-        answer.spaces.push_back(space.info);
+        stats.pages_gpu += info.pages_gpu;
+        stats.pages_host += info.pages_host;
+        stats.pages_both += info.pages_both;
+        stats.pages_none += info.pages_none;
+        answer.spaces.push_back(std::move(info));
       }
       answer.clients.push_back(std::move(stats));
     };

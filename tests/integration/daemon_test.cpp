@@ -784,13 +784,16 @@ TEST_F(DaemonTest, MembarctlAndPrometheusReportFramesClientsAndSpaces) {
   for (const char* expected : {"# Server", "backend: host", "# Tier gpu", "frames_total: 16 (32.0 MiB)",
                                "# Client", "name: trainer-a", "pages_gpu:", "bytes_gpu_to_host: ",
                                "prefetch_hit_rate:", "stall_ns:", "# Space", "name: L07.k",
-                               "page_bytes: 65536 (64.0 KiB)"}) {
+                               "page_bytes: 65536 (64.0 KiB)", "pages_host: 16", "pages_both: 0",
+                               "pages_dirty: 16", "pages_pinned: 0"}) {
     EXPECT_NE(text.find(expected), std::string::npos) << "missing '" << expected << "' in\n" << text;
   }
   std::string json = run_command(ctl + " stats --json", &code);
   EXPECT_EQ(code, 0);
   EXPECT_NE(json.find("\"name\": \"trainer-a\""), std::string::npos) << json;
   EXPECT_NE(json.find("\"bytes_gpu_to_host\": 1048576"), std::string::npos) << json;
+  EXPECT_NE(json.find("\"page_count\": 32, \"client\": 1, \"pages_gpu\": 16, \"pages_host\": 16"), std::string::npos)
+      << json;
   std::string top = run_command(ctl + " top --iterations 2 --interval-ms 50", &code);
   EXPECT_EQ(code, 0);
   EXPECT_NE(top.find("trainer-a"), std::string::npos) << top;
@@ -819,6 +822,8 @@ TEST_F(DaemonTest, MembarctlAndPrometheusReportFramesClientsAndSpaces) {
   EXPECT_NE(response.find("membar_frames_total{tier=\"gpu\"} 16"), std::string::npos) << response;
   EXPECT_NE(response.find("name=\"trainer-a\""), std::string::npos) << response;
   EXPECT_NE(response.find("membar_client_transferred_bytes_total"), std::string::npos) << response;
+  EXPECT_NE(response.find("membar_space_pages{client=\"1\",space=\"L07.k\",state=\"host\"} 16"), std::string::npos)
+      << response;
 }
 
 TEST_F(DaemonTest, SocketIsPrivateAndForeignUidsAreRefused) {

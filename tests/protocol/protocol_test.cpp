@@ -435,7 +435,12 @@ RuntimeStats random_stats() {
     stats.clients.push_back(client);
   }
   for (uint32_t s = 0; s < random_u32(0, 5); ++s) {
-    stats.spaces.push_back({s + 1, "L" + std::to_string(s) + ".k", 64ull << 10, random_u32(1, 1000)});
+    SpaceInfo space{s + 1, "L" + std::to_string(s) + ".k", 64ull << 10, random_u32(1, 1000)};
+    space.client = random_u32(1, 9);
+    space.pages_host = random_u32(0, 1000);
+    space.pages_dirty = random_u32(0, 1000);
+    space.pages_pinned = random_u32(0, 1000);
+    stats.spaces.push_back(space);
   }
   return stats;
 }
@@ -458,8 +463,21 @@ TEST(Stats, RoundTripsAndRejectsEveryTruncation) {
       EXPECT_EQ(decoded.value().clients[c].bytes_host_to_gpu, stats.clients[c].bytes_host_to_gpu);
     }
     ASSERT_EQ(decoded.value().spaces.size(), stats.spaces.size());
-    for (size_t s = 0; s < stats.spaces.size(); ++s) EXPECT_EQ(decoded.value().spaces[s].name, stats.spaces[s].name);
+    for (size_t s = 0; s < stats.spaces.size(); ++s) {
+      EXPECT_EQ(decoded.value().spaces[s].name, stats.spaces[s].name);
+      EXPECT_EQ(decoded.value().spaces[s].client, stats.spaces[s].client);
+      EXPECT_EQ(decoded.value().spaces[s].pages_host, stats.spaces[s].pages_host);
+      EXPECT_EQ(decoded.value().spaces[s].pages_dirty, stats.spaces[s].pages_dirty);
+      EXPECT_EQ(decoded.value().spaces[s].pages_pinned, stats.spaces[s].pages_pinned);
+    }
+    // A payload that ends where the per-space residency records begin is an older daemon's: it
+    // decodes (records zero). Every other truncation is refused.
+    size_t without_records = bytes.size() - (4 + stats.spaces.size() * (4 + 6 * 8));
+    auto older = decode_stats(std::span<const uint8_t>(bytes.data(), without_records));
+    ASSERT_TRUE(older.ok()) << older.status().to_string();
+    for (const SpaceInfo& space : older.value().spaces) EXPECT_EQ(space.pages_host, 0u);
     for (size_t n = 0; n < bytes.size(); ++n) {
+      if (n == without_records) continue;
       EXPECT_FALSE(decode_stats(std::span<const uint8_t>(bytes.data(), n)).ok()) << "length " << n;
     }
   }

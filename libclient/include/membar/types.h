@@ -49,6 +49,11 @@ struct SpaceInfo {
   std::string name;
   uint64_t page_bytes = 0;
   uint32_t page_count = 0;
+  // Filled by stats(): the owner and the pages by residency, dirty (GPU copy newer than host)
+  // and pinned (acquired on either tier).
+  ClientId client = 0;
+  uint64_t pages_gpu = 0, pages_host = 0, pages_both = 0, pages_none = 0;
+  uint64_t pages_dirty = 0, pages_pinned = 0;
 };
 
 // {current, peak, allocated, freed}, changed only through stat_* helpers (PyTorch's Stat).
