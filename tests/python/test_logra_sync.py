@@ -25,10 +25,12 @@ class Trainer:
     """A LoGRA trainer whose sketches are filled with random values (the sync path does not care
     where they came from)."""
 
-    def __init__(self, name, lr=1e-3, slots=64, snapshot_every=16, master_weights=True, stochastic_rounding=True):
+    def __init__(self, name, lr=1e-3, slots=64, snapshot_every=16, master_weights=True, stochastic_rounding=True,
+                 runtime=None):
         self.model = make_model()
         self.handle = logra.apply_logra(self.model, rank=6, targets=TARGETS, seed=21, master_weights=master_weights)
-        self.publisher = PolicyPublisher(name, self.handle, slots=slots, snapshot_every=snapshot_every)
+        self.publisher = PolicyPublisher(name, self.handle, slots=slots, snapshot_every=snapshot_every,
+                                         runtime=runtime)
         self.optimizer = logra.LoGRAOptimizer(self.handle, lr=lr, algorithm="adam", publisher=self.publisher,
                                               stochastic_rounding=stochastic_rounding)
         self.generator = torch.Generator().manual_seed(1)

@@ -6,8 +6,10 @@ Rationale: per update only d x r fp32 values per matrix and a key travel instead
 weights. Rollout processes come and go (late joiners, crashes); the trainer must never wait for
 them. bf16 rollout weights swallow deltas below |w| / 256, so a receiver that applied updates to
 bf16 weights directly would drift from the trainer.
-Approach: a single-writer ring of fixed-size slots in POSIX shared memory plus a double-buffered
-snapshot area. Each slot carries a sequence marker (odd while being written, 2 * s + 2 once
+Approach: a single-writer ring of fixed-size slots plus a double-buffered snapshot area, both in
+shared memory: two channels of the membar runtime (``Runtime.create_channel``: memory made by the
+daemon, mapped read-only by subscribers, so a reader cannot corrupt what the trainer wrote) when
+the publisher and subscribers are given a Runtime, else two POSIX shared-memory segments. Each slot carries a sequence marker (odd while being written, 2 * s + 2 once
 message s is complete); a reader copies a slot and accepts it only if the marker was the
 expected one before and after the copy (a seqlock). The writer never looks at readers, so a
 slow or dead subscriber cannot stall or corrupt the trainer; a reader that fell more than a
@@ -19,12 +21,12 @@ both run the same kernel and device type, and within bf16 rounding otherwise. A 
 masters (keep_masters=False) applies updates to its bf16 weights with the trainer's stochastic
 rounding (same per-update seed, derived from the message): it stays bit-identical to a bf16-only
 trainer and unbiased against an fp32 one.
-Limitations: the transport is Python's multiprocessing.shared_memory and relies on x86's store
-ordering for the seqlock (no explicit fences); it sits behind the small `SharedMemoryRing`
-interface (write_message / read_message / latest_sequence / write_snapshot / read_snapshot) so
-it can move into the runtime daemon's shared memory, which is being built elsewhere.
-Segments are unlinked by the publisher's close(); a trainer killed with SIGKILL leaves them in
-/dev/shm.
+Limitations: the seqlock relies on x86's store ordering (no explicit fences). Runtime channels
+live while the trainer's Runtime is connected: subscribers keep reading what they mapped, but a
+subscriber cannot join after the trainer's runtime went away. With an embedded runtime only
+subscribers in the trainer's own process find the channels. POSIX segments are unlinked by the
+publisher's close(); a trainer killed with SIGKILL leaves them in /dev/shm (channels go with the
+trainer's connection).
 """
 from __future__ import annotations
 
@@ -52,46 +54,101 @@ class SyncOverrun(RuntimeError):
     """The message a reader asked for was overwritten: the reader fell a whole ring behind."""
 
 
-def _attach(name: str, create: bool, size: int = 0) -> shared_memory.SharedMemory:
-    segment = shared_memory.SharedMemory(name=name, create=create, size=size)
-    # Lifetimes are explicit (the publisher unlinks in close()); Python 3.11's resource tracker
-    # would otherwise unlink a segment when any process that merely attached it exits.
-    resource_tracker.unregister(segment._name, "shared_memory")  # noqa: SLF001 (documented workaround)
-    return segment
+class _PosixSegment:
+    """A POSIX shared-memory segment (the transport without a runtime)."""
+
+    def __init__(self, name: str, create: bool, size: int = 0):
+        self._segment = shared_memory.SharedMemory(name=name, create=create, size=size)
+        # Lifetimes are explicit (the publisher unlinks in close()); Python 3.11's resource tracker
+        # would otherwise unlink a segment when any process that merely attached it exits.
+        resource_tracker.unregister(self._segment._name, "shared_memory")  # noqa: SLF001 (documented workaround)
+        self.buf = self._segment.buf
+        self.owner = create
+
+    def close(self) -> None:
+        self.buf = None
+        self._segment.close()
+        if self.owner:
+            try:
+                shared_memory._posixshmem.shm_unlink(self._segment._name)  # noqa: SLF001 (tracker bypassed)
+            except FileNotFoundError:
+                pass
+
+
+class _ChannelSegment:
+    """A channel of the membar runtime: made (zero-filled, writable) by the creator, mapped
+    read-only by openers."""
+
+    def __init__(self, runtime, name: str, create: bool, size: int = 0):
+        self._channel = runtime.create_channel(name, size) if create else runtime.open_channel(name)
+        self.buf = self._channel.buffer
+        self.owner = create
+
+    def close(self) -> None:
+        self.buf = None
+        self._channel.close()
+
+
+def _attach(name: str, create: bool, size: int = 0, runtime=None):
+    if runtime is None:
+        return _PosixSegment(name, create, size)
+    try:
+        return _ChannelSegment(runtime, name, create, size)
+    except RuntimeError as error:
+        if not create and "NOT_FOUND" in str(error):
+            raise FileNotFoundError(str(error)) from error
+        raise
 
 
 class SharedMemoryRing:
     """One writer, any number of readers. The writer's calls never block on readers; readers'
-    calls never block at all (they return None when nothing new is there).
+    calls never block at all (they return None when nothing new is there). With ``runtime`` (a
+    membar.runtime.Runtime) the memory comes from two runtime channels named ``<name>.ring`` and
+    ``<name>.snap``; without, from POSIX shared memory ``<name>_ring`` and ``<name>_snap``.
 
     Layout of the ring segment: header [magic, version, slot_count, slot_bytes, next_sequence]
     then slot_count slots of [marker u64, length u64, payload slot_bytes]. The snapshot segment:
     header [magic, capacity, latest buffer] then two buffers of [marker, sequence, length,
     payload capacity]."""
 
-    def __init__(self, name: str, create: bool, slot_count: int = 0, slot_bytes: int = 0, snapshot_bytes: int = 0):
+    def __init__(self, name: str, create: bool, slot_count: int = 0, slot_bytes: int = 0, snapshot_bytes: int = 0,
+                 runtime=None):
         self.name = name
         self.owner = create
+        self.transport = "posix" if runtime is None else "channel"
+        separator = "_" if runtime is None else "."
         if create:
             if slot_count < 2 or slot_bytes < 1:
                 raise ValueError(f"a ring needs at least 2 slots of at least 1 byte, got {slot_count} x {slot_bytes}")
             slot_bytes = (slot_bytes + 7) // 8 * 8
-            self._ring = _attach(f"{name}_ring", True, _HEADER_BYTES + slot_count * (_SLOT_HEADER_BYTES + slot_bytes))
+            self._ring = _attach(f"{name}{separator}ring", True,
+                                 _HEADER_BYTES + slot_count * (_SLOT_HEADER_BYTES + slot_bytes), runtime)
             snapshot_bytes = max(8, (snapshot_bytes + 7) // 8 * 8)
-            self._snapshot = _attach(f"{name}_snap", True, _SNAPSHOT_HEADER_BYTES + 2 * (24 + snapshot_bytes))
+            try:
+                self._snapshot = _attach(f"{name}{separator}snap", True,
+                                         _SNAPSHOT_HEADER_BYTES + 2 * (24 + snapshot_bytes), runtime)
+            except BaseException:
+                self._ring.close()
+                raise
             header = self._words(self._ring, 0, 5)
             header[:] = [_RING_MAGIC, _VERSION, slot_count, slot_bytes, 0]
             snapshot_header = self._words(self._snapshot, 0, 3)
             snapshot_header[:] = [_SNAPSHOT_MAGIC, snapshot_bytes, 2]  # 2: no snapshot yet
         else:
             try:
-                self._ring = _attach(f"{name}_ring", False)
-                self._snapshot = _attach(f"{name}_snap", False)
+                self._ring = _attach(f"{name}{separator}ring", False, runtime=runtime)
             except FileNotFoundError as error:
+                raise FileNotFoundError(f"no LoGRA policy channel named {name!r} (is the trainer publishing?)") from error
+            try:
+                self._snapshot = _attach(f"{name}{separator}snap", False, runtime=runtime)
+            except FileNotFoundError as error:
+                self._ring.close()
                 raise FileNotFoundError(f"no LoGRA policy channel named {name!r} (is the trainer publishing?)") from error
             header = self._words(self._ring, 0, 5)
             if int(header[0]) != _RING_MAGIC or int(header[1]) != _VERSION:
-                raise ValueError(f"shared memory {name!r}_ring is not a version-{_VERSION} LoGRA ring")
+                del header
+                self.close()
+                raise ValueError(f"shared memory {name!r} is not a version-{_VERSION} LoGRA ring")
         header = self._words(self._ring, 0, 5)
         self.slot_count = int(header[2])
         self.slot_bytes = int(header[3])
@@ -180,16 +237,12 @@ class SharedMemoryRing:
         raise TimeoutError("could not read a stable snapshot (the writer keeps replacing it)")
 
     def close(self) -> None:
-        """Detaches; the creating side also unlinks the segments."""
+        """Detaches; the creating side also unlinks the segments (or drops the channels)."""
         self._header = None
         self._snapshot_header = None
-        for segment in (self._ring, self._snapshot):
-            segment.close()
-            if self.owner:
-                try:
-                    shared_memory._posixshmem.shm_unlink(segment._name)  # noqa: SLF001 (tracker bypassed, see _attach)
-                except FileNotFoundError:
-                    pass
+        for segment in (getattr(self, "_ring", None), getattr(self, "_snapshot", None)):
+            if segment is not None:
+                segment.close()
 
 
 # Message format: header (magic u32, version u32, update_index u64, seed u64, step u64,
@@ -275,7 +328,7 @@ class PolicyPublisher:
     also writes a full snapshot of the authoritative weights for late joiners and re-anchoring.
     """
 
-    def __init__(self, name: str, logra, slots: int = 64, snapshot_every: int = 16):
+    def __init__(self, name: str, logra, slots: int = 64, snapshot_every: int = 16, runtime=None):
         self.logra = logra
         shapes = [(layer.out_features, layer.rank) for layer in logra.layers]
         snapshot_bytes = _SNAPSHOT_HEADER.size + sum(
@@ -284,7 +337,7 @@ class PolicyPublisher:
             raise ValueError(f"snapshot_every ({snapshot_every}) must be below the ring's slot count ({slots}), "
                              "or a re-anchoring reader could find the updates after a snapshot gone")
         self.ring = SharedMemoryRing(name, create=True, slot_count=slots, slot_bytes=update_message_bytes(shapes),
-                                     snapshot_bytes=snapshot_bytes)
+                                     snapshot_bytes=snapshot_bytes, runtime=runtime)
         self.snapshot_every = snapshot_every
         self.payload_bytes = update_message_bytes(shapes)
         self.full_weight_bytes = sum(layer.weight.numel() * layer.weight.element_size() for layer in logra.layers)
@@ -312,13 +365,15 @@ class PolicySubscriber:
     ``poll()`` applies every update published since the last call and returns how many it applied;
     it never blocks. ``wait_for(n)`` polls until n updates are applied or the timeout passes.
     ``join='start'`` assumes the subscriber's weights equal the trainer's initial weights;
-    ``join='snapshot'`` (a late joiner) re-anchors from the newest snapshot first."""
+    ``join='snapshot'`` (a late joiner) re-anchors from the newest snapshot first. ``runtime``: the
+    membar.runtime.Runtime whose channels the trainer publishes on (the same daemon), else POSIX
+    shared memory."""
 
     def __init__(self, name: str, weights: dict[int, torch.Tensor], rank_by_matrix: dict[int, int] | None = None,
-                 join: str = "start", keep_masters: bool = True):
+                 join: str = "start", keep_masters: bool = True, runtime=None):
         if join not in ("start", "snapshot"):
             raise ValueError(f"join must be 'start' or 'snapshot', got {join!r}")
-        self.ring = SharedMemoryRing(name, create=False)
+        self.ring = SharedMemoryRing(name, create=False, runtime=runtime)
         self.weights = weights
         self.keep_masters = keep_masters
         self.masters = {}
