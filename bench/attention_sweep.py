@@ -259,8 +259,9 @@ def variant_kernel_pattern(kind, name):
         if not match:
             return None
         warps, rows, keys, stages, qreg, skip, two = match.groups()
-        config = (f"ForwardConfig<{warps}, {int(rows) // 16}, {keys}, {stages}, {'true' if qreg else 'false'}, "
-                  f"{'true' if skip else 'false'}, {2 if two else 1}>")
+        flag = lambda value: "true" if value else "false"  # noqa: E731
+        config = (f"ForwardConfig<{warps}, {int(rows) // 16}, {keys}, {stages}, {flag(qreg)}, {flag(skip)}, "
+                  f"{2 if two else 1}, {flag(skip)}>")
         return f"paged_attention_forward_kernel<__nv_bfloat16, 128, {config} >"
     match = re.match(r"w(\d+)_k(\d+)_dq(\d+)$", name)
     if match:

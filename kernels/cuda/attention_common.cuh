@@ -232,7 +232,10 @@ struct KeyBlock {
 // Resolves block `block` of a query tile's key sequence: first the history blocks (dense: every
 // history block of kKeys tokens; sparse: each selected page, in list order, cut into blocks),
 // then the chunk's own blocks. `selected` is the tile's compacted selection (sparse only).
-template <typename Element, int kKeys>
+// kShiftIndexing: page_tokens is a power of two (64 or 128, what the CUDA kernels accept) and
+// page_shift its log2, so that page and row numbers come from shifts and masks instead of integer
+// divisions (tens of instructions each, per block and thread).
+template <typename Element, int kKeys, bool kShiftIndexing = false>
 struct KeySequence {
   const Element* k_pool;
   const Element* v_pool;
@@ -248,20 +251,35 @@ struct KeySequence {
   int head_dim;
   int kv_head;
   int num_history_blocks;
+  int page_shift;  // log2(page_tokens), used with kShiftIndexing
 
   __device__ __forceinline__ KeyBlock<Element> block(int index) const {
     const int64_t row_stride = int64_t(num_kv_heads) * head_dim;
     KeyBlock<Element> result;
     if (index < num_history_blocks) {
       int first_token;
-      if (selected != nullptr) {
-        const int blocks_per_page = page_tokens / kKeys;
-        first_token = selected[index / blocks_per_page] * page_tokens + (index % blocks_per_page) * kKeys;
+      int page;
+      int row_in_page;
+      if constexpr (kShiftIndexing) {
+        if (selected != nullptr) {
+          // blocks_per_page = page_tokens / kKeys = 2^(page_shift - log2(kKeys)).
+          const int block_shift = page_shift - (kKeys == 128 ? 7 : 6);
+          first_token = (selected[index >> block_shift] << page_shift) + ((index & ((1 << block_shift) - 1)) * kKeys);
+        } else {
+          first_token = index * kKeys;
+        }
+        page = first_token >> page_shift;
+        row_in_page = first_token & ((1 << page_shift) - 1);
       } else {
-        first_token = index * kKeys;
+        if (selected != nullptr) {
+          const int blocks_per_page = page_tokens / kKeys;
+          first_token = selected[index / blocks_per_page] * page_tokens + (index % blocks_per_page) * kKeys;
+        } else {
+          first_token = index * kKeys;
+        }
+        page = first_token / page_tokens;
+        row_in_page = first_token % page_tokens;
       }
-      const int page = first_token / page_tokens;
-      const int row_in_page = first_token % page_tokens;
       result.k_base = k_pool + (int64_t(k_page_index[page]) * page_tokens + row_in_page) * row_stride +
                       int64_t(kv_head) * head_dim;
       result.v_base = v_pool + (int64_t(v_page_index[page]) * page_tokens + row_in_page) * row_stride +

@@ -44,8 +44,11 @@ using namespace detail;
 //   kStages: K/V stages in shared memory (2 or 3);
 //   kQInRegisters: Q fragments loaded once into registers instead of from shared memory per block;
 //   kSkipRescale: skip the accumulator rescale when a warp's row maxima did not change;
-//   kMinBlocks: CTAs per SM the registers are budgeted for (__launch_bounds__).
-template <int kWarps_, int kRowTiles_, int kKeys_, int kStages_, bool kQInRegisters_, bool kSkipRescale_, int kMinBlocks_>
+//   kMinBlocks: CTAs per SM the registers are budgeted for (__launch_bounds__);
+//   kShiftIndexing: page and row numbers by shifts (KeySequence); on in every tuned variant
+//     (those with kSkipRescale), off in today's default layout.
+template <int kWarps_, int kRowTiles_, int kKeys_, int kStages_, bool kQInRegisters_, bool kSkipRescale_, int kMinBlocks_,
+          bool kShiftIndexing_ = kSkipRescale_>
 struct ForwardConfig {
   static constexpr int kWarps = kWarps_;
   static constexpr int kRowTiles = kRowTiles_;
@@ -54,6 +57,7 @@ struct ForwardConfig {
   static constexpr bool kQInRegisters = kQInRegisters_;
   static constexpr bool kSkipRescale = kSkipRescale_;
   static constexpr int kMinBlocks = kMinBlocks_;
+  static constexpr bool kShiftIndexing = kShiftIndexing_;
   static constexpr int kRows = 16 * kRowTiles * kWarps;
   static_assert(kKeys == 64 || kKeys == 128, "a key block is 64 or 128 keys (a page holds whole blocks)");
   static_assert(kStages == 2 || kStages == 3, "the barrier scheme of Note [Forward kernel] needs 2 or 3 stages");
@@ -103,7 +107,8 @@ __global__ void __launch_bounds__(Config::kWarps * 32, Config::kMinBlocks)
                                                       q_row_stride, chunk_tokens - first_query, thread);
   copy_async_commit();
 
-  KeySequence<Element, kKeys> keys;
+  KeySequence<Element, kKeys, Config::kShiftIndexing> keys;
+  keys.page_shift = shape.page_tokens == 128 ? 7 : 6;
   keys.k_pool = static_cast<const Element*>(params.history.k_pool);
   keys.v_pool = static_cast<const Element*>(params.history.v_pool);
   keys.k_page_index = params.history.k_page_index;
@@ -359,12 +364,16 @@ constexpr ForwardVariant bf16_d128_variant(const char* name) {
 }
 
 // Note [Forward variants]. Names: w<warps>r<rows per warp>_k<keys per block>_s<stages>, then
-// _qreg (Q in registers), _skip (rescale skip), _2cta (registers budgeted for two CTAs per SM).
+// _qreg (Q in registers), _skip (rescale skip and shift indexing), _2cta (registers budgeted for
+// two CTAs per SM).
 const ForwardVariant kForwardVariants[] = {
     bf16_d128_variant<DefaultForwardConfig>("w8r16_k64_s3"),
     bf16_d128_variant<ForwardConfig<8, 1, 64, 3, false, true, 1>>("w8r16_k64_s3_skip"),
     bf16_d128_variant<ForwardConfig<8, 1, 64, 3, true, true, 1>>("w8r16_k64_s3_qreg_skip"),
+    bf16_d128_variant<ForwardConfig<8, 1, 64, 2, true, true, 1>>("w8r16_k64_s2_qreg_skip"),
+    bf16_d128_variant<ForwardConfig<8, 1, 128, 2, false, true, 1>>("w8r16_k128_s2_skip"),
     bf16_d128_variant<ForwardConfig<8, 1, 128, 2, true, true, 1>>("w8r16_k128_s2_qreg_skip"),
+    bf16_d128_variant<ForwardConfig<8, 1, 128, 3, true, true, 1>>("w8r16_k128_s3_qreg_skip"),
     bf16_d128_variant<ForwardConfig<4, 1, 64, 3, true, true, 2>>("w4r16_k64_s3_qreg_skip_2cta"),
     bf16_d128_variant<ForwardConfig<4, 1, 64, 2, true, true, 2>>("w4r16_k64_s2_qreg_skip_2cta"),
     bf16_d128_variant<ForwardConfig<4, 2, 64, 3, false, true, 1>>("w4r32_k64_s3_skip"),
