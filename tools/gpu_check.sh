@@ -4,7 +4,7 @@
 #
 # Results go to $MEMBAR_RESULTS_DIR (default: $OUT when set, else bench/results/latest).
 # Stages (GPU_CHECK_STAGES, space-separated; default all): build tests bench
-# Benchmarks (GPU_CHECK_BENCH; default all): runtime attention logra oomb; extra arguments for
+# Benchmarks (GPU_CHECK_BENCH; default all): runtime pipeline attention logra oomb; extra arguments for
 # each Python benchmark in ATTENTION_BENCH_ARGS, LOGRA_BENCH_ARGS, OOMB_BENCH_ARGS (defaults: the
 # full sweeps, which take far longer than one 10-minute device call).
 # Where libuv/spdlog/boost/gtest are missing, they come from .deps/bundle.tgz
@@ -17,7 +17,7 @@ py=${PYTHON:-python3}
 # packed into $OUT/gpu_check_results.tgz at the end.
 results=${MEMBAR_RESULTS_DIR:-$([ -n "${OUT:-}" ] && echo /tmp/membar-results || echo "$root/bench/results/latest")}
 stages=${GPU_CHECK_STAGES:-"build tests bench"}
-benches=${GPU_CHECK_BENCH:-"runtime attention logra oomb"}
+benches=${GPU_CHECK_BENCH:-"runtime pipeline attention logra oomb"}
 jobs=${JOBS:-$(nproc)}
 mkdir -p "$results"
 export MEMBAR_RESULTS_DIR=$results
@@ -98,6 +98,19 @@ if has_stage bench; then
   fi
   if has_bench runtime && [ -x build-gpu/bin/ring_latency ]; then
     log "bench: ring latency (cuda backend)"; timeout 120 build-gpu/bin/ring_latency --backend cuda 2>&1 | tail -12 || status=1
+  fi
+  if has_bench pipeline && [ -x build-gpu/bin/pipeline_bench ]; then
+    log "bench: client pipeline (embedded)"; timeout 120 build-gpu/bin/pipeline_bench 2>&1 | tail -12 || status=1
+    if [ -x build-gpu/bin/membard ]; then
+      sock=/tmp/membar-pipeline-$$.sock
+      build-gpu/bin/membard --backend cuda --socket "$sock" --gpu-pool 1GiB --host-pool 2GiB --foreground \
+          --log-level warn > "$results/pipeline_membard.log" 2>&1 &
+      daemon=$!
+      for _ in $(seq 100); do [ -S "$sock" ] && break; sleep 0.1; done
+      log "bench: client pipeline (membard --backend cuda)"
+      timeout 120 build-gpu/bin/pipeline_bench --socket "$sock" 2>&1 | tail -12 || status=1
+      kill "$daemon" 2>/dev/null; wait "$daemon" 2>/dev/null
+    fi
   fi
   if has_bench attention && [ -f bench/attention_bench.py ]; then
     log "bench: attention"; timeout 400 $py bench/attention_bench.py ${ATTENTION_BENCH_ARGS:-} 2>&1 | tail -30 || status=1
