@@ -160,7 +160,8 @@ class LoGRAOptimizer:
         if self.update_index % self.redraw_every == 0:
             self._redraw()
         if self.offload_moments:
-            self.states.offload([kind for kind in ("first_moment", "second_moment") if self.states.allocated(kind)])
+            self.states.offload([kind for kind in ("first_moment", "second_moment") if self.states.allocated(kind)],
+                                prefetch_on_sketch_use=True)
         return result
 
     @torch.no_grad()

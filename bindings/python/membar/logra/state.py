@@ -15,6 +15,9 @@ optimizer runs each elementwise step once over all layers. The buffers come from
    pages. Offloading hands the pages to the runtime (``Space.offload``: written back to host
    memory, GPU slots freed); restoring acquires them again, possibly at other pool rows, so
    views are rebuilt after every restore (callers ask for views each update, never keep them).
+With ``LoGRAOptimizer(offload_moments=True)`` the moments leave after every update and start
+coming back (prefetch) when the next backward first touches a sketch, so the copy overlaps the
+backward instead of stalling the optimizer step.
 Limitations: a kind's pages must land on consecutive pool rows (true for a space acquired in one
 call on a window with room); otherwise RuntimeStorage raises and says so. Masters ([d, k] fp32,
 optional) stay plain tensors from :func:`allocate_state`.
@@ -49,6 +52,8 @@ class TensorStorage:
     def __init__(self, device: torch.device | str):
         self.device = torch.device(device)
         self._host: dict[str, torch.Tensor] = {}
+        self._prefetched: dict[str, torch.Tensor] = {}
+        self._stream = None
 
     def describe(self) -> str:
         return f"tensors on {self.device}"
@@ -68,14 +73,32 @@ class TensorStorage:
         # The device buffer is dropped by the caller; the caching allocator keeps the copy's
         # source alive until the copy on the current stream is done.
 
+    def prefetch(self, kind: str, numel: int) -> None:
+        """Starts the copy back on a side stream (CUDA), so it overlaps the backward."""
+        if self.device.type == "cpu" or kind in self._prefetched:
+            return
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(device=self.device)
+        # The side stream must not read the host buffer before the offload's copy into it is done.
+        self._stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self._stream):
+            self._prefetched[kind] = self._host[kind].to(self.device, non_blocking=True)
+
     def restore(self, kind: str, numel: int) -> torch.Tensor:
         host = self._host[kind]
         if self.device.type == "cpu":
             return host
-        return host.to(self.device, non_blocking=True)
+        prefetched = self._prefetched.pop(kind, None)
+        if prefetched is None:
+            return host.to(self.device, non_blocking=True)
+        current = torch.cuda.current_stream(self.device)
+        current.wait_stream(self._stream)
+        prefetched.record_stream(current)
+        return prefetched
 
     def close(self) -> None:
         self._host.clear()
+        self._prefetched.clear()
 
 
 class RuntimeStorage:
@@ -136,6 +159,12 @@ class RuntimeStorage:
             space.release(0, space.page_count, dirty=True)
         self.runtime.wait(space.offload(0, space.page_count))
 
+    def prefetch(self, kind: str, numel: int) -> None:
+        """Asks the runtime to bring the pages back now (asynchronously; the acquire in
+        :meth:`restore` then finds them resident)."""
+        space = self.spaces[kind]
+        space.prefetch(0, space.page_count)
+
     def restore(self, kind: str, numel: int) -> torch.Tensor:
         return self._flat_view(kind, numel)
 
@@ -168,6 +197,7 @@ class LoGRAStates:
         self._flat: dict[str, torch.Tensor] = {}
         self._views: dict[str, list[torch.Tensor]] = {}
         self._offloaded: set[str] = set()
+        self._prefetch_on_sketch_use: list[str] = []
 
     def _check(self, kind: str) -> None:
         if kind not in FLAT_KINDS:
@@ -193,9 +223,20 @@ class LoGRAStates:
                              for offset, (rows, rank) in zip(self.offsets, self.shapes)]
 
     def view(self, kind: str, index: int) -> torch.Tensor:
-        """Layer ``index``'s [d, r] view of the kind (valid until the kind is offloaded)."""
+        """Layer ``index``'s [d, r] view of the kind (valid until the kind is offloaded). The
+        first sketch view asked for after :meth:`offload` (..., prefetch_on_sketch_use=True)
+        starts bringing those kinds back, so the copy overlaps the rest of the backward."""
+        if kind == "sketch" and self._prefetch_on_sketch_use:
+            self.prefetch(self._prefetch_on_sketch_use)
+            self._prefetch_on_sketch_use = []
         self.flat(kind)
         return self._views[kind][index]
+
+    def prefetch(self, kinds: Sequence[str]) -> None:
+        """Starts bringing offloaded kinds back without waiting."""
+        for kind in kinds:
+            if kind in self._offloaded:
+                self.storage.prefetch(kind, self.numel)
 
     def views(self, kind: str) -> list[torch.Tensor]:
         self.flat(kind)
@@ -206,8 +247,11 @@ class LoGRAStates:
         views = self._views.get(kind)
         return views[index] if views is not None and kind in self._flat else None
 
-    def offload(self, kinds: Sequence[str]) -> None:
-        """Hands the kinds' buffers to host memory until their next use."""
+    def offload(self, kinds: Sequence[str], prefetch_on_sketch_use: bool = False) -> None:
+        """Hands the kinds' buffers to host memory until their next use; with
+        ``prefetch_on_sketch_use`` they start coming back when the next backward touches a sketch."""
+        if prefetch_on_sketch_use:
+            self._prefetch_on_sketch_use = list(kinds)
         for kind in kinds:
             self._check(kind)
             if kind not in self._flat:
