@@ -158,7 +158,7 @@ def build(model_name, variant, device):
             # The embedded runtime's GPU window holds sketches and both moments; its host pool
             # the offloaded moments. 2 MiB of slack per kind for page rounding.
             state_bytes = sum(4 * child.out_features * rank for _, _, _, child in logra.target_linears(model, TARGETS))
-            window = 3 * (state_bytes + (4 << 20))
+            window = (3 * (state_bytes + (4 << 20)) + (2 << 20) - 1) // (2 << 20) * (2 << 20)
             runtime = Runtime.connect(embedded=True, backend="cuda" if device == "cuda" else "host",
                                       gpu_pool_bytes=window, host_pool_bytes=window)
             info["runtime_window_bytes"] = runtime.window_bytes

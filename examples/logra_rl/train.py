@@ -6,13 +6,17 @@ and dense Adam beside it.
   2. RL, twice from the same SFT weights:
      - LoGRA: attention and MLP projections trained through sketches (rank r), Adam on the
        sketches, predicted-KL step control; a rollout PROCESS keeps its own model copy and
-       receives every update as (seed, step, alpha * eta * U) through the shared-memory ring.
+       receives every update as (seed, step, alpha * eta * U) through the shared-memory ring:
+       channels of a membard daemon with --socket (sketches and moments then live in the
+       daemon's pages too, where its backend matches the device), POSIX shared memory without.
      - Dense: torch.optim.Adam on the same projections, rollouts in-process.
      Both use group-relative advantages: G samples per prompt, A = (R - mean_group) / std_group.
   3. Writes rewards.json and reward_curve.png to --out.
 
 Run from the repository root (CPU: a few minutes; GPU used when present):
   PYTHONPATH=bindings/python .venv/bin/python examples/logra_rl/train.py
+  membard --backend host --socket /tmp/membard.sock --foreground &   # optional: sync via the daemon
+  PYTHONPATH=bindings/python .venv/bin/python examples/logra_rl/train.py --socket /tmp/membard.sock
 """
 from __future__ import annotations
 
@@ -52,6 +56,9 @@ def parse_args(argv=None):
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="auto")
+    parser.add_argument("--socket", default=os.environ.get("MEMBAR_SOCKET") or None,
+                        help="membard socket: policy sync through the daemon's channels (default $MEMBAR_SOCKET; "
+                             "without one, POSIX shared memory)")
     parser.add_argument("--out", default=os.path.join(os.environ.get("MEMBAR_RESULTS_DIR", "bench/results/latest"), "logra_rl"))
     return parser.parse_args(argv)
 
@@ -98,6 +105,15 @@ def sample_batch(model, prompts_per_update, group, temperature, generator, devic
     return a, b, prompts.cpu(), answers.cpu()
 
 
+def connect_daemon(socket, name):
+    """The membard client for --socket, or None (POSIX shared memory, plain tensors)."""
+    if not socket:
+        return None
+    from membar.runtime import Runtime
+
+    return Runtime.connect(socket=socket, embedded=False, name=name)
+
+
 def rollout_worker(channel: str, model_path: str, device: str, args_dict: dict, requests, results):
     """The rollout process: its own model copy, updated only through the policy channel."""
     torch.set_num_threads(args_dict["threads"])
@@ -106,7 +122,8 @@ def rollout_worker(channel: str, model_path: str, device: str, args_dict: dict, 
     model = Qwen2ForCausalLM(task.tiny_qwen2_config())
     model.load_state_dict(torch.load(model_path, map_location="cpu"))
     model.to(device).eval()
-    subscriber = PolicySubscriber(channel, logra.target_weights(model))
+    runtime = connect_daemon(args_dict.get("socket"), "logra-rollout")
+    subscriber = PolicySubscriber(channel, logra.target_weights(model), runtime=runtime)
     try:
         while True:
             request = requests.get()
@@ -132,9 +149,11 @@ def rl_update_loss(model, prompts, answers, advantages):
 
 def train_logra(sft_model, args, device, out_dir: Path) -> dict:
     model = copy.deepcopy(sft_model)
-    handle = logra.apply_logra(model, rank=args.rank, seed=args.seed + 1000)
+    runtime = connect_daemon(args.socket, "logra-trainer")
+    states_runtime = runtime if runtime is not None and runtime.device.type == torch.device(device).type else None
+    handle = logra.apply_logra(model, rank=args.rank, seed=args.seed + 1000, runtime=states_runtime)
     channel = f"membar_logra_rl_{uuid.uuid4().hex[:10]}"
-    publisher = PolicyPublisher(channel, handle, slots=32, snapshot_every=8)
+    publisher = PolicyPublisher(channel, handle, slots=32, snapshot_every=8, runtime=runtime)
     optimizer = logra.LoGRAOptimizer(handle, lr=args.lr_logra, algorithm="adam", publisher=publisher,
                                       kl_control=logra.KLControl(delta=args.kl_delta, alpha_max=1.0))
     model_path = str(out_dir / "sft_model.pt")
@@ -182,6 +201,8 @@ def train_logra(sft_model, args, device, out_dir: Path) -> dict:
     history["sync_payload_bytes"] = publisher.payload_bytes
     history["full_weight_bytes"] = publisher.full_weight_bytes
     history["optimizer_state_bytes"] = optimizer.state_bytes()
+    history["sync_transport"] = publisher.ring.transport
+    history["states"] = handle.states.storage.describe()
     return history
 
 

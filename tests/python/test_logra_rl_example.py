@@ -2,7 +2,10 @@
 Adam, the reward curve written. Tiny step counts: this checks the plumbing, not the learning
 (the full run, `examples/logra_rl/train.py`, shows the reward rising)."""
 import json
+import os
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -13,7 +16,13 @@ pytest.importorskip("transformers")
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "logra_rl"
 
 
-def test_example_runs_end_to_end(tmp_path):
+def _membard():
+    build = Path(os.environ.get("MEMBAR_BUILD_DIR", Path(__file__).resolve().parents[2] / "build"))
+    binary = build / "bin" / "membard"
+    return binary if binary.exists() else None
+
+
+def _run_example(tmp_path, extra=()):
     sys.path.insert(0, str(EXAMPLE))
     try:
         import train
@@ -24,9 +33,15 @@ def test_example_runs_end_to_end(tmp_path):
     threads = torch.get_num_threads()  # the example pins CPU threads; leave the session as found
     try:
         summary = train.main(["--sft-steps", "4", "--rl-steps", "3", "--prompts", "4", "--group", "4", "--rank", "8",
-                              "--device", "cpu", "--out", str(tmp_path)])
+                              "--device", "cpu", "--out", str(tmp_path), *extra])
     finally:
         torch.set_num_threads(threads)
+    return summary
+
+
+def test_example_runs_end_to_end(tmp_path, monkeypatch):
+    monkeypatch.delenv("MEMBAR_SOCKET", raising=False)
+    summary = _run_example(tmp_path)
     assert (tmp_path / "reward_curve.png").stat().st_size > 1000
     written = json.loads((tmp_path / "rewards.json").read_text())
     runs = list(written["runs"].values())
@@ -34,3 +49,24 @@ def test_example_runs_end_to_end(tmp_path):
     logra_run = next(run for name, run in summary["runs"].items() if name.startswith("LoGRA"))
     assert 0 < logra_run["sync_payload_bytes"] < logra_run["full_weight_bytes"]
     assert all(0 < alpha <= 1.0 for alpha in logra_run["alpha"])
+    assert logra_run["sync_transport"] == "posix"
+
+
+@pytest.mark.skipif(_membard() is None, reason="membard is not built (set MEMBAR_BUILD_DIR)")
+def test_example_syncs_through_a_daemon(tmp_path):
+    socket = tmp_path / "membard.sock"
+    daemon = subprocess.Popen([str(_membard()), "--backend", "host", "--socket", str(socket), "--gpu-pool", "16MiB",
+                               "--host-pool", "64MiB", "--foreground", "--log-level", "warn"])
+    try:
+        for _ in range(500):
+            if socket.exists():
+                break
+            time.sleep(0.02)
+        summary = _run_example(tmp_path, ["--socket", str(socket)])
+    finally:
+        daemon.terminate()
+        daemon.wait(timeout=10)
+    logra_run = next(run for name, run in summary["runs"].items() if name.startswith("LoGRA"))
+    assert logra_run["sync_transport"] == "channel"
+    assert logra_run["states"].startswith("runtime pages (daemon:")
+    assert len(logra_run["reward"]) == 3
