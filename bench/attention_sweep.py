@@ -255,22 +255,23 @@ def demangle_keys(usage):
 def variant_kernel_pattern(kind, name):
     """The template arguments (as c++filt prints them) of the bf16, D=128 kernel of a variant."""
     if kind == "forward":
-        match = re.match(r"w(\d+)r(\d+)_k(\d+)_s(\d+)(_qreg)?(_skip)?(_2cta)?$", name)
+        match = re.match(r"w(\d+)r(\d+)_k(\d+)_s(\d+)(_qreg)?(_skip)?(_2cta)?(_pad)?$", name)
         if not match:
             return None
-        warps, rows, keys, stages, qreg, skip, two = match.groups()
+        warps, rows, keys, stages, qreg, skip, two, pad = match.groups()
         flag = lambda value: "true" if value else "false"  # noqa: E731
         config = (f"ForwardConfig<{warps}, {int(rows) // 16}, {keys}, {stages}, {flag(qreg)}, {flag(skip)}, "
-                  f"{2 if two else 1}, {flag(skip)}>")
+                  f"{2 if two else 1}, {flag(skip)}, {flag(pad)}>")
         return f"paged_attention_forward_kernel<__nv_bfloat16, 128, {config} >"
     match = re.match(r"w(\d+)_k(\d+)_dq(\d+)$", name)
     if match:
         warps, keys, columns = (int(g) for g in match.groups())
         pieces = (HEAD_DIM // (warps // 4)) // columns
         return f"paged_attention_backward_kv_kernel<__nv_bfloat16, 128, {warps}, {pieces}>"
-    match = re.match(r"w8_k128_split_s(\d)$", name)
+    match = re.match(r"w8_k128_split_s(\d)(_pad)?$", name)
     if match:
-        return f"paged_attention_backward_split_kernel<__nv_bfloat16, 128, {match.group(1)}>"
+        padded = "true" if match.group(2) else "false"
+        return f"paged_attention_backward_split_kernel<__nv_bfloat16, 128, {match.group(1)}, {padded}>"
     return None
 
 

@@ -372,22 +372,23 @@ __global__ void __launch_bounds__(kWarps * 32, 1)
 
 // acc[32 x 32] += A[32 x D] B^T for the split layout's phase 1: A is rows [a_row, a_row + 32) of a
 // swizzled [*, D] tile, B rows [b_row, b_row + 32) of another; acc is [row tile][n8 tile][4].
-template <typename Element, int kHeadDim>
+template <typename Element, int kHeadDim, bool kPadded>
 __device__ __forceinline__ void warp_matmul_two_tiles_nt(float (&acc)[2][4][4], const Element* a_tile, int a_row,
                                                          const Element* b_tile, int b_row, int lane) {
+  using Layout = TileLayout<kHeadDim, kPadded>;
 #pragma unroll
   for (int kk = 0; kk < kHeadDim / 16; ++kk) {
     uint32_t a[2][4];
 #pragma unroll
     for (int t = 0; t < 2; ++t) {
-      ldmatrix_x4(a[t], a_tile + swizzled_offset<kHeadDim>(a_row + t * 16 + (lane & 15), kk * 16 + (lane >> 4) * 8));
+      ldmatrix_x4(a[t], a_tile + Layout::offset(a_row + t * 16 + (lane & 15), kk * 16 + (lane >> 4) * 8));
     }
 #pragma unroll
     for (int nn = 0; nn < 2; ++nn) {
       // Matrices: (n 0-7, k 0-7), (n 0-7, k 8-15), (n 8-15, k 0-7), (n 8-15, k 8-15).
       uint32_t b[4];
-      ldmatrix_x4(b, b_tile + swizzled_offset<kHeadDim>(b_row + nn * 16 + (lane & 7) + ((lane >> 4) << 3),
-                                                        kk * 16 + ((lane >> 3) & 1) * 8));
+      ldmatrix_x4(b, b_tile + Layout::offset(b_row + nn * 16 + (lane & 7) + ((lane >> 4) << 3),
+                                             kk * 16 + ((lane >> 3) & 1) * 8));
 #pragma unroll
       for (int t = 0; t < 2; ++t) {
         ElementTraits<Element>::mma(acc[t][2 * nn], a[t], b[0], b[1]);
@@ -413,7 +414,8 @@ __device__ __forceinline__ void warp_matmul_two_tiles_nt(float (&acc)[2][4][4], 
 //      workspace (skipped in deterministic mode).
 // The next item's first barrier orders phase 3's reads of dS^T before phase 1 rewrites it.
 // Limitations: 128-key pages only (a CTA owns one page); head_dim 128.
-template <typename Element, int kHeadDim, int kStagesSplit>
+// kPadded: every tile padded instead of swizzled (Note [Padded tiles]).
+template <typename Element, int kHeadDim, int kStagesSplit, bool kPadded>
 __global__ void __launch_bounds__(256, 1)
     paged_attention_backward_split_kernel(const PagedAttentionBackwardParams params,
                                           const BackwardWorkspacePointers workspace) {
@@ -422,14 +424,18 @@ __global__ void __launch_bounds__(256, 1)
   constexpr int kStagesHere = kStagesSplit;
   static_assert(kStagesHere == 2 || kStagesHere == 3, "the barrier scheme needs 2 or 3 stages");
   static_assert(kHeadDim % 64 == 0, "phase 2 gives each warp D / 2 columns, phase 3 D / 4");
+  using Layout = TileLayout<kHeadDim, kPadded>;        // K, V, Q, dO
+  using ScoreLayout = TileLayout<kQueries, kPadded>;   // P^T, dS^T
+  constexpr int kStride = Layout::kStride;
+  constexpr int kScoreStride = ScoreLayout::kStride;
   extern __shared__ __align__(128) unsigned char shared_raw[];
   Element* k_tile = reinterpret_cast<Element*>(shared_raw);             // [128, D]
-  Element* v_tile = k_tile + kKeys * kHeadDim;                            // [128, D]
-  Element* q_tiles = v_tile + kKeys * kHeadDim;                           // [stages, 64, D]
-  Element* dout_tiles = q_tiles + kStagesHere * kQueries * kHeadDim;      // [stages, 64, D]
-  Element* pt_tile = dout_tiles + kStagesHere * kQueries * kHeadDim;      // [128, 64], P^T
-  Element* dst_tile = pt_tile + kKeys * kQueries;                         // [128, 64], dS^T
-  float* lse_tiles = reinterpret_cast<float*>(dst_tile + kKeys * kQueries);  // [stages, 64], log2 units
+  Element* v_tile = k_tile + kKeys * kStride;                             // [128, D]
+  Element* q_tiles = v_tile + kKeys * kStride;                            // [stages, 64, D]
+  Element* dout_tiles = q_tiles + kStagesHere * kQueries * kStride;       // [stages, 64, D]
+  Element* pt_tile = dout_tiles + kStagesHere * kQueries * kStride;       // [128, 64], P^T
+  Element* dst_tile = pt_tile + kKeys * kScoreStride;                     // [128, 64], dS^T
+  float* lse_tiles = reinterpret_cast<float*>(dst_tile + kKeys * kScoreStride);  // [stages, 64], log2 units
   float* delta_tiles = lse_tiles + kStagesHere * kQueries;                    // [stages, 64]
 
   const PagedAttentionShape& shape = params.shape;
@@ -456,10 +462,10 @@ __global__ void __launch_bounds__(256, 1)
     const int q_head = kv_head * group + head_in_group;
     const int64_t offset = int64_t(query_block) * kQueries * q_row_stride + int64_t(q_head) * kHeadDim;
     const int valid = chunk_tokens - query_block * kQueries;
-    load_tile_async<Element, kQueries, kHeadDim, kThreads>(q_tiles + stage * kQueries * kHeadDim, q + offset, q_row_stride,
-                                                           valid, thread);
-    load_tile_async<Element, kQueries, kHeadDim, kThreads>(dout_tiles + stage * kQueries * kHeadDim, dout + offset,
-                                                           q_row_stride, valid, thread);
+    load_tile_async<Element, kQueries, kHeadDim, kThreads, kPadded>(q_tiles + stage * kQueries * kStride, q + offset,
+                                                                     q_row_stride, valid, thread);
+    load_tile_async<Element, kQueries, kHeadDim, kThreads, kPadded>(dout_tiles + stage * kQueries * kStride,
+                                                                     dout + offset, q_row_stride, valid, thread);
   };
   // lse (in log2 units) and delta of one query row; rows past the chunk get lse = +inf, so P = 0;
   // lse = -inf (the row sees no key, Note [Blocked history]) becomes +inf too.
@@ -478,8 +484,10 @@ __global__ void __launch_bounds__(256, 1)
     }
   };
 
-  load_tile_async<Element, kKeys, kHeadDim, kThreads>(k_tile, owned.k_base, kv_row_stride, owned.valid_keys, thread);
-  load_tile_async<Element, kKeys, kHeadDim, kThreads>(v_tile, owned.v_base, kv_row_stride, owned.valid_keys, thread);
+  load_tile_async<Element, kKeys, kHeadDim, kThreads, kPadded>(k_tile, owned.k_base, kv_row_stride, owned.valid_keys,
+                                                                thread);
+  load_tile_async<Element, kKeys, kHeadDim, kThreads, kPadded>(v_tile, owned.v_base, kv_row_stride, owned.valid_keys,
+                                                                thread);
   load_queries(0, 0);
   copy_async_commit();
   if (thread < kQueries) read_row_statistics(0, lse_tiles[thread], delta_tiles[thread]);
@@ -525,8 +533,8 @@ __global__ void __launch_bounds__(256, 1)
     int head_in_group, query_block;
     work.decode(item, head_in_group, query_block);
     const int first_query = query_block * kQueries;
-    const Element* q_tile = q_tiles + stage * kQueries * kHeadDim;
-    const Element* dout_tile = dout_tiles + stage * kQueries * kHeadDim;
+    const Element* q_tile = q_tiles + stage * kQueries * kStride;
+    const Element* dout_tile = dout_tiles + stage * kQueries * kStride;
     const float* row_lse = lse_tiles + stage * kQueries;
     const float* row_delta = delta_tiles + stage * kQueries;
 
@@ -540,8 +548,8 @@ __global__ void __launch_bounds__(256, 1)
         clear(dscores[t]);
       }
       // S^T first, then dP^T: fewer fragments live at once than with the two products interleaved.
-      warp_matmul_two_tiles_nt<Element, kHeadDim>(scores, k_tile, key_base, q_tile, query_base, lane);
-      warp_matmul_two_tiles_nt<Element, kHeadDim>(dscores, v_tile, key_base, dout_tile, query_base, lane);
+      warp_matmul_two_tiles_nt<Element, kHeadDim, kPadded>(scores, k_tile, key_base, q_tile, query_base, lane);
+      warp_matmul_two_tiles_nt<Element, kHeadDim, kPadded>(dscores, v_tile, key_base, dout_tile, query_base, lane);
       const bool may_cut = owned.valid_keys < kKeys || (owned.chunk_block && owned.first_key + kKeys - 1 > first_query);
 #pragma unroll
       for (int t = 0; t < 2; ++t) {
@@ -562,7 +570,7 @@ __global__ void __launch_bounds__(256, 1)
               }
               ds[j] = p[j] * (dscores[t][n][2 * half + j] - row_delta[query + j]);
             }
-            const int offset = swizzled_offset<kQueries>(key, query);
+            const int offset = ScoreLayout::offset(key, query);
             *reinterpret_cast<uint32_t*>(pt_tile + offset) = ElementTraits<Element>::pack(p[0], p[1]);
             *reinterpret_cast<uint32_t*>(dst_tile + offset) = ElementTraits<Element>::pack(ds[0], ds[1]);
           }
@@ -577,14 +585,14 @@ __global__ void __launch_bounds__(256, 1)
       uint32_t a_p[2][4], a_ds[2][4];
 #pragma unroll
       for (int t = 0; t < 2; ++t) {
-        const int offset = swizzled_offset<kQueries>(key_base + t * 16 + (lane & 15), kk * 16 + (lane >> 4) * 8);
+        const int offset = ScoreLayout::offset(key_base + t * 16 + (lane & 15), kk * 16 + (lane >> 4) * 8);
         ldmatrix_x4(a_p[t], pt_tile + offset);
         ldmatrix_x4(a_ds[t], dst_tile + offset);
       }
 #pragma unroll
       for (int nn = 0; nn < kDimTiles / 2; ++nn) {
         // Matrices (stored k x n): (k 0-7, n 0-7), (k 8-15, n 0-7), (k 0-7, n 8-15), (k 8-15, n 8-15).
-        const int offset = swizzled_offset<kHeadDim>(kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8,
+        const int offset = Layout::offset(kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8,
                                                      dim_base + nn * 16 + (lane >> 4) * 8);
         uint32_t b_dout[4], b_q[4];
         ldmatrix_x4_trans(b_dout, dout_tile + offset);
@@ -610,13 +618,13 @@ __global__ void __launch_bounds__(256, 1)
 #pragma unroll
         for (int t = 0; t < 2; ++t) {
           // Matrices (stored k x m): (k 0-7, m 0-7), (k 0-7, m 8-15), (k 8-15, m 0-7), (k 8-15, m 8-15).
-          ldmatrix_x4_trans(a[t], dst_tile + swizzled_offset<kQueries>(kk * 16 + (lane & 7) + (lane >> 4) * 8,
+          ldmatrix_x4_trans(a[t], dst_tile + ScoreLayout::offset(kk * 16 + (lane & 7) + (lane >> 4) * 8,
                                                                       query_base + t * 16 + ((lane >> 3) & 1) * 8));
         }
 #pragma unroll
         for (int nn = 0; nn < kDqDimTiles / 2; ++nn) {
           uint32_t b[4];
-          ldmatrix_x4_trans(b, k_tile + swizzled_offset<kHeadDim>(kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8,
+          ldmatrix_x4_trans(b, k_tile + Layout::offset(kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8,
                                                                   dq_dim_base + nn * 16 + (lane >> 4) * 8));
 #pragma unroll
           for (int t = 0; t < 2; ++t) {
@@ -670,10 +678,13 @@ __global__ void __launch_bounds__(256, 1)
   }
 }
 
-template <int kHeadDim, int kStagesSplit>
+template <int kHeadDim, int kStagesSplit, bool kPadded>
 constexpr size_t backward_split_shared_bytes() {
-  // K, V [128, D]; Q, dO [stages, 64, D]; P^T, dS^T [128, 64] (16-bit); lse, delta [stages, 64] fp32.
-  return size_t(2 * 128 * kHeadDim + 2 * kStagesSplit * kQueries * kHeadDim + 2 * 128 * kQueries) * 2 +
+  // K, V [128, D]; Q, dO [stages, 64, D]; P^T, dS^T [128, 64] (16-bit, rows of kStride elements);
+  // lse, delta [stages, 64] fp32.
+  constexpr int kStride = TileLayout<kHeadDim, kPadded>::kStride;
+  constexpr int kScoreStride = TileLayout<kQueries, kPadded>::kStride;
+  return size_t(2 * 128 * kStride + 2 * kStagesSplit * kQueries * kStride + 2 * 128 * kScoreStride) * 2 +
          2 * kStagesSplit * kQueries * 4;
 }
 
@@ -743,11 +754,11 @@ cudaError_t launch_kv(const PagedAttentionBackwardParams& params, const Backward
   return cudaGetLastError();
 }
 
-template <typename Element, int kHeadDim, int kStagesSplit>
+template <typename Element, int kHeadDim, int kStagesSplit, bool kPadded>
 cudaError_t launch_kv_split(const PagedAttentionBackwardParams& params, const BackwardWorkspacePointers& workspace,
                             cudaStream_t stream) {
-  constexpr size_t kSharedBytes = backward_split_shared_bytes<kHeadDim, kStagesSplit>();
-  auto kernel = paged_attention_backward_split_kernel<Element, kHeadDim, kStagesSplit>;
+  constexpr size_t kSharedBytes = backward_split_shared_bytes<kHeadDim, kStagesSplit, kPadded>();
+  auto kernel = paged_attention_backward_split_kernel<Element, kHeadDim, kStagesSplit, kPadded>;
   cudaError_t error = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kSharedBytes));
   if (error != cudaSuccess) return error;
   const dim3 grid(workspace.num_chunk_blocks + history_page_count(params.shape), params.shape.num_kv_heads);
@@ -766,12 +777,14 @@ struct BackwardVariant {
 // of 128 keys (one page per CTA), picked by MEMBAR_ATTENTION_BACKWARD_VARIANT=<name> at every
 // launch (the default otherwise; other shapes always run the default layout). Names:
 // w<warps>_k<keys per CTA>_dq<columns of dQ a warp holds at once> for the kernel above,
-// w8_k128_split_s<Q/dO stages> for Note [Backward split layout].
+// w8_k128_split_s<Q/dO stages>[_pad] for Note [Backward split layout] (_pad: Note [Padded tiles]).
 const BackwardVariant kBackwardVariants[] = {
     {"w8_k128_dq64", &launch_kv<__nv_bfloat16, 128, 8, 1>},
     {"w8_k128_dq32", &launch_kv<__nv_bfloat16, 128, 8, 2>},
-    {"w8_k128_split_s2", &launch_kv_split<__nv_bfloat16, 128, 2>},
-    {"w8_k128_split_s3", &launch_kv_split<__nv_bfloat16, 128, 3>},
+    {"w8_k128_split_s2", &launch_kv_split<__nv_bfloat16, 128, 2, false>},
+    {"w8_k128_split_s3", &launch_kv_split<__nv_bfloat16, 128, 3, false>},
+    {"w8_k128_split_s2_pad", &launch_kv_split<__nv_bfloat16, 128, 2, true>},
+    {"w8_k128_split_s3_pad", &launch_kv_split<__nv_bfloat16, 128, 3, true>},
 };
 constexpr int kDefaultBackwardVariant = 0;
 constexpr int kBackwardVariantCount = int(sizeof(kBackwardVariants) / sizeof(kBackwardVariants[0]));

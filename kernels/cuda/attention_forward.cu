@@ -46,9 +46,10 @@ using namespace detail;
 //   kSkipRescale: skip the accumulator rescale when a warp's row maxima did not change;
 //   kMinBlocks: CTAs per SM the registers are budgeted for (__launch_bounds__);
 //   kShiftIndexing: page and row numbers by shifts (KeySequence); on in every tuned variant
-//     (those with kSkipRescale), off in today's default layout.
+//     (those with kSkipRescale), off in today's default layout;
+//   kPadded: Q, K and V tiles padded instead of swizzled (Note [Padded tiles]).
 template <int kWarps_, int kRowTiles_, int kKeys_, int kStages_, bool kQInRegisters_, bool kSkipRescale_, int kMinBlocks_,
-          bool kShiftIndexing_ = kSkipRescale_>
+          bool kShiftIndexing_ = kSkipRescale_, bool kPadded_ = false>
 struct ForwardConfig {
   static constexpr int kWarps = kWarps_;
   static constexpr int kRowTiles = kRowTiles_;
@@ -58,6 +59,7 @@ struct ForwardConfig {
   static constexpr bool kSkipRescale = kSkipRescale_;
   static constexpr int kMinBlocks = kMinBlocks_;
   static constexpr bool kShiftIndexing = kShiftIndexing_;
+  static constexpr bool kPadded = kPadded_;
   static constexpr int kRows = 16 * kRowTiles * kWarps;
   static_assert(kKeys == 64 || kKeys == 128, "a key block is 64 or 128 keys (a page holds whole blocks)");
   static_assert(kStages == 2 || kStages == 3, "the barrier scheme of Note [Forward kernel] needs 2 or 3 stages");
@@ -68,8 +70,9 @@ using DefaultForwardConfig = ForwardConfig<8, 1, 64, 3, false, false, 1>;
 
 template <int kHeadDim, typename Config>
 constexpr size_t forward_shared_bytes_fixed() {
-  // Q [kRows, D] + K and V [kStages, kKeys, D], 16-bit elements.
-  return size_t(Config::kRows * kHeadDim + 2 * Config::kStages * Config::kKeys * kHeadDim) * 2;
+  // Q [kRows, D] + K and V [kStages, kKeys, D], 16-bit elements (rows of kStride elements).
+  constexpr int kStride = TileLayout<kHeadDim, Config::kPadded>::kStride;
+  return size_t(Config::kRows * kStride + 2 * Config::kStages * Config::kKeys * kStride) * 2;
 }
 
 template <typename Element, int kHeadDim, typename Config>
@@ -82,11 +85,13 @@ __global__ void __launch_bounds__(Config::kWarps * 32, Config::kMinBlocks)
   constexpr int kRows = Config::kRows;
   constexpr int kThreads = kWarps * 32;
   constexpr int kKeys = Config::kKeys;
+  using Layout = TileLayout<kHeadDim, Config::kPadded>;
+  constexpr int kStride = Layout::kStride;
   extern __shared__ __align__(128) unsigned char shared_raw[];
   Element* q_tile = reinterpret_cast<Element*>(shared_raw);     // [kRows, D]
-  Element* k_tiles = q_tile + kRows * kHeadDim;                   // [kStages, kKeys, D]
-  Element* v_tiles = k_tiles + kStages * kKeys * kHeadDim;        // [kStages, kKeys, D]
-  int32_t* selected = reinterpret_cast<int32_t*>(v_tiles + kStages * kKeys * kHeadDim);  // [selected_per_tile]
+  Element* k_tiles = q_tile + kRows * kStride;                    // [kStages, kKeys, D]
+  Element* v_tiles = k_tiles + kStages * kKeys * kStride;         // [kStages, kKeys, D]
+  int32_t* selected = reinterpret_cast<int32_t*>(v_tiles + kStages * kKeys * kStride);  // [selected_per_tile]
   __shared__ int selected_count;
 
   const PagedAttentionShape& shape = params.shape;
@@ -103,8 +108,9 @@ __global__ void __launch_bounds__(Config::kWarps * 32, Config::kMinBlocks)
   const int64_t q_row_stride = int64_t(shape.num_q_heads) * kHeadDim;
 
   const Element* q = static_cast<const Element*>(params.q);
-  load_tile_async<Element, kRows, kHeadDim, kThreads>(q_tile, q + int64_t(first_query) * q_row_stride + int64_t(q_head) * kHeadDim,
-                                                      q_row_stride, chunk_tokens - first_query, thread);
+  load_tile_async<Element, kRows, kHeadDim, kThreads, Config::kPadded>(
+      q_tile, q + int64_t(first_query) * q_row_stride + int64_t(q_head) * kHeadDim, q_row_stride,
+      chunk_tokens - first_query, thread);
   copy_async_commit();
 
   KeySequence<Element, kKeys, Config::kShiftIndexing> keys;
@@ -141,10 +147,10 @@ __global__ void __launch_bounds__(Config::kWarps * 32, Config::kMinBlocks)
 
   auto load_block = [&](int index, int stage) {
     const KeyBlock<Element> block = keys.block(index);
-    load_tile_async<Element, kKeys, kHeadDim, kThreads>(k_tiles + stage * kKeys * kHeadDim, block.k_base, kv_row_stride,
-                                                        block.valid_rows, thread);
-    load_tile_async<Element, kKeys, kHeadDim, kThreads>(v_tiles + stage * kKeys * kHeadDim, block.v_base, kv_row_stride,
-                                                        block.valid_rows, thread);
+    load_tile_async<Element, kKeys, kHeadDim, kThreads, Config::kPadded>(k_tiles + stage * kKeys * kStride, block.k_base,
+                                                                          kv_row_stride, block.valid_rows, thread);
+    load_tile_async<Element, kKeys, kHeadDim, kThreads, Config::kPadded>(v_tiles + stage * kKeys * kStride, block.v_base,
+                                                                          kv_row_stride, block.valid_rows, thread);
   };
   if (num_blocks > 0) load_block(0, 0);
   copy_async_commit();
@@ -172,7 +178,7 @@ __global__ void __launch_bounds__(Config::kWarps * 32, Config::kMinBlocks)
 #pragma unroll
       for (int kk = 0; kk < kHeadDim / 16; ++kk) {
         ldmatrix_x4(q_fragments[t][kk],
-                    q_tile + swizzled_offset<kHeadDim>(warp_row + t * 16 + (lane & 15), kk * 16 + (lane >> 4) * 8));
+                    q_tile + Layout::offset(warp_row + t * 16 + (lane & 15), kk * 16 + (lane >> 4) * 8));
       }
     }
   }
@@ -191,8 +197,8 @@ __global__ void __launch_bounds__(Config::kWarps * 32, Config::kMinBlocks)
       copy_async_commit();
     }
 
-    const Element* k_tile = k_tiles + stage * kKeys * kHeadDim;
-    const Element* v_tile = v_tiles + stage * kKeys * kHeadDim;
+    const Element* k_tile = k_tiles + stage * kKeys * kStride;
+    const Element* v_tile = v_tiles + stage * kKeys * kStride;
     float scores[kRowTiles][kKeys / 8][4];
 #pragma unroll
     for (int t = 0; t < kRowTiles; ++t) clear(scores[t]);
@@ -205,7 +211,7 @@ __global__ void __launch_bounds__(Config::kWarps * 32, Config::kMinBlocks)
 #pragma unroll
           for (int j = 0; j < 4; ++j) a[t][j] = q_fragments[t][kk][j];
         } else {
-          ldmatrix_x4(a[t], q_tile + swizzled_offset<kHeadDim>(warp_row + t * 16 + (lane & 15), kk * 16 + (lane >> 4) * 8));
+          ldmatrix_x4(a[t], q_tile + Layout::offset(warp_row + t * 16 + (lane & 15), kk * 16 + (lane >> 4) * 8));
         }
       }
 #pragma unroll
@@ -213,7 +219,7 @@ __global__ void __launch_bounds__(Config::kWarps * 32, Config::kMinBlocks)
         uint32_t b[4];
         const int row = nn * 16 + (lane & 7) + ((lane >> 4) << 3);
         const int column = kk * 16 + ((lane >> 3) & 1) * 8;
-        ldmatrix_x4(b, k_tile + swizzled_offset<kHeadDim>(row, column));
+        ldmatrix_x4(b, k_tile + Layout::offset(row, column));
 #pragma unroll
         for (int t = 0; t < kRowTiles; ++t) {
           ElementTraits<Element>::mma(scores[t][2 * nn], a[t], b[0], b[1]);
@@ -285,7 +291,7 @@ __global__ void __launch_bounds__(Config::kWarps * 32, Config::kMinBlocks)
         uint32_t b[4];
         const int row = kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
         const int column = nn * 16 + (lane >> 4) * 8;
-        ldmatrix_x4_trans(b, v_tile + swizzled_offset<kHeadDim>(row, column));
+        ldmatrix_x4_trans(b, v_tile + Layout::offset(row, column));
 #pragma unroll
         for (int t = 0; t < kRowTiles; ++t) {
           ElementTraits<Element>::mma(output[t][2 * nn], p_fragments[t][kk], b[0], b[1]);
@@ -365,7 +371,7 @@ constexpr ForwardVariant bf16_d128_variant(const char* name) {
 
 // Note [Forward variants]. Names: w<warps>r<rows per warp>_k<keys per block>_s<stages>, then
 // _qreg (Q in registers), _skip (rescale skip and shift indexing), _2cta (registers budgeted for
-// two CTAs per SM).
+// two CTAs per SM), _pad (padded tiles). The last entry is the older four-warps-of-32-rows layout.
 const ForwardVariant kForwardVariants[] = {
     bf16_d128_variant<DefaultForwardConfig>("w8r16_k64_s3"),
     bf16_d128_variant<ForwardConfig<8, 1, 64, 3, false, true, 1>>("w8r16_k64_s3_skip"),
@@ -376,6 +382,14 @@ const ForwardVariant kForwardVariants[] = {
     bf16_d128_variant<ForwardConfig<8, 1, 128, 3, true, true, 1>>("w8r16_k128_s3_qreg_skip"),
     bf16_d128_variant<ForwardConfig<4, 1, 64, 3, true, true, 2>>("w4r16_k64_s3_qreg_skip_2cta"),
     bf16_d128_variant<ForwardConfig<4, 1, 64, 2, true, true, 2>>("w4r16_k64_s2_qreg_skip_2cta"),
+    // FlashAttention-2's choice for head_dim 128 on A100/H100: four warps of 32 rows, 64-key blocks,
+    // shared memory small enough (96 KiB) for two CTAs per SM.
+    bf16_d128_variant<ForwardConfig<4, 2, 64, 2, false, true, 2>>("w4r32_k64_s2_skip_2cta"),
+    // Padded tiles (Note [Padded tiles]): fewer registers for shared-memory addresses.
+    bf16_d128_variant<ForwardConfig<8, 1, 64, 3, true, true, 1, true, true>>("w8r16_k64_s3_qreg_skip_pad"),
+    bf16_d128_variant<ForwardConfig<8, 1, 128, 2, true, true, 1, true, true>>("w8r16_k128_s2_qreg_skip_pad"),
+    bf16_d128_variant<ForwardConfig<4, 1, 64, 2, true, true, 2, true, true>>("w4r16_k64_s2_qreg_skip_2cta_pad"),
+    bf16_d128_variant<ForwardConfig<4, 2, 64, 2, false, true, 2, true, true>>("w4r32_k64_s2_skip_2cta_pad"),
     bf16_d128_variant<ForwardConfig<4, 2, 64, 3, false, true, 1>>("w4r32_k64_s3_skip"),
 };
 constexpr int kDefaultForwardVariant = 0;
