@@ -20,6 +20,9 @@ init, from config) on batch x seqlen tokens with gradient checkpointing. Variant
   logra64_rt            logra64 with sketches and Adam moments as pages of an embedded
                         membar.runtime.Runtime (CUDA backend); peak adds the runtime's GPU window
   logra64_offload       logra64_rt with the moments offloaded to host memory between updates
+  logra64_fwdproj       logra64 projecting x A^T in the forward (saved P) instead of the backward
+  logra64_exact         logra64 with the CUDA-core update kernel (bit-identical to the CPU) instead
+                        of the tensor-core one
 Per config: peak and mean allocated GPU memory (mean sampled every 2 ms during the measured
 updates), seconds per update (best and mean of the measured updates), trainable / state bytes,
 and for LoGRA the policy-sync payload per update against the full targeted weights.
@@ -162,10 +165,12 @@ def build(model_name, variant, device):
             runtime = Runtime.connect(embedded=True, backend="cuda" if device == "cuda" else "host",
                                       gpu_pool_bytes=window, host_pool_bytes=window)
             info["runtime_window_bytes"] = runtime.window_bytes
-        handle = logra.apply_logra(model, rank=rank, targets=TARGETS, seed=1, runtime=runtime)
+        handle = logra.apply_logra(model, rank=rank, targets=TARGETS, seed=1, runtime=runtime,
+                                   projection="forward" if variant.endswith("_fwdproj") else "auto")
         optimizer = logra.LoGRAOptimizer(handle, lr=1e-5, algorithm="adam",
                                           kl_control=logra.KLControl(delta=2e-4, alpha_max=1.0) if kl else None,
-                                          offload_moments=variant.endswith("_offload"))
+                                          offload_moments=variant.endswith("_offload"),
+                                          exact_update=variant.endswith("_exact"))
         info["runtime"] = runtime  # kept alive with the model
         info["sync_payload_bytes"] = update_message_bytes([(l.out_features, l.rank) for l in handle.layers])
         info["full_weight_bytes"] = sum(l.weight.numel() * l.weight.element_size() for l in handle.layers)

@@ -74,6 +74,7 @@ class LoGRAOptimizer:
         publisher=None,
         stochastic_rounding: bool = True,
         offload_moments: bool = False,
+        exact_update: bool = False,
     ):
         if algorithm not in ("adam", "sgd"):
             raise ValueError(f"algorithm must be 'adam' or 'sgd', got {algorithm!r}")
@@ -98,6 +99,10 @@ class LoGRAOptimizer:
         self.stochastic_rounding = stochastic_rounding
         # Keep the moments in host memory between updates (Note [LoGRA state storage]).
         self.offload_moments = offload_moments
+        # On the GPU: the CUDA-core update kernel, bit-identical to the CPU, instead of the
+        # tensor-core one (Note [LoGRA tensor-core update]). Receivers must use the same choice
+        # to stay bit-identical.
+        self.exact_update = exact_update
         self.update_index = 0
         self._first_count = 0   # updates folded into the first moments since their last reset
         self._second_count = 0  # the same for the second moments
@@ -169,7 +174,7 @@ class LoGRAOptimizer:
         """W -= scaled_update A (into the fp32 master when kept, then copied to W)."""
         target = layer.master if layer.master is not None else layer.weight
         ops.fused_update_(target, scaled_update, 1.0, layer.current_key(),
-                          rounding_seed if target.dtype == torch.bfloat16 else 0)
+                          rounding_seed if target.dtype == torch.bfloat16 else 0, exact=self.exact_update)
         if layer.master is not None:
             layer.weight.copy_(layer.master)
 
