@@ -48,6 +48,9 @@ def _parse(argv):
     parser.add_argument("--top-k", type=int, default=64, help="sparse: history pages per query tile")
     parser.add_argument("--query-tile", type=int, default=128, help="sparse: queries sharing a selection")
     parser.add_argument("--offload", action="store_true", help="keep KV/dKV pages in host memory")
+    parser.add_argument("--history-block", type=int, default=32768,
+                        help="with --offload: a layer's history goes through the GPU in blocks of this many tokens "
+                             "(0: all at once)")
     parser.add_argument("--store", choices=["auto", "runtime", "tensor"], default="auto",
                         help="where pages live: membar's runtime (embedded, or the daemon of --socket) or "
                              "plain tensor pools; auto: the runtime when --socket is given or on CPU when the "
@@ -84,7 +87,8 @@ def _make_trainer(args, model):
 
     config = OOMBConfig(chunk_tokens=args.chunk, page_tokens=args.page_tokens, mode=args.mode, top_k=args.top_k,
                         query_tile_tokens=args.query_tile, offload=args.offload, grad_page_dtype=args.grad_dtype,
-                        deterministic=args.deterministic, checkpoint_layers=args.checkpoint_layers)
+                        deterministic=args.deterministic, checkpoint_layers=args.checkpoint_layers,
+                        history_block_tokens=args.history_block)
     device = next(model.parameters()).device
     kind = args.store
     if kind == "auto":
@@ -161,6 +165,7 @@ def run(argv=None) -> dict:
     model = build_model(args.model, dtype=dtype, device=device, max_positions=args.seq_len, seed=args.seed)
     model.train()
     trainer = _make_trainer(args, model)
+    trainer.reserve(args.seq_len)   # page pools allocated once, not inside the first step
     vocab = trainer.vocab_size
     task = None
     if args.task == "passkey":
