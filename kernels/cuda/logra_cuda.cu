@@ -218,7 +218,7 @@ __global__ void __launch_bounds__(kThreads) update_kernel(LograUpdateParams para
 // Tensor cores do it at memory speed (W is read and written once), but they multiply bf16, and
 // rounding U to bf16 (8 bits of mantissa) would add a 0.4% error to every update.
 // Approach: U is split into two bf16 terms, U = hi + lo with hi = bf16(U), lo = bf16(U - hi), so
-// hi + lo carries ~16 mantissa bits (error below 2^-17 |U|, the level of fp32 summation noise
+// hi + lo carries ~16 significant bits (error at most 2^-16 |U|, the level of fp32 summation noise
 // over r terms). A's signs are exact in bf16. One block owns a 64 x 128 tile of W: per chunk of
 // 64 rank indices it splits the U tile into hi / lo in shared memory, regenerates the 64 x 128
 // sign tile from the key, and 8 warps accumulate U_hi S + U_lo S in fp32 with WMMA 16x16x16. The

@@ -75,11 +75,12 @@ def test_tensor_core_update_matches_fp64_reference(rows, columns, rank):
     reference = weight.double() - coefficient * update.double() @ logra.generate(key, rank, columns).double()
     weight_gpu = weight.cuda()
     logra.fused_update_(weight_gpu, update.cuda(), coefficient, key)
-    # U is carried as two bf16 terms (error below 2^-16 |U|) and summed in fp32 over r terms.
-    bound = coefficient / rank ** 0.5 * update.abs().double().sum(1, keepdim=True) * 2.0 ** -15
+    # U is carried as two bf16 terms (error at most 2^-16 |U|) and summed in fp32 over 2r terms;
+    # 2^-14 of sum |U| covers both with room (a bf16-only U would be off by up to 2^-8).
+    bound = coefficient / rank ** 0.5 * update.abs().double().sum(1, keepdim=True) * 2.0 ** -14
     error = (weight_gpu.cpu().double() - reference).abs()
     assert (error <= bound + reference.abs() * 2.0 ** -23).all(), float((error - bound).max())
-    # The exact kernel lands within the same bound, and the fast one is deterministic.
+    # The fast kernel is deterministic.
     again = weight.cuda()
     logra.fused_update_(again, update.cuda(), coefficient, key)
     assert torch.equal(again, weight_gpu)
