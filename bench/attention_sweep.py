@@ -263,11 +263,12 @@ def variant_kernel_pattern(kind, name):
         config = (f"ForwardConfig<{warps}, {int(rows) // 16}, {keys}, {stages}, {flag(qreg)}, {flag(skip)}, "
                   f"{2 if two else 1}, {flag(skip)}, {flag(pad)}>")
         return f"paged_attention_forward_kernel<__nv_bfloat16, 128, {config} >"
-    match = re.match(r"w(\d+)_k(\d+)_dq(\d+)$", name)
+    match = re.match(r"w(\d+)_k(\d+)_dq(\d+)(_pad)?$", name)
     if match:
-        warps, keys, columns = (int(g) for g in match.groups())
+        warps, keys, columns = (int(g) for g in match.groups()[:3])
         pieces = (HEAD_DIM // (warps // 4)) // columns
-        return f"paged_attention_backward_kv_kernel<__nv_bfloat16, 128, {warps}, {pieces}>"
+        padded = "true" if match.group(4) else "false"
+        return f"paged_attention_backward_kv_kernel<__nv_bfloat16, 128, {warps}, {pieces}, {padded}>"
     match = re.match(r"w8_k128_split_s(\d)(_pad)?$", name)
     if match:
         padded = "true" if match.group(2) else "false"

@@ -53,11 +53,14 @@ struct BackwardWorkspacePointers {
   int32_t num_chunk_blocks;
 };
 
-template <int kHeadDim, int kWarps>
+template <int kHeadDim, int kWarps, bool kPadded>
 constexpr size_t backward_shared_bytes() {
   constexpr int kKeys = 16 * kWarps;
-  // K, V [kKeys, D]; Q, dO [kStages, 64, D]; dS^T [kKeys, 64] (16-bit); lse, delta [kStages, 64] fp32.
-  return size_t(2 * kKeys * kHeadDim + 2 * kStages * kQueries * kHeadDim + kKeys * kQueries) * 2 +
+  constexpr int kStride = TileLayout<kHeadDim, kPadded>::kStride;
+  constexpr int kScoreStride = TileLayout<kQueries, kPadded>::kStride;
+  // K, V [kKeys, D]; Q, dO [kStages, 64, D]; dS^T [kKeys, 64] (16-bit, rows of kStride elements);
+  // lse, delta [kStages, 64] fp32.
+  return size_t(2 * kKeys * kStride + 2 * kStages * kQueries * kStride + kKeys * kScoreStride) * 2 +
          2 * kStages * kQueries * 4;
 }
 
@@ -173,18 +176,21 @@ __device__ __forceinline__ void write_key_gradients(const PagedAttentionBackward
 // kDqPieces: each warp computes its part of dQ in this many pieces of columns, one after the
 // other, so that fewer accumulators are live next to dK and dV (the whole part, 64 columns at
 // head_dim 128, made the kernel spill).
-template <typename Element, int kHeadDim, int kWarps, int kDqPieces>
+// kPadded: padded instead of swizzled tiles (Note [Padded tiles]).
+template <typename Element, int kHeadDim, int kWarps, int kDqPieces, bool kPadded>
 __global__ void __launch_bounds__(kWarps * 32, 1)
     paged_attention_backward_kv_kernel(const PagedAttentionBackwardParams params, const BackwardWorkspacePointers workspace) {
   constexpr int kKeys = 16 * kWarps;
   constexpr int kThreads = kWarps * 32;
+  constexpr int kStride = TileLayout<kHeadDim, kPadded>::kStride;
+  using ScoreLayout = TileLayout<kQueries, kPadded>;
   extern __shared__ __align__(128) unsigned char shared_raw[];
   Element* k_tile = reinterpret_cast<Element*>(shared_raw);   // [kKeys, D]
-  Element* v_tile = k_tile + kKeys * kHeadDim;                  // [kKeys, D]
-  Element* q_tiles = v_tile + kKeys * kHeadDim;                 // [kStages, 64, D]
-  Element* dout_tiles = q_tiles + kStages * kQueries * kHeadDim;  // [kStages, 64, D]
-  Element* ds_tile = dout_tiles + kStages * kQueries * kHeadDim;  // [kKeys, 64], dS^T
-  float* lse_tiles = reinterpret_cast<float*>(ds_tile + kKeys * kQueries);  // [kStages, 64], log2 units
+  Element* v_tile = k_tile + kKeys * kStride;                   // [kKeys, D]
+  Element* q_tiles = v_tile + kKeys * kStride;                  // [kStages, 64, D]
+  Element* dout_tiles = q_tiles + kStages * kQueries * kStride;   // [kStages, 64, D]
+  Element* ds_tile = dout_tiles + kStages * kQueries * kStride;   // [kKeys, 64], dS^T
+  float* lse_tiles = reinterpret_cast<float*>(ds_tile + kKeys * ScoreLayout::kStride);  // [kStages, 64], log2 units
   float* delta_tiles = lse_tiles + kStages * kQueries;                        // [kStages, 64]
 
   const PagedAttentionShape& shape = params.shape;
@@ -218,10 +224,10 @@ __global__ void __launch_bounds__(kWarps * 32, 1)
     const int q_head = kv_head * group + head_in_group;
     const int64_t offset = int64_t(query_block) * kQueries * q_row_stride + int64_t(q_head) * kHeadDim;
     const int valid = chunk_tokens - query_block * kQueries;
-    load_tile_async<Element, kQueries, kHeadDim, kThreads>(q_tiles + stage * kQueries * kHeadDim, q + offset, q_row_stride,
-                                                           valid, thread);
-    load_tile_async<Element, kQueries, kHeadDim, kThreads>(dout_tiles + stage * kQueries * kHeadDim, dout + offset,
-                                                           q_row_stride, valid, thread);
+    load_tile_async<Element, kQueries, kHeadDim, kThreads, kPadded>(q_tiles + stage * kQueries * kStride, q + offset,
+                                                                     q_row_stride, valid, thread);
+    load_tile_async<Element, kQueries, kHeadDim, kThreads, kPadded>(dout_tiles + stage * kQueries * kStride,
+                                                                     dout + offset, q_row_stride, valid, thread);
   };
   // lse (in log2 units) and delta of one query row; rows past the chunk get lse = +inf, so P = 0.
   auto read_row_statistics = [&](int item, float& row_lse, float& row_delta) {
@@ -240,8 +246,8 @@ __global__ void __launch_bounds__(kWarps * 32, 1)
     }
   };
 
-  load_tile_async<Element, kKeys, kHeadDim, kThreads>(k_tile, k_base, kv_row_stride, valid_keys, thread);
-  load_tile_async<Element, kKeys, kHeadDim, kThreads>(v_tile, v_base, kv_row_stride, valid_keys, thread);
+  load_tile_async<Element, kKeys, kHeadDim, kThreads, kPadded>(k_tile, k_base, kv_row_stride, valid_keys, thread);
+  load_tile_async<Element, kKeys, kHeadDim, kThreads, kPadded>(v_tile, v_base, kv_row_stride, valid_keys, thread);
   load_queries(0, 0);
   copy_async_commit();
   if (thread < kQueries) read_row_statistics(0, lse_tiles[thread], delta_tiles[thread]);
@@ -270,8 +276,8 @@ __global__ void __launch_bounds__(kWarps * 32, 1)
     work.decode(item, head_in_group, query_block);
     const int first_query = query_block * kQueries;
     if (first_query < chunk_tokens) {
-      const Element* q_tile = q_tiles + stage * kQueries * kHeadDim;
-      const Element* dout_tile = dout_tiles + stage * kQueries * kHeadDim;
+      const Element* q_tile = q_tiles + stage * kQueries * kStride;
+      const Element* dout_tile = dout_tiles + stage * kQueries * kStride;
       const float* row_lse = lse_tiles + stage * kQueries;
       const float* row_delta = delta_tiles + stage * kQueries;
 
@@ -279,8 +285,8 @@ __global__ void __launch_bounds__(kWarps * 32, 1)
       float dscores[kQueries / 8][4];  // dP^T, then dS^T
       clear(scores);
       clear(dscores);
-      warp_matmul_shared_nt<Element, kQueries, kHeadDim, kHeadDim, kHeadDim>(scores, k_tile, warp * 16, q_tile, 0, lane);
-      warp_matmul_shared_nt<Element, kQueries, kHeadDim, kHeadDim, kHeadDim>(dscores, v_tile, warp * 16, dout_tile, 0,
+      warp_matmul_shared_nt<Element, kQueries, kHeadDim, kHeadDim, kHeadDim, kPadded>(scores, k_tile, warp * 16, q_tile, 0, lane);
+      warp_matmul_shared_nt<Element, kQueries, kHeadDim, kHeadDim, kHeadDim, kPadded>(dscores, v_tile, warp * 16, dout_tile, 0,
                                                                              lane);
       const bool may_cut = valid_keys < kKeys || (chunk_block && first_key + kKeys - 1 > first_query);
 #pragma unroll
@@ -301,9 +307,9 @@ __global__ void __launch_bounds__(kWarps * 32, 1)
       }
       uint32_t fragments[kQueries / 16][4];
       accumulator_to_a_fragments<Element, kQueries>(fragments, scores);
-      warp_matmul_registers_nn<Element, kHeadDim, kQueries, kHeadDim>(dv, fragments, dout_tile, 0, 0, lane);
+      warp_matmul_registers_nn<Element, kHeadDim, kQueries, kHeadDim, kPadded>(dv, fragments, dout_tile, 0, 0, lane);
       accumulator_to_a_fragments<Element, kQueries>(fragments, dscores);
-      warp_matmul_registers_nn<Element, kHeadDim, kQueries, kHeadDim>(dk, fragments, q_tile, 0, 0, lane);
+      warp_matmul_registers_nn<Element, kHeadDim, kQueries, kHeadDim, kPadded>(dk, fragments, q_tile, 0, 0, lane);
 
       if (workspace.dq_accumulator != nullptr) {
         // dS^T to shared memory: [kKeys, 64].
@@ -312,7 +318,7 @@ __global__ void __launch_bounds__(kWarps * 32, 1)
 #pragma unroll
           for (int half = 0; half < 2; ++half) {
             const int column = n * 8 + 2 * (lane % 4);
-            *reinterpret_cast<uint32_t*>(ds_tile + swizzled_offset<kQueries>(key_row + half * 8, column)) =
+            *reinterpret_cast<uint32_t*>(ds_tile + ScoreLayout::offset(key_row + half * 8, column)) =
                 fragments[n / 2][(n % 2) * 2 + half];
           }
         }
@@ -329,7 +335,7 @@ __global__ void __launch_bounds__(kWarps * 32, 1)
           const int first_column = (column_part * kDqPieces + piece) * kDqColumns;
           float dq[kDqColumns / 8][4];
           clear(dq);
-          warp_matmul_shared_tn<Element, kDqColumns, kKeys, kQueries, kHeadDim>(dq, ds_tile, row_group * 16, k_tile,
+          warp_matmul_shared_tn<Element, kDqColumns, kKeys, kQueries, kHeadDim, kPadded>(dq, ds_tile, row_group * 16, k_tile,
                                                                                 first_column, lane);
 #pragma unroll
           for (int half = 0; half < 2; ++half) {
@@ -741,11 +747,11 @@ __global__ void convert_dq_kernel(const float* accumulator, Element* dq, int64_t
   *reinterpret_cast<uint32_t*>(dq + index) = ElementTraits<Element>::pack(value.x * scale, value.y * scale);
 }
 
-template <typename Element, int kHeadDim, int kWarps, int kDqPieces = 1>
+template <typename Element, int kHeadDim, int kWarps, int kDqPieces = 1, bool kPadded = false>
 cudaError_t launch_kv(const PagedAttentionBackwardParams& params, const BackwardWorkspacePointers& workspace,
                       cudaStream_t stream) {
-  constexpr size_t kSharedBytes = backward_shared_bytes<kHeadDim, kWarps>();
-  auto kernel = paged_attention_backward_kv_kernel<Element, kHeadDim, kWarps, kDqPieces>;
+  constexpr size_t kSharedBytes = backward_shared_bytes<kHeadDim, kWarps, kPadded>();
+  auto kernel = paged_attention_backward_kv_kernel<Element, kHeadDim, kWarps, kDqPieces, kPadded>;
   cudaError_t error = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kSharedBytes));
   if (error != cudaSuccess) return error;
   const dim3 grid(workspace.num_chunk_blocks + history_page_count(params.shape), params.shape.num_kv_heads);
@@ -776,11 +782,12 @@ struct BackwardVariant {
 // Note [Backward variants]: compiled layouts of the dK/dV kernel for bf16, head_dim 128 and pages
 // of 128 keys (one page per CTA), picked by MEMBAR_ATTENTION_BACKWARD_VARIANT=<name> at every
 // launch (the default otherwise; other shapes always run the default layout). Names:
-// w<warps>_k<keys per CTA>_dq<columns of dQ a warp holds at once> for the kernel above,
+// w<warps>_k<keys per CTA>_dq<columns of dQ a warp holds at once>[_pad] for the kernel above,
 // w8_k128_split_s<Q/dO stages>[_pad] for Note [Backward split layout] (_pad: Note [Padded tiles]).
 const BackwardVariant kBackwardVariants[] = {
     {"w8_k128_dq64", &launch_kv<__nv_bfloat16, 128, 8, 1>},
     {"w8_k128_dq32", &launch_kv<__nv_bfloat16, 128, 8, 2>},
+    {"w8_k128_dq64_pad", &launch_kv<__nv_bfloat16, 128, 8, 1, true>},
     {"w8_k128_split_s2", &launch_kv_split<__nv_bfloat16, 128, 2, false>},
     {"w8_k128_split_s3", &launch_kv_split<__nv_bfloat16, 128, 3, false>},
     {"w8_k128_split_s2_pad", &launch_kv_split<__nv_bfloat16, 128, 2, true>},

@@ -146,25 +146,29 @@ __device__ __forceinline__ void load_tile_async(Element* tile, const Element* ba
   }
 }
 
+// The matrix products below take swizzled tiles, or padded ones with kPadded (Note [Padded tiles]).
+//
 // acc[16 x kN] += A[16 x kK] * B^T, where A is rows [a_row, a_row + 16) of a swizzled shared tile
 // stored [m][k] (kColumnsA per row) and B is rows [b_row, b_row + kN) of a swizzled tile stored
 // [n][k] (kColumnsB per row). Used for S = Q K^T and its relatives.
-template <typename Element, int kN, int kK, int kColumnsA, int kColumnsB>
+template <typename Element, int kN, int kK, int kColumnsA, int kColumnsB, bool kPadded = false>
 __device__ __forceinline__ void warp_matmul_shared_nt(float (&acc)[kN / 8][4], const Element* a_tile, int a_row,
                                                       const Element* b_tile, int b_row, int lane) {
+  using LayoutA = TileLayout<kColumnsA, kPadded>;
+  using LayoutB = TileLayout<kColumnsB, kPadded>;
   static_assert(kN % 16 == 0 && kK % 16 == 0, "tiles are whole 16 x 16 fragments");
 #pragma unroll
   for (int kk = 0; kk < kK / 16; ++kk) {
     uint32_t a[4];
     // Matrices: (rows 0-7, k 0-7), (rows 8-15, k 0-7), (rows 0-7, k 8-15), (rows 8-15, k 8-15).
-    ldmatrix_x4(a, a_tile + swizzled_offset<kColumnsA>(a_row + (lane & 15), kk * 16 + (lane >> 4) * 8));
+    ldmatrix_x4(a, a_tile + LayoutA::offset(a_row + (lane & 15), kk * 16 + (lane >> 4) * 8));
 #pragma unroll
     for (int nn = 0; nn < kN / 16; ++nn) {
       uint32_t b[4];
       // Matrices: (n 0-7, k 0-7), (n 0-7, k 8-15), (n 8-15, k 0-7), (n 8-15, k 8-15).
       const int row = b_row + nn * 16 + (lane & 7) + ((lane >> 4) << 3);
       const int column = kk * 16 + ((lane >> 3) & 1) * 8;
-      ldmatrix_x4(b, b_tile + swizzled_offset<kColumnsB>(row, column));
+      ldmatrix_x4(b, b_tile + LayoutB::offset(row, column));
       ElementTraits<Element>::mma(acc[2 * nn], a, b[0], b[1]);
       ElementTraits<Element>::mma(acc[2 * nn + 1], a, b[2], b[3]);
     }
@@ -174,9 +178,10 @@ __device__ __forceinline__ void warp_matmul_shared_nt(float (&acc)[kN / 8][4], c
 // acc[16 x kN] += A[16 x kK] * B, where A comes from registers (Note [Fragment layouts]) and B is
 // the [kK x kN] block at (b_row, b_column) of a swizzled shared tile stored [k][n]
 // (kColumnsB per row), read transposed by ldmatrix. Used for O += P V, dV += P^T dO and the like.
-template <typename Element, int kN, int kK, int kColumnsB>
+template <typename Element, int kN, int kK, int kColumnsB, bool kPadded = false>
 __device__ __forceinline__ void warp_matmul_registers_nn(float (&acc)[kN / 8][4], const uint32_t (&a)[kK / 16][4],
                                                          const Element* b_tile, int b_row, int b_column, int lane) {
+  using LayoutB = TileLayout<kColumnsB, kPadded>;
 #pragma unroll
   for (int kk = 0; kk < kK / 16; ++kk) {
 #pragma unroll
@@ -185,7 +190,7 @@ __device__ __forceinline__ void warp_matmul_registers_nn(float (&acc)[kN / 8][4]
       // Matrices (stored k x n): (k 0-7, n 0-7), (k 8-15, n 0-7), (k 0-7, n 8-15), (k 8-15, n 8-15).
       const int row = b_row + kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
       const int column = b_column + nn * 16 + (lane >> 4) * 8;
-      ldmatrix_x4_trans(b, b_tile + swizzled_offset<kColumnsB>(row, column));
+      ldmatrix_x4_trans(b, b_tile + LayoutB::offset(row, column));
       ElementTraits<Element>::mma(acc[2 * nn], a[kk], b[0], b[1]);
       ElementTraits<Element>::mma(acc[2 * nn + 1], a[kk], b[2], b[3]);
     }
@@ -195,21 +200,23 @@ __device__ __forceinline__ void warp_matmul_registers_nn(float (&acc)[kN / 8][4]
 // acc[16 x kN] += A * B where A = (stored tile)^T: the stored tile is [k][m] (kColumnsA per row)
 // and A's 16 rows are its columns [a_column, a_column + 16); B is stored [k][n] as above.
 // Used for dQ += dS K with dS^T in shared memory.
-template <typename Element, int kN, int kK, int kColumnsA, int kColumnsB>
+template <typename Element, int kN, int kK, int kColumnsA, int kColumnsB, bool kPadded = false>
 __device__ __forceinline__ void warp_matmul_shared_tn(float (&acc)[kN / 8][4], const Element* a_tile, int a_column,
                                                       const Element* b_tile, int b_column, int lane) {
+  using LayoutA = TileLayout<kColumnsA, kPadded>;
+  using LayoutB = TileLayout<kColumnsB, kPadded>;
 #pragma unroll
   for (int kk = 0; kk < kK / 16; ++kk) {
     uint32_t a[4];
     // Matrices (stored k x m): (k 0-7, m 0-7), (k 0-7, m 8-15), (k 8-15, m 0-7), (k 8-15, m 8-15).
-    ldmatrix_x4_trans(a, a_tile + swizzled_offset<kColumnsA>(kk * 16 + (lane & 7) + (lane >> 4) * 8,
-                                                            a_column + ((lane >> 3) & 1) * 8));
+    ldmatrix_x4_trans(a, a_tile + LayoutA::offset(kk * 16 + (lane & 7) + (lane >> 4) * 8,
+                                                 a_column + ((lane >> 3) & 1) * 8));
 #pragma unroll
     for (int nn = 0; nn < kN / 16; ++nn) {
       uint32_t b[4];
       const int row = kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
       const int column = b_column + nn * 16 + (lane >> 4) * 8;
-      ldmatrix_x4_trans(b, b_tile + swizzled_offset<kColumnsB>(row, column));
+      ldmatrix_x4_trans(b, b_tile + LayoutB::offset(row, column));
       ElementTraits<Element>::mma(acc[2 * nn], a, b[0], b[1]);
       ElementTraits<Element>::mma(acc[2 * nn + 1], a, b[2], b[3]);
     }
