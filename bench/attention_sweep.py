@@ -336,6 +336,55 @@ def run_children(todo, histories, out_path):
     return list(results.values())
 
 
+def render_table(records, todo, histories, defaults, usage, usage_source, header):
+    """The text table of a sweep and the fastest variant of each kind that agreed with the default
+    at every history: (lines, {kind: name})."""
+    by_key = {(r["kind"], r["variant"], r["history"]): r for r in records}
+    lines = [header,
+             "Qwen2.5-7B attention: 28 q heads, 4 kv heads, D=128, bf16, chunk 4096, pages of 128, fp32 grad pages; "
+             "TFLOP/s (ratio to SDPA); check = |diff| norm / max relative to the default variant's output",
+             f"{'kind':<9}{'variant':<36}{'regs':>5}{'stack':>6}" +
+             "".join(f"{'h=' + str(h // 1024) + 'K':>18}" for h in histories) + "  check (norm, max) / error"]
+    for kind, name in todo:
+        regs = lookup_usage(usage, kind, name) if kind != "sdpa" else None
+        cells, notes = [], []
+        for h in histories:
+            record = by_key.get((kind, name, h))
+            sdpa = by_key.get(("sdpa", "flash", h))
+            if record is None:
+                cells.append(f"{'-':>18}")
+                continue
+            if kind == "sdpa":
+                cells.append(f"{record.get('forward_tflops', 0):>8.1f}/{record.get('backward_tflops', 0):>6.1f} f/b")
+                continue
+            if "tflops" not in record:
+                cells.append(f"{'FAILED':>18}")
+                notes.append(record.get("error", "?")[:80])
+                continue
+            reference = sdpa.get(f"{kind}_tflops") if sdpa else None
+            ratio = f"({record['tflops'] / reference:.2f})" if reference else ""
+            flag = "" if record.get("ok") else "!"
+            cells.append(f"{flag + format(record['tflops'], '.1f'):>10} {ratio:>7}")
+            checks = record.get("checks", {})
+            worst = max((c for c in checks.values() if isinstance(c, list)), key=lambda c: c[0], default=None)
+            if worst:
+                notes.append(f"{worst[0]:.1e},{worst[1]:.1e}" + ("" if record.get("ok") else " MISMATCH"))
+        default = defaults.get(kind) == name
+        label = name + (" *" if default else "")
+        reg_text = f"{regs[0]:>5}{regs[1]:>6}" if regs else f"{'':>5}{'':>6}"
+        lines.append(f"{kind:<9}{label:<36}{reg_text}" + "".join(cells) + "  " + "; ".join(notes))
+    lines.append("* = default; ! = disagrees with the default (not a candidate); regs/stack from " + usage_source)
+    best = {}
+    for kind in ("forward", "backward"):
+        candidates = [r for r in records if r["kind"] == kind and r.get("ok") and "tflops" in r]
+        names = sorted({r["variant"] for r in candidates})
+        complete = [n for n in names if all(by_key.get((kind, n, h), {}).get("ok") for h in histories)]
+        if complete:
+            score = {n: sum(by_key[(kind, n, h)]["tflops"] for h in histories) for n in complete}
+            best[kind] = max(complete, key=score.get)
+    return lines, best
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--histories", default="32768,131072")
@@ -383,50 +432,10 @@ def main():
                                 cwd=Path(__file__).parent).stdout.strip()
     except OSError:
         commit = ""
-    by_key = {(r["kind"], r["variant"], r["history"]): r for r in records}
-    lines = [f"attention kernel variants vs SDPA flash, {torch.cuda.get_device_name()}, commit {commit[:12]}, "
-             f"{time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())}",
-             "Qwen2.5-7B attention: 28 q heads, 4 kv heads, D=128, bf16, chunk 4096, pages of 128, fp32 grad pages; "
-             "TFLOP/s (ratio to SDPA); check = |diff| norm / max relative to the default variant's output",
-             f"{'kind':<9}{'variant':<32}{'regs':>5}{'stack':>6}" +
-             "".join(f"{'h=' + str(h // 1024) + 'K':>18}" for h in histories) + "  check (norm, max) / error"]
-    for kind, name in todo:
-        regs = lookup_usage(usage, kind, name) if kind != "sdpa" else None
-        cells, notes = [], []
-        for h in histories:
-            record = by_key.get((kind, name, h))
-            sdpa = by_key.get(("sdpa", "flash", h))
-            if record is None:
-                cells.append(f"{'-':>18}")
-                continue
-            if kind == "sdpa":
-                cells.append(f"{record.get('forward_tflops', 0):>8.1f}/{record.get('backward_tflops', 0):>6.1f} f/b")
-                continue
-            if "tflops" not in record:
-                cells.append(f"{'FAILED':>18}")
-                notes.append(record.get("error", "?")[:80])
-                continue
-            reference = sdpa.get(f"{kind}_tflops") if sdpa else None
-            ratio = f"({record['tflops'] / reference:.2f})" if reference else ""
-            flag = "" if record.get("ok") else "!"
-            cells.append(f"{flag}{record['tflops']:>9.1f} {ratio:>7}")
-            checks = record.get("checks", {})
-            worst = max((c for c in checks.values() if isinstance(c, list)), key=lambda c: c[0], default=None)
-            if worst:
-                notes.append(f"{worst[0]:.1e},{worst[1]:.1e}" + ("" if record.get("ok") else " MISMATCH"))
-        default = (kind == "forward" and name == forward_default) or (kind == "backward" and name == backward_default)
-        label = name + (" *" if default else "")
-        reg_text = f"{regs[0]:>5}{regs[1]:>6}" if regs else f"{'':>5}{'':>6}"
-        lines.append(f"{kind:<9}{label:<32}{reg_text}" + "".join(cells) + "  " + "; ".join(notes))
-    lines.append("* = default; ! = disagrees with the default (not a candidate); regs/stack from " + usage_source)
-    best = {}
-    for kind in ("forward", "backward"):
-        candidates = [r for r in records if r["kind"] == kind and r.get("ok") and "tflops" in r]
-        names = sorted({r["variant"] for r in candidates})
-        complete = [n for n in names if all(by_key.get((kind, n, h), {}).get("ok") for h in histories)]
-        if complete:
-            score = {n: sum(by_key[(kind, n, h)]["tflops"] for h in histories) for n in complete}
-            best[kind] = max(complete, key=score.get)
+    header = (f"attention kernel variants vs SDPA flash, {torch.cuda.get_device_name()}, commit {commit[:12]}, "
+              f"{time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())}")
+    lines, best = render_table(records, todo, histories, {"forward": forward_default, "backward": backward_default},
+                               usage, usage_source, header)
     lines.append("fastest correct: " + ", ".join(f"{k} {v}" for k, v in best.items()) +
                  f"; sweep took {time.time() - started:.0f} s")
     text = "\n".join(lines) + "\n"
