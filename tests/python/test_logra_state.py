@@ -92,7 +92,7 @@ def _membard():
 
 
 @pytest.mark.skipif(_membard() is None, reason="membard is not built (set MEMBAR_BUILD_DIR)")
-def test_states_as_pages_of_a_daemon_with_offloaded_moments(tmp_path):
+def test_states_as_pages_of_a_daemon_with_offloaded_moments(tmp_path, monkeypatch):
     socket = tmp_path / "membard.sock"
     daemon = subprocess.Popen([str(_membard()), "--backend", "host", "--socket", str(socket), "--gpu-pool", "16MiB",
                                "--host-pool", "64MiB", "--foreground", "--log-level", "warn"])
@@ -104,6 +104,25 @@ def test_states_as_pages_of_a_daemon_with_offloaded_moments(tmp_path):
         runtime = Runtime.connect(socket=str(socket), embedded=False, name="logra-states")
         assert runtime.describe().startswith("daemon:")
         _check_runtime_states(runtime)
+        # runtime="auto" takes the daemon when one answers.
+        monkeypatch.setenv("MEMBAR_SOCKET", str(socket))
+        handle = logra.apply_logra(nn.Sequential(nn.Linear(16, 16)), rank=4, targets=("0",), runtime="auto")
+        assert handle.states.storage.describe().startswith("runtime pages (daemon:")
+        handle.states.close()
     finally:
         daemon.terminate()
         daemon.wait(timeout=10)
+
+
+def test_auto_runtime_falls_back_to_an_embedded_one_sized_for_the_states(monkeypatch, tmp_path):
+    monkeypatch.setenv("MEMBAR_SOCKET", str(tmp_path / "nobody.sock"))
+    model = nn.Sequential(nn.Linear(64, 3000))
+    handle = logra.apply_logra(model, rank=200, targets=("0",), runtime="auto")  # 2.4 MB per kind
+    assert handle.states.storage.describe().startswith("runtime pages (embedded")
+    assert handle.states.storage.runtime.window_bytes >= 3 * 4 * 3000 * 200
+    handle.model(torch.randn(4, 64)).sum().backward()
+    optimizer = logra.LoGRAOptimizer(handle, lr=1e-3)
+    optimizer.step()
+    assert optimizer.moment("second_moment", 0).abs().sum() > 0
+    with pytest.raises(ValueError, match="runtime must be"):
+        logra.apply_logra(nn.Sequential(nn.Linear(4, 4)), rank=2, targets=("0",), runtime="daemon please")

@@ -220,6 +220,27 @@ def target_weights(model: nn.Module, targets: Iterable[str] = DEFAULT_TARGETS) -
     return {index: entry[3].weight for index, entry in enumerate(target_linears(model, targets))}
 
 
+def _connect_runtime_for_states(shapes, device: torch.device):
+    """A runtime for apply_logra(runtime="auto"): the daemon when one answers with a backend of
+    the weights' device type, else an embedded one whose GPU window and host pool hold the three
+    flat state kinds (sketch, two moments) with room for page rounding."""
+    from membar.runtime import Runtime
+
+    backend = "cuda" if device.type == "cuda" else "host"
+    frame = 2 << 20
+    state_bytes = 4 * sum(rows * rank for rows, rank in shapes)
+    pool_bytes = (3 * (state_bytes + 2 * frame) + frame - 1) // frame * frame
+    try:
+        runtime = Runtime.connect(embedded=False, name="logra", device=device.index or 0)
+        if runtime.device.type == device.type:
+            return runtime
+    except RuntimeError as error:
+        if "UNAVAILABLE" not in str(error) and "NOT_FOUND" not in str(error):
+            raise
+    return Runtime.connect(embedded=True, backend=backend, gpu_pool_bytes=pool_bytes, host_pool_bytes=pool_bytes,
+                           device=device.index or 0, name="logra")
+
+
 def apply_logra(
     model: nn.Module,
     rank: int,
@@ -237,7 +258,9 @@ def apply_logra(
 
     ``projection``: "forward", "backward" or "auto" (Note [LoGRA projection under checkpointing]).
     ``runtime``: a membar.runtime.Runtime whose pages hold the sketches and optimizer moments
-    (Note [LoGRA state storage]); None keeps them in plain tensors."""
+    (Note [LoGRA state storage]); "auto" connects one (the daemon when one answers and its backend
+    matches the weights' device, else an embedded runtime sized for the states); None keeps them
+    in plain tensors."""
     targets = tuple(targets)
     if projection == "auto":
         projection = "backward" if getattr(model, "is_gradient_checkpointing", False) else "forward"
@@ -257,9 +280,14 @@ def apply_logra(
     if len(devices) != 1:
         raise ValueError(f"apply_logra: the targeted weights sit on several devices ({sorted(map(str, devices))})")
     device = devices.pop()
+    shapes = [(entry[3].out_features, int(rank)) for entry in replacements]
+    if isinstance(runtime, str):
+        if runtime != "auto":
+            raise ValueError(f"runtime must be a Runtime, 'auto' or None, got {runtime!r}")
+        runtime = _connect_runtime_for_states(shapes, device)
     if runtime is not None and runtime.device.type != device.type:
         raise ValueError(f"apply_logra: the runtime's pages live on {runtime.device} but the weights on {device}")
-    states = LoGRAStates([(entry[3].out_features, int(rank)) for entry in replacements], device, runtime=runtime)
+    states = LoGRAStates(shapes, device, runtime=runtime)
     for parent_name, parent, child_name, child in replacements:
         layer = LoGRALinear(child, rank, len(layers), key_state, master_weights=master_weights, states=states,
                             state_index=len(layers), projection=projection)
