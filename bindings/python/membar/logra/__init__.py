@@ -10,23 +10,30 @@ optimizer on S gives U, and W <- W - alpha * eta * U A is applied by one fused k
   LoGRAOptimizer(logra, lr, ...)         Adam / SGD on the sketches, A redraw policy,
                                          predicted-KL step control (KLControl)
   predict_kl(...)                        q(D) from one forward-mode pass (Note [Predicted KL])
-  PolicyPublisher / PolicySubscriber     seed-based policy sync over a shared-memory ring
+  PolicyPublisher / PolicySubscriber     seed-based policy sync over a shared-memory ring (runtime
+                                         channels of membard, or POSIX shared memory)
+  causal_lm_loss / chunked_linear_cross_entropy
+                                         next-token loss without full-vocabulary logits, gradient
+                                         computed in the forward (Note [Chunked linear cross-entropy])
 
 Adam's moments on a redraw of A: see Note [Adam moments when A is redrawn] in optimizer.py
-(default: reset the first moment, keep the second). States (sketches, moments, masters) are
-plain tensors from membar.logra.state.allocate_state, the one place that will hand out
-runtime pages once the runtime can page them.
+(default: reset the first moment, keep the second). Sketches and moments are flat buffers
+(LoGRAStates, Note [LoGRA state storage]): plain tensors, or pages of a membar runtime
+(``apply_logra(..., runtime=rt or "auto")``), with the moments optionally offloaded to host
+memory between updates (``LoGRAOptimizer(..., offload_moments=True)``).
 """
 from membar.logra.kl import KLPrediction, measured_kl, predict_kl, softmax_fisher_quadratic, step_scale
 from membar.logra.linear import (DEFAULT_TARGETS, KeyState, LoGRALinear, LoGRAModel, apply_logra, target_linears,
                                  target_weights)
+from membar.logra.loss import causal_lm_loss, chunked_linear_cross_entropy
 from membar.logra.ops import ProjectionKey, fused_update_, generate, project, sketch_accumulate_
 from membar.logra.optimizer import KLControl, LoGRAOptimizer, StepResult
-from membar.logra.state import allocate_state
+from membar.logra.state import LoGRAStates, allocate_state
 from membar.logra.sync import PolicyPublisher, PolicySubscriber, SharedMemoryRing, SyncOverrun
 
 __all__ = [
     "DEFAULT_TARGETS", "KLControl", "KLPrediction", "KeyState", "LoGRALinear", "LoGRAModel", "LoGRAOptimizer",
+    "LoGRAStates", "causal_lm_loss", "chunked_linear_cross_entropy",
     "PolicyPublisher", "PolicySubscriber", "ProjectionKey", "SharedMemoryRing", "StepResult", "SyncOverrun",
     "allocate_state", "apply_logra", "fused_update_", "generate", "measured_kl", "predict_kl", "project",
     "sketch_accumulate_", "softmax_fisher_quadratic", "step_scale", "target_linears", "target_weights",
