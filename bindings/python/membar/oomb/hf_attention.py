@@ -156,7 +156,8 @@ def _merge_into(total: torch.Tensor, total_lse: torch.Tensor, out: torch.Tensor,
     (-inf where a row saw no key, whose out is then 0). Returns the new lse."""
     merged = torch.logaddexp(total_lse, lse)
     total.mul_(torch.exp(total_lse - merged).t().unsqueeze(-1))
-    total.add_(out.float() * torch.exp(lse - merged).t().unsqueeze(-1))
+    # addcmul_ reads out in its own dtype: no float32 copy of it is written first.
+    total.addcmul_(out, torch.exp(lse - merged).t().unsqueeze(-1))
     return merged
 
 
@@ -211,7 +212,7 @@ def _backward(context: ChunkContext, layer: int, q, k, v, out, dout, lse, scale:
                                                 attend_chunk=False)
         store.release(access, history)
         store.release(grad_access, grads)
-        dq_total += part.float()
+        dq_total.add_(part)   # float32 += model dtype, without a float32 copy of part
     return dq_total.to(dq.dtype), dk, dv
 
 
