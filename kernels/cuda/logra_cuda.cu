@@ -234,6 +234,9 @@ constexpr int kRows = 64;        // rows of W per block
 constexpr int kColumns = 128;    // columns of W per block: two sign words per row of A
 constexpr int kRankChunk = 64;   // rank indices per pass
 constexpr int kThreads = 256;    // 8 warps: 2 (rows) x 4 (columns), each 32 x 32
+// Two resident blocks per SM (at most 128 registers a thread): one block's loads and epilogue
+// overlap the other's sign generation and MMAs.
+constexpr int kBlocksPerMultiprocessor = 2;
 constexpr int kUpdateStride = kRankChunk + 8;   // bf16 elements; a multiple of 8 for WMMA loads
 constexpr int kSignStride = kColumns + 8;       // bf16 elements
 constexpr int kStagingStride = kColumns + 4;    // floats; a multiple of 4 for WMMA stores
@@ -247,11 +250,29 @@ static_assert(kSharedBytes <= 48 * 1024, "the tile must fit static shared memory
 static_assert(kUpdateTileBytes % 32 == 0 && kSignTileBytes % 32 == 0,
               "WMMA needs 256-bit aligned fragment pointers, so every sub-buffer starts on 32 bytes");
 static_assert((kThreads / 32) == (kRows / 32) * (kColumns / 32), "one warp per 32 x 32 sub-tile");
+constexpr int kUpdateGroups = kRows * kRankChunk / 4 / kThreads;  // float4 loads of U per thread and pass
+static_assert(kRows * kRankChunk % (4 * kThreads) == 0, "the threads must cover the U tile's float4 groups evenly");
+
+__device__ __forceinline__ float weight_to_float(float value) { return value; }
+__device__ __forceinline__ float weight_to_float(__nv_bfloat16 value) { return __bfloat162float(value); }
+
+// The stored value of element `element` of W: fp32 as is; bf16 to nearest even, or stochastically
+// with the exact kernel's bits when rounding_seed != 0 (Note [LoGRA stochastic rounding]).
+template <typename W>
+__device__ __forceinline__ W round_weight(float value, uint64_t rounding_seed, uint64_t element);
+template <>
+__device__ __forceinline__ float round_weight<float>(float value, uint64_t, uint64_t) { return value; }
+template <>
+__device__ __forceinline__ __nv_bfloat16 round_weight<__nv_bfloat16>(float value, uint64_t rounding_seed,
+                                                                     uint64_t element) {
+  if (rounding_seed == 0) return __float2bfloat16_rn(value);
+  return __ushort_as_bfloat16(logra_bfloat16_stochastic(__float_as_uint(value), rounding_seed, element));
+}
 
 // W[i, c] -= step * sum_j U[i, j] sign[j, c], U split into bf16 hi + lo, tensor cores.
 // grid: (ceil(k / 128), ceil(d / 64)); block: 256.
 template <typename W>
-__global__ void __launch_bounds__(kThreads) update_kernel(LograUpdateParams params, uint64_t key_hash, float step) {
+__global__ void __launch_bounds__(kThreads, kBlocksPerMultiprocessor) update_kernel(LograUpdateParams params, uint64_t key_hash, float step) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   namespace wmma = nvcuda::wmma;
   __shared__ __align__(128) unsigned char shared[kSharedBytes];
@@ -270,6 +291,13 @@ __global__ void __launch_bounds__(kThreads) update_kernel(LograUpdateParams para
   const int warp_row = (warp / 4) * 32;
   const int warp_column = (warp % 4) * 32;
   const uint32_t first_word = static_cast<uint32_t>(column_begin / 64);
+  constexpr int kPerVector = 16 / static_cast<int>(sizeof(W));   // elements of W per 16-byte access
+  constexpr int kVectorsPerRow = kColumns / kPerVector;
+  constexpr int kWeightIterations = kRows * kVectorsPerRow / kThreads;
+  static_assert(kRows * kVectorsPerRow % kThreads == 0, "the threads must cover the tile's vectors evenly");
+  const bool vector_weight =
+      in_features % kPerVector == 0 && reinterpret_cast<uintptr_t>(params.weight) % 16 == 0;
+  const bool vector_update = rank % 4 == 0 && reinterpret_cast<uintptr_t>(params.update) % 16 == 0;
 
   wmma::fragment<wmma::accumulator, 16, 16, 16, float> accumulator[2][2];
 #pragma unroll
@@ -279,16 +307,36 @@ __global__ void __launch_bounds__(kThreads) update_kernel(LograUpdateParams para
   }
 
   for (int64_t rank_begin = 0; rank_begin < rank; rank_begin += kRankChunk) {
-    // U [64 rows, 64 ranks] -> hi / lo; zero outside the matrix so padding adds nothing.
-    for (int index = threadIdx.x; index < kRows * kRankChunk; index += kThreads) {
-      const int i = index / kRankChunk;
-      const int j = index % kRankChunk;
-      const int64_t row = row_begin + i;
-      const int64_t rank_index = rank_begin + j;
-      const float value = (row < params.out_features && rank_index < rank) ? params.update[row * rank + rank_index] : 0.f;
-      const __nv_bfloat16 high = __float2bfloat16_rn(value);
-      update_high[i * kUpdateStride + j] = high;
-      update_low[i * kUpdateStride + j] = __float2bfloat16_rn(value - __bfloat162float(high));
+    // U [64 rows, 64 ranks] -> hi / lo; zero outside the matrix so padding adds nothing. Four
+    // consecutive ranks per access, every load of the pass issued before any is used.
+    float4 loaded[kUpdateGroups];
+#pragma unroll
+    for (int g = 0; g < kUpdateGroups; ++g) {
+      const int group = threadIdx.x + g * kThreads;
+      const int64_t row = row_begin + group / (kRankChunk / 4);
+      const int64_t rank_index = rank_begin + (group % (kRankChunk / 4)) * 4;
+      const float* source = params.update + row * rank + rank_index;
+      if (vector_update && row < params.out_features && rank_index < rank) {
+        loaded[g] = *reinterpret_cast<const float4*>(source);  // rank % 4 == 0: the group is whole
+      } else {
+        const bool row_valid = row < params.out_features;
+        loaded[g] = make_float4(row_valid && rank_index < rank ? source[0] : 0.f,
+                                row_valid && rank_index + 1 < rank ? source[1] : 0.f,
+                                row_valid && rank_index + 2 < rank ? source[2] : 0.f,
+                                row_valid && rank_index + 3 < rank ? source[3] : 0.f);
+      }
+    }
+#pragma unroll
+    for (int g = 0; g < kUpdateGroups; ++g) {
+      const int group = threadIdx.x + g * kThreads;
+      const int offset = (group / (kRankChunk / 4)) * kUpdateStride + (group % (kRankChunk / 4)) * 4;
+      const float values[4] = {loaded[g].x, loaded[g].y, loaded[g].z, loaded[g].w};
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const __nv_bfloat16 high = __float2bfloat16_rn(values[e]);
+        update_high[offset + e] = high;
+        update_low[offset + e] = __float2bfloat16_rn(values[e] - __bfloat162float(high));
+      }
     }
     if (threadIdx.x < kRankChunk * 2) {
       const int j = threadIdx.x / 2;
@@ -337,15 +385,48 @@ __global__ void __launch_bounds__(kThreads) update_kernel(LograUpdateParams para
     }
   }
   __syncthreads();
-  for (int index = threadIdx.x; index < kRows * kColumns; index += kThreads) {
-    const int i = index / kColumns;
-    const int c = index % kColumns;
-    const int64_t row = row_begin + i;
-    const int64_t column = column_begin + c;
-    if (row >= params.out_features || column >= in_features) continue;
-    const int64_t element = row * in_features + column;
-    const float change = __fmul_rn(step, staging[i * kStagingStride + c]);
-    store_weight<W>(weight, element, __fsub_rn(load_weight<W>(weight, element), change), params.rounding_seed);
+  if (vector_weight) {
+    // 16-byte accesses (8 bf16 or 4 fp32 of one row), every load issued before any store so
+    // that each thread keeps kWeightIterations accesses in flight.
+    uint4 values[kWeightIterations];
+#pragma unroll
+    for (int it = 0; it < kWeightIterations; ++it) {
+      const int vector = threadIdx.x + it * kThreads;
+      const int64_t row = row_begin + vector / kVectorsPerRow;
+      const int64_t column = column_begin + (vector % kVectorsPerRow) * kPerVector;
+      if (row < params.out_features && column < in_features) {
+        values[it] = *reinterpret_cast<const uint4*>(weight + row * in_features + column);
+      }
+    }
+#pragma unroll
+    for (int it = 0; it < kWeightIterations; ++it) {
+      const int vector = threadIdx.x + it * kThreads;
+      const int i = vector / kVectorsPerRow;
+      const int c = (vector % kVectorsPerRow) * kPerVector;
+      const int64_t row = row_begin + i;
+      const int64_t column = column_begin + c;
+      if (row >= params.out_features || column >= in_features) continue;  // k % kPerVector == 0: whole vectors
+      W* lanes = reinterpret_cast<W*>(&values[it]);
+      const int64_t first = row * in_features + column;
+#pragma unroll
+      for (int e = 0; e < kPerVector; ++e) {
+        const float change = __fmul_rn(step, staging[i * kStagingStride + c + e]);
+        lanes[e] = round_weight<W>(__fsub_rn(weight_to_float(lanes[e]), change), params.rounding_seed,
+                                   static_cast<uint64_t>(first + e));
+      }
+      *reinterpret_cast<uint4*>(weight + first) = values[it];
+    }
+  } else {
+    for (int index = threadIdx.x; index < kRows * kColumns; index += kThreads) {
+      const int i = index / kColumns;
+      const int c = index % kColumns;
+      const int64_t row = row_begin + i;
+      const int64_t column = column_begin + c;
+      if (row >= params.out_features || column >= in_features) continue;
+      const int64_t element = row * in_features + column;
+      const float change = __fmul_rn(step, staging[i * kStagingStride + c]);
+      store_weight<W>(weight, element, __fsub_rn(load_weight<W>(weight, element), change), params.rounding_seed);
+    }
   }
 #endif
 }

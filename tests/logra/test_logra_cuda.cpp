@@ -176,6 +176,8 @@ void check_tensor_core_update(int64_t d, int64_t k, int64_t r) {
 TEST(LograCuda, TensorCoreUpdateMatchesReference) { check_tensor_core_update(131, 300, 40); }
 TEST(LograCuda, TensorCoreUpdateMatchesReferenceRank256) { check_tensor_core_update(64, 640, 256); }
 TEST(LograCuda, TensorCoreUpdateMatchesReferenceRagged) { check_tensor_core_update(70, 1000, 100); }
+// rank % 4 != 0 and k % 4 != 0: the scalar paths for U and W.
+TEST(LograCuda, TensorCoreUpdateMatchesReferenceScalarPaths) { check_tensor_core_update(33, 301, 7); }
 
 TEST(LograCuda, BadParametersAreRejectedWithoutLaunch) {
   LograUpdateParams params;

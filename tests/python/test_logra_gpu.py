@@ -62,10 +62,11 @@ def test_stochastic_rounding_bit_identical_to_cpu():
     assert torch.equal(weight, weight_gpu.cpu())
 
 
-# Shapes with ragged edges in every tile dimension (rows % 64, columns % 128, rank % 64) and the
-# 7B shapes' rank / width.
+# Shapes with ragged edges in every tile dimension (rows % 64, columns % 128, rank % 64), the 7B
+# shapes' rank / width, and the kernel's scalar paths (rank % 4 != 0: U read one float at a time;
+# columns % 4 != 0: W read one element at a time).
 @pytest.mark.parametrize("rows,columns,rank", [(300, 520, 64), (131, 1000, 16), (64, 128, 256), (200, 3584, 100),
-                                               (96, 18944, 64)])
+                                               (96, 18944, 64), (131, 1001, 7)])
 def test_tensor_core_update_matches_fp64_reference(rows, columns, rank):
     torch.manual_seed(6)
     key = ops.ProjectionKey(5, 8, 2)
@@ -86,10 +87,12 @@ def test_tensor_core_update_matches_fp64_reference(rows, columns, rank):
     assert torch.equal(again, weight_gpu)
 
 
-def test_tensor_core_update_of_bf16_weights_rounds_like_the_exact_kernel():
+# 700 columns: W read element by element (700 % 8 != 0); 704: in 16-byte vectors.
+@pytest.mark.parametrize("columns", [700, 704])
+def test_tensor_core_update_of_bf16_weights_rounds_like_the_exact_kernel(columns):
     torch.manual_seed(7)
     key = ops.ProjectionKey(11, 2, 9)
-    weight = torch.randn(257, 700).to(torch.bfloat16).cuda()
+    weight = torch.randn(257, columns).to(torch.bfloat16).cuda()
     update = torch.randn(257, 64).cuda() * 1e-3
     seed = ops.rounding_seed_for(3, 5)
     results = {}
