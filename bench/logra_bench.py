@@ -411,8 +411,18 @@ def human_bytes(count):
     return f"{count} B"
 
 
+def sketch_baseline(results, r):
+    """The plain sketch of the same shape and rank as LoGRA row r (None if not measured)."""
+    rank = r["variant"][len("logra"):].split("_")[0]
+    for other in results:
+        if other["model"] == r["model"] and other["variant"] == f"sketch{rank}" and "step_s" in other:
+            return other
+    return None
+
+
 def format_table(results):
-    header = ["model", "variant", "trainable", "peak GiB", "mean GiB", "s/update", "sync payload / full"]
+    header = ["model", "variant", "trainable", "peak GiB", "mean GiB", "s/update", "vs plain sketch (time, peak)",
+              "sync payload / full"]
     rows = [header]
     for r in results:
         if r.get("oom"):
@@ -420,19 +430,25 @@ def format_table(results):
             note = f"needs {need:.0f} GiB + activations" if need else ""
             if "device_gib" in r:
                 note += f" ({r['device_gib']:.0f} GiB device)"
-            rows.append([r["model"], r["variant"], "", "OOM at " + r.get("oom_at", "?"), "", "", note])
+            rows.append([r["model"], r["variant"], "", "OOM at " + r.get("oom_at", "?"), "", "", "", note])
             continue
         if "skipped" in r or "error" in r:
-            rows.append([r["model"], r["variant"], "", r.get("skipped", r.get("error", ""))[:40], "", "", ""])
+            rows.append([r["model"], r["variant"], "", r.get("skipped", r.get("error", ""))[:40], "", "", "", ""])
             continue
         peak = r.get("peak_gib", r.get("peak_host_rss_gib"))
         payload = ""
         if "sync_payload_bytes" in r:
             payload = (f"{human_bytes(r['sync_payload_bytes'])} / {human_bytes(r['full_weight_bytes'])} "
                        f"({r['sync_payload_bytes'] / r['full_weight_bytes']:.4f})")
+        versus = ""
+        baseline = sketch_baseline(results, r) if r["variant"].startswith("logra") else None
+        if baseline is not None:
+            versus = f"{r['step_s'] / baseline['step_s']:.3f}x"
+            if "peak_gib" in r and "peak_gib" in baseline:
+                versus += f", {r['peak_gib'] / baseline['peak_gib']:.3f}x"
         rows.append([r["model"], r["variant"], f"{r['trainable'] / 1e6:.1f}M",
                      f"{peak:.2f}" + ("" if "peak_gib" in r else " (host RSS)"),
-                     f"{r['mean_gib']:.2f}" if "mean_gib" in r else "", f"{r['step_s']:.3f}", payload])
+                     f"{r['mean_gib']:.2f}" if "mean_gib" in r else "", f"{r['step_s']:.3f}", versus, payload])
     widths = [max(len(str(row[i])) for row in rows) for i in range(len(header))]
     return "\n".join(" | ".join(str(cell).ljust(width) for cell, width in zip(row, widths)) for row in rows)
 
