@@ -156,3 +156,28 @@ def test_layer_and_optimizer_on_gpu_match_cpu():
         results.append([layer.weight.detach().cpu() for layer in handle.layers])
     for cpu_weight, gpu_weight in zip(*results):
         torch.testing.assert_close(cpu_weight, gpu_weight, rtol=1e-4, atol=1e-5)
+
+
+def test_states_as_cuda_runtime_pages_with_offloaded_moments_match_plain_tensors():
+    from membar.runtime import Runtime
+
+    results = []
+    for use_runtime in (False, True):
+        torch.manual_seed(3)
+        model = torch.nn.Sequential(torch.nn.Linear(96, 640), torch.nn.Tanh(), torch.nn.Linear(640, 64)).cuda()
+        runtime = (Runtime.connect(embedded=True, backend="cuda", gpu_pool_bytes=16 << 20, host_pool_bytes=16 << 20)
+                   if use_runtime else None)
+        handle = logra.apply_logra(model, rank=16, targets=("0", "2"), seed=4, runtime=runtime)
+        optimizer = logra.LoGRAOptimizer(handle, lr=1e-2, offload_moments=use_runtime)
+        x = torch.randn(32, 96, generator=torch.Generator().manual_seed(0)).cuda()
+        for _ in range(4):
+            model(x).square().mean().backward()
+            optimizer.step()
+        torch.cuda.synchronize()
+        if use_runtime:
+            start = runtime.window_pointer
+            assert start <= handle.layers[0].sketch.data_ptr() < start + runtime.window_bytes
+            assert runtime.stats()["clients"][0]["bytes_gpu_to_host"] > 0
+        results.append([layer.weight.detach().cpu() for layer in handle.layers])
+    for plain, paged in zip(*results):
+        assert torch.equal(plain, paged)
