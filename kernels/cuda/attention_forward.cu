@@ -9,7 +9,11 @@
 // kStages stages, one barrier per block: with three stages the copy of block i + 1 is issued
 // before the barrier of block i (a stage is rewritten two blocks after it was read); with two it is
 // issued right after that barrier (the stage it overwrites was read in block i - 1, which every
-// warp finished before passing the barrier). Scores are masked only where a block can cut: the
+// warp finished before passing the barrier). With one stage (FlashAttention-2's pipeline, the
+// least shared memory) there is one K and one V buffer and two barriers per block: after the
+// first (K of block i has landed, V of block i - 1 is no longer read) V of block i loads while
+// S = Q K^T and the softmax run; after the second (V has landed, K is no longer read) K of block
+// i + 1 loads while O += P V runs. Scores are masked only where a block can cut: the
 // partial last history page and the chunk's diagonal blocks. With kSkipRescale a warp whose row
 // maxima did not change in a block skips rescaling its accumulator (common once a long history
 // has shown its largest scores). At the end each row is divided by its softmax sum and
@@ -41,7 +45,7 @@ using namespace detail;
 //     fragment once for 32 rows, halving shared-memory traffic per tensor-core instruction, but
 //     need more registers: at head_dim 128 they spill);
 //   kKeys: keys per block (64 or 128; at most page_tokens);
-//   kStages: K/V stages in shared memory (2 or 3);
+//   kStages: K/V stages in shared memory (1, 2 or 3; 1 = one K and one V buffer, loaded in turns);
 //   kQInRegisters: Q fragments loaded once into registers instead of from shared memory per block;
 //   kSkipRescale: skip the accumulator rescale when a warp's row maxima did not change;
 //   kMinBlocks: CTAs per SM the registers are budgeted for (__launch_bounds__);
@@ -62,7 +66,7 @@ struct ForwardConfig {
   static constexpr bool kPadded = kPadded_;
   static constexpr int kRows = 16 * kRowTiles * kWarps;
   static_assert(kKeys == 64 || kKeys == 128, "a key block is 64 or 128 keys (a page holds whole blocks)");
-  static_assert(kStages == 2 || kStages == 3, "the barrier scheme of Note [Forward kernel] needs 2 or 3 stages");
+  static_assert(kStages >= 1 && kStages <= 3, "the barrier schemes of Note [Forward kernel] take 1 to 3 stages");
 };
 
 // The layout every dtype and head_dim runs by default: eight warps of 16 rows, 64-key blocks.
@@ -145,6 +149,16 @@ __global__ void __launch_bounds__(Config::kWarps * 32, Config::kMinBlocks)
   const int num_blocks = keys.num_history_blocks + (shape.attend_chunk ? last_query / kKeys + 1 : 0);
   const int64_t kv_row_stride = int64_t(shape.num_kv_heads) * kHeadDim;
 
+  auto load_keys = [&](int index, int stage) {
+    const KeyBlock<Element> block = keys.block(index);
+    load_tile_async<Element, kKeys, kHeadDim, kThreads, Config::kPadded>(k_tiles + stage * kKeys * kStride, block.k_base,
+                                                                          kv_row_stride, block.valid_rows, thread);
+  };
+  auto load_values = [&](int index, int stage) {
+    const KeyBlock<Element> block = keys.block(index);
+    load_tile_async<Element, kKeys, kHeadDim, kThreads, Config::kPadded>(v_tiles + stage * kKeys * kStride, block.v_base,
+                                                                          kv_row_stride, block.valid_rows, thread);
+  };
   auto load_block = [&](int index, int stage) {
     const KeyBlock<Element> block = keys.block(index);
     load_tile_async<Element, kKeys, kHeadDim, kThreads, Config::kPadded>(k_tiles + stage * kKeys * kStride, block.k_base,
@@ -152,7 +166,13 @@ __global__ void __launch_bounds__(Config::kWarps * 32, Config::kMinBlocks)
     load_tile_async<Element, kKeys, kHeadDim, kThreads, Config::kPadded>(v_tiles + stage * kKeys * kStride, block.v_base,
                                                                           kv_row_stride, block.valid_rows, thread);
   };
-  if (num_blocks > 0) load_block(0, 0);
+  if (num_blocks > 0) {
+    if constexpr (kStages == 1) {
+      load_keys(0, 0);
+    } else {
+      load_block(0, 0);
+    }
+  }
   copy_async_commit();
 
   const float scale_log2 = shape.softmax_scale * kLog2e;
@@ -190,10 +210,15 @@ __global__ void __launch_bounds__(Config::kWarps * 32, Config::kMinBlocks)
       copy_async_commit();
       copy_async_wait<1>();
       __syncthreads();
-    } else {
+    } else if constexpr (kStages == 2) {
       copy_async_wait<0>();
       __syncthreads();
       if (index + 1 < num_blocks) load_block(index + 1, (index + 1) % kStages);
+      copy_async_commit();
+    } else {
+      copy_async_wait<0>();
+      __syncthreads();
+      load_values(index, 0);
       copy_async_commit();
     }
 
@@ -283,6 +308,12 @@ __global__ void __launch_bounds__(Config::kWarps * 32, Config::kMinBlocks)
       accumulator_to_a_fragments<Element, kKeys>(p_fragments[t], scores[t]);
     }
 
+    if constexpr (kStages == 1) {
+      copy_async_wait<0>();
+      __syncthreads();
+      if (index + 1 < num_blocks) load_keys(index + 1, 0);
+      copy_async_commit();
+    }
     // O += P V: every V fragment serves all row tiles of the warp.
 #pragma unroll
     for (int kk = 0; kk < kKeys / 16; ++kk) {
@@ -390,6 +421,11 @@ const ForwardVariant kForwardVariants[] = {
     bf16_d128_variant<ForwardConfig<8, 1, 128, 2, true, true, 1, true, true>>("w8r16_k128_s2_qreg_skip_pad"),
     bf16_d128_variant<ForwardConfig<4, 1, 64, 2, true, true, 2, true, true>>("w4r16_k64_s2_qreg_skip_2cta_pad"),
     bf16_d128_variant<ForwardConfig<4, 2, 64, 2, false, true, 2, true, true>>("w4r32_k64_s2_skip_2cta_pad"),
+    // One K and one V buffer (FlashAttention-2's pipeline): the least shared memory.
+    bf16_d128_variant<ForwardConfig<4, 2, 64, 1, false, true, 2, true, true>>("w4r32_k64_s1_skip_2cta_pad"),
+    bf16_d128_variant<ForwardConfig<4, 1, 64, 1, true, true, 2, true, true>>("w4r16_k64_s1_qreg_skip_2cta_pad"),
+    bf16_d128_variant<ForwardConfig<4, 1, 128, 1, true, true, 2, true, true>>("w4r16_k128_s1_qreg_skip_2cta_pad"),
+    bf16_d128_variant<ForwardConfig<8, 1, 128, 1, true, true, 1, true, true>>("w8r16_k128_s1_qreg_skip_pad"),
     bf16_d128_variant<ForwardConfig<4, 2, 64, 3, false, true, 1>>("w4r32_k64_s3_skip"),
 };
 constexpr int kDefaultForwardVariant = 0;

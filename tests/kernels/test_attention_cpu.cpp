@@ -656,6 +656,120 @@ TEST(AttentionCpu, UnselectedPagesAndRowsPastHistoryStayUntouched) {
   }
 }
 
+// Note [Blocked history] in attention.h: the history in two blocks of pages (attend_chunk false,
+// with null chunk pointers, which the kernels must neither read nor write) plus a chunk-only call,
+// merged by lse, gives the single call's out and lse; the blocks' backwards, given the single
+// call's out and lse, add the same dK/dV into the grad pages and sum to the same dq.
+TEST(AttentionCpu, BlockedHistoryMatchesOneCall) {
+  const Problem p = make_problem<double>(Case{24, 70, 16, 4, 2, 32, false, 0, 0, 61}, DType::kFloat64);
+  const PagedAttentionShape& s = p.shape;
+  const Result whole = run_kernels<double>(p, DType::kFloat64, true);
+  const size_t rows = size_t(s.num_q_heads) * s.chunk_tokens;
+  const int32_t D = s.head_dim;
+
+  // Blocks: pages [0, 2) (32 tokens), pages [2, 5) (38 tokens, the last page partial), the chunk.
+  struct Part {
+    int32_t first_page, end_page, history_tokens;
+  };
+  const Part parts[] = {{0, 2, 32}, {2, 5, 38}, {0, 0, 0}};
+  std::vector<std::vector<double>> outs, lses;
+  for (const Part& part : parts) {
+    const bool chunk_only = part.end_page == 0;
+    PagedAttentionForwardParams forward;
+    forward.shape = s;
+    forward.shape.history_tokens = part.history_tokens;
+    forward.shape.attend_chunk = chunk_only;
+    forward.q = p.q.data();
+    forward.k_chunk = chunk_only ? p.k_chunk.data() : nullptr;
+    forward.v_chunk = chunk_only ? p.v_chunk.data() : nullptr;
+    forward.history = HistoryPages{p.k_pool.data(), p.k_page_index.data() + part.first_page, p.v_pool.data(),
+                                   p.v_page_index.data() + part.first_page};
+    outs.emplace_back(p.q.size());
+    lses.emplace_back(rows);
+    forward.out = outs.back().data();
+    forward.lse = lses.back().data();
+    ASSERT_EQ(cpu::paged_attention_forward(forward), 0);
+  }
+  for (size_t row = 0; row < rows; ++row) {
+    const int32_t head = int32_t(row / s.chunk_tokens), token = int32_t(row % s.chunk_tokens);
+    double top = -INFINITY;
+    for (const auto& lse : lses) top = std::max(top, lse[row]);
+    double sum = 0.0;
+    for (const auto& lse : lses) sum += std::exp(lse[row] - top);
+    const double merged_lse = top + std::log(sum);
+    EXPECT_NEAR(merged_lse, whole.lse[row], 1e-12);
+    for (int32_t d = 0; d < D; ++d) {
+      const size_t index = (size_t(token) * s.num_q_heads + head) * D + d;
+      double merged = 0.0;
+      for (size_t part = 0; part < outs.size(); ++part) merged += std::exp(lses[part][row] - merged_lse) * outs[part][index];
+      EXPECT_NEAR(merged, whole.out[index], 1e-12);
+    }
+  }
+
+  // Backward of every part with the whole call's out and lse, into one pair of grad pools.
+  std::vector<double> dk_pool = p.dk_pool_initial, dv_pool = p.dv_pool_initial;
+  std::vector<double> dq_sum(p.q.size(), 0.0), dk_chunk(p.k_chunk.size(), NAN), dv_chunk(p.v_chunk.size(), NAN);
+  for (const Part& part : parts) {
+    const bool chunk_only = part.end_page == 0;
+    PagedAttentionBackwardParams backward;
+    backward.shape = s;
+    backward.shape.history_tokens = part.history_tokens;
+    backward.shape.attend_chunk = chunk_only;
+    backward.q = p.q.data();
+    backward.k_chunk = chunk_only ? p.k_chunk.data() : nullptr;
+    backward.v_chunk = chunk_only ? p.v_chunk.data() : nullptr;
+    backward.history = HistoryPages{p.k_pool.data(), p.k_page_index.data() + part.first_page, p.v_pool.data(),
+                                    p.v_page_index.data() + part.first_page};
+    backward.out = whole.out.data();
+    backward.dout = p.dout.data();
+    backward.lse = whole.lse.data();
+    std::vector<double> dq(p.q.size(), NAN);
+    backward.dq = dq.data();
+    backward.dk_chunk = chunk_only ? dk_chunk.data() : nullptr;
+    backward.dv_chunk = chunk_only ? dv_chunk.data() : nullptr;
+    backward.grad_history = HistoryGradPages{dk_pool.data(), p.dk_page_index.data() + part.first_page, dv_pool.data(),
+                                             p.dv_page_index.data() + part.first_page};
+    backward.grad_page_dtype = DType::kFloat64;
+    ASSERT_EQ(cpu::paged_attention_backward(backward), 0);
+    for (size_t i = 0; i < dq.size(); ++i) dq_sum[i] += dq[i];
+  }
+  EXPECT_LE(max_abs_difference(dq_sum, whole.dq), 1e-12);
+  EXPECT_LE(max_abs_difference(dk_chunk, whole.dk_chunk), 1e-12);
+  EXPECT_LE(max_abs_difference(dv_chunk, whole.dv_chunk), 1e-12);
+  EXPECT_LE(max_abs_difference(dk_pool, whole.dk_pool), 1e-12);
+  EXPECT_LE(max_abs_difference(dv_pool, whole.dv_pool), 1e-12);
+}
+
+// A call without the chunk's keys and without history sees no key: out 0, lse -inf, and a
+// backward that writes dq = 0 and touches nothing else.
+TEST(AttentionCpu, RowsWithoutKeysGetZeroAndMinusInfinity) {
+  const Problem p = make_problem<float>(Case{10, 0, 16, 4, 2, 32, false, 0, 0, 62}, DType::kFloat32);
+  PagedAttentionForwardParams forward;
+  forward.shape = p.shape;
+  forward.shape.attend_chunk = false;
+  const std::vector<float> q = pack<float>(p.q), dout = pack<float>(p.dout);
+  std::vector<float> out(q.size(), NAN), lse(size_t(p.shape.num_q_heads) * p.shape.chunk_tokens, NAN);
+  forward.q = q.data();
+  forward.out = out.data();
+  forward.lse = lse.data();
+  ASSERT_EQ(cpu::paged_attention_forward(forward), 0);
+  for (float value : out) EXPECT_EQ(value, 0.f);
+  for (float value : lse) EXPECT_EQ(value, -INFINITY);
+  PagedAttentionBackwardParams backward;
+  backward.shape = forward.shape;
+  backward.q = q.data();
+  backward.out = out.data();
+  backward.dout = dout.data();
+  backward.lse = lse.data();
+  std::vector<float> dq(q.size(), NAN);
+  backward.dq = dq.data();
+  ASSERT_EQ(cpu::paged_attention_backward(backward), 0);
+  for (float value : dq) EXPECT_EQ(value, 0.f);
+  // With the chunk's keys, null chunk pointers are an error.
+  forward.shape.attend_chunk = true;
+  EXPECT_EQ(cpu::paged_attention_forward(forward), kCpuInvalidArgument);
+}
+
 TEST(AttentionCpu, BackwardIsDeterministic) {
   const Problem problem = make_problem<BFloat16>(Case{100, 300, 64, 8, 2, 64, false, 0, 0, 51}, DType::kFloat32);
   const Result first = run_kernels<BFloat16>(problem, DType::kFloat32, true, /*deterministic=*/true);
