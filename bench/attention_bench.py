@@ -121,10 +121,6 @@ def bench_history(history, results):
 
     forward, backward, state = membar_runner(p)
     row["membar_forward_ms"] = time_ms(forward)
-    # The other forward layout (four warps of 32 rows), for the record.
-    os.environ["MEMBAR_ATTENTION_FORWARD_WARP_ROWS"] = "32"
-    row["membar_forward_32_rows_per_warp_ms"] = time_ms(forward)
-    del os.environ["MEMBAR_ATTENTION_FORWARD_WARP_ROWS"]
     forward()
     row["membar_backward_ms"] = time_ms(backward)
     membar_out = state["out"]
@@ -193,6 +189,9 @@ def main():
                   "chunk": CHUNK, "dtype": "bfloat16", "grad_pages": "float32"},
         "flop_convention": "fwd 4*Tc*Hq*D*(history + Tc/2); bwd 2.5x fwd; same for both",
         "histories": histories,
+        # The compiled kernel variants that ran (bench/attention_sweep.py compares all of them).
+        "variants": {kind: ops.attention_cuda_variants(kind)[1] for kind in ("forward", "backward")}
+        if hasattr(ops, "attention_cuda_variants") else {},
         "dense": [],
         "sparse": None,
     }
@@ -200,7 +199,8 @@ def main():
         bench_history(history, results)
 
     lines = [f"paged attention vs SDPA flash, {results['machine']}, commit {results['commit'][:12]}, {results['date']}",
-             "Qwen2.5-7B attention: 28 q heads, 4 kv heads, D=128, bf16, chunk 4096, pages of 128, fp32 grad pages",
+             "Qwen2.5-7B attention: 28 q heads, 4 kv heads, D=128, bf16, chunk 4096, pages of 128, fp32 grad pages; "
+             f"kernel variants {results['variants']}",
              f"{'history':>8} {'fwd TF/s':>9} {'SDPA fwd':>9} {'ratio':>6} {'bwd TF/s':>9} {'SDPA bwd':>9} {'ratio':>6}"
              f" {'bwd det ms':>10} {'bwd bf16pg ms':>13} {'|diff|':>8}"]
     for row in results["dense"]:
