@@ -557,6 +557,13 @@ __global__ void __launch_bounds__(256, 1)
       warp_matmul_two_tiles_nt<Element, kHeadDim, kPadded>(scores, k_tile, key_base, q_tile, query_base, lane);
       warp_matmul_two_tiles_nt<Element, kHeadDim, kPadded>(dscores, v_tile, key_base, dout_tile, query_base, lane);
       const bool may_cut = owned.valid_keys < kKeys || (owned.chunk_block && owned.first_key + kKeys - 1 > first_query);
+      // The eight query columns this thread holds: their lse and delta, read once per item.
+      float2 column_lse[4], column_delta[4];
+#pragma unroll
+      for (int n = 0; n < 4; ++n) {
+        column_lse[n] = *reinterpret_cast<const float2*>(row_lse + query_base + n * 8 + 2 * (lane % 4));
+        column_delta[n] = *reinterpret_cast<const float2*>(row_delta + query_base + n * 8 + 2 * (lane % 4));
+      }
 #pragma unroll
       for (int t = 0; t < 2; ++t) {
 #pragma unroll
@@ -565,16 +572,18 @@ __global__ void __launch_bounds__(256, 1)
           for (int half = 0; half < 2; ++half) {
             const int key = key_base + t * 16 + lane / 4 + half * 8;
             const int query = query_base + n * 8 + 2 * (lane % 4);
+            const float lse_pair[2] = {column_lse[n].x, column_lse[n].y};
+            const float delta_pair[2] = {column_delta[n].x, column_delta[n].y};
             float p[2], ds[2];
 #pragma unroll
             for (int j = 0; j < 2; ++j) {
-              p[j] = exp2f(scores[t][n][2 * half + j] * scale_log2 - row_lse[query + j]);
+              p[j] = exp2f(scores[t][n][2 * half + j] * scale_log2 - lse_pair[j]);
               if (may_cut) {
                 bool visible = key < owned.valid_keys;
                 if (owned.chunk_block) visible = visible && owned.first_key + key <= first_query + query + j;
                 if (!visible) p[j] = 0.f;
               }
-              ds[j] = p[j] * (dscores[t][n][2 * half + j] - row_delta[query + j]);
+              ds[j] = p[j] * (dscores[t][n][2 * half + j] - delta_pair[j]);
             }
             const int offset = ScoreLayout::offset(key, query);
             *reinterpret_cast<uint32_t*>(pt_tile + offset) = ElementTraits<Element>::pack(p[0], p[1]);
