@@ -70,7 +70,10 @@
 // until the client's word is seen at or past it; an emptied frame with an unmet fence is not
 // revoked (the client's kernels may still be using the mapping). The engine's dispatcher watches
 // the words of clients with something held (every 20 us while there is), so the daemon learns
-// when the trainer's GPU passed the marker without the trainer's CPU taking part.
+// when the trainer's GPU passed the marker without the trainer's CPU taking part. Eviction passes
+// over pages whose marker was not seen yet while others can go, and otherwise takes the oldest
+// marker (choose_victim): MIN's own choice is the page used last, i.e. the one whose kernel just
+// ran, and waiting for it would stall the next step behind the copies.
 // Limitations: markers are ordered per client; releases from several streams must write their
 // markers in increasing order (one stream, or streams ordered with events), else a release may
 // wait for a later marker. The watch is the daemon's CPU reading the word, not a GPU-side wait on
@@ -1046,6 +1049,35 @@ class EngineImpl final : public Engine {
     uint64_t floor;
   };
 
+  // The victim among the client's evictable pages of one size: MIN's order (Note [Eviction
+  // order]), except that a page whose release marker was not yet seen (its kernels may still be
+  // running, Note [Stream-ordered release]) is passed over for the next one in order that is free
+  // to go; when every candidate waits for a marker, the one with the oldest marker goes (it is the
+  // first the trainer's stream will pass). Taking MIN's first choice there would make every copy
+  // into its slot, and every later ticket, wait for the kernel that just ran. `limit` (prefetch)
+  // stops the scan at the first page needed too soon. NOT_FOUND when no candidate qualifies.
+  Result<EvictionKey> choose_victim(ClientState& client, const std::set<EvictionKey, EvictionOrder>& candidates,
+                                    const PrefetchLimit* limit) {
+    constexpr int kScan = 256;  // bounds the cost of a call when many pages wait for markers
+    const EvictionKey* oldest = nullptr;
+    uint64_t oldest_marker = UINT64_MAX;
+    int scanned = 0;
+    for (const EvictionKey& key : candidates) {
+      if (limit != nullptr && (key.next_use <= limit->needed_at || key.next_use < limit->floor)) break;
+      if (++scanned > kScan) break;
+      const Page& page = client.spaces.at(key.space).pages[key.page];
+      uint64_t& fence = frame_of(Tier::kGpu, page.gpu.frame).slot_fence[page.gpu.slot];
+      if (fence != 0 && fence_met(client, fence)) fence = 0;
+      if (fence == 0) return key;
+      if (fence < oldest_marker) {
+        oldest_marker = fence;
+        oldest = &key;
+      }
+    }
+    if (oldest == nullptr) return not_found("no page may be evicted");
+    return *oldest;
+  }
+
   Result<SlotRef> get_gpu_slot(ClientState& client, Builder& builder, uint64_t page_bytes, const PrefetchLimit* limit) {
     constexpr int t = 0;
     for (;;) {
@@ -1060,10 +1092,9 @@ class EngineImpl final : public Engine {
       }
       auto set = client.eviction_sets.find(page_bytes);
       if (set != client.eviction_sets.end() && !set->second.empty()) {
-        EvictionKey victim = *set->second.begin();
-        if (limit != nullptr && (victim.next_use <= limit->needed_at || victim.next_use < limit->floor)) {
-          return exhausted(client, Tier::kGpu, page_bytes, " and every resident page is needed sooner");
-        }
+        Result<EvictionKey> chosen = choose_victim(client, set->second, limit);
+        if (!chosen.ok()) return exhausted(client, Tier::kGpu, page_bytes, " and every resident page is needed sooner");
+        EvictionKey victim = chosen.value();
         Space& space = client.spaces.at(victim.space);
         MEMBAR_RETURN_IF_ERROR(evict_gpu_page(client, builder, space, victim.page, /*pressure=*/true));
         continue;
