@@ -19,6 +19,16 @@
 // has shown its largest scores). At the end each row is divided by its softmax sum and
 // lse = max * scale + log(sum) is written.
 //
+// Note [Forward pipelining]
+// Within a warp the three steps of a block depend on each other (S, then its softmax, then P V),
+// so while one warp runs the softmax's exponentials its tensor-core work waits, and only the other
+// warps of the SM can fill the gap. With kPipelined the loop computes S of block i + 1 right
+// before the softmax of block i: the tensor cores work through those products while the same
+// warp issues the softmax (FlashAttention-3 overlaps the same two steps with warpgroup MMAs).
+// It keeps two blocks of scores in registers and needs three K/V stages: block i (V still read),
+// block i + 1 (K read) and block i + 2 (loading, issued after the barrier that shows block i + 1
+// has landed, so every warp has finished block i - 1, whose stage it overwrites).
+//
 // Note [Forward variants]
 // Rationale: the best layout depends on the GPU and is found by measuring (bench/attention_sweep.py).
 // Approach: kForwardVariants lists compiled configurations of the bf16, head_dim 128 kernel;
@@ -51,9 +61,10 @@ using namespace detail;
 //   kMinBlocks: CTAs per SM the registers are budgeted for (__launch_bounds__);
 //   kShiftIndexing: page and row numbers by shifts (KeySequence); on in every tuned variant
 //     (those with kSkipRescale), off in today's default layout;
-//   kPadded: Q, K and V tiles padded instead of swizzled (Note [Padded tiles]).
+//   kPadded: Q, K and V tiles padded instead of swizzled (Note [Padded tiles]);
+//   kPipelined: S of the next block before the softmax of this one (Note [Forward pipelining]).
 template <int kWarps_, int kRowTiles_, int kKeys_, int kStages_, bool kQInRegisters_, bool kSkipRescale_, int kMinBlocks_,
-          bool kShiftIndexing_ = kSkipRescale_, bool kPadded_ = false>
+          bool kShiftIndexing_ = kSkipRescale_, bool kPadded_ = false, bool kPipelined_ = false>
 struct ForwardConfig {
   static constexpr int kWarps = kWarps_;
   static constexpr int kRowTiles = kRowTiles_;
@@ -64,6 +75,7 @@ struct ForwardConfig {
   static constexpr int kMinBlocks = kMinBlocks_;
   static constexpr bool kShiftIndexing = kShiftIndexing_;
   static constexpr bool kPadded = kPadded_;
+  static constexpr bool kPipelined = kPipelined_;
   static constexpr int kRows = 16 * kRowTiles * kWarps;
   static_assert(kKeys == 64 || kKeys == 128, "a key block is 64 or 128 keys (a page holds whole blocks)");
   static_assert(kStages >= 1 && kStages <= 3, "the barrier schemes of Note [Forward kernel] take 1 to 3 stages");
@@ -203,30 +215,12 @@ __global__ void __launch_bounds__(Config::kWarps * 32, Config::kMinBlocks)
     }
   }
 
-  for (int index = 0; index < num_blocks; ++index) {
-    const int stage = index % kStages;
-    if constexpr (kStages == 3) {
-      if (index + 1 < num_blocks) load_block(index + 1, (index + 1) % kStages);
-      copy_async_commit();
-      copy_async_wait<1>();
-      __syncthreads();
-    } else if constexpr (kStages == 2) {
-      copy_async_wait<0>();
-      __syncthreads();
-      if (index + 1 < num_blocks) load_block(index + 1, (index + 1) % kStages);
-      copy_async_commit();
-    } else {
-      copy_async_wait<0>();
-      __syncthreads();
-      load_values(index, 0);
-      copy_async_commit();
-    }
-
+  // S = Q K^T of the block in `stage`, into acc ([row tile][n8 tile][4]).
+  using Scores = float[kRowTiles][kKeys / 8][4];
+  auto compute_scores = [&](Scores& acc, int stage) {
     const Element* k_tile = k_tiles + stage * kKeys * kStride;
-    const Element* v_tile = v_tiles + stage * kKeys * kStride;
-    float scores[kRowTiles][kKeys / 8][4];
 #pragma unroll
-    for (int t = 0; t < kRowTiles; ++t) clear(scores[t]);
+    for (int t = 0; t < kRowTiles; ++t) clear(acc[t]);
 #pragma unroll
     for (int kk = 0; kk < kHeadDim / 16; ++kk) {
       uint32_t a[kRowTiles][4];
@@ -247,12 +241,15 @@ __global__ void __launch_bounds__(Config::kWarps * 32, Config::kMinBlocks)
         ldmatrix_x4(b, k_tile + Layout::offset(row, column));
 #pragma unroll
         for (int t = 0; t < kRowTiles; ++t) {
-          ElementTraits<Element>::mma(scores[t][2 * nn], a[t], b[0], b[1]);
-          ElementTraits<Element>::mma(scores[t][2 * nn + 1], a[t], b[2], b[3]);
+          ElementTraits<Element>::mma(acc[t][2 * nn], a[t], b[0], b[1]);
+          ElementTraits<Element>::mma(acc[t][2 * nn + 1], a[t], b[2], b[3]);
         }
       }
     }
-
+  };
+  // Mask, online softmax and O += P V of block `index` (in `stage`), from its scores.
+  auto accumulate_block = [&](Scores& scores, int index, int stage) {
+    const Element* v_tile = v_tiles + stage * kKeys * kStride;
     const KeyBlock<Element> block = keys.block(index);
     const bool chunk_block = block.first_position >= 0;
     const bool needs_mask = block.valid_rows < kKeys ||
@@ -330,9 +327,60 @@ __global__ void __launch_bounds__(Config::kWarps * 32, Config::kMinBlocks)
         }
       }
     }
-    // No barrier here: the copy issued next overwrites the stage read two blocks ago, which every
-    // warp finished before passing this iteration's barrier (Note [Forward kernel]).
+  };
+
+  if constexpr (Config::kPipelined) {
+    // Note [Forward pipelining]: S of block i + 1 is computed before the softmax of block i, so
+    // that the tensor cores work on it while the warp runs the softmax's exponentials.
+    static_assert(kStages == 3, "the pipelined loop keeps blocks i and i + 1 while i + 2 loads");
+    Scores scores_even, scores_odd;
+    if (num_blocks > 1) load_block(1, 1);
+    copy_async_commit();
+    copy_async_wait<1>();
+    __syncthreads();
+    if (num_blocks > 0) compute_scores(scores_even, 0);
+    // One step: block `index`'s scores are in `current`; block index + 1's go to `next`.
+    auto step = [&](Scores& current, Scores& next, int index) {
+      if (index + 1 < num_blocks) {
+        copy_async_wait<0>();
+        __syncthreads();
+        if (index + 2 < num_blocks) load_block(index + 2, (index + 2) % kStages);
+        copy_async_commit();
+        compute_scores(next, (index + 1) % kStages);
+      }
+      accumulate_block(current, index, index % kStages);
+    };
+    for (int index = 0; index < num_blocks; index += 2) {
+      step(scores_even, scores_odd, index);
+      if (index + 1 < num_blocks) step(scores_odd, scores_even, index + 1);
+    }
+  } else {
+    for (int index = 0; index < num_blocks; ++index) {
+      const int stage = index % kStages;
+      if constexpr (kStages == 3) {
+        if (index + 1 < num_blocks) load_block(index + 1, (index + 1) % kStages);
+        copy_async_commit();
+        copy_async_wait<1>();
+        __syncthreads();
+      } else if constexpr (kStages == 2) {
+        copy_async_wait<0>();
+        __syncthreads();
+        if (index + 1 < num_blocks) load_block(index + 1, (index + 1) % kStages);
+        copy_async_commit();
+      } else {
+        copy_async_wait<0>();
+        __syncthreads();
+        load_values(index, 0);
+        copy_async_commit();
+      }
+      Scores scores;
+      compute_scores(scores, stage);
+      accumulate_block(scores, index, stage);
+      // No barrier here: the copy issued next overwrites the stage read two blocks ago (three
+      // stages), or is issued after the next barrier (one or two) (Note [Forward kernel]).
+    }
   }
+
   // Leave no copy in flight (a CTA without key blocks never waited for its Q copy).
   copy_async_wait<0>();
 
@@ -402,7 +450,8 @@ constexpr ForwardVariant bf16_d128_variant(const char* name) {
 
 // Note [Forward variants]. Names: w<warps>r<rows per warp>_k<keys per block>_s<stages>, then
 // _qreg (Q in registers), _skip (rescale skip and shift indexing), _2cta (registers budgeted for
-// two CTAs per SM), _pad (padded tiles). The last entry is the older four-warps-of-32-rows layout.
+// two CTAs per SM), _pad (padded tiles), _pipe (Note [Forward pipelining]). The last entry is the
+// older four-warps-of-32-rows layout.
 const ForwardVariant kForwardVariants[] = {
     bf16_d128_variant<DefaultForwardConfig>("w8r16_k64_s3"),
     bf16_d128_variant<ForwardConfig<8, 1, 64, 3, false, true, 1>>("w8r16_k64_s3_skip"),
@@ -426,6 +475,10 @@ const ForwardVariant kForwardVariants[] = {
     bf16_d128_variant<ForwardConfig<4, 1, 64, 1, true, true, 2, true, true>>("w4r16_k64_s1_qreg_skip_2cta_pad"),
     bf16_d128_variant<ForwardConfig<4, 1, 128, 1, true, true, 2, true, true>>("w4r16_k128_s1_qreg_skip_2cta_pad"),
     bf16_d128_variant<ForwardConfig<8, 1, 128, 1, true, true, 1, true, true>>("w8r16_k128_s1_qreg_skip_pad"),
+    // Pipelined (Note [Forward pipelining]): S of block i + 1 overlaps the softmax of block i.
+    bf16_d128_variant<ForwardConfig<8, 1, 64, 3, true, true, 1, true, true, true>>("w8r16_k64_s3_qreg_skip_pad_pipe"),
+    bf16_d128_variant<ForwardConfig<8, 1, 64, 3, false, true, 1, true, true, true>>("w8r16_k64_s3_skip_pad_pipe"),
+    bf16_d128_variant<ForwardConfig<4, 1, 64, 3, true, true, 2, true, false, true>>("w4r16_k64_s3_qreg_skip_2cta_pipe"),
     bf16_d128_variant<ForwardConfig<4, 2, 64, 3, false, true, 1>>("w4r32_k64_s3_skip"),
 };
 constexpr int kDefaultForwardVariant = 0;
