@@ -27,7 +27,11 @@
 // flight stays with the client until they complete, then is revoked.
 // Tickets: every call that moves data gets the next ticket of its client; a ticket completes when
 // its batches and every earlier ticket's have, which is what lets one 64-bit signal word
-// (kSignalCompleted) describe completion to CPU and GPU waiters alike.
+// (kSignalCompleted) describe completion to CPU and GPU waiters alike. The schedule's lookahead
+// prefetch (advance) is the exception: its copies and evictions take no ticket, so an acquire
+// never waits for prefetches of later steps (measured on the H200: with a GPU budget of four
+// steps, each step waited for the next steps' copies, 6% of compute). A call that hands out a
+// page such work may still be filling depends on that batch through the page's slot instead.
 // Limitations: frames are retyped to another page size only when a whole frame can be emptied
 // (the one whose pages are needed last); eviction chooses only among the asking client's own
 // pages (a client over nobody's quota but facing an empty pool gets RESOURCE_EXHAUSTED rather
@@ -331,6 +335,9 @@ class EngineImpl final : public Engine {
       for (uint32_t p = range.first_page; p < range.first_page + range.page_count; ++p) {
         Page& page = space->pages[p];
         if (page.gpu.valid()) {
+          // A copy into the slot may still run (an untracked lookahead prefetch): the ticket
+          // covers it.
+          depend_on_slot(builder, Tier::kGpu, page.gpu);
           eviction_erase(client, *space, page);
           ++page.pins;
           pinned_now.push_back(p);
@@ -580,7 +587,11 @@ class EngineImpl final : public Engine {
       std::vector<uint32_t> slotted;
       for (uint32_t p = range.first_page; p < range.first_page + range.page_count; ++p) {
         Page& page = space->pages[p];
-        if (page.host.valid()) continue;
+        if (page.host.valid()) {
+          // A writeback into the slot may still run (an untracked lookahead's eviction).
+          depend_on_slot(builder, Tier::kHost, page.host);
+          continue;
+        }
         Result<SlotRef> slot = get_host_slot(client, space->info.page_bytes);
         if (!slot.ok()) {
           for (uint32_t q : slotted) {
@@ -1254,7 +1265,10 @@ class EngineImpl final : public Engine {
   // are on the host, within quota, never displacing a page needed sooner.
   void schedule_prefetch(ClientState& client) {
     if (config_.prefetch_lookahead_steps == 0) return;
-    Builder builder = start_builder(client);
+    // Untracked (no ticket): a later acquire depends on these copies through their slots, not
+    // through ticket order, so an acquire never waits for a lookahead it does not use (Note
+    // [Pages and frames], Tickets).
+    Builder builder = start_builder(client, /*tracked=*/false);
     uint64_t end = std::min<uint64_t>(client.schedule.size(),
                                       uint64_t(client.current_step) + config_.prefetch_lookahead_steps + 1);
     struct Wanted {
@@ -1305,11 +1319,23 @@ class EngineImpl final : public Engine {
 
   // ---- Batches and tickets (Note [Pages and frames]) ------------------------------------------------
 
-  Builder start_builder(ClientState& client) {
+  // `tracked`: the call gets the client's next ticket (what wait / stream_wait take); untracked
+  // work (ticket 0) completes on its own and is reached only through slot dependencies.
+  Builder start_builder(ClientState& client, bool tracked = true) {
     Builder builder;
     builder.client = &client;
-    builder.ticket = client.next_ticket++;
+    builder.ticket = tracked ? client.next_ticket++ : 0;
     return builder;
+  }
+
+  // Makes the builder's work wait for the unfinished batch that last touched `slot`, without
+  // touching the slot (no copy of this call reads or writes it). Used where a call hands out a
+  // page another batch may still be filling.
+  void depend_on_slot(Builder& builder, Tier tier, SlotRef slot) {
+    uint64_t last = frame_of(tier, slot.frame).slot_batch[slot.slot];
+    if (!is_pending(last) || last == builder.current) return;
+    if (builder.current == kNoBatch) open_batch(builder);
+    depend(builder.current, last);
   }
 
   void open_batch(Builder& builder) {
@@ -1451,7 +1477,9 @@ class EngineImpl final : public Engine {
   Ticket finish_builder(Builder& builder) {
     seal(builder);
     ClientState& client = *builder.client;
-    client.pending_tickets.push_back(PendingTicket{builder.ticket, uint32_t(builder.batches.size()), Status::Ok()});
+    if (builder.ticket != 0) {
+      client.pending_tickets.push_back(PendingTicket{builder.ticket, uint32_t(builder.batches.size()), Status::Ok()});
+    }
     for (uint64_t id : builder.batches) {
       auto it = batches_.find(id);
       if (it != batches_.end() && !it->second.submitted && !it->second.held && it->second.unmet_dependencies == 0) {
