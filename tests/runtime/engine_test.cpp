@@ -339,6 +339,61 @@ TEST(Engine, StreamOrderedReleaseHoldsCopiesAndFramesUntilTheMarker) {
   ::munmap(mapped, 4096);
 }
 
+// The schedule's lookahead prefetch takes no ticket: an acquire of pages already resident
+// completes even while a lookahead copy waits (here for a release marker), instead of queueing
+// behind it in ticket order.
+TEST(Engine, AcquireDoesNotWaitForTheLookaheadOfLaterSteps) {
+  constexpr uint64_t k1M = 1 << 20;
+  auto engine = make_engine(1, 4);  // one GPU frame: two 1 MiB slots
+  auto client = MappedClient::open(*engine);
+  ClientId id = client->id;
+  auto signal_fd = engine->client_signal_fd(id);
+  ASSERT_TRUE(signal_fd.ok());
+  void* mapped = ::mmap(nullptr, 4096, PROT_READ | PROT_WRITE, MAP_SHARED, signal_fd.value(), 0);
+  ::close(signal_fd.value());
+  ASSERT_NE(mapped, MAP_FAILED);
+  auto* released_word = static_cast<uint64_t*>(mapped) + kSignalReleased;
+
+  SpaceId space = client->space("L00.k", k1M, 3);
+  for (uint32_t p = 0; p < 3; ++p) {  // every page gets contents on the host
+    std::vector<char*> page = client->acquire({space, p, 1}, kAcquireWrite | kAcquireZeroNew);
+    fill_pattern(page[0], k1M, 10 + p);
+    ASSERT_TRUE(engine->release(id, {space, p, 1}, true).ok());
+    auto offloaded = engine->offload(id, {space, p, 1});
+    ASSERT_TRUE(offloaded.ok() && engine->wait(id, offloaded.value()).ok());
+  }
+  ASSERT_TRUE(engine->set_schedule(id, {ScheduleStep{{PageRange{space, 0, 1}}}, ScheduleStep{{PageRange{space, 1, 1}}},
+                                        ScheduleStep{{PageRange{space, 2, 1}}}}).ok());
+  ASSERT_TRUE(engine->advance(id, 0).ok());  // brings in pages 0 and 1 (two slots)
+  std::vector<char*> page0 = client->acquire({space, 0, 1}, kAcquireWrite);
+  ASSERT_EQ(page0.size(), 1u);
+  EXPECT_TRUE(check_pattern(page0[0], k1M, 10));
+  ASSERT_TRUE(engine->release_after(id, {space, 0, 1}, true, 1).ok());  // the "kernel" still runs
+  // Step 1: the lookahead wants page 2, and the only page it may evict is page 0, whose marker
+  // was not seen: that copy is held.
+  ASSERT_TRUE(engine->advance(id, 1).ok());
+  auto acquired = engine->acquire(id, {space, 1, 1}, 0);
+  ASSERT_TRUE(acquired.ok()) << acquired.status().to_string();
+  auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(2);
+  while (engine->completed_ticket(id).value() < acquired.value().ticket && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  EXPECT_GE(engine->completed_ticket(id).value(), acquired.value().ticket)
+      << "the acquire of a resident page waited for the held lookahead copy";
+  EXPECT_TRUE(check_pattern(client->pointer(Tier::kGpu, space, acquired.value().locations[0]), k1M, 11));
+  ASSERT_TRUE(engine->release(id, {space, 1, 1}, false).ok());
+  // The marker arrives: page 0 is written back, page 2 comes in, and every byte is right.
+  __atomic_store_n(released_word, uint64_t{1}, __ATOMIC_RELEASE);
+  std::vector<char*> page2 = client->acquire({space, 2, 1}, 0);
+  ASSERT_EQ(page2.size(), 1u);
+  EXPECT_TRUE(check_pattern(page2[0], k1M, 12));
+  ASSERT_TRUE(engine->release(id, {space, 2, 1}, false).ok());
+  std::vector<char*> host = client->acquire_host({space, 0, 1});
+  ASSERT_EQ(host.size(), 1u);
+  EXPECT_TRUE(check_pattern(host[0], k1M, 10));
+  ::munmap(mapped, 4096);
+}
+
 TEST(Engine, TicketsCompleteInOrderAndSetTheSignalWord) {
   auto engine = make_engine(4, 16);
   std::vector<Ticket> seen;
