@@ -416,3 +416,20 @@ def test_layer_recompute_reuses_the_attention_output():
         kernel_module._ops = original
     # 4 chunks x 2 layers, each attended in stage 1 and once in stage 2, checkpointed or not.
     assert counts[False] == counts[True] == 2 * 4 * 2
+
+
+def test_chunk_context_is_seen_from_other_threads():
+    """On CUDA, autograd runs backward (and the layer recompute of checkpointing, which calls the
+    attention function) on its own device thread: the chunk context must be visible there."""
+    import threading
+
+    from membar.oomb.hf_attention import chunk_context, current_context
+
+    seen = []
+    marker = object()
+    with chunk_context(marker):
+        worker = threading.Thread(target=lambda: seen.append(current_context()))
+        worker.start()
+        worker.join()
+    assert seen == [marker]
+    assert current_context() is None

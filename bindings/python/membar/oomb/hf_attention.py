@@ -9,7 +9,6 @@ to SDPA, so a model converted for OOMB still evaluates and generates normally.
 from __future__ import annotations
 
 import contextlib
-import threading
 from dataclasses import dataclass, field
 
 import torch
@@ -24,7 +23,14 @@ ATTENTION_NAME = "membar_paged"
 # GPU per chunk). The paged attention reads no mask; the empty shape says so.
 NO_MASK = torch.empty((1, 1, 0, 0), dtype=torch.bool)
 
-_state = threading.local()
+# The chunk being run, process-wide rather than per thread: PyTorch's autograd engine runs the
+# backward of CUDA tensors on its own device threads, and layer checkpointing recomputes the
+# decoder layers (calling the attention function) there. One trainer step runs at a time.
+class _CurrentChunk:
+    context: "ChunkContext | None" = None
+
+
+_state = _CurrentChunk()
 
 
 @dataclass
@@ -121,7 +127,7 @@ def selected_pages(selection: torch.Tensor) -> tuple[int, ...]:
 
 
 def current_context() -> ChunkContext | None:
-    return getattr(_state, "context", None)
+    return _state.context
 
 
 @contextlib.contextmanager
@@ -346,6 +352,9 @@ def membar_paged_attention(module, query, key, value, attention_mask, scaling=No
     """The function registered with transformers' AttentionInterface as "membar_paged"."""
     context = current_context()
     if context is None:
+        if attention_mask is NO_MASK:
+            raise RuntimeError("membar_paged attention ran a trainer chunk outside its chunk context (a layer "
+                               "recompute after the step?): the chunk's history is unknown here.")
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
         return sdpa_attention_forward(module, query, key, value, attention_mask,
