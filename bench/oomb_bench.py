@@ -80,13 +80,18 @@ def host_available_bytes() -> int:
     return 0
 
 
+def base_variant(variant: str) -> str:
+    """The variant without its history block suffix ("dense-offload@8K" -> "dense-offload")."""
+    return variant.split("@")[0]
+
+
 def estimate_seconds(variant: str, tokens: int, model: str, measured: dict) -> float:
     """Expected seconds of one configuration (timed step, warm-up, set-up), from the closest
     shorter measurement of the same variant (this run's first, then the known 7B numbers)."""
     exponent = 1.1 if variant.startswith("sparse") else 1.6
     known = dict(KNOWN_7B_SECONDS) if model == "qwen2.5-7b" else {}
     known.update(measured)
-    base = variant.replace("-hybrid", "-offload")
+    base = base_variant(variant).replace("-hybrid", "-offload")
     points = [(t, s) for (v, t), s in known.items() if v in (variant, base) and t <= tokens]
     if not points:
         points = [(t, s) for (v, t), s in known.items() if v == base.split("-")[0] and t <= tokens]
@@ -125,6 +130,7 @@ def run_one(model, spec: dict) -> dict:
     warmup = sequence[:, : min(tokens, 2 * spec["chunk"])]
     result = {"variant": variant, "tokens": tokens, "model": spec["model"],
               "checkpoint_layers": variant != "full" and spec.get("checkpoint_layers", True)}
+    variant = base_variant(variant)
     trainer = None
     if variant == "full":
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -242,7 +248,9 @@ def child_main(job: dict) -> None:
 def run_sweep(args, write) -> list[dict]:
     specs = [dict(variant=variant, tokens=tokens, model=args.model, chunk=args.chunk, page_tokens=args.page_tokens,
                   top_k=args.top_k, gpu_reserve_gib=args.gpu_reserve_gib,
-                  checkpoint_layers=not args.no_checkpoint_layers, history_block_tokens=args.history_block_tokens)
+                  checkpoint_layers=not args.no_checkpoint_layers,
+                  history_block_tokens=(parse_tokens(variant.split("@")[1]) if "@" in variant
+                                        else args.history_block_tokens))
              for tokens in args.contexts for variant in args.variants]
     started = time.time()
     deadline = started + args.time_budget if args.time_budget else started + 10**9
@@ -333,15 +341,15 @@ def annotate(results: list[dict]) -> list[dict]:
             previous = ok[(r["variant"], max(earlier))]
             r["gpu_growth_mib_per_10k"] = ((r["peak_gpu_gib"] - previous["peak_gpu_gib"]) * 1024
                                            / ((r["tokens"] - previous["tokens"]) / 1e4))
-        if r["variant"].endswith("-offload"):
-            resident = ok.get((r["variant"][: -len("-offload")], r["tokens"]))
+        if base_variant(r["variant"]).endswith("-offload"):
+            resident = ok.get((base_variant(r["variant"])[: -len("-offload")], r["tokens"]))
             if resident:
                 r["offload_overhead"] = r["step_seconds"] / resident["step_seconds"] - 1
     return results
 
 
 def format_row(r: dict) -> str:
-    head = f"{r['variant']:<15} {human_tokens(r['tokens']):>5}"
+    head = f"{r['variant']:<18} {human_tokens(r['tokens']):>5}"
     if r.get("skipped"):
         return f"{head}  skipped: {r['skipped']}"
     if r.get("oom"):
@@ -363,12 +371,12 @@ def summarise(results: list[dict]) -> dict:
     """The issue's goals, where the measured points allow checking them."""
     ok = {(r["variant"], r["tokens"]): r for r in results if "step_seconds" in r}
     goals = {}
-    for variant in ("dense-offload", "sparse-offload"):
+    for variant in sorted({v for (v, _) in ok if base_variant(v).endswith("-offload")}):
         points = sorted((t, r["peak_gpu_gib"]) for (v, t), r in ok.items() if v == variant)
         if len(points) >= 2:
             # Below history_block_tokens a layer's history still arrives whole, so the goal is read
             # between the two longest contexts (the first-to-last figure is kept beside it).
-            name = variant.replace("-", "_")
+            name = variant.replace("-", "_").replace("@", "_block_")
             (t0, g0), (t1, g1) = points[-2], points[-1]
             goals[f"gpu_mib_per_10k_tokens_{name}"] = (g1 - g0) * 1024 / ((t1 - t0) / 1e4)
             goals[f"gpu_growth_tokens_{name}"] = [t0, t1]
@@ -379,10 +387,12 @@ def summarise(results: list[dict]) -> dict:
     k128 = 128 * K
     if ("dense", k128) in ok and ("full", k128) in ok:
         goals["dense_vs_full_step_time_128k"] = ok[("dense", k128)]["step_seconds"] / ok[("full", k128)]["step_seconds"]
-    both = sorted(t for (v, t) in ok if v == "dense" and ("dense-offload", t) in ok)
-    if both:
-        goals["offload_overhead"] = {human_tokens(t): ok[("dense-offload", t)]["step_seconds"]
-                                     / ok[("dense", t)]["step_seconds"] - 1 for t in both}
+    for variant in sorted({v for (v, _) in ok if base_variant(v) == "dense-offload"}):
+        both = sorted(t for (v, t) in ok if v == "dense" and (variant, t) in ok)
+        if both:
+            goals[f"offload_overhead{variant[len('dense-offload'):]}"] = {
+                human_tokens(t): ok[(variant, t)]["step_seconds"] / ok[("dense", t)]["step_seconds"] - 1
+                for t in both}
     for t in sorted({t for (v, t) in ok}, reverse=True):
         if ("dense", t) in ok and ("sparse", t) in ok:
             goals["sparse_speedup"] = ok[("dense", t)]["step_seconds"] / ok[("sparse", t)]["step_seconds"]
@@ -498,7 +508,8 @@ def main() -> int:
     parser.add_argument("--model", default=None)
     parser.add_argument("--contexts", default=None, help="comma list, e.g. 32K,64K,1M")
     parser.add_argument("--variants", default="full,dense,dense-offload,sparse,sparse-offload",
-                        help=f"comma list in priority order within a context, of {','.join(VARIANTS)}")
+                        help=f"comma list in priority order within a context, of {','.join(VARIANTS)}; "
+                             "VARIANT@TOKENS sets that variant's history block (e.g. dense-offload@8K)")
     parser.add_argument("--device", default="cuda", help="cuda (the benchmark) or cpu (a smoke test of the harness)")
     parser.add_argument("--chunk", type=int, default=4096)
     parser.add_argument("--page-tokens", type=int, default=128)
@@ -543,7 +554,7 @@ def main() -> int:
         contexts = args.contexts or ("16K,32K,64K" if args.quick else "32K,64K,128K,256K,512K,1M,2M")
         args.contexts = [parse_tokens(c) for c in contexts.split(",")]
         args.variants = [v for v in args.variants.split(",") if v]
-        unknown = set(args.variants) - set(VARIANTS)
+        unknown = {base_variant(v) for v in args.variants} - set(VARIANTS)
         if unknown:
             parser.error(f"unknown variants {sorted(unknown)}; known: {VARIANTS}")
         if args.quick and args.time_limit == 900:
