@@ -470,7 +470,7 @@ def run_learning(args) -> dict:
                 ids, labels = ids[:, -window:], labels[:, -window:]   # the questions, but not the key
             losses.append(trainer.step(ids, labels))
             for master, parameter in zip(masters, parameters):
-                master.grad = parameter.grad.float()
+                master.grad = parameter.grad.float() if parameter.grad is not None else None
                 parameter.grad = None
             torch.nn.utils.clip_grad_norm_(masters, 1.0)
             optimizer.step()
