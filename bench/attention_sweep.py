@@ -255,13 +255,13 @@ def demangle_keys(usage):
 def variant_kernel_pattern(kind, name):
     """The template arguments (as c++filt prints them) of the bf16, D=128 kernel of a variant."""
     if kind == "forward":
-        match = re.match(r"w(\d+)r(\d+)_k(\d+)_s(\d+)(_qreg)?(_skip)?(_2cta)?(_pad)?(_pipe)?$", name)
+        match = re.match(r"w(\d+)r(\d+)_k(\d+)_s(\d+)(_qreg)?(_skip)?(_shift)?(_2cta)?(_pad)?(_pipe)?$", name)
         if not match:
             return None
-        warps, rows, keys, stages, qreg, skip, two, pad, pipe = match.groups()
+        warps, rows, keys, stages, qreg, skip, shift, two, pad, pipe = match.groups()
         flag = lambda value: "true" if value else "false"  # noqa: E731
         config = (f"ForwardConfig<{warps}, {int(rows) // 16}, {keys}, {stages}, {flag(qreg)}, {flag(skip)}, "
-                  f"{2 if two else 1}, {flag(skip)}, {flag(pad)}, {flag(pipe)}>")
+                  f"{2 if two else 1}, {flag(skip or shift)}, {flag(pad)}, {flag(pipe)}>")
         return f"paged_attention_forward_kernel<__nv_bfloat16, 128, {config} >"
     match = re.match(r"w(\d+)_k(\d+)_dq(\d+)(_pad)?$", name)
     if match:
@@ -269,10 +269,11 @@ def variant_kernel_pattern(kind, name):
         pieces = (HEAD_DIM // (warps // 4)) // columns
         padded = "true" if match.group(4) else "false"
         return f"paged_attention_backward_kv_kernel<__nv_bfloat16, 128, {warps}, {pieces}, {padded}>"
-    match = re.match(r"w8_k128_split_s(\d)(_pad)?$", name)
+    match = re.match(r"w8_k128_split_s(\d)(_pad)?(_dq4)?$", name)
     if match:
         padded = "true" if match.group(2) else "false"
-        return f"paged_attention_backward_split_kernel<__nv_bfloat16, 128, {match.group(1)}, {padded}>"
+        quad = "true" if match.group(3) else "false"
+        return f"paged_attention_backward_split_kernel<__nv_bfloat16, 128, {match.group(1)}, {padded}, {quad}>"
     return None
 
 

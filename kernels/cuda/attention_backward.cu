@@ -420,8 +420,10 @@ __device__ __forceinline__ void warp_matmul_two_tiles_nt(float (&acc)[2][4][4], 
 //      workspace (skipped in deterministic mode).
 // The next item's first barrier orders phase 3's reads of dS^T before phase 1 rewrites it.
 // Limitations: 128-key pages only (a CTA owns one page); head_dim 128.
-// kPadded: every tile padded instead of swizzled (Note [Padded tiles]).
-template <typename Element, int kHeadDim, int kStagesSplit, bool kPadded>
+// kPadded: every tile padded instead of swizzled (Note [Padded tiles]). kQuadDq: dQ goes out in
+// 16-byte atomics (sm_90), two lanes trading halves so that each holds four adjacent columns of one
+// row: half the atomic instructions for 16 shuffles.
+template <typename Element, int kHeadDim, int kStagesSplit, bool kPadded, bool kQuadDq>
 __global__ void __launch_bounds__(256, 1)
     paged_attention_backward_split_kernel(const PagedAttentionBackwardParams params,
                                           const BackwardWorkspacePointers workspace) {
@@ -649,23 +651,50 @@ __global__ void __launch_bounds__(256, 1)
         }
       }
       const int q_head = kv_head * group + head_in_group;
+#if __CUDA_ARCH__ >= 900
+      if constexpr (kQuadDq) {
+        // Even lanes (c = lane % 4 even) take row g, columns 2c..2c+3; odd lanes row g + 8,
+        // columns 2c-2..2c+1 (Note [Fragment layouts]): each gives its partner the other row's pair.
+        const bool even = (lane & 1) == 0;
 #pragma unroll
-      for (int t = 0; t < 2; ++t) {
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          const int position = first_query + query_base + t * 16 + lane / 4 + half * 8;
-          if (position >= chunk_tokens) continue;
+        for (int t = 0; t < 2; ++t) {
+          const int position = first_query + query_base + t * 16 + lane / 4 + (even ? 0 : 8);
           float* row = workspace.dq_accumulator + int64_t(position) * q_row_stride + int64_t(q_head) * kHeadDim +
                        dq_dim_base;
 #pragma unroll
           for (int n = 0; n < kDqDimTiles; ++n) {
-            const int column = n * 8 + 2 * (lane % 4);
-#if __CUDA_ARCH__ >= 900
-            atomicAdd(reinterpret_cast<float2*>(row + column), make_float2(dq[t][n][2 * half], dq[t][n][2 * half + 1]));
-#else
-            atomicAdd(row + column, dq[t][n][2 * half]);
-            atomicAdd(row + column + 1, dq[t][n][2 * half + 1]);
+            const float given0 = even ? dq[t][n][2] : dq[t][n][0];
+            const float given1 = even ? dq[t][n][3] : dq[t][n][1];
+            const float taken0 = __shfl_xor_sync(0xffffffffu, given0, 1);
+            const float taken1 = __shfl_xor_sync(0xffffffffu, given1, 1);
+            const float4 value = even ? make_float4(dq[t][n][0], dq[t][n][1], taken0, taken1)
+                                      : make_float4(taken0, taken1, dq[t][n][2], dq[t][n][3]);
+            if (position < chunk_tokens) {
+              atomicAdd(reinterpret_cast<float4*>(row + n * 8 + 2 * ((lane % 4) & ~1)), value);
+            }
+          }
+        }
+      } else
 #endif
+      {
+#pragma unroll
+        for (int t = 0; t < 2; ++t) {
+#pragma unroll
+          for (int half = 0; half < 2; ++half) {
+            const int position = first_query + query_base + t * 16 + lane / 4 + half * 8;
+            if (position >= chunk_tokens) continue;
+            float* row = workspace.dq_accumulator + int64_t(position) * q_row_stride + int64_t(q_head) * kHeadDim +
+                         dq_dim_base;
+#pragma unroll
+            for (int n = 0; n < kDqDimTiles; ++n) {
+              const int column = n * 8 + 2 * (lane % 4);
+#if __CUDA_ARCH__ >= 900
+              atomicAdd(reinterpret_cast<float2*>(row + column), make_float2(dq[t][n][2 * half], dq[t][n][2 * half + 1]));
+#else
+              atomicAdd(row + column, dq[t][n][2 * half]);
+              atomicAdd(row + column + 1, dq[t][n][2 * half + 1]);
+#endif
+            }
           }
         }
       }
@@ -769,11 +798,11 @@ cudaError_t launch_kv(const PagedAttentionBackwardParams& params, const Backward
   return cudaGetLastError();
 }
 
-template <typename Element, int kHeadDim, int kStagesSplit, bool kPadded>
+template <typename Element, int kHeadDim, int kStagesSplit, bool kPadded, bool kQuadDq = false>
 cudaError_t launch_kv_split(const PagedAttentionBackwardParams& params, const BackwardWorkspacePointers& workspace,
                             cudaStream_t stream) {
   constexpr size_t kSharedBytes = backward_split_shared_bytes<kHeadDim, kStagesSplit, kPadded>();
-  auto kernel = paged_attention_backward_split_kernel<Element, kHeadDim, kStagesSplit, kPadded>;
+  auto kernel = paged_attention_backward_split_kernel<Element, kHeadDim, kStagesSplit, kPadded, kQuadDq>;
   cudaError_t error = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kSharedBytes));
   if (error != cudaSuccess) return error;
   const dim3 grid(workspace.num_chunk_blocks + history_page_count(params.shape), params.shape.num_kv_heads);
@@ -792,17 +821,26 @@ struct BackwardVariant {
 // of 128 keys (one page per CTA), picked by MEMBAR_ATTENTION_BACKWARD_VARIANT=<name> at every
 // launch (the default otherwise; other shapes always run the default layout). Names:
 // w<warps>_k<keys per CTA>_dq<columns of dQ a warp holds at once>[_pad] for the kernel above,
-// w8_k128_split_s<Q/dO stages>[_pad] for Note [Backward split layout] (_pad: Note [Padded tiles]).
+// w8_k128_split_s<Q/dO stages>[_pad][_dq4] for Note [Backward split layout] (_pad: Note [Padded
+// tiles]; _dq4: dQ in 16-byte atomics). The default is the fastest one measured on the H200;
+// "w8_k128_dq64" is the kernel before tuning.
 const BackwardVariant kBackwardVariants[] = {
+    // Today's kernel before tuning, and its dQ-in-pieces and padded forms.
     {"w8_k128_dq64", &launch_kv<__nv_bfloat16, 128, 8, 1>},
     {"w8_k128_dq32", &launch_kv<__nv_bfloat16, 128, 8, 2>},
     {"w8_k128_dq64_pad", &launch_kv<__nv_bfloat16, 128, 8, 1, true>},
-    {"w8_k128_split_s2", &launch_kv_split<__nv_bfloat16, 128, 2, false>},
-    {"w8_k128_split_s3", &launch_kv_split<__nv_bfloat16, 128, 3, false>},
+    // Round 1 on the H200 (bench/attention_sweep.py, 2026-11-30 15:11 UTC, TFLOP/s at 32K / 128K
+    // history; SDPA flash 318 / 322): today's kernel 211 / 223; split_s2_pad 257 / 268, the fastest.
     {"w8_k128_split_s2_pad", &launch_kv_split<__nv_bfloat16, 128, 2, true>},
     {"w8_k128_split_s3_pad", &launch_kv_split<__nv_bfloat16, 128, 3, true>},
+    {"w8_k128_split_s2", &launch_kv_split<__nv_bfloat16, 128, 2, false>},
+    {"w8_k128_split_s3", &launch_kv_split<__nv_bfloat16, 128, 3, false>},
+    // Round 2: dQ in 16-byte atomics.
+    {"w8_k128_split_s2_pad_dq4", &launch_kv_split<__nv_bfloat16, 128, 2, true, true>},
+    {"w8_k128_split_s3_pad_dq4", &launch_kv_split<__nv_bfloat16, 128, 3, true, true>},
 };
-constexpr int kDefaultBackwardVariant = 0;
+// The fastest variant measured (round 1 above).
+constexpr int kDefaultBackwardVariant = 3;
 constexpr int kBackwardVariantCount = int(sizeof(kBackwardVariants) / sizeof(kBackwardVariants[0]));
 
 // The variant MEMBAR_ATTENTION_BACKWARD_VARIANT names: -1 when unset, -2 when it names none.

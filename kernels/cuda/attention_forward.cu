@@ -33,7 +33,8 @@
 // Rationale: the best layout depends on the GPU and is found by measuring (bench/attention_sweep.py).
 // Approach: kForwardVariants lists compiled configurations of the bf16, head_dim 128 kernel;
 // MEMBAR_ATTENTION_FORWARD_VARIANT=<name> picks one at run time (read at every launch), else the
-// default (kDefaultForwardVariant). A variant runs only where it applies (kKeys <= page_tokens;
+// default (kDefaultForwardVariant: the fastest one measured on the H200; "w8r16_k64_s3" is the
+// layout before tuning). A variant runs only where it applies (kKeys <= page_tokens;
 // sparse tiles a multiple of its kRows); elsewhere, and for the other dtypes and head dims, the
 // default layout runs. Every variant computes the same function; results differ only in rounding.
 #include <cuda_runtime.h>
@@ -449,49 +450,51 @@ constexpr ForwardVariant bf16_d128_variant(const char* name) {
 }
 
 // Note [Forward variants]. Names: w<warps>r<rows per warp>_k<keys per block>_s<stages>, then
-// _qreg (Q in registers), _skip (rescale skip and shift indexing), _2cta (registers budgeted for
-// two CTAs per SM), _pad (padded tiles), _pipe (Note [Forward pipelining]). The last entry is the
-// older four-warps-of-32-rows layout.
+// _qreg (Q in registers), _skip (rescale skip), _shift (shift indexing), _2cta (registers budgeted for
+// two CTAs per SM), _pad (padded tiles), _pipe (Note [Forward pipelining]); shift indexing is on
+// with _skip or _shift.
 const ForwardVariant kForwardVariants[] = {
+    // Today's layout before tuning (eight warps of 16 rows, 64-key blocks, Q from shared memory).
     bf16_d128_variant<DefaultForwardConfig>("w8r16_k64_s3"),
-    bf16_d128_variant<ForwardConfig<8, 1, 64, 3, false, true, 1>>("w8r16_k64_s3_skip"),
-    bf16_d128_variant<ForwardConfig<8, 1, 64, 3, true, true, 1>>("w8r16_k64_s3_qreg_skip"),
-    bf16_d128_variant<ForwardConfig<8, 1, 64, 2, true, true, 1>>("w8r16_k64_s2_qreg_skip"),
-    bf16_d128_variant<ForwardConfig<8, 1, 128, 2, false, true, 1>>("w8r16_k128_s2_skip"),
-    bf16_d128_variant<ForwardConfig<8, 1, 128, 2, true, true, 1>>("w8r16_k128_s2_qreg_skip"),
-    bf16_d128_variant<ForwardConfig<8, 1, 128, 3, true, true, 1>>("w8r16_k128_s3_qreg_skip"),
-    bf16_d128_variant<ForwardConfig<4, 1, 64, 3, true, true, 2>>("w4r16_k64_s3_qreg_skip_2cta"),
-    bf16_d128_variant<ForwardConfig<4, 1, 64, 2, true, true, 2>>("w4r16_k64_s2_qreg_skip_2cta"),
-    // FlashAttention-2's choice for head_dim 128 on A100/H100: four warps of 32 rows, 64-key blocks,
-    // shared memory small enough (96 KiB) for two CTAs per SM.
-    bf16_d128_variant<ForwardConfig<4, 2, 64, 2, false, true, 2>>("w4r32_k64_s2_skip_2cta"),
-    // Padded tiles (Note [Padded tiles]): fewer registers for shared-memory addresses.
-    bf16_d128_variant<ForwardConfig<8, 1, 64, 3, true, true, 1, true, true>>("w8r16_k64_s3_qreg_skip_pad"),
-    bf16_d128_variant<ForwardConfig<8, 1, 128, 2, true, true, 1, true, true>>("w8r16_k128_s2_qreg_skip_pad"),
-    bf16_d128_variant<ForwardConfig<4, 1, 64, 2, true, true, 2, true, true>>("w4r16_k64_s2_qreg_skip_2cta_pad"),
-    bf16_d128_variant<ForwardConfig<4, 2, 64, 2, false, true, 2, true, true>>("w4r32_k64_s2_skip_2cta_pad"),
-    // One K and one V buffer (FlashAttention-2's pipeline): the least shared memory.
-    bf16_d128_variant<ForwardConfig<4, 2, 64, 1, false, true, 2, true, true>>("w4r32_k64_s1_skip_2cta_pad"),
-    bf16_d128_variant<ForwardConfig<4, 1, 64, 1, true, true, 2, true, true>>("w4r16_k64_s1_qreg_skip_2cta_pad"),
-    bf16_d128_variant<ForwardConfig<4, 1, 128, 1, true, true, 2, true, true>>("w4r16_k128_s1_qreg_skip_2cta_pad"),
-    bf16_d128_variant<ForwardConfig<8, 1, 128, 1, true, true, 1, true, true>>("w8r16_k128_s1_qreg_skip_pad"),
+    // Round 1 on the H200 (bench/attention_sweep.py, 2026-11-30 15:11 UTC, TFLOP/s at 32K / 128K
+    // history; SDPA flash 302 / 309): today's layout 259 / 266; this one 275 / 283, the fastest.
+    bf16_d128_variant<ForwardConfig<4, 1, 64, 2, true, true, 2, true, false, false>>("w4r16_k64_s2_qreg_skip_2cta"),
+    bf16_d128_variant<ForwardConfig<4, 1, 64, 3, true, true, 2, true, false, false>>("w4r16_k64_s3_qreg_skip_2cta"),
+    bf16_d128_variant<ForwardConfig<8, 1, 128, 3, true, true, 1, true, false, false>>("w8r16_k128_s3_qreg_skip"),
+    bf16_d128_variant<ForwardConfig<8, 1, 128, 2, true, true, 1, true, false, false>>("w8r16_k128_s2_qreg_skip"),
+    bf16_d128_variant<ForwardConfig<4, 2, 64, 2, false, true, 2, true, false, false>>("w4r32_k64_s2_skip_2cta"),
+    bf16_d128_variant<ForwardConfig<8, 1, 64, 3, true, true, 1, true, false, false>>("w8r16_k64_s3_qreg_skip"),
+    // Round 2: the same without the rescale skip (in round 1 the skip alone cost 11%: its vote and
+    // branch split the softmax into basic blocks the scheduler cannot interleave), with and
+    // without shift indexing.
+    bf16_d128_variant<ForwardConfig<4, 1, 64, 2, true, false, 2, true, false, false>>("w4r16_k64_s2_qreg_shift_2cta"),
+    bf16_d128_variant<ForwardConfig<4, 1, 64, 2, true, false, 2, false, false, false>>("w4r16_k64_s2_qreg_2cta"),
+    bf16_d128_variant<ForwardConfig<4, 1, 64, 3, true, false, 2, true, false, false>>("w4r16_k64_s3_qreg_shift_2cta"),
+    bf16_d128_variant<ForwardConfig<8, 1, 128, 3, true, false, 1, true, false, false>>("w8r16_k128_s3_qreg_shift"),
+    bf16_d128_variant<ForwardConfig<8, 1, 128, 2, true, false, 1, true, false, false>>("w8r16_k128_s2_qreg_shift"),
+    bf16_d128_variant<ForwardConfig<4, 2, 64, 2, false, false, 2, true, false, false>>("w4r32_k64_s2_shift_2cta"),
+    bf16_d128_variant<ForwardConfig<8, 1, 64, 3, true, false, 1, true, false, false>>("w8r16_k64_s3_qreg_shift"),
+    // One K and one V buffer, so that 128-key blocks fit two CTAs per SM.
+    bf16_d128_variant<ForwardConfig<4, 1, 128, 1, true, false, 2, true, false, false>>("w4r16_k128_s1_qreg_shift_2cta"),
     // Pipelined (Note [Forward pipelining]): S of block i + 1 overlaps the softmax of block i.
-    bf16_d128_variant<ForwardConfig<8, 1, 64, 3, true, true, 1, true, true, true>>("w8r16_k64_s3_qreg_skip_pad_pipe"),
-    bf16_d128_variant<ForwardConfig<8, 1, 64, 3, false, true, 1, true, true, true>>("w8r16_k64_s3_skip_pad_pipe"),
     bf16_d128_variant<ForwardConfig<4, 1, 64, 3, true, true, 2, true, false, true>>("w4r16_k64_s3_qreg_skip_2cta_pipe"),
-    bf16_d128_variant<ForwardConfig<4, 2, 64, 3, false, true, 1>>("w4r32_k64_s3_skip"),
+    bf16_d128_variant<ForwardConfig<4, 1, 64, 3, true, false, 2, true, false, true>>("w4r16_k64_s3_qreg_shift_2cta_pipe"),
+    bf16_d128_variant<ForwardConfig<8, 1, 64, 3, true, false, 1, true, false, true>>("w8r16_k64_s3_qreg_shift_pipe"),
+    // Padded tiles (Note [Padded tiles]) were 3-6% slower than swizzled ones in round 1 with the skip.
+    bf16_d128_variant<ForwardConfig<4, 1, 64, 2, true, false, 2, true, true, false>>("w4r16_k64_s2_qreg_shift_2cta_pad"),
 };
-constexpr int kDefaultForwardVariant = 0;
+// The fastest variant measured (round 1 above).
+constexpr int kDefaultForwardVariant = 1;
 constexpr int kForwardVariantCount = int(sizeof(kForwardVariants) / sizeof(kForwardVariants[0]));
 
 // The variant MEMBAR_ATTENTION_FORWARD_VARIANT names (-1 when unset; -2 when it names none), or
-// the last one (four warps of 32 rows) under the older knob MEMBAR_ATTENTION_FORWARD_WARP_ROWS=32.
+// the four-warps-of-32-rows one under the older knob MEMBAR_ATTENTION_FORWARD_WARP_ROWS=32.
 int requested_forward_variant() {
   const char* name = std::getenv("MEMBAR_ATTENTION_FORWARD_VARIANT");
   if (name == nullptr || name[0] == '\0') {
     const char* warp_rows = std::getenv("MEMBAR_ATTENTION_FORWARD_WARP_ROWS");
-    if (warp_rows != nullptr && std::strcmp(warp_rows, "32") == 0) return kForwardVariantCount - 1;
-    return -1;
+    if (warp_rows == nullptr || std::strcmp(warp_rows, "32") != 0) return -1;
+    name = "w4r32_k64_s2_skip_2cta";
   }
   for (int i = 0; i < kForwardVariantCount; ++i) {
     if (std::strcmp(name, kForwardVariants[i].name) == 0) return i;
