@@ -67,7 +67,7 @@ def make_problem(case, seed):
     return p
 
 
-def run(p, device, dtype=None):
+def run(p, device, dtype=None, deterministic=False):
     """Forward and backward through the ops on `device`; floating inputs converted to `dtype`."""
     def move(value):
         if not isinstance(value, torch.Tensor):
@@ -86,7 +86,7 @@ def run(p, device, dtype=None):
     dq, dk, dv = ops.paged_attention_backward(t["q"], t["k"], t["v"], t["k_pool"], t["k_index"], t["v_pool"],
                                               t["v_index"], given_out, t["dout"], given_lse, dk_pool, t["dk_index"],
                                               dv_pool, t["dv_index"], t["history_tokens"], t["scale"], t["selection"],
-                                              t["tile"], False, t["attend_chunk"])
+                                              t["tile"], deterministic, t["attend_chunk"])
     return {"out": out, "lse": lse, "dq": dq, "dk": dk, "dv": dv, "dk_pool": dk_pool, "dv_pool": dv_pool}
 
 
@@ -116,14 +116,17 @@ def problems():
     return prepared
 
 
-def check_variant(problems, variable, name, names):
+def check_variant(problems, variable, name, names, modes=(False,)):
+    """Every problem through the variant (each deterministic mode in `modes`) against the truth."""
     os.environ[variable] = name
     try:
         for case, p, truth, plain in problems:
-            got = errors(run(p, "cuda"), truth)
-            for tensor in names:
-                slack = (1e-4 if tensor == "lse" else 4e-3) * max(1.0, truth[tensor].abs().max().item())
-                assert got[tensor] <= 2 * plain[tensor] + slack, (name, case, tensor, got[tensor], plain[tensor])
+            for deterministic in modes:
+                got = errors(run(p, "cuda", deterministic=deterministic), truth)
+                for tensor in names:
+                    slack = (1e-4 if tensor == "lse" else 4e-3) * max(1.0, truth[tensor].abs().max().item())
+                    assert got[tensor] <= 2 * plain[tensor] + slack, (
+                        name, case, deterministic, tensor, got[tensor], plain[tensor])
     finally:
         del os.environ[variable]
 
@@ -135,7 +138,8 @@ def test_forward_variant_matches_cpu(problems, name):
 
 @pytest.mark.parametrize("name", BACKWARD_VARIANTS)
 def test_backward_variant_matches_cpu(problems, name):
-    check_variant(problems, "MEMBAR_ATTENTION_BACKWARD_VARIANT", name, ("dq", "dk", "dv", "dk_pool", "dv_pool"))
+    check_variant(problems, "MEMBAR_ATTENTION_BACKWARD_VARIANT", name, ("dq", "dk", "dv", "dk_pool", "dv_pool"),
+                  modes=(False, True))
 
 
 def test_unknown_variant_is_a_clear_error(problems):
