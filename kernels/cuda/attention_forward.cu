@@ -480,6 +480,7 @@ const ForwardVariant kForwardVariants[] = {
     bf16_d128_variant<ForwardConfig<4, 1, 64, 3, true, true, 2, true, false, true>>("w4r16_k64_s3_qreg_skip_2cta_pipe"),
     bf16_d128_variant<ForwardConfig<4, 1, 64, 3, true, false, 2, true, false, true>>("w4r16_k64_s3_qreg_shift_2cta_pipe"),
     bf16_d128_variant<ForwardConfig<8, 1, 64, 3, true, false, 1, true, false, true>>("w8r16_k64_s3_qreg_shift_pipe"),
+    bf16_d128_variant<ForwardConfig<4, 1, 64, 3, false, false, 2, true, false, true>>("w4r16_k64_s3_shift_2cta_pipe"),
     // Padded tiles (Note [Padded tiles]) were 3-6% slower than swizzled ones in round 1 with the skip.
     bf16_d128_variant<ForwardConfig<4, 1, 64, 2, true, false, 2, true, true, false>>("w4r16_k64_s2_qreg_shift_2cta_pad"),
 };
