@@ -226,6 +226,31 @@ def resource_usage(library):
     return demangle_keys(usage)
 
 
+def tensor_core_instructions(library):
+    """{demangled kernel name: number of HMMA (mma.sync) instructions in its SASS}, from
+    `cuobjdump -sass`, or {} when cuobjdump is unavailable: the issue asks to check that the
+    kernels run on tensor cores."""
+    tool = shutil.which("cuobjdump") or "/usr/local/cuda/bin/cuobjdump"
+    if not os.path.exists(tool):
+        return {}
+    try:
+        text = subprocess.run([tool, "-sass", str(library)], capture_output=True, text=True, timeout=120).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return {}
+    counts = {}
+    current = None
+    for line in text.splitlines():
+        match = re.search(r"Function : (\S+)", line)
+        if match:
+            current = match.group(1) if "attention" in match.group(1) else None
+            if current:
+                counts[current] = 0
+            continue
+        if current and re.search(r"\bHMMA\b|\bHGMMA\b", line):
+            counts[current] += 1
+    return demangle_keys(counts)
+
+
 def resource_usage_from_ptxas(log_path):
     """{demangled kernel name: (registers, spill store bytes)} from the ptxas -v lines of a build
     log (kernels/CMakeLists.txt compiles with -Xptxas=-v; tools/gpu_check.sh keeps build.log)."""
@@ -422,6 +447,7 @@ def main():
         records = run_children(todo, histories, os.path.join(scratch, "records.jsonl"))
 
     library = Path(os.environ.get("MEMBAR_LIBRARY") or Path(membar.__file__).parent / "_C.so")
+    hmma = tensor_core_instructions(library)
     usage = resource_usage(library)
     usage_source = "cuobjdump (REG, STACK bytes)"
     if not usage:
@@ -437,6 +463,10 @@ def main():
               f"{time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())}")
     lines, best = render_table(records, todo, histories, {"forward": forward_default, "backward": backward_default},
                                usage, usage_source, header)
+    if hmma:
+        counted = [(kind, name, lookup_usage(hmma, kind, name)) for kind, name in todo if kind != "sdpa"]
+        lines.append("HMMA instructions in the SASS (cuobjdump -sass): " +
+                     ", ".join(f"{name} {count}" for kind, name, count in counted if count is not None))
     lines.append("fastest correct: " + ", ".join(f"{k} {v}" for k, v in best.items()) +
                  f"; sweep took {time.time() - started:.0f} s")
     text = "\n".join(lines) + "\n"
@@ -452,6 +482,7 @@ def main():
         "fastest_correct": best,
         "resource_usage": {k: list(v) for k, v in usage.items()},
         "resource_usage_source": usage_source,
+        "hmma_instructions": hmma,
         "records": records,
     }
     out_dir = Path(os.environ.get("MEMBAR_RESULTS_DIR", Path(__file__).parent / "results" / "latest"))
