@@ -13,6 +13,7 @@
 #include <mma.h>
 
 #include <cmath>
+#include <type_traits>
 
 #include "membar/kernels/logra.h"
 
@@ -256,17 +257,18 @@ static_assert(kRows * kRankChunk % (4 * kThreads) == 0, "the threads must cover 
 __device__ __forceinline__ float weight_to_float(float value) { return value; }
 __device__ __forceinline__ float weight_to_float(__nv_bfloat16 value) { return __bfloat162float(value); }
 
-// The stored value of element `element` of W: fp32 as is; bf16 to nearest even, or stochastically
-// with the exact kernel's bits when rounding_seed != 0 (Note [LoGRA stochastic rounding]).
+// The stored value of an element of W: fp32 as is; bf16 to nearest even, or, when rounding_seed
+// != 0, stochastically with the element's 16 random bits `random` (its slice of the rounding word,
+// Note [LoGRA stochastic rounding]), which gives the exact kernel's bits.
 template <typename W>
-__device__ __forceinline__ W round_weight(float value, uint64_t rounding_seed, uint64_t element);
+__device__ __forceinline__ W round_weight(float value, uint64_t rounding_seed, uint32_t random);
 template <>
-__device__ __forceinline__ float round_weight<float>(float value, uint64_t, uint64_t) { return value; }
+__device__ __forceinline__ float round_weight<float>(float value, uint64_t, uint32_t) { return value; }
 template <>
 __device__ __forceinline__ __nv_bfloat16 round_weight<__nv_bfloat16>(float value, uint64_t rounding_seed,
-                                                                     uint64_t element) {
+                                                                     uint32_t random) {
   if (rounding_seed == 0) return __float2bfloat16_rn(value);
-  return __ushort_as_bfloat16(logra_bfloat16_stochastic(__float_as_uint(value), rounding_seed, element));
+  return __ushort_as_bfloat16(logra_bfloat16_round_with(__float_as_uint(value), random));
 }
 
 // W[i, c] -= step * sum_j U[i, j] sign[j, c], U split into bf16 hi + lo, tensor cores.
@@ -346,12 +348,13 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerMultiprocessor) update_ker
                                : 0;
     }
     __syncthreads();
-    // signs[j][c] = sign of A[rank_begin + j, column_begin + c] (+1 / -1, exact in bf16).
-    for (int index = threadIdx.x; index < kRankChunk * kColumns; index += kThreads) {
-      const int j = index / kColumns;
-      const int c = index % kColumns;
-      const uint64_t word = words[j * 2 + c / 64];
-      signs[j * kSignStride + c] = __float2bfloat16_rn(((word >> (c % 64)) & 1u) ? -1.f : 1.f);
+    // signs[j][c] = sign of A[rank_begin + j, column_begin + c] (+1 / -1, exact in bf16), two
+    // columns per 32-bit store: bf16 +1 is 0x3F80, and a set sign bit (0x8000) makes it -1.
+    for (int index = threadIdx.x; index < kRankChunk * kColumns / 2; index += kThreads) {
+      const int j = index / (kColumns / 2);
+      const int c = (index % (kColumns / 2)) * 2;
+      const uint32_t bits = static_cast<uint32_t>(words[j * 2 + c / 64] >> (c % 64)) & 3u;
+      *reinterpret_cast<uint32_t*>(signs + j * kSignStride + c) = 0x3F803F80u | ((bits & 1u) << 15) | ((bits & 2u) << 30);
     }
     __syncthreads();
 #pragma unroll
@@ -387,7 +390,7 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerMultiprocessor) update_ker
   __syncthreads();
   if (vector_weight) {
     // 16-byte accesses (8 bf16 or 4 fp32 of one row), every load issued before any store so
-    // that each thread keeps kWeightIterations accesses in flight.
+    // that each thread keeps kWeightIterations accesses in flight; deltas read as float4.
     uint4 values[kWeightIterations];
 #pragma unroll
     for (int it = 0; it < kWeightIterations; ++it) {
@@ -407,12 +410,21 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerMultiprocessor) update_ker
       const int64_t column = column_begin + c;
       if (row >= params.out_features || column >= in_features) continue;  // k % kPerVector == 0: whole vectors
       W* lanes = reinterpret_cast<W*>(&values[it]);
-      const int64_t first = row * in_features + column;
+      const int64_t first = row * in_features + column;  // a multiple of kPerVector (>= 4)
+      const float* deltas = staging + i * kStagingStride + c;
 #pragma unroll
-      for (int e = 0; e < kPerVector; ++e) {
-        const float change = __fmul_rn(step, staging[i * kStagingStride + c + e]);
-        lanes[e] = round_weight<W>(__fsub_rn(weight_to_float(lanes[e]), change), params.rounding_seed,
-                                   static_cast<uint64_t>(first + e));
+      for (int quad = 0; quad < kPerVector; quad += 4) {
+        const float4 delta = *reinterpret_cast<const float4*>(deltas + quad);
+        const float quad_deltas[4] = {delta.x, delta.y, delta.z, delta.w};
+        // Elements first + quad .. + 3 share one rounding word (Note [LoGRA stochastic rounding]).
+        const uint64_t random = std::is_same<W, __nv_bfloat16>::value && params.rounding_seed != 0
+                                    ? logra_rounding_word(params.rounding_seed, static_cast<uint64_t>(first + quad) >> 2)
+                                    : 0;
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const float value = __fsub_rn(weight_to_float(lanes[quad + e]), __fmul_rn(step, quad_deltas[e]));
+          lanes[quad + e] = round_weight<W>(value, params.rounding_seed, static_cast<uint32_t>(random >> (16 * e)));
+        }
       }
       *reinterpret_cast<uint4*>(weight + first) = values[it];
     }

@@ -36,6 +36,28 @@ def test_generator_matches_independent_python_implementation():
         assert torch.equal(got, expected)
 
 
+def test_stochastic_rounding_bits_follow_the_documented_formula():
+    # Note [LoGRA stochastic rounding]: element i adds bits [16 (i % 4), +16) of
+    # mix(mix(seed) + (i // 4) * gamma) to its fp32 bits, then truncates to bf16.
+    torch.manual_seed(11)
+    key = ops.ProjectionKey(3, 1, 4)
+    weight = torch.randn(3, 70).to(torch.bfloat16)
+    update = torch.randn(3, 8) * 1e-2
+    exact = weight.float()
+    logra.fused_update_(exact, update, 0.3, key)  # the same fp32 value the bf16 path rounds
+    seed = ops.rounding_seed_for(5, 2)
+    rounded = weight.clone()
+    logra.fused_update_(rounded, update, 0.3, key, seed)
+    bits = exact.view(torch.int32).flatten().tolist()
+    expected = []
+    for index, value in enumerate(bits):
+        word = _mix64((_mix64(seed) + (index >> 2) * 0x9E3779B97F4A7C15) & MASK)
+        random = (word >> (16 * (index & 3))) & 0xFFFF
+        expected.append((((value & 0xFFFFFFFF) + random) >> 16) & 0xFFFF)
+    got = [b & 0xFFFF for b in rounded.view(torch.int16).flatten().tolist()]
+    assert got == expected
+
+
 def test_generator_is_deterministic_and_key_sensitive():
     key = ops.ProjectionKey(5, 1, 2)
     a = logra.generate(key, 32, 300)

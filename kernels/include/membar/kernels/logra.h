@@ -88,15 +88,32 @@ MEMBAR_HOST_DEVICE float logra_sign(uint64_t key_hash, uint32_t row, uint32_t co
 // a counter-based hash of (rounding_seed, element index) keeps it deterministic, so a receiver
 // applying the same update with the same rounding seed gets the same bits as the trainer.
 // Approach: add 16 random bits below the bf16 mantissa to the fp32 bit pattern, then truncate.
+// One 64-bit word serves four consecutive elements (16 bits each): element i takes bits
+// [16 * (i % 4), 16 * (i % 4) + 16) of word(i / 4), and word(g) = mix(mix(rounding_seed) + g * gamma)
+// with gamma = 0x9E3779B97F4A7C15: output g of a SplitMix64 stream whose state starts at
+// mix(rounding_seed). Hashing is most of the update kernels' arithmetic: one mix per four
+// elements (mix(rounding_seed) is loop-invariant) instead of two per element.
 // Non-finite values round to nearest even (the random add could turn a NaN into an infinity).
-MEMBAR_HOST_DEVICE uint16_t logra_bfloat16_stochastic(uint32_t float_bits, uint64_t rounding_seed, uint64_t index) {
+
+// 64 random bits for elements [4 * group, 4 * group + 4) of one stochastic rounding.
+MEMBAR_HOST_DEVICE uint64_t logra_rounding_word(uint64_t rounding_seed, uint64_t group) {
+  return logra_mix64(logra_mix64(rounding_seed) + group * 0x9E3779B97F4A7C15ull);
+}
+
+// The bf16 bits of fp32 `float_bits` rounded with 16 random bits `random` (uniform in [0, 2^16)).
+MEMBAR_HOST_DEVICE uint16_t logra_bfloat16_round_with(uint32_t float_bits, uint32_t random) {
   if ((float_bits & 0x7F800000u) == 0x7F800000u) {
     const uint32_t rounding_bias = 0x7FFFu + ((float_bits >> 16) & 1u);
     const bool is_nan = (float_bits & 0x7FFFFFFFu) > 0x7F800000u;
     return static_cast<uint16_t>(is_nan ? ((float_bits >> 16) | 0x0040u) : ((float_bits + rounding_bias) >> 16));
   }
-  const uint32_t random = static_cast<uint32_t>(logra_mix64(rounding_seed ^ logra_mix64(index)) & 0xFFFFu);
-  return static_cast<uint16_t>((float_bits + random) >> 16);
+  return static_cast<uint16_t>((float_bits + (random & 0xFFFFu)) >> 16);
+}
+
+// Element `index` of a stochastic rounding keyed by `rounding_seed`.
+MEMBAR_HOST_DEVICE uint16_t logra_bfloat16_stochastic(uint32_t float_bits, uint64_t rounding_seed, uint64_t index) {
+  const uint64_t word = logra_rounding_word(rounding_seed, index >> 2);
+  return logra_bfloat16_round_with(float_bits, static_cast<uint32_t>(word >> ((index & 3u) * 16u)));
 }
 
 struct LograShape {
