@@ -301,6 +301,21 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerMultiprocessor) update_ker
       in_features % kPerVector == 0 && reinterpret_cast<uintptr_t>(params.weight) % 16 == 0;
   const bool vector_update = rank % 4 == 0 && reinterpret_cast<uintptr_t>(params.update) % 16 == 0;
 
+  // The tile of W is loaded first (16-byte vectors, when aligned), so that its latency overlaps
+  // the U load, the sign generation and the MMAs below; the epilogue then only computes and stores.
+  uint4 values[kWeightIterations];
+  if (vector_weight) {
+#pragma unroll
+    for (int it = 0; it < kWeightIterations; ++it) {
+      const int vector = threadIdx.x + it * kThreads;
+      const int64_t row = row_begin + vector / kVectorsPerRow;
+      const int64_t column = column_begin + (vector % kVectorsPerRow) * kPerVector;
+      if (row < params.out_features && column < in_features) {
+        values[it] = *reinterpret_cast<const uint4*>(weight + row * in_features + column);
+      }
+    }
+  }
+
   wmma::fragment<wmma::accumulator, 16, 16, 16, float> accumulator[2][2];
 #pragma unroll
   for (int m = 0; m < 2; ++m) {
@@ -389,18 +404,8 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerMultiprocessor) update_ker
   }
   __syncthreads();
   if (vector_weight) {
-    // 16-byte accesses (8 bf16 or 4 fp32 of one row), every load issued before any store so
-    // that each thread keeps kWeightIterations accesses in flight; deltas read as float4.
-    uint4 values[kWeightIterations];
-#pragma unroll
-    for (int it = 0; it < kWeightIterations; ++it) {
-      const int vector = threadIdx.x + it * kThreads;
-      const int64_t row = row_begin + vector / kVectorsPerRow;
-      const int64_t column = column_begin + (vector % kVectorsPerRow) * kPerVector;
-      if (row < params.out_features && column < in_features) {
-        values[it] = *reinterpret_cast<const uint4*>(weight + row * in_features + column);
-      }
-    }
+    // 16-byte accesses (8 bf16 or 4 fp32 of one row), loaded at the start of the block; deltas
+    // read as float4.
 #pragma unroll
     for (int it = 0; it < kWeightIterations; ++it) {
       const int vector = threadIdx.x + it * kThreads;
