@@ -63,9 +63,12 @@ using namespace detail;
 //   kShiftIndexing: page and row numbers by shifts (KeySequence); on in every tuned variant
 //     (those with kSkipRescale), off in today's default layout;
 //   kPadded: Q, K and V tiles padded instead of swizzled (Note [Padded tiles]);
-//   kPipelined: S of the next block before the softmax of this one (Note [Forward pipelining]).
+//   kPipelined: S of the next block before the softmax of this one (Note [Forward pipelining]);
+//   kSequentialTiles: with two row tiles per warp, S and softmax of one tile after the other (one
+//     tile's scores live instead of two; K fragments are read once per tile, V once per warp).
 template <int kWarps_, int kRowTiles_, int kKeys_, int kStages_, bool kQInRegisters_, bool kSkipRescale_, int kMinBlocks_,
-          bool kShiftIndexing_ = kSkipRescale_, bool kPadded_ = false, bool kPipelined_ = false>
+          bool kShiftIndexing_ = kSkipRescale_, bool kPadded_ = false, bool kPipelined_ = false,
+          bool kSequentialTiles_ = false>
 struct ForwardConfig {
   static constexpr int kWarps = kWarps_;
   static constexpr int kRowTiles = kRowTiles_;
@@ -77,6 +80,8 @@ struct ForwardConfig {
   static constexpr bool kShiftIndexing = kShiftIndexing_;
   static constexpr bool kPadded = kPadded_;
   static constexpr bool kPipelined = kPipelined_;
+  static constexpr bool kSequentialTiles = kSequentialTiles_;
+  static_assert(!kSequentialTiles || (kStages > 1 && !kPipelined), "sequential tiles use the plain two- or three-stage loop");
   static constexpr int kRows = 16 * kRowTiles * kWarps;
   static_assert(kKeys == 64 || kKeys == 128, "a key block is 64 or 128 keys (a page holds whole blocks)");
   static_assert(kStages >= 1 && kStages <= 3, "the barrier schemes of Note [Forward kernel] take 1 to 3 stages");
@@ -218,15 +223,19 @@ __global__ void __launch_bounds__(Config::kWarps * 32, Config::kMinBlocks)
 
   // S = Q K^T of the block in `stage`, into acc ([row tile][n8 tile][4]).
   using Scores = float[kRowTiles][kKeys / 8][4];
-  auto compute_scores = [&](Scores& acc, int stage) {
+  // With only_tile >= 0 (a constant at every call), just that row tile (kSequentialTiles).
+  auto compute_scores = [&](Scores& acc, int stage, int only_tile) {
     const Element* k_tile = k_tiles + stage * kKeys * kStride;
 #pragma unroll
-    for (int t = 0; t < kRowTiles; ++t) clear(acc[t]);
+    for (int t = 0; t < kRowTiles; ++t) {
+      if (only_tile < 0 || t == only_tile) clear(acc[t]);
+    }
 #pragma unroll
     for (int kk = 0; kk < kHeadDim / 16; ++kk) {
       uint32_t a[kRowTiles][4];
 #pragma unroll
       for (int t = 0; t < kRowTiles; ++t) {
+        if (only_tile >= 0 && t != only_tile) continue;
         if constexpr (Config::kQInRegisters) {
 #pragma unroll
           for (int j = 0; j < 4; ++j) a[t][j] = q_fragments[t][kk][j];
@@ -242,76 +251,71 @@ __global__ void __launch_bounds__(Config::kWarps * 32, Config::kMinBlocks)
         ldmatrix_x4(b, k_tile + Layout::offset(row, column));
 #pragma unroll
         for (int t = 0; t < kRowTiles; ++t) {
+          if (only_tile >= 0 && t != only_tile) continue;
           ElementTraits<Element>::mma(acc[t][2 * nn], a[t], b[0], b[1]);
           ElementTraits<Element>::mma(acc[t][2 * nn + 1], a[t], b[2], b[3]);
         }
       }
     }
   };
-  // Mask, online softmax and O += P V of block `index` (in `stage`), from its scores.
-  auto accumulate_block = [&](Scores& scores, int index, int stage) {
-    const Element* v_tile = v_tiles + stage * kKeys * kStride;
-    const KeyBlock<Element> block = keys.block(index);
+  // Mask and online softmax of row tile t of a block's scores; P goes to p as A fragments.
+  auto softmax_tile = [&](Scores& scores, int t, const KeyBlock<Element>& block, bool needs_mask,
+                          uint32_t (&p)[kKeys / 16][4]) {
     const bool chunk_block = block.first_position >= 0;
-    const bool needs_mask = block.valid_rows < kKeys ||
-                            (chunk_block && block.first_position + kKeys - 1 > first_query + warp_row);
-    uint32_t p_fragments[kRowTiles][kKeys / 16][4];
+    const int row_position = first_query + warp_row + t * 16 + lane / 4;
+    if (needs_mask) {
 #pragma unroll
-    for (int t = 0; t < kRowTiles; ++t) {
-      const int row_position = first_query + warp_row + t * 16 + lane / 4;
-      if (needs_mask) {
+      for (int n = 0; n < kKeys / 8; ++n) {
 #pragma unroll
-        for (int n = 0; n < kKeys / 8; ++n) {
-#pragma unroll
-          for (int j = 0; j < 4; ++j) {
-            const int key = n * 8 + 2 * (lane % 4) + (j & 1);
-            bool visible = key < block.valid_rows;
-            if (chunk_block) visible = visible && block.first_position + key <= row_position + (j >> 1) * 8;
-            if (!visible) scores[t][n][j] = -INFINITY;
-          }
+        for (int j = 0; j < 4; ++j) {
+          const int key = n * 8 + 2 * (lane % 4) + (j & 1);
+          bool visible = key < block.valid_rows;
+          if (chunk_block) visible = visible && block.first_position + key <= row_position + (j >> 1) * 8;
+          if (!visible) scores[t][n][j] = -INFINITY;
         }
       }
-      // Online softmax over this block (Note [Forward kernel]).
+    }
+    // Online softmax over this block (Note [Forward kernel]).
 #pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        float block_max = -INFINITY;
+    for (int half = 0; half < 2; ++half) {
+      float block_max = -INFINITY;
 #pragma unroll
-        for (int n = 0; n < kKeys / 8; ++n) {
-          block_max = fmaxf(block_max, fmaxf(scores[t][n][2 * half], scores[t][n][2 * half + 1]));
-        }
-        block_max = quad_max(block_max);
-        const float new_max = fmaxf(row_max[t][half], block_max);
-        const float max_scaled = new_max == -INFINITY ? 0.f : new_max * scale_log2;
-        const float correction = exp2f(row_max[t][half] * scale_log2 - max_scaled);
-        row_max[t][half] = new_max;
-        float sum = 0.f;
+      for (int n = 0; n < kKeys / 8; ++n) {
+        block_max = fmaxf(block_max, fmaxf(scores[t][n][2 * half], scores[t][n][2 * half + 1]));
+      }
+      block_max = quad_max(block_max);
+      const float new_max = fmaxf(row_max[t][half], block_max);
+      const float max_scaled = new_max == -INFINITY ? 0.f : new_max * scale_log2;
+      const float correction = exp2f(row_max[t][half] * scale_log2 - max_scaled);
+      row_max[t][half] = new_max;
+      float sum = 0.f;
 #pragma unroll
-        for (int n = 0; n < kKeys / 8; ++n) {
+      for (int n = 0; n < kKeys / 8; ++n) {
 #pragma unroll
-          for (int j = 2 * half; j < 2 * half + 2; ++j) {
-            scores[t][n][j] = exp2f(scores[t][n][j] * scale_log2 - max_scaled);
-            sum += scores[t][n][j];
-          }
-        }
-        row_sum[t][half] = row_sum[t][half] * correction + sum;
-        // Skipped (kSkipRescale) when no row of the warp got a new maximum: every correction is 1.
-        if (!Config::kSkipRescale || __any_sync(0xffffffffu, correction != 1.f)) {
-#pragma unroll
-          for (int n = 0; n < kHeadDim / 8; ++n) {
-            output[t][n][2 * half] *= correction;
-            output[t][n][2 * half + 1] *= correction;
-          }
+        for (int j = 2 * half; j < 2 * half + 2; ++j) {
+          scores[t][n][j] = exp2f(scores[t][n][j] * scale_log2 - max_scaled);
+          sum += scores[t][n][j];
         }
       }
-      accumulator_to_a_fragments<Element, kKeys>(p_fragments[t], scores[t]);
+      row_sum[t][half] = row_sum[t][half] * correction + sum;
+      // Skipped (kSkipRescale) when no row of the warp got a new maximum: every correction is 1.
+      if (!Config::kSkipRescale || __any_sync(0xffffffffu, correction != 1.f)) {
+#pragma unroll
+        for (int n = 0; n < kHeadDim / 8; ++n) {
+          output[t][n][2 * half] *= correction;
+          output[t][n][2 * half + 1] *= correction;
+        }
+      }
     }
-
-    if constexpr (kStages == 1) {
-      copy_async_wait<0>();
-      __syncthreads();
-      if (index + 1 < num_blocks) load_keys(index + 1, 0);
-      copy_async_commit();
-    }
+    accumulator_to_a_fragments<Element, kKeys>(p, scores[t]);
+  };
+  // Whether some score of this warp's rows in the block must be masked.
+  auto block_needs_mask = [&](const KeyBlock<Element>& block) {
+    return block.valid_rows < kKeys ||
+           (block.first_position >= 0 && block.first_position + kKeys - 1 > first_query + warp_row);
+  };
+  using Probabilities = uint32_t[kRowTiles][kKeys / 16][4];
+  auto multiply_values = [&](Probabilities& p_fragments, const Element* v_tile) {
     // O += P V: every V fragment serves all row tiles of the warp.
 #pragma unroll
     for (int kk = 0; kk < kKeys / 16; ++kk) {
@@ -329,6 +333,21 @@ __global__ void __launch_bounds__(Config::kWarps * 32, Config::kMinBlocks)
       }
     }
   };
+  // Mask, online softmax and O += P V of block `index` (in `stage`), from its scores.
+  auto accumulate_block = [&](Scores& scores, int index, int stage) {
+    const KeyBlock<Element> block = keys.block(index);
+    const bool needs_mask = block_needs_mask(block);
+    Probabilities p_fragments;
+#pragma unroll
+    for (int t = 0; t < kRowTiles; ++t) softmax_tile(scores, t, block, needs_mask, p_fragments[t]);
+    if constexpr (kStages == 1) {
+      copy_async_wait<0>();
+      __syncthreads();
+      if (index + 1 < num_blocks) load_keys(index + 1, 0);
+      copy_async_commit();
+    }
+    multiply_values(p_fragments, v_tiles + stage * kKeys * kStride);
+  };
 
   if constexpr (Config::kPipelined) {
     // Note [Forward pipelining]: S of block i + 1 is computed before the softmax of block i, so
@@ -339,7 +358,7 @@ __global__ void __launch_bounds__(Config::kWarps * 32, Config::kMinBlocks)
     copy_async_commit();
     copy_async_wait<1>();
     __syncthreads();
-    if (num_blocks > 0) compute_scores(scores_even, 0);
+    if (num_blocks > 0) compute_scores(scores_even, 0, -1);
     // One step: block `index`'s scores are in `current`; block index + 1's go to `next`.
     auto step = [&](Scores& current, Scores& next, int index) {
       if (index + 1 < num_blocks) {
@@ -347,7 +366,7 @@ __global__ void __launch_bounds__(Config::kWarps * 32, Config::kMinBlocks)
         __syncthreads();
         if (index + 2 < num_blocks) load_block(index + 2, (index + 2) % kStages);
         copy_async_commit();
-        compute_scores(next, (index + 1) % kStages);
+        compute_scores(next, (index + 1) % kStages, -1);
       }
       accumulate_block(current, index, index % kStages);
     };
@@ -375,8 +394,21 @@ __global__ void __launch_bounds__(Config::kWarps * 32, Config::kMinBlocks)
         copy_async_commit();
       }
       Scores scores;
-      compute_scores(scores, stage);
-      accumulate_block(scores, index, stage);
+      if constexpr (Config::kSequentialTiles) {
+        // One row tile at a time up to its P, so that only one tile's scores are live.
+        const KeyBlock<Element> block = keys.block(index);
+        const bool needs_mask = block_needs_mask(block);
+        Probabilities p_fragments;
+#pragma unroll
+        for (int t = 0; t < kRowTiles; ++t) {
+          compute_scores(scores, stage, t);
+          softmax_tile(scores, t, block, needs_mask, p_fragments[t]);
+        }
+        multiply_values(p_fragments, v_tiles + stage * kKeys * kStride);
+      } else {
+        compute_scores(scores, stage, -1);
+        accumulate_block(scores, index, stage);
+      }
       // No barrier here: the copy issued next overwrites the stage read two blocks ago (three
       // stages), or is issued after the next barrier (one or two) (Note [Forward kernel]).
     }
@@ -451,8 +483,8 @@ constexpr ForwardVariant bf16_d128_variant(const char* name) {
 
 // Note [Forward variants]. Names: w<warps>r<rows per warp>_k<keys per block>_s<stages>, then
 // _qreg (Q in registers), _skip (rescale skip), _shift (shift indexing), _2cta (registers budgeted for
-// two CTAs per SM), _pad (padded tiles), _pipe (Note [Forward pipelining]); shift indexing is on
-// with _skip or _shift.
+// two CTAs per SM), _pad (padded tiles), _pipe (Note [Forward pipelining]), _seq (sequential row
+// tiles); shift indexing is on with _skip or _shift.
 const ForwardVariant kForwardVariants[] = {
     // Today's layout before tuning (eight warps of 16 rows, 64-key blocks, Q from shared memory).
     bf16_d128_variant<DefaultForwardConfig>("w8r16_k64_s3"),
@@ -473,6 +505,8 @@ const ForwardVariant kForwardVariants[] = {
     bf16_d128_variant<ForwardConfig<8, 1, 128, 3, true, false, 1, true, false, false>>("w8r16_k128_s3_qreg_shift"),
     bf16_d128_variant<ForwardConfig<8, 1, 128, 2, true, false, 1, true, false, false>>("w8r16_k128_s2_qreg_shift"),
     bf16_d128_variant<ForwardConfig<4, 2, 64, 2, false, false, 2, true, false, false>>("w4r32_k64_s2_shift_2cta"),
+    bf16_d128_variant<ForwardConfig<4, 2, 64, 2, false, false, 2, true, false, false, true>>("w4r32_k64_s2_shift_2cta_seq"),
+    bf16_d128_variant<ForwardConfig<4, 2, 64, 2, false, true, 2, true, false, false, true>>("w4r32_k64_s2_skip_2cta_seq"),
     bf16_d128_variant<ForwardConfig<8, 1, 64, 3, true, false, 1, true, false, false>>("w8r16_k64_s3_qreg_shift"),
     // One K and one V buffer, so that 128-key blocks fit two CTAs per SM.
     bf16_d128_variant<ForwardConfig<4, 1, 128, 1, true, false, 2, true, false, false>>("w4r16_k128_s1_qreg_shift_2cta"),
