@@ -6,9 +6,11 @@ HF's loss keeps them (and their gradient) alive. Checkpointing the loss in piece
 memory but computes every piece's logits twice (forward, then again in backward), an extra
 lm_head matmul as large as a whole decoder layer's.
 Approach: one autograd function whose forward walks the tokens in chunks; per chunk it computes
-the fp32 logits, the loss, and right away the gradient of the loss with respect to the chunk's
-hidden states: softmax - one_hot, times the output weight (and, when the weight is trainable,
-adds the chunk's weight gradient). Only one chunk's logits exist at a time, and the hidden-state
+the fp32 logits (on the GPU straight from a bf16 GEMM with fp32 output), one fused log-softmax
+pass, the loss, and right away the gradient of the loss with respect to the chunk's hidden
+states: softmax - one_hot (exp of the log-softmax, in place), times the output weight (and, when
+the weight is trainable, adds the chunk's weight gradient). About five passes over the chunk's
+[n, V] fp32 values in all (a logsumexp-based version took twice that: 17 ms of 52 at 7B). Only one chunk's logits exist at a time, and the hidden-state
 gradient [tokens, hidden] (as small as one activation) is kept for backward, which just scales
 it by the incoming gradient. No logit is computed twice.
 Limitations: the gradient is computed even if backward never runs (the forward costs what forward
@@ -36,30 +38,40 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if needs_weight_grad else None
         grad_bias = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if needs_bias_grad else None
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        # On the GPU, bf16 x bf16 -> fp32 logits straight from cuBLAS (no bf16 copy to widen).
+        direct_fp32 = hidden.is_cuda and hidden.dtype in (torch.bfloat16, torch.float16) and bias is None
         for start in range(0, tokens, chunk_tokens):
             end = min(start + chunk_tokens, tokens)
             piece = hidden[start:end]                                    # [n, H]
             piece_labels = labels[start:end]                              # [n]
             piece_valid = valid[start:end]
-            logits = F.linear(piece, weight, bias).float()               # [n, V] fp32
-            log_normalizer = torch.logsumexp(logits, dim=-1)             # [n]
+            if direct_fp32:
+                logits = torch.mm(piece, weight.t(), out_dtype=torch.float32)  # [n, V] fp32
+            else:
+                logits = F.linear(piece, weight, bias).float()           # [n, V] fp32
+            # One fused pass for log-softmax; the loss is its value at the labels.
+            log_probs = torch.log_softmax(logits, dim=-1)                # [n, V] fp32
+            del logits
             safe_labels = piece_labels.clamp(min=0)
-            target = logits.gather(1, safe_labels[:, None]).squeeze(1)   # [n]
-            total += ((log_normalizer - target) * piece_valid).sum()
+            total -= (log_probs.gather(1, safe_labels[:, None]).squeeze(1) * piece_valid).sum()
             if grad_hidden is None and grad_weight is None and grad_bias is None:
                 continue
-            # d(sum of losses) / d logits = softmax - one_hot, zero for ignored positions.
-            logits.sub_(log_normalizer[:, None]).exp_()
-            logits.scatter_add_(1, safe_labels[:, None], torch.full_like(target[:, None], -1.0))
-            logits.mul_(piece_valid[:, None])
-            grad_logits = logits.to(hidden.dtype)                        # [n, V]
+            # d(sum of losses) / d logits = softmax - one_hot. Ignored positions are zeroed on the
+            # small side of each product (rows of the hidden gradient, the hidden states, a
+            # weighted sum for the bias), not on the [n, V] tensor.
+            probabilities = log_probs.exp_()
+            probabilities.scatter_add_(1, safe_labels[:, None],
+                                       torch.full((end - start, 1), -1.0, device=hidden.device))
+            grad_logits = probabilities.to(hidden.dtype)                 # [n, V]
+            valid_rows = piece_valid[:, None].to(hidden.dtype)
             if grad_hidden is not None:
                 torch.mm(grad_logits, weight.to(hidden.dtype), out=grad_hidden[start:end])
+                grad_hidden[start:end].mul_(valid_rows)
             if grad_weight is not None:
-                grad_weight.add_(grad_logits.t().float() @ piece.float())
+                grad_weight.add_(grad_logits.t().float() @ (piece.float() * valid_rows.float()))
             if grad_bias is not None:
-                grad_bias.add_(logits.sum(0))
-            del logits, grad_logits
+                grad_bias.add_(piece_valid.float() @ probabilities)
+            del probabilities, log_probs, grad_logits
         scale = (1.0 / count.clamp(min=1).float()) if reduction == "mean" else torch.ones((), device=hidden.device)
         ctx.save_for_backward(*(t for t in (grad_hidden, grad_weight, grad_bias, scale) if t is not None))
         ctx.present = (grad_hidden is not None, grad_weight is not None, grad_bias is not None)
