@@ -133,16 +133,23 @@ __device__ __forceinline__ void copy_async_wait() {
 template <typename Element, int kRows, int kColumns, int kThreads, bool kPadded = false>
 __device__ __forceinline__ void load_tile_async(Element* tile, const Element* base, int64_t row_stride,
                                                 int valid_rows, int thread) {
+  using Layout = TileLayout<kColumns, kPadded>;
   constexpr int kPiecesPerRow = kColumns / 8;
-  static_assert((kRows * kPiecesPerRow) % kThreads == 0, "every thread copies the same number of pieces");
+  static_assert(kThreads % kPiecesPerRow == 0, "one pass of the threads copies whole rows");
+  constexpr int kRowsPerPass = kThreads / kPiecesPerRow;
+  static_assert(kRows % kRowsPerPass == 0, "every thread copies the same number of pieces");
+  // Rows a pass apart share their swizzle phase (row % 8), so a thread's shared offsets differ by
+  // a constant and its sources by a stride: no per-piece index arithmetic.
+  static_assert(kPadded || kRowsPerPass % 8 == 0, "the swizzle phase must repeat every pass");
+  const int first_row = thread / kPiecesPerRow;
+  const int column = (thread % kPiecesPerRow) * 8;
+  const Element* source = base + first_row * row_stride + column;
+  const int64_t pass_stride = int64_t(kRowsPerPass) * row_stride;
+  Element* destination = tile + Layout::offset(first_row, column);
 #pragma unroll
-  for (int i = 0; i < kRows * kPiecesPerRow / kThreads; ++i) {
-    const int piece = thread + i * kThreads;
-    const int row = piece / kPiecesPerRow;
-    const int column = (piece % kPiecesPerRow) * 8;
-    const bool valid = row < valid_rows;
-    const Element* source = valid ? base + row * row_stride + column : base;
-    copy_async_16(tile + TileLayout<kColumns, kPadded>::offset(row, column), source, valid);
+  for (int pass = 0; pass < kRows / kRowsPerPass; ++pass) {
+    const bool valid = first_row + pass * kRowsPerPass < valid_rows;
+    copy_async_16(destination + pass * kRowsPerPass * Layout::kStride, valid ? source + pass * pass_stride : base, valid);
   }
 }
 
