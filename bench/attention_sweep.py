@@ -280,13 +280,14 @@ def demangle_keys(usage):
 def variant_kernel_pattern(kind, name):
     """The template arguments (as c++filt prints them) of the bf16, D=128 kernel of a variant."""
     if kind == "forward":
-        match = re.match(r"w(\d+)r(\d+)_k(\d+)_s(\d+)(_qreg)?(_skip)?(_shift)?(_2cta)?(_pad)?(_pipe)?(_seq)?$", name)
+        match = re.match(r"w(\d+)r(\d+)_k(\d+)_s(\d+)(_qreg)?(_skip)?(_shift)?(_2cta)?(_pad)?(_pipe)?(_seq)?(_lazy)?$",
+                         name)
         if not match:
             return None
-        warps, rows, keys, stages, qreg, skip, shift, two, pad, pipe, seq = match.groups()
+        warps, rows, keys, stages, qreg, skip, shift, two, pad, pipe, seq, lazy = match.groups()
         flag = lambda value: "true" if value else "false"  # noqa: E731
         config = (f"ForwardConfig<{warps}, {int(rows) // 16}, {keys}, {stages}, {flag(qreg)}, {flag(skip)}, "
-                  f"{2 if two else 1}, {flag(skip or shift)}, {flag(pad)}, {flag(pipe)}, {flag(seq)}>")
+                  f"{2 if two else 1}, {flag(skip or shift)}, {flag(pad)}, {flag(pipe)}, {flag(seq)}, {flag(lazy)}>")
         return f"paged_attention_forward_kernel<__nv_bfloat16, 128, {config} >"
     match = re.match(r"w(\d+)_k(\d+)_dq(\d+)(_pad)?$", name)
     if match:

@@ -51,6 +51,18 @@ namespace {
 
 using namespace detail;
 
+// Note [Lazy rescale]
+// The online softmax rescales the output accumulator (and running sum) by exp(m_old - m_new)
+// whenever a row's running maximum m grows: 64 multiplications per thread and block, plus an
+// exponential the multiplications wait for. With kLazyRescale the maximum is only moved when some
+// row's block maximum exceeds it by more than kLazyRescaleLog2 (2^8 = 256 in probability), which
+// after the first blocks of a long history almost never happens; otherwise P = exp(s - m_old)
+// may reach 256, which bf16 P, the fp32 sums and the fp32 accumulator hold without loss. The
+// final out = O / sum and lse = m + log(sum) use the same (stale) m, so the result is the same
+// function; only rounding differs. The decision needs only the block maximum (no exponential) and
+// one warp vote per row tile and block (FlashAttention-4 uses the same idea).
+constexpr float kLazyRescaleLog2 = 8.f;
+
 // A compiled layout of the forward kernel (Note [Forward kernel]).
 //   kWarps, kRowTiles: warps per CTA and 16-row tiles per warp (two tiles read every K and V
 //     fragment once for 32 rows, halving shared-memory traffic per tensor-core instruction, but
@@ -65,10 +77,11 @@ using namespace detail;
 //   kPadded: Q, K and V tiles padded instead of swizzled (Note [Padded tiles]);
 //   kPipelined: S of the next block before the softmax of this one (Note [Forward pipelining]);
 //   kSequentialTiles: with two row tiles per warp, S and softmax of one tile after the other (one
-//     tile's scores live instead of two; K fragments are read once per tile, V once per warp).
+//     tile's scores live instead of two; K fragments are read once per tile, V once per warp);
+//   kLazyRescale: move the running maximum only when it grows by more than 2^8 (Note [Lazy rescale]).
 template <int kWarps_, int kRowTiles_, int kKeys_, int kStages_, bool kQInRegisters_, bool kSkipRescale_, int kMinBlocks_,
           bool kShiftIndexing_ = kSkipRescale_, bool kPadded_ = false, bool kPipelined_ = false,
-          bool kSequentialTiles_ = false>
+          bool kSequentialTiles_ = false, bool kLazyRescale_ = false>
 struct ForwardConfig {
   static constexpr int kWarps = kWarps_;
   static constexpr int kRowTiles = kRowTiles_;
@@ -81,6 +94,8 @@ struct ForwardConfig {
   static constexpr bool kPadded = kPadded_;
   static constexpr bool kPipelined = kPipelined_;
   static constexpr bool kSequentialTiles = kSequentialTiles_;
+  static constexpr bool kLazyRescale = kLazyRescale_;
+  static_assert(!(kLazyRescale && kSkipRescale), "lazy rescaling replaces the rescale skip");
   static_assert(!kSequentialTiles || (kStages > 1 && !kPipelined), "sequential tiles use the plain two- or three-stage loop");
   static constexpr int kRows = 16 * kRowTiles * kWarps;
   static_assert(kKeys == 64 || kKeys == 128, "a key block is 64 or 128 keys (a page holds whole blocks)");
@@ -194,6 +209,9 @@ __global__ void __launch_bounds__(Config::kWarps * 32, Config::kMinBlocks)
   copy_async_commit();
 
   const float scale_log2 = shape.softmax_scale * kLog2e;
+  // Note [Lazy rescale]: how far (in raw score units) a block maximum may exceed the running one
+  // before the running one moves.
+  const float lazy_threshold = kLazyRescaleLog2 / scale_log2;
   // Rows this thread holds, per row tile t: warp_row + 16 t + lane / 4 and that + 8.
   const int warp_row = warp * kWarpRows;
   float output[kRowTiles][kHeadDim / 8][4];
@@ -275,35 +293,80 @@ __global__ void __launch_bounds__(Config::kWarps * 32, Config::kMinBlocks)
         }
       }
     }
-    // Online softmax over this block (Note [Forward kernel]).
+    if constexpr (Config::kLazyRescale) {
+      // Note [Lazy rescale]: the running maximum moves only when a row's block maximum exceeds it
+      // by more than kLazyRescaleLog2 (in log2 units), decided before any exponential.
+      float block_max[2];
 #pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      float block_max = -INFINITY;
+      for (int half = 0; half < 2; ++half) {
+        block_max[half] = -INFINITY;
 #pragma unroll
-      for (int n = 0; n < kKeys / 8; ++n) {
-        block_max = fmaxf(block_max, fmaxf(scores[t][n][2 * half], scores[t][n][2 * half + 1]));
+        for (int n = 0; n < kKeys / 8; ++n) {
+          block_max[half] = fmaxf(block_max[half], fmaxf(scores[t][n][2 * half], scores[t][n][2 * half + 1]));
+        }
+        block_max[half] = quad_max(block_max[half]);
       }
-      block_max = quad_max(block_max);
-      const float new_max = fmaxf(row_max[t][half], block_max);
-      const float max_scaled = new_max == -INFINITY ? 0.f : new_max * scale_log2;
-      const float correction = exp2f(row_max[t][half] * scale_log2 - max_scaled);
-      row_max[t][half] = new_max;
-      float sum = 0.f;
+      const bool grows = block_max[0] > row_max[t][0] + lazy_threshold || block_max[1] > row_max[t][1] + lazy_threshold;
+      if (__any_sync(0xffffffffu, grows)) {
 #pragma unroll
-      for (int n = 0; n < kKeys / 8; ++n) {
+        for (int half = 0; half < 2; ++half) {
+          const float new_max = fmaxf(row_max[t][half], block_max[half]);
+          const float max_scaled = new_max == -INFINITY ? 0.f : new_max * scale_log2;
+          const float correction = exp2f(row_max[t][half] * scale_log2 - max_scaled);
+          row_max[t][half] = new_max;
+          row_sum[t][half] *= correction;
 #pragma unroll
-        for (int j = 2 * half; j < 2 * half + 2; ++j) {
-          scores[t][n][j] = exp2f(scores[t][n][j] * scale_log2 - max_scaled);
-          sum += scores[t][n][j];
+          for (int n = 0; n < kHeadDim / 8; ++n) {
+            output[t][n][2 * half] *= correction;
+            output[t][n][2 * half + 1] *= correction;
+          }
         }
       }
-      row_sum[t][half] = row_sum[t][half] * correction + sum;
-      // Skipped (kSkipRescale) when no row of the warp got a new maximum: every correction is 1.
-      if (!Config::kSkipRescale || __any_sync(0xffffffffu, correction != 1.f)) {
 #pragma unroll
-        for (int n = 0; n < kHeadDim / 8; ++n) {
-          output[t][n][2 * half] *= correction;
-          output[t][n][2 * half + 1] *= correction;
+      for (int half = 0; half < 2; ++half) {
+        const float max_scaled = row_max[t][half] == -INFINITY ? 0.f : row_max[t][half] * scale_log2;
+        float sum = 0.f;
+#pragma unroll
+        for (int n = 0; n < kKeys / 8; ++n) {
+#pragma unroll
+          for (int j = 2 * half; j < 2 * half + 2; ++j) {
+            scores[t][n][j] = exp2f(scores[t][n][j] * scale_log2 - max_scaled);
+            sum += scores[t][n][j];
+          }
+        }
+        row_sum[t][half] += sum;
+      }
+    } else {
+      // Online softmax over this block (Note [Forward kernel]).
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        float block_max = -INFINITY;
+#pragma unroll
+        for (int n = 0; n < kKeys / 8; ++n) {
+          block_max = fmaxf(block_max, fmaxf(scores[t][n][2 * half], scores[t][n][2 * half + 1]));
+        }
+        block_max = quad_max(block_max);
+        const float new_max = fmaxf(row_max[t][half], block_max);
+        const float max_scaled = new_max == -INFINITY ? 0.f : new_max * scale_log2;
+        const float correction = exp2f(row_max[t][half] * scale_log2 - max_scaled);
+        row_max[t][half] = new_max;
+        float sum = 0.f;
+#pragma unroll
+        for (int n = 0; n < kKeys / 8; ++n) {
+#pragma unroll
+          for (int j = 2 * half; j < 2 * half + 2; ++j) {
+            scores[t][n][j] = exp2f(scores[t][n][j] * scale_log2 - max_scaled);
+            sum += scores[t][n][j];
+          }
+        }
+        row_sum[t][half] = row_sum[t][half] * correction + sum;
+        // Skipped (kSkipRescale) when no row of the warp got a new maximum: every correction is 1.
+        if (!Config::kSkipRescale || __any_sync(0xffffffffu, correction != 1.f)) {
+#pragma unroll
+          for (int n = 0; n < kHeadDim / 8; ++n) {
+            output[t][n][2 * half] *= correction;
+            output[t][n][2 * half + 1] *= correction;
+          }
         }
       }
     }
@@ -484,7 +547,7 @@ constexpr ForwardVariant bf16_d128_variant(const char* name) {
 // Note [Forward variants]. Names: w<warps>r<rows per warp>_k<keys per block>_s<stages>, then
 // _qreg (Q in registers), _skip (rescale skip), _shift (shift indexing), _2cta (registers budgeted for
 // two CTAs per SM), _pad (padded tiles), _pipe (Note [Forward pipelining]), _seq (sequential row
-// tiles); shift indexing is on with _skip or _shift.
+// tiles), _lazy (Note [Lazy rescale]); shift indexing is on with _skip or _shift.
 const ForwardVariant kForwardVariants[] = {
     // Today's layout before tuning (eight warps of 16 rows, 64-key blocks, Q from shared memory).
     bf16_d128_variant<DefaultForwardConfig>("w8r16_k64_s3"),
@@ -515,6 +578,12 @@ const ForwardVariant kForwardVariants[] = {
     bf16_d128_variant<ForwardConfig<4, 1, 64, 3, true, false, 2, true, false, true>>("w4r16_k64_s3_qreg_shift_2cta_pipe"),
     bf16_d128_variant<ForwardConfig<8, 1, 64, 3, true, false, 1, true, false, true>>("w8r16_k64_s3_qreg_shift_pipe"),
     bf16_d128_variant<ForwardConfig<4, 1, 64, 3, false, false, 2, true, false, true>>("w4r16_k64_s3_shift_2cta_pipe"),
+    // Lazy rescaling (Note [Lazy rescale]).
+    bf16_d128_variant<ForwardConfig<4, 1, 64, 2, true, false, 2, true, false, false, false, true>>("w4r16_k64_s2_qreg_shift_2cta_lazy"),
+    bf16_d128_variant<ForwardConfig<4, 1, 64, 3, true, false, 2, true, false, true, false, true>>("w4r16_k64_s3_qreg_shift_2cta_pipe_lazy"),
+    bf16_d128_variant<ForwardConfig<4, 2, 64, 2, false, false, 2, true, false, false, false, true>>("w4r32_k64_s2_shift_2cta_lazy"),
+    bf16_d128_variant<ForwardConfig<8, 1, 128, 3, true, false, 1, true, false, false, false, true>>("w8r16_k128_s3_qreg_shift_lazy"),
+    bf16_d128_variant<ForwardConfig<4, 1, 128, 1, true, false, 2, true, false, false, false, true>>("w4r16_k128_s1_qreg_shift_2cta_lazy"),
     // Padded tiles (Note [Padded tiles]) were 3-6% slower than swizzled ones in round 1 with the skip.
     bf16_d128_variant<ForwardConfig<4, 1, 64, 2, true, false, 2, true, true, false>>("w4r16_k64_s2_qreg_shift_2cta_pad"),
 };
