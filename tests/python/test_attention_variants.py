@@ -35,6 +35,10 @@ CASES = [
     (192, 1100, 128, 4, 1, 64, 3, True),
     (250, 700, 128, 8, 2, 0, 0, False),
 ]
+# Keys whose scale grows along the history (and the chunk's larger still), so that the running
+# maximum of a row jumps by many powers of two across blocks: both paths of the lazy rescale
+# (Note [Lazy rescale] in kernels/cuda/attention_forward.cu) and of the ordinary one run.
+GROWING_CASE = (260, 1500, 128, 8, 2, 0, 0, True)
 
 
 def make_problem(case, seed):
@@ -55,6 +59,10 @@ def make_problem(case, seed):
     }
     for name in ("k_index", "v_index", "dk_index", "dv_index"):
         p[name] = torch.randperm(pool_pages, generator=generator)[:num_pages].to(torch.int32)
+    if case == GROWING_CASE:
+        growth = torch.linspace(0.2, 3.0, pool_pages).reshape(-1, 1, 1, 1)
+        p["k_pool"] = (p["k_pool"].float() * growth[torch.randperm(pool_pages, generator=generator)]).to(torch.bfloat16)
+        p["k"] = (p["k"].float() * 4.0).to(torch.bfloat16)
     p["dk_pool0"] = (torch.randn(p["k_pool"].shape, generator=generator) * 0.1)
     p["dv_pool0"] = (torch.randn(p["k_pool"].shape, generator=generator) * 0.1)
     if tile:
@@ -103,7 +111,7 @@ def errors(result, truth):
 @pytest.fixture(scope="module")
 def problems():
     prepared = []
-    for index, case in enumerate(CASES):
+    for index, case in enumerate(CASES + [GROWING_CASE]):
         p = make_problem(case, seed=100 + index)
         truth = {k: v.double() for k, v in run(p, "cpu", torch.float64).items()}
         # Without the chunk a history block's backward is given the rows' final out and lse;
