@@ -14,6 +14,16 @@ Every query sees every history token (or, with ``selected_pages``, the pages its
 selected) and the chunk's own keys up to its position (causal). The backward ADDS the history's
 dK/dV into the grad pools in place (float32 or bfloat16 pools) and returns the chunk's dq, dk, dv.
 
+Blocked history: with ``attend_chunk=False`` the queries attend only the given history pages, so
+that a caller can stream a long history through the GPU in blocks of pages; ``merge_attention``
+merges the blocks' (out, lse), and each block's backward takes the merged (final) out and lse
+(Note [Blocked history] in kernels/include/membar/kernels/attention.h).
+
+CUDA kernel variants: the bf16, head_dim 128 kernels exist in several compiled layouts;
+``MEMBAR_ATTENTION_FORWARD_VARIANT=<name>`` / ``MEMBAR_ATTENTION_BACKWARD_VARIANT=<name>`` pick
+one at run time (``torch.ops.membar.attention_cuda_variants("forward" | "backward")`` lists the
+names and the default, the fastest measured on an H200; bench/attention_sweep.py times them all).
+
 ``ChunkAttention`` is the autograd view: its forward takes the chunk's q, k, v (differentiable)
 and a ``PagedHistory`` (not differentiable); its backward returns the chunk's gradients and, as a
 side effect, adds the history's dK/dV into the history's grad pools.
