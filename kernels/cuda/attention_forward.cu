@@ -16,8 +16,9 @@
 // i + 1 loads while O += P V runs. Scores are masked only where a block can cut: the
 // partial last history page and the chunk's diagonal blocks. With kSkipRescale a warp whose row
 // maxima did not change in a block skips rescaling its accumulator (common once a long history
-// has shown its largest scores). At the end each row is divided by its softmax sum and
-// lse = max * scale + log(sum) is written.
+// has shown its largest scores; on the H200 its vote and branch cost more than the multiplications
+// they save, see Note [Lazy rescale] for the form that decides before any exponential). At the
+// end each row is divided by its softmax sum and lse = max * scale + log(sum) is written.
 //
 // Note [Forward pipelining]
 // Within a warp the three steps of a block depend on each other (S, then its softmax, then P V),
@@ -66,7 +67,7 @@ constexpr float kLazyRescaleLog2 = 8.f;
 // A compiled layout of the forward kernel (Note [Forward kernel]).
 //   kWarps, kRowTiles: warps per CTA and 16-row tiles per warp (two tiles read every K and V
 //     fragment once for 32 rows, halving shared-memory traffic per tensor-core instruction, but
-//     need more registers: at head_dim 128 they spill);
+//     need about 255 registers at head_dim 128);
 //   kKeys: keys per block (64 or 128; at most page_tokens);
 //   kStages: K/V stages in shared memory (1, 2 or 3; 1 = one K and one V buffer, loaded in turns);
 //   kQInRegisters: Q fragments loaded once into registers instead of from shared memory per block;
