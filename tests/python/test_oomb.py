@@ -433,3 +433,37 @@ def test_chunk_context_is_seen_from_other_threads():
         worker.join()
     assert seen == [marker]
     assert current_context() is None
+
+
+def test_backward_on_another_thread_as_on_cuda(monkeypatch):
+    """CUDA's autograd engine runs backward on a device thread, and layer checkpointing recomputes
+    the decoder layers (calling the attention function) there. Running every backward of a step
+    on a fresh thread reproduces that on the CPU: the gradients must not change."""
+    import threading
+
+    model = tiny_model("qwen2", seed=2)
+    input_ids = torch.randint(0, VOCAB, (1, 120), generator=torch.Generator().manual_seed(3))
+    options = dict(chunk_tokens=32, page_tokens=16, checkpoint_layers=True, offload=True, history_block_tokens=32,
+                   deterministic=True)
+    _, same_thread, _ = oomb_grads(copy.deepcopy(model), input_ids, **options)
+    backward = torch.Tensor.backward
+
+    def backward_on_a_thread(self, *args, **kwargs):
+        errors = []
+
+        def run():
+            try:
+                backward(self, *args, **kwargs)
+            except BaseException as error:   # re-raised on the caller's thread
+                errors.append(error)
+
+        worker = threading.Thread(target=run)
+        worker.start()
+        worker.join()
+        if errors:
+            raise errors[0]
+
+    monkeypatch.setattr(torch.Tensor, "backward", backward_on_a_thread)
+    _, other_thread, _ = oomb_grads(copy.deepcopy(model), input_ids, **options)
+    for name, reference in same_thread.items():
+        assert torch.equal(other_thread[name], reference), name
