@@ -13,7 +13,12 @@
 // Because E[A^T A] = I_k, S A is an unbiased estimate of the dense gradient G = dY^T x.
 //
 // Element types: x and P share `dtype` (fp32, bf16 or fp16); accumulation is fp32. S and U are
-// fp32. W is fp32 or bf16; the update is computed in fp32 and a bf16 W is rounded to nearest even.
+// fp32. W is fp32 or bf16; the update is computed in fp32 and a bf16 W is rounded to nearest even,
+// or stochastically (Note [LoGRA stochastic rounding]).
+//
+// Two CUDA update kernels: the CUDA-core one is bit-identical to the CPU reference; the
+// tensor-core one (Note [LoGRA tensor-core update] in kernels/cuda/logra_cuda.cu) is the
+// training default, deterministic and fp32-accurate but not bit-identical to the CPU.
 //
 // Launch functions return 0 (OK / cudaSuccess) or an error code; they never throw or exit.
 // CPU functions block and run on the calling thread. CUDA functions enqueue on `stream` and
