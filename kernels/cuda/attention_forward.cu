@@ -585,6 +585,8 @@ const ForwardVariant kForwardVariants[] = {
     bf16_d128_variant<ForwardConfig<4, 2, 64, 2, false, false, 2, true, false, false, false, true>>("w4r32_k64_s2_shift_2cta_lazy"),
     bf16_d128_variant<ForwardConfig<8, 1, 128, 3, true, false, 1, true, false, false, false, true>>("w8r16_k128_s3_qreg_shift_lazy"),
     bf16_d128_variant<ForwardConfig<4, 1, 128, 1, true, false, 2, true, false, false, false, true>>("w4r16_k128_s1_qreg_shift_2cta_lazy"),
+    bf16_d128_variant<ForwardConfig<4, 1, 64, 2, false, false, 2, true, false, false, false, true>>("w4r16_k64_s2_shift_2cta_lazy"),
+    bf16_d128_variant<ForwardConfig<8, 1, 64, 3, true, false, 1, true, false, false, false, true>>("w8r16_k64_s3_qreg_shift_lazy"),
     // Padded tiles (Note [Padded tiles]) were 3-6% slower than swizzled ones in round 1 with the skip.
     bf16_d128_variant<ForwardConfig<4, 1, 64, 2, true, false, 2, true, true, false>>("w4r16_k64_s2_qreg_shift_2cta_pad"),
 };
