@@ -251,7 +251,8 @@ def run_sweep(args, write) -> list[dict]:
                   checkpoint_layers=not args.no_checkpoint_layers,
                   history_block_tokens=(parse_tokens(variant.split("@")[1]) if "@" in variant
                                         else args.history_block_tokens))
-             for tokens in args.contexts for variant in args.variants]
+             for tokens in args.contexts for variant in args.variants
+             if tokens in args.variant_contexts.get(variant, [tokens])]
     started = time.time()
     deadline = started + args.time_budget if args.time_budget else started + 10**9
     results: list[dict] = []
@@ -384,6 +385,7 @@ def summarise(results: list[dict]) -> dict:
             goals[f"gpu_mib_per_10k_tokens_{name}_from_{human_tokens(t0)}"] = (g1 - g0) * 1024 / ((t1 - t0) / 1e4)
     longest = max([t for (v, t) in ok if v.startswith("dense")], default=0)
     goals["longest_dense_tokens"] = longest
+    goals["longest_tokens_by_variant"] = {v: max(t for (w, t) in ok if w == v) for v in sorted({v for (v, _) in ok})}
     k128 = 128 * K
     if ("dense", k128) in ok and ("full", k128) in ok:
         goals["dense_vs_full_step_time_128k"] = ok[("dense", k128)]["step_seconds"] / ok[("full", k128)]["step_seconds"]
@@ -509,7 +511,8 @@ def main() -> int:
     parser.add_argument("--contexts", default=None, help="comma list, e.g. 32K,64K,1M")
     parser.add_argument("--variants", default="full,dense,dense-offload,sparse,sparse-offload",
                         help=f"comma list in priority order within a context, of {','.join(VARIANTS)}; "
-                             "VARIANT@TOKENS sets that variant's history block (e.g. dense-offload@8K)")
+                             "VARIANT@TOKENS sets that variant's history block (e.g. dense-offload@8K); "
+                             "VARIANT:CTX/CTX runs it at those contexts only (e.g. sparse-offload:128K/256K)")
     parser.add_argument("--device", default="cuda", help="cuda (the benchmark) or cpu (a smoke test of the harness)")
     parser.add_argument("--chunk", type=int, default=4096)
     parser.add_argument("--page-tokens", type=int, default=128)
@@ -553,7 +556,16 @@ def main() -> int:
         args.model = args.model or ("qwen2.5-0.5b" if args.quick else "qwen2.5-7b")
         contexts = args.contexts or ("16K,32K,64K" if args.quick else "32K,64K,128K,256K,512K,1M,2M")
         args.contexts = [parse_tokens(c) for c in contexts.split(",")]
-        args.variants = [v for v in args.variants.split(",") if v]
+        # VARIANT:CTX/CTX limits a variant to those contexts (added to the sweep's contexts).
+        args.variant_contexts = {}
+        variants = []
+        for entry in (v for v in args.variants.split(",") if v):
+            name, _, only = entry.partition(":")
+            variants.append(name)
+            if only:
+                args.variant_contexts[name] = [parse_tokens(c) for c in only.split("/")]
+                args.contexts = sorted(set(args.contexts) | set(args.variant_contexts[name]))
+        args.variants = variants
         unknown = {base_variant(v) for v in args.variants} - set(VARIANTS)
         if unknown:
             parser.error(f"unknown variants {sorted(unknown)}; known: {VARIANTS}")
