@@ -1,6 +1,6 @@
 """bench/oomb_bench.py's harness on the CPU: configurations run in a child process in priority
 order, results are annotated (growth per 10K tokens, offload overhead) and written after every
-configuration, and the time budget skips what would not fit."""
+configuration, and the time budget skips what would not fit; on a GPU, the same at the 0.5B shape."""
 from __future__ import annotations
 
 import importlib.util
@@ -9,6 +9,9 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
+import torch
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -64,3 +67,22 @@ def test_sweep_runs_on_the_cpu_and_writes_results(tmp_path):
     offloaded = rows[("dense-offload", 512)]
     assert offloaded["bytes_moved_gib"] > 0 and "offload_overhead" in offloaded and "gpu_growth_mib_per_10k" in offloaded
     assert "dense-offload" in (tmp_path / "oomb_bench.txt").read_text()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_sweep_at_the_half_billion_shape(tmp_path):
+    """The benchmark's own path on CUDA (child process, page pools reserved, layer recompute,
+    streamed offload, sparse offload), small enough for the gpu test stage (~40 s)."""
+    environment = dict(os.environ, MEMBAR_RESULTS_DIR=str(tmp_path), PYTHONPATH=str(REPO / "bindings" / "python"))
+    command = [sys.executable, str(REPO / "bench" / "oomb_bench.py"), "--model", "qwen2.5-0.5b",
+               "--contexts", "8K,16K", "--variants", "dense,dense-offload@4K,sparse-offload:16K", "--chunk", "2048",
+               "--top-k", "16", "--time-budget", "150", "--time-limit", "120"]
+    finished = subprocess.run(command, capture_output=True, text=True, timeout=240, env=environment)
+    print(finished.stdout[-3000:])
+    assert finished.returncode == 0, finished.stderr[-3000:]
+    report = json.loads((tmp_path / "oomb_bench.json").read_text())
+    failures = [r for r in report["results"] if "step_seconds" not in r]
+    assert not failures, failures
+    growth = report["goals"]["gpu_mib_per_10k_tokens_dense_offload_block_4K"]
+    print(f"0.5B, 8K -> 16K, history blocks of 4K: GPU growth {growth:.1f} MiB per 10K tokens")
