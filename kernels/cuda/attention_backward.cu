@@ -824,7 +824,7 @@ struct BackwardVariant {
 // w8_k128_split_s<Q/dO stages>[_pad][_dq4] for Note [Backward split layout] (_pad: Note [Padded
 // tiles]; _dq4: dQ in 16-byte atomics). The default is the fastest one measured on the H200;
 // "w8_k128_dq64" is the kernel before tuning.
-const BackwardVariant kBackwardVariants[] = {
+constexpr BackwardVariant kBackwardVariants[] = {
     // Today's kernel before tuning, and its dQ-in-pieces and padded forms.
     {"w8_k128_dq64", &launch_kv<__nv_bfloat16, 128, 8, 1>},
     {"w8_k128_dq32", &launch_kv<__nv_bfloat16, 128, 8, 2>},
@@ -839,9 +839,24 @@ const BackwardVariant kBackwardVariants[] = {
     {"w8_k128_split_s2_pad_dq4", &launch_kv_split<__nv_bfloat16, 128, 2, true, true>},
     {"w8_k128_split_s3_pad_dq4", &launch_kv_split<__nv_bfloat16, 128, 3, true, true>},
 };
-// The fastest variant measured (round 1 above).
-constexpr int kDefaultBackwardVariant = 3;
 constexpr int kBackwardVariantCount = int(sizeof(kBackwardVariants) / sizeof(kBackwardVariants[0]));
+
+// The index of the variant called `name` in kBackwardVariants, or -1.
+constexpr int find_backward_variant(const char* name) {
+  for (int i = 0; i < kBackwardVariantCount; ++i) {
+    const char* a = kBackwardVariants[i].name;
+    const char* b = name;
+    while (*a != '\0' && *a == *b) {
+      ++a;
+      ++b;
+    }
+    if (*a == *b) return i;
+  }
+  return -1;
+}
+// The fastest variant measured on the H200 (rounds above).
+constexpr int kDefaultBackwardVariant = find_backward_variant("w8_k128_split_s2_pad");
+static_assert(kDefaultBackwardVariant >= 0, "the default names a listed variant");
 
 // The variant MEMBAR_ATTENTION_BACKWARD_VARIANT names: -1 when unset, -2 when it names none.
 int requested_backward_variant() {

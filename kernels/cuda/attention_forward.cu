@@ -549,7 +549,7 @@ constexpr ForwardVariant bf16_d128_variant(const char* name) {
 // _qreg (Q in registers), _skip (rescale skip), _shift (shift indexing), _2cta (registers budgeted for
 // two CTAs per SM), _pad (padded tiles), _pipe (Note [Forward pipelining]), _seq (sequential row
 // tiles), _lazy (Note [Lazy rescale]); shift indexing is on with _skip or _shift.
-const ForwardVariant kForwardVariants[] = {
+constexpr ForwardVariant kForwardVariants[] = {
     // Today's layout before tuning (eight warps of 16 rows, 64-key blocks, Q from shared memory).
     bf16_d128_variant<DefaultForwardConfig>("w8r16_k64_s3"),
     // Round 1 on the H200 (bench/attention_sweep.py, 2026-11-30 15:11 UTC, TFLOP/s at 32K / 128K
@@ -590,9 +590,24 @@ const ForwardVariant kForwardVariants[] = {
     // Padded tiles (Note [Padded tiles]) were 3-6% slower than swizzled ones in round 1 with the skip.
     bf16_d128_variant<ForwardConfig<4, 1, 64, 2, true, false, 2, true, true, false>>("w4r16_k64_s2_qreg_shift_2cta_pad"),
 };
-// The fastest variant measured (round 1 above).
-constexpr int kDefaultForwardVariant = 1;
 constexpr int kForwardVariantCount = int(sizeof(kForwardVariants) / sizeof(kForwardVariants[0]));
+
+// The index of the variant called `name` in kForwardVariants, or -1.
+constexpr int find_forward_variant(const char* name) {
+  for (int i = 0; i < kForwardVariantCount; ++i) {
+    const char* a = kForwardVariants[i].name;
+    const char* b = name;
+    while (*a != '\0' && *a == *b) {
+      ++a;
+      ++b;
+    }
+    if (*a == *b) return i;
+  }
+  return -1;
+}
+// The fastest variant measured on the H200 (rounds above).
+constexpr int kDefaultForwardVariant = find_forward_variant("w4r16_k64_s2_qreg_skip_2cta");
+static_assert(kDefaultForwardVariant >= 0, "the default names a listed variant");
 
 // The variant MEMBAR_ATTENTION_FORWARD_VARIANT names (-1 when unset; -2 when it names none), or
 // the four-warps-of-32-rows one under the older knob MEMBAR_ATTENTION_FORWARD_WARP_ROWS=32.
