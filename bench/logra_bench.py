@@ -34,7 +34,7 @@ $MEMBAR_RESULTS_DIR (default bench/results/latest); with --profile also
 logra_profile_<shape>_<variant>.txt (top CUDA kernels of one update, and the split of the update
 into forward + backward and optimizer step).
 
-  python bench/logra_bench.py --shapes 1.5b,7b,27b        # H200: the full sweep (~6 minutes)
+  python bench/logra_bench.py --shapes 7b,27b,1.5b        # H200: the full sweep (7 minutes)
   python bench/logra_bench.py --shapes 7b --variants logra64,sketch64 --profile
   python bench/logra_bench.py --quick                     # tiny shapes on the CPU (CI smoke run)
 """

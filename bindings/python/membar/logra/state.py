@@ -19,7 +19,10 @@ With ``LoGRAOptimizer(offload_moments=True)`` the moments leave after every upda
 coming back (prefetch) when the next backward first touches a sketch, so the copy overlaps the
 backward instead of stalling the optimizer step.
 Limitations: a kind's pages must land on consecutive pool rows (true for a space acquired in one
-call on a window with room); otherwise RuntimeStorage raises and says so. Masters ([d, k] fp32,
+call on a window with room); otherwise RuntimeStorage raises and says so. The offload waits on
+the CPU for the copy to host at the end of every update: measured on the H200, +16 ms on a 0.76 s
+7B update (2%), +37 ms on a 0.23 s 1.5B update. An embedded runtime's GPU window stays allocated
+while moments are offloaded; the memory only serves others through a daemon. Masters ([d, k] fp32,
 optional) stay plain tensors from :func:`allocate_state`.
 """
 from __future__ import annotations
