@@ -527,6 +527,8 @@ def main() -> int:
     parser.add_argument("--no-checkpoint-layers", action="store_true",
                         help="OOMB variants keep each chunk's layer activations (default: recompute them in "
                              "backward, like the full-sequence baseline's gradient checkpointing)")
+    parser.add_argument("--total-seconds", type=float, default=0.0,
+                        help="the whole invocation's limit: the learning part trains only for what is left of it")
     parser.add_argument("--learning", action="store_true", help="run only the learning experiment (--parts learning)")
     parser.add_argument("--learning-seconds", type=float, default=225.0,
                         help="training seconds of the learning experiment (OOMB run 72%%, control 22%%)")
@@ -540,6 +542,7 @@ def main() -> int:
     parser.add_argument("--short-window", type=int, default=4096)
     parser.add_argument("--eval-sequences", type=int, default=64)
     args = parser.parse_args()
+    invocation_started = time.time()
 
     if args.child:
         child_main(json.loads(args.child))
@@ -591,6 +594,15 @@ def main() -> int:
         write(results)
         print("goals: " + json.dumps(summarise(results)), flush=True)
     if "learning" in parts:
+        if args.total_seconds:
+            # Training gets what the invocation has left, less ~30 s for set-up, evaluation and the
+            # control; too little left and the experiment is not started at all.
+            left = args.total_seconds - (time.time() - invocation_started) - 30.0
+            if left < 20.0:
+                print(f"learning: skipped, {max(left, 0):.0f} s of --total-seconds left for training", flush=True)
+                (out / "oomb_learning.json").write_text(json.dumps({"skipped": "no time left"}, indent=1))
+                return 0
+            args.learning_seconds = min(args.learning_seconds, left)
         outcome = run_learning(args)
         (out / "oomb_learning.json").write_text(json.dumps(outcome, indent=1))
     return 0
