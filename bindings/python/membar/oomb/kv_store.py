@@ -21,8 +21,10 @@ Note [Access plan and prefetch]
   An access that is not in the plan (or arrives out of order, e.g. under layer checkpointing) is
   served synchronously: the plan is a performance hint, never needed for correctness.
 
-Threading: every method is called from the trainer's thread; none blocks on the GPU unless it says
-so. GPU work is enqueued on the current stream or on the store's side stream, ordered by events.
+Threading: methods are called by one thread at a time: the trainer's, or (on CUDA, during a
+backward the trainer waits for) the autograd engine's device thread. None blocks on the GPU unless
+it says so. GPU work is enqueued on the current stream or on the store's copy streams, ordered by
+events.
 """
 from __future__ import annotations
 
