@@ -161,6 +161,10 @@ def test_same_api_through_a_daemon(tmp_path):
         stats = rt.stats()
         assert stats["backend"] == "host"
         assert stats["clients"][0]["bytes_gpu_to_host"] == 40 * space.page_bytes
+        # Per-space residency: every page was offloaded, then acquired back (clean on both tiers).
+        (entry,) = [s for s in stats["spaces"] if s["name"] == "L00.v"]
+        assert entry["client"] == stats["clients"][0]["client"]
+        assert entry["pages_both"] + entry["pages_host"] == 40 and entry["pages_dirty"] == 0
     finally:
         daemon.terminate()
         daemon.wait(timeout=10)
