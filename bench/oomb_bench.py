@@ -55,8 +55,9 @@ KNOWN_7B_SECONDS = {
     ("dense-offload", 32 * K): 10.5, ("dense-offload", 64 * K): 27.1,
     ("sparse", 32 * K): 6.3, ("sparse", 64 * K): 13.2,
 }
-# Seconds each configuration costs beside its timed step: trainer, page pools, warm-up sequence.
+# Seconds each configuration costs beside its timed step and warm-up: trainer, page pools.
 CONFIG_OVERHEAD_SECONDS = 6.0
+WARMUP_SECONDS = 4.0
 MODEL_BUILD_SECONDS = {"qwen2.5-7b": 35.0}
 
 
@@ -99,7 +100,8 @@ def estimate_seconds(variant: str, tokens: int, model: str, measured: dict) -> f
         return 0.0   # nothing to go by (other shapes): run it, the per-config limit still applies
     t0, s0 = max(points)
     step = s0 * (tokens / t0) ** exponent
-    return step + min(step, 0.2 * step + 2.0) + CONFIG_OVERHEAD_SECONDS   # the warm-up is a short step
+    # The warm-up is a sequence of two chunks: a few seconds at any context.
+    return step + min(step, WARMUP_SECONDS) + CONFIG_OVERHEAD_SECONDS
 
 
 def reset_peak_rss() -> None:
