@@ -4,6 +4,7 @@
 #
 # Results go to $MEMBAR_RESULTS_DIR (default: $OUT when set, else bench/results/latest).
 # Stages (GPU_CHECK_STAGES, space-separated; default all): build tests bench
+# (GPU_CHECK_TARGETS, space-separated: build only these targets, e.g. "membard pipeline_bench")
 # Benchmarks (GPU_CHECK_BENCH; default all): runtime pipeline attention logra oomb; extra arguments for
 # each Python benchmark in ATTENTION_BENCH_ARGS, LOGRA_BENCH_ARGS, OOMB_BENCH_ARGS (defaults: the
 # full sweeps, which take far longer than one 10-minute device call).
@@ -71,7 +72,7 @@ if has_stage build; then
   log "configure + build (CUDA, sm_90a)"
   cmake -S . -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=Release -DMEMBAR_WITH_CUDA=ON \
       -DMEMBAR_CUDA_ARCHS=90a -DMEMBAR_PYTHON="$py" "${deps_flags[@]}" > "$results/build.log" 2>&1 \
-    && cmake --build build-gpu -j "$jobs" -- -k 0 >> "$results/build.log" 2>&1
+    && cmake --build build-gpu -j "$jobs" ${GPU_CHECK_TARGETS:+--target $GPU_CHECK_TARGETS} -- -k 0 >> "$results/build.log" 2>&1
   rc=$?
   grep -E "registers|spill|error" "$results/build.log" | grep -v "^--" > "$results/ptxas.txt" || true
   if [ $rc -ne 0 ]; then
