@@ -22,7 +22,10 @@ IMG = REPO / "docs" / "img"
 
 
 def newest(pattern: str) -> Path | None:
-    files = sorted(RESULTS.rglob(pattern), key=lambda p: (p.parent.name, p.name))
+    # Result directories (and files directly in bench/results) are named by date first, so the
+    # last in name order is the newest. Variant sweeps are not benchmark results of the defaults.
+    files = [p for p in RESULTS.rglob(pattern) if "sweep" not in p.name]
+    files.sort(key=lambda p: (p.parent.name if p.parent != RESULTS else p.stem, p.name))
     return files[-1] if files else None
 
 
@@ -116,8 +119,8 @@ def plot_oomb(path: Path) -> Path | None:
 def main() -> int:
     IMG.mkdir(parents=True, exist_ok=True)
     made = []
-    for pattern, plot in (("runtime_bench.json", plot_runtime), ("*attention-h200.json", plot_attention),
-                          ("attention_bench.json", plot_attention), ("logra_bench.json", plot_logra),
+    for pattern, plot in (("runtime_bench.json", plot_runtime), ("*attention*.json", plot_attention),
+                          ("logra_bench.json", plot_logra),
                           ("oomb_bench.json", plot_oomb)):
         path = newest(pattern)
         if path is None:
