@@ -842,31 +842,16 @@ constexpr BackwardVariant kBackwardVariants[] = {
 };
 constexpr int kBackwardVariantCount = int(sizeof(kBackwardVariants) / sizeof(kBackwardVariants[0]));
 
-// The index of the variant called `name` in kBackwardVariants, or -1.
-constexpr int find_backward_variant(const char* name) {
-  for (int i = 0; i < kBackwardVariantCount; ++i) {
-    const char* a = kBackwardVariants[i].name;
-    const char* b = name;
-    while (*a != '\0' && *a == *b) {
-      ++a;
-      ++b;
-    }
-    if (*a == *b) return i;
-  }
-  return -1;
-}
 // The fastest variant measured on the H200 (rounds above: 0.81-0.84x SDPA flash).
-constexpr int kDefaultBackwardVariant = find_backward_variant("w8_k128_split_s2_pad");
+constexpr int kDefaultBackwardVariant = find_variant(kBackwardVariants, "w8_k128_split_s2_pad");
 static_assert(kDefaultBackwardVariant >= 0, "the default names a listed variant");
 
 // The variant MEMBAR_ATTENTION_BACKWARD_VARIANT names: -1 when unset, -2 when it names none.
 int requested_backward_variant() {
   const char* name = std::getenv("MEMBAR_ATTENTION_BACKWARD_VARIANT");
   if (name == nullptr || name[0] == '\0') return -1;
-  for (int i = 0; i < kBackwardVariantCount; ++i) {
-    if (std::strcmp(name, kBackwardVariants[i].name) == 0) return i;
-  }
-  return -2;
+  int index = find_variant(kBackwardVariants, name);
+  return index >= 0 ? index : -2;
 }
 
 template <typename Element>

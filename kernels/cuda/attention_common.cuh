@@ -367,4 +367,21 @@ __host__ __device__ __forceinline__ int history_page_count(const Shape& shape) {
 
 inline constexpr float kLog2e = 1.4426950408889634f;
 
+// The index of the entry called `name` in a table of kernel variants (structs with a `name`),
+// or -1. constexpr, so a default can be checked at compile time; also what the run-time
+// selection by environment variable uses.
+template <typename Variant, int kCount>
+constexpr int find_variant(const Variant (&variants)[kCount], const char* name) {
+  for (int i = 0; i < kCount; ++i) {
+    const char* a = variants[i].name;
+    const char* b = name;
+    while (*a != '\0' && *a == *b) {
+      ++a;
+      ++b;
+    }
+    if (*a == *b) return i;
+  }
+  return -1;
+}
+
 }  // namespace membar::kernels::cuda::detail

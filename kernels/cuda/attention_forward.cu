@@ -597,21 +597,8 @@ constexpr ForwardVariant kForwardVariants[] = {
 };
 constexpr int kForwardVariantCount = int(sizeof(kForwardVariants) / sizeof(kForwardVariants[0]));
 
-// The index of the variant called `name` in kForwardVariants, or -1.
-constexpr int find_forward_variant(const char* name) {
-  for (int i = 0; i < kForwardVariantCount; ++i) {
-    const char* a = kForwardVariants[i].name;
-    const char* b = name;
-    while (*a != '\0' && *a == *b) {
-      ++a;
-      ++b;
-    }
-    if (*a == *b) return i;
-  }
-  return -1;
-}
 // The fastest variant measured on the H200 (round 2 above: 1.01-1.02x SDPA flash).
-constexpr int kDefaultForwardVariant = find_forward_variant("w4r32_k64_s2_shift_2cta");
+constexpr int kDefaultForwardVariant = find_variant(kForwardVariants, "w4r32_k64_s2_shift_2cta");
 static_assert(kDefaultForwardVariant >= 0, "the default names a listed variant");
 
 // The variant MEMBAR_ATTENTION_FORWARD_VARIANT names (-1 when unset; -2 when it names none), or
@@ -623,10 +610,8 @@ int requested_forward_variant() {
     if (warp_rows == nullptr || std::strcmp(warp_rows, "32") != 0) return -1;
     name = "w4r32_k64_s2_skip_2cta";
   }
-  for (int i = 0; i < kForwardVariantCount; ++i) {
-    if (std::strcmp(name, kForwardVariants[i].name) == 0) return i;
-  }
-  return -2;
+  int index = find_variant(kForwardVariants, name);
+  return index >= 0 ? index : -2;
 }
 
 template <typename Element, int kHeadDim>

@@ -89,6 +89,7 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstring>
+#include <optional>
 #include <thread>
 #include <unistd.h>
 
@@ -405,46 +406,32 @@ class EngineImpl final : public Engine {
   }
 
   Status release(ClientId id, PageRange range, bool dirty) override {
-    std::lock_guard<std::mutex> lock(mutex_);
-    MEMBAR_ASSIGN_OR_RETURN(ClientState * client, find_client(id));
-    MEMBAR_ASSIGN_OR_RETURN(Space * space, check_range(*client, range));
-    for (uint32_t p = range.first_page; p < range.first_page + range.page_count; ++p) {
-      if (space->pages[p].pins == 0) {
-        return failed_precondition("release: " + page_text(*space, p) + " is not acquired");
-      }
-    }
-    for (uint32_t p = range.first_page; p < range.first_page + range.page_count; ++p) {
-      Page& page = space->pages[p];
-      if (dirty || page.write_intent) {
-        page.dirty = true;
-        page.host_valid = false;
-      }
-      if (page.pins == 1) page.write_intent = false;
-      unpin(*client, *space, p);
-    }
-    return Status::Ok();
+    return release_pages(id, range, dirty, std::nullopt);
   }
 
   Status release_after(ClientId id, PageRange range, bool dirty, uint64_t marker) override {
+    return release_pages(id, range, dirty, marker);
+  }
+
+  // Unpins the pages; with a marker (stream_release) their GPU slots wait for it first (Note
+  // [Stream-ordered release]).
+  Status release_pages(ClientId id, PageRange range, bool dirty, std::optional<uint64_t> marker) {
     std::lock_guard<std::mutex> lock(mutex_);
     MEMBAR_ASSIGN_OR_RETURN(ClientState * client, find_client(id));
     MEMBAR_ASSIGN_OR_RETURN(Space * space, check_range(*client, range));
-    if (marker == 0) return invalid_argument("release_after: the release marker must be at least 1");
+    if (marker == 0u) return invalid_argument("release_after: the release marker must be at least 1");
     for (uint32_t p = range.first_page; p < range.first_page + range.page_count; ++p) {
       if (space->pages[p].pins == 0) {
         return failed_precondition("release: " + page_text(*space, p) + " is not acquired");
       }
     }
-    if (!fence_met(*client, marker)) {
-      for (uint32_t p = range.first_page; p < range.first_page + range.page_count; ++p) {
-        const Page& page = space->pages[p];
-        if (!page.gpu.valid()) continue;
-        uint64_t& fence = frame_of(Tier::kGpu, page.gpu.frame).slot_fence[page.gpu.slot];
-        fence = std::max(fence, marker);
-      }
-    }
+    bool fenced = marker.has_value() && !fence_met(*client, *marker);
     for (uint32_t p = range.first_page; p < range.first_page + range.page_count; ++p) {
       Page& page = space->pages[p];
+      if (fenced && page.gpu.valid()) {
+        uint64_t& fence = frame_of(Tier::kGpu, page.gpu.frame).slot_fence[page.gpu.slot];
+        fence = std::max(fence, *marker);
+      }
       if (dirty || page.write_intent) {
         page.dirty = true;
         page.host_valid = false;
