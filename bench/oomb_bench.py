@@ -82,8 +82,14 @@ def host_available_bytes() -> int:
 
 
 def base_variant(variant: str) -> str:
-    """The variant without its history block suffix ("dense-offload@8K" -> "dense-offload")."""
-    return variant.split("@")[0]
+    """The variant without its history block and kernel suffixes ("dense-offload@8K" ->
+    "dense-offload", "dense+membar" -> "dense")."""
+    return variant.split("@")[0].split("+")[0]
+
+
+def dense_kernel_of(variant: str) -> str:
+    """"+membar" after a variant runs it with membar's own dense kernels instead of cuDNN's."""
+    return "membar" if "+membar" in variant else "auto"
 
 
 def estimate_seconds(variant: str, tokens: int, model: str, measured: dict) -> float:
@@ -161,7 +167,8 @@ def run_one(model, spec: dict) -> dict:
                             top_k=spec["top_k"], query_tile_tokens=spec["page_tokens"], offload=offload,
                             gpu_resident_layers=int(resident), loss_piece_tokens=4096,
                             checkpoint_layers=spec.get("checkpoint_layers", True),
-                            history_block_tokens=spec["history_block_tokens"])
+                            history_block_tokens=spec["history_block_tokens"],
+                            dense_kernel=dense_kernel_of(result["variant"]))
         trainer = OOMBTrainer(model, config)
         trainer.reserve(tokens)   # page pools are allocated once, before the timed step
 
@@ -192,7 +199,7 @@ def run_one(model, spec: dict) -> dict:
                       device_pool_gib=stats["device_pool_bytes"] / 2**30,
                       prefetch_hits=stats["prefetch_hits"], prefetch_misses=stats["prefetch_misses"],
                       stage1_seconds=stats["stage1_seconds"], stage2_seconds=stats["stage2_seconds"],
-                      history_block_tokens=spec["history_block_tokens"])
+                      history_block_tokens=spec["history_block_tokens"], dense_kernel=config.dense_kernel)
     return result
 
 
@@ -345,7 +352,8 @@ def annotate(results: list[dict]) -> list[dict]:
             r["gpu_growth_mib_per_10k"] = ((r["peak_gpu_gib"] - previous["peak_gpu_gib"]) * 1024
                                            / ((r["tokens"] - previous["tokens"]) / 1e4))
         if base_variant(r["variant"]).endswith("-offload"):
-            resident = ok.get((base_variant(r["variant"])[: -len("-offload")], r["tokens"]))
+            resident_name = base_variant(r["variant"])[: -len("-offload")] + ("+membar" if "+membar" in r["variant"] else "")
+            resident = ok.get((resident_name, r["tokens"]))
             if resident:
                 r["offload_overhead"] = r["step_seconds"] / resident["step_seconds"] - 1
     return results
@@ -389,18 +397,26 @@ def summarise(results: list[dict]) -> dict:
     goals["longest_dense_tokens"] = longest
     goals["longest_tokens_by_variant"] = {v: max(t for (w, t) in ok if w == v) for v in sorted({v for (v, _) in ok})}
     k128 = 128 * K
-    if ("dense", k128) in ok and ("full", k128) in ok:
-        goals["dense_vs_full_step_time_128k"] = ok[("dense", k128)]["step_seconds"] / ok[("full", k128)]["step_seconds"]
+    for dense in ("dense", "dense+membar"):
+        if (dense, k128) in ok and ("full", k128) in ok:
+            name = "dense_vs_full_step_time_128k" + ("_membar_kernels" if "+membar" in dense else "")
+            goals[name] = ok[(dense, k128)]["step_seconds"] / ok[("full", k128)]["step_seconds"]
     for variant in sorted({v for (v, _) in ok if base_variant(v) == "dense-offload"}):
-        both = sorted(t for (v, t) in ok if v == "dense" and (variant, t) in ok)
+        resident = "dense" + ("+membar" if "+membar" in variant else "")
+        both = sorted(t for (v, t) in ok if v == resident and (variant, t) in ok)
         if both:
             goals[f"offload_overhead{variant[len('dense-offload'):]}"] = {
-                human_tokens(t): ok[(variant, t)]["step_seconds"] / ok[("dense", t)]["step_seconds"] - 1
+                human_tokens(t): ok[(variant, t)]["step_seconds"] / ok[(resident, t)]["step_seconds"] - 1
                 for t in both}
     for t in sorted({t for (v, t) in ok}, reverse=True):
-        if ("dense", t) in ok and ("sparse", t) in ok:
-            goals["sparse_speedup"] = ok[("dense", t)]["step_seconds"] / ok[("sparse", t)]["step_seconds"]
+        dense = [v for (v, u) in ok if u == t and base_variant(v) in ("dense", "dense-offload")]
+        sparse = [v for (v, u) in ok if u == t and base_variant(v) in ("sparse", "sparse-offload")]
+        if dense and sparse:
+            fastest_dense = min(dense, key=lambda v: ok[(v, t)]["step_seconds"])
+            fastest_sparse = min(sparse, key=lambda v: ok[(v, t)]["step_seconds"])
+            goals["sparse_speedup"] = ok[(fastest_dense, t)]["step_seconds"] / ok[(fastest_sparse, t)]["step_seconds"]
             goals["sparse_speedup_tokens"] = t
+            goals["sparse_speedup_variants"] = [fastest_sparse, fastest_dense]
             break
     return goals
 

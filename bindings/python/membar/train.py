@@ -61,6 +61,9 @@ def _parse(argv):
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
                         help="model dtype (default: bfloat16 on GPU, float32 on CPU)")
     parser.add_argument("--deterministic", action="store_true")
+    parser.add_argument("--dense-kernel", choices=["auto", "membar"], default="auto",
+                        help="dense attention: auto = cuDNN's fused kernels on Hopper GPUs where they apply, "
+                             "membar = membar's paged kernels everywhere")
     parser.add_argument("--checkpoint-layers", action="store_true", help="recompute decoder layers in backward")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--lr", type=float, default=1e-4)
@@ -88,7 +91,7 @@ def _make_trainer(args, model):
     config = OOMBConfig(chunk_tokens=args.chunk, page_tokens=args.page_tokens, mode=args.mode, top_k=args.top_k,
                         query_tile_tokens=args.query_tile, offload=args.offload, grad_page_dtype=args.grad_dtype,
                         deterministic=args.deterministic, checkpoint_layers=args.checkpoint_layers,
-                        history_block_tokens=args.history_block)
+                        history_block_tokens=args.history_block, dense_kernel=args.dense_kernel)
     device = next(model.parameters()).device
     kind = args.store
     if kind == "auto":

@@ -36,6 +36,10 @@ class OOMBConfig:
         attention call without the chunk's own keys, merged by log-sum-exp with a chunk-only call, so
         GPU memory no longer grows with the sequence (Note [Streaming a layer's history] in
         hf_attention.py).
+    dense_kernel: "auto" (default): dense attention over consecutive pages runs on cuDNN's fused
+        kernels (those torch's SDPA uses) on Hopper GPUs with bf16/fp16 models, unless deterministic
+        is set (Note [cuDNN for dense history] in cudnn_attention.py); "membar": membar's paged
+        kernels everywhere. Sparse mode and the CPU always use membar's kernels.
     """
 
     chunk_tokens: int = 4096
@@ -51,6 +55,7 @@ class OOMBConfig:
     loss_piece_tokens: int = 4096
     checkpoint_layers: bool = False
     history_block_tokens: int = 32768
+    dense_kernel: str = "auto"
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self):
@@ -84,6 +89,8 @@ class OOMBConfig:
         if self.history_block_tokens < 0 or self.history_block_tokens % self.page_tokens != 0:
             raise ValueError(f"history_block_tokens ({self.history_block_tokens}) must be 0 or a positive multiple "
                              f"of page_tokens ({self.page_tokens}): blocks hold whole pages.")
+        if self.dense_kernel not in ("auto", "membar"):
+            raise ValueError(f"dense_kernel must be 'auto' or 'membar', got {self.dense_kernel!r}.")
         if self.prefetch_depth < 0:
             raise ValueError(f"prefetch_depth must be >= 0, got {self.prefetch_depth}.")
 

@@ -61,6 +61,7 @@ class ChunkContext:
     deterministic: bool
     history_block_pages: int = 0
     keep_attention_outputs: bool = False
+    dense_kernel: str = "membar"      # OOMBConfig.dense_kernel: "auto" or "membar"
     # Sparse mode, shared across chunks of one sequence:
     summaries: dict = field(default_factory=dict)    # layer -> float32 [num_pages, Hkv, D]
     # (layer, chunk) -> int32 [tiles, top_k] or None. On the host for layers whose store reads
@@ -173,17 +174,20 @@ def _forward(context: ChunkContext, layer: int, phase: str, q, k, v, scale: floa
     accesses = context.history_accesses(layer, phase)
     if not context.streams(layer):
         history = _history(context, accesses[0] if accesses else None)
-        out, lse = kernels.attention_forward(q, k, v, history, scale, selection, context.query_tile_tokens)
+        out, lse = kernels.attention_forward(q, k, v, history, scale, selection, context.query_tile_tokens,
+                                             kernel=context.dense_kernel, deterministic=context.deterministic)
         if accesses:
             store.release(accesses[0], history)
         return out, lse
     # Note [Streaming a layer's history].
-    out, lse = kernels.attention_forward(q, k, v, _history(context, None), scale, None, context.query_tile_tokens)
+    out, lse = kernels.attention_forward(q, k, v, _history(context, None), scale, None, context.query_tile_tokens,
+                                         kernel=context.dense_kernel, deterministic=context.deterministic)
     total = out.float()
     for access in accesses:
         history = _history(context, access)
         part, part_lse = kernels.attention_forward(q, k, v, history, scale, selection, context.query_tile_tokens,
-                                                   attend_chunk=False)
+                                                   attend_chunk=False, kernel=context.dense_kernel,
+                                                   deterministic=context.deterministic)
         store.release(access, history)
         lse = _merge_into(total, lse, part, part_lse)
     return total.to(q.dtype), lse
@@ -199,7 +203,8 @@ def _backward(context: ChunkContext, layer: int, q, k, v, out, dout, lse, scale:
         grad_access = context.history_access(layer, "backward", kind="dkv") if access is not None else None
         grads = store.grad_history(grad_access) if access is not None else _empty_grads(store, k)
         dq, dk, dv = kernels.attention_backward(q, k, v, history, scale, out, dout, lse, grads, selection,
-                                                context.query_tile_tokens, context.deterministic)
+                                                context.query_tile_tokens, context.deterministic,
+                                                kernel=context.dense_kernel)
         if access is not None:
             store.release(access, history)
             store.release(grad_access, grads)
@@ -207,7 +212,7 @@ def _backward(context: ChunkContext, layer: int, q, k, v, out, dout, lse, scale:
     # Note [Streaming a layer's history]: the chunk alone, then each block, all given the final out/lse.
     dq, dk, dv = kernels.attention_backward(q, k, v, _history(context, None), scale, out, dout, lse,
                                             _empty_grads(store, k), None, context.query_tile_tokens,
-                                            context.deterministic)
+                                            context.deterministic, kernel=context.dense_kernel)
     dq_total = dq.float()
     grad_accesses = context.history_accesses(layer, "backward", kind="dkv")
     for access, grad_access in zip(accesses, grad_accesses):
@@ -215,7 +220,7 @@ def _backward(context: ChunkContext, layer: int, q, k, v, out, dout, lse, scale:
         grads = store.grad_history(grad_access)
         part, _, _ = kernels.attention_backward(q, k, v, history, scale, out, dout, lse, grads, selection,
                                                 context.query_tile_tokens, context.deterministic,
-                                                attend_chunk=False)
+                                                attend_chunk=False, kernel=context.dense_kernel)
         store.release(access, history)
         store.release(grad_access, grads)
         dq_total.add_(part)   # float32 += model dtype, without a float32 copy of part

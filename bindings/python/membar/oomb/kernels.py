@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
+from . import cudnn_attention
+
 
 def _ops():
     # Importing membar loads the compiled library into torch.ops.membar.
@@ -44,6 +46,9 @@ class HistoryView:
     # block_first_page + block_pages): selections (history page numbers) are then made local to it.
     block_first_page: int = 0
     block_pages: int | None = None
+    # Set when history page p is pool row first_row + p for every p (K and V): the history is then
+    # one strided tensor and dense calls may skip the page table (Note [cuDNN for dense history]).
+    first_row: int | None = None
 
     @property
     def v_index(self) -> torch.Tensor:
@@ -74,18 +79,35 @@ class GradView:
     page_index: torch.Tensor    # int32 [num_history_pages]
     dv_page_index: torch.Tensor | None = None   # when dV pages sit in other rows than dK pages
     handles: list | None = None
+    first_row: int | None = None                # as HistoryView.first_row, for dK and dV
 
     @property
     def dv_index(self) -> torch.Tensor:
         return self.page_index if self.dv_page_index is None else self.dv_page_index
 
 
+def _history_rows(history: HistoryView):
+    if history.history_tokens == 0:
+        return None, None
+    return (cudnn_attention.rows(history.k_pool, history.first_row, history.history_tokens),
+            cudnn_attention.rows(history.v_pool, history.first_row, history.history_tokens))
+
+
 def attention_forward(q, k, v, history: HistoryView, softmax_scale: float,
-                      selected: torch.Tensor | None, query_tile_tokens: int, attend_chunk: bool = True):
+                      selected: torch.Tensor | None, query_tile_tokens: int, attend_chunk: bool = True,
+                      kernel: str = "membar", deterministic: bool = False):
     """Returns (out [Tc, Hq, D], lse [Hq, Tc] float32). Does not block on the GPU.
 
     attend_chunk=False: attend only the history's pages (one block of a streamed history; rows
-    that see no key get out 0, lse -inf); merge blocks with membar.attention.merge_attention."""
+    that see no key get out 0, lse -inf); merge blocks with membar.attention.merge_attention.
+    kernel="auto": dense calls on consecutive pages go through cuDNN where it applies
+    (Note [cuDNN for dense history]); "membar": membar's paged kernels always."""
+    if (attend_chunk or history.history_tokens > 0) and cudnn_attention.usable(q, history, selected, deterministic, kernel):
+        try:
+            history_k, history_v = _history_rows(history)
+            return cudnn_attention.forward(q, k, v, history_k, history_v, softmax_scale, attend_chunk)
+        except RuntimeError as error:
+            cudnn_attention.disable(str(error).splitlines()[0] if str(error) else type(error).__name__)
     return _ops().paged_attention_forward(
         q, k, v, history.k_pool, history.page_index, history.v_pool, history.v_index,
         history.history_tokens, softmax_scale, history.remap_selection(selected), query_tile_tokens,
@@ -94,11 +116,24 @@ def attention_forward(q, k, v, history: HistoryView, softmax_scale: float,
 
 def attention_backward(q, k, v, history: HistoryView, softmax_scale: float, out, dout, lse,
                        grads: GradView, selected: torch.Tensor | None, query_tile_tokens: int,
-                       deterministic: bool, attend_chunk: bool = True):
+                       deterministic: bool, attend_chunk: bool = True, kernel: str = "membar"):
     """Returns (dq, dk, dv) of the chunk and ADDS the history's dK/dV into grads' pools.
 
     attend_chunk=False: out/lse must be the rows' FINAL merged ones; dq is this block's part and
-    dk/dv are zeros."""
+    dk/dv are zeros. kernel: as in attention_forward."""
+    if ((attend_chunk or history.history_tokens > 0)
+            and cudnn_attention.usable(q, history, selected, deterministic, kernel)
+            and (history.history_tokens == 0 or (grads.first_row is not None and grads.dv_page_index is None))):
+        try:
+            history_k, history_v = _history_rows(history)
+            dk_rows = dv_rows = None
+            if history.history_tokens > 0:
+                dk_rows = cudnn_attention.rows(grads.dk_pool, grads.first_row, history.history_tokens)
+                dv_rows = cudnn_attention.rows(grads.dv_pool, grads.first_row, history.history_tokens)
+            return cudnn_attention.backward(q, k, v, history_k, history_v, out, dout, lse, softmax_scale,
+                                            dk_rows, dv_rows, attend_chunk)
+        except RuntimeError as error:
+            cudnn_attention.disable(str(error).splitlines()[0] if str(error) else type(error).__name__)
     return _ops().paged_attention_backward(
         q, k, v, history.k_pool, history.page_index, history.v_pool, history.v_index,
         out, dout, lse, grads.dk_pool, grads.page_index, grads.dv_pool, grads.dv_index,

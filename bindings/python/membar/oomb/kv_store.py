@@ -382,10 +382,10 @@ class TensorKVStore(KVStore):
         if not self.offloaded(access.layer):
             return HistoryView(self.k_pools[access.layer], self.v_pools[access.layer],
                                self._page_numbers[access.first_page: access.first_page + access.num_pages],
-                               history_tokens)
+                               history_tokens, first_row=access.first_page)
         k_pool, v_pool, page_index = self._serve(access)
         if access.selected is None:
-            return HistoryView(k_pool, v_pool, page_index, history_tokens)
+            return HistoryView(k_pool, v_pool, page_index, history_tokens, first_row=0)
         if history_tokens != access.num_pages * self.layout.page_tokens:
             raise ValueError("a sparse history must consist of whole pages.")
         # Host-side renumbering of the copied pages (HistoryView.remap_selection applies it).
@@ -397,9 +397,10 @@ class TensorKVStore(KVStore):
         dk_pool, dv_pool = self._grad_pools(access.layer)
         if not self.offloaded(access.layer):
             return GradView(dk_pool, dv_pool,
-                            self._page_numbers[access.first_page: access.first_page + access.num_pages])
+                            self._page_numbers[access.first_page: access.first_page + access.num_pages],
+                            first_row=access.first_page)
         dk_dev, dv_dev, page_index = self._serve(access)
-        return GradView(dk_dev, dv_dev, page_index)
+        return GradView(dk_dev, dv_dev, page_index, first_row=0 if access.selected is None else None)
 
     def chunk_grads(self, access: Access, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
         layout = self.layout

@@ -266,6 +266,7 @@ class OOMBTrainer:
             query_tile_tokens=config.query_tile_tokens, deterministic=config.deterministic,
             history_block_pages=config.history_block_tokens // config.page_tokens,
             keep_attention_outputs=config.checkpoint_layers,
+            dense_kernel=config.dense_kernel,
             summaries=shared["summaries"], selections=shared["selections"],
             selection_unions=shared.setdefault("unions", {}))
 
