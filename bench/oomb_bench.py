@@ -444,7 +444,7 @@ def run_learning(args) -> dict:
     held_out = [held_out_task.batch(1) for _ in range(args.eval_sequences)]
     outcome = {"task": "recall", "tokens": task.tokens, "distance": distance, "num_keys": num_keys,
                "chance": 1 / num_keys, "device": str(device), "dtype": str(dtype), "batch": args.learning_batch,
-               "lr": args.learning_lr, "budget_seconds": args.learning_seconds}
+               "lr": args.learning_lr, "budget_seconds": args.learning_seconds, "chunk": args.learning_chunk}
     budget = args.learning_seconds
     steps_done = None
     for name, window, share in (("oomb_full_context", None, 0.72), ("short_window", args.short_window, 0.22)):
@@ -455,7 +455,7 @@ def run_learning(args) -> dict:
                              head_dim=64, intermediate_size=128, vocab_size=vocab, tie_word_embeddings=True,
                              max_position_embeddings=task.tokens + 1024, rope_theta=1e6, attn_implementation="sdpa")
         model = Qwen2ForCausalLM(config).to(device=device, dtype=dtype)
-        trainer = OOMBTrainer(model, OOMBConfig(chunk_tokens=2048, page_tokens=64, mode=args.learning_mode,
+        trainer = OOMBTrainer(model, OOMBConfig(chunk_tokens=args.learning_chunk, page_tokens=64, mode=args.learning_mode,
                                                 top_k=16, query_tile_tokens=128))
         # float32 master weights: AdamW steps them and the bf16 model gets a rounded copy, so late
         # small updates are not lost to bf16 rounding.
@@ -551,6 +551,8 @@ def main() -> int:
     parser.add_argument("--learning-seconds", type=float, default=225.0,
                         help="training seconds of the learning experiment (OOMB run 72%%, control 22%%)")
     parser.add_argument("--learning-distance", type=int, default=16384)
+    parser.add_argument("--learning-chunk", type=int, default=4096,
+                        help="chunk tokens of the learning run (fewer chunks: more steps per second)")
     parser.add_argument("--learning-batch", type=int, default=4)
     parser.add_argument("--learning-lr", type=float, default=1e-2)
     parser.add_argument("--learning-mode", choices=["dense", "sparse"], default="dense")
