@@ -164,7 +164,8 @@ def run_one(model, spec: dict) -> dict:
                                     f"{resident} GPU-resident layers; {host_available_bytes() / 2**30:.0f} GiB available")
                 return result
         config = OOMBConfig(chunk_tokens=spec["chunk"], page_tokens=spec["page_tokens"], mode=mode,
-                            top_k=spec["top_k"], query_tile_tokens=spec["page_tokens"], offload=offload,
+                            top_k=spec["top_k"], query_tile_tokens=spec.get("query_tile_tokens") or spec["page_tokens"],
+                            offload=offload,
                             gpu_resident_layers=int(resident), loss_piece_tokens=4096,
                             checkpoint_layers=spec.get("checkpoint_layers", True),
                             history_block_tokens=spec["history_block_tokens"],
@@ -199,7 +200,8 @@ def run_one(model, spec: dict) -> dict:
                       device_pool_gib=stats["device_pool_bytes"] / 2**30,
                       prefetch_hits=stats["prefetch_hits"], prefetch_misses=stats["prefetch_misses"],
                       stage1_seconds=stats["stage1_seconds"], stage2_seconds=stats["stage2_seconds"],
-                      history_block_tokens=spec["history_block_tokens"], dense_kernel=config.dense_kernel)
+                      history_block_tokens=spec["history_block_tokens"], dense_kernel=config.dense_kernel,
+                      query_tile_tokens=config.query_tile_tokens)
     return result
 
 
@@ -257,6 +259,7 @@ def child_main(job: dict) -> None:
 def run_sweep(args, write) -> list[dict]:
     specs = [dict(variant=variant, tokens=tokens, model=args.model, chunk=args.chunk, page_tokens=args.page_tokens,
                   top_k=args.top_k, gpu_reserve_gib=args.gpu_reserve_gib,
+                  query_tile_tokens=args.query_tile or args.page_tokens,
                   checkpoint_layers=not args.no_checkpoint_layers,
                   history_block_tokens=(parse_tokens(variant.split("@")[1]) if "@" in variant
                                         else args.history_block_tokens))
@@ -535,6 +538,9 @@ def main() -> int:
     parser.add_argument("--chunk", type=int, default=4096)
     parser.add_argument("--page-tokens", type=int, default=128)
     parser.add_argument("--top-k", type=int, default=64)
+    parser.add_argument("--query-tile", type=int, default=0,
+                        help="sparse: queries that share one selection (default: a page's worth; the chunk "
+                             "size gives one selection per chunk, so offload moves only top-k pages)")
     parser.add_argument("--history-block-tokens", type=int, default=32768,
                         help="offloaded layers stream their history through the GPU in blocks of this many tokens")
     parser.add_argument("--gpu-reserve-gib", type=float, default=30.0,
@@ -603,6 +609,7 @@ def main() -> int:
         def write(results):
             annotate(results)
             report = {"model": args.model, "chunk": args.chunk, "page_tokens": args.page_tokens, "top_k": args.top_k,
+                      "query_tile_tokens": args.query_tile or args.page_tokens,
                       "history_block_tokens": args.history_block_tokens, "time_budget": args.time_budget,
                       "results": results, "goals": summarise(results)}
             (out / "oomb_bench.json").write_text(json.dumps(report, indent=1))
