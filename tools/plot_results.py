@@ -102,9 +102,11 @@ def plot_oomb(path: Path) -> Path | None:
         x = [r["tokens"] // 1024 for r in mine]
         ax_mem.plot(x, [r["peak_gpu_gib"] for r in mine], "o-", label=variant)
         ax_time.plot(x, [r["step_seconds"] for r in mine], "o-", label=variant)
+    contexts = sorted({r["tokens"] // 1024 for r in rows})
     for ax in (ax_mem, ax_time):
         ax.set_xscale("log", base=2)
-        ax.set_xlabel("context (K tokens)")
+        ax.set_xticks(contexts, [f"{c // 1024}M" if c >= 1024 else f"{c}K" for c in contexts])
+        ax.set_xlabel("context (tokens)")
         ax.legend(fontsize=8)
     ax_mem.set_ylabel("peak GPU memory (GiB)")
     ax_time.set_ylabel("seconds per step (fwd + bwd)")
