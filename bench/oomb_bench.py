@@ -49,11 +49,12 @@ K = 1024
 
 # Step seconds measured on the H200 at the Qwen2.5-7B shape (bench/results/2026-11-30-h200 and
 # /work/shared/docs/measured.md; 128K dense from the issue). Only used to decide what fits the budget.
-KNOWN_7B_SECONDS = {
-    ("full", 32 * K): 5.1, ("full", 64 * K): 13.6, ("full", 128 * K): 42.5,
-    ("dense", 32 * K): 8.0, ("dense", 64 * K): 23.9, ("dense", 128 * K): 70.0,
-    ("dense-offload", 32 * K): 10.5, ("dense-offload", 64 * K): 27.1,
-    ("sparse", 32 * K): 6.3, ("sparse", 64 * K): 13.2,
+KNOWN_7B_SECONDS = {   # measured on the H200 (bench/results/2026-11-30-h200-session3)
+    ("full", 32 * K): 5.1, ("full", 64 * K): 13.6, ("full", 128 * K): 41.6,
+    ("dense", 32 * K): 6.2, ("dense", 64 * K): 15.9, ("dense", 128 * K): 45.5,
+    ("dense-offload", 32 * K): 6.3, ("dense-offload", 64 * K): 16.3, ("dense-offload", 256 * K): 160.1,
+    ("sparse", 32 * K): 6.3, ("sparse", 64 * K): 13.2, ("sparse", 256 * K): 56.1, ("sparse", 512 * K): 120.1,
+    ("sparse-offload", 256 * K): 118.0,
 }
 # Seconds each configuration costs beside its timed step and warm-up: trainer, page pools.
 CONFIG_OVERHEAD_SECONDS = 6.0
