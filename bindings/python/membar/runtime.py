@@ -147,8 +147,9 @@ class Space:
     def stream_release(self, first: int = 0, count: Optional[int] = None, *, dirty: bool = False,
                        stream: Optional["torch.cuda.Stream"] = None) -> None:
         """Releases once the work enqueued so far on ``stream`` (default: the current CUDA stream)
-        is done with the pages. Through a daemon this costs the CPU nothing; the embedded runtime
-        has no one watching the stream, so it waits here until the stream reaches this point."""
+        is done with the pages: the stream writes a marker when it gets there, and the runtime
+        (embedded or membard) holds every copy out of or into these pages, and their frames, until
+        it sees the marker. Nothing here waits for the GPU (Note [Stream-ordered release])."""
         stream = stream if stream is not None else torch.cuda.current_stream()
         self.runtime._native.stream_release(*self._range(first, count), bool(dirty), int(stream.cuda_stream))
 
