@@ -347,6 +347,8 @@ def test_cli_trains_and_prints_a_json_summary(capsys):
     printed = capsys.readouterr().out.strip().splitlines()
     assert json.loads(printed[-1])["steps_run"] == 3
     assert summary["steps"][0]["pages_moved"] > 0
+    assert summary["attention_kernels"] == "membar"     # the CPU always runs membar's kernels
+    assert any(line.startswith("attention: membar kernels") for line in printed)
     # Uniform random tokens: the loss stays near log(vocab) = 6.24 (nothing to learn in 3 steps).
     assert all(abs(step["loss"] - math.log(512)) < 0.5 for step in summary["steps"])
 

@@ -156,6 +156,10 @@ def test_trainer_with_cudnn_matches_float32_like_full_sequence_bf16():
         return max(float((grads[n] - r).abs().max() / r.abs().max()) for n, r in reference.items())
 
     before = cudnn_attention.calls["backward"]
+    trainer = OOMBTrainer(bf16, OOMBConfig(chunk_tokens=512, page_tokens=128))
+    bf16.zero_grad()
+    trainer.step(ids)
+    assert trainer.stats["cudnn_attention_calls"] > 0
     resident = _grads(bf16, ids, chunk_tokens=512, page_tokens=128)
     streamed = _grads(bf16, ids, chunk_tokens=512, page_tokens=128, offload=True, history_block_tokens=512,
                       checkpoint_layers=True)

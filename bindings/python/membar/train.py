@@ -246,6 +246,10 @@ def run(argv=None) -> dict:
                   "seconds": stats["seconds"], "peak_gpu_bytes": stats.get("peak_gpu_bytes", 0),
                   "host_rss_bytes": stats["rss_bytes"], "pages_moved": stats["pages_moved"]}
         summary["steps"].append(record)
+        if step == 1:
+            summary["attention_kernels"] = "cudnn+membar" if stats.get("cudnn_attention_calls") else "membar"
+            note = (f"attention: {'cuDNN fused kernels for dense history, membar kernels elsewhere' if stats.get('cudnn_attention_calls') else 'membar kernels'}")
+            (bar.write if bar is not None else print)(note)
         recent = (recent + [loss])[-10:]
         if args.demo:
             line = (f"step {step}: answer loss {loss:.3f}  ({time.monotonic() - started:.0f} s, "

@@ -28,7 +28,7 @@ from torch.utils.checkpoint import checkpoint
 
 from .config import OOMBConfig
 from .hf_attention import ATTENTION_NAME, NO_MASK, ChunkContext, chunk_context, register
-from . import kernels
+from . import cudnn_attention, kernels
 from .kv_store import Access, KVStore, PageLayout, TensorKVStore
 
 SUPPORTED_MODEL_TYPES = ("qwen2", "llama")
@@ -131,6 +131,7 @@ class OOMBTrainer:
         if predicted == 0:
             raise ValueError("no token has a target: every label after the first is -100.")
         store_before = self.store.stats.as_dict()
+        cudnn_before = cudnn_attention.calls["forward"] + cudnn_attention.calls["backward"]
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
@@ -162,6 +163,9 @@ class OOMBTrainer:
             **host_memory(),
         }
         self.stats["pages_moved"] = self.stats["pages_to_device"] + self.stats["pages_to_host"]
+        # Which kernels ran the dense attention (Note [cuDNN for dense history]).
+        self.stats["cudnn_attention_calls"] = (cudnn_attention.calls["forward"] + cudnn_attention.calls["backward"]
+                                               - cudnn_before)
         if self.device.type == "cuda":
             self.stats["peak_gpu_bytes"] = torch.cuda.max_memory_allocated(self.device)
         return total
