@@ -31,6 +31,7 @@ log = logging.getLogger("membar.oomb")
 _disabled: str | None = None     # why the fast path was turned off in this process, if it was
 _philox: dict = {}                # device -> (seed, offset) placeholders (dropout is always 0)
 calls = {"forward": 0, "backward": 0}   # calls served here (tests and benchmarks read them)
+MIN_CHUNK_TOKENS = 64                    # shorter chunks run on membar's kernels
 
 
 def usable(q: torch.Tensor, history, selected, deterministic: bool, kernel: str) -> bool:
@@ -39,11 +40,14 @@ def usable(q: torch.Tensor, history, selected, deterministic: bool, kernel: str)
         return False
     if not q.is_cuda or q.dtype not in (torch.bfloat16, torch.float16) or q.shape[-1] not in (64, 128):
         return False
+    if q.shape[0] < MIN_CHUNK_TOKENS:   # a short tail chunk: not worth a fused call (or a failed one)
+        return False
     if deterministic or selected is not None or history.page_map is not None or history.v_page_index is not None:
         return False
     if history.history_tokens > 0 and history.first_row is None:
         return False
-    return torch.cuda.get_device_capability(q.device) >= (9, 0) and torch.backends.cudnn.is_available()
+    return (torch.cuda.get_device_capability(q.device) >= (9, 0) and torch.backends.cudnn.is_available()
+            and torch.backends.cudnn.enabled)
 
 
 def disable(reason: str) -> None:
