@@ -2,6 +2,7 @@
 
     python -m membar.train --model qwen2.5-0.5b --seq-len 131072 --chunk 4096 --steps 10
     python -m membar.train --model /path/to/hf_checkpoint --task passkey --seq-len 32768 --offload
+    python -m membar.train --model /path/to/hf_checkpoint --data tokens.npy --seq-len 131072 --save out/
     python -m membar.train --demo          # small model recalls a key >= 16K tokens back, ~3 minutes
 
 Each step prints loss, tokens/s, peak GPU memory, host memory and pages moved; --json prints a
@@ -31,6 +32,11 @@ def _parse(argv):
     parser.add_argument("--task", choices=["passkey", "recall", "random"], default="random",
                         help="passkey: retrieve a key placed --distance tokens back; recall: the key opens the "
                              "sequence, questions after --distance filler tokens end it; random: uniform tokens")
+    parser.add_argument("--data", default=None,
+                        help="train on token ids from a file (.pt, .npy, .bin, or .txt tokenized with the model's "
+                             "tokenizer), cut into windows of --seq-len tokens")
+    parser.add_argument("--data-dtype", default="uint16", help=".bin data: uint16 (default), uint32, int32 or int64")
+    parser.add_argument("--save", default=None, help="save the trained model (save_pretrained) into this directory")
     parser.add_argument("--seq-len", type=int, default=8192, help="tokens per sequence")
     parser.add_argument("--distance", type=int, default=None, help="passkey/recall: minimum key-to-question distance")
     parser.add_argument("--num-keys", type=int, default=16, help="passkey/recall: number of distinct keys")
@@ -183,6 +189,16 @@ def run(argv=None) -> dict:
         eval_task = RecallTask(vocab, distance, num_keys=args.num_keys, key_tokens=args.key_tokens,
                                queries=args.queries, seed=args.seed + 1000, key_marker=args.key_marker)
     held_out = [eval_task.batch(1) for _ in range(args.eval_sequences)] if task is not None else []
+    windows = None
+    if args.data is not None:
+        if args.task != "random" or args.demo:
+            raise ValueError("--data trains on the file's tokens: leave out --task and --demo.")
+        from membar.oomb.data import TokenWindows, load_tokens
+
+        tokens = load_tokens(args.data, args.data_dtype, tokenizer_path=args.model)
+        windows = TokenWindows(tokens, args.seq_len, vocab, seed=args.seed + 3)
+        print(f"data: {args.data}: {tokens.numel():,} tokens, {windows.count:,} sequences of {args.seq_len}",
+              flush=True)
     generator = torch.Generator().manual_seed(args.seed + 2)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
     schedule = None
@@ -196,6 +212,8 @@ def run(argv=None) -> dict:
         if task is not None:
             b = task.batch(args.batch)
             return b.input_ids, b.labels
+        if windows is not None:
+            return windows.batch(args.batch), None
         return torch.randint(0, vocab, (args.batch, args.seq_len), generator=generator), None
 
     parameters = sum(p.numel() for p in model.parameters())
@@ -206,7 +224,7 @@ def run(argv=None) -> dict:
           flush=True)
     summary = {"model": args.model, "device": str(device), "dtype": str(dtype), "seq_len": args.seq_len,
                "chunk": args.chunk, "page_tokens": args.page_tokens, "mode": args.mode, "offload": args.offload,
-               "store": args.store,
+               "store": args.store, "data": args.data,
                "parameters": parameters, "steps": []}
     accuracy_before = None
     if args.demo:
@@ -300,6 +318,10 @@ def run(argv=None) -> dict:
                   f"(key out of reach): {windowed:.0%}", flush=True)
         if args.demo:
             print(f"  chance (1 of {args.num_keys} keys): {1 / args.num_keys:.0%}", flush=True)
+    if args.save:
+        model.save_pretrained(args.save)
+        summary["saved"] = args.save
+        print(f"saved the model to {args.save}", flush=True)
     if args.json:
         print(json.dumps(summary), flush=True)
     return summary
