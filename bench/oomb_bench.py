@@ -174,8 +174,8 @@ def run_one(model, spec: dict) -> dict:
         trainer = OOMBTrainer(model, config)
         trainer.reserve(tokens)   # page pools are allocated once, before the timed step
 
-        def step(ids):
-            trainer.step(ids)
+        def step(ids, partial=None):
+            trainer.step(ids, stage2_chunks=partial)
 
     step(warmup)
     model.zero_grad(set_to_none=False)
@@ -184,7 +184,11 @@ def run_one(model, spec: dict) -> dict:
         torch.cuda.reset_peak_memory_stats()
     reset_peak_rss()
     started = time.perf_counter()
-    step(sequence)
+    partial = spec.get("stage2_chunks") if trainer is not None else None
+    if partial:
+        step(sequence, partial)   # Note [Partial steps] in membar/oomb/trainer.py
+    else:
+        step(sequence)
     if cuda:
         torch.cuda.synchronize()
     seconds = time.perf_counter() - started
@@ -201,6 +205,9 @@ def run_one(model, spec: dict) -> dict:
                       device_pool_gib=stats["device_pool_bytes"] / 2**30,
                       prefetch_hits=stats["prefetch_hits"], prefetch_misses=stats["prefetch_misses"],
                       stage1_seconds=stats["stage1_seconds"], stage2_seconds=stats["stage2_seconds"],
+                      **{key: stats[key] for key in ("partial_step", "stage2_chunks_run", "stage2_chunks_total",
+                                                     "stage2_to_stage1_ratio", "estimated_step_seconds",
+                                                     "step_seconds_upper_bound") if key in stats},
                       history_block_tokens=spec["history_block_tokens"], dense_kernel=config.dense_kernel,
                       query_tile_tokens=config.query_tile_tokens)
     return result
@@ -228,6 +235,11 @@ def child_main(job: dict) -> None:
             result = dict(spec, skipped=f"{variant} already failed at a shorter context")
         else:
             expected = estimate_seconds(variant, tokens, job["model"], measured)
+            if spec.get("stage2_chunks") and variant != "full":
+                # Stage 1 is about a quarter of a step; the longest-history stage-2 chunks cost about
+                # twice a stage-2 chunk's mean (Note [Partial steps]).
+                chunks = -(-tokens // spec["chunk"])
+                expected *= min(1.0, 0.25 + 1.5 * spec["stage2_chunks"] / chunks)
             left = deadline - time.time()
             if expected > left:
                 result = dict(spec, skipped=f"estimated {expected:.0f} s, {max(left, 0):.0f} s of the budget left")
@@ -260,7 +272,7 @@ def child_main(job: dict) -> None:
 def run_sweep(args, write) -> list[dict]:
     specs = [dict(variant=variant, tokens=tokens, model=args.model, chunk=args.chunk, page_tokens=args.page_tokens,
                   top_k=args.top_k, gpu_reserve_gib=args.gpu_reserve_gib,
-                  query_tile_tokens=args.query_tile or args.page_tokens,
+                  query_tile_tokens=args.query_tile or args.page_tokens, stage2_chunks=args.stage2_chunks,
                   checkpoint_layers=not args.no_checkpoint_layers,
                   history_block_tokens=(parse_tokens(variant.split("@")[1]) if "@" in variant
                                         else args.history_block_tokens))
@@ -346,9 +358,9 @@ def run_sweep(args, write) -> list[dict]:
 
 def annotate(results: list[dict]) -> list[dict]:
     """Adds growth per 10K tokens (against the variant's previous context) and offload overhead."""
-    ok = {(r["variant"], r["tokens"]): r for r in results if "step_seconds" in r}
+    ok = {(r["variant"], r["tokens"]): r for r in results if "step_seconds" in r and not r.get("partial_step")}
     for r in results:
-        if "step_seconds" not in r:
+        if "step_seconds" not in r or r.get("partial_step"):
             continue
         earlier = [t for (v, t) in ok if v == r["variant"] and t < r["tokens"]]
         if earlier:
@@ -373,6 +385,12 @@ def format_row(r: dict) -> str:
         return f"{head}  -- {r['error']}"
     growth = r.get("gpu_growth_mib_per_10k")
     overhead = r.get("offload_overhead")
+    if r.get("partial_step"):
+        return (f"{head}  partial: stage 1 {r['stage1_seconds']:.1f} s + {r['stage2_chunks_run']} of "
+                f"{r['stage2_chunks_total']} stage-2 chunks {r['stage2_seconds']:.1f} s; whole step ~"
+                f"{r['estimated_step_seconds']:.0f} s (<= {r['step_seconds_upper_bound']:.0f} s)  "
+                f"GPU {r['peak_gpu_gib']:6.1f} GiB  host {r['host_peak_rss_gib']:6.1f} GiB"
+                + (f"  pools {r['host_pool_gib']:6.1f} GiB" if "host_pool_gib" in r else ""))
     return (f"{head}  {r['step_seconds']:8.1f} s  {r['tokens_per_second']:8,.0f} tok/s  "
             f"GPU {r['peak_gpu_gib']:6.1f} GiB  "
             + (f"{growth:+8.1f}" if growth is not None else f"{'':>8}") + " MiB/10K  "
@@ -384,8 +402,15 @@ def format_row(r: dict) -> str:
 
 def summarise(results: list[dict]) -> dict:
     """The issue's goals, where the measured points allow checking them."""
-    ok = {(r["variant"], r["tokens"]): r for r in results if "step_seconds" in r}
+    ok = {(r["variant"], r["tokens"]): r for r in results if "step_seconds" in r and not r.get("partial_step")}
     goals = {}
+    partial = [r for r in results if r.get("partial_step") and base_variant(r["variant"]).startswith("dense")]
+    if partial:
+        longest = max(partial, key=lambda r: r["tokens"])
+        goals["longest_dense_tokens_partial_step"] = longest["tokens"]
+        goals["longest_dense_partial_step"] = {key: longest.get(key) for key in (
+            "variant", "peak_gpu_gib", "host_peak_rss_gib", "stage1_seconds", "stage2_chunks_run",
+            "stage2_chunks_total", "estimated_step_seconds", "step_seconds_upper_bound")}
     for variant in sorted({v for (v, _) in ok if base_variant(v).endswith("-offload")}):
         points = sorted((t, r["peak_gpu_gib"]) for (v, t), r in ok.items() if v == variant)
         if len(points) >= 2:
@@ -539,6 +564,9 @@ def main() -> int:
     parser.add_argument("--chunk", type=int, default=4096)
     parser.add_argument("--page-tokens", type=int, default=128)
     parser.add_argument("--top-k", type=int, default=64)
+    parser.add_argument("--stage2-chunks", type=int, default=0,
+                        help="measure partial steps: all of stage 1, then only this many stage-2 chunks (the "
+                             "longest histories); reports the whole step's estimate and upper bound")
     parser.add_argument("--query-tile", type=int, default=0,
                         help="sparse: queries that share one selection (default: a page's worth; the chunk "
                              "size gives one selection per chunk, so offload moves only top-k pages)")

@@ -469,3 +469,24 @@ def test_backward_on_another_thread_as_on_cuda(monkeypatch):
     _, other_thread, _ = oomb_grads(copy.deepcopy(model), input_ids, **options)
     for name, reference in same_thread.items():
         assert torch.equal(other_thread[name], reference), name
+
+
+def test_partial_step_runs_stage1_and_some_stage2_chunks():
+    """Note [Partial steps]: all of stage 1, the first N chunks of stage 2, and the estimates."""
+    model = tiny_model("qwen2", seed=12)
+    ids = torch.randint(0, VOCAB, (1, 300))
+    trainer = OOMBTrainer(model, OOMBConfig(chunk_tokens=32, page_tokens=16))
+    with pytest.raises(ValueError, match="stage2_chunks"):
+        trainer.step(ids, stage2_chunks=0)
+    trainer.step(ids, stage2_chunks=3)
+    stats = trainer.stats
+    assert stats["partial_step"] and stats["stage2_chunks_run"] == 3 and stats["stage2_chunks_total"] == 10
+    assert len(stats["chunk_seconds"]["stage1"]) == 10 and len(stats["chunk_seconds"]["stage2"]) == 3
+    assert stats["step_seconds_upper_bound"] >= stats["stage1_seconds"] > 0
+    # Only the last 3 chunks ran backward: the embeddings of tokens before them got no gradient
+    # through their own positions' losses, so the partial gradient differs from the whole one.
+    partial = grads_of(model)
+    model.zero_grad()
+    trainer.step(ids)
+    assert "partial_step" not in trainer.stats
+    assert any(not torch.allclose(partial[name], g) for name, g in grads_of(model).items())

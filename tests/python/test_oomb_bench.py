@@ -108,3 +108,19 @@ def test_gpu_sweep_at_the_half_billion_shape(tmp_path):
     assert not failures, failures
     growth = report["goals"]["gpu_mib_per_10k_tokens_dense_offload_block_4K"]
     print(f"0.5B, 8K -> 16K, history blocks of 4K: GPU growth {growth:.1f} MiB per 10K tokens")
+
+
+def test_partial_steps_are_not_whole_steps():
+    bench = load_bench()
+    K = 1024
+    rows = [dict(variant="dense-hybrid", tokens=1024 * K, step_seconds=400.0, peak_gpu_gib=120.0, partial_step=True,
+                 host_peak_rss_gib=90.0, stage1_seconds=380.0, stage2_seconds=20.0, stage2_chunks_run=2,
+                 stage2_chunks_total=256, estimated_step_seconds=1700.0, step_seconds_upper_bound=2900.0),
+            dict(variant="dense", tokens=128 * K, step_seconds=45.0, peak_gpu_gib=58.0)]
+    bench.annotate(rows)
+    assert "gpu_growth_mib_per_10k" not in rows[0]
+    goals = bench.summarise(rows)
+    assert goals["longest_dense_tokens"] == 128 * K
+    assert goals["longest_dense_tokens_partial_step"] == 1024 * K
+    assert goals["longest_dense_partial_step"]["estimated_step_seconds"] == 1700.0
+    assert "whole step ~1700 s (<= 2900 s)" in bench.format_row(rows[0])

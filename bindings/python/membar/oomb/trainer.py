@@ -119,13 +119,22 @@ class OOMBTrainer:
 
     # -- public ---------------------------------------------------------------------------------
 
-    def step(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> float:
+    def step(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None, *,
+             stage2_chunks: int | None = None) -> float:
         """Forward + backward of a batch of sequences; returns the mean loss over predicted tokens.
 
         input_ids: int [tokens] or [batch, tokens]. labels: same shape, Hugging Face convention
         (aligned with input_ids, shifted inside: position t is trained to predict labels[t + 1];
         IGNORE_INDEX = -100 skips a target); default input_ids. Gradients ACCUMULATE into .grad.
+
+        stage2_chunks (measurement only, Note [Partial steps]): run all of stage 1 but only the
+        first this-many chunks of stage 2 (the last chunks of the sequence, whose histories are
+        longest), timing every chunk; stats then holds an estimate of the whole step. The .grad
+        left behind is NOT the sequence's gradient.
         """
+        if stage2_chunks is not None and stage2_chunks < 1:
+            raise ValueError(f"stage2_chunks must be >= 1 (or None for a whole step), got {stage2_chunks}.")
+        self._stage2_chunks = stage2_chunks
         input_ids, labels = self._check_inputs(input_ids, labels)
         predicted = int((labels[:, 1:] != IGNORE_INDEX).sum())   # host tensors: no wait for the GPU
         if predicted == 0:
@@ -137,6 +146,8 @@ class OOMBTrainer:
             torch.cuda.reset_peak_memory_stats(self.device)
         start = time.perf_counter()
         timings = {"stage1_seconds": 0.0, "stage2_seconds": 0.0}
+        if stage2_chunks is not None:
+            timings["chunk_seconds"] = {"stage1": [], "stage2": []}
         total = torch.zeros((), dtype=torch.float64, device=self.device)   # summed on the device
         for row in range(input_ids.shape[0]):
             self._sequence(input_ids[row], labels[row], 1.0 / predicted, timings, total)
@@ -163,6 +174,8 @@ class OOMBTrainer:
             **host_memory(),
         }
         self.stats["pages_moved"] = self.stats["pages_to_device"] + self.stats["pages_to_host"]
+        if stage2_chunks is not None:
+            self.stats.update(_partial_step_estimate(timings["chunk_seconds"], self.stats["stage1_seconds"]))
         # Which kernels ran the dense attention (Note [cuDNN for dense history]).
         self.stats["cudnn_attention_calls"] = (cudnn_attention.calls["forward"] + cudnn_attention.calls["backward"]
                                                - cudnn_before)
@@ -323,6 +336,16 @@ class OOMBTrainer:
             total = part if total is None else total + part
         return total
 
+    def _elapsed_since_last_mark(self) -> float:
+        """Seconds since the previous call (the first call: since the step began), after the GPU
+        has caught up: per-chunk timing for partial steps only (it waits for the GPU every chunk)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        now = time.perf_counter()
+        last = getattr(self, "_last_mark", None)
+        self._last_mark = now
+        return now - last if last is not None else 0.0
+
     def _sequence(self, input_ids, labels, scale: float, timings: dict, total: torch.Tensor) -> None:
         """Forward + backward of one sequence (host tensors [tokens]); adds its scaled loss to total."""
         tokens = input_ids.shape[0]
@@ -334,17 +357,25 @@ class OOMBTrainer:
         self.store.open_sequence(self._layout(tokens))
         try:
             started = time.perf_counter()
+            if "chunk_seconds" in timings:
+                self._last_mark = None
+                self._elapsed_since_last_mark()
             self.store.plan(self._stage1_plan(chunks, shared))
+            per_chunk = timings.get("chunk_seconds")
             with torch.no_grad():
                 for chunk, bounds in enumerate(chunks):
                     with chunk_context(self._context(1, chunk, bounds, count, shared)):
                         self._run_decoder(input_ids[bounds[0]: bounds[1]], bounds[0])
+                    if per_chunk is not None:
+                        per_chunk["stage1"].append(self._elapsed_since_last_mark())
             middle = time.perf_counter()
             timings["stage1_seconds"] += middle - started
 
             self.store.plan(self._stage2_plan(chunks, shared))
             page_tokens = self.config.page_tokens
             for chunk in reversed(range(count)):
+                if per_chunk is not None and len(per_chunk["stage2"]) >= self._stage2_chunks:
+                    break   # Note [Partial steps]
                 first, end = chunks[chunk]
                 context = self._context(2, chunk, chunks[chunk], count, shared)
                 with chunk_context(context):
@@ -363,7 +394,34 @@ class OOMBTrainer:
                     (loss * scale).backward()
                     total += loss.detach().double() * scale
                 self.store.free_pages(first // page_tokens, -(-(end - first) // page_tokens))
+                if per_chunk is not None:
+                    per_chunk["stage2"].append(self._elapsed_since_last_mark())
             timings["stage2_seconds"] += time.perf_counter() - middle
         finally:
             self.store.close_sequence()
             self.last_selections = shared["selections"]
+
+
+# Note [Partial steps]
+#   A whole step at a million tokens of a 7B model takes longer than a benchmark can wait
+#   (attention grows with the square of the context). A partial step runs all of stage 1 (every
+#   page of the sequence is written, so memory holds what a whole step holds) and the first N
+#   chunks of stage 2, which are the sequence's last chunks: the longest histories, where stage 2
+#   peaks. Every chunk is timed after a GPU synchronization. Two estimates of the whole step:
+#   an upper bound (a chunk's stage 2 grows with its history, so none costs more than the mean of
+#   the longest-history ones that ran: stage 1 + chunks * that mean), and a ratio estimate (stage 2
+#   of a chunk costs about r times its stage 1 when attention over the same history dominates both:
+#   stage 1 * (1 + r), r measured on the chunks that ran; it overestimates when fixed per-chunk
+#   costs dominate, as in tiny models). The gradient of a partial step is not the sequence's.
+def _partial_step_estimate(chunk_seconds: dict, stage1_seconds: float) -> dict:
+    stage1, stage2 = chunk_seconds["stage1"], chunk_seconds["stage2"]
+    ran = len(stage2)
+    # stage2[i] is chunk (count - 1 - i); stage1 is indexed by chunk.
+    matched = [stage1[len(stage1) - 1 - i] for i in range(ran)]
+    ratio = sum(stage2) / sum(matched) if sum(matched) > 0 else float("nan")
+    estimate = stage1_seconds + ratio * stage1_seconds
+    upper = stage1_seconds + len(stage1) * sum(stage2) / max(ran, 1)
+    return {"partial_step": True, "stage2_chunks_run": ran, "stage2_chunks_total": len(stage1),
+            "stage2_to_stage1_ratio": ratio, "estimated_step_seconds": estimate,
+            "step_seconds_upper_bound": upper,
+            "chunk_seconds": {"stage1": stage1, "stage2": stage2}}
