@@ -453,100 +453,17 @@ def summarise(results: list[dict]) -> dict:
 # -- learning experiment ----------------------------------------------------------------------------
 
 def run_learning(args) -> dict:
-    """Recall a key >= 16K tokens back (RecallTask, as `make demo`): a small model trained from
-    scratch with OOMB on whole sequences, against the same model trained on the last
-    --short-window tokens only (the questions, but never the key). Both get the same steps; the
-    OOMB run ends early once held-out accuracy reaches --learning-target."""
-    import math
+    """Recall a key >= 16K tokens back (membar.oomb.learning.recall_experiment, what `membar-train
+    --demo` runs on a GPU): a small model trained from scratch with OOMB on whole sequences, against
+    the same model trained on the last --short-window tokens only. Both get the same steps; the OOMB
+    run ends early once held-out accuracy reaches --learning-target."""
+    from membar.oomb.learning import recall_experiment
 
-    import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    from membar.oomb import OOMBConfig, OOMBTrainer
-    from membar.oomb.tasks import RecallTask, passkey_accuracy
-
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    distance, num_keys, vocab = args.learning_distance, 8, 1024
-    task = RecallTask(vocab, distance, num_keys=num_keys, key_tokens=2048, queries=8, seed=1)
-    held_out_task = RecallTask(vocab, distance, num_keys=num_keys, key_tokens=2048, queries=8, seed=1000)
-    held_out = [held_out_task.batch(1) for _ in range(args.eval_sequences)]
-    outcome = {"task": "recall", "tokens": task.tokens, "distance": distance, "num_keys": num_keys,
-               "chance": 1 / num_keys, "device": str(device), "dtype": str(dtype), "batch": args.learning_batch,
-               "lr": args.learning_lr, "budget_seconds": args.learning_seconds, "chunk": args.learning_chunk}
-    budget = args.learning_seconds
-    steps_done = None
-    for name, window, share in (("oomb_full_context", None, 0.72), ("short_window", args.short_window, 0.22)):
-        torch.manual_seed(0)
-        # The `demo` preset's shape (one layer, one head, tied embeddings, vocabulary 1024), with
-        # head_dim 64 for the GPU kernels.
-        config = Qwen2Config(hidden_size=64, num_hidden_layers=1, num_attention_heads=1, num_key_value_heads=1,
-                             head_dim=64, intermediate_size=128, vocab_size=vocab, tie_word_embeddings=True,
-                             max_position_embeddings=task.tokens + 1024, rope_theta=1e6, attn_implementation="sdpa")
-        model = Qwen2ForCausalLM(config).to(device=device, dtype=dtype)
-        trainer = OOMBTrainer(model, OOMBConfig(chunk_tokens=args.learning_chunk, page_tokens=64, mode=args.learning_mode,
-                                                top_k=16, query_tile_tokens=128))
-        # float32 master weights: AdamW steps them and the bf16 model gets a rounded copy, so late
-        # small updates are not lost to bf16 rounding.
-        parameters = list(model.parameters())
-        masters = [parameter.detach().float().clone().requires_grad_(True) for parameter in parameters]
-        optimizer = torch.optim.AdamW(masters, lr=args.learning_lr, weight_decay=0.0)
-        seconds = budget * share
-        if window is None:
-            # Untrained, the model already leans towards the key (its 2048 copies fill part of what
-            # attention averages and the embeddings are tied): the baseline to learn from.
-            outcome["accuracy_before_training"] = passkey_accuracy(trainer, held_out_task, len(held_out),
-                                                                   batches=held_out)
-            print(f"{name}: held-out accuracy before training {outcome['accuracy_before_training']:.0%}", flush=True)
-        started = time.monotonic()
-        curve, step, losses = [], 0, []
-        last_eval = started
-        while True:
-            elapsed = time.monotonic() - started
-            if steps_done is not None:
-                if step >= steps_done:
-                    break
-                progress = step / max(steps_done, 1)
-            else:
-                if elapsed >= seconds:
-                    break
-                progress = elapsed / seconds
-            for group in optimizer.param_groups:   # cosine decay to a tenth over the run
-                group["lr"] = args.learning_lr * (0.1 + 0.45 * (1 + math.cos(math.pi * min(progress, 1.0))))
-            batch = task.batch(args.learning_batch)
-            ids, labels = batch.input_ids, batch.labels
-            if window is not None:
-                ids, labels = ids[:, -window:], labels[:, -window:]   # the questions, but not the key
-            losses.append(trainer.step(ids, labels))
-            for master, parameter in zip(masters, parameters):
-                master.grad = parameter.grad.float() if parameter.grad is not None else None
-                parameter.grad = None
-            torch.nn.utils.clip_grad_norm_(masters, 1.0)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            with torch.no_grad():
-                for master, parameter in zip(masters, parameters):
-                    parameter.copy_(master)
-            step += 1
-            if window is None and time.monotonic() - last_eval >= args.learning_eval_seconds:
-                accuracy = passkey_accuracy(trainer, held_out_task, len(held_out), batches=held_out[:32])
-                curve.append({"step": step, "seconds": time.monotonic() - started, "accuracy": accuracy,
-                              "loss": sum(losses[-10:]) / len(losses[-10:])})
-                print(f"{name}: step {step}, {curve[-1]['seconds']:.0f} s, answer loss {curve[-1]['loss']:.3f}, "
-                      f"held-out accuracy {accuracy:.0%}", flush=True)
-                last_eval = time.monotonic()
-                if accuracy >= args.learning_target:
-                    break
-        train_seconds = time.monotonic() - started
-        accuracy = passkey_accuracy(trainer, held_out_task, len(held_out), batches=held_out)
-        outcome[name] = {"accuracy": accuracy, "steps": step, "train_seconds": train_seconds, "window": window,
-                         "final_loss": sum(losses[-10:]) / max(len(losses[-10:]), 1), "curve": curve,
-                         "tokens_per_second": trainer.stats.get("tokens_per_second")}
-        print(f"{name}: held-out accuracy {accuracy:.0%} ({len(held_out)} sequences) after {step} steps "
-              f"({train_seconds:.0f} s; chance {1 / num_keys:.0%})", flush=True)
-        steps_done = step
-    outcome["goal_met"] = outcome["oomb_full_context"]["accuracy"] >= 0.9
-    return outcome
+    return recall_experiment(args.learning_seconds, distance=args.learning_distance, batch=args.learning_batch,
+                             lr=args.learning_lr, chunk=args.learning_chunk, mode=args.learning_mode,
+                             eval_sequences=args.eval_sequences, eval_seconds=args.learning_eval_seconds,
+                             target=args.learning_target, short_window=args.short_window,
+                             log=lambda line: print(line, flush=True))
 
 
 def main() -> int:

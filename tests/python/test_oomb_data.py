@@ -84,3 +84,28 @@ def test_cli_rejects_text_without_a_tokenizer(tmp_path, capsys):
     (tmp_path / "a.txt").write_text("some text")
     assert main(["--model", "tiny-qwen2", "--data", str(tmp_path / "a.txt"), "--steps", "1", "--no-progress"]) == 2
     assert "tokenizer" in capsys.readouterr().err
+
+
+def test_learning_experiment_runs_both_arms_for_the_same_steps():
+    """membar.oomb.learning (bench --learning, the GPU demo) on the CPU with a tiny budget."""
+    from membar.oomb.learning import recall_experiment
+
+    lines = []
+    outcome = recall_experiment(3.0, device="cpu", distance=256, chunk=128, eval_sequences=2, eval_seconds=1.0,
+                                short_window=128, log=lines.append)
+    full, short = outcome["oomb_full_context"], outcome["short_window"]
+    assert full["steps"] >= 1 and short["steps"] == full["steps"]
+    assert 0.0 <= full["accuracy"] <= 1.0 and outcome["tokens"] == 2048 + 256 + 9
+    assert any("held-out accuracy before training" in line for line in lines)
+
+
+def test_default_device_needs_membar_cuda_kernels(monkeypatch, capsys):
+    import membar
+    from membar import train
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(membar, "has_cuda_kernels", lambda: False)
+    assert train._device(None).type == "cpu"
+    assert "no CUDA kernels" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="without CUDA kernels"):
+        train._device("cuda")

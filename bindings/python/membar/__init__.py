@@ -34,4 +34,11 @@ def _find_library() -> Path:
 torch.ops.load_library(str(_find_library()))
 ops = torch.ops.membar
 
-__all__ = ["ops", "__version__"]
+
+def has_cuda_kernels() -> bool:
+    """Whether the loaded library was built with membar's CUDA kernels (``make gpu-check``, or
+    cmake -DMEMBAR_WITH_CUDA=ON); a CPU build runs everything on the CPU."""
+    return hasattr(torch.ops.membar, "attention_cuda_variants")
+
+
+__all__ = ["ops", "has_cuda_kernels", "__version__"]
