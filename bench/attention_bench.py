@@ -174,11 +174,14 @@ def main():
     parser.add_argument("--histories", default="32768,131072,262144")
     args = parser.parse_args()
     histories = [int(h) for h in args.histories.split(",")]
-    try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                                cwd=Path(__file__).parent).stdout.strip()
-    except OSError:
-        commit = ""
+    # MEMBAR_COMMIT first: on the lent device the tree's .git may be an older copy than its files.
+    commit = os.environ.get("MEMBAR_COMMIT", "")
+    if not commit:
+        try:
+            commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                                    cwd=Path(__file__).parent).stdout.strip()
+        except OSError:
+            commit = ""
     results = {
         "benchmark": "paged attention vs torch SDPA (flash), Qwen2.5-7B attention shape",
         "commit": commit or os.environ.get("MEMBAR_COMMIT", "unknown"),

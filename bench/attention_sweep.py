@@ -455,11 +455,14 @@ def main():
         log = args.ptxas_log or os.path.join(os.environ.get("MEMBAR_RESULTS_DIR", ""), "build.log")
         usage = resource_usage_from_ptxas(log)
         usage_source = f"ptxas -v in {log} (registers, spill store bytes)"
-    try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                                cwd=Path(__file__).parent).stdout.strip()
-    except OSError:
-        commit = ""
+    # MEMBAR_COMMIT first: on the lent device the tree's .git may be an older copy than its files.
+    commit = os.environ.get("MEMBAR_COMMIT", "")
+    if not commit:
+        try:
+            commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                                    cwd=Path(__file__).parent).stdout.strip()
+        except OSError:
+            commit = ""
     header = (f"attention kernel variants vs SDPA flash, {torch.cuda.get_device_name()}, commit {commit[:12]}, "
               f"{time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())}")
     lines, best = render_table(records, todo, histories, {"forward": forward_default, "backward": backward_default},
