@@ -46,6 +46,7 @@
 
 #include "attention_common.cuh"
 #include "attention_cuda_internal.h"
+#include "attention_wgmma.h"
 
 namespace membar::kernels::cuda {
 namespace {
@@ -594,6 +595,11 @@ constexpr ForwardVariant kForwardVariants[] = {
     bf16_d128_variant<ForwardConfig<8, 1, 64, 3, true, false, 1, true, false, false, false, true>>("w8r16_k64_s3_qreg_shift_lazy"),
     // Padded tiles (Note [Padded tiles]) were 3-6% slower than swizzled ones in round 1 with the skip.
     bf16_d128_variant<ForwardConfig<4, 1, 64, 2, true, false, 2, true, true, false>>("w4r16_k64_s2_qreg_shift_2cta_pad"),
+    // Experimental, not yet run on a GPU: warpgroup MMAs (Note [Warpgroup forward] in
+    // attention_forward_wgmma.cu); the variant tests skip names starting with "wgmma" unless
+    // MEMBAR_TEST_EXPERIMENTAL_VARIANTS=1.
+    ForwardVariant{"wgmma_w8r64_k64_s3", &launch_forward_wgmma_k64_s3, &forward_wgmma_k64_applies},
+    ForwardVariant{"wgmma_w8r64_k128_s2", &launch_forward_wgmma_k128_s2, &forward_wgmma_k128_applies},
 };
 constexpr int kForwardVariantCount = int(sizeof(kForwardVariants) / sizeof(kForwardVariants[0]));
 

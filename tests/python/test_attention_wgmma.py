@@ -1,0 +1,244 @@
+"""The Hopper (wgmma) forward variants (Note [Warpgroup forward] in
+kernels/cuda/attention_forward_wgmma.cu) against the default variant and the float32 reference.
+
+Each variant runs in a subprocess (MEMBAR_ATTENTION_FORWARD_VARIANT=<name> for its calls), so that
+an illegal memory access or a hang fails one test cleanly instead of poisoning the CUDA context of
+every later test. The child runs every case on fresh random inputs (several seeds) through the
+default variant and the wgmma one and prints one JSON line per case with both errors against
+membar.attention.reference_chunk_attention in float32 (a history-only reference for
+attend_chunk=False); the parent asserts. A wgmma variant's error may be at most twice the default
+variant's, plus a small absolute slack for rounding-order noise. `-s` also prints a timing line
+(TFLOP/s of the default variant, the wgmma one and SDPA flash at a 32K history, chunk 4096).
+
+Run: MEMBAR_ATTENTION_FORWARD_VARIANT is set by the test itself; the whole file takes about a
+minute on an H200:
+    python3 -m pytest -s -m gpu tests/python/test_attention_wgmma.py
+"""
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+VARIABLE = "MEMBAR_ATTENTION_FORWARD_VARIANT"
+
+# (chunk_tokens, history_tokens, page_tokens, q_heads, kv_heads, attend_chunk, sparse tile or 0, top_k)
+CASES = [
+    (4096, 0, 128, 28, 4, True, 0, 0),
+    (4096, 100, 128, 28, 4, True, 0, 0),          # one partial page
+    (4096, 32 * 128, 128, 28, 4, True, 0, 0),     # 32 pages
+    (300, 0, 128, 8, 8, True, 0, 0),              # a chunk that is not a tile multiple
+    (300, 100, 64, 8, 8, True, 0, 0),
+    (300, 32 * 64 - 17, 64, 28, 4, True, 0, 0),   # 32 pages of 64, the last partial
+    (300, 1000, 128, 8, 8, False, 0, 0),          # a history block without the chunk
+    (4096, 32 * 64, 64, 28, 4, False, 0, 0),
+    (300, 0, 64, 8, 8, False, 0, 0),              # no key at all: out 0, lse -inf
+    (512, 2000, 128, 8, 8, True, 128, 4),         # sparse, tiles of whole CTAs
+    (300, 1100, 128, 8, 8, True, 64, 3),          # sparse tiles of 64: the default kernel runs
+]
+SEEDS = (1, 2)
+
+
+# ---------------------------------------------------------------------------------------------
+# Child: runs in its own process (python3 tests/python/test_attention_wgmma.py <mode> <variant>).
+
+def make_problem(case, seed, device):
+    chunk_tokens, history_tokens, page_tokens, q_heads, kv_heads, attend_chunk, tile, top_k = case
+    generator = torch.Generator().manual_seed(seed)
+    num_pages = (history_tokens + page_tokens - 1) // page_tokens
+    pool_pages = num_pages + 3
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=generator).to(torch.bfloat16).to(device)
+
+    problem = {
+        "q": randn(chunk_tokens, q_heads, 128), "k": randn(chunk_tokens, kv_heads, 128),
+        "v": randn(chunk_tokens, kv_heads, 128),
+        "k_pool": randn(pool_pages, page_tokens, kv_heads, 128), "v_pool": randn(pool_pages, page_tokens, kv_heads, 128),
+        "k_index": torch.randperm(pool_pages, generator=generator)[:num_pages].to(torch.int32).to(device),
+        "v_index": torch.randperm(pool_pages, generator=generator)[:num_pages].to(torch.int32).to(device),
+        "selection": None, "tile": tile or 128,
+    }
+    if tile:
+        tiles = (chunk_tokens + tile - 1) // tile
+        selection = torch.full((tiles, top_k), -1, dtype=torch.int32)
+        for t in range(tiles):
+            chosen = torch.randperm(num_pages, generator=generator)[:top_k - 1].to(torch.int32)
+            selection[t, :chosen.numel()] = chosen
+        problem["selection"] = selection.to(device)
+    return problem
+
+
+def reference(problem, case):
+    """(out, lse) in float32: the chunk reference of membar.attention, or history only."""
+    import membar.attention as attention
+
+    chunk_tokens, history_tokens, page_tokens, q_heads, kv_heads, attend_chunk, tile, top_k = case
+    p = {name: value.float() if isinstance(value, torch.Tensor) and value.is_floating_point() else value
+         for name, value in problem.items()}
+    if attend_chunk:
+        return attention.reference_chunk_attention(p["q"], p["k"], p["v"], p["k_pool"], p["k_index"], p["v_pool"],
+                                                   p["v_index"], history_tokens, None, p["selection"], p["tile"])
+    assert p["selection"] is None, "the history-only reference is dense"
+    if history_tokens == 0:
+        return (torch.zeros_like(p["q"]), torch.full((q_heads, chunk_tokens), float("-inf"), device=p["q"].device))
+    group = q_heads // kv_heads
+    keys = p["k_pool"][p["k_index"].long()].reshape(-1, kv_heads, 128)[:history_tokens]
+    values = p["v_pool"][p["v_index"].long()].reshape(-1, kv_heads, 128)[:history_tokens]
+    keys = keys.repeat_interleave(group, dim=1)      # [history, Hq, D]
+    values = values.repeat_interleave(group, dim=1)  # [history, Hq, D]
+    scale = attention._scale(128, None)
+    scores = torch.einsum("thd,lhd->htl", p["q"], keys) * scale  # [Hq, Tc, history]
+    lse = torch.logsumexp(scores, dim=-1)
+    out = torch.einsum("htl,lhd->thd", torch.exp(scores - lse[..., None]), values)
+    return out, lse
+
+
+def forward(problem, case):
+    import membar.attention as attention
+
+    history_tokens, attend_chunk = case[1], case[5]
+    return attention.paged_attention_forward(
+        problem["q"], problem["k"], problem["v"], problem["k_pool"], problem["k_index"], problem["v_pool"],
+        problem["v_index"], history_tokens, None, problem["selection"], problem["tile"], attend_chunk)
+
+
+def error(got, want):
+    """Largest absolute difference where `want` is finite; None when the -inf pattern differs."""
+    got, want = got.float(), want.float()
+    finite = torch.isfinite(want)
+    if not torch.equal(torch.isfinite(got), finite):
+        return None
+    return (got[finite] - want[finite]).abs().max().item() if finite.any() else 0.0
+
+
+def child_check(variant):
+    import membar  # noqa: F401  (loads the ops library)
+
+    for case in CASES:
+        for seed in SEEDS:
+            problem = make_problem(case, seed, "cuda")
+            os.environ.pop(VARIABLE, None)
+            default_out, default_lse = forward(problem, case)
+            os.environ[VARIABLE] = variant
+            out, lse = forward(problem, case)
+            os.environ.pop(VARIABLE, None)
+            torch.cuda.synchronize()
+            want_out, want_lse = reference(problem, case)
+            no_key = ~torch.isfinite(want_lse)  # [Hq, Tc]
+            zero_rows = bool((out.float().transpose(0, 1)[no_key] == 0).all().item()) if no_key.any() else True
+            print(json.dumps({
+                "case": list(case), "seed": seed,
+                "out": error(out, want_out), "lse": error(lse, want_lse),
+                "default_out": error(default_out, want_out), "default_lse": error(default_lse, want_lse),
+                "lse_scale": want_lse[torch.isfinite(want_lse)].abs().max().item() if (~no_key).any() else 0.0,
+                "no_key_rows_zero": zero_rows,
+            }), flush=True)
+
+
+def child_timing(variant):
+    import membar  # noqa: F401
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.attention.bias import causal_lower_right
+
+    chunk, history, page, q_heads, kv_heads = 4096, 32768, 128, 28, 4
+    problem = make_problem((chunk, history, page, q_heads, kv_heads, True, 0, 0), 7, "cuda")
+    case = (chunk, history, page, q_heads, kv_heads, True, 0, 0)
+    flops = 4.0 * chunk * q_heads * 128 * (history + chunk / 2)
+
+    def time_ms(function, iterations=5):
+        function()
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        times = []
+        for _ in range(iterations):
+            start.record()
+            function()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end))
+        return sorted(times)[len(times) // 2]
+
+    os.environ.pop(VARIABLE, None)
+    default_ms = time_ms(lambda: forward(problem, case))
+    os.environ[VARIABLE] = variant
+    variant_ms = time_ms(lambda: forward(problem, case))
+    os.environ.pop(VARIABLE, None)
+    group = q_heads // kv_heads
+    keys = torch.cat([problem["k_pool"][problem["k_index"].long()].reshape(-1, kv_heads, 128), problem["k"]])
+    values = torch.cat([problem["v_pool"][problem["v_index"].long()].reshape(-1, kv_heads, 128), problem["v"]])
+    sq = problem["q"].transpose(0, 1).unsqueeze(0)
+    sk = keys.repeat_interleave(group, dim=1).transpose(0, 1).unsqueeze(0)
+    sv = values.repeat_interleave(group, dim=1).transpose(0, 1).unsqueeze(0)
+    mask = causal_lower_right(sq.shape[2], sk.shape[2])
+
+    def sdpa():
+        with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+            torch.nn.functional.scaled_dot_product_attention(sq, sk, sv, attn_mask=mask)
+
+    sdpa_ms = time_ms(sdpa)
+    print(json.dumps({"default_tflops": flops / default_ms / 1e9, "variant_tflops": flops / variant_ms / 1e9,
+                      "sdpa_tflops": flops / sdpa_ms / 1e9}), flush=True)
+
+
+if __name__ == "__main__":
+    mode, name = sys.argv[1], sys.argv[2]
+    child_check(name) if mode == "check" else child_timing(name)
+    sys.exit(0)
+
+
+# ---------------------------------------------------------------------------------------------
+# Parent: the pytest tests.
+
+pytestmark = pytest.mark.gpu
+
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA device", allow_module_level=True)
+if torch.cuda.get_device_capability() != (9, 0):
+    pytest.skip("the wgmma variants need a Hopper (sm_90) GPU", allow_module_level=True)
+
+import membar  # noqa: E402,F401  (loads the ops library)
+
+if not hasattr(torch.ops.membar, "attention_cuda_variants"):
+    pytest.skip("the ops library was built without CUDA", allow_module_level=True)
+
+WGMMA_VARIANTS = [name for name in torch.ops.membar.attention_cuda_variants("forward")[0] if name.startswith("wgmma")]
+
+
+def run_child(mode, variant, timeout):
+    environment = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    environment.pop(VARIABLE, None)
+    finished = subprocess.run([sys.executable, os.path.abspath(__file__), mode, variant], capture_output=True,
+                              text=True, timeout=timeout, env=environment)
+    assert finished.returncode == 0, (variant, finished.returncode, finished.stdout[-3000:], finished.stderr[-3000:])
+    return [json.loads(line) for line in finished.stdout.splitlines() if line.startswith("{")]
+
+
+def test_wgmma_variants_are_compiled():
+    assert WGMMA_VARIANTS, "no forward variant named wgmma* in this build"
+
+
+@pytest.mark.parametrize("variant", WGMMA_VARIANTS)
+def test_wgmma_forward_matches_reference(variant):
+    records = run_child("check", variant, timeout=400)
+    assert len(records) == len(CASES) * len(SEEDS), records
+    for record in records:
+        label = (variant, record["case"], record["seed"])
+        assert record["out"] is not None and record["lse"] is not None, ("-inf pattern differs", label, record)
+        assert record["default_out"] is not None and record["default_lse"] is not None, ("default", label, record)
+        assert record["no_key_rows_zero"], ("a row without keys must get out 0", label)
+        assert record["out"] <= 2 * record["default_out"] + 1e-3, ("out", label, record)
+        lse_slack = 1e-5 * max(1.0, record["lse_scale"])
+        assert record["lse"] <= 2 * record["default_lse"] + lse_slack, ("lse", label, record)
+
+
+@pytest.mark.parametrize("variant", WGMMA_VARIANTS)
+def test_wgmma_forward_timing(variant):
+    (record,) = run_child("timing", variant, timeout=300)
+    print(f"\n[wgmma timing] {variant}: {record['variant_tflops']:.0f} TFLOP/s; default variant "
+          f"{record['default_tflops']:.0f}; SDPA flash {record['sdpa_tflops']:.0f} "
+          f"(history 32768, chunk 4096, 28/4 heads, D 128)")
+    assert math.isfinite(record["variant_tflops"])
