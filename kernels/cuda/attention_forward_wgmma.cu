@@ -43,8 +43,9 @@
 // by fence.proxy.async before the barrier that publishes a stage.
 //
 // Support: bf16, head_dim 128, page_tokens 64 or 128 with kKeys <= page_tokens, sparse selections
-// whose query tiles hold whole CTAs (a multiple of 128 rows); an sm_90 device (the kernel body is
-// compiled only for sm_90a; elsewhere applies() is false and the default kernel runs).
+// whose query tiles hold whole CTAs (a multiple of 128 rows); an sm_90 device (elsewhere applies()
+// is false and the default kernel runs). The kernel body is compiled only for sm_90a; a build
+// whose architecture list lacks it (e.g. plain 90) gets a body that traps instead.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -391,6 +392,10 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
           sum > 0.f ? row_max[half] * shape.softmax_scale + logf(sum) : -INFINITY;
     }
   }
+#else
+  // Built for a GPU without wgmma (an architecture list without sm_90a): applies() lets this run
+  // on any sm_90 device, so stop loudly rather than return a wrong result.
+  __trap();
 #endif  // MEMBAR_WGMMA_AVAILABLE
 }
 
