@@ -280,6 +280,9 @@ def demangle_keys(usage):
 def variant_kernel_pattern(kind, name):
     """The template arguments (as c++filt prints them) of the bf16, D=128 kernel of a variant."""
     if kind == "forward":
+        match = re.match(r"wgmma_w8r64_k(\d+)_s(\d)$", name)   # kernels/cuda/attention_forward_wgmma.cu
+        if match:
+            return f"paged_attention_forward_wgmma_kernel<{match.group(1)}, {match.group(2)}, 1>"
         match = re.match(r"w(\d+)r(\d+)_k(\d+)_s(\d+)(_qreg)?(_skip)?(_shift)?(_2cta)?(_pad)?(_pipe)?(_seq)?(_lazy)?$",
                          name)
         if not match:
