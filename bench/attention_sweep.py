@@ -59,20 +59,10 @@ def child_main(args):
         out_file.write(json.dumps(record) + "\n")
         out_file.flush()
 
-    def time_ms(function, warmup=1, iterations=5):
-        for _ in range(warmup):
-            function()
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        times = []
-        for _ in range(iterations):
-            start.record()
-            function()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end))
-        times.sort()
-        return times[len(times) // 2]
+    from attention_bench import time_ms as bench_time_ms   # bench/ is this script's directory
+
+    def time_ms(function):
+        return bench_time_ms(function, warmup=1)
 
     def compare(got, want):
         difference = (got.float() - want.float())

@@ -58,31 +58,8 @@ __global__ void __launch_bounds__(kDqWarps * 32) paged_attention_backward_dq_ker
                                                         q_row_stride, chunk_tokens - first_query, thread);
   copy_async_commit();
 
-  KeySequence<Element, kKeys> keys;
-  keys.k_pool = static_cast<const Element*>(params.history.k_pool);
-  keys.v_pool = static_cast<const Element*>(params.history.v_pool);
-  keys.k_page_index = params.history.k_page_index;
-  keys.v_page_index = params.history.v_page_index;
-  keys.k_chunk = static_cast<const Element*>(params.k_chunk);
-  keys.v_chunk = static_cast<const Element*>(params.v_chunk);
-  keys.history_tokens = shape.history_tokens;
-  keys.page_tokens = shape.page_tokens;
-  keys.chunk_tokens = chunk_tokens;
-  keys.num_kv_heads = shape.num_kv_heads;
-  keys.head_dim = kHeadDim;
-  keys.kv_head = q_head / group;
-  const int num_pages = history_page_count(shape);
-  if ((params.selection.selected_pages != nullptr)) {
-    const int selection_tile = first_query / params.selection.query_tile_tokens;
-    const int count = compact_selection(
-        params.selection.selected_pages + int64_t(selection_tile) * params.selection.selected_per_tile,
-        params.selection.selected_per_tile, num_pages, selected, &selected_count);
-    keys.selected = selected;
-    keys.num_history_blocks = count * (shape.page_tokens / kKeys);
-  } else {
-    keys.selected = nullptr;
-    keys.num_history_blocks = (shape.history_tokens + kKeys - 1) / kKeys;
-  }
+  const auto keys =
+      key_sequence_for_tile<Element, kKeys, false, kHeadDim>(params, q_head / group, first_query, selected, &selected_count);
   const int last_query = min(first_query + kDqRows, chunk_tokens) - 1;
   const int num_blocks = keys.num_history_blocks + (shape.attend_chunk ? last_query / kKeys + 1 : 0);
   const int64_t kv_row_stride = int64_t(shape.num_kv_heads) * kHeadDim;

@@ -365,6 +365,43 @@ __host__ __device__ __forceinline__ int history_page_count(const Shape& shape) {
   return (shape.history_tokens + shape.page_tokens - 1) / shape.page_tokens;
 }
 
+// The key sequence of the CTA whose queries start at first_query, from a kernel's params (the
+// forward's or the backward's: shape, selection, history pools and page indices, chunk K/V). In
+// sparse mode the query tile's selection is compacted into `selected` (shared memory, count in
+// *selected_count) by the first warp, so every thread of the CTA must call this (it then ends
+// with __syncthreads()).
+template <typename Element, int kKeys, bool kShiftIndexing, int kHeadDim, typename Params>
+__device__ __forceinline__ KeySequence<Element, kKeys, kShiftIndexing> key_sequence_for_tile(
+    const Params& params, int kv_head, int first_query, int32_t* selected, int* selected_count) {
+  const auto& shape = params.shape;
+  KeySequence<Element, kKeys, kShiftIndexing> keys;
+  keys.page_shift = shape.page_tokens == 128 ? 7 : 6;
+  keys.k_pool = static_cast<const Element*>(params.history.k_pool);
+  keys.v_pool = static_cast<const Element*>(params.history.v_pool);
+  keys.k_page_index = params.history.k_page_index;
+  keys.v_page_index = params.history.v_page_index;
+  keys.k_chunk = static_cast<const Element*>(params.k_chunk);
+  keys.v_chunk = static_cast<const Element*>(params.v_chunk);
+  keys.history_tokens = shape.history_tokens;
+  keys.page_tokens = shape.page_tokens;
+  keys.chunk_tokens = shape.chunk_tokens;
+  keys.num_kv_heads = shape.num_kv_heads;
+  keys.head_dim = kHeadDim;
+  keys.kv_head = kv_head;
+  if (params.selection.selected_pages != nullptr) {
+    const int selection_tile = first_query / params.selection.query_tile_tokens;
+    const int count = compact_selection(
+        params.selection.selected_pages + int64_t(selection_tile) * params.selection.selected_per_tile,
+        params.selection.selected_per_tile, history_page_count(shape), selected, selected_count);
+    keys.selected = selected;
+    keys.num_history_blocks = count * (shape.page_tokens / kKeys);
+  } else {
+    keys.selected = nullptr;
+    keys.num_history_blocks = (shape.history_tokens + kKeys - 1) / kKeys;
+  }
+  return keys;
+}
+
 inline constexpr float kLog2e = 1.4426950408889634f;
 
 // The index of the entry called `name` in a table of kernel variants (structs with a `name`),

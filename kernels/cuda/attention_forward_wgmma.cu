@@ -207,32 +207,8 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
                             q_row_stride, chunk_tokens - first_query, thread);
   copy_async_commit();
 
-  KeySequence<Element, kKeys, true> keys;
-  keys.page_shift = shape.page_tokens == 128 ? 7 : 6;
-  keys.k_pool = static_cast<const Element*>(params.history.k_pool);
-  keys.v_pool = static_cast<const Element*>(params.history.v_pool);
-  keys.k_page_index = params.history.k_page_index;
-  keys.v_page_index = params.history.v_page_index;
-  keys.k_chunk = static_cast<const Element*>(params.k_chunk);
-  keys.v_chunk = static_cast<const Element*>(params.v_chunk);
-  keys.history_tokens = shape.history_tokens;
-  keys.page_tokens = shape.page_tokens;
-  keys.chunk_tokens = chunk_tokens;
-  keys.num_kv_heads = shape.num_kv_heads;
-  keys.head_dim = kHeadDim;
-  keys.kv_head = kv_head;
-  const int num_pages = history_page_count(shape);
-  if (params.selection.selected_pages != nullptr) {
-    const int selection_tile = first_query / params.selection.query_tile_tokens;
-    const int count = compact_selection(
-        params.selection.selected_pages + int64_t(selection_tile) * params.selection.selected_per_tile,
-        params.selection.selected_per_tile, num_pages, selected, selected_count);
-    keys.selected = selected;
-    keys.num_history_blocks = count * (shape.page_tokens / kKeys);
-  } else {
-    keys.selected = nullptr;
-    keys.num_history_blocks = (shape.history_tokens + kKeys - 1) / kKeys;
-  }
+  const auto keys =
+      key_sequence_for_tile<Element, kKeys, true, kHeadDim>(params, kv_head, first_query, selected, selected_count);
   const int last_query = min(first_query + kRows, chunk_tokens) - 1;
   // Without attend_chunk only the history blocks (Note [Blocked history] in attention.h); a CTA
   // with no block at all writes out = 0 and lse = -inf.

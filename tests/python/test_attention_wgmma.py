@@ -149,18 +149,12 @@ def child_timing(variant):
     case = (chunk, history, page, q_heads, kv_heads, True, 0, 0)
     flops = 4.0 * chunk * q_heads * 128 * (history + chunk / 2)
 
-    def time_ms(function, iterations=5):
-        function()
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        times = []
-        for _ in range(iterations):
-            start.record()
-            function()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end))
-        return sorted(times)[len(times) // 2]
+    # The median of CUDA-event timings, as bench/attention_bench.py measures (one warm-up call).
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "bench"))
+    from attention_bench import time_ms as bench_time_ms
+
+    def time_ms(function):
+        return bench_time_ms(function, warmup=1)
 
     os.environ.pop(VARIABLE, None)
     default_ms = time_ms(lambda: forward(problem, case))

@@ -50,9 +50,10 @@ def usable(q: torch.Tensor, history, selected, deterministic: bool, kernel: str)
             and torch.backends.cudnn.enabled)
 
 
-def disable(reason: str) -> None:
+def disable(error: Exception) -> None:
     """Turns the fast path off for this process (a cuDNN call failed); membar's kernels take over."""
     global _disabled
+    reason = str(error).splitlines()[0] if str(error) else type(error).__name__
     if _disabled is None:
         log.warning("cuDNN attention disabled, using membar's kernels: %s", reason)
     _disabled = reason

@@ -107,7 +107,7 @@ def attention_forward(q, k, v, history: HistoryView, softmax_scale: float,
             history_k, history_v = _history_rows(history)
             return cudnn_attention.forward(q, k, v, history_k, history_v, softmax_scale, attend_chunk)
         except RuntimeError as error:
-            cudnn_attention.disable(str(error).splitlines()[0] if str(error) else type(error).__name__)
+            cudnn_attention.disable(error)
     return _ops().paged_attention_forward(
         q, k, v, history.k_pool, history.page_index, history.v_pool, history.v_index,
         history.history_tokens, softmax_scale, history.remap_selection(selected), query_tile_tokens,
@@ -133,7 +133,7 @@ def attention_backward(q, k, v, history: HistoryView, softmax_scale: float, out,
             return cudnn_attention.backward(q, k, v, history_k, history_v, out, dout, lse, softmax_scale,
                                             dk_rows, dv_rows, attend_chunk)
         except RuntimeError as error:
-            cudnn_attention.disable(str(error).splitlines()[0] if str(error) else type(error).__name__)
+            cudnn_attention.disable(error)
     return _ops().paged_attention_backward(
         q, k, v, history.k_pool, history.page_index, history.v_pool, history.v_index,
         out, dout, lse, grads.dk_pool, grads.page_index, grads.dv_pool, grads.dv_index,

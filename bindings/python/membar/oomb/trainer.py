@@ -134,7 +134,6 @@ class OOMBTrainer:
         """
         if stage2_chunks is not None and stage2_chunks < 1:
             raise ValueError(f"stage2_chunks must be >= 1 (or None for a whole step), got {stage2_chunks}.")
-        self._stage2_chunks = stage2_chunks
         input_ids, labels = self._check_inputs(input_ids, labels)
         predicted = int((labels[:, 1:] != IGNORE_INDEX).sum())   # host tensors: no wait for the GPU
         if predicted == 0:
@@ -147,7 +146,7 @@ class OOMBTrainer:
         start = time.perf_counter()
         timings = {"stage1_seconds": 0.0, "stage2_seconds": 0.0}
         if stage2_chunks is not None:
-            timings["chunk_seconds"] = {"stage1": [], "stage2": []}
+            timings["chunk_seconds"] = {"stage1": [], "stage2": [], "stage2_limit": stage2_chunks}
         total = torch.zeros((), dtype=torch.float64, device=self.device)   # summed on the device
         for row in range(input_ids.shape[0]):
             self._sequence(input_ids[row], labels[row], 1.0 / predicted, timings, total)
@@ -336,16 +335,6 @@ class OOMBTrainer:
             total = part if total is None else total + part
         return total
 
-    def _elapsed_since_last_mark(self) -> float:
-        """Seconds since the previous call (the first call: since the step began), after the GPU
-        has caught up: per-chunk timing for partial steps only (it waits for the GPU every chunk)."""
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        now = time.perf_counter()
-        last = getattr(self, "_last_mark", None)
-        self._last_mark = now
-        return now - last if last is not None else 0.0
-
     def _sequence(self, input_ids, labels, scale: float, timings: dict, total: torch.Tensor) -> None:
         """Forward + backward of one sequence (host tensors [tokens]); adds its scaled loss to total."""
         tokens = input_ids.shape[0]
@@ -357,24 +346,22 @@ class OOMBTrainer:
         self.store.open_sequence(self._layout(tokens))
         try:
             started = time.perf_counter()
-            if "chunk_seconds" in timings:
-                self._last_mark = None
-                self._elapsed_since_last_mark()
-            self.store.plan(self._stage1_plan(chunks, shared))
             per_chunk = timings.get("chunk_seconds")
+            lap = _LapClock(self.device) if per_chunk is not None else None
+            self.store.plan(self._stage1_plan(chunks, shared))
             with torch.no_grad():
                 for chunk, bounds in enumerate(chunks):
                     with chunk_context(self._context(1, chunk, bounds, count, shared)):
                         self._run_decoder(input_ids[bounds[0]: bounds[1]], bounds[0])
                     if per_chunk is not None:
-                        per_chunk["stage1"].append(self._elapsed_since_last_mark())
+                        per_chunk["stage1"].append(lap())
             middle = time.perf_counter()
             timings["stage1_seconds"] += middle - started
 
             self.store.plan(self._stage2_plan(chunks, shared))
             page_tokens = self.config.page_tokens
             for chunk in reversed(range(count)):
-                if per_chunk is not None and len(per_chunk["stage2"]) >= self._stage2_chunks:
+                if per_chunk is not None and len(per_chunk["stage2"]) >= per_chunk["stage2_limit"]:
                     break   # Note [Partial steps]
                 first, end = chunks[chunk]
                 context = self._context(2, chunk, chunks[chunk], count, shared)
@@ -395,11 +382,30 @@ class OOMBTrainer:
                     total += loss.detach().double() * scale
                 self.store.free_pages(first // page_tokens, -(-(end - first) // page_tokens))
                 if per_chunk is not None:
-                    per_chunk["stage2"].append(self._elapsed_since_last_mark())
+                    per_chunk["stage2"].append(lap())
             timings["stage2_seconds"] += time.perf_counter() - middle
         finally:
             self.store.close_sequence()
             self.last_selections = shared["selections"]
+
+
+class _LapClock:
+    """Seconds since the previous call (the first: since construction), once the GPU has caught up:
+    per-chunk timing of partial steps only (it waits for the GPU every chunk)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.last = self._now()
+
+    def _now(self) -> float:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
+    def __call__(self) -> float:
+        now = self._now()
+        elapsed, self.last = now - self.last, now
+        return elapsed
 
 
 # Note [Partial steps]
