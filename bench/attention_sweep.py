@@ -217,7 +217,7 @@ def resource_usage(library):
 
 
 def tensor_core_instructions(library):
-    """{demangled kernel name: number of HMMA (mma.sync) instructions in its SASS}, from
+    """{demangled kernel name: number of HMMA (mma.sync) plus HGMMA (wgmma) instructions in its SASS}, from
     `cuobjdump -sass`, or {} when cuobjdump is unavailable: the issue asks to check that the
     kernels run on tensor cores."""
     tool = shutil.which("cuobjdump") or "/usr/local/cuda/bin/cuobjdump"
@@ -462,7 +462,7 @@ def main():
                                usage, usage_source, header)
     if hmma:
         counted = [(kind, name, lookup_usage(hmma, kind, name)) for kind, name in todo if kind != "sdpa"]
-        lines.append("HMMA instructions in the SASS (cuobjdump -sass): " +
+        lines.append("tensor-core instructions in the SASS (HMMA, or HGMMA for wgmma; cuobjdump -sass): " +
                      ", ".join(f"{name} {count}" for kind, name, count in counted if count is not None))
     lines.append("fastest correct: " + ", ".join(f"{k} {v}" for k, v in best.items()) +
                  f"; sweep took {time.time() - started:.0f} s")

@@ -34,10 +34,11 @@
 // Rationale: the best layout depends on the GPU and is found by measuring (bench/attention_sweep.py).
 // Approach: kForwardVariants lists compiled configurations of the bf16, head_dim 128 kernel;
 // MEMBAR_ATTENTION_FORWARD_VARIANT=<name> picks one at run time (read at every launch), else the
-// default (kDefaultForwardVariant: the fastest one measured on the H200; "w8r16_k64_s3" is the
-// layout before tuning). A variant runs only where it applies (kKeys <= page_tokens;
-// sparse tiles a multiple of its kRows); elsewhere, and for the other dtypes and head dims, the
-// default layout runs. Every variant computes the same function; results differ only in rounding.
+// default (kDefaultForwardVariant: the fastest one measured on the H200, then its fallbacks;
+// "w8r16_k64_s3" is the layout before tuning). A variant runs only where it applies (kKeys <=
+// page_tokens; sparse tiles a multiple of its kRows; wgmma: sm_90a); elsewhere, and for the other
+// dtypes and head dims, the layouts of dispatch_rows run. Every variant computes the same
+// function; results differ only in rounding.
 #include <cuda_runtime.h>
 
 #include <cmath>
@@ -571,17 +572,24 @@ constexpr ForwardVariant kForwardVariants[] = {
     bf16_d128_variant<ForwardConfig<8, 1, 64, 3, true, false, 1, true, false, false, false, true>>("w8r16_k64_s3_qreg_shift_lazy"),
     // Padded tiles (Note [Padded tiles]) were 3-6% slower than swizzled ones in round 1 with the skip.
     bf16_d128_variant<ForwardConfig<4, 1, 64, 2, true, false, 2, true, true, false>>("w4r16_k64_s2_qreg_shift_2cta_pad"),
-    // Experimental, not yet run on a GPU: warpgroup MMAs (Note [Warpgroup forward] in
-    // attention_forward_wgmma.cu); the variant tests skip names starting with "wgmma" unless
-    // MEMBAR_TEST_EXPERIMENTAL_VARIANTS=1.
+    // Warpgroup MMAs (Note [Warpgroup forward] in attention_forward_wgmma.cu; sm_90a only,
+    // elsewhere the mma.sync default below runs): round 3 (2026-11-30 19:05 UTC; SDPA flash
+    // 311 / 311 / 335 at 32K / 128K / 256K) 430 / 439 / 434 with 128-key blocks, 347 / 354 / 354
+    // with 64-key ones, against 316 / 325 / 323 for w4r32_k64_s2_shift_2cta.
     ForwardVariant{"wgmma_w8r64_k64_s3", &launch_forward_wgmma_k64_s3, &forward_wgmma_k64_applies},
     ForwardVariant{"wgmma_w8r64_k128_s2", &launch_forward_wgmma_k128_s2, &forward_wgmma_k128_applies},
 };
 constexpr int kForwardVariantCount = int(sizeof(kForwardVariants) / sizeof(kForwardVariants[0]));
 
-// The fastest variant measured on the H200 (round 2 above: 1.01-1.02x SDPA flash).
-constexpr int kDefaultForwardVariant = find_variant(kForwardVariants, "w4r32_k64_s2_shift_2cta");
+// The fastest variant measured on the H200 (round 3 above: 1.30-1.41x SDPA flash), then where it
+// does not apply the next fastest: 64-key warpgroup blocks (pages of 64), the best mma.sync layout
+// (a GPU other than sm_90 or a build without sm_90a), and for what none of them takes (sparse
+// tiles of 64 rows, fp16, head_dim 64) the layouts of dispatch_rows.
+constexpr int kDefaultForwardVariant = find_variant(kForwardVariants, "wgmma_w8r64_k128_s2");
+constexpr int kDefaultForwardFallbacks[] = {find_variant(kForwardVariants, "wgmma_w8r64_k64_s3"),
+                                            find_variant(kForwardVariants, "w4r32_k64_s2_shift_2cta")};
 static_assert(kDefaultForwardVariant >= 0, "the default names a listed variant");
+static_assert(kDefaultForwardFallbacks[0] >= 0 && kDefaultForwardFallbacks[1] >= 0, "the fallbacks name listed variants");
 
 // The variant MEMBAR_ATTENTION_FORWARD_VARIANT names (-1 when unset; -2 when it names none), or
 // the four-warps-of-32-rows one under the older knob MEMBAR_ATTENTION_FORWARD_WARP_ROWS=32.
@@ -632,8 +640,16 @@ int paged_attention_forward(const PagedAttentionForwardParams& params, void* str
   if (params.shape.dtype == DType::kBFloat16 && params.shape.head_dim == 128) {
     int variant = requested_forward_variant();
     if (variant == -2) return cudaErrorInvalidValue;
-    if (variant < 0) variant = kDefaultForwardVariant;
-    if (kForwardVariants[variant].applies(params)) return kForwardVariants[variant].launch(params, cuda_stream);
+    if (variant >= 0) {
+      if (kForwardVariants[variant].applies(params)) return kForwardVariants[variant].launch(params, cuda_stream);
+    } else {
+      if (kForwardVariants[kDefaultForwardVariant].applies(params)) {
+        return kForwardVariants[kDefaultForwardVariant].launch(params, cuda_stream);
+      }
+      for (int fallback : kDefaultForwardFallbacks) {
+        if (kForwardVariants[fallback].applies(params)) return kForwardVariants[fallback].launch(params, cuda_stream);
+      }
+    }
   }
   if (params.shape.dtype == DType::kBFloat16) return dispatch_head_dim<__nv_bfloat16>(params, cuda_stream);
   return dispatch_head_dim<__half>(params, cuda_stream);

@@ -23,6 +23,11 @@
 // read: this first version overlaps the tensor cores with the softmax only across warpgroups (and
 // CTAs), not within one (FlashAttention-3's intra-warpgroup pipelining is the next step).
 // A warpgroup skips the MMAs of a chunk block that lies entirely above its rows' diagonal.
+// Measured on the H200 (2026-11-30, bench/results/2026-11-30-h200-session4): right on its first
+// run (errors vs float32 within those of the mma.sync kernel), and with 128-key blocks in two
+// stages 430 / 439 / 434 TFLOP/s at 32K / 128K / 256K history (chunk 4096, 28/4 heads) against
+// 316 / 325 / 323 for the best mma.sync layout and 311 / 311 / 335 for SDPA flash: the default
+// forward wherever it applies (wgmma_w8r64_k64_s3: 347 / 354 / 354).
 //
 // Note [Warpgroup shared layout]
 // wgmma reads shared memory through a 64-bit matrix descriptor: start address >> 4 (bits 0-13),
@@ -44,8 +49,9 @@
 //
 // Support: bf16, head_dim 128, page_tokens 64 or 128 with kKeys <= page_tokens, sparse selections
 // whose query tiles hold whole CTAs (a multiple of 128 rows); an sm_90 device (elsewhere applies()
-// is false and the default kernel runs). The kernel body is compiled only for sm_90a; a build
-// whose architecture list lacks it (e.g. plain 90) gets a body that traps instead.
+// is false and the mma.sync kernel runs). The kernel body is compiled only for sm_90a; a build
+// whose architecture list lacks it (e.g. plain 90) gets a body that traps, and applies() is false
+// there (MEMBAR_WGMMA_BUILT, set by kernels/CMakeLists.txt).
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -390,8 +396,11 @@ cudaError_t launch_wgmma(const PagedAttentionForwardParams& params, cudaStream_t
   return cudaGetLastError();
 }
 
-// Whether the current device is an sm_90 one (the kernel body exists only for sm_90a).
+// Whether the current device is an sm_90 one and this build holds the sm_90a kernel body.
 bool device_is_sm90() {
+#ifndef MEMBAR_WGMMA_BUILT
+  return false;  // built without sm_90a (kernels/CMakeLists.txt): the body would only trap
+#endif
   int device = 0;
   if (cudaGetDevice(&device) != cudaSuccess) return false;
   int major = 0;

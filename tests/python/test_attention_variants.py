@@ -23,19 +23,8 @@ ops = torch.ops.membar
 if not hasattr(ops, "attention_cuda_variants"):
     pytest.skip("the ops library was built without CUDA", allow_module_level=True)
 
-# Experimental variants (names starting with "wgmma": Note [Warpgroup forward] in
-# kernels/cuda/attention_forward_wgmma.cu) run only with MEMBAR_TEST_EXPERIMENTAL_VARIANTS=1: an
-# illegal memory access there would poison the CUDA context of every later test. They have their
-# own test in a subprocess (test_attention_wgmma.py).
-EXPERIMENTAL = os.environ.get("MEMBAR_TEST_EXPERIMENTAL_VARIANTS") == "1"
-
-
-def tested(names):
-    return [name for name in names if EXPERIMENTAL or not name.startswith("wgmma")]
-
-
-FORWARD_VARIANTS = tested(ops.attention_cuda_variants("forward")[0])
-BACKWARD_VARIANTS = tested(ops.attention_cuda_variants("backward")[0])
+FORWARD_VARIANTS = ops.attention_cuda_variants("forward")[0]
+BACKWARD_VARIANTS = ops.attention_cuda_variants("backward")[0]
 
 CASES = [
     # (chunk_tokens, history_tokens, page_tokens, q_heads, kv_heads, sparse tile or 0, top_k, attend_chunk)
