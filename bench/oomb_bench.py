@@ -487,7 +487,7 @@ def main() -> int:
     parser.add_argument("--query-tile", type=int, default=0,
                         help="sparse: queries that share one selection (default: a page's worth; the chunk "
                              "size gives one selection per chunk, so offload moves only top-k pages)")
-    parser.add_argument("--history-block-tokens", type=int, default=32768,
+    parser.add_argument("--history-block-tokens", type=int, default=65536,
                         help="offloaded layers stream their history through the GPU in blocks of this many tokens")
     parser.add_argument("--gpu-reserve-gib", type=float, default=30.0,
                         help="dense-hybrid: GPU memory kept free for activations beside the pages")

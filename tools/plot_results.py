@@ -96,18 +96,30 @@ def plot_oomb(path: Path) -> Path | None:
     rows = [r for r in data.get("results", []) if r.get("peak_gpu_gib") is not None]
     if not rows:
         return None
-    fig, (ax_mem, ax_time) = plt.subplots(1, 2, figsize=(12, 4))
+    fig, (ax_mem, ax_time) = plt.subplots(1, 2, figsize=(12, 4.5))
     for variant in sorted({r["variant"] for r in rows}):
         mine = sorted((r for r in rows if r["variant"] == variant), key=lambda r: r["tokens"])
+        whole = [r for r in mine if not r.get("partial_step")]
+        partial = [r for r in mine if r.get("partial_step")]
         x = [r["tokens"] // 1024 for r in mine]
-        ax_mem.plot(x, [r["peak_gpu_gib"] for r in mine], "o-", label=variant)
-        ax_time.plot(x, [r["step_seconds"] for r in mine], "o-", label=variant)
+        (line,) = ax_mem.plot(x, [r["peak_gpu_gib"] for r in mine], "o-", label=variant)
+        if whole:
+            ax_time.plot([r["tokens"] // 1024 for r in whole], [r["step_seconds"] for r in whole], "o-",
+                         color=line.get_color(), label=variant)
+        # A partial step (Note [Partial steps]): all of stage 1 and the longest stage-2 chunks ran;
+        # the point is the estimate of the whole step, the bar reaches its upper bound.
+        for r in partial:
+            estimate = r["estimated_step_seconds"]
+            ax_time.errorbar([r["tokens"] // 1024], [estimate], yerr=[[0], [r["step_seconds_upper_bound"] - estimate]],
+                             fmt="o", mfc="none", color=line.get_color(), capsize=3,
+                             label=f"{variant} (partial step: estimate, upper bound)")
     contexts = sorted({r["tokens"] // 1024 for r in rows})
     for ax in (ax_mem, ax_time):
         ax.set_xscale("log", base=2)
         ax.set_xticks(contexts, [f"{c // 1024}M" if c >= 1024 else f"{c}K" for c in contexts])
         ax.set_xlabel("context (tokens)")
-        ax.legend(fontsize=8)
+        ax.legend(fontsize=7)
+    ax_time.set_yscale("log")
     ax_mem.set_ylabel("peak GPU memory (GiB)")
     ax_time.set_ylabel("seconds per step (fwd + bwd)")
     fig.suptitle(f"Chunk-recurrent training vs full-sequence, {data.get('model')} shape, H200")

@@ -54,7 +54,7 @@ def _parse(argv):
     parser.add_argument("--top-k", type=int, default=64, help="sparse: history pages per query tile")
     parser.add_argument("--query-tile", type=int, default=128, help="sparse: queries sharing a selection")
     parser.add_argument("--offload", action="store_true", help="keep KV/dKV pages in host memory")
-    parser.add_argument("--history-block", type=int, default=32768,
+    parser.add_argument("--history-block", type=int, default=65536,
                         help="with --offload: a layer's history goes through the GPU in blocks of this many tokens "
                              "(0: all at once)")
     parser.add_argument("--store", choices=["auto", "runtime", "tensor"], default="auto",
