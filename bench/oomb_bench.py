@@ -74,14 +74,6 @@ def human_tokens(tokens: int) -> str:
     return f"{tokens // K}K" if tokens % K == 0 else str(tokens)
 
 
-def host_available_bytes() -> int:
-    with open("/proc/meminfo") as info:
-        for line in info:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
 def base_variant(variant: str) -> str:
     """The variant without its history block and kernel suffixes ("dense-offload@8K" ->
     "dense-offload", "dense+membar" -> "dense")."""
@@ -125,7 +117,8 @@ def reset_peak_rss() -> None:
 def run_one(model, spec: dict) -> dict:
     import torch
 
-    from membar.oomb import OOMBConfig, OOMBTrainer, pool_bytes_per_layer
+    from membar.oomb import OOMBConfig, OOMBTrainer, plan_gpu_resident_layers
+    from membar.oomb.config import host_available_bytes
     from membar.oomb.baseline import full_sequence_step
     from membar.oomb.trainer import host_memory
 
@@ -152,18 +145,17 @@ def run_one(model, spec: dict) -> dict:
         offload = variant.endswith("offload") or variant.endswith("hybrid")
         resident = 0
         if variant.endswith("hybrid"):
-            text = model.config
-            head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-            per_layer = pool_bytes_per_layer(tokens, spec["page_tokens"], text.num_key_value_heads, head_dim,
-                                             torch.bfloat16, torch.float32)
-            free = (torch.cuda.mem_get_info()[1] if cuda else host_available_bytes()) - weights_bytes - int(spec["gpu_reserve_gib"] * 2**30)
-            resident = max(0, min(text.num_hidden_layers, free // per_layer))
-            host_needed = (text.num_hidden_layers - resident) * per_layer
-            result.update(gpu_resident_layers=int(resident), host_pool_needed_gib=host_needed / 2**30)
-            if host_needed > 0.92 * host_available_bytes():
-                result.update(error=f"pages need {host_needed / 2**30:.0f} GiB of host memory beside "
-                                    f"{resident} GPU-resident layers; {host_available_bytes() / 2**30:.0f} GiB available")
+            # GPU memory is the whole device less the weights (the step's own allocations come later).
+            device_bytes = (torch.cuda.mem_get_info()[1] if cuda else host_available_bytes()) - weights_bytes
+            try:
+                plan = plan_gpu_resident_layers(tokens, model.config, spec["page_tokens"], torch.bfloat16,
+                                                torch.float32, device_bytes, int(spec["gpu_reserve_gib"] * 2**30),
+                                                host_available_bytes())
+            except ValueError as error:
+                result.update(error=str(error))
                 return result
+            resident = plan.gpu_resident_layers
+            result.update(gpu_resident_layers=resident, host_pool_needed_gib=plan.host_bytes / 2**30)
         config = OOMBConfig(chunk_tokens=spec["chunk"], page_tokens=spec["page_tokens"], mode=mode,
                             top_k=spec["top_k"], query_tile_tokens=spec.get("query_tile_tokens") or spec["page_tokens"],
                             offload=offload,

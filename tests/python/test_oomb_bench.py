@@ -78,14 +78,16 @@ def test_sweep_runs_on_the_cpu_and_writes_results(tmp_path):
     environment = dict(os.environ, MEMBAR_RESULTS_DIR=str(tmp_path),
                        PYTHONPATH=str(REPO / "bindings" / "python"), OMP_NUM_THREADS="1")
     command = [sys.executable, str(REPO / "bench" / "oomb_bench.py"), "--device", "cpu", "--model", "tiny-qwen2",
-               "--contexts", "256,512", "--variants", "dense,dense-offload", "--chunk", "64", "--page-tokens", "16",
+               "--contexts", "256,512", "--variants", "dense,dense-offload,dense-hybrid", "--chunk", "64", "--page-tokens", "16",
                "--history-block-tokens", "128", "--time-budget", "120", "--time-limit", "100"]
     finished = subprocess.run(command, capture_output=True, text=True, timeout=200, env=environment)
     assert finished.returncode == 0, finished.stderr[-2000:]
     report = json.loads((tmp_path / "oomb_bench.json").read_text())
     rows = {(r["variant"], r["tokens"]): r for r in report["results"]}
-    assert set(rows) == {("dense", 256), ("dense-offload", 256), ("dense", 512), ("dense-offload", 512)}
+    assert set(rows) == {(v, t) for v in ("dense", "dense-offload", "dense-hybrid") for t in (256, 512)}
     assert all("step_seconds" in r for r in rows.values()), report["results"]
+    # On the CPU the "GPU" is host memory less the 30 GiB reserve: no layer stays, all are offloaded.
+    assert rows[("dense-hybrid", 512)]["gpu_resident_layers"] == 0 and rows[("dense-hybrid", 512)]["bytes_moved_gib"] > 0
     offloaded = rows[("dense-offload", 512)]
     assert offloaded["bytes_moved_gib"] > 0 and "offload_overhead" in offloaded and "gpu_growth_mib_per_10k" in offloaded
     assert "dense-offload" in (tmp_path / "oomb_bench.txt").read_text()

@@ -3,6 +3,7 @@
     python -m membar.train --model qwen2.5-0.5b --seq-len 131072 --chunk 4096 --steps 10
     python -m membar.train --model /path/to/hf_checkpoint --task passkey --seq-len 32768 --offload
     python -m membar.train --model /path/to/hf_checkpoint --data tokens.npy --seq-len 131072 --save out/
+    python -m membar.train --model qwen2.5-7b --seq-len 1M --offload --gpu-resident-layers auto --steps 1
     python -m membar.train --demo          # small model recalls a key >= 16K tokens back, ~3 minutes
 
 Each step prints loss, tokens/s, peak GPU memory, host memory and pages moved; --json prints a
@@ -23,6 +24,15 @@ import torch
 DEMO_STEPS = 64
 
 
+def _tokens(text):
+    from membar.oomb.config import parse_tokens
+
+    try:
+        return parse_tokens(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
 def _parse(argv):
     parser = argparse.ArgumentParser(prog="membar-train", description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -37,7 +47,7 @@ def _parse(argv):
                              "tokenizer), cut into windows of --seq-len tokens")
     parser.add_argument("--data-dtype", default="uint16", help=".bin data: uint16 (default), uint32, int32 or int64")
     parser.add_argument("--save", default=None, help="save the trained model (save_pretrained) into this directory")
-    parser.add_argument("--seq-len", type=int, default=8192, help="tokens per sequence")
+    parser.add_argument("--seq-len", type=_tokens, default=8192, help="tokens per sequence (e.g. 131072, 128K, 1M)")
     parser.add_argument("--distance", type=int, default=None, help="passkey/recall: minimum key-to-question distance")
     parser.add_argument("--num-keys", type=int, default=16, help="passkey/recall: number of distinct keys")
     parser.add_argument("--key-repeats", type=int, default=1, help="passkey: (KEY marker, key) pairs stating the key")
@@ -54,7 +64,12 @@ def _parse(argv):
     parser.add_argument("--top-k", type=int, default=64, help="sparse: history pages per query tile")
     parser.add_argument("--query-tile", type=int, default=128, help="sparse: queries sharing a selection")
     parser.add_argument("--offload", action="store_true", help="keep KV/dKV pages in host memory")
-    parser.add_argument("--history-block", type=int, default=65536,
+    parser.add_argument("--gpu-resident-layers", default="0",
+                        help="with --offload: the first N layers keep their pages on the GPU; 'auto': as many as fit "
+                             "beside --gpu-reserve-gib (what a sequence too long for GPU or host memory alone needs)")
+    parser.add_argument("--gpu-reserve-gib", type=float, default=30.0,
+                        help="--gpu-resident-layers auto: GPU memory left for activations and attention blocks")
+    parser.add_argument("--history-block", type=_tokens, default=65536,
                         help="with --offload: a layer's history goes through the GPU in blocks of this many tokens "
                              "(0: all at once)")
     parser.add_argument("--store", choices=["auto", "runtime", "tensor"], default="auto",
@@ -91,14 +106,43 @@ def _gib(value: float) -> str:
     return f"{value / 2**30:.2f} GiB"
 
 
+def _resident_layers(args, model, device) -> int:
+    """--gpu-resident-layers as a number: given, or planned from free GPU and host memory ('auto')."""
+    from membar.oomb.config import _GRAD_PAGE_DTYPES, host_available_bytes, plan_gpu_resident_layers
+
+    value = str(args.gpu_resident_layers).strip().lower()
+    if value in ("0", ""):
+        return 0
+    if not args.offload:
+        raise ValueError("--gpu-resident-layers splits offloaded pages between GPU and host: it needs --offload.")
+    if value != "auto":
+        try:
+            layers = int(value)
+        except ValueError:
+            raise ValueError(f"--gpu-resident-layers takes a number or 'auto', got {args.gpu_resident_layers!r}.") from None
+        if layers < 0:
+            raise ValueError(f"--gpu-resident-layers must be >= 0, got {layers}.")
+        return layers
+    free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else 0
+    plan = plan_gpu_resident_layers(args.seq_len, model.config, args.page_tokens, model.dtype,
+                                    _GRAD_PAGE_DTYPES[args.grad_dtype], free, int(args.gpu_reserve_gib * 2**30),
+                                    host_available_bytes())
+    layers = model.config.num_hidden_layers
+    print(f"pages: {plan.gpu_resident_layers} of {layers} layers on the GPU, {layers - plan.gpu_resident_layers} in "
+          f"host memory ({plan.host_bytes / 2**30:.1f} GiB; {plan.layer_bytes / 2**30:.2f} GiB per layer)", flush=True)
+    return plan.gpu_resident_layers
+
+
 def _make_trainer(args, model):
     from membar.oomb import OOMBConfig, OOMBTrainer
 
+    device = next(model.parameters()).device
+    resident = _resident_layers(args, model, device)
     config = OOMBConfig(chunk_tokens=args.chunk, page_tokens=args.page_tokens, mode=args.mode, top_k=args.top_k,
                         query_tile_tokens=args.query_tile, offload=args.offload, grad_page_dtype=args.grad_dtype,
                         deterministic=args.deterministic, checkpoint_layers=args.checkpoint_layers,
-                        history_block_tokens=args.history_block, dense_kernel=args.dense_kernel)
-    device = next(model.parameters()).device
+                        history_block_tokens=args.history_block, dense_kernel=args.dense_kernel,
+                        gpu_resident_layers=resident)
     kind = args.store
     if kind == "auto":
         text = model.config

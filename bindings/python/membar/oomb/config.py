@@ -105,3 +105,64 @@ def pool_bytes_per_layer(tokens: int, page_tokens: int, num_kv_heads: int, head_
     element = torch.empty((), dtype=dtype).element_size()
     grad_element = torch.empty((), dtype=grad_page_dtype).element_size()
     return 2 * pages * row * (element + grad_element)
+
+
+@dataclass
+class ResidencyPlan:
+    """Where an offloading run keeps its pages: the first `gpu_resident_layers` layers on the GPU,
+    the rest in host memory (`host_bytes` of pinned pools)."""
+    gpu_resident_layers: int
+    layer_bytes: int
+    host_bytes: int
+
+
+def plan_gpu_resident_layers(tokens: int, model_config, page_tokens: int, dtype: torch.dtype,
+                             grad_page_dtype: torch.dtype, device_free_bytes: int, reserve_bytes: int,
+                             host_available_bytes: int, host_margin: float = 0.92) -> ResidencyPlan:
+    """How many layers' pages fit beside `reserve_bytes` of GPU memory left for activations, the
+    others going to host memory: what an offloading run of a sequence too long for either memory
+    alone needs (1M tokens of a 7B model: 28 layers x 6 GiB of K, V, dK, dV pages with fp32
+    gradients). Raises ValueError when the host cannot hold the rest (more than `host_margin` of
+    what it has available), naming the numbers, rather than letting pinned allocations fail later."""
+    text = getattr(model_config, "text_config", None) or model_config
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    layers = text.num_hidden_layers
+    layer_bytes = pool_bytes_per_layer(tokens, page_tokens, text.num_key_value_heads, head_dim, dtype,
+                                       grad_page_dtype)
+    resident = int(max(0, min(layers, (device_free_bytes - reserve_bytes) // layer_bytes)))
+    host_bytes = (layers - resident) * layer_bytes
+    if host_bytes > host_margin * host_available_bytes:
+        raise ValueError(
+            f"the K/V/dK/dV pages of {tokens:,} tokens need {layers * layer_bytes / 2**30:.1f} GiB "
+            f"({layer_bytes / 2**30:.2f} GiB per layer): {resident} layers fit on the GPU beside "
+            f"{reserve_bytes / 2**30:.0f} GiB kept for activations, and the other {layers - resident} need "
+            f"{host_bytes / 2**30:.1f} GiB of host memory, more than {host_margin:.0%} of the "
+            f"{host_available_bytes / 2**30:.1f} GiB available. Shorten the sequence, use bfloat16 gradient "
+            f"pages, or lower the GPU reserve.")
+    return ResidencyPlan(resident, layer_bytes, host_bytes)
+
+
+def host_available_bytes() -> int:
+    """MemAvailable of /proc/meminfo (0 where there is none)."""
+    try:
+        with open("/proc/meminfo") as info:
+            for line in info:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def parse_tokens(text) -> int:
+    """A token count written as 32768, 32K or 1M (K = 1024)."""
+    value = str(text).strip().upper()
+    scale = {"K": 1024, "M": 1024 * 1024}.get(value[-1:], 1)
+    number = value[:-1] if scale != 1 else value
+    try:
+        tokens = float(number) * scale
+    except ValueError:
+        raise ValueError(f"not a token count: {text!r} (write e.g. 32768, 32K or 1M)") from None
+    if tokens != int(tokens) or tokens < 0:
+        raise ValueError(f"not a whole, non-negative token count: {text!r}")
+    return int(tokens)

@@ -1,0 +1,84 @@
+"""Splitting an offloading run's pages between GPU and host (plan_gpu_resident_layers,
+membar-train --gpu-resident-layers) and token counts written as 128K / 1M."""
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import Qwen2Config
+
+from membar.oomb import plan_gpu_resident_layers
+from membar.oomb.config import parse_tokens
+from membar.train import main, run
+
+GIB = 2**30
+
+
+def qwen25_7b_config():
+    return Qwen2Config(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+                       num_key_value_heads=4, vocab_size=152064)
+
+
+def test_plan_for_one_million_tokens_of_a_7b_model():
+    # 1M tokens, pages of 128, 4 KV heads x 128 dims: 8192 pages of 64K elements per layer, K + V in
+    # bf16 and dK + dV in fp32: 2 x 8192 x 65536 x (2 + 4) bytes = 6 GiB per layer.
+    plan = plan_gpu_resident_layers(1 << 20, qwen25_7b_config(), 128, torch.bfloat16, torch.float32,
+                                    device_free_bytes=124 * GIB, reserve_bytes=30 * GIB,
+                                    host_available_bytes=120 * GIB)
+    assert plan.layer_bytes == 6 * GIB
+    assert plan.gpu_resident_layers == 15             # (124 - 30) // 6, as the H200 1M run had
+    assert plan.host_bytes == 13 * 6 * GIB             # 78 GiB of host pools, as measured there
+
+
+def test_plan_keeps_everything_on_the_gpu_when_it_fits_and_never_goes_negative():
+    config = qwen25_7b_config()
+    everything = plan_gpu_resident_layers(32768, config, 128, torch.bfloat16, torch.float32, 100 * GIB, 30 * GIB, 0)
+    assert everything.gpu_resident_layers == 28 and everything.host_bytes == 0
+    nothing = plan_gpu_resident_layers(32768, config, 128, torch.bfloat16, torch.float32, 10 * GIB, 30 * GIB,
+                                       100 * GIB)
+    assert nothing.gpu_resident_layers == 0 and nothing.host_bytes == 28 * nothing.layer_bytes
+
+
+def test_plan_names_the_numbers_when_the_host_cannot_hold_the_rest():
+    with pytest.raises(ValueError, match=r"need .* GiB of host memory, more than 92% of the 100.0 GiB available"):
+        plan_gpu_resident_layers(2 << 20, qwen25_7b_config(), 128, torch.bfloat16, torch.float32,
+                                 device_free_bytes=124 * GIB, reserve_bytes=30 * GIB,
+                                 host_available_bytes=100 * GIB)
+
+
+@pytest.mark.parametrize("text, tokens", [("32768", 32768), ("128K", 131072), ("1M", 1 << 20), ("1.5k", 1536),
+                                          (" 2m ", 2 << 20), (4096, 4096)])
+def test_token_counts(text, tokens):
+    assert parse_tokens(text) == tokens
+
+
+@pytest.mark.parametrize("text", ["12Q", "", "K", "0.3K", "-1K"])
+def test_bad_token_counts_get_a_sentence(text):
+    with pytest.raises(ValueError, match="token count"):
+        parse_tokens(text)
+
+
+def test_cli_auto_residency_on_the_cpu(capsys):
+    torch.set_num_threads(1)
+    summary = run(["--model", "tiny-qwen2", "--seq-len", "1K", "--chunk", "256", "--page-tokens", "64",
+                   "--steps", "1", "--offload", "--gpu-resident-layers", "auto", "--store", "tensor",
+                   "--no-progress", "--device", "cpu"])
+    assert summary["seq_len"] == 1024 and len(summary["steps"]) == 1
+    out = capsys.readouterr().out
+    assert "pages: 0 of 2 layers on the GPU, 2 in host memory" in out
+
+
+@pytest.mark.parametrize("arguments, message", [
+    (["--gpu-resident-layers", "2"], "needs --offload"),
+    (["--offload", "--gpu-resident-layers", "many"], "a number or 'auto'"),
+    (["--offload", "--gpu-resident-layers", "-1"], ">= 0"),
+])
+def test_cli_bad_residency_gets_a_sentence(arguments, message, capsys):
+    assert main(["--model", "tiny-qwen2", "--seq-len", "512", "--chunk", "256", "--steps", "1", "--no-progress",
+                 "--device", "cpu", *arguments]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_cli_bad_sequence_length_gets_a_sentence(capsys):
+    with pytest.raises(SystemExit):
+        main(["--model", "tiny-qwen2", "--seq-len", "lots"])
+    assert "not a token count" in capsys.readouterr().err
