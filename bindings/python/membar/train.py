@@ -68,7 +68,8 @@ def _parse(argv):
                         help="with --offload: the first N layers keep their pages on the GPU; 'auto': as many as fit "
                              "beside --gpu-reserve-gib (what a sequence too long for GPU or host memory alone needs)")
     parser.add_argument("--gpu-reserve-gib", type=float, default=30.0,
-                        help="--gpu-resident-layers auto: GPU memory left for activations and attention blocks")
+                        help="--gpu-resident-layers auto: GPU memory left for activations and attention blocks "
+                             "(beside gradients and AdamW's moments, which are counted)")
     parser.add_argument("--history-block", type=_tokens, default=65536,
                         help="with --offload: a layer's history goes through the GPU in blocks of this many tokens "
                              "(0: all at once)")
@@ -123,7 +124,12 @@ def _resident_layers(args, model, device) -> int:
         if layers < 0:
             raise ValueError(f"--gpu-resident-layers must be >= 0, got {layers}.")
         return layers
-    free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else 0
+    free = 0
+    if device.type == "cuda":
+        # What the step and the optimizer allocate later on the GPU: the parameters' gradients and
+        # AdamW's two moments, each the size of the trained parameters.
+        later = 3 * sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+        free = max(0, torch.cuda.mem_get_info(device)[0] - later)
     plan = plan_gpu_resident_layers(args.seq_len, model.config, args.page_tokens, model.dtype,
                                     _GRAD_PAGE_DTYPES[args.grad_dtype], free, int(args.gpu_reserve_gib * 2**30),
                                     host_available_bytes())
