@@ -36,7 +36,7 @@ cuda-compile-check:
 	else echo "[cuda-compile-check] no nvcc: skipped"; fi
 
 demo: build
-	PYTHONPATH=$(CURDIR)/bindings/python $(PYTHON) -m membar.train --demo
+	@PYTHON=$(PYTHON) tools/demo.sh
 
 # GPU machine: build with CUDA into build-gpu, run the gpu-labelled tests and the benchmarks,
 # write results under $${OUT:-bench/results/latest}.
@@ -44,4 +44,4 @@ gpu-check:
 	@tools/gpu_check.sh
 
 clean:
-	rm -rf $(BUILD) $(BUILD)-cuda build-gpu
+	rm -rf $(BUILD) $(BUILD)-cuda build-gpu build-demo-gpu

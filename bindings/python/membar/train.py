@@ -182,7 +182,8 @@ def _device(requested: str | None) -> torch.device:
         if membar.has_cuda_kernels():
             return torch.device("cuda")
         print("membar-train: a GPU is present but this membar library has no CUDA kernels (a CPU build, "
-              "as `make build` makes); running on the CPU. `make gpu-check` builds them.", flush=True)
+              "as `make build` makes); running on the CPU. `make demo` (tools/demo.sh) or `make gpu-check` "
+              "builds them.", flush=True)
     return torch.device("cpu")
 
 

@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# `make demo`: membar-train --demo, on the GPU where there is one.
+#
+# `make build` builds membar for the CPU (what CI and `make test` use). Where this machine has an
+# NVIDIA GPU of compute capability 8.0 or newer, torch sees it and nvcc exists, the ops library is
+# also built with the CUDA kernels into build-demo-gpu/ (its own _C.so, loaded through
+# MEMBAR_LIBRARY, so the CPU build and `make test` are untouched) and the demo trains there. When
+# any of that is missing or the CUDA build fails, the demo runs on the CPU and says why.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+root=$PWD
+py=${PYTHON:-$root/.venv/bin/python}
+export PYTHONPATH=$root/bindings/python
+say() { printf '[demo] %s\n' "$*"; }
+
+# The CUDA architecture for CMake (90a on Hopper: the warpgroup kernels), or a reason on stderr.
+gpu_arch() {
+  command -v nvidia-smi >/dev/null 2>&1 || { echo "no nvidia-smi" >&2; return 1; }
+  local cap
+  cap=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null | head -1 | tr -d ' ')
+  [[ "$cap" =~ ^([0-9]+)\.([0-9]+)$ ]] || { echo "no GPU listed by nvidia-smi" >&2; return 1; }
+  local major=${BASH_REMATCH[1]} minor=${BASH_REMATCH[2]}
+  if (( major < 8 )); then echo "GPU compute capability $cap (membar's kernels need 8.0+)" >&2; return 1; fi
+  "$py" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null \
+    || { echo "torch in $py does not see the GPU" >&2; return 1; }
+  if ! command -v nvcc >/dev/null 2>&1 && [ ! -x /usr/local/cuda/bin/nvcc ]; then
+    echo "no nvcc (install the CUDA toolkit to build membar's GPU kernels)" >&2; return 1
+  fi
+  if [ "$major$minor" = "90" ]; then echo 90a; else echo "$major$minor"; fi
+}
+
+if arch=$(gpu_arch 2> /tmp/membar-demo-gpu.$$); then
+  export PATH=$PATH:/usr/local/cuda/bin
+  log=$root/build-demo-gpu/build.log
+  mkdir -p build-demo-gpu
+  say "building membar's CUDA kernels for sm_$arch into build-demo-gpu/ (log: $log; a few minutes the first time)"
+  generator=$(command -v ninja >/dev/null 2>&1 && echo "-G Ninja")
+  if cmake -S . -B build-demo-gpu $generator -DCMAKE_BUILD_TYPE=Release -DMEMBAR_WITH_CUDA=ON \
+        -DMEMBAR_CUDA_ARCHS="$arch" -DMEMBAR_PYTHON="$py" \
+        -DMEMBAR_PYTHON_LIBRARY_DIR="$root/build-demo-gpu/python" > "$log" 2>&1 \
+     && cmake --build build-demo-gpu -j "${JOBS_GPU:-$(nproc)}" --target membar_C >> "$log" 2>&1; then
+    export MEMBAR_LIBRARY=$root/build-demo-gpu/python/_C.so
+  else
+    say "the CUDA build failed (see $log): the demo runs on the CPU"
+  fi
+else
+  say "no usable GPU ($(cat /tmp/membar-demo-gpu.$$)): the demo runs on the CPU"
+fi
+rm -f /tmp/membar-demo-gpu.$$
+exec "$py" -m membar.train --demo "$@"
