@@ -40,6 +40,8 @@ CASES = [
     (4096, 32 * 64, 64, 28, 4, False, 0, 0),
     (300, 0, 64, 8, 8, False, 0, 0),              # no key at all: out 0, lse -inf
     (512, 2000, 128, 8, 8, True, 128, 4),         # sparse, tiles of whole CTAs
+    (300, 1100, 128, 28, 4, True, 128, 3),        # sparse, the last tile (and CTA) partial
+    (4096, 3000, 128, 28, 4, True, 4096, 8),      # sparse, one selection per chunk (oomb_bench --query-tile)
     (300, 1100, 128, 8, 8, True, 64, 3),          # sparse tiles of 64: the default kernel runs
 ]
 SEEDS = (1, 2)
