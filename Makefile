@@ -36,7 +36,7 @@ cuda-compile-check:
 	else echo "[cuda-compile-check] no nvcc: skipped"; fi
 
 demo: build
-	@PYTHON=$(PYTHON) tools/demo.sh
+	@PYTHON=$(PYTHON) CMAKE_FLAGS="$(CMAKE_FLAGS)" tools/demo.sh
 
 # GPU machine: build with CUDA into build-gpu, run the gpu-labelled tests and the benchmarks,
 # write results under $${OUT:-bench/results/latest}.

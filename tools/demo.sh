@@ -35,9 +35,13 @@ if arch=$(gpu_arch 2> /tmp/membar-demo-gpu.$$); then
   mkdir -p build-demo-gpu
   say "building membar's CUDA kernels for sm_$arch into build-demo-gpu/ (log: $log; a few minutes the first time)"
   generator=$(command -v ninja >/dev/null 2>&1 && echo "-G Ninja")
+  # The distribution's compiler where there is one (see tools/gpu_check.sh: a g++ without a shared
+  # libstdc++ makes a _C.so that crashes inside torch's process).
+  if [ -z "${CXX:-}" ] && [ -x /usr/bin/g++ ]; then export CC=/usr/bin/gcc CXX=/usr/bin/g++ CUDAHOSTCXX=/usr/bin/g++; fi
+  # shellcheck disable=SC2086  # CMAKE_FLAGS (from make) holds several words
   if cmake -S . -B build-demo-gpu $generator -DCMAKE_BUILD_TYPE=Release -DMEMBAR_WITH_CUDA=ON \
         -DMEMBAR_CUDA_ARCHS="$arch" -DMEMBAR_PYTHON="$py" \
-        -DMEMBAR_PYTHON_LIBRARY_DIR="$root/build-demo-gpu/python" > "$log" 2>&1 \
+        -DMEMBAR_PYTHON_LIBRARY_DIR="$root/build-demo-gpu/python" ${CMAKE_FLAGS:-} > "$log" 2>&1 \
      && cmake --build build-demo-gpu -j "${JOBS_GPU:-$(nproc)}" --target membar_C >> "$log" 2>&1; then
     export MEMBAR_LIBRARY=$root/build-demo-gpu/python/_C.so
   else
