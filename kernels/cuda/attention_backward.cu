@@ -30,28 +30,20 @@
 #include <cstring>
 #include <type_traits>
 
+#include "attention_backward_common.cuh"
 #include "attention_common.cuh"
 #include "attention_cuda_internal.h"
+#include "attention_wgmma.h"
 
 namespace membar::kernels::cuda {
 namespace {
 
 using namespace detail;
 
-constexpr int kQueries = kQueryBlockTokens;
 // Q/dO stages: three, so that no barrier is needed at the end of an iteration (a stage is
 // rewritten two iterations after it was read, and every warp finished that iteration before
 // passing the current one's first barrier; dS^T is rewritten only after that barrier too).
 constexpr int kStages = 3;
-
-struct BackwardWorkspacePointers {
-  float* dq_accumulator;          // [Tc, Hq, D] fp32, or nullptr in deterministic mode
-  const float* delta;             // [Hq, Tc]
-  const int32_t* inverse_count;   // [num_history_pages], sparse only
-  const int32_t* inverse_tiles;   // [num_history_pages, inverse_capacity], sparse only
-  int32_t inverse_capacity;
-  int32_t num_chunk_blocks;
-};
 
 template <int kHeadDim, int kWarps, bool kPadded>
 constexpr size_t backward_shared_bytes() {
@@ -62,115 +54,6 @@ constexpr size_t backward_shared_bytes() {
   // lse, delta [kStages, 64] fp32.
   return size_t(2 * kKeys * kStride + 2 * kStages * kQueries * kStride + kKeys * kScoreStride) * 2 +
          2 * kStages * kQueries * 4;
-}
-
-// The (q head, query block) pairs a KV block attends to, numbered 0..count-1.
-struct WorkList {
-  int count;
-  int per_head;           // pairs per q head
-  int first_query_block;  // chunk blocks: the first query block; else 0
-  const int32_t* tiles;   // sparse history: the tiles that selected the page
-  int blocks_per_tile;    // sparse history: query blocks per selection tile
-
-  __device__ __forceinline__ void decode(int item, int& head_in_group, int& query_block) const {
-    head_in_group = item / per_head;
-    const int rest = item % per_head;
-    if (tiles != nullptr) {
-      query_block = tiles[rest / blocks_per_tile] * blocks_per_tile + rest % blocks_per_tile;
-    } else {
-      query_block = first_query_block + rest;
-    }
-  }
-};
-
-// The keys one CTA of a dK/dV kernel owns (kKeys rows of one kv head: a history page or a block
-// of the chunk's own keys) and the (q head, query block) pairs that see them.
-template <typename Element>
-struct OwnedKeys {
-  bool chunk_block;
-  const Element* k_base;  // row r of the keys at k_base + r * kv_row_stride
-  const Element* v_base;
-  int valid_keys;
-  int first_key;  // chunk position of key row 0 (chunk blocks)
-  int page;       // history page (history blocks)
-  WorkList work;
-};
-
-template <typename Element, int kHeadDim, int kKeys>
-__device__ __forceinline__ OwnedKeys<Element> own_keys(const PagedAttentionBackwardParams& params,
-                                                        const BackwardWorkspacePointers& workspace) {
-  const PagedAttentionShape& shape = params.shape;
-  const int kv_head = blockIdx.y;
-  const int num_query_blocks = (shape.chunk_tokens + kQueries - 1) / kQueries;
-  const int64_t kv_row_stride = int64_t(shape.num_kv_heads) * kHeadDim;
-  OwnedKeys<Element> owned;
-  owned.chunk_block = int(blockIdx.x) < workspace.num_chunk_blocks;
-  owned.first_key = 0;
-  owned.page = 0;
-  owned.work = WorkList{0, 0, 0, nullptr, 1};
-  if (owned.chunk_block) {
-    owned.first_key = blockIdx.x * kKeys;
-    owned.k_base = static_cast<const Element*>(params.k_chunk) + owned.first_key * kv_row_stride + kv_head * kHeadDim;
-    owned.v_base = static_cast<const Element*>(params.v_chunk) + owned.first_key * kv_row_stride + kv_head * kHeadDim;
-    owned.valid_keys = min(kKeys, shape.chunk_tokens - owned.first_key);
-    owned.work.first_query_block = owned.first_key / kQueries;
-    owned.work.per_head = num_query_blocks - owned.work.first_query_block;
-  } else {
-    owned.page = blockIdx.x - workspace.num_chunk_blocks;
-    owned.k_base = static_cast<const Element*>(params.history.k_pool) +
-                   int64_t(params.history.k_page_index[owned.page]) * shape.page_tokens * kv_row_stride + kv_head * kHeadDim;
-    owned.v_base = static_cast<const Element*>(params.history.v_pool) +
-                   int64_t(params.history.v_page_index[owned.page]) * shape.page_tokens * kv_row_stride + kv_head * kHeadDim;
-    owned.valid_keys = min(kKeys, shape.history_tokens - owned.page * kKeys);
-    if (params.selection.selected_pages != nullptr) {
-      owned.work.tiles = workspace.inverse_tiles + int64_t(owned.page) * workspace.inverse_capacity;
-      owned.work.blocks_per_tile = params.selection.query_tile_tokens / kQueries;
-      owned.work.per_head = workspace.inverse_count[owned.page] * owned.work.blocks_per_tile;
-    } else {
-      owned.work.per_head = num_query_blocks;
-    }
-  }
-  owned.work.count = owned.work.per_head * (shape.num_q_heads / shape.num_kv_heads);
-  return owned;
-}
-
-// Writes dK (times the softmax scale) and dV of key row `key`, columns `column` and `column + 1`:
-// overwritten for chunk keys, ADDED into the grad pages for history keys (fp32, or bf16 with
-// round-to-nearest-even).
-template <typename Element, int kHeadDim>
-__device__ __forceinline__ void write_key_gradients(const PagedAttentionBackwardParams& params, bool chunk_block,
-                                                    int first_key, int page, int key, int column, float dk0, float dk1,
-                                                    float dv0, float dv1) {
-  const PagedAttentionShape& shape = params.shape;
-  const int kv_head = blockIdx.y;
-  const int64_t kv_row_stride = int64_t(shape.num_kv_heads) * kHeadDim;
-  dk0 *= shape.softmax_scale;
-  dk1 *= shape.softmax_scale;
-  if (chunk_block) {
-    const int64_t offset = int64_t(first_key + key) * kv_row_stride + int64_t(kv_head) * kHeadDim + column;
-    *reinterpret_cast<uint32_t*>(static_cast<Element*>(params.dk_chunk) + offset) = ElementTraits<Element>::pack(dk0, dk1);
-    *reinterpret_cast<uint32_t*>(static_cast<Element*>(params.dv_chunk) + offset) = ElementTraits<Element>::pack(dv0, dv1);
-    return;
-  }
-  const HistoryGradPages& grad = params.grad_history;
-  const int64_t dk_offset =
-      (int64_t(grad.dk_page_index[page]) * shape.page_tokens + key) * kv_row_stride + int64_t(kv_head) * kHeadDim + column;
-  const int64_t dv_offset =
-      (int64_t(grad.dv_page_index[page]) * shape.page_tokens + key) * kv_row_stride + int64_t(kv_head) * kHeadDim + column;
-  if (params.grad_page_dtype == DType::kFloat32) {
-    float2* dk_pair = reinterpret_cast<float2*>(static_cast<float*>(grad.dk_pool) + dk_offset);
-    float2* dv_pair = reinterpret_cast<float2*>(static_cast<float*>(grad.dv_pool) + dv_offset);
-    const float2 dk_old = *dk_pair, dv_old = *dv_pair;
-    *dk_pair = make_float2(dk_old.x + dk0, dk_old.y + dk1);
-    *dv_pair = make_float2(dv_old.x + dv0, dv_old.y + dv1);
-  } else {
-    using Bf16 = ElementTraits<__nv_bfloat16>;
-    uint32_t* dk_bits = reinterpret_cast<uint32_t*>(static_cast<__nv_bfloat16*>(grad.dk_pool) + dk_offset);
-    uint32_t* dv_bits = reinterpret_cast<uint32_t*>(static_cast<__nv_bfloat16*>(grad.dv_pool) + dv_offset);
-    const float2 dk_old = Bf16::unpack(*dk_bits), dv_old = Bf16::unpack(*dv_bits);
-    *dk_bits = Bf16::pack(dk_old.x + dk0, dk_old.y + dk1);
-    *dv_bits = Bf16::pack(dv_old.x + dv0, dv_old.y + dv1);
-  }
 }
 
 // kDqPieces: each warp computes its part of dQ in this many pieces of columns, one after the
@@ -812,33 +695,44 @@ cudaError_t launch_kv_split(const PagedAttentionBackwardParams& params, const Ba
 }
 
 using KvLaunch = cudaError_t (*)(const PagedAttentionBackwardParams&, const BackwardWorkspacePointers&, cudaStream_t);
+using KvApplies = bool (*)(const PagedAttentionBackwardParams&);
 struct BackwardVariant {
   const char* name;
   KvLaunch launch;
+  // Whether the variant can run this call (its shape, the device); when not, the default runs.
+  KvApplies applies;
 };
+
+// The mma.sync layouts run every call that reaches the variant table.
+bool always_applies(const PagedAttentionBackwardParams&) { return true; }
 
 // Note [Backward variants]: compiled layouts of the dK/dV kernel for bf16, head_dim 128 and pages
 // of 128 keys (one page per CTA), picked by MEMBAR_ATTENTION_BACKWARD_VARIANT=<name> at every
 // launch (the default otherwise; other shapes always run the default layout). Names:
 // w<warps>_k<keys per CTA>_dq<columns of dQ a warp holds at once>[_pad] for the kernel above,
 // w8_k128_split_s<Q/dO stages>[_pad][_dq4] for Note [Backward split layout] (_pad: Note [Padded
-// tiles]; _dq4: dQ in 16-byte atomics). The default is the fastest one measured on the H200;
-// "w8_k128_dq64" is the kernel before tuning.
+// tiles]; _dq4: dQ in 16-byte atomics), wgmma_w8_k128 for Note [Warpgroup backward]
+// (attention_backward_wgmma.cu). A variant whose applies() is false for a call (wgmma_w8_k128 off
+// an sm_90 device or without the sm_90a build) leaves that call to the default. The default is
+// the fastest one measured on the H200; "w8_k128_dq64" is the kernel before tuning.
 constexpr BackwardVariant kBackwardVariants[] = {
     // Today's kernel before tuning, and its dQ-in-pieces and padded forms.
-    {"w8_k128_dq64", &launch_kv<__nv_bfloat16, 128, 8, 1>},
-    {"w8_k128_dq32", &launch_kv<__nv_bfloat16, 128, 8, 2>},
-    {"w8_k128_dq64_pad", &launch_kv<__nv_bfloat16, 128, 8, 1, true>},
+    {"w8_k128_dq64", &launch_kv<__nv_bfloat16, 128, 8, 1>, &always_applies},
+    {"w8_k128_dq32", &launch_kv<__nv_bfloat16, 128, 8, 2>, &always_applies},
+    {"w8_k128_dq64_pad", &launch_kv<__nv_bfloat16, 128, 8, 1, true>, &always_applies},
     // Round 1 on the H200 (bench/attention_sweep.py, 2026-11-30 15:11 UTC, TFLOP/s at 32K / 128K
     // history; SDPA flash 318 / 322): today's kernel 211 / 223; split_s2_pad 257 / 268, the fastest.
-    {"w8_k128_split_s2_pad", &launch_kv_split<__nv_bfloat16, 128, 2, true>},
-    {"w8_k128_split_s3_pad", &launch_kv_split<__nv_bfloat16, 128, 3, true>},
-    {"w8_k128_split_s2", &launch_kv_split<__nv_bfloat16, 128, 2, false>},
-    {"w8_k128_split_s3", &launch_kv_split<__nv_bfloat16, 128, 3, false>},
+    {"w8_k128_split_s2_pad", &launch_kv_split<__nv_bfloat16, 128, 2, true>, &always_applies},
+    {"w8_k128_split_s3_pad", &launch_kv_split<__nv_bfloat16, 128, 3, true>, &always_applies},
+    {"w8_k128_split_s2", &launch_kv_split<__nv_bfloat16, 128, 2, false>, &always_applies},
+    {"w8_k128_split_s3", &launch_kv_split<__nv_bfloat16, 128, 3, false>, &always_applies},
     // Round 2 (2026-11-30 15:53 UTC; SDPA flash 315 / 318): split_s2_pad 255 / 267 stays the
     // fastest; dQ in 16-byte atomics 251 / 265.
-    {"w8_k128_split_s2_pad_dq4", &launch_kv_split<__nv_bfloat16, 128, 2, true, true>},
-    {"w8_k128_split_s3_pad_dq4", &launch_kv_split<__nv_bfloat16, 128, 3, true, true>},
+    {"w8_k128_split_s2_pad_dq4", &launch_kv_split<__nv_bfloat16, 128, 2, true, true>, &always_applies},
+    {"w8_k128_split_s3_pad_dq4", &launch_kv_split<__nv_bfloat16, 128, 3, true, true>, &always_applies},
+    // Hopper warpgroup MMAs (Note [Warpgroup backward] in attention_backward_wgmma.cu): sm_90 only,
+    // not yet run on a GPU.
+    {"wgmma_w8_k128", &launch_backward_wgmma_w8_k128, &backward_wgmma_w8_k128_applies},
 };
 constexpr int kBackwardVariantCount = int(sizeof(kBackwardVariants) / sizeof(kBackwardVariants[0]));
 
@@ -891,7 +785,7 @@ cudaError_t launch_backward(const PagedAttentionBackwardParams& params, cudaStre
   if (std::is_same_v<Element, __nv_bfloat16> && shape.head_dim == 128 && !small_pages) {
     int variant = requested_backward_variant();
     if (variant == -2) return cudaErrorInvalidValue;
-    if (variant < 0) variant = kDefaultBackwardVariant;
+    if (variant < 0 || !kBackwardVariants[variant].applies(params)) variant = kDefaultBackwardVariant;
     error = kBackwardVariants[variant].launch(params, workspace, stream);
   } else if (shape.head_dim == 64) {
     error = small_pages ? launch_kv<Element, 64, 4>(params, workspace, stream)

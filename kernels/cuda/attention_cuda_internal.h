@@ -44,6 +44,16 @@ struct BackwardWorkspaceLayout {
 };
 BackwardWorkspaceLayout backward_workspace_layout(const PagedAttentionShape& shape);
 
+// The backward workspace as the dK/dV kernels see it (pointers into the layout above).
+struct BackwardWorkspacePointers {
+  float* dq_accumulator;          // [Tc, Hq, D] fp32, or nullptr in deterministic mode
+  const float* delta;             // [Hq, Tc]
+  const int32_t* inverse_count;   // [num_history_pages], sparse only
+  const int32_t* inverse_tiles;   // [num_history_pages, inverse_capacity], sparse only
+  int32_t inverse_capacity;
+  int32_t num_chunk_blocks;
+};
+
 // Compiled variants of the bf16, head_dim 128 kernels, picked at run time by
 // MEMBAR_ATTENTION_FORWARD_VARIANT / MEMBAR_ATTENTION_BACKWARD_VARIANT = <name> (Note [Forward
 // variants] in attention_forward.cu, Note [Backward variants] in attention_backward.cu). A name

@@ -1,0 +1,127 @@
+// Device pieces of the dK/dV kernels of attention_backward.cu (Note [Backward kernel]) that the
+// Hopper backward (attention_backward_wgmma.cu) shares: the work list of a CTA, the keys it owns
+// and the epilogue that writes or ADDS its dK/dV. Moved verbatim out of attention_backward.cu.
+// Internal to kernels/cuda/.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "attention_common.cuh"
+#include "attention_cuda_internal.h"
+
+namespace membar::kernels::cuda::detail {
+
+inline constexpr int kQueries = kQueryBlockTokens;
+
+// The (q head, query block) pairs a KV block attends to, numbered 0..count-1.
+struct WorkList {
+  int count;
+  int per_head;           // pairs per q head
+  int first_query_block;  // chunk blocks: the first query block; else 0
+  const int32_t* tiles;   // sparse history: the tiles that selected the page
+  int blocks_per_tile;    // sparse history: query blocks per selection tile
+
+  __device__ __forceinline__ void decode(int item, int& head_in_group, int& query_block) const {
+    head_in_group = item / per_head;
+    const int rest = item % per_head;
+    if (tiles != nullptr) {
+      query_block = tiles[rest / blocks_per_tile] * blocks_per_tile + rest % blocks_per_tile;
+    } else {
+      query_block = first_query_block + rest;
+    }
+  }
+};
+
+// The keys one CTA of a dK/dV kernel owns (kKeys rows of one kv head: a history page or a block
+// of the chunk's own keys) and the (q head, query block) pairs that see them.
+template <typename Element>
+struct OwnedKeys {
+  bool chunk_block;
+  const Element* k_base;  // row r of the keys at k_base + r * kv_row_stride
+  const Element* v_base;
+  int valid_keys;
+  int first_key;  // chunk position of key row 0 (chunk blocks)
+  int page;       // history page (history blocks)
+  WorkList work;
+};
+
+template <typename Element, int kHeadDim, int kKeys>
+__device__ __forceinline__ OwnedKeys<Element> own_keys(const PagedAttentionBackwardParams& params,
+                                                        const BackwardWorkspacePointers& workspace) {
+  const PagedAttentionShape& shape = params.shape;
+  const int kv_head = blockIdx.y;
+  const int num_query_blocks = (shape.chunk_tokens + kQueries - 1) / kQueries;
+  const int64_t kv_row_stride = int64_t(shape.num_kv_heads) * kHeadDim;
+  OwnedKeys<Element> owned;
+  owned.chunk_block = int(blockIdx.x) < workspace.num_chunk_blocks;
+  owned.first_key = 0;
+  owned.page = 0;
+  owned.work = WorkList{0, 0, 0, nullptr, 1};
+  if (owned.chunk_block) {
+    owned.first_key = blockIdx.x * kKeys;
+    owned.k_base = static_cast<const Element*>(params.k_chunk) + owned.first_key * kv_row_stride + kv_head * kHeadDim;
+    owned.v_base = static_cast<const Element*>(params.v_chunk) + owned.first_key * kv_row_stride + kv_head * kHeadDim;
+    owned.valid_keys = min(kKeys, shape.chunk_tokens - owned.first_key);
+    owned.work.first_query_block = owned.first_key / kQueries;
+    owned.work.per_head = num_query_blocks - owned.work.first_query_block;
+  } else {
+    owned.page = blockIdx.x - workspace.num_chunk_blocks;
+    owned.k_base = static_cast<const Element*>(params.history.k_pool) +
+                   int64_t(params.history.k_page_index[owned.page]) * shape.page_tokens * kv_row_stride + kv_head * kHeadDim;
+    owned.v_base = static_cast<const Element*>(params.history.v_pool) +
+                   int64_t(params.history.v_page_index[owned.page]) * shape.page_tokens * kv_row_stride + kv_head * kHeadDim;
+    owned.valid_keys = min(kKeys, shape.history_tokens - owned.page * kKeys);
+    if (params.selection.selected_pages != nullptr) {
+      owned.work.tiles = workspace.inverse_tiles + int64_t(owned.page) * workspace.inverse_capacity;
+      owned.work.blocks_per_tile = params.selection.query_tile_tokens / kQueries;
+      owned.work.per_head = workspace.inverse_count[owned.page] * owned.work.blocks_per_tile;
+    } else {
+      owned.work.per_head = num_query_blocks;
+    }
+  }
+  owned.work.count = owned.work.per_head * (shape.num_q_heads / shape.num_kv_heads);
+  return owned;
+}
+
+// Writes dK (times the softmax scale) and dV of key row `key`, columns `column` and `column + 1`:
+// overwritten for chunk keys, ADDED into the grad pages for history keys (fp32, or bf16 with
+// round-to-nearest-even).
+template <typename Element, int kHeadDim>
+__device__ __forceinline__ void write_key_gradients(const PagedAttentionBackwardParams& params, bool chunk_block,
+                                                    int first_key, int page, int key, int column, float dk0, float dk1,
+                                                    float dv0, float dv1) {
+  const PagedAttentionShape& shape = params.shape;
+  const int kv_head = blockIdx.y;
+  const int64_t kv_row_stride = int64_t(shape.num_kv_heads) * kHeadDim;
+  dk0 *= shape.softmax_scale;
+  dk1 *= shape.softmax_scale;
+  if (chunk_block) {
+    const int64_t offset = int64_t(first_key + key) * kv_row_stride + int64_t(kv_head) * kHeadDim + column;
+    *reinterpret_cast<uint32_t*>(static_cast<Element*>(params.dk_chunk) + offset) = ElementTraits<Element>::pack(dk0, dk1);
+    *reinterpret_cast<uint32_t*>(static_cast<Element*>(params.dv_chunk) + offset) = ElementTraits<Element>::pack(dv0, dv1);
+    return;
+  }
+  const HistoryGradPages& grad = params.grad_history;
+  const int64_t dk_offset =
+      (int64_t(grad.dk_page_index[page]) * shape.page_tokens + key) * kv_row_stride + int64_t(kv_head) * kHeadDim + column;
+  const int64_t dv_offset =
+      (int64_t(grad.dv_page_index[page]) * shape.page_tokens + key) * kv_row_stride + int64_t(kv_head) * kHeadDim + column;
+  if (params.grad_page_dtype == DType::kFloat32) {
+    float2* dk_pair = reinterpret_cast<float2*>(static_cast<float*>(grad.dk_pool) + dk_offset);
+    float2* dv_pair = reinterpret_cast<float2*>(static_cast<float*>(grad.dv_pool) + dv_offset);
+    const float2 dk_old = *dk_pair, dv_old = *dv_pair;
+    *dk_pair = make_float2(dk_old.x + dk0, dk_old.y + dk1);
+    *dv_pair = make_float2(dv_old.x + dv0, dv_old.y + dv1);
+  } else {
+    using Bf16 = ElementTraits<__nv_bfloat16>;
+    uint32_t* dk_bits = reinterpret_cast<uint32_t*>(static_cast<__nv_bfloat16*>(grad.dk_pool) + dk_offset);
+    uint32_t* dv_bits = reinterpret_cast<uint32_t*>(static_cast<__nv_bfloat16*>(grad.dv_pool) + dv_offset);
+    const float2 dk_old = Bf16::unpack(*dk_bits), dv_old = Bf16::unpack(*dv_bits);
+    *dk_bits = Bf16::pack(dk_old.x + dk0, dk_old.y + dk1);
+    *dv_bits = Bf16::pack(dv_old.x + dv0, dv_old.y + dv1);
+  }
+}
+
+}  // namespace membar::kernels::cuda::detail
