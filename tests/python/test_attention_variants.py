@@ -24,7 +24,12 @@ if not hasattr(ops, "attention_cuda_variants"):
     pytest.skip("the ops library was built without CUDA", allow_module_level=True)
 
 FORWARD_VARIANTS = ops.attention_cuda_variants("forward")[0]
-BACKWARD_VARIANTS = ops.attention_cuda_variants("backward")[0]
+# Backward variants named wgmma* are not yet verified on a GPU (Note [Warpgroup backward] in
+# kernels/cuda/attention_backward_wgmma.cu): a wrong one could poison the CUDA context of every later
+# test in this process, so they run here only with MEMBAR_TEST_EXPERIMENTAL_VARIANTS=1
+# (tests/python/test_attention_wgmma_backward.py checks them in subprocesses).
+BACKWARD_VARIANTS = [name for name in ops.attention_cuda_variants("backward")[0]
+                     if not name.startswith("wgmma") or os.environ.get("MEMBAR_TEST_EXPERIMENTAL_VARIANTS") == "1"]
 
 CASES = [
     # (chunk_tokens, history_tokens, page_tokens, q_heads, kv_heads, sparse tile or 0, top_k, attend_chunk)
