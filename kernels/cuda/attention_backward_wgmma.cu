@@ -30,13 +30,15 @@
 // computes: the stage written after an item's first barrier was read by the previous item, whose
 // MMAs every warp waited for before passing that barrier (wgmma_wait<0> below). Every copy into a
 // stage is fenced (fence.proxy.async) before the barrier that publishes it to the tensor cores.
-// Each MMA batch is waited for in full before its results are read, as in the first forward.
 // Shared memory (bytes, base aligned to 1024 for the 128-byte swizzle, Note [Warpgroup shared
 // layout]): K, V [2][128][64] bf16 (32 KiB each); Q, dO [2 stages][2][64][64] (16 KiB each per
 // stage); dS^T [128][72] bf16 (TileLayout<64, true>); lse, delta [2 stages][64] fp32: 148 KiB.
-// Support: bf16, head_dim 128, pages of 128 keys, an sm_90 device with the sm_90a body built
-// (applies() is false elsewhere and the default backward runs). Not yet run on a GPU: opt-in
-// through MEMBAR_ATTENTION_BACKWARD_VARIANT=wgmma_w8_k128 (Note [Backward variants]).
+// Limitations: bf16, head_dim 128, pages of 128 keys, an sm_90 device with the sm_90a body built
+// (applies() is false elsewhere and the default backward runs). Every MMA batch is waited for in
+// full (only the P^T math overlaps the dP^T MMAs); dQ still goes through shared memory and mma.sync; at 255
+// registers a thread (0 spills, nvcc 13 for sm_90a) there is no room for deeper tiles. Not yet run
+// on a GPU: opt-in through MEMBAR_ATTENTION_BACKWARD_VARIANT=wgmma_w8_k128 (Note [Backward
+// variants]), checked by tests/python/test_attention_wgmma_backward.py.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
