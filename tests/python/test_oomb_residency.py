@@ -71,6 +71,7 @@ def test_cli_auto_residency_on_the_cpu(capsys):
     (["--gpu-resident-layers", "2"], "needs --offload"),
     (["--offload", "--gpu-resident-layers", "many"], "a number or 'auto'"),
     (["--offload", "--gpu-resident-layers", "-1"], ">= 0"),
+    (["--offload", "--gpu-resident-layers", "1", "--store", "runtime"], "runtime's GPU pool decides"),
 ])
 def test_cli_bad_residency_gets_a_sentence(arguments, message, capsys):
     assert main(["--model", "tiny-qwen2", "--seq-len", "512", "--chunk", "256", "--steps", "1", "--no-progress",

@@ -158,6 +158,9 @@ def _make_trainer(args, model):
         fits = all(size & (size - 1) == 0 and 64 * 1024 <= size <= 2 * 1024 * 1024 for size in sizes)
         kind = "runtime" if args.socket or (device.type == "cpu" and fits) else "tensor"
     store = None
+    if kind == "runtime" and resident > 0:
+        raise ValueError("--gpu-resident-layers places the tensor page store's pools; with the runtime's store "
+                         "(--store runtime, --socket) the runtime's GPU pool decides what stays on the GPU.")
     if kind == "runtime":
         from membar.oomb.runtime_store import RuntimeKVStore
 
