@@ -184,7 +184,7 @@ def main():
             commit = ""
     results = {
         "benchmark": "paged attention vs torch SDPA (flash), Qwen2.5-7B attention shape",
-        "commit": commit or os.environ.get("MEMBAR_COMMIT", "unknown"),
+        "commit": commit or "unknown",
         "machine": f"{torch.cuda.get_device_name()} ({platform.node()})",
         "torch": torch.__version__,
         "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
