@@ -23,7 +23,6 @@
 #include <thread>
 #include <vector>
 
-#include "daemon_client.h"
 #include "membar/client.h"
 
 namespace {

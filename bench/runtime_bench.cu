@@ -32,8 +32,8 @@
 #include <thread>
 #include <vector>
 
-#include "../libclient/window.h"
-#include "backend.h"
+#include "window.h"
+#include "membar/engine/backend.h"
 
 namespace membar::bench {
 namespace {

@@ -8,7 +8,7 @@
 #include <vector>
 
 #include "membar/protocol/v1.h"
-#include "wire_socket.h"
+#include "membar/common/wire_socket.h"
 
 namespace v1 = membar::protocol::v1;
 

@@ -9,7 +9,6 @@
 
 #include <cstdlib>
 
-#include "daemon_client.h"
 #include "membar/client.h"
 
 namespace membar {

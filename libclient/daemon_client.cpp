@@ -6,7 +6,6 @@
 // Liveness: while it waits, a call polls the socket (a closed socket means the daemon is gone)
 // and the segment's daemon_state word (set when the daemon shuts down), so it returns
 // UNAVAILABLE instead of hanging; after that every call returns UNAVAILABLE at once.
-#include "daemon_client.h"
 
 #include <poll.h>
 #include <sched.h>
@@ -29,7 +28,7 @@
 #include "membar/protocol/ring.h"
 #include "membar/protocol/v1.h"
 #include "window.h"
-#include "wire_socket.h"
+#include "membar/common/wire_socket.h"
 #if defined(MEMBAR_WITH_CUDA)
 #include "cuda/stream_signal.h"
 #endif

@@ -14,8 +14,8 @@
 #include <thread>
 
 #include "channel_table.h"
-#include "channels.h"
-#include "engine.h"
+#include "membar/engine/channels.h"
+#include "membar/engine/engine.h"
 #include "membar/client.h"
 #include "window.h"
 #if defined(MEMBAR_WITH_CUDA)

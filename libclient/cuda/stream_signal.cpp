@@ -5,8 +5,8 @@
 
 #include <string>
 
-#include "cuda/driver_api.h"
-#include "cuda/resources.h"
+#include "membar/common/cuda/driver_api.h"
+#include "membar/common/cuda/resources.h"
 
 namespace membar {
 namespace {

@@ -14,8 +14,8 @@
 #include <vector>
 
 #include "../window.h"
-#include "cuda/driver_api.h"
-#include "cuda/resources.h"
+#include "membar/common/cuda/driver_api.h"
+#include "membar/common/cuda/resources.h"
 
 namespace membar {
 namespace {

@@ -8,7 +8,7 @@
 
 #include "membar/status.h"
 #include "membar/types.h"
-#include "wire_socket.h"
+#include "membar/common/wire_socket.h"
 
 namespace membar::ctl {
 

@@ -5,11 +5,11 @@
 #include <cstdint>
 #include <string>
 
+#include "membar/common/human_bytes.h"
 #include "membar/types.h"
 
 namespace membar::ctl {
 
-std::string human_bytes(uint64_t bytes);
 std::string human_duration_ns(uint64_t ns);
 
 std::string format_stats_text(const RuntimeStats& stats, const std::string& socket_path);

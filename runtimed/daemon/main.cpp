@@ -14,8 +14,8 @@
 #include <cuda_runtime_api.h>
 #endif
 
-#include "backend.h"
-#include "engine.h"
+#include "membar/engine/backend.h"
+#include "membar/engine/engine.h"
 #include "options.h"
 #include "server.h"
 

@@ -40,18 +40,6 @@ uint64_t resolve_size(const SizeSpec& spec, uint64_t free_bytes) {
   return bytes / kFrameBytes * kFrameBytes;
 }
 
-std::string human_bytes(uint64_t bytes) {
-  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
-  double value = static_cast<double>(bytes);
-  int unit = 0;
-  while (value >= 1024 && unit < 4) {
-    value /= 1024;
-    ++unit;
-  }
-  char text[32];
-  std::snprintf(text, sizeof(text), unit == 0 ? "%.0f %s" : "%.1f %s", value, units[unit]);
-  return text;
-}
 
 std::string daemon_usage() {
   return "usage: membard [--backend cuda|host] [--socket PATH] [--gpu-pool SIZE] [--host-pool SIZE]\n"

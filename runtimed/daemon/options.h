@@ -5,6 +5,7 @@
 #include <string>
 #include <vector>
 
+#include "membar/common/human_bytes.h"
 #include "membar/status.h"
 #include "server.h"
 
@@ -20,8 +21,6 @@ struct SizeSpec {
 Result<SizeSpec> parse_size(const std::string& text);
 // Bytes for a spec given the tier's free memory, rounded down to whole 2 MiB frames.
 uint64_t resolve_size(const SizeSpec& spec, uint64_t free_bytes);
-// "40.0 GiB".
-std::string human_bytes(uint64_t bytes);
 
 struct DaemonOptions {
   std::string backend = "host";  // "host" or "cuda"

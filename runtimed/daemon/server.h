@@ -7,7 +7,7 @@
 #include <string>
 #include <vector>
 
-#include "engine.h"
+#include "membar/engine/engine.h"
 #include "membar/status.h"
 
 namespace membar::runtimed {

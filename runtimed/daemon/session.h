@@ -12,12 +12,12 @@
 #include <thread>
 #include <type_traits>
 
-#include "channels.h"
-#include "engine.h"
+#include "membar/engine/channels.h"
+#include "membar/engine/engine.h"
 #include "membar/protocol/ring.h"
 #include "membar/protocol/v1.h"
 #include "shared_segment.h"
-#include "wire_socket.h"
+#include "membar/common/wire_socket.h"
 
 namespace membar::runtimed {
 

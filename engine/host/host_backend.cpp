@@ -1,0 +1,407 @@
+// HostBackend: the DeviceBackend with no GPU. Both tiers are pools of 2 MiB frames, each frame
+// its own memfd (so exporting a frame hands a client that frame and nothing else), mapped
+// MAP_SHARED into one contiguous range per tier in this process: frame i of a tier lives at
+// tier_base + i * kFrameBytes, which lets adjacent CopyOps that cross a frame boundary merge
+// into one memcpy. Copies and zero fills run on worker threads; signal blocks are memfds too.
+#include <sys/mman.h>
+#include <sys/resource.h>
+#include <unistd.h>
+#include <fcntl.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <condition_variable>
+#include <cstring>
+#include <deque>
+#include <map>
+#include <mutex>
+#include <set>
+#include <thread>
+
+#include "membar/common/fd.h"
+#include "membar/engine/backend.h"
+
+namespace membar::runtimed {
+namespace {
+
+std::string errno_text(int error) { return std::string(std::strerror(error)); }
+
+
+// An owned mapping (munmap on destruction).
+class UniqueMapping {
+ public:
+  UniqueMapping() = default;
+  UniqueMapping(void* base, size_t bytes) : base_(base), bytes_(bytes) {}
+  UniqueMapping(UniqueMapping&& other) noexcept
+      : base_(std::exchange(other.base_, nullptr)), bytes_(std::exchange(other.bytes_, 0)) {}
+  UniqueMapping& operator=(UniqueMapping&& other) noexcept {
+    if (this != &other) {
+      reset();
+      base_ = std::exchange(other.base_, nullptr);
+      bytes_ = std::exchange(other.bytes_, 0);
+    }
+    return *this;
+  }
+  UniqueMapping(const UniqueMapping&) = delete;
+  UniqueMapping& operator=(const UniqueMapping&) = delete;
+  ~UniqueMapping() { reset(); }
+  char* get() const { return static_cast<char*>(base_); }
+  void reset() {
+    if (base_ != nullptr) ::munmap(base_, bytes_);
+    base_ = nullptr;
+    bytes_ = 0;
+  }
+
+ private:
+  void* base_ = nullptr;
+  size_t bytes_ = 0;
+};
+
+Result<UniqueFd> make_memfd(const char* name, uint64_t bytes) {
+  int fd = ::memfd_create(name, MFD_CLOEXEC);
+  if (fd < 0) {
+    int error = errno;
+    if (error == EMFILE || error == ENFILE) {
+      return resource_exhausted("memfd_create failed: out of file descriptors (" +
+                                errno_text(error) + "); raise the open-file limit (ulimit -n)");
+    }
+    return internal_error("memfd_create failed: " + errno_text(error));
+  }
+  UniqueFd owned(fd);
+  if (::ftruncate(fd, static_cast<off_t>(bytes)) != 0) {
+    return resource_exhausted("ftruncate of a " + std::to_string(bytes) +
+                              "-byte memfd failed: " + errno_text(errno));
+  }
+  return owned;
+}
+
+// One tier's frames: an fd per frame, all mapped into one contiguous reservation.
+struct TierPool {
+  UniqueMapping reservation;  // [frame_count * kFrameBytes]
+  std::vector<UniqueFd> frames;
+  char* base() const { return reservation.get(); }
+};
+
+struct SignalBlock {
+  UniqueFd fd;
+  UniqueMapping mapping;
+  uint32_t words = 0;
+};
+
+// A unit of work for the copy threads.
+struct Job {
+  uint64_t sequence = 0;
+  // Merged copies: (source, destination, bytes) in this process's address space.
+  struct Transfer {
+    char* source;
+    char* destination;
+    uint64_t bytes;
+  };
+  std::vector<Transfer> transfers;
+  bool zero = false;  // transfers[i].source unused: fill destination with zeros
+  std::function<void(Status)> done;
+};
+
+struct PendingSignal {
+  uint64_t sequence;  // fires once every job with a smaller sequence has completed
+  uint32_t block;
+  uint32_t index;
+  uint64_t value;
+};
+
+class HostBackend final : public DeviceBackend {
+ public:
+  explicit HostBackend(const BackendConfig& config) : config_(config) {}
+
+  ~HostBackend() override {
+    drain();
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      stopping_ = true;
+    }
+    work_ready_.notify_all();
+    for (auto& worker : workers_) worker.join();
+  }
+
+  Status init() {
+    raise_open_file_limit();
+    MEMBAR_RETURN_IF_ERROR(make_tier(Tier::kGpu, config_.gpu_pool_bytes / kFrameBytes));
+    MEMBAR_RETURN_IF_ERROR(make_tier(Tier::kHost, config_.host_pool_bytes / kFrameBytes));
+    constexpr int kWorkerCount = 2;
+    for (int i = 0; i < kWorkerCount; ++i) workers_.emplace_back([this] { worker_loop(); });
+    return Status::Ok();
+  }
+
+  std::string name() const override { return "host"; }
+
+  uint64_t frame_count(Tier tier) const override { return pool(tier).frames.size(); }
+
+  Result<int> export_frame(Tier tier, FrameIndex frame) override {
+    if (frame >= frame_count(tier)) {
+      return out_of_range("frame " + std::to_string(frame) + " is outside the " + tier_name(tier) +
+                          " pool of " + std::to_string(frame_count(tier)) + " frames");
+    }
+    int fd = ::fcntl(pool(tier).frames[frame].get(), F_DUPFD_CLOEXEC, 0);
+    if (fd < 0) return resource_exhausted("dup of a frame fd failed: " + errno_text(errno));
+    return fd;
+  }
+
+  void* frame_pointer(Tier tier, FrameIndex frame) override {
+    if (frame >= frame_count(tier)) return nullptr;
+    return pool(tier).base() + uint64_t(frame) * kFrameBytes;
+  }
+
+  Status enqueue_copies(std::vector<CopyOp> ops, std::function<void(Status)> done) override {
+    for (const CopyOp& op : ops) {
+      MEMBAR_RETURN_IF_ERROR(check_range(op.src_tier, op.src_frame, op.src_offset, op.bytes));
+      MEMBAR_RETURN_IF_ERROR(check_range(op.dst_tier, op.dst_frame, op.dst_offset, op.bytes));
+    }
+    // Sort by source address, then merge runs whose sources and destinations both continue
+    // where the previous op ended (frames of a tier are contiguous here, so runs may cross
+    // frame boundaries).
+    auto address = [this](Tier tier, FrameIndex frame, uint64_t offset) {
+      return pool(tier).base() + uint64_t(frame) * kFrameBytes + offset;
+    };
+    std::sort(ops.begin(), ops.end(), [&](const CopyOp& a, const CopyOp& b) {
+      return address(a.src_tier, a.src_frame, a.src_offset) <
+             address(b.src_tier, b.src_frame, b.src_offset);
+    });
+    Job job;
+    job.done = std::move(done);
+    uint64_t bytes = 0;
+    for (const CopyOp& op : ops) {
+      if (op.bytes == 0) continue;
+      char* source = address(op.src_tier, op.src_frame, op.src_offset);
+      char* destination = address(op.dst_tier, op.dst_frame, op.dst_offset);
+      bytes += op.bytes;
+      if (!job.transfers.empty()) {
+        Job::Transfer& last = job.transfers.back();
+        if (last.source + last.bytes == source && last.destination + last.bytes == destination) {
+          last.bytes += op.bytes;
+          continue;
+        }
+      }
+      job.transfers.push_back({source, destination, op.bytes});
+    }
+    counters_copy_ops_ += ops.size();
+    counters_transfers_ += job.transfers.size();
+    counters_bytes_ += bytes;
+    submit(std::move(job));
+    return Status::Ok();
+  }
+
+  Status enqueue_zero(Tier tier, FrameIndex frame, uint64_t offset, uint64_t bytes,
+                      std::function<void(Status)> done) override {
+    MEMBAR_RETURN_IF_ERROR(check_range(tier, frame, offset, bytes));
+    Job job;
+    job.zero = true;
+    job.done = std::move(done);
+    job.transfers.push_back({nullptr, pool(tier).base() + uint64_t(frame) * kFrameBytes + offset, bytes});
+    counters_zero_fills_ += 1;
+    submit(std::move(job));
+    return Status::Ok();
+  }
+
+  void drain() override {
+    std::unique_lock<std::mutex> lock(mutex_);
+    idle_.wait(lock, [this] { return queue_.empty() && outstanding_.empty(); });
+  }
+
+  Result<uint32_t> create_signal_block(uint32_t words) override {
+    if (words == 0 || words > 4096) {
+      return invalid_argument("a signal block holds 1 to 4096 words, not " + std::to_string(words));
+    }
+    uint64_t bytes = (uint64_t(words) * sizeof(uint64_t) + 4095) & ~uint64_t(4095);
+    MEMBAR_ASSIGN_OR_RETURN(UniqueFd fd, make_memfd("membar-signals", bytes));
+    void* base = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd.get(), 0);
+    if (base == MAP_FAILED) return resource_exhausted("mmap of a signal block failed: " + errno_text(errno));
+    SignalBlock block{std::move(fd), UniqueMapping(base, bytes), words};
+    std::lock_guard<std::mutex> lock(mutex_);
+    uint32_t id = next_signal_block_++;
+    signal_blocks_.emplace(id, std::move(block));
+    return id;
+  }
+
+  Status destroy_signal_block(uint32_t block) override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (signal_blocks_.erase(block) == 0) {
+      return not_found("signal block " + std::to_string(block) + " does not exist");
+    }
+    return Status::Ok();
+  }
+
+  Result<int> export_signal_block(uint32_t block) override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto it = signal_blocks_.find(block);
+    if (it == signal_blocks_.end()) return not_found("signal block " + std::to_string(block) + " does not exist");
+    int fd = ::fcntl(it->second.fd.get(), F_DUPFD_CLOEXEC, 0);
+    if (fd < 0) return resource_exhausted("dup of a signal block fd failed: " + errno_text(errno));
+    return fd;
+  }
+
+  volatile uint64_t* signal_words(uint32_t block) override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto it = signal_blocks_.find(block);
+    if (it == signal_blocks_.end()) return nullptr;
+    return reinterpret_cast<volatile uint64_t*>(it->second.mapping.get());
+  }
+
+  Status enqueue_signal(uint32_t block, uint32_t index, uint64_t value) override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto it = signal_blocks_.find(block);
+    if (it == signal_blocks_.end()) return not_found("signal block " + std::to_string(block) + " does not exist");
+    if (index >= it->second.words) {
+      return out_of_range("signal word " + std::to_string(index) + " is outside a block of " +
+                          std::to_string(it->second.words) + " words");
+    }
+    pending_signals_.push_back({next_sequence_, block, index, value});
+    fire_ready_signals_locked();
+    return Status::Ok();
+  }
+
+  BackendCounters counters() const override {
+    return {counters_copy_ops_.load(), counters_transfers_.load(), counters_bytes_.load(),
+            counters_zero_fills_.load()};
+  }
+
+ private:
+  static std::string tier_name(Tier tier) { return tier == Tier::kGpu ? "GPU" : "host"; }
+
+  const TierPool& pool(Tier tier) const { return tier == Tier::kGpu ? gpu_ : host_; }
+  TierPool& pool(Tier tier) { return tier == Tier::kGpu ? gpu_ : host_; }
+
+  // Each frame needs one fd; ask for the hard limit so pools of thousands of frames fit.
+  static void raise_open_file_limit() {
+    struct rlimit limit {};
+    if (::getrlimit(RLIMIT_NOFILE, &limit) == 0 && limit.rlim_cur < limit.rlim_max) {
+      limit.rlim_cur = limit.rlim_max;
+      ::setrlimit(RLIMIT_NOFILE, &limit);
+    }
+  }
+
+  Status make_tier(Tier tier, uint64_t count) {
+    TierPool& target = pool(tier);
+    if (count == 0) return Status::Ok();
+    uint64_t bytes = count * kFrameBytes;
+    void* base = ::mmap(nullptr, bytes, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (base == MAP_FAILED) {
+      return resource_exhausted("reserving " + std::to_string(bytes) + " bytes of address space for the " +
+                                tier_name(tier) + " pool failed: " + errno_text(errno));
+    }
+    target.reservation = UniqueMapping(base, bytes);
+    target.frames.reserve(count);
+    for (uint64_t i = 0; i < count; ++i) {
+      ++frames_created_;
+      if (config_.fail_frame_create_after != 0 && frames_created_ >= config_.fail_frame_create_after) {
+        return resource_exhausted("creating " + tier_name(tier) + " frame " + std::to_string(i) +
+                                  " failed (fault injected after " +
+                                  std::to_string(config_.fail_frame_create_after - 1) + " frames)");
+      }
+      MEMBAR_ASSIGN_OR_RETURN(UniqueFd fd, make_memfd(tier == Tier::kGpu ? "membar-gpu-frame" : "membar-host-frame",
+                                                      kFrameBytes));
+      void* at = ::mmap(target.base() + i * kFrameBytes, kFrameBytes, PROT_READ | PROT_WRITE,
+                        MAP_SHARED | MAP_FIXED, fd.get(), 0);
+      if (at == MAP_FAILED) return resource_exhausted("mapping a frame failed: " + errno_text(errno));
+      target.frames.push_back(std::move(fd));
+    }
+    return Status::Ok();
+  }
+
+  Status check_range(Tier tier, FrameIndex frame, uint64_t offset, uint64_t bytes) const {
+    if (frame >= frame_count(tier)) {
+      return out_of_range("frame " + std::to_string(frame) + " is outside the " + tier_name(tier) +
+                          " pool of " + std::to_string(frame_count(tier)) + " frames");
+    }
+    if (offset > kFrameBytes || bytes > kFrameBytes - offset) {
+      return out_of_range("bytes [" + std::to_string(offset) + ", " + std::to_string(offset + bytes) +
+                          ") do not fit in a 2 MiB frame");
+    }
+    return Status::Ok();
+  }
+
+  void submit(Job job) {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      job.sequence = next_sequence_++;
+      outstanding_.insert(job.sequence);
+      queue_.push_back(std::move(job));
+    }
+    work_ready_.notify_one();
+  }
+
+  void worker_loop() {
+    for (;;) {
+      Job job;
+      {
+        std::unique_lock<std::mutex> lock(mutex_);
+        work_ready_.wait(lock, [this] { return stopping_ || !queue_.empty(); });
+        if (queue_.empty()) return;
+        job = std::move(queue_.front());
+        queue_.pop_front();
+      }
+      for (const Job::Transfer& transfer : job.transfers) {
+        if (job.zero) {
+          std::memset(transfer.destination, 0, transfer.bytes);
+        } else {
+          std::memmove(transfer.destination, transfer.source, transfer.bytes);
+        }
+      }
+      if (job.done) job.done(Status::Ok());
+      {
+        std::lock_guard<std::mutex> lock(mutex_);
+        outstanding_.erase(job.sequence);
+        fire_ready_signals_locked();
+        if (queue_.empty() && outstanding_.empty()) idle_.notify_all();
+      }
+    }
+  }
+
+  // Writes every pending signal whose preceding jobs have all completed.
+  void fire_ready_signals_locked() {
+    uint64_t oldest = outstanding_.empty() ? UINT64_MAX : *outstanding_.begin();
+    auto ready = [oldest](const PendingSignal& s) { return s.sequence <= oldest; };
+    for (const PendingSignal& signal : pending_signals_) {
+      if (!ready(signal)) continue;
+      auto it = signal_blocks_.find(signal.block);
+      if (it == signal_blocks_.end()) continue;
+      // A release store: whoever reads the word also sees every byte the copies wrote.
+      __atomic_store_n(reinterpret_cast<uint64_t*>(it->second.mapping.get()) + signal.index, signal.value,
+                       __ATOMIC_RELEASE);
+    }
+    pending_signals_.erase(std::remove_if(pending_signals_.begin(), pending_signals_.end(), ready),
+                           pending_signals_.end());
+  }
+
+  BackendConfig config_;
+  TierPool gpu_;
+  TierPool host_;
+  uint64_t frames_created_ = 0;
+
+  std::mutex mutex_;
+  std::condition_variable work_ready_;
+  std::condition_variable idle_;
+  std::deque<Job> queue_;
+  std::set<uint64_t> outstanding_;  // sequences of queued or running jobs
+  std::vector<PendingSignal> pending_signals_;
+  uint64_t next_sequence_ = 1;
+  bool stopping_ = false;
+  std::vector<std::thread> workers_;
+  std::map<uint32_t, SignalBlock> signal_blocks_;
+  uint32_t next_signal_block_ = 1;
+
+  std::atomic<uint64_t> counters_copy_ops_{0};
+  std::atomic<uint64_t> counters_transfers_{0};
+  std::atomic<uint64_t> counters_bytes_{0};
+  std::atomic<uint64_t> counters_zero_fills_{0};
+};
+
+}  // namespace
+
+Result<std::unique_ptr<DeviceBackend>> make_host_backend(const BackendConfig& config) {
+  auto backend = std::make_unique<HostBackend>(config);
+  MEMBAR_RETURN_IF_ERROR(backend->init());
+  return std::unique_ptr<DeviceBackend>(std::move(backend));
+}
+
+}  // namespace membar::runtimed

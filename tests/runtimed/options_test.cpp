@@ -1,0 +1,111 @@
+// Unit tests (label unit) of membard's pieces that need no process: flag and size parsing, and
+// the Prometheus text format.
+#include <gtest/gtest.h>
+
+#include <vector>
+
+#include "options.h"
+#include "prometheus.h"
+
+namespace membar::runtimed {
+namespace {
+
+TEST(ParseSize, AcceptsUnitsAndFractions) {
+  EXPECT_EQ(parse_size("40GiB").value().bytes, 40ull << 30);
+  EXPECT_EQ(parse_size("40G").value().bytes, 40ull << 30);
+  EXPECT_EQ(parse_size("512MiB").value().bytes, 512ull << 20);
+  EXPECT_EQ(parse_size("64KiB").value().bytes, 64ull << 10);
+  EXPECT_EQ(parse_size("1048576").value().bytes, 1ull << 20);
+  EXPECT_EQ(parse_size("1.5GiB").value().bytes, 3ull << 29);
+  EXPECT_DOUBLE_EQ(parse_size("0.8").value().fraction, 0.8);
+  EXPECT_DOUBLE_EQ(parse_size("1.0").value().fraction, 1.0);
+}
+
+TEST(ParseSize, RejectsGarbage) {
+  for (const char* bad : {"", "GiB", "-1GiB", "40XB", "1.5", "0.0", "nan", "1e30TiB", "abc"}) {
+    EXPECT_EQ(parse_size(bad).status().code(), StatusCode::INVALID_ARGUMENT) << bad;
+  }
+}
+
+TEST(ResolveSize, RoundsDownToWholeFrames) {
+  EXPECT_EQ(resolve_size(SizeSpec{5ull << 20, 0}, 0), 4ull << 20);
+  EXPECT_EQ(resolve_size(SizeSpec{0, 0.5}, 100ull << 20), 50ull << 20);
+  EXPECT_EQ(resolve_size(SizeSpec{0, 0.5}, 3ull << 20), 0u);
+  EXPECT_EQ(human_bytes(40ull << 30), "40 GiB");
+}
+
+Result<DaemonOptions> parse(std::vector<const char*> args) {
+  args.insert(args.begin(), "membard");
+  return parse_daemon_options(static_cast<int>(args.size()), args.data());
+}
+
+TEST(DaemonOptions, ParsesEveryFlag) {
+  auto options = parse({"--backend", "host", "--socket", "/tmp/x.sock", "--gpu-pool", "0.8", "--host-pool=40GiB",
+                        "--default-gpu-quota", "2GiB", "--allow-uid", "1000,1001", "--socket-mode", "0660",
+                        "--prometheus-port", "9464", "--ring-capacity", "128", "--foreground", "--log-level",
+                        "debug", "--device", "1"});
+  ASSERT_TRUE(options.ok()) << options.status().to_string();
+  const DaemonOptions& o = options.value();
+  EXPECT_EQ(o.backend, "host");
+  EXPECT_EQ(o.server.socket_path, "/tmp/x.sock");
+  EXPECT_DOUBLE_EQ(o.gpu_pool.fraction, 0.8);
+  EXPECT_EQ(o.host_pool.bytes, 40ull << 30);
+  EXPECT_EQ(o.default_gpu_quota.bytes, 2ull << 30);
+  EXPECT_EQ(o.server.allowed_uids, (std::vector<uint32_t>{1000, 1001}));
+  EXPECT_EQ(o.server.socket_mode, 0660u);
+  EXPECT_EQ(o.server.prometheus_port, 9464);
+  EXPECT_EQ(o.server.ring_capacity, 128u);
+  EXPECT_TRUE(o.foreground);
+  EXPECT_EQ(o.log_level, "debug");
+  EXPECT_EQ(o.device, 1);
+  auto defaults = parse({});
+  ASSERT_TRUE(defaults.ok());
+  EXPECT_EQ(defaults.value().server.socket_path, "/run/membar/membard.sock");
+  EXPECT_EQ(defaults.value().server.socket_mode, 0600u);
+  EXPECT_EQ(defaults.value().server.prometheus_port, -1);
+}
+
+TEST(DaemonOptions, RejectsBadFlagsWithTheirName) {
+  struct Case {
+    std::vector<const char*> args;
+    const char* mentions;
+  };
+  std::vector<Case> cases = {
+      {{"--backend", "tpu"}, "--backend"},      {{"--gpu-pool", "lots"}, "--gpu-pool"},
+      {{"--socket-mode", "0777"}, "--socket-mode"}, {{"--allow-uid", "12,x"}, "--allow-uid"},
+      {{"--prometheus-port", "70000"}, "--prometheus-port"}, {{"--ring-capacity", "1"}, "--ring-capacity"},
+      {{"--log-level", "loud"}, "--log-level"}, {{"--frobnicate"}, "--frobnicate"},
+      {{"--socket"}, "--socket"},
+  };
+  for (const Case& c : cases) {
+    auto options = parse(c.args);
+    ASSERT_FALSE(options.ok()) << c.mentions;
+    EXPECT_EQ(options.status().code(), StatusCode::INVALID_ARGUMENT);
+    EXPECT_NE(options.status().message().find(c.mentions), std::string::npos) << options.status().to_string();
+  }
+}
+
+TEST(Prometheus, FormatsTiersAndClientsWithEscapedLabels) {
+  RuntimeStats stats;
+  stats.backend = "host";
+  stats.tiers = {{Tier::kGpu, 16, 3, 13}, {Tier::kHost, 64, 0, 64}};
+  ClientStats client;
+  client.client = 4;
+  client.pid = 99;
+  client.name = "we\"ird\\name";
+  stat_increase(client.gpu_frames, 3);
+  client.bytes_gpu_to_host = 12345;
+  client.stall_ns = 1500000000;
+  stats.clients.push_back(client);
+  std::string text = format_prometheus(stats);
+  EXPECT_NE(text.find("# TYPE membar_frames_total gauge"), std::string::npos);
+  EXPECT_NE(text.find("membar_frames_used{tier=\"gpu\"} 3\n"), std::string::npos) << text;
+  EXPECT_NE(text.find("membar_frames_free{tier=\"host\"} 64\n"), std::string::npos) << text;
+  EXPECT_NE(text.find("name=\"we\\\"ird\\\\name\""), std::string::npos) << text;
+  EXPECT_NE(text.find("direction=\"gpu_to_host\"} 12345\n"), std::string::npos) << text;
+  EXPECT_NE(text.find("membar_client_stall_seconds_total{client=\"4\""), std::string::npos) << text;
+  EXPECT_NE(text.find("} 1.5\n"), std::string::npos) << text;
+}
+
+}  // namespace
+}  // namespace membar::runtimed
