@@ -1,4 +1,4 @@
-// ChannelRegistry (runtimed/channels.h, Note [Channels]).
+// ChannelRegistry (membar/engine/channels.h, Note [Channels]).
 #include "membar/engine/channels.h"
 
 #include <fcntl.h>
@@ -34,26 +34,18 @@ ChannelRegistry::~ChannelRegistry() {
   for (auto& [name, entry] : by_name_) ::close(entry.fd);
 }
 
-Result<ChannelGrant> ChannelRegistry::create(ClientId owner, uint32_t uid, const std::string& name, uint64_t bytes,
-                                             uint64_t owner_limit_bytes) {
+Result<ChannelGrant> ChannelRegistry::create(ClientId owner, uint32_t uid, const std::string& name, uint64_t bytes) {
   MEMBAR_RETURN_IF_ERROR(check_name(name));
   if (bytes == 0 || bytes > kMaxChannelBytes) {
     return invalid_argument("channel '" + name + "': size " + std::to_string(bytes) + " is not in [1, 64 GiB]");
   }
   std::lock_guard<std::mutex> lock(mutex_);
-  if (by_name_.count(name) != 0) return already_exists("channel '" + name + "' already exists");
-  uint64_t used = 0;
-  for (const auto& [other, entry] : by_name_) used += entry.owner == owner ? entry.bytes : 0;
-  if (owner_limit_bytes != 0 && used + bytes > owner_limit_bytes) {
-    return resource_exhausted("channel '" + name + "' of " + std::to_string(bytes) + " bytes would bring client " +
-                              std::to_string(owner) + "'s channels to " + std::to_string(used + bytes) +
-                              " bytes, over its host quota of " + std::to_string(owner_limit_bytes));
-  }
+  auto key = std::make_pair(uid, name);
+  if (by_name_.count(key) != 0) return already_exists("channel '" + name + "' already exists");
   std::string memfd_name = "membar-channel-" + name;
   int fd = ::memfd_create(memfd_name.c_str(), MFD_CLOEXEC | MFD_ALLOW_SEALING);
   if (fd < 0) return errno_status("memfd_create for channel '" + name + "'");
-  if (::ftruncate(fd, static_cast<off_t>(bytes)) != 0 ||
-      ::fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) != 0) {
+  if (::ftruncate(fd, static_cast<off_t>(bytes)) != 0 || ::fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW) != 0) {
     Status status = errno_status("sizing channel '" + name + "'");
     ::close(fd);
     return status;
@@ -64,16 +56,33 @@ Result<ChannelGrant> ChannelRegistry::create(ClientId owner, uint32_t uid, const
     ::close(fd);
     return status;
   }
-  Entry entry{next_id_++, owner, uid, bytes, fd};
-  by_name_.emplace(name, entry);
+  Entry entry{next_id_++, owner, uid, bytes, fd, false};
+  by_name_.emplace(key, entry);
   return ChannelGrant{entry.id, handed, bytes, true};
+}
+
+Status ChannelRegistry::publish(ClientId owner, uint32_t id) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  for (auto& [key, entry] : by_name_) {
+    if (entry.id != id) continue;
+    if (entry.owner != owner) break;
+    if (entry.published) return Status::Ok();
+    // From now on no descriptor of this file, however re-opened, can write it or map it
+    // writable; the creator's existing mapping stays writable.
+    if (::fcntl(entry.fd, F_ADD_SEALS, F_SEAL_FUTURE_WRITE | F_SEAL_SEAL) != 0) {
+      return errno_status("sealing channel '" + key.second + "'");
+    }
+    entry.published = true;
+    return Status::Ok();
+  }
+  return not_found("channel " + std::to_string(id) + " was not created by this client (or is closed)");
 }
 
 Result<ChannelGrant> ChannelRegistry::open(uint32_t uid, const std::string& name) {
   MEMBAR_RETURN_IF_ERROR(check_name(name));
   std::lock_guard<std::mutex> lock(mutex_);
-  auto it = by_name_.find(name);
-  if (it == by_name_.end() || (uid != 0 && uid != it->second.uid)) {
+  auto it = by_name_.find(std::make_pair(uid, name));
+  if (it == by_name_.end() || !it->second.published) {
     return not_found("no channel named '" + name + "' (its creator may have closed it or disconnected)");
   }
   // A new open file description with read-only access: mmap(PROT_WRITE, MAP_SHARED) on it fails.
@@ -83,14 +92,15 @@ Result<ChannelGrant> ChannelRegistry::open(uint32_t uid, const std::string& name
   return ChannelGrant{it->second.id, fd, it->second.bytes, false};
 }
 
-Status ChannelRegistry::close(ClientId owner, uint32_t id) {
+Result<uint64_t> ChannelRegistry::close(ClientId owner, uint32_t id) {
   std::lock_guard<std::mutex> lock(mutex_);
   for (auto it = by_name_.begin(); it != by_name_.end(); ++it) {
     if (it->second.id != id) continue;
     if (it->second.owner != owner) break;
+    uint64_t bytes = it->second.bytes;
     ::close(it->second.fd);
     by_name_.erase(it);
-    return Status::Ok();
+    return bytes;
   }
   return not_found("channel " + std::to_string(id) + " was not created by this client (or is closed)");
 }

@@ -13,9 +13,9 @@ if [ -z "$cxx" ]; then
 fi
 mkdir -p "$out/corpus"
 binary="$out/protocol_fuzzer"
-sources=("$root/fuzz/protocol_fuzzer.cpp" "$root/common/protocol_v1.cpp" "$root/common/wire_socket.cpp"
+sources=("$root/fuzz/protocol_fuzzer.cpp" "$root/common/protocol.cpp" "$root/common/wire_socket.cpp"
          "$root/common/status.cpp")
-newest=$(ls -t "${sources[@]}" "$root/include/membar/protocol/v1.h" "$root/common/include/membar/common/wire_socket.h" | head -1)
+newest=$(ls -t "${sources[@]}" "$root/include/membar/protocol/v2.h" "$root/common/include/membar/common/wire_socket.h" | head -1)
 if [ ! -x "$binary" ] || [ "$newest" -nt "$binary" ]; then
   if ! "$cxx" -std=c++20 -O1 -g -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=undefined \
       -I "$root/include" -I "$root/common/include" "${sources[@]}" -o "$binary" 2>"$out/build.log"; then

@@ -1,8 +1,10 @@
-// DaemonClient: membar::Client over a membard (see membar/protocol/v1.h, Note [Two channels]).
+// The daemon client: membar::Client over a membard (see membar/protocol/v2.h, Note [Two
+// channels]).
 //
-// Every call is one request on the shared-memory request ring and one completion back. Frames
-// arrive on the control socket (SCM_RIGHTS) and are mapped into this process's windows before
-// the completion that refers to them is used: the socket is drained after every completion.
+// Every call is one request on the shared-memory request ring and one completion back. Frame
+// events (grants with their descriptors, maps, unmaps, revocations) arrive on the control socket,
+// numbered; before the result of a completion is used, the socket is read until the event the
+// completion names (events_through) has been applied, so every page the call hands out is mapped.
 // Liveness: while it waits, a call polls the socket (a closed socket means the daemon is gone)
 // and the segment's daemon_state word (set when the daemon shuts down), so it returns
 // UNAVAILABLE instead of hanging; after that every call returns UNAVAILABLE at once.
@@ -14,9 +16,6 @@
 #include <sys/un.h>
 #include <unistd.h>
 
-#include <boost/interprocess/mapped_region.hpp>
-#include <boost/interprocess/shared_memory_object.hpp>
-
 #include <atomic>
 #include <cstdlib>
 #include <cstring>
@@ -25,10 +24,11 @@
 #include <thread>
 
 #include "channel_table.h"
-#include "membar/protocol/ring.h"
-#include "membar/protocol/v1.h"
-#include "window.h"
 #include "membar/common/wire_socket.h"
+#include "membar/protocol/ring.h"
+#include "membar/protocol/v2.h"
+#include "memory.h"
+#include "retry.h"
 #if defined(MEMBAR_WITH_CUDA)
 #include "cuda/stream_signal.h"
 #endif
@@ -36,11 +36,10 @@
 namespace membar {
 namespace {
 
-namespace v1 = protocol::v1;
-namespace bip = boost::interprocess;
+namespace v2 = protocol::v2;
 
-// Signal word indices (runtimed/engine.h; repeated here because the client does not include the
-// engine's headers in daemon mode).
+// Signal word indices (membar/engine/engine.h; repeated here because the client does not include
+// the engine's headers in daemon mode).
 constexpr uint32_t kSignalCompletedWord = 0;
 constexpr uint32_t kSignalReleasedWord = 1;
 constexpr uint64_t kSignalBlockBytes = 4096;
@@ -83,10 +82,10 @@ class DaemonClient final : public Client {
 #if defined(MEMBAR_WITH_CUDA)
     stream_signals_.reset();
 #endif
-    // Closing the socket is what tells the daemon to reclaim this client's frames.
+    // Closing the socket is what tells the daemon to reclaim this client's memory.
     socket_.reset();
-    gpu_window_.reset();
-    host_window_.reset();
+    memory_.reset();
+    if (segment_ != nullptr) ::munmap(segment_, segment_bytes_);
     if (signal_words_ != nullptr) ::munmap(const_cast<uint64_t*>(signal_words_), kSignalBlockBytes);
   }
 
@@ -97,92 +96,95 @@ class DaemonClient final : public Client {
 
   Result<SpaceId> create_space(const std::string& name, uint64_t page_bytes, uint32_t page_count) override {
     std::lock_guard<std::mutex> lock(mutex_);
-    MEMBAR_RETURN_IF_ERROR(v1::validate_space_name(name));
-    v1::RequestV1 request = make_request(v1::Opcode::kCreateSpace);
+    MEMBAR_RETURN_IF_ERROR(v2::validate_name(name, "space"));
+    v2::RequestV2 request = make_request(v2::Opcode::kCreateSpace);
     request.argument = page_bytes;
     request.page_count = page_count;
-    MEMBAR_ASSIGN_OR_RETURN(Reply reply,
-                            call(request, std::span<const uint8_t>(reinterpret_cast<const uint8_t*>(name.data()), name.size())));
+    MEMBAR_ASSIGN_OR_RETURN(Reply reply, call(request, as_bytes(name)));
     auto space = static_cast<SpaceId>(reply.value);
-    page_bytes_[space] = page_bytes;
+    Status reserved = memory_->add_space(space, page_bytes, page_count);
+    if (!reserved.ok()) {
+      v2::RequestV2 undo = make_request(v2::Opcode::kDestroySpace);
+      undo.space = space;
+      (void)call(undo);
+      return reserved;
+    }
     return space;
   }
 
   Status destroy_space(SpaceId space) override {
     std::lock_guard<std::mutex> lock(mutex_);
-    v1::RequestV1 request = make_request(v1::Opcode::kDestroySpace);
+    v2::RequestV2 request = make_request(v2::Opcode::kDestroySpace);
     request.space = space;
     MEMBAR_RETURN_IF_ERROR(call(request).status());
-    page_bytes_.erase(space);
-    return Status::Ok();
+    return memory_->remove_space(space);
   }
+
+  Result<SpaceView> space_view(SpaceId space) const override { return memory_->view(space); }
 
   Result<Acquired> acquire(PageRange range, uint32_t flags) override {
     std::lock_guard<std::mutex> lock(mutex_);
-    v1::RequestV1 request = range_request(v1::Opcode::kAcquire, range);
+    MEMBAR_ASSIGN_OR_RETURN(SpaceView view, memory_->view(range.space));
+    v2::RequestV2 request = range_request(v2::Opcode::kAcquire, range);
     request.flags = flags;
-    MEMBAR_ASSIGN_OR_RETURN(Reply reply, call(request));
-    MEMBAR_ASSIGN_OR_RETURN(std::vector<PageLocation> locations, v1::decode_locations(reply.payload, range.page_count));
-    Acquired acquired;
-    acquired.ticket = reply.ticket;
-    MEMBAR_ASSIGN_OR_RETURN(acquired.page_pointers, pointers(Tier::kGpu, range.space, locations));
-    return acquired;
+    MEMBAR_ASSIGN_OR_RETURN(Reply reply, retried([&] { return call(request); }));
+    return Acquired{reply.ticket, static_cast<char*>(view.gpu) + uint64_t(range.first_page) * view.page_bytes};
   }
 
   Status release(PageRange range, bool dirty) override {
     std::lock_guard<std::mutex> lock(mutex_);
-    v1::RequestV1 request = range_request(v1::Opcode::kRelease, range);
-    request.flags = dirty ? v1::kReleaseDirty : 0;
+    v2::RequestV2 request = range_request(v2::Opcode::kRelease, range);
+    request.flags = dirty ? v2::kReleaseDirty : 0;
     return call(request).status();
   }
 
   Result<Ticket> prefetch(PageRange range) override {
     std::lock_guard<std::mutex> lock(mutex_);
-    MEMBAR_ASSIGN_OR_RETURN(Reply reply, call(range_request(v1::Opcode::kPrefetch, range)));
+    MEMBAR_ASSIGN_OR_RETURN(Reply reply, retried([&] { return call(range_request(v2::Opcode::kPrefetch, range)); }));
     return reply.ticket;
   }
 
   Result<Ticket> offload(PageRange range) override {
     std::lock_guard<std::mutex> lock(mutex_);
-    MEMBAR_ASSIGN_OR_RETURN(Reply reply, call(range_request(v1::Opcode::kOffload, range)));
+    MEMBAR_ASSIGN_OR_RETURN(Reply reply, retried([&] { return call(range_request(v2::Opcode::kOffload, range)); }));
     return reply.ticket;
   }
 
   Status free_pages(PageRange range) override {
     std::lock_guard<std::mutex> lock(mutex_);
-    return call(range_request(v1::Opcode::kFreePages, range)).status();
+    return call(range_request(v2::Opcode::kFreePages, range)).status();
   }
 
-  Result<std::vector<void*>> acquire_host(PageRange range) override {
+  Result<void*> acquire_host(PageRange range) override {
     Ticket ticket = 0;
-    std::vector<PageLocation> locations;
+    SpaceView view;
     {
       std::lock_guard<std::mutex> lock(mutex_);
-      MEMBAR_ASSIGN_OR_RETURN(Reply reply, call(range_request(v1::Opcode::kAcquireHost, range)));
-      MEMBAR_ASSIGN_OR_RETURN(locations, v1::decode_locations(reply.payload, range.page_count));
+      MEMBAR_ASSIGN_OR_RETURN(view, memory_->view(range.space));
+      MEMBAR_ASSIGN_OR_RETURN(Reply reply,
+                              retried([&] { return call(range_request(v2::Opcode::kAcquireHost, range)); }));
       ticket = reply.ticket;
     }
     MEMBAR_RETURN_IF_ERROR(wait(ticket));
-    std::lock_guard<std::mutex> lock(mutex_);
-    return pointers(Tier::kHost, range.space, locations);
+    return static_cast<void*>(static_cast<char*>(view.host) + uint64_t(range.first_page) * view.page_bytes);
   }
 
   Status release_host(PageRange range, bool dirty) override {
     std::lock_guard<std::mutex> lock(mutex_);
-    v1::RequestV1 request = range_request(v1::Opcode::kReleaseHost, range);
-    request.flags = dirty ? v1::kReleaseDirty : 0;
+    v2::RequestV2 request = range_request(v2::Opcode::kReleaseHost, range);
+    request.flags = dirty ? v2::kReleaseDirty : 0;
     return call(request).status();
   }
 
   Status set_schedule(std::vector<ScheduleStep> steps) override {
     std::lock_guard<std::mutex> lock(mutex_);
-    std::vector<uint8_t> payload = v1::encode_schedule(steps);
-    return call(make_request(v1::Opcode::kSetSchedule), payload).status();
+    std::vector<uint8_t> payload = v2::encode_schedule(steps);
+    return call(make_request(v2::Opcode::kSetSchedule), payload).status();
   }
 
   Status advance(uint32_t step) override {
     std::lock_guard<std::mutex> lock(mutex_);
-    v1::RequestV1 request = make_request(v1::Opcode::kAdvance);
+    v2::RequestV2 request = make_request(v2::Opcode::kAdvance);
     request.argument = step;
     return call(request).status();
   }
@@ -190,6 +192,11 @@ class DaemonClient final : public Client {
   // Not under the call mutex: other threads keep issuing calls while one waits.
   Status wait(Ticket ticket) override {
     if (completed_ticket() >= ticket) return Status::Ok();
+    uint64_t issued = last_ticket_.load(std::memory_order_acquire);
+    if (ticket > issued) {
+      return invalid_argument("wait: ticket " + std::to_string(ticket) + " was never issued to this client (the last is " +
+                              std::to_string(issued) + ")");
+    }
     uint64_t start = protocol::monotonic_ns();
     uint64_t deadline = start + wait_timeout_ms_ * 1000000ull;
     Status result = Status::Ok();
@@ -253,8 +260,8 @@ class DaemonClient final : public Client {
       std::lock_guard<std::mutex> lock(mutex_);
       uint64_t marker = ++release_marker_;
       MEMBAR_RETURN_IF_ERROR(stream_signals_->stream_write(kSignalReleasedWord, marker, cuda_stream));
-      v1::RequestV1 request = range_request(v1::Opcode::kRelease, range);
-      request.flags = (dirty ? v1::kReleaseDirty : 0) | v1::kReleaseAfterMarker;
+      v2::RequestV2 request = range_request(v2::Opcode::kRelease, range);
+      request.flags = (dirty ? v2::kReleaseDirty : 0) | v2::kReleaseAfterMarker;
       request.argument = marker;
       return call(request).status();
     }
@@ -263,32 +270,32 @@ class DaemonClient final : public Client {
                          " (use release)");
   }
 
-  void* window_base() const override { return gpu_window_->base(); }
-  uint64_t window_bytes() const override { return gpu_window_->bytes(); }
-
-  Result<std::vector<PageLocation>> locations(PageRange range) override {
-    std::lock_guard<std::mutex> lock(mutex_);
-    MEMBAR_ASSIGN_OR_RETURN(Reply reply, call(range_request(v1::Opcode::kLocations, range)));
-    return v1::decode_locations(reply.payload, range.page_count);
-  }
-
   Result<RuntimeStats> stats() override {
     std::lock_guard<std::mutex> lock(mutex_);
-    MEMBAR_ASSIGN_OR_RETURN(Reply reply, call(make_request(v1::Opcode::kStats)));
-    return v1::decode_stats(reply.payload);
+    MEMBAR_ASSIGN_OR_RETURN(Reply reply, call(make_request(v2::Opcode::kStats)));
+    return v2::decode_stats(reply.payload);
   }
 
   Result<Channel> create_channel(const std::string& name, uint64_t bytes) override {
     std::lock_guard<std::mutex> lock(mutex_);
-    v1::RequestV1 request = make_request(v1::Opcode::kCreateChannel);
+    v2::RequestV2 request = make_request(v2::Opcode::kCreateChannel);
     request.argument = bytes;
     MEMBAR_ASSIGN_OR_RETURN(Reply reply, call(request, as_bytes(name)));
-    return take_channel_grant(static_cast<uint32_t>(reply.value), /*owner=*/true);
+    MEMBAR_ASSIGN_OR_RETURN(Channel channel, take_channel_grant(static_cast<uint32_t>(reply.value), /*owner=*/true));
+    // Mapped writable: now seal it and let readers find it (Note [Channels]).
+    v2::RequestV2 publish = make_request(v2::Opcode::kPublishChannel);
+    publish.argument = reply.value;
+    Status published = call(publish).status();
+    if (!published.ok()) {
+      (void)channels_.remove(channel.handle, nullptr);
+      return published;
+    }
+    return channel;
   }
 
   Result<Channel> open_channel(const std::string& name) override {
     std::lock_guard<std::mutex> lock(mutex_);
-    MEMBAR_ASSIGN_OR_RETURN(Reply reply, call(make_request(v1::Opcode::kOpenChannel), as_bytes(name)));
+    MEMBAR_ASSIGN_OR_RETURN(Reply reply, call(make_request(v2::Opcode::kOpenChannel), as_bytes(name)));
     return take_channel_grant(static_cast<uint32_t>(reply.value), /*owner=*/false);
   }
 
@@ -297,16 +304,16 @@ class DaemonClient final : public Client {
     ChannelTable::Entry entry;
     MEMBAR_RETURN_IF_ERROR(channels_.remove(handle, &entry));
     if (!entry.owner) return Status::Ok();
-    v1::RequestV1 request = make_request(v1::Opcode::kCloseChannel);
+    v2::RequestV2 request = make_request(v2::Opcode::kCloseChannel);
     request.argument = entry.runtime_id;
     return call(request).status();
   }
 
   // A round trip through the ring that the daemon answers without touching the engine (latency
-  // benchmark). Not part of membar::Client; reached through ring_round_trip() below.
+  // benchmark). Not part of membar::Client; reached through daemon_client_nop() below.
   Status nop() {
     std::lock_guard<std::mutex> lock(mutex_);
-    return call(make_request(v1::Opcode::kNop)).status();
+    return call(make_request(v2::Opcode::kNop)).status();
   }
 
  private:
@@ -314,21 +321,24 @@ class DaemonClient final : public Client {
 
   Status handshake(const std::string& socket_path, const ConnectOptions& options);
 
-  v1::SegmentHeaderV1* segment_header() const {
-    return static_cast<v1::SegmentHeaderV1*>(segment_region_.get_address());
-  }
+  v2::SegmentHeaderV2* segment_header() const { return static_cast<v2::SegmentHeaderV2*>(segment_); }
 
-  v1::RequestV1 make_request(v1::Opcode opcode) {
-    v1::RequestV1 request{};
+  v2::RequestV2 make_request(v2::Opcode opcode) {
+    v2::RequestV2 request{};
     request.opcode = static_cast<uint16_t>(opcode);
     return request;
   }
-  v1::RequestV1 range_request(v1::Opcode opcode, PageRange range) {
-    v1::RequestV1 request = make_request(opcode);
+  v2::RequestV2 range_request(v2::Opcode opcode, PageRange range) {
+    v2::RequestV2 request = make_request(opcode);
     request.space = range.space;
     request.first_page = range.first_page;
     request.page_count = range.page_count;
     return request;
+  }
+
+  template <typename Call>
+  auto retried(Call&& call) -> decltype(call()) {
+    return with_retry(std::forward<Call>(call), [this] { return !dead_.load(std::memory_order_acquire); });
   }
 
   void mark_dead(const Status& status) {
@@ -347,7 +357,7 @@ class DaemonClient final : public Client {
   Status check_alive() {
     if (dead_.load(std::memory_order_acquire)) return dead_status();
     if (std::atomic_ref<uint32_t>(segment_header()->daemon_state).load(std::memory_order_acquire) ==
-        v1::kDaemonShuttingDown) {
+        v2::kDaemonShuttingDown) {
       mark_dead(unavailable("membard at " + socket_path_ + " is shutting down"));
       // The socket's shutdown notice, if already there, has the daemon's reason.
       std::unique_lock<std::mutex> socket_lock(socket_mutex_, std::try_to_lock);
@@ -368,7 +378,7 @@ class DaemonClient final : public Client {
     return drain_socket_locked();
   }
 
-  // Reads and applies every message the socket holds (grants, revokes, shutdown, errors).
+  // Reads and applies every message the socket holds (events, shutdown, errors).
   Status drain_socket_locked() {
     if (dead_.load(std::memory_order_acquire)) return dead_status();
     Result<bool> read = assembler_.read_available(socket_.get());
@@ -383,43 +393,84 @@ class DaemonClient final : public Client {
     }
     if (!read.ok()) mark_dead(unavailable("membard at " + socket_path_ + " is gone (" + read.status().message() + ")"));
     if (dead_.load(std::memory_order_acquire)) return dead_status();
-    return take_window_error();
+    return memory_->take_error();
+  }
+
+  // Reads the socket until event `through` has been applied (Note [Two channels]).
+  Status await_events(uint64_t through, uint64_t deadline) {
+    for (;;) {
+      MEMBAR_RETURN_IF_ERROR(drain_socket());
+      if (events_applied_ >= through) return Status::Ok();
+      MEMBAR_RETURN_IF_ERROR(check_alive());
+      uint64_t now = protocol::monotonic_ns();
+      if (now > deadline) {
+        mark_dead(Status(StatusCode::DEADLINE_EXCEEDED, "membard's frame events did not arrive within " +
+                                                            std::to_string(call_timeout_ms_) + " ms"));
+        return dead_status();
+      }
+      pollfd p{socket_.get(), POLLIN, 0};
+      ::poll(&p, 1, 2);
+    }
   }
 
   void apply_message(wire::ReceivedMessage& message) {
-    switch (static_cast<v1::MessageType>(message.header.type)) {
-      case v1::MessageType::kFrameGrant: {
-        Result<v1::FrameNoticeV1> notice = v1::decode_frame_notice(message.payload);
-        if (!notice.ok()) return note_window_error(notice.status());
-        Window& window = notice.value().tier == static_cast<uint8_t>(Tier::kGpu) ? *gpu_window_ : *host_window_;
-        if (notice.value().window_frame * kFrameBytes >= window.bytes()) {
-          return note_window_error(internal_error("membard granted window frame " +
-                                                  std::to_string(notice.value().window_frame) +
-                                                  ", beyond the window it announced"));
-        }
-        if (window.is_mapped(notice.value().window_frame)) (void)window.unmap_frame(notice.value().window_frame);
-        Status mapped = window.map_frame(notice.value().window_frame, message.fd.release());
-        if (!mapped.ok()) note_window_error(mapped);
+    auto type = static_cast<v2::MessageType>(message.header.type);
+    uint64_t sequence = v2::event_sequence(type, message.payload);
+    if (sequence != 0) {
+      if (sequence != events_applied_ + 1) {
+        mark_dead(internal_error("membard's event " + std::to_string(sequence) + " arrived after event " +
+                                 std::to_string(events_applied_)));
         return;
       }
-      case v1::MessageType::kFrameRevoke: {
-        Result<v1::FrameNoticeV1> notice = v1::decode_frame_notice(message.payload);
-        if (!notice.ok()) return note_window_error(notice.status());
-        Window& window = notice.value().tier == static_cast<uint8_t>(Tier::kGpu) ? *gpu_window_ : *host_window_;
-        if (window.is_mapped(notice.value().window_frame)) {
-          Status unmapped = window.unmap_frame(notice.value().window_frame);
-          if (!unmapped.ok()) note_window_error(unmapped);
+      events_applied_ = sequence;
+    }
+    auto note = [this](const Status& status) {
+      if (!status.ok()) memory_->note_error(status);
+    };
+    switch (type) {
+      case v2::MessageType::kFrameGrant: {
+        Result<v2::FrameGrantV2> grant = v2::decode_frame_grant(message.payload);
+        if (!grant.ok()) return note(grant.status());
+        if (grant.value().window_frame >= gpu_quota_frames_) {
+          return note(internal_error("membard granted GPU frame " + std::to_string(grant.value().window_frame) +
+                                     ", beyond the quota it announced"));
         }
-        return;
+        return note(memory_->gpu_frame_granted(grant.value().window_frame, message.fds[0].release()));
       }
-      case v1::MessageType::kShutdown: {
-        Result<v1::ShutdownV1> notice = v1::decode_shutdown(message.payload);
+      case v2::MessageType::kFrameRevoke: {
+        Result<v2::FrameEventV2> event = v2::decode_frame_event(message.payload);
+        if (!event.ok()) return note(event.status());
+        return note(memory_->gpu_frame_revoked(event.value().window_frame));
+      }
+      case v2::MessageType::kSlabGrant: {
+        Result<v2::SlabGrantV2> grant = v2::decode_slab_grant(message.payload);
+        if (!grant.ok()) return note(grant.status());
+        if (grant.value().frames > host_slab_frames_) return note(internal_error("membard granted an oversized slab"));
+        return note(memory_->host_slab_granted(grant.value().slab, grant.value().frames, message.fds[0].release()));
+      }
+      case v2::MessageType::kSlabRevoke: {
+        Result<v2::SlabEventV2> event = v2::decode_slab_event(message.payload);
+        if (!event.ok()) return note(event.status());
+        return note(memory_->host_slab_revoked(event.value().slab));
+      }
+      case v2::MessageType::kFrameMap:
+      case v2::MessageType::kFrameUnmap: {
+        Result<v2::FrameMapV2> map = v2::decode_frame_map(message.payload);
+        if (!map.ok()) return note(map.status());
+        Tier tier = static_cast<Tier>(map.value().tier);
+        if (type == v2::MessageType::kFrameMap) {
+          return note(memory_->mapped(tier, map.value().window_frame, map.value().space, map.value().space_frame));
+        }
+        return note(memory_->unmapped(tier, map.value().window_frame, map.value().space, map.value().space_frame));
+      }
+      case v2::MessageType::kShutdown: {
+        Result<v2::ShutdownV2> notice = v2::decode_shutdown(message.payload);
         std::string reason = notice.ok() ? std::string(notice.value().reason) : "no reason given";
         mark_dead(unavailable("membard at " + socket_path_ + " shut down: " + reason));
         return;
       }
-      case v1::MessageType::kError: {
-        Result<v1::ErrorV1> error = v1::decode_error(message.payload);
+      case v2::MessageType::kError: {
+        Result<v2::ErrorV2> error = v2::decode_error(message.payload);
         if (error.ok()) {
           mark_dead(Status(static_cast<StatusCode>(error.value().status),
                            std::string("membard closed the connection: ") + error.value().message));
@@ -428,13 +479,13 @@ class DaemonClient final : public Client {
         }
         return;
       }
-      case v1::MessageType::kChannelGrant: {
-        Result<v1::ChannelNoticeV1> notice = v1::decode_channel_notice(message.payload);
-        if (!notice.ok()) return note_window_error(notice.status());
+      case v2::MessageType::kChannelGrant: {
+        Result<v2::ChannelNoticeV2> notice = v2::decode_channel_notice(message.payload);
+        if (!notice.ok()) return note(notice.status());
         channel_grants_[notice.value().channel] = std::move(message);
         return;
       }
-      case v1::MessageType::kPong:
+      case v2::MessageType::kPong:
         return;
       default:
         mark_dead(unavailable("membard sent unexpected message type " + std::to_string(message.header.type)));
@@ -446,7 +497,7 @@ class DaemonClient final : public Client {
     return std::span<const uint8_t>(reinterpret_cast<const uint8_t*>(text.data()), text.size());
   }
 
-  // The channel's descriptor arrived on the socket before the completion (drained by call()).
+  // The channel's descriptor arrived on the socket before the completion (awaited by call()).
   Result<Channel> take_channel_grant(uint32_t runtime_id, bool owner) {
     wire::ReceivedMessage grant;
     {
@@ -458,27 +509,22 @@ class DaemonClient final : public Client {
       grant = std::move(it->second);
       channel_grants_.erase(it);
     }
-    MEMBAR_ASSIGN_OR_RETURN(v1::ChannelNoticeV1 notice, v1::decode_channel_notice(grant.payload));
-    return channels_.add(grant.fd.release(), runtime_id, notice.bytes, (notice.flags & v1::kChannelWritable) != 0,
+    MEMBAR_ASSIGN_OR_RETURN(v2::ChannelNoticeV2 notice, v2::decode_channel_notice(grant.payload));
+    return channels_.add(grant.fds[0].release(), runtime_id, notice.bytes, (notice.flags & v2::kChannelWritable) != 0,
                          owner);
   }
 
-  void note_window_error(const Status& status) {
-    if (window_error_.ok()) window_error_ = status;
-  }
-  Status take_window_error() { return std::exchange(window_error_, Status::Ok()); }
-
   // One request and its completion. Caller holds mutex_.
-  Result<Reply> call(v1::RequestV1 request, std::span<const uint8_t> payload = {}) {
+  Result<Reply> call(v2::RequestV2 request, std::span<const uint8_t> payload = {}) {
     if (dead_.load(std::memory_order_acquire)) return dead_status();
     MEMBAR_RETURN_IF_ERROR(drain_socket());
     MEMBAR_RETURN_IF_ERROR(check_alive());
     if (payload.size() > layout_.request_payload_bytes) {
-      return invalid_argument(std::string(v1::opcode_name(request.opcode)) + ": request of " +
+      return invalid_argument(std::string(v2::opcode_name(request.opcode)) + ": request of " +
                               std::to_string(payload.size()) + " bytes exceeds the " +
                               std::to_string(layout_.request_payload_bytes) + "-byte payload area");
     }
-    uint8_t* base = static_cast<uint8_t*>(segment_region_.get_address());
+    uint8_t* base = static_cast<uint8_t*>(segment_);
     if (!payload.empty()) std::memcpy(base + layout_.request_payload_offset, payload.data(), payload.size());
     request.payload_bytes = static_cast<uint32_t>(payload.size());
     request.sequence = ++sequence_;
@@ -491,7 +537,7 @@ class DaemonClient final : public Client {
     uint64_t pushed = protocol::monotonic_ns();
     uint64_t deadline = pushed + call_timeout_ms_ * 1000000ull;
     uint64_t spin_until = pushed + kSpinNs;
-    v1::CompletionV1 completion;
+    v2::CompletionV2 completion;
     for (uint32_t spins = 0;; ++spins) {
       int popped = completions_.try_pop(completion);
       if (popped < 0) {
@@ -511,20 +557,23 @@ class DaemonClient final : public Client {
       MEMBAR_RETURN_IF_ERROR(check_alive());
       if (protocol::monotonic_ns() > deadline) {
         mark_dead(Status(StatusCode::DEADLINE_EXCEEDED, std::string("membard did not answer ") +
-                                                            std::string(v1::opcode_name(request.opcode)) + " within " +
+                                                            std::string(v2::opcode_name(request.opcode)) + " within " +
                                                             std::to_string(call_timeout_ms_) + " ms"));
         return dead_status();
       }
       completions_.wait_for_entries(2'000'000);
     }
-    MEMBAR_RETURN_IF_ERROR(v1::validate_completion(completion, layout_.response_payload_bytes));
+    MEMBAR_RETURN_IF_ERROR(v2::validate_completion(completion, layout_.response_payload_bytes));
     Reply reply;
     reply.ticket = completion.ticket;
     reply.value = completion.value;
     const uint8_t* response = base + layout_.response_payload_offset;
     reply.payload.assign(response, response + completion.payload_bytes);
-    // Frames granted by this request were sent before its completion: map them now.
-    MEMBAR_RETURN_IF_ERROR(drain_socket());
+    if (completion.ticket > last_ticket_.load(std::memory_order_relaxed)) {
+      last_ticket_.store(completion.ticket, std::memory_order_release);
+    }
+    // Every frame event of this request was queued before its completion: apply them now.
+    MEMBAR_RETURN_IF_ERROR(await_events(completion.events_through, deadline));
     if (completion.status != 0) {
       return Status(static_cast<StatusCode>(completion.status),
                     std::string(reinterpret_cast<const char*>(reply.payload.data()), reply.payload.size()));
@@ -532,45 +581,27 @@ class DaemonClient final : public Client {
     return reply;
   }
 
-  Result<std::vector<void*>> pointers(Tier tier, SpaceId space, const std::vector<PageLocation>& locations) {
-    std::lock_guard<std::mutex> socket_lock(socket_mutex_);  // the windows change under it
-    auto it = page_bytes_.find(space);
-    if (it == page_bytes_.end()) return not_found("space " + std::to_string(space) + " was not created by this client");
-    Window& window = tier == Tier::kGpu ? *gpu_window_ : *host_window_;
-    std::vector<void*> answer;
-    answer.reserve(locations.size());
-    char* window_base = static_cast<char*>(window.base());
-    for (const PageLocation& location : locations) {
-      uint64_t offset = uint64_t(location.window_frame) * kFrameBytes + uint64_t(location.slot) * it->second;
-      if (location.window_frame == kNoFrame || offset + it->second > window.bytes() ||
-          !window.is_mapped(location.window_frame)) {
-        return internal_error("membard returned a page in window frame " + std::to_string(location.window_frame) +
-                              ", which this client has not mapped");
-      }
-      answer.push_back(window_base + offset);
-    }
-    return answer;
-  }
-
   std::string socket_path_;
   BackendKind backend_ = BackendKind::kHost;
   std::mutex mutex_;         // serialises calls (client.h: a Client may be used from several threads)
-  std::mutex socket_mutex_;  // guards reading the socket and the windows
+  std::mutex socket_mutex_;  // guards reading the socket and applying its events
   wire::UniqueFd socket_;
   wire::MessageAssembler assembler_;
-  bip::mapped_region segment_region_;
-  v1::SegmentLayout layout_;
-  protocol::RingEnd<v1::RequestV1> requests_;
-  protocol::RingEnd<v1::CompletionV1> completions_;
+  void* segment_ = nullptr;
+  uint64_t segment_bytes_ = 0;
+  v2::SegmentLayout layout_;
+  protocol::RingEnd<v2::RequestV2> requests_;
+  protocol::RingEnd<v2::CompletionV2> completions_;
   uint64_t sequence_ = 0;
+  uint64_t events_applied_ = 0;  // guarded by socket_mutex_
+  std::atomic<uint64_t> last_ticket_{0};
   std::atomic<uint64_t> pending_stall_ns_{0};
   uint64_t call_timeout_ms_ = 30000;
   uint64_t wait_timeout_ms_ = 120000;
-  std::unique_ptr<Window> gpu_window_;
-  std::unique_ptr<Window> host_window_;
-  std::map<SpaceId, uint64_t> page_bytes_;
+  uint32_t gpu_quota_frames_ = 0;
+  uint32_t host_slab_frames_ = 1;
+  std::unique_ptr<ClientMemory> memory_;
   volatile uint64_t* signal_words_ = nullptr;
-  Status window_error_;
   std::map<uint32_t, wire::ReceivedMessage> channel_grants_;  // guarded by socket_mutex_
   ChannelTable channels_;                                       // guarded by mutex_
   std::atomic<bool> dead_{false};
@@ -583,19 +614,18 @@ class DaemonClient final : public Client {
 };
 
 // Reads socket messages until the hello reply arrives (or an error, EOF or the deadline).
-Result<wire::ReceivedMessage> read_reply(int socket_fd, wire::MessageAssembler& assembler, uint64_t deadline,
-                                         std::vector<wire::ReceivedMessage>& early) {
+Result<wire::ReceivedMessage> read_reply(int socket_fd, wire::MessageAssembler& assembler, uint64_t deadline) {
   for (;;) {
     for (;;) {
       MEMBAR_ASSIGN_OR_RETURN(std::optional<wire::ReceivedMessage> next, assembler.next());
       if (!next.has_value()) break;
-      auto type = static_cast<v1::MessageType>(next->header.type);
-      if (type == v1::MessageType::kHelloReply) return std::move(*next);
-      if (type == v1::MessageType::kError) {
-        MEMBAR_ASSIGN_OR_RETURN(v1::ErrorV1 error, v1::decode_error(next->payload));
+      auto type = static_cast<v2::MessageType>(next->header.type);
+      if (type == v2::MessageType::kHelloReply) return std::move(*next);
+      if (type == v2::MessageType::kError) {
+        MEMBAR_ASSIGN_OR_RETURN(v2::ErrorV2 error, v2::decode_error(next->payload));
         return Status(static_cast<StatusCode>(error.status), std::string("membard refused the connection: ") + error.message);
       }
-      early.push_back(std::move(*next));
+      return invalid_argument("membard sent message type " + std::to_string(next->header.type) + " before its hello reply");
     }
     uint64_t now = protocol::monotonic_ns();
     if (now > deadline) return Status(StatusCode::DEADLINE_EXCEEDED, "membard did not answer the handshake within 5 s");
@@ -605,8 +635,8 @@ Result<wire::ReceivedMessage> read_reply(int socket_fd, wire::MessageAssembler& 
     if (!read.ok()) {
       // The daemon may have written its refusal and closed: parse what arrived first.
       MEMBAR_ASSIGN_OR_RETURN(std::optional<wire::ReceivedMessage> last, assembler.next());
-      if (last.has_value() && last->header.type == static_cast<uint16_t>(v1::MessageType::kError)) {
-        MEMBAR_ASSIGN_OR_RETURN(v1::ErrorV1 error, v1::decode_error(last->payload));
+      if (last.has_value() && last->header.type == static_cast<uint16_t>(v2::MessageType::kError)) {
+        MEMBAR_ASSIGN_OR_RETURN(v2::ErrorV2 error, v2::decode_error(last->payload));
         return Status(static_cast<StatusCode>(error.status), std::string("membard refused the connection: ") + error.message);
       }
       return unavailable("membard closed the connection during the handshake");
@@ -630,55 +660,50 @@ Status DaemonClient::handshake(const std::string& socket_path, const ConnectOpti
     return unavailable("no membard answers at " + socket_path + ": " + std::strerror(errno));
   }
 
-  v1::HelloV1 hello{};
-  hello.role = static_cast<uint32_t>(v1::Role::kClient);
+  v2::HelloV2 hello{};
+  hello.role = static_cast<uint32_t>(v2::Role::kClient);
   hello.gpu_quota_bytes = options.gpu_quota_bytes;
   hello.host_quota_bytes = options.host_quota_bytes;
   std::string name = options.client_name.empty() ? "pid-" + std::to_string(::getpid()) : options.client_name;
   for (char& c : name) {
     if (c < 0x20 || c > 0x7e) c = '?';
   }
-  v1::copy_text(hello.client_name, sizeof(hello.client_name), name);
+  v2::copy_text(hello.client_name, sizeof(hello.client_name), name);
   // A daemon that refuses this peer (SO_PEERCRED) writes its error and closes at once, possibly
   // before the hello goes out: a failed send still reads what the daemon said.
-  Status sent = wire::send_message(socket_.get(), v1::encode_message(v1::MessageType::kHello, hello));
-  std::vector<wire::ReceivedMessage> early;
+  Status sent = wire::send_message(socket_.get(), v2::encode_message(v2::MessageType::kHello, hello));
   uint64_t reply_deadline = protocol::monotonic_ns() + (sent.ok() ? 5'000'000'000ull : 500'000'000ull);
-  Result<wire::ReceivedMessage> answered = read_reply(socket_.get(), assembler_, reply_deadline, early);
+  Result<wire::ReceivedMessage> answered = read_reply(socket_.get(), assembler_, reply_deadline);
   if (!sent.ok() && !answered.ok() && answered.status().code() == StatusCode::UNAVAILABLE) return sent;
   MEMBAR_ASSIGN_OR_RETURN(wire::ReceivedMessage message, std::move(answered));
-  MEMBAR_ASSIGN_OR_RETURN(v1::HelloReplyV1 reply, v1::decode_hello_reply(message.payload));
+  MEMBAR_ASSIGN_OR_RETURN(v2::HelloReplyV2 reply, v2::decode_hello_reply(message.payload));
   if (reply.status != 0) {
     return Status(static_cast<StatusCode>(reply.status), std::string("membard refused the connection: ") + reply.message);
   }
-  if (!message.fd.valid()) return internal_error("membard's hello reply carried no signal block");
-  backend_ = reply.backend == static_cast<uint8_t>(v1::WireBackend::kCuda) ? BackendKind::kCuda : BackendKind::kHost;
+  if (message.fds.size() != 2) return internal_error("membard's hello reply carried no signal block and segment");
+  backend_ = reply.backend == static_cast<uint8_t>(v2::WireBackend::kCuda) ? BackendKind::kCuda : BackendKind::kHost;
+  gpu_quota_frames_ = reply.gpu_quota_frames;
+  host_slab_frames_ = reply.host_slab_frames;
 
-  void* signal = ::mmap(nullptr, kSignalBlockBytes, PROT_READ | PROT_WRITE, MAP_SHARED, message.fd.get(), 0);
+  void* signal = ::mmap(nullptr, kSignalBlockBytes, PROT_READ | PROT_WRITE, MAP_SHARED, message.fds[0].get(), 0);
   if (signal == MAP_FAILED) return internal_error(std::string("mapping the signal block failed: ") + std::strerror(errno));
   signal_words_ = static_cast<volatile uint64_t*>(signal);
 
-  try {
-    bip::shared_memory_object object(bip::open_only, reply.segment_name, bip::read_write);
-    bip::mapped_region region(object, bip::read_write);
-    segment_region_.swap(region);
-  } catch (const bip::interprocess_exception& error) {
-    return unavailable(std::string("cannot open membard's shared memory segment ") + reply.segment_name + ": " +
-                       error.what());
+  segment_bytes_ = reply.segment_bytes;
+  segment_ = ::mmap(nullptr, segment_bytes_, PROT_READ | PROT_WRITE, MAP_SHARED, message.fds[1].get(), 0);
+  if (segment_ == MAP_FAILED) {
+    segment_ = nullptr;
+    return unavailable(std::string("mapping membard's shared memory segment failed: ") + std::strerror(errno));
   }
-  MEMBAR_ASSIGN_OR_RETURN(layout_, v1::read_segment_header(segment_region_.get_address(), segment_region_.get_size()));
-  if (layout_.segment_bytes != reply.segment_bytes) {
-    return internal_error("membard's segment size differs from its hello reply");
-  }
-  uint8_t* base = static_cast<uint8_t*>(segment_region_.get_address());
-  requests_ = protocol::RingEnd<v1::RequestV1>(base + layout_.request_ring_offset, layout_.ring_capacity);
-  completions_ = protocol::RingEnd<v1::CompletionV1>(base + layout_.completion_ring_offset, layout_.ring_capacity);
+  MEMBAR_ASSIGN_OR_RETURN(layout_, v2::read_segment_header(segment_, segment_bytes_));
+  uint8_t* base = static_cast<uint8_t*>(segment_);
+  requests_ = protocol::RingEnd<v2::RequestV2>(base + layout_.request_ring_offset, layout_.ring_capacity);
+  completions_ = protocol::RingEnd<v2::CompletionV2>(base + layout_.completion_ring_offset, layout_.ring_capacity);
 
-  uint32_t gpu_frames = std::max<uint32_t>(reply.gpu_window_frames, 1);
-  uint32_t host_frames = std::max<uint32_t>(reply.host_window_frames, 1);
+  std::unique_ptr<FrameMapper> gpu_mapper;
   if (backend_ == BackendKind::kCuda) {
 #if defined(MEMBAR_WITH_CUDA)
-    MEMBAR_ASSIGN_OR_RETURN(gpu_window_, make_cuda_window(gpu_frames, reply.device));
+    MEMBAR_ASSIGN_OR_RETURN(gpu_mapper, make_cuda_mapper(reply.device));
     auto signals = StreamSignals::create(signal_words_, 8, reply.device);
     if (signals.ok()) stream_signals_ = std::move(signals).value();
 #else
@@ -686,12 +711,10 @@ Status DaemonClient::handshake(const std::string& socket_path, const ConnectOpti
                          "(configure with -DMEMBAR_WITH_CUDA=ON)");
 #endif
   } else {
-    MEMBAR_ASSIGN_OR_RETURN(gpu_window_, make_host_window(gpu_frames));
+    gpu_mapper = make_mmap_mapper();
   }
-  MEMBAR_ASSIGN_OR_RETURN(host_window_, make_host_window(host_frames));
-  for (wire::ReceivedMessage& early_message : early) apply_message(early_message);
-  MEMBAR_RETURN_IF_ERROR(take_window_error());
-  return wire::send_message(socket_.get(), v1::encode_message(v1::MessageType::kAttached, std::span<const uint8_t>()));
+  memory_ = std::make_unique<ClientMemory>(std::move(gpu_mapper), make_mmap_mapper(), host_slab_frames_);
+  return Status::Ok();
 }
 
 Result<std::unique_ptr<Client>> DaemonClient::create(const std::string& socket_path, const ConnectOptions& options) {

@@ -1,8 +1,8 @@
-// The embedded runtime: the engine of runtimed/ running inside the trainer's process, behind
-// the same Client API as the daemon client. Frames granted by the engine are mapped into this
-// process's windows (a GPU-tier window, device memory on CUDA or shared memory on the host
-// backend, and a host-tier window for acquire_host) exactly as the daemon client maps the fds it
-// receives, so pointers mean the same thing in both modes.
+// The embedded runtime: the engine of engine/ running inside the trainer's process, behind the
+// same Client API as the daemon client. The engine's events are applied to this process's
+// ClientMemory directly (frames imported or mapped, spaces' positions mapped and unmapped),
+// exactly as the daemon client applies the messages it receives, so pointers mean the same thing
+// in both modes.
 #include <sys/mman.h>
 #include <unistd.h>
 
@@ -14,10 +14,11 @@
 #include <thread>
 
 #include "channel_table.h"
+#include "membar/client.h"
 #include "membar/engine/channels.h"
 #include "membar/engine/engine.h"
-#include "membar/client.h"
-#include "window.h"
+#include "memory.h"
+#include "retry.h"
 #if defined(MEMBAR_WITH_CUDA)
 #include "cuda/stream_signal.h"
 #endif
@@ -47,6 +48,7 @@ class EmbeddedClient final : public Client {
 #if defined(MEMBAR_WITH_CUDA)
     stream_signals_.reset();
 #endif
+    memory_.reset();
     if (signal_words_ != nullptr) ::munmap(const_cast<uint64_t*>(signal_words_), signal_bytes_);
   }
 
@@ -77,69 +79,78 @@ class EmbeddedClient final : public Client {
     if (!backend) {
       MEMBAR_ASSIGN_OR_RETURN(backend, runtimed::make_host_backend(backend_config));
     }
+    uint32_t slab_frames = backend->host_slab_frames();
     MEMBAR_ASSIGN_OR_RETURN(std::unique_ptr<Engine> engine, Engine::create(std::move(backend), {}));
 
     auto client = std::unique_ptr<EmbeddedClient>(new EmbeddedClient());
     client->kind_ = kind;
     client->device_ = config.device;
-    client->host_pool_bytes_ = config.host_pool_bytes;
-    EmbeddedClient* self = client.get();
+    std::unique_ptr<FrameMapper> gpu_mapper;
+#if defined(MEMBAR_WITH_CUDA)
+    if (kind == BackendKind::kCuda) {
+      MEMBAR_ASSIGN_OR_RETURN(gpu_mapper, make_cuda_mapper(config.device));
+    }
+#endif
+    if (!gpu_mapper) gpu_mapper = make_mmap_mapper();
+    client->memory_ = std::make_unique<ClientMemory>(std::move(gpu_mapper), make_mmap_mapper(), slab_frames);
+    ClientMemory* memory = client->memory_.get();
     runtimed::ClientEvents events;
-    events.frame_granted = [self](uint32_t window_frame, Tier tier, int fd) {
-      Status status = self->window(tier).map_frame(window_frame, fd);
-      if (!status.ok()) self->note_window_error(status);
+    auto note = [memory](Status status) {
+      if (!status.ok()) memory->note_error(status);
     };
-    events.frame_revoked = [self](uint32_t window_frame, Tier tier) {
-      Status status = self->window(tier).unmap_frame(window_frame);
-      if (!status.ok()) self->note_window_error(status);
+    events.gpu_frame_granted = [memory, note](uint32_t window_frame, int fd) {
+      note(memory->gpu_frame_granted(window_frame, fd));
+    };
+    events.gpu_frame_revoked = [memory, note](uint32_t window_frame) { note(memory->gpu_frame_revoked(window_frame)); };
+    events.host_slab_granted = [memory, note](uint32_t slab, uint32_t frames, int fd) {
+      note(memory->host_slab_granted(slab, frames, fd));
+    };
+    events.host_slab_revoked = [memory, note](uint32_t slab) { note(memory->host_slab_revoked(slab)); };
+    events.frame_mapped = [memory, note](Tier tier, uint32_t window_frame, SpaceId space, uint32_t space_frame) {
+      note(memory->mapped(tier, window_frame, space, space_frame));
+    };
+    events.frame_unmapped = [memory, note](Tier tier, uint32_t window_frame, SpaceId space, uint32_t space_frame) {
+      note(memory->unmapped(tier, window_frame, space, space_frame));
     };
     runtimed::ClientConfig client_config;
     client_config.name = "embedded";
     client_config.pid = int32_t(::getpid());
+    client_config.uid = ::getuid();
     MEMBAR_ASSIGN_OR_RETURN(client->id_, engine->client_open(client_config, std::move(events)));
     client->engine_ = std::move(engine);
-    MEMBAR_ASSIGN_OR_RETURN(uint32_t gpu_frames, client->engine_->client_window_frames(client->id_, Tier::kGpu));
-    MEMBAR_ASSIGN_OR_RETURN(uint32_t host_frames, client->engine_->client_window_frames(client->id_, Tier::kHost));
-#if defined(MEMBAR_WITH_CUDA)
-    if (kind == BackendKind::kCuda) {
-      MEMBAR_ASSIGN_OR_RETURN(client->gpu_window_, make_cuda_window(gpu_frames, config.device));
-    }
-#endif
-    if (!client->gpu_window_) {
-      MEMBAR_ASSIGN_OR_RETURN(client->gpu_window_, make_host_window(gpu_frames));
-    }
-    MEMBAR_ASSIGN_OR_RETURN(client->host_window_, make_host_window(host_frames));
     MEMBAR_RETURN_IF_ERROR(client->map_signal_block());
     return std::unique_ptr<Client>(std::move(client));
   }
 
-  std::string describe() const override {
-    return kind_ == BackendKind::kCuda ? "embedded:cuda" : "embedded:host";
-  }
+  std::string describe() const override { return kind_ == BackendKind::kCuda ? "embedded:cuda" : "embedded:host"; }
   BackendKind backend() const override { return kind_; }
 
   Result<SpaceId> create_space(const std::string& name, uint64_t page_bytes, uint32_t page_count) override {
     std::lock_guard<std::mutex> lock(mutex_);
     MEMBAR_ASSIGN_OR_RETURN(SpaceId space, engine_->create_space(id_, name, page_bytes, page_count));
-    page_bytes_[space] = page_bytes;
+    Status reserved = memory_->add_space(space, page_bytes, page_count);
+    if (!reserved.ok()) {
+      (void)engine_->destroy_space(id_, space);
+      return reserved;
+    }
     return space;
   }
 
   Status destroy_space(SpaceId space) override {
     std::lock_guard<std::mutex> lock(mutex_);
     MEMBAR_RETURN_IF_ERROR(engine_->destroy_space(id_, space));
-    page_bytes_.erase(space);
-    return take_window_error();
+    MEMBAR_RETURN_IF_ERROR(memory_->take_error());
+    return memory_->remove_space(space);
   }
+
+  Result<SpaceView> space_view(SpaceId space) const override { return memory_->view(space); }
 
   Result<Acquired> acquire(PageRange range, uint32_t flags) override {
     std::lock_guard<std::mutex> lock(mutex_);
-    MEMBAR_ASSIGN_OR_RETURN(runtimed::AcquireResult result, engine_->acquire(id_, range, flags));
-    MEMBAR_RETURN_IF_ERROR(take_window_error());
-    Acquired acquired;
-    acquired.ticket = result.ticket;
-    MEMBAR_ASSIGN_OR_RETURN(acquired.page_pointers, pointers(*gpu_window_, range.space, result.locations));
-    return acquired;
+    MEMBAR_ASSIGN_OR_RETURN(SpaceView view, memory_->view(range.space));
+    MEMBAR_ASSIGN_OR_RETURN(Ticket ticket, retried([&] { return engine_->acquire(id_, range, flags); }));
+    MEMBAR_RETURN_IF_ERROR(memory_->take_error());
+    return Acquired{ticket, static_cast<char*>(view.gpu) + uint64_t(range.first_page) * view.page_bytes};
   }
 
   Status release(PageRange range, bool dirty) override {
@@ -149,40 +160,41 @@ class EmbeddedClient final : public Client {
 
   Result<Ticket> prefetch(PageRange range) override {
     std::lock_guard<std::mutex> lock(mutex_);
-    MEMBAR_ASSIGN_OR_RETURN(Ticket ticket, engine_->prefetch(id_, range));
-    MEMBAR_RETURN_IF_ERROR(take_window_error());
+    MEMBAR_ASSIGN_OR_RETURN(Ticket ticket, retried([&] { return engine_->prefetch(id_, range); }));
+    MEMBAR_RETURN_IF_ERROR(memory_->take_error());
     return ticket;
   }
 
   Result<Ticket> offload(PageRange range) override {
     std::lock_guard<std::mutex> lock(mutex_);
-    MEMBAR_ASSIGN_OR_RETURN(Ticket ticket, engine_->offload(id_, range));
-    MEMBAR_RETURN_IF_ERROR(take_window_error());
+    MEMBAR_ASSIGN_OR_RETURN(Ticket ticket, retried([&] { return engine_->offload(id_, range); }));
+    MEMBAR_RETURN_IF_ERROR(memory_->take_error());
     return ticket;
   }
 
   Status free_pages(PageRange range) override {
     std::lock_guard<std::mutex> lock(mutex_);
     MEMBAR_RETURN_IF_ERROR(engine_->free_pages(id_, range));
-    return take_window_error();
+    return memory_->take_error();
   }
 
-  Result<std::vector<void*>> acquire_host(PageRange range) override {
-    runtimed::AcquireResult result;
+  Result<void*> acquire_host(PageRange range) override {
+    Ticket ticket = 0;
+    SpaceView view;
     {
       std::lock_guard<std::mutex> lock(mutex_);
-      MEMBAR_ASSIGN_OR_RETURN(result, engine_->acquire_host_async(id_, range));
-      MEMBAR_RETURN_IF_ERROR(take_window_error());
+      MEMBAR_ASSIGN_OR_RETURN(view, memory_->view(range.space));
+      MEMBAR_ASSIGN_OR_RETURN(ticket, retried([&] { return engine_->acquire_host(id_, range); }));
+      MEMBAR_RETURN_IF_ERROR(memory_->take_error());
     }
-    MEMBAR_RETURN_IF_ERROR(wait(result.ticket));
-    std::lock_guard<std::mutex> lock(mutex_);
-    return pointers(*host_window_, range.space, result.locations);
+    MEMBAR_RETURN_IF_ERROR(wait(ticket));
+    return static_cast<void*>(static_cast<char*>(view.host) + uint64_t(range.first_page) * view.page_bytes);
   }
 
   Status release_host(PageRange range, bool dirty) override {
     std::lock_guard<std::mutex> lock(mutex_);
     MEMBAR_RETURN_IF_ERROR(engine_->release_host(id_, range, dirty));
-    return take_window_error();
+    return memory_->take_error();
   }
 
   Status set_schedule(std::vector<ScheduleStep> steps) override {
@@ -193,7 +205,7 @@ class EmbeddedClient final : public Client {
   Status advance(uint32_t step) override {
     std::lock_guard<std::mutex> lock(mutex_);
     MEMBAR_RETURN_IF_ERROR(engine_->advance(id_, step));
-    return take_window_error();
+    return memory_->take_error();
   }
 
   // Not under the client mutex: waiting must not block other threads' calls.
@@ -215,8 +227,7 @@ class EmbeddedClient final : public Client {
 #if defined(MEMBAR_WITH_CUDA)
     if (stream_signals_) return stream_signals_->stream_wait(runtimed::kSignalCompleted, ticket, cuda_stream);
 #endif
-    return unimplemented("stream_wait needs the CUDA backend; this client runs on " + describe() +
-                         " (use wait(ticket))");
+    return unimplemented("stream_wait needs the CUDA backend; this client runs on " + describe() + " (use wait(ticket))");
   }
 
   // Stream-ordered, as through a daemon: the engine holds copies of these pages (and their
@@ -230,25 +241,27 @@ class EmbeddedClient final : public Client {
       return engine_->release_after(id_, range, dirty, marker);
     }
 #endif
-    return unimplemented("stream_release needs the CUDA backend; this client runs on " + describe() +
-                         " (use release)");
+    return unimplemented("stream_release needs the CUDA backend; this client runs on " + describe() + " (use release)");
   }
 
-  void* window_base() const override { return gpu_window_->base(); }
-  uint64_t window_bytes() const override { return gpu_window_->bytes(); }
-
-  Result<std::vector<PageLocation>> locations(PageRange range) override {
-    std::lock_guard<std::mutex> lock(mutex_);
-    return engine_->locations(id_, range);
-  }
-
-  Result<RuntimeStats> stats() override { return engine_->stats(id_); }
+  Result<RuntimeStats> stats() override { return engine_->stats(id_, 0, 4096); }
 
   Result<Channel> create_channel(const std::string& name, uint64_t bytes) override {
     std::lock_guard<std::mutex> lock(mutex_);
-    MEMBAR_ASSIGN_OR_RETURN(runtimed::ChannelGrant grant,
-                            process_channels().create(channel_owner_, ::getuid(), name, bytes, host_pool_bytes_));
-    return channels_.add(grant.fd, grant.id, grant.bytes, grant.writable, /*owner=*/true);
+    MEMBAR_RETURN_IF_ERROR(engine_->reserve_channel_bytes(id_, bytes));
+    Result<runtimed::ChannelGrant> grant = process_channels().create(channel_owner_, ::getuid(), name, bytes);
+    if (!grant.ok()) {
+      (void)engine_->release_channel_bytes(id_, bytes);
+      return grant.status();
+    }
+    Result<Channel> channel = channels_.add(grant.value().fd, grant.value().id, grant.value().bytes, true, /*owner=*/true);
+    if (!channel.ok()) {
+      (void)process_channels().close(channel_owner_, grant.value().id);
+      (void)engine_->release_channel_bytes(id_, bytes);
+      return channel.status();
+    }
+    MEMBAR_RETURN_IF_ERROR(process_channels().publish(channel_owner_, grant.value().id));
+    return channel;
   }
 
   Result<Channel> open_channel(const std::string& name) override {
@@ -267,23 +280,17 @@ class EmbeddedClient final : public Client {
     std::lock_guard<std::mutex> lock(mutex_);
     ChannelTable::Entry entry;
     MEMBAR_RETURN_IF_ERROR(channels_.remove(handle, &entry));
-    return entry.owner ? process_channels().close(channel_owner_, entry.runtime_id) : Status::Ok();
+    if (!entry.owner) return Status::Ok();
+    MEMBAR_ASSIGN_OR_RETURN(uint64_t bytes, process_channels().close(channel_owner_, entry.runtime_id));
+    return engine_->release_channel_bytes(id_, bytes);
   }
 
  private:
   EmbeddedClient() = default;
 
-  Window& window(Tier tier) { return tier == Tier::kGpu ? *gpu_window_ : *host_window_; }
-
-  // Window callbacks run on whichever thread delivers the engine's events; errors are kept for
-  // the next call to report.
-  void note_window_error(const Status& status) {
-    std::lock_guard<std::mutex> lock(window_error_mutex_);
-    if (window_error_.ok()) window_error_ = status;
-  }
-  Status take_window_error() {
-    std::lock_guard<std::mutex> lock(window_error_mutex_);
-    return std::exchange(window_error_, Status::Ok());
+  template <typename Call>
+  auto retried(Call&& call) -> decltype(call()) {
+    return with_retry(std::forward<Call>(call), [] { return true; });
   }
 
   Status map_signal_block() {
@@ -303,36 +310,14 @@ class EmbeddedClient final : public Client {
     return Status::Ok();
   }
 
-  Result<std::vector<void*>> pointers(const Window& window, SpaceId space,
-                                      const std::vector<PageLocation>& locations) const {
-    auto it = page_bytes_.find(space);
-    if (it == page_bytes_.end()) return not_found("no space " + std::to_string(space));
-    std::vector<void*> answer;
-    answer.reserve(locations.size());
-    char* base = static_cast<char*>(window.base());
-    for (const PageLocation& location : locations) {
-      if (location.window_frame == kNoFrame || !window.is_mapped(location.window_frame)) {
-        return internal_error("the runtime returned a page in window frame " +
-                              std::to_string(location.window_frame) + ", which is not mapped");
-      }
-      answer.push_back(base + uint64_t(location.window_frame) * kFrameBytes + uint64_t(location.slot) * it->second);
-    }
-    return answer;
-  }
-
   std::mutex mutex_;  // serialises calls (see client.h)
   std::unique_ptr<Engine> engine_;
+  std::unique_ptr<ClientMemory> memory_;
   ClientId id_ = 0;
   BackendKind kind_ = BackendKind::kHost;
   int device_ = 0;
-  std::unique_ptr<Window> gpu_window_;
-  std::unique_ptr<Window> host_window_;
-  std::map<SpaceId, uint64_t> page_bytes_;
   volatile uint64_t* signal_words_ = nullptr;
   uint64_t signal_bytes_ = 0;
-  std::mutex window_error_mutex_;
-  Status window_error_;
-  uint64_t host_pool_bytes_ = 0;
   ClientId channel_owner_ = next_channel_owner.fetch_add(1);
   ChannelTable channels_;  // guarded by mutex_
 #if defined(MEMBAR_WITH_CUDA)

@@ -3,13 +3,13 @@
 // Bindings only validate and translate; every Status that is not OK becomes a RuntimeError whose
 // message is the Status's sentence. The friendly Python API is membar/runtime.py.
 //
-// Pools: pool(page_bytes, dtype, page_shape) views the client's whole GPU window as
-//   [window_bytes / page_bytes, *page_shape]   (dtype; CUDA on the CUDA backend, CPU on the host one)
-// so page p of a space lives at pool[index] with index from acquire() / pool_indices(). The tensor
-// is made with at::from_blob over window_base; its deleter frees nothing and only holds a
-// reference to this Runtime, so the window (and the client that owns it) outlives every tensor
+// Pools: pool(space, dtype, page_shape) views a space's GPU-side addresses as
+//   [page_count, *page_shape]   (dtype; CUDA on the CUDA backend, CPU on the host one)
+// so page p of the space is pool[p] (Note [Space layout] in engine/engine.cpp). The tensor is made
+// with at::from_blob over the space's base; its deleter frees nothing and only holds a reference
+// to this Runtime, so the space's reservation (and the client that owns it) outlives every tensor
 // that views it. Only rows of pages that are acquired (and not yet released) may be touched:
-// other rows may be unmapped (reading them faults) or belong to another space's page size.
+// other rows may be unmapped (reading them faults) or hold stale contents.
 #include <ATen/ATen.h>
 #include <torch/custom_class.h>
 #include <torch/library.h>
@@ -100,6 +100,7 @@ std::string stats_json(const RuntimeStats& stats) {
     append_field(out, "frames_total", tier.frames_total);
     append_field(out, "frames_used", tier.frames_used);
     append_field(out, "frames_free", tier.frames_free);
+    append_field(out, "frames_preparing", tier.frames_preparing);
     out += "}";
   }
   out += "], \"clients\": [";
@@ -117,10 +118,12 @@ std::string stats_json(const RuntimeStats& stats) {
     write_stat(out, "gpu_frames", c.gpu_frames);
     out += ", ";
     write_stat(out, "host_frames", c.host_frames);
-    append_field(out, "pages_gpu", c.pages_gpu);
-    append_field(out, "pages_host", c.pages_host);
-    append_field(out, "pages_both", c.pages_both);
-    append_field(out, "pages_none", c.pages_none);
+    append_field(out, "spaces", c.spaces);
+    append_field(out, "bytes_gpu", c.bytes_gpu);
+    append_field(out, "bytes_host", c.bytes_host);
+    append_field(out, "bytes_both", c.bytes_both);
+    append_field(out, "bytes_none", c.bytes_none);
+    append_field(out, "channel_bytes", c.channel_bytes);
     append_field(out, "bytes_host_to_gpu", c.bytes_host_to_gpu);
     append_field(out, "bytes_gpu_to_host", c.bytes_gpu_to_host);
     append_field(out, "prefetch_hits", c.prefetch_hits);
@@ -139,12 +142,14 @@ std::string stats_json(const RuntimeStats& stats) {
     append_field(out, "page_bytes", space.page_bytes);
     append_field(out, "page_count", space.page_count);
     append_field(out, "client", space.client);
-    append_field(out, "pages_gpu", space.pages_gpu);
-    append_field(out, "pages_host", space.pages_host);
-    append_field(out, "pages_both", space.pages_both);
-    append_field(out, "pages_none", space.pages_none);
-    append_field(out, "pages_dirty", space.pages_dirty);
-    append_field(out, "pages_pinned", space.pages_pinned);
+    append_field(out, "bytes_gpu", space.bytes_gpu);
+    append_field(out, "bytes_host", space.bytes_host);
+    append_field(out, "bytes_both", space.bytes_both);
+    append_field(out, "bytes_none", space.bytes_none);
+    append_field(out, "bytes_dirty", space.bytes_dirty);
+    append_field(out, "bytes_pinned", space.bytes_pinned);
+    append_field(out, "bytes_host_to_gpu", space.bytes_host_to_gpu);
+    append_field(out, "bytes_gpu_to_host", space.bytes_gpu_to_host);
     out += "}";
   }
   out += "]}";
@@ -195,31 +200,16 @@ class Runtime : public torch::CustomClassHolder {
 
   int64_t create_space(std::string name, int64_t page_bytes, int64_t page_count) {
     TORCH_CHECK(page_bytes > 0, "membar runtime create_space: page_bytes must be positive, got ", page_bytes, ".");
-    SpaceId space = take(client_->create_space(name, uint64_t(page_bytes), to_u32(page_count, "page_count")),
-                         "create_space");
-    std::lock_guard<std::mutex> lock(mutex_);
-    page_bytes_[space] = uint64_t(page_bytes);
-    return space;
+    return take(client_->create_space(name, uint64_t(page_bytes), to_u32(page_count, "page_count")), "create_space");
   }
 
-  void destroy_space(int64_t space) {
-    check_ok(client_->destroy_space(to_u32(space, "space")), "destroy_space");
-    std::lock_guard<std::mutex> lock(mutex_);
-    page_bytes_.erase(SpaceId(space));
-  }
+  void destroy_space(int64_t space) { check_ok(client_->destroy_space(to_u32(space, "space")), "destroy_space"); }
 
-  // Returns (ticket, pool indices [count] int32): wait(ticket) before touching the pages.
-  std::tuple<int64_t, at::Tensor> acquire(int64_t space, int64_t first, int64_t count, bool write, bool zero_new) {
+  // Returns the ticket: wait(ticket) (or stream_wait) before touching the pages, which are rows
+  // [first, first + count) of the space's pool.
+  int64_t acquire(int64_t space, int64_t first, int64_t count, bool write, bool zero_new) {
     uint32_t flags = (write ? uint32_t(kAcquireWrite) : 0u) | (zero_new ? uint32_t(kAcquireZeroNew) : 0u);
-    Acquired acquired = take(client_->acquire(make_range(space, first, count), flags), "acquire");
-    uint64_t page_bytes = page_bytes_of(space);
-    at::Tensor indices = at::empty({int64_t(acquired.page_pointers.size())}, at::kInt);
-    auto* out = indices.data_ptr<int32_t>();
-    auto* base = static_cast<char*>(client_->window_base());
-    for (size_t i = 0; i < acquired.page_pointers.size(); ++i) {
-      out[i] = int32_t((static_cast<char*>(acquired.page_pointers[i]) - base) / int64_t(page_bytes));
-    }
-    return {int64_t(acquired.ticket), indices};
+    return int64_t(take(client_->acquire(make_range(space, first, count), flags), "acquire").ticket);
   }
 
   void release(int64_t space, int64_t first, int64_t count, bool dirty) {
@@ -238,17 +228,14 @@ class Runtime : public torch::CustomClassHolder {
     check_ok(client_->free_pages(make_range(space, first, count)), "free_pages");
   }
 
-  // CPU uint8 views [page_bytes] of the pages' host copies, valid until release_host (blocks
-  // until the data is there). Like pools, they hold a reference to this Runtime.
-  std::vector<at::Tensor> acquire_host(int64_t space, int64_t first, int64_t count) {
-    std::vector<void*> pointers = take(client_->acquire_host(make_range(space, first, count)), "acquire_host");
-    uint64_t page_bytes = page_bytes_of(space);
-    std::vector<at::Tensor> pages;
+  // A CPU uint8 view [count, page_bytes] of the pages' host copies, valid until release_host
+  // (blocks until the data is there). Like pools, it holds a reference to this Runtime.
+  at::Tensor acquire_host(int64_t space, int64_t first, int64_t count) {
+    void* pointer = take(client_->acquire_host(make_range(space, first, count)), "acquire_host");
+    SpaceView view = take(client_->space_view(to_u32(space, "space")), "acquire_host");
     c10::intrusive_ptr<Runtime> self = c10::intrusive_ptr<Runtime>::reclaim_copy(this);
-    for (void* pointer : pointers) {
-      pages.push_back(at::from_blob(pointer, {int64_t(page_bytes)}, [self](void*) {}, at::TensorOptions().dtype(at::kByte)));
-    }
-    return pages;
+    return at::from_blob(pointer, {count, int64_t(view.page_bytes)}, [self](void*) {},
+                         at::TensorOptions().dtype(at::kByte));
   }
 
   void release_host(int64_t space, int64_t first, int64_t count, bool dirty) {
@@ -305,50 +292,37 @@ class Runtime : public torch::CustomClassHolder {
     check_ok(client_->close_channel(uint32_t(handle)), "close_channel");
   }
 
-  int64_t window_pointer() const { return int64_t(reinterpret_cast<uintptr_t>(client_->window_base())); }
-  int64_t window_bytes() const { return int64_t(client_->window_bytes()); }
+  // The space's base address on the GPU side (tier "gpu") or the host side ("host").
+  int64_t space_pointer(int64_t space, std::string tier) {
+    SpaceView view = take(client_->space_view(to_u32(space, "space")), "space_pointer");
+    TORCH_CHECK(tier == "gpu" || tier == "host", "membar runtime space_pointer: tier is 'gpu' or 'host', not '", tier, "'.");
+    return int64_t(reinterpret_cast<uintptr_t>(tier == "gpu" ? view.gpu : view.host));
+  }
 
-  // [window_bytes / page_bytes, *page_shape] over the GPU window; see the header comment.
-  at::Tensor pool(int64_t page_bytes, at::ScalarType dtype, std::vector<int64_t> page_shape) {
-    TORCH_CHECK(page_bytes >= int64_t(kMinPageBytes) && page_bytes <= int64_t(kMaxPageBytes) &&
-                    (page_bytes & (page_bytes - 1)) == 0,
-                "membar runtime pool: page_bytes must be a power of two in [64 KiB, 2 MiB], got ", page_bytes, ".");
+  // [page_count, *page_shape] over the space's GPU-side addresses; see the header comment.
+  at::Tensor pool(int64_t space, at::ScalarType dtype, std::vector<int64_t> page_shape) {
+    SpaceView view = take(client_->space_view(to_u32(space, "space")), "pool");
     int64_t elements = 1;
     for (int64_t extent : page_shape) {
       TORCH_CHECK(extent > 0, "membar runtime pool: page_shape extents must be positive, got ", page_shape, ".");
       elements *= extent;
     }
     int64_t element_bytes = int64_t(c10::elementSize(dtype));
-    TORCH_CHECK(elements * element_bytes == page_bytes, "membar runtime pool: page_shape ", page_shape, " of ",
-                dtype, " holds ", elements * element_bytes, " bytes, but a page has ", page_bytes, ".");
-    TORCH_CHECK(client_->window_base() != nullptr, "membar runtime pool: the client has no GPU window (quota 0?).");
-    std::vector<int64_t> sizes = {int64_t(client_->window_bytes()) / page_bytes};
+    TORCH_CHECK(elements * element_bytes == int64_t(view.page_bytes), "membar runtime pool: page_shape ", page_shape,
+                " of ", dtype, " holds ", elements * element_bytes, " bytes, but a page of this space has ",
+                view.page_bytes, ".");
+    std::vector<int64_t> sizes = {int64_t(view.page_count)};
     sizes.insert(sizes.end(), page_shape.begin(), page_shape.end());
     at::Device device = client_->backend() == BackendKind::kCuda ? at::Device(at::kCUDA, c10::DeviceIndex(device_))
                                                                    : at::Device(at::kCPU);
     c10::intrusive_ptr<Runtime> self = c10::intrusive_ptr<Runtime>::reclaim_copy(this);
-    // target_device: the window's first frame may be unmapped, so torch must not ask CUDA which
+    // target_device: the space's first frame may be unmapped, so torch must not ask CUDA which
     // device the base pointer belongs to (it would answer "host memory, not registered").
-    return at::for_blob(client_->window_base(), sizes)
+    return at::for_blob(view.gpu, sizes)
         .deleter([self](void*) {})
         .options(at::TensorOptions().dtype(dtype).device(device))
         .target_device(device)
         .make_tensor();
-  }
-
-  // Pool indices [count] int32 of GPU-resident pages; -1 for pages not on the GPU.
-  at::Tensor pool_indices(int64_t space, int64_t first, int64_t count) {
-    std::vector<PageLocation> locations = take(client_->locations(make_range(space, first, count)), "pool_indices");
-    uint64_t page_bytes = page_bytes_of(space);
-    at::Tensor indices = at::empty({int64_t(locations.size())}, at::kInt);
-    auto* out = indices.data_ptr<int32_t>();
-    for (size_t i = 0; i < locations.size(); ++i) {
-      out[i] = locations[i].window_frame == kNoFrame
-                   ? -1
-                   : int32_t((uint64_t(locations[i].window_frame) * kFrameBytes +
-                              uint64_t(locations[i].slot) * page_bytes) / page_bytes);
-    }
-    return indices;
   }
 
  private:
@@ -356,17 +330,8 @@ class Runtime : public torch::CustomClassHolder {
     return {int64_t(channel.handle), int64_t(channel.fd), int64_t(channel.bytes), channel.writable ? 1 : 0};
   }
 
-  uint64_t page_bytes_of(int64_t space) {
-    std::lock_guard<std::mutex> lock(mutex_);
-    auto it = page_bytes_.find(SpaceId(space));
-    TORCH_CHECK(it != page_bytes_.end(), "membar runtime: space ", space, " was not created through this Runtime.");
-    return it->second;
-  }
-
   std::unique_ptr<Client> client_;
   int device_ = 0;
-  std::mutex mutex_;
-  std::map<SpaceId, uint64_t> page_bytes_;
 };
 
 }  // namespace
@@ -397,8 +362,6 @@ TORCH_LIBRARY_FRAGMENT(membar, m) {
       .def("create_channel", &Runtime::create_channel)
       .def("open_channel", &Runtime::open_channel)
       .def("close_channel", &Runtime::close_channel)
-      .def("window_pointer", &Runtime::window_pointer)
-      .def("window_bytes", &Runtime::window_bytes)
-      .def("pool", &Runtime::pool)
-      .def("pool_indices", &Runtime::pool_indices);
+      .def("space_pointer", &Runtime::space_pointer)
+      .def("pool", &Runtime::pool);
 }

@@ -1,10 +1,12 @@
-// HostBackend: the DeviceBackend with no GPU. Both tiers are pools of 2 MiB frames, each frame
-// its own memfd (so exporting a frame hands a client that frame and nothing else), mapped
-// MAP_SHARED into one contiguous range per tier in this process: frame i of a tier lives at
-// tier_base + i * kFrameBytes, which lets adjacent CopyOps that cross a frame boundary merge
-// into one memcpy. Copies and zero fills run on worker threads; signal blocks are memfds too.
+// HostBackend: the DeviceBackend with no GPU (Note [Frames, slabs and renewal] in
+// engine/frames.cpp). Each tier is one contiguous reservation of this process's address space:
+// frame i of a tier lives at tier_base + i * kFrameBytes, which lets adjacent CopyOps that cross a
+// frame boundary merge into one memcpy. A "GPU" frame gets its memory (a memfd of its own, mapped
+// over its place in the reservation) when it is exported to a client, and loses it when it is
+// renewed, so no descriptor is kept per frame and a client's old descriptor never reaches a later
+// owner's bytes. A host slab is one memfd mapped over its place, replaced by a new one at each
+// renewal. Copies, zero fills and renewals run on worker threads; signal blocks are memfds too.
 #include <sys/mman.h>
-#include <sys/resource.h>
 #include <unistd.h>
 #include <fcntl.h>
 
@@ -76,10 +78,10 @@ Result<UniqueFd> make_memfd(const char* name, uint64_t bytes) {
   return owned;
 }
 
-// One tier's frames: an fd per frame, all mapped into one contiguous reservation.
+// One tier's frames, all in one contiguous reservation.
 struct TierPool {
   UniqueMapping reservation;  // [frame_count * kFrameBytes]
-  std::vector<UniqueFd> frames;
+  uint64_t frame_count = 0;
   char* base() const { return reservation.get(); }
 };
 
@@ -100,6 +102,8 @@ struct Job {
   };
   std::vector<Transfer> transfers;
   bool zero = false;  // transfers[i].source unused: fill destination with zeros
+  // A renewal instead of transfers (Note [Frames, slabs and renewal]).
+  std::function<Status()> renew;
   std::function<void(Status)> done;
 };
 
@@ -125,9 +129,12 @@ class HostBackend final : public DeviceBackend {
   }
 
   Status init() {
-    raise_open_file_limit();
-    MEMBAR_RETURN_IF_ERROR(make_tier(Tier::kGpu, config_.gpu_pool_bytes / kFrameBytes));
-    MEMBAR_RETURN_IF_ERROR(make_tier(Tier::kHost, config_.host_pool_bytes / kFrameBytes));
+    slab_frames_ = config_.host_slab_frames != 0 ? config_.host_slab_frames
+                                                  : host_slab_frames_for(config_.host_pool_bytes);
+    uint64_t host_frames = config_.host_pool_bytes / kFrameBytes / slab_frames_ * slab_frames_;
+    MEMBAR_RETURN_IF_ERROR(reserve_tier(Tier::kGpu, config_.gpu_pool_bytes / kFrameBytes));
+    MEMBAR_RETURN_IF_ERROR(reserve_tier(Tier::kHost, host_frames));
+    slab_fds_.resize(host_frames / slab_frames_);
     constexpr int kWorkerCount = 2;
     for (int i = 0; i < kWorkerCount; ++i) workers_.emplace_back([this] { worker_loop(); });
     return Status::Ok();
@@ -135,16 +142,57 @@ class HostBackend final : public DeviceBackend {
 
   std::string name() const override { return "host"; }
 
-  uint64_t frame_count(Tier tier) const override { return pool(tier).frames.size(); }
+  uint64_t frame_count(Tier tier) const override { return pool(tier).frame_count; }
+  uint32_t host_slab_frames() const override { return slab_frames_; }
 
-  Result<int> export_frame(Tier tier, FrameIndex frame) override {
-    if (frame >= frame_count(tier)) {
-      return out_of_range("frame " + std::to_string(frame) + " is outside the " + tier_name(tier) +
-                          " pool of " + std::to_string(frame_count(tier)) + " frames");
+  Result<int> export_gpu_frame(FrameIndex frame) override {
+    MEMBAR_RETURN_IF_ERROR(check_range(Tier::kGpu, frame, 0, kFrameBytes));
+    // Fresh memory for each export: the frame had none since its renewal (or ever).
+    MEMBAR_ASSIGN_OR_RETURN(UniqueFd fd, make_memfd("membar-gpu-frame", kFrameBytes));
+    void* at = ::mmap(gpu_.base() + uint64_t(frame) * kFrameBytes, kFrameBytes, PROT_READ | PROT_WRITE,
+                      MAP_SHARED | MAP_FIXED, fd.get(), 0);
+    if (at == MAP_FAILED) return resource_exhausted("mapping a GPU-tier frame failed: " + errno_text(errno));
+    return fd.release();
+  }
+
+  Result<int> export_host_slab(uint32_t slab) override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (slab >= slab_fds_.size() || !slab_fds_[slab].valid()) {
+      return failed_precondition("host slab " + std::to_string(slab) + " is not prepared");
     }
-    int fd = ::fcntl(pool(tier).frames[frame].get(), F_DUPFD_CLOEXEC, 0);
-    if (fd < 0) return resource_exhausted("dup of a frame fd failed: " + errno_text(errno));
+    int fd = ::fcntl(slab_fds_[slab].get(), F_DUPFD_CLOEXEC, 0);
+    if (fd < 0) return resource_exhausted("dup of a slab fd failed: " + errno_text(errno));
     return fd;
+  }
+
+  Status renew(Tier tier, uint32_t index, std::function<void(Status)> done) override {
+    if (tier == Tier::kGpu) {
+      MEMBAR_RETURN_IF_ERROR(check_range(Tier::kGpu, index, 0, kFrameBytes));
+    } else if (index >= slab_fds_.size()) {
+      return out_of_range("host slab " + std::to_string(index) + " does not exist");
+    }
+    Job job;
+    job.done = std::move(done);
+    job.renew = [this, tier, index]() -> Status {
+      if (tier == Tier::kGpu) {
+        // Drop the memory: the next export makes new memory.
+        void* at = ::mmap(gpu_.base() + uint64_t(index) * kFrameBytes, kFrameBytes, PROT_NONE,
+                          MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED | MAP_NORESERVE, -1, 0);
+        if (at == MAP_FAILED) return internal_error("dropping a GPU-tier frame failed: " + errno_text(errno));
+        return Status::Ok();
+      }
+      uint64_t bytes = uint64_t(slab_frames_) * kFrameBytes;
+      MEMBAR_ASSIGN_OR_RETURN(UniqueFd fd, make_memfd("membar-host-slab", bytes));
+      void* at = ::mmap(host_.base() + uint64_t(index) * bytes, bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED,
+                        fd.get(), 0);
+      if (at == MAP_FAILED) return resource_exhausted("mapping a host slab failed: " + errno_text(errno));
+      std::lock_guard<std::mutex> lock(mutex_);
+      slab_fds_[index] = std::move(fd);
+      return Status::Ok();
+    };
+    counters_renewals_ += 1;
+    submit(std::move(job));
+    return Status::Ok();
   }
 
   void* frame_pointer(Tier tier, FrameIndex frame) override {
@@ -262,7 +310,7 @@ class HostBackend final : public DeviceBackend {
 
   BackendCounters counters() const override {
     return {counters_copy_ops_.load(), counters_transfers_.load(), counters_bytes_.load(),
-            counters_zero_fills_.load()};
+            counters_zero_fills_.load(), counters_renewals_.load()};
   }
 
  private:
@@ -271,18 +319,14 @@ class HostBackend final : public DeviceBackend {
   const TierPool& pool(Tier tier) const { return tier == Tier::kGpu ? gpu_ : host_; }
   TierPool& pool(Tier tier) { return tier == Tier::kGpu ? gpu_ : host_; }
 
-  // Each frame needs one fd; ask for the hard limit so pools of thousands of frames fit.
-  static void raise_open_file_limit() {
-    struct rlimit limit {};
-    if (::getrlimit(RLIMIT_NOFILE, &limit) == 0 && limit.rlim_cur < limit.rlim_max) {
-      limit.rlim_cur = limit.rlim_max;
-      ::setrlimit(RLIMIT_NOFILE, &limit);
-    }
-  }
-
-  Status make_tier(Tier tier, uint64_t count) {
+  Status reserve_tier(Tier tier, uint64_t count) {
     TierPool& target = pool(tier);
+    target.frame_count = count;
     if (count == 0) return Status::Ok();
+    if (tier == Tier::kGpu && config_.fail_frame_create_after != 0 && config_.fail_frame_create_after <= count) {
+      return resource_exhausted("creating GPU frame " + std::to_string(config_.fail_frame_create_after) +
+                                " failed (fault injected by BackendConfig::fail_frame_create_after)");
+    }
     uint64_t bytes = count * kFrameBytes;
     void* base = ::mmap(nullptr, bytes, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
     if (base == MAP_FAILED) {
@@ -290,21 +334,6 @@ class HostBackend final : public DeviceBackend {
                                 tier_name(tier) + " pool failed: " + errno_text(errno));
     }
     target.reservation = UniqueMapping(base, bytes);
-    target.frames.reserve(count);
-    for (uint64_t i = 0; i < count; ++i) {
-      ++frames_created_;
-      if (config_.fail_frame_create_after != 0 && frames_created_ >= config_.fail_frame_create_after) {
-        return resource_exhausted("creating " + tier_name(tier) + " frame " + std::to_string(i) +
-                                  " failed (fault injected after " +
-                                  std::to_string(config_.fail_frame_create_after - 1) + " frames)");
-      }
-      MEMBAR_ASSIGN_OR_RETURN(UniqueFd fd, make_memfd(tier == Tier::kGpu ? "membar-gpu-frame" : "membar-host-frame",
-                                                      kFrameBytes));
-      void* at = ::mmap(target.base() + i * kFrameBytes, kFrameBytes, PROT_READ | PROT_WRITE,
-                        MAP_SHARED | MAP_FIXED, fd.get(), 0);
-      if (at == MAP_FAILED) return resource_exhausted("mapping a frame failed: " + errno_text(errno));
-      target.frames.push_back(std::move(fd));
-    }
     return Status::Ok();
   }
 
@@ -340,6 +369,7 @@ class HostBackend final : public DeviceBackend {
         job = std::move(queue_.front());
         queue_.pop_front();
       }
+      Status status = job.renew ? job.renew() : Status::Ok();
       for (const Job::Transfer& transfer : job.transfers) {
         if (job.zero) {
           std::memset(transfer.destination, 0, transfer.bytes);
@@ -347,7 +377,7 @@ class HostBackend final : public DeviceBackend {
           std::memmove(transfer.destination, transfer.source, transfer.bytes);
         }
       }
-      if (job.done) job.done(Status::Ok());
+      if (job.done) job.done(status);
       {
         std::lock_guard<std::mutex> lock(mutex_);
         outstanding_.erase(job.sequence);
@@ -376,7 +406,8 @@ class HostBackend final : public DeviceBackend {
   BackendConfig config_;
   TierPool gpu_;
   TierPool host_;
-  uint64_t frames_created_ = 0;
+  uint32_t slab_frames_ = 1;
+  std::vector<UniqueFd> slab_fds_;  // guarded by mutex_; valid once a slab is prepared
 
   std::mutex mutex_;
   std::condition_variable work_ready_;
@@ -394,6 +425,7 @@ class HostBackend final : public DeviceBackend {
   std::atomic<uint64_t> counters_transfers_{0};
   std::atomic<uint64_t> counters_bytes_{0};
   std::atomic<uint64_t> counters_zero_fills_{0};
+  std::atomic<uint64_t> counters_renewals_{0};
 };
 
 }  // namespace

@@ -1,13 +1,21 @@
 // The membar client API: what a trainer links. One interface, two runtimes behind it:
-//   - DaemonClient: talks to a membard daemon (Unix socket for control and fd passing,
-//     a shared-memory ring for the hot path);
+//   - the daemon client: talks to a membard daemon (Unix socket for control and descriptors, a
+//     shared-memory ring for the hot path);
 //   - embedded: the same engine running in this process (default when no daemon is reachable,
 //     and on machines without a GPU).
 // connect() picks: an explicit socket path, else $MEMBAR_SOCKET, else the default socket if a
 // daemon answers there, else embedded.
 //
+// Memory layout (Note [Space layout] in engine/engine.cpp): a space is one contiguous range of
+// this process's addresses on each tier, page p at base + p * page_bytes, whatever the page size.
+// The runtime maps its memory there while it is resident; a range that is acquired is mapped and
+// its contents are in place once its ticket completes. Outside acquired ranges the addresses may
+// be unmapped (reading them faults) or hold stale contents.
+//
 // Threading: a Client may be used from several threads; calls are serialised internally.
 // Every call that says "blocks" may wait for the runtime; none waits for GPU work unless it says so.
+// A call the runtime answers with "retry" (UNAVAILABLE while frames are being cleared or pinned)
+// is retried inside the client for up to $MEMBAR_RETRY_MS (default 60000) milliseconds.
 #pragma once
 
 #include <memory>
@@ -25,7 +33,7 @@ enum class BackendKind : uint8_t { kAuto = 0, kHost = 1, kCuda = 2 };
 struct EmbeddedConfig {
   BackendKind backend = BackendKind::kAuto;  // auto: CUDA when a GPU is present, else host
   uint64_t gpu_pool_bytes = 256ull << 20;    // frames made at start-up
-  uint64_t host_pool_bytes = 1ull << 30;
+  uint64_t host_pool_bytes = 1ull << 30;     // slabs prepared in the background
   int device = 0;
 };
 
@@ -42,18 +50,27 @@ inline constexpr const char* kDefaultSocketPath = "/run/membar/membard.sock";
 
 enum AcquireFlags : uint32_t {
   kAcquireRead = 0,
-  kAcquireWrite = 1u << 0,       // the client will write: the page becomes dirty on release
+  kAcquireWrite = 1u << 0,       // the client will write: the pages become dirty on release
   kAcquireZeroNew = 1u << 1,     // pages with no contents yet are zero-filled (default: undefined)
 };
 
-struct Acquired {
-  Ticket ticket = 0;                   // ready when completed_ticket() >= ticket
-  std::vector<void*> page_pointers;    // one per page, in the client's address space (device
-                                       // pointers on CUDA, host pointers on the host backend)
+// Where a space lives in this process (both tiers), and its shape.
+struct SpaceView {
+  SpaceId id = 0;
+  void* gpu = nullptr;       // page p at gpu + p * page_bytes (device pointers on CUDA)
+  void* host = nullptr;      // page p at host + p * page_bytes (valid under acquire_host)
+  uint64_t page_bytes = 0;
+  uint32_t page_count = 0;
+  uint64_t bytes = 0;        // page_bytes * page_count
 };
 
-// A channel (runtimed/channels.h, Note [Channels]): a named shared-memory buffer that one
-// client writes and other processes of the same user (on the same daemon) read.
+struct Acquired {
+  Ticket ticket = 0;         // ready when completed_ticket() >= ticket
+  void* pointer = nullptr;   // the range's first page; page first + i at pointer + i * page_bytes
+};
+
+// A channel (engine/include/membar/engine/channels.h, Note [Channels]): a named shared-memory
+// buffer that one client writes and other processes of the same user (on the same daemon) read.
 struct Channel {
   uint32_t handle = 0;     // this client's handle, for close_channel
   void* data = nullptr;    // mapped in this process: read-write for the creator, read-only for openers
@@ -70,15 +87,17 @@ class Client {
   virtual std::string describe() const = 0;
   virtual BackendKind backend() const = 0;
 
-  // Spaces. Names are unique per client; page_bytes is a power of two in [64 KiB, 2 MiB].
+  // Spaces. Names are unique per client; pages may have any size from 1 byte to kMaxPageBytes.
   // Blocks (one round trip).
-  virtual Result<SpaceId> create_space(const std::string& name, uint64_t page_bytes,
-                                       uint32_t page_count) = 0;
+  virtual Result<SpaceId> create_space(const std::string& name, uint64_t page_bytes, uint32_t page_count) = 0;
   virtual Status destroy_space(SpaceId space) = 0;
+  // Non-blocking: where the space lives in this process.
+  virtual Result<SpaceView> space_view(SpaceId space) const = 0;
 
-  // Makes the pages GPU-resident (allocating, zero-filling or copying in as needed), pins them
-  // against eviction and returns their pointers plus the ticket to wait for. Blocks until the
-  // request is accepted, not until the copies are done: wait(ticket) or stream_wait(ticket, s).
+  // Makes the pages GPU-resident (allocating, zero-filling or copying in as needed) at their
+  // place in the space, pins them against eviction and returns the ticket to wait for. Blocks
+  // until the request is accepted, not until the copies are done: wait(ticket) or
+  // stream_wait(ticket, s).
   virtual Result<Acquired> acquire(PageRange range, uint32_t flags) = 0;
   // Unpins; with dirty, the GPU copy becomes the newest (written back before eviction).
   // The client's own writes to the pages must be complete when it calls release (on CUDA:
@@ -87,45 +106,40 @@ class Client {
 
   // Asynchronous hints; return when accepted.
   virtual Result<Ticket> prefetch(PageRange range) = 0;   // bring to GPU, do not pin
-  virtual Result<Ticket> offload(PageRange range) = 0;    // write back to host, free GPU slot
+  virtual Result<Ticket> offload(PageRange range) = 0;    // write back to host, free GPU frames
   virtual Status free_pages(PageRange range) = 0;         // drop contents in both tiers
 
   // Host access (CPU reads/writes of page contents, e.g. checkpointing or the host backend's
-  // CPU kernels): makes the pages host-resident and returns host pointers valid until
-  // release_host. Blocks until the data is there.
-  virtual Result<std::vector<void*>> acquire_host(PageRange range) = 0;
+  // CPU kernels): makes the pages host-resident and returns the host pointer of the first page,
+  // valid until release_host. Blocks until the data is there.
+  virtual Result<void*> acquire_host(PageRange range) = 0;
   virtual Status release_host(PageRange range, bool dirty) = 0;
 
   // Access schedule: steps the client will run, in order (may repeat pages). advance(i) says
   // step i is about to run: the runtime prefetches ahead within the client's GPU quota and
-  // evicts the page whose next use is farthest (Belady), writing dirty pages back.
+  // evicts what is needed farthest in the future (Belady), writing dirty pages back.
   virtual Status set_schedule(std::vector<ScheduleStep> steps) = 0;
   virtual Status advance(uint32_t step) = 0;
 
-  // Completion. wait blocks the calling thread; stream_wait enqueues a wait on a CUDA stream
-  // (cudaStream_t passed as void*; UNIMPLEMENTED on the host backend) so no CPU round trip is
-  // needed; stream_release enqueues "the GPU is done with these pages" on the stream.
+  // Completion. wait blocks the calling thread (INVALID_ARGUMENT at once for a ticket never
+  // issued); stream_wait enqueues a wait on a CUDA stream (cudaStream_t passed as void*;
+  // UNIMPLEMENTED on the host backend) so no CPU round trip is needed; stream_release enqueues
+  // "the GPU is done with these pages" on the stream.
   virtual Status wait(Ticket ticket) = 0;
   virtual Ticket completed_ticket() const = 0;
   virtual Status stream_wait(Ticket ticket, void* cuda_stream) = 0;
   virtual Status stream_release(PageRange range, bool dirty, void* cuda_stream) = 0;
 
-  // The client's window: all its GPU pages live in [window_base, window_base + window_bytes).
-  // A pool tensor over the window, viewed with a space's page size, indexes pages by
-  // (window_frame * kFrameBytes + slot * page_bytes) / page_bytes.
-  virtual void* window_base() const = 0;
-  virtual uint64_t window_bytes() const = 0;
-  // Page locations (GPU tier) as last reported; kNoFrame when not GPU-resident.
-  virtual Result<std::vector<PageLocation>> locations(PageRange range) = 0;
-
+  // This client's stats: tiers, its counters, its spaces (the first kMaxStatsSpaces of them).
   virtual Result<RuntimeStats> stats() = 0;
 
   // Channels. create_channel makes a zero-filled channel of `bytes` (counted against the host
-  // quota) under a name unique on the daemon (ALREADY_EXISTS otherwise); open_channel maps an
-  // existing one read-only (NOT_FOUND when no channel of that name is visible: another user's,
-  // closed, or its creator gone). With an embedded runtime only channels created in this process
-  // are found. close_channel unmaps; the creator's close also drops the name (mappings other
-  // processes hold stay valid). Destroying the Client closes its channels. Blocks (one round trip).
+  // quota) under a name unique among this user's channels on the daemon (ALREADY_EXISTS
+  // otherwise), maps it writable and publishes it; open_channel maps a published one read-only
+  // (NOT_FOUND when no channel of that name is visible: another user's, closed, or its creator
+  // gone). With an embedded runtime only channels created in this process are found.
+  // close_channel unmaps; the creator's close also drops the name (mappings other processes
+  // hold stay valid). Destroying the Client closes its channels. Blocks (one round trip).
   virtual Result<Channel> create_channel(const std::string& name, uint64_t bytes) = 0;
   virtual Result<Channel> open_channel(const std::string& name) = 0;
   virtual Status close_channel(uint32_t handle) = 0;

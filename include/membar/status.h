@@ -73,6 +73,8 @@ inline Status permission_denied(std::string m) { return {StatusCode::PERMISSION_
 inline Status unavailable(std::string m) { return {StatusCode::UNAVAILABLE, std::move(m)}; }
 inline Status internal_error(std::string m) { return {StatusCode::INTERNAL, std::move(m)}; }
 inline Status unimplemented(std::string m) { return {StatusCode::UNIMPLEMENTED, std::move(m)}; }
+inline Status aborted(std::string m) { return {StatusCode::ABORTED, std::move(m)}; }
+inline Status deadline_exceeded(std::string m) { return {StatusCode::DEADLINE_EXCEEDED, std::move(m)}; }
 
 // A value or a non-OK Status. No exceptions: callers test ok() and take value() or status().
 template <typename T>

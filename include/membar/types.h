@@ -8,10 +8,14 @@
 
 namespace membar {
 
-// Frames are the unit of physical memory: 2 MiB, the CUDA VMM allocation granularity.
+// Frames are the unit of physical memory: 2 MiB, the CUDA VMM allocation granularity. A space's
+// bytes are cut into frames of 2 MiB (its *space frames*); each lives in at most one GPU frame and
+// one host frame at a time. Pages are the user's unit and may have any size: a page range names
+// the space frames that cover its bytes.
 inline constexpr uint64_t kFrameBytes = 2ull << 20;
-inline constexpr uint64_t kMinPageBytes = 64ull << 10;
-inline constexpr uint64_t kMaxPageBytes = kFrameBytes;
+// The largest page and the largest space (bytes): bounds, not preferences.
+inline constexpr uint64_t kMaxPageBytes = 1ull << 30;
+inline constexpr uint64_t kMaxSpaceBytes = 1ull << 44;
 
 enum class Tier : uint8_t { kGpu = 0, kHost = 1 };
 
@@ -21,17 +25,6 @@ using FrameIndex = uint32_t;   // index of a frame in its tier's pool
 using Ticket = uint64_t;       // monotonically increasing per client; 0 = "nothing to wait for"
 
 inline constexpr FrameIndex kNoFrame = 0xffffffffu;
-
-// Residency bits of a page (a page may be in both tiers: clean copy on host, working copy on GPU).
-enum Residency : uint8_t { kResidentNone = 0, kResidentGpu = 1, kResidentHost = 2, kResidentBoth = 3 };
-
-// Where a GPU-resident page lives in the client's window: window_base + frame * kFrameBytes +
-// slot * page_bytes. `frame` is the client's own window frame number (not the pool's frame index:
-// a client never learns the pool layout).
-struct PageLocation {
-  uint32_t window_frame = kNoFrame;
-  uint32_t slot = 0;
-};
 
 struct PageRange {
   SpaceId space = 0;
@@ -44,16 +37,18 @@ struct ScheduleStep {
   std::vector<PageRange> ranges;
 };
 
+// A space as stats report it: its shape, owner, and its bytes by residency (counted by space
+// frames: a frame is GPU, host, both or none), dirty (the GPU copy is newer) and pinned.
 struct SpaceInfo {
   SpaceId id = 0;
   std::string name;
   uint64_t page_bytes = 0;
   uint32_t page_count = 0;
-  // Filled by stats(): the owner and the pages by residency, dirty (GPU copy newer than host)
-  // and pinned (acquired on either tier).
   ClientId client = 0;
-  uint64_t pages_gpu = 0, pages_host = 0, pages_both = 0, pages_none = 0;
-  uint64_t pages_dirty = 0, pages_pinned = 0;
+  uint64_t bytes_gpu = 0, bytes_host = 0, bytes_both = 0, bytes_none = 0;
+  uint64_t bytes_dirty = 0, bytes_pinned = 0;
+  uint64_t bytes_host_to_gpu = 0;  // copied in for this space
+  uint64_t bytes_gpu_to_host = 0;  // written back for this space
 };
 
 // {current, peak, allocated, freed}, changed only through stat_* helpers (PyTorch's Stat).
@@ -76,32 +71,40 @@ inline void stat_decrease(Stat& s, int64_t n) {
 struct ClientStats {
   ClientId client = 0;
   int32_t pid = 0;
+  uint32_t uid = 0;
   std::string name;
   uint64_t gpu_quota_bytes = 0;
   uint64_t host_quota_bytes = 0;
-  Stat gpu_frames;      // frames held by this client
+  Stat gpu_frames;      // frames held by this client (in use or kept idle for it)
   Stat host_frames;
-  uint64_t pages_gpu = 0, pages_host = 0, pages_both = 0, pages_none = 0;
+  uint32_t spaces = 0;
+  uint64_t bytes_gpu = 0, bytes_host = 0, bytes_both = 0, bytes_none = 0;
   uint64_t bytes_host_to_gpu = 0;
   uint64_t bytes_gpu_to_host = 0;
-  uint64_t prefetch_hits = 0;    // acquire found the page already on the GPU (prefetched)
+  uint64_t prefetch_hits = 0;    // acquire found the frame already on the GPU (prefetched)
   uint64_t prefetch_misses = 0;  // acquire had to start a transfer
   uint64_t evictions = 0;
   uint64_t stall_ns = 0;         // time the client waited for pages to become ready
+  uint64_t channel_bytes = 0;    // its channels (counted in its host quota)
 };
 
 struct TierStats {
   Tier tier = Tier::kGpu;
   uint64_t frames_total = 0;
-  uint64_t frames_used = 0;
-  uint64_t frames_free = 0;
+  uint64_t frames_used = 0;       // held by clients
+  uint64_t frames_free = 0;       // ready to hand out
+  uint64_t frames_preparing = 0;  // being cleared or pinned before they can be handed out
 };
 
 struct RuntimeStats {
   std::string backend;           // "cuda" or "host"
   std::vector<TierStats> tiers;  // GPU then host
   std::vector<ClientStats> clients;
-  std::vector<SpaceInfo> spaces; // of the asking client (all clients for the admin view)
+  // Spaces of the asking client (all clients for the admin view), from index `first_space` of
+  // `spaces_total` in (client, space id) order: large answers come in pages.
+  std::vector<SpaceInfo> spaces;
+  uint32_t first_space = 0;
+  uint32_t spaces_total = 0;
 };
 
 }  // namespace membar

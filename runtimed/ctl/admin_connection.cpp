@@ -8,11 +8,11 @@
 #include <cstring>
 
 #include "membar/protocol/ring.h"
-#include "membar/protocol/v1.h"
+#include "membar/protocol/v2.h"
 
 namespace membar::ctl {
 
-namespace v1 = protocol::v1;
+namespace v2 = protocol::v2;
 
 Result<std::unique_ptr<AdminConnection>> AdminConnection::open(const std::string& socket_path, int timeout_ms) {
   std::unique_ptr<AdminConnection> connection(new AdminConnection());
@@ -28,20 +28,20 @@ Result<std::unique_ptr<AdminConnection>> AdminConnection::open(const std::string
   if (::connect(connection->socket_.get(), reinterpret_cast<sockaddr*>(&address), sizeof(address)) != 0) {
     return unavailable("no membard answers at " + socket_path + ": " + std::strerror(errno));
   }
-  v1::HelloV1 hello{};
-  hello.role = static_cast<uint32_t>(v1::Role::kAdmin);
-  v1::copy_text(hello.client_name, sizeof(hello.client_name), "membarctl");
+  v2::HelloV2 hello{};
+  hello.role = static_cast<uint32_t>(v2::Role::kAdmin);
+  v2::copy_text(hello.client_name, sizeof(hello.client_name), "membarctl");
   // A refusing daemon may close before the hello is sent: read its error either way.
-  Status sent = wire::send_message(connection->socket_.get(), v1::encode_message(v1::MessageType::kHello, hello));
+  Status sent = wire::send_message(connection->socket_.get(), v2::encode_message(v2::MessageType::kHello, hello));
   Result<wire::ReceivedMessage> answered =
-      connection->read_message(static_cast<uint16_t>(v1::MessageType::kHelloReply));
+      connection->read_message(static_cast<uint16_t>(v2::MessageType::kHelloReply));
   if (!sent.ok() && !answered.ok() && answered.status().code() == StatusCode::UNAVAILABLE) return sent;
   MEMBAR_ASSIGN_OR_RETURN(wire::ReceivedMessage message, std::move(answered));
-  MEMBAR_ASSIGN_OR_RETURN(v1::HelloReplyV1 reply, v1::decode_hello_reply(message.payload));
+  MEMBAR_ASSIGN_OR_RETURN(v2::HelloReplyV2 reply, v2::decode_hello_reply(message.payload));
   if (reply.status != 0) {
     return Status(static_cast<StatusCode>(reply.status), std::string("membard refused: ") + reply.message);
   }
-  connection->backend_ = reply.backend == static_cast<uint8_t>(v1::WireBackend::kCuda) ? "cuda" : "host";
+  connection->backend_ = reply.backend == static_cast<uint8_t>(v2::WireBackend::kCuda) ? "cuda" : "host";
   return connection;
 }
 
@@ -51,11 +51,11 @@ Result<wire::ReceivedMessage> AdminConnection::read_message(uint16_t expected_ty
     MEMBAR_ASSIGN_OR_RETURN(std::optional<wire::ReceivedMessage> next, assembler_.next());
     if (next.has_value()) {
       if (next->header.type == expected_type) return std::move(*next);
-      if (next->header.type == static_cast<uint16_t>(v1::MessageType::kError)) {
-        MEMBAR_ASSIGN_OR_RETURN(v1::ErrorV1 error, v1::decode_error(next->payload));
+      if (next->header.type == static_cast<uint16_t>(v2::MessageType::kError)) {
+        MEMBAR_ASSIGN_OR_RETURN(v2::ErrorV2 error, v2::decode_error(next->payload));
         return Status(static_cast<StatusCode>(error.status), std::string("membard: ") + error.message);
       }
-      if (next->header.type == static_cast<uint16_t>(v1::MessageType::kShutdown)) {
+      if (next->header.type == static_cast<uint16_t>(v2::MessageType::kShutdown)) {
         return unavailable("membard at " + socket_path_ + " is shutting down");
       }
       continue;
@@ -69,8 +69,8 @@ Result<wire::ReceivedMessage> AdminConnection::read_message(uint16_t expected_ty
     Result<bool> read = assembler_.read_available(socket_.get());
     if (!read.ok()) {
       MEMBAR_ASSIGN_OR_RETURN(std::optional<wire::ReceivedMessage> last, assembler_.next());
-      if (last.has_value() && last->header.type == static_cast<uint16_t>(v1::MessageType::kError)) {
-        MEMBAR_ASSIGN_OR_RETURN(v1::ErrorV1 error, v1::decode_error(last->payload));
+      if (last.has_value() && last->header.type == static_cast<uint16_t>(v2::MessageType::kError)) {
+        MEMBAR_ASSIGN_OR_RETURN(v2::ErrorV2 error, v2::decode_error(last->payload));
         return Status(static_cast<StatusCode>(error.status), std::string("membard: ") + error.message);
       }
       if (last.has_value() && last->header.type == expected_type) return std::move(*last);
@@ -80,19 +80,33 @@ Result<wire::ReceivedMessage> AdminConnection::read_message(uint16_t expected_ty
 }
 
 Result<RuntimeStats> AdminConnection::stats() {
-  MEMBAR_RETURN_IF_ERROR(wire::send_message(
-      socket_.get(), v1::encode_message(v1::MessageType::kStatsRequest, std::span<const uint8_t>())));
-  MEMBAR_ASSIGN_OR_RETURN(wire::ReceivedMessage reply,
-                          read_message(static_cast<uint16_t>(v1::MessageType::kStatsReply)));
-  return v1::decode_stats(reply.payload);
+  // Spaces come in pages (a daemon with 60,000 spaces answers in 15 replies, none over 4 MiB).
+  RuntimeStats all;
+  for (uint32_t first = 0;;) {
+    v2::StatsRequestV2 request{first, v2::kMaxStatsSpaces};
+    MEMBAR_RETURN_IF_ERROR(wire::send_message(socket_.get(), v2::encode_message(v2::MessageType::kStatsRequest, request)));
+    MEMBAR_ASSIGN_OR_RETURN(wire::ReceivedMessage reply,
+                            read_message(static_cast<uint16_t>(v2::MessageType::kStatsReply)));
+    MEMBAR_ASSIGN_OR_RETURN(RuntimeStats page, v2::decode_stats(reply.payload));
+    if (first == 0) {
+      all = std::move(page);
+    } else {
+      all.spaces.insert(all.spaces.end(), page.spaces.begin(), page.spaces.end());
+      all.spaces_total = page.spaces_total;
+    }
+    first = static_cast<uint32_t>(all.spaces.size());
+    if (first >= all.spaces_total || (first > 0 && page.spaces.empty() && first != 0)) break;
+    if (all.spaces.size() >= 1000000) break;  // a bound on what membarctl holds
+  }
+  return all;
 }
 
 Result<uint64_t> AdminConnection::ping() {
-  v1::PingV1 ping{next_nonce_++};
+  v2::PingV2 ping{next_nonce_++};
   uint64_t start = protocol::monotonic_ns();
-  MEMBAR_RETURN_IF_ERROR(wire::send_message(socket_.get(), v1::encode_message(v1::MessageType::kPing, ping)));
-  MEMBAR_ASSIGN_OR_RETURN(wire::ReceivedMessage reply, read_message(static_cast<uint16_t>(v1::MessageType::kPong)));
-  MEMBAR_ASSIGN_OR_RETURN(v1::PingV1 pong, v1::decode_ping(reply.payload));
+  MEMBAR_RETURN_IF_ERROR(wire::send_message(socket_.get(), v2::encode_message(v2::MessageType::kPing, ping)));
+  MEMBAR_ASSIGN_OR_RETURN(wire::ReceivedMessage reply, read_message(static_cast<uint16_t>(v2::MessageType::kPong)));
+  MEMBAR_ASSIGN_OR_RETURN(v2::PingV2 pong, v2::decode_ping(reply.payload));
   if (pong.nonce != ping.nonce) return internal_error("membard answered a different ping");
   return protocol::monotonic_ns() - start;
 }

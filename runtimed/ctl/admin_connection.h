@@ -1,4 +1,4 @@
-// membarctl's connection to membard: the admin role of protocol v1 (stats and ping over the
+// membarctl's connection to membard: the admin role of protocol v2 (stats and ping over the
 // control socket; no engine client, no segment, no frames).
 #pragma once
 
@@ -17,7 +17,7 @@ class AdminConnection {
   // Connects and completes the admin handshake. Blocks at most timeout_ms.
   static Result<std::unique_ptr<AdminConnection>> open(const std::string& socket_path, int timeout_ms = 5000);
 
-  // Every client and space of the daemon. Blocks (one round trip).
+  // Every client and space of the daemon. Blocks (one round trip per 4096 spaces).
   Result<RuntimeStats> stats();
   // One ping round trip; returns its duration in nanoseconds.
   Result<uint64_t> ping();

@@ -64,27 +64,31 @@ std::string format_stats_text(const RuntimeStats& stats, const std::string& sock
   out << "socket: " << socket_path << '\n';
   out << "backend: " << stats.backend << '\n';
   out << "clients: " << stats.clients.size() << '\n';
-  out << "spaces: " << stats.spaces.size() << '\n';
+  out << "spaces: " << stats.spaces_total << '\n';
   for (const TierStats& t : stats.tiers) {
     out << "\n# Tier " << tier_name(t.tier) << '\n';
     out << "frames_total: " << frames_field(static_cast<int64_t>(t.frames_total)) << '\n';
     out << "frames_used: " << frames_field(static_cast<int64_t>(t.frames_used)) << '\n';
     out << "frames_free: " << frames_field(static_cast<int64_t>(t.frames_free)) << '\n';
+    out << "frames_preparing: " << frames_field(static_cast<int64_t>(t.frames_preparing)) << '\n';
   }
   for (const ClientStats& c : stats.clients) {
     out << "\n# Client " << c.client << '\n';
     out << "name: " << c.name << '\n';
     out << "pid: " << c.pid << '\n';
+    out << "uid: " << c.uid << '\n';
     out << "gpu_quota: " << bytes_field(c.gpu_quota_bytes) << '\n';
     out << "host_quota: " << bytes_field(c.host_quota_bytes) << '\n';
     out << "gpu_frames: " << frames_field(c.gpu_frames.current) << '\n';
     out << "gpu_frames_peak: " << frames_field(c.gpu_frames.peak) << '\n';
     out << "host_frames: " << frames_field(c.host_frames.current) << '\n';
     out << "host_frames_peak: " << frames_field(c.host_frames.peak) << '\n';
-    out << "pages_gpu: " << c.pages_gpu << '\n';
-    out << "pages_host: " << c.pages_host << '\n';
-    out << "pages_both: " << c.pages_both << '\n';
-    out << "pages_none: " << c.pages_none << '\n';
+    out << "spaces: " << c.spaces << '\n';
+    out << "bytes_gpu: " << bytes_field(c.bytes_gpu) << '\n';
+    out << "bytes_host: " << bytes_field(c.bytes_host) << '\n';
+    out << "bytes_both: " << bytes_field(c.bytes_both) << '\n';
+    out << "bytes_none: " << bytes_field(c.bytes_none) << '\n';
+    out << "channel_bytes: " << bytes_field(c.channel_bytes) << '\n';
     out << "bytes_host_to_gpu: " << bytes_field(c.bytes_host_to_gpu) << '\n';
     out << "bytes_gpu_to_host: " << bytes_field(c.bytes_gpu_to_host) << '\n';
     out << "prefetch_hits: " << c.prefetch_hits << '\n';
@@ -96,18 +100,20 @@ std::string format_stats_text(const RuntimeStats& stats, const std::string& sock
     out << "stall_ns: " << c.stall_ns << " (" << human_duration_ns(c.stall_ns) << ")\n";
   }
   for (const SpaceInfo& s : stats.spaces) {
-    out << "\n# Space " << s.id << '\n';
+    out << "\n# Space " << s.client << "." << s.id << '\n';
     out << "name: " << s.name << '\n';
+    out << "client: " << s.client << '\n';
     out << "page_bytes: " << bytes_field(s.page_bytes) << '\n';
     out << "page_count: " << s.page_count << '\n';
     out << "bytes: " << bytes_field(s.page_bytes * s.page_count) << '\n';
-    out << "client: " << s.client << '\n';
-    out << "pages_gpu: " << s.pages_gpu << '\n';
-    out << "pages_host: " << s.pages_host << '\n';
-    out << "pages_both: " << s.pages_both << '\n';
-    out << "pages_none: " << s.pages_none << '\n';
-    out << "pages_dirty: " << s.pages_dirty << '\n';
-    out << "pages_pinned: " << s.pages_pinned << '\n';
+    out << "bytes_gpu: " << bytes_field(s.bytes_gpu) << '\n';
+    out << "bytes_host: " << bytes_field(s.bytes_host) << '\n';
+    out << "bytes_both: " << bytes_field(s.bytes_both) << '\n';
+    out << "bytes_none: " << bytes_field(s.bytes_none) << '\n';
+    out << "bytes_dirty: " << bytes_field(s.bytes_dirty) << '\n';
+    out << "bytes_pinned: " << bytes_field(s.bytes_pinned) << '\n';
+    out << "bytes_host_to_gpu: " << bytes_field(s.bytes_host_to_gpu) << '\n';
+    out << "bytes_gpu_to_host: " << bytes_field(s.bytes_gpu_to_host) << '\n';
   }
   return out.str();
 }
@@ -115,34 +121,36 @@ std::string format_stats_text(const RuntimeStats& stats, const std::string& sock
 std::string format_stats_json(const RuntimeStats& stats, const std::string& socket_path) {
   std::ostringstream out;
   out << "{\n  \"socket\": " << json_string(socket_path) << ",\n  \"backend\": " << json_string(stats.backend)
-      << ",\n  \"tiers\": [";
+      << ",\n  \"spaces_total\": " << stats.spaces_total << ",\n  \"tiers\": [";
   for (size_t i = 0; i < stats.tiers.size(); ++i) {
     const TierStats& t = stats.tiers[i];
     out << (i ? "," : "") << "\n    {\"tier\": \"" << tier_name(t.tier) << "\", \"frames_total\": " << t.frames_total
         << ", \"frames_used\": " << t.frames_used << ", \"frames_free\": " << t.frames_free
-        << ", \"frame_bytes\": " << kFrameBytes << "}";
+        << ", \"frames_preparing\": " << t.frames_preparing << ", \"frame_bytes\": " << kFrameBytes << "}";
   }
   out << "\n  ],\n  \"clients\": [";
   for (size_t i = 0; i < stats.clients.size(); ++i) {
     const ClientStats& c = stats.clients[i];
     out << (i ? "," : "") << "\n    {\"client\": " << c.client << ", \"name\": " << json_string(c.name)
-        << ", \"pid\": " << c.pid << ", \"gpu_quota_bytes\": " << c.gpu_quota_bytes
+        << ", \"pid\": " << c.pid << ", \"uid\": " << c.uid << ", \"gpu_quota_bytes\": " << c.gpu_quota_bytes
         << ", \"host_quota_bytes\": " << c.host_quota_bytes << ", \"gpu_frames\": " << json_stat(c.gpu_frames)
-        << ", \"host_frames\": " << json_stat(c.host_frames) << ", \"pages_gpu\": " << c.pages_gpu
-        << ", \"pages_host\": " << c.pages_host << ", \"pages_both\": " << c.pages_both
-        << ", \"pages_none\": " << c.pages_none << ", \"bytes_host_to_gpu\": " << c.bytes_host_to_gpu
-        << ", \"bytes_gpu_to_host\": " << c.bytes_gpu_to_host << ", \"prefetch_hits\": " << c.prefetch_hits
-        << ", \"prefetch_misses\": " << c.prefetch_misses << ", \"prefetch_hit_rate\": " << hit_rate(c)
-        << ", \"evictions\": " << c.evictions << ", \"stall_ns\": " << c.stall_ns << "}";
+        << ", \"host_frames\": " << json_stat(c.host_frames) << ", \"spaces\": " << c.spaces
+        << ", \"bytes_gpu\": " << c.bytes_gpu << ", \"bytes_host\": " << c.bytes_host << ", \"bytes_both\": " << c.bytes_both
+        << ", \"bytes_none\": " << c.bytes_none << ", \"channel_bytes\": " << c.channel_bytes
+        << ", \"bytes_host_to_gpu\": " << c.bytes_host_to_gpu << ", \"bytes_gpu_to_host\": " << c.bytes_gpu_to_host
+        << ", \"prefetch_hits\": " << c.prefetch_hits << ", \"prefetch_misses\": " << c.prefetch_misses
+        << ", \"prefetch_hit_rate\": " << hit_rate(c) << ", \"evictions\": " << c.evictions
+        << ", \"stall_ns\": " << c.stall_ns << "}";
   }
   out << "\n  ],\n  \"spaces\": [";
   for (size_t i = 0; i < stats.spaces.size(); ++i) {
     const SpaceInfo& s = stats.spaces[i];
     out << (i ? "," : "") << "\n    {\"id\": " << s.id << ", \"name\": " << json_string(s.name)
-        << ", \"page_bytes\": " << s.page_bytes << ", \"page_count\": " << s.page_count
-        << ", \"client\": " << s.client << ", \"pages_gpu\": " << s.pages_gpu << ", \"pages_host\": " << s.pages_host
-        << ", \"pages_both\": " << s.pages_both << ", \"pages_none\": " << s.pages_none
-        << ", \"pages_dirty\": " << s.pages_dirty << ", \"pages_pinned\": " << s.pages_pinned << "}";
+        << ", \"client\": " << s.client << ", \"page_bytes\": " << s.page_bytes << ", \"page_count\": " << s.page_count
+        << ", \"bytes_gpu\": " << s.bytes_gpu << ", \"bytes_host\": " << s.bytes_host << ", \"bytes_both\": " << s.bytes_both
+        << ", \"bytes_none\": " << s.bytes_none << ", \"bytes_dirty\": " << s.bytes_dirty
+        << ", \"bytes_pinned\": " << s.bytes_pinned << ", \"bytes_host_to_gpu\": " << s.bytes_host_to_gpu
+        << ", \"bytes_gpu_to_host\": " << s.bytes_gpu_to_host << "}";
   }
   out << "\n  ]\n}\n";
   return out.str();
@@ -151,41 +159,71 @@ std::string format_stats_json(const RuntimeStats& stats, const std::string& sock
 std::string format_top(const RuntimeStats& stats, const RuntimeStats* previous, double interval_s,
                        const std::string& socket_path) {
   std::map<ClientId, const ClientStats*> before;
+  std::map<std::pair<ClientId, SpaceId>, const SpaceInfo*> spaces_before;
   if (previous != nullptr) {
     for (const ClientStats& c : previous->clients) before[c.client] = &c;
+    for (const SpaceInfo& s : previous->spaces) spaces_before[{s.client, s.id}] = &s;
   }
+  auto rate = [interval_s](uint64_t now, uint64_t then) {
+    return interval_s > 0 && now >= then ? static_cast<double>(now - then) / interval_s : 0.0;
+  };
   std::ostringstream out;
-  out << "membard " << socket_path << "  backend " << stats.backend << "  clients " << stats.clients.size() << '\n';
+  out << "membard " << socket_path << "  backend " << stats.backend << "  clients " << stats.clients.size()
+      << "  (q quits)\n";
   for (const TierStats& t : stats.tiers) {
-    char line[160];
+    char line[200];
     double used = t.frames_total ? 100.0 * static_cast<double>(t.frames_used) / static_cast<double>(t.frames_total) : 0;
-    std::snprintf(line, sizeof(line), "%-4s frames %6" PRIu64 " used / %6" PRIu64 " total (%5.1f%%)  free %s\n",
-                  tier_name(t.tier), t.frames_used, t.frames_total, used,
-                  human_bytes(t.frames_free * kFrameBytes).c_str());
+    std::snprintf(line, sizeof(line), "%-4s %9s used of %9s (%5.1f%%), %9s free, %9s being prepared\n",
+                  tier_name(t.tier), human_bytes(t.frames_used * kFrameBytes).c_str(),
+                  human_bytes(t.frames_total * kFrameBytes).c_str(), used, human_bytes(t.frames_free * kFrameBytes).c_str(),
+                  human_bytes(t.frames_preparing * kFrameBytes).c_str());
     out << line;
   }
   char header[256];
-  std::snprintf(header, sizeof(header), "\n%6s %-16s %7s %6s %6s %8s %8s %8s %8s %11s %11s %6s %9s %10s\n", "CLIENT",
-                "NAME", "PID", "GPU_F", "HOST_F", "P_GPU", "P_HOST", "P_BOTH", "P_NONE", "H2D/s", "D2H/s", "HIT%",
-                "EVICT", "STALL");
+  std::snprintf(header, sizeof(header), "\n%6s %-20s %7s %9s %9s %10s %10s %6s %8s %7s\n", "CLIENT", "NAME", "PID",
+                "GPU", "HOST", "IN/s", "OUT/s", "HIT%", "EVICT/s", "STALL%");
   out << header;
   for (const ClientStats& c : stats.clients) {
-    double h2d = 0, d2h = 0;
     auto it = before.find(c.client);
-    if (it != before.end() && interval_s > 0) {
-      h2d = static_cast<double>(c.bytes_host_to_gpu - it->second->bytes_host_to_gpu) / interval_s;
-      d2h = static_cast<double>(c.bytes_gpu_to_host - it->second->bytes_gpu_to_host) / interval_s;
+    double in = 0, back = 0, evictions = 0, stall = 0;
+    if (it != before.end()) {
+      in = rate(c.bytes_host_to_gpu, it->second->bytes_host_to_gpu);
+      back = rate(c.bytes_gpu_to_host, it->second->bytes_gpu_to_host);
+      evictions = rate(c.evictions, it->second->evictions);
+      stall = rate(c.stall_ns, it->second->stall_ns) / 1e9;  // seconds stalled per second
     }
     char line[320];
-    std::snprintf(line, sizeof(line),
-                  "%6u %-16.16s %7d %6" PRId64 " %6" PRId64 " %8" PRIu64 " %8" PRIu64 " %8" PRIu64 " %8" PRIu64
-                  " %11s %11s %5.1f%% %9" PRIu64 " %10s\n",
-                  c.client, c.name.c_str(), c.pid, c.gpu_frames.current, c.host_frames.current, c.pages_gpu,
-                  c.pages_host, c.pages_both, c.pages_none, human_bytes(static_cast<uint64_t>(h2d)).c_str(),
-                  human_bytes(static_cast<uint64_t>(d2h)).c_str(), 100.0 * hit_rate(c), c.evictions,
-                  human_duration_ns(c.stall_ns).c_str());
+    std::snprintf(line, sizeof(line), "%6u %-20.20s %7d %9s %9s %10s %10s %5.1f%% %8.0f %6.2f%%\n", c.client,
+                  c.name.c_str(), c.pid, human_bytes(c.gpu_frames.current * kFrameBytes).c_str(),
+                  human_bytes(c.host_frames.current * kFrameBytes).c_str(), human_bytes(uint64_t(in)).c_str(),
+                  human_bytes(uint64_t(back)).c_str(), 100.0 * hit_rate(c), evictions, 100.0 * stall);
     out << line;
   }
+  if (!stats.spaces.empty()) {
+    char space_header[200];
+    std::snprintf(space_header, sizeof(space_header), "\n%6s %-24s %10s %10s %10s %10s %10s\n", "CLIENT", "SPACE",
+                  "SIZE", "ON GPU", "ON HOST", "IN/s", "OUT/s");
+    out << space_header;
+    size_t shown = 0;
+    for (const SpaceInfo& s : stats.spaces) {
+      if (++shown > 40) {
+        out << "  ... " << (stats.spaces.size() - 40) << " more spaces (membarctl stats lists them all)\n";
+        break;
+      }
+      auto it = spaces_before.find({s.client, s.id});
+      double in = it == spaces_before.end() ? 0 : rate(s.bytes_host_to_gpu, it->second->bytes_host_to_gpu);
+      double back = it == spaces_before.end() ? 0 : rate(s.bytes_gpu_to_host, it->second->bytes_gpu_to_host);
+      char line[256];
+      std::snprintf(line, sizeof(line), "%6u %-24.24s %10s %10s %10s %10s %10s\n", s.client, s.name.c_str(),
+                    human_bytes(s.page_bytes * s.page_count).c_str(), human_bytes(s.bytes_gpu + s.bytes_both).c_str(),
+                    human_bytes(s.bytes_host + s.bytes_both).c_str(), human_bytes(uint64_t(in)).c_str(),
+                    human_bytes(uint64_t(back)).c_str());
+      out << line;
+    }
+  }
+  out << "\nGPU/HOST: memory the client holds in each pool; IN/s, OUT/s: bytes copied to / from the GPU per\n"
+         "second; HIT%: acquires that found their pages already on the GPU (prefetched); EVICT/s: 2 MiB\n"
+         "frames evicted per second; STALL%: time the trainer waited for pages, per second of wall time.\n";
   return out.str();
 }
 

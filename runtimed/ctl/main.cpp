@@ -3,6 +3,8 @@
 //   membarctl [--socket PATH] top [--iterations N] [--interval-ms MS]   live view, every second
 //   membarctl [--socket PATH] ping               liveness and round-trip time
 // PATH defaults to $MEMBAR_SOCKET, then /run/membar/membard.sock.
+#include <poll.h>
+#include <termios.h>
 #include <unistd.h>
 
 #include <chrono>
@@ -21,9 +23,46 @@ using namespace membar;
 
 const char* kUsage =
     "usage: membarctl [--socket PATH] stats [--json]\n"
-    "       membarctl [--socket PATH] top [--iterations N] [--interval-ms MS]\n"
+    "       membarctl [--socket PATH] top [--iterations N] [--interval-ms MS]   (q quits)\n"
     "       membarctl [--socket PATH] ping\n"
     "PATH defaults to $MEMBAR_SOCKET, then /run/membar/membard.sock.\n";
+
+// Raw keyboard input for `top` (restored on exit): lets 'q' quit without Enter.
+class KeyboardMode {
+ public:
+  explicit KeyboardMode(bool enable) {
+    if (!enable || ::tcgetattr(STDIN_FILENO, &saved_) != 0) return;
+    termios raw = saved_;
+    raw.c_lflag &= ~static_cast<tcflag_t>(ICANON | ECHO);
+    raw.c_cc[VMIN] = 0;
+    raw.c_cc[VTIME] = 0;
+    active_ = ::tcsetattr(STDIN_FILENO, TCSANOW, &raw) == 0;
+  }
+  ~KeyboardMode() {
+    if (active_) ::tcsetattr(STDIN_FILENO, TCSANOW, &saved_);
+  }
+  // Sleeps up to `ms`; true when 'q' (or Ctrl-D, end of input) was typed meanwhile.
+  bool wait_for_quit(int ms) {
+    if (!active_) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(ms));
+      return false;
+    }
+    auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(ms);
+    for (;;) {
+      int left = static_cast<int>(std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now()).count());
+      if (left <= 0) return false;
+      pollfd p{STDIN_FILENO, POLLIN, 0};
+      if (::poll(&p, 1, left) <= 0) continue;
+      char key = 0;
+      ssize_t n = ::read(STDIN_FILENO, &key, 1);
+      if (n == 0 || key == 'q' || key == 'Q' || key == 4) return true;
+    }
+  }
+
+ private:
+  termios saved_{};
+  bool active_ = false;
+};
 
 int fail(const Status& status) {
   std::fprintf(stderr, "membarctl: %s\n", status.to_string().c_str());
@@ -85,7 +124,7 @@ int run(int argc, char** argv) {
   if (command == "ping") {
     Result<uint64_t> round_trip = admin.ping();
     if (!round_trip.ok()) return fail(round_trip.status());
-    std::printf("membard at %s is alive (backend %s, protocol v1), round trip %s\n", socket_path.c_str(),
+    std::printf("membard at %s is alive (backend %s, protocol v2), round trip %s\n", socket_path.c_str(),
                 admin.backend().c_str(), ctl::human_duration_ns(round_trip.value()).c_str());
     return 0;
   }
@@ -99,11 +138,13 @@ int run(int argc, char** argv) {
   }
   // top
   bool terminal = ::isatty(STDOUT_FILENO) != 0;
+  // On a terminal, 'q' quits: stdin without line buffering or echo while top runs.
+  KeyboardMode keyboard(terminal && ::isatty(STDIN_FILENO) != 0);
   RuntimeStats previous;
   bool have_previous = false;
   auto last = std::chrono::steady_clock::now();
   for (long long i = 0; iterations < 0 || i < iterations; ++i) {
-    if (i > 0) std::this_thread::sleep_for(std::chrono::milliseconds(interval_ms));
+    if (i > 0 && keyboard.wait_for_quit(static_cast<int>(interval_ms))) break;
     Result<RuntimeStats> stats = admin.stats();
     if (!stats.ok()) return fail(stats.status());
     auto now = std::chrono::steady_clock::now();

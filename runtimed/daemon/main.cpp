@@ -1,6 +1,8 @@
 // membard: the membar memory daemon. Parses flags, makes the frames (backend), the engine and
 // the server, then serves until SIGTERM / SIGINT. See `membard --help`.
 #include <fcntl.h>
+#include <sys/prctl.h>
+#include <sys/resource.h>
 #include <unistd.h>
 
 #include <spdlog/spdlog.h>
@@ -16,25 +18,48 @@
 
 #include "membar/engine/backend.h"
 #include "membar/engine/engine.h"
+#include "membar/common/human_bytes.h"
 #include "options.h"
 #include "server.h"
+#include "shared_segment.h"
 
 namespace {
 
 using namespace membar;
 using namespace membar::runtimed;
 
-// MemAvailable from /proc/meminfo, in bytes (0 when unreadable).
-uint64_t host_available_bytes() {
+// A /proc/meminfo entry ("MemAvailable:", "MemTotal:"), in bytes (0 when unreadable).
+uint64_t meminfo_bytes(const std::string& wanted) {
   std::ifstream meminfo("/proc/meminfo");
   std::string key;
   uint64_t kib = 0;
   std::string unit;
   while (meminfo >> key >> kib >> unit) {
-    if (key == "MemAvailable:") return kib * 1024;
+    if (key == wanted) return kib * 1024;
   }
   return 0;
 }
+uint64_t host_available_bytes() { return meminfo_bytes("MemAvailable:"); }
+
+// The soft open-file limit raised to the hard one; returns the limit in force.
+uint64_t raise_open_file_limit() {
+  rlimit limit{};
+  if (::getrlimit(RLIMIT_NOFILE, &limit) != 0) return 1024;
+  if (limit.rlim_cur < limit.rlim_max) {
+    limit.rlim_cur = limit.rlim_max;
+    (void)::setrlimit(RLIMIT_NOFILE, &limit);
+    (void)::getrlimit(RLIMIT_NOFILE, &limit);
+  }
+  return limit.rlim_cur == RLIM_INFINITY ? (1u << 20) : limit.rlim_cur;
+}
+
+// Writes the pid file; removed again when the daemon exits normally.
+struct PidFile {
+  std::string path;
+  ~PidFile() {
+    if (!path.empty()) ::unlink(path.c_str());
+  }
+};
 
 uint64_t gpu_free_bytes(const DaemonOptions& options) {
 #if defined(MEMBAR_WITH_CUDA)
@@ -50,8 +75,8 @@ uint64_t gpu_free_bytes(const DaemonOptions& options) {
   return host_available_bytes();
 }
 
-// Without --foreground: detach (fork + setsid); the parent exits once the child serves, with
-// the child's start-up status. Returns the fd to report readiness on, or -1 in the foreground.
+// With --daemonize: detach (fork + setsid); the parent exits once the child serves, with the
+// child's start-up status. Returns the fd to report readiness on, or -1 in the foreground.
 int detach() {
   int pipe_fds[2];
   if (::pipe2(pipe_fds, O_CLOEXEC) != 0) return -1;
@@ -90,7 +115,21 @@ int run(int argc, char** argv) {
   spdlog::set_level(spdlog::level::from_str(options.log_level));
   spdlog::set_pattern("[%Y-%m-%d %H:%M:%S.%e] [membard] [%^%l%$] %v");
 
-  int ready_fd = options.foreground ? -1 : detach();
+  int ready_fd = options.daemonize ? detach() : -1;
+  // Same-user processes must not read this process's descriptors or memory (/proc/PID/fd,
+  // /proc/PID/mem): every client's frames pass through it.
+  (void)::prctl(PR_SET_DUMPABLE, 0, 0, 0, 0);
+  uint64_t open_files = raise_open_file_limit();
+  if (uint64_t{options.server.max_connections} * 2 + 512 > open_files) {
+    uint32_t fitting = static_cast<uint32_t>(open_files > 1024 ? (open_files - 512) / 2 : 256);
+    spdlog::warn("the open-file limit ({}) is too low for {} connections: serving at most {}", open_files,
+                 options.server.max_connections, fitting);
+    options.server.max_connections = fitting;
+  }
+  if (int swept = sweep_named_segments(); swept > 0) {
+    spdlog::info("removed {} shared-memory segments left in /dev/shm by an earlier daemon", swept);
+  }
+  PidFile pid_file;
 
   BackendConfig backend_config;
   uint64_t gpu_free = gpu_free_bytes(options);
@@ -101,6 +140,16 @@ int run(int argc, char** argv) {
   if (backend_config.gpu_pool_bytes == 0 || backend_config.host_pool_bytes == 0) {
     spdlog::error("pools must hold at least one 2 MiB frame (gpu {}, host {})",
                   human_bytes(backend_config.gpu_pool_bytes), human_bytes(backend_config.host_pool_bytes));
+    return 1;
+  }
+  // The host pool is pinned: it must fit in memory with room to spare for everything else.
+  uint64_t host_total = meminfo_bytes("MemTotal:");
+  uint64_t host_needed = backend_config.host_pool_bytes + (options.backend == "host" ? backend_config.gpu_pool_bytes : 0);
+  if (host_total != 0 && host_needed > host_total / 10 * 9) {
+    spdlog::error("a {} host pool{} does not fit this machine's {} of memory (at most 90% of it can be pinned); "
+                  "give a smaller --host-pool (or a fraction such as --host-pool 0.5)",
+                  human_bytes(backend_config.host_pool_bytes),
+                  options.backend == "host" ? " plus the host backend's GPU pool" : "", human_bytes(host_total));
     return 1;
   }
   spdlog::info("backend {}: gpu pool {} ({} frames), host pool {} ({} frames)", options.backend,
@@ -124,6 +173,11 @@ int run(int argc, char** argv) {
   EngineConfig engine_config;
   engine_config.default_gpu_quota_bytes = resolve_size(options.default_gpu_quota, backend_config.gpu_pool_bytes);
   engine_config.default_host_quota_bytes = resolve_size(options.default_host_quota, backend_config.host_pool_bytes);
+  engine_config.max_spaces_per_client = options.max_spaces;
+  engine_config.max_space_frames_per_client = options.max_client_space.bytes / kFrameBytes;
+  spdlog::info("each client's share unless it asks for less: {} of the GPU pool, {} of the host pool "
+               "(--default-gpu-quota, --default-host-quota)",
+               human_bytes(engine_config.default_gpu_quota_bytes), human_bytes(engine_config.default_host_quota_bytes));
   Result<std::unique_ptr<Engine>> engine = Engine::create(std::move(backend).value(), engine_config);
   if (!engine.ok()) {
     spdlog::error("cannot create the engine: {}", engine.status().to_string());
@@ -134,6 +188,15 @@ int run(int argc, char** argv) {
   if (!server.ok()) {
     spdlog::error("cannot start: {}", server.status().to_string());
     return 1;
+  }
+  if (!options.pid_file.empty()) {
+    std::ofstream out(options.pid_file);
+    out << ::getpid() << "\n";
+    if (!out) {
+      spdlog::error("cannot write the pid file {}", options.pid_file);
+      return 1;
+    }
+    pid_file.path = options.pid_file;
   }
   if (ready_fd >= 0) {
     (void)!::write(ready_fd, "1", 1);

@@ -42,12 +42,36 @@ uint64_t resolve_size(const SizeSpec& spec, uint64_t free_bytes) {
 
 
 std::string daemon_usage() {
-  return "usage: membard [--backend cuda|host] [--socket PATH] [--gpu-pool SIZE] [--host-pool SIZE]\n"
-         "               [--default-gpu-quota SIZE] [--default-host-quota SIZE] [--device N]\n"
-         "               [--allow-uid UID[,UID...]] [--socket-mode 0600|0660] [--prometheus-port N]\n"
-         "               [--ring-capacity N] [--foreground] [--log-level trace|debug|info|warn|error|off]\n"
-         "SIZE: 40GiB, 512MiB, or a fraction of free memory such as 0.8.\n"
-         "--prometheus-port serves http://127.0.0.1:N/metrics (loopback only; 0 picks a free port).\n";
+  return "usage: membard [options]\n"
+         "The membar memory daemon: owns a GPU pool (CUDA VMM frames) and a pinned host pool, and serves\n"
+         "the trainers of this node over a Unix socket. Runs in the foreground (systemd, a terminal,\n"
+         "a container); --daemonize detaches and --pid-file records the pid.\n"
+         "\n"
+         "Memory:\n"
+         "  --backend cuda|host        cuda: GPU frames (default when built with CUDA); host: no GPU (tests)\n"
+         "  --gpu-pool SIZE            GPU pool (default 256MiB)\n"
+         "  --host-pool SIZE           host pool, pinned in the background after start-up (default 1GiB)\n"
+         "  --default-gpu-quota SIZE   each client's share when it asks for none (default 1.0: the whole pool)\n"
+         "  --default-host-quota SIZE  likewise for the host pool\n"
+         "  --device N                 CUDA device of the GPU pool (default 0)\n"
+         "Access:\n"
+         "  --socket PATH              control socket (default /run/membar/membard.sock)\n"
+         "  --allow-uid UID[,UID...]   admit these uids besides the daemon's own and root; the socket is then\n"
+         "                             made 0666 and the peer's credentials (SO_PEERCRED) decide\n"
+         "  --socket-mode 0600|0660    without --allow-uid: 0660 lets the socket's group connect (default 0600)\n"
+         "Limits (see docs/service.md):\n"
+         "  --max-connections N        connections at once, trainers and membarctl (default 256)\n"
+         "  --handshake-timeout MS     a peer must say hello within this (default 5000)\n"
+         "  --max-spaces N             spaces per client (default 65536)\n"
+         "  --max-client-space SIZE    bytes of all of a client's spaces (page tables; default 32TiB)\n"
+         "  --queue-limit SIZE         bytes queued for a peer that does not read its socket (default 16MiB)\n"
+         "Other:\n"
+         "  --prometheus-port N        serve http://127.0.0.1:N/metrics (loopback only; 0 picks a free port)\n"
+         "  --ring-capacity N          request ring entries per client (default 64)\n"
+         "  --daemonize                detach into the background once serving\n"
+         "  --pid-file PATH            write the daemon's pid there (removed on exit)\n"
+         "  --log-level L              trace|debug|info|warn|error|off (default info)\n"
+         "SIZE: 40GiB, 512MiB, or a fraction such as 0.8 (of free memory for pools, of the pool for quotas).\n";
 }
 
 Result<DaemonOptions> parse_daemon_options(int argc, const char* const* argv) {
@@ -99,8 +123,14 @@ Result<DaemonOptions> parse_daemon_options(int argc, const char* const* argv) {
       MEMBAR_RETURN_IF_ERROR(take_size(options.host_pool));
     } else if (flag == "--default-gpu-quota") {
       MEMBAR_RETURN_IF_ERROR(take_size(options.default_gpu_quota));
+      if (options.default_gpu_quota.fraction == 0 && options.default_gpu_quota.bytes < kFrameBytes) {
+        return invalid_argument("--default-gpu-quota must be at least one 2MiB frame (or a fraction of the pool)");
+      }
     } else if (flag == "--default-host-quota") {
       MEMBAR_RETURN_IF_ERROR(take_size(options.default_host_quota));
+      if (options.default_host_quota.fraction == 0 && options.default_host_quota.bytes < kFrameBytes) {
+        return invalid_argument("--default-host-quota must be at least one 2MiB frame (or a fraction of the pool)");
+      }
     } else if (flag == "--device") {
       MEMBAR_ASSIGN_OR_RETURN(int64_t device, take_int(0, 1023));
       options.device = static_cast<int>(device);
@@ -132,7 +162,30 @@ Result<DaemonOptions> parse_daemon_options(int argc, const char* const* argv) {
       MEMBAR_ASSIGN_OR_RETURN(int64_t capacity, take_int(2, 65536));
       options.server.ring_capacity = static_cast<uint32_t>(capacity);
     } else if (flag == "--foreground" || flag == "-f") {
-      options.foreground = true;
+      options.daemonize = false;  // the default; kept for scripts that pass it
+    } else if (flag == "--daemonize") {
+      options.daemonize = true;
+    } else if (flag == "--pid-file") {
+      MEMBAR_ASSIGN_OR_RETURN(options.pid_file, take());
+    } else if (flag == "--max-connections") {
+      MEMBAR_ASSIGN_OR_RETURN(int64_t count, take_int(1, 1 << 20));
+      options.server.max_connections = static_cast<uint32_t>(count);
+    } else if (flag == "--handshake-timeout") {
+      MEMBAR_ASSIGN_OR_RETURN(int64_t ms, take_int(10, 3600000));
+      options.server.handshake_timeout_ms = static_cast<uint32_t>(ms);
+    } else if (flag == "--max-spaces") {
+      MEMBAR_ASSIGN_OR_RETURN(int64_t count, take_int(1, 1 << 24));
+      options.max_spaces = static_cast<uint32_t>(count);
+    } else if (flag == "--max-client-space") {
+      MEMBAR_RETURN_IF_ERROR(take_size(options.max_client_space));
+      if (options.max_client_space.fraction > 0 || options.max_client_space.bytes < kFrameBytes) {
+        return invalid_argument("--max-client-space must be a size of at least 2MiB");
+      }
+    } else if (flag == "--queue-limit") {
+      SizeSpec queue;
+      MEMBAR_RETURN_IF_ERROR(take_size(queue));
+      if (queue.fraction > 0 || queue.bytes < (64u << 10)) return invalid_argument("--queue-limit must be at least 64KiB");
+      options.server.outbound.max_bytes = queue.bytes;
     } else if (flag == "--log-level") {
       MEMBAR_ASSIGN_OR_RETURN(options.log_level, take());
       static const char* levels[] = {"trace", "debug", "info", "warn", "error", "critical", "off"};

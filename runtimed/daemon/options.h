@@ -23,14 +23,21 @@ Result<SizeSpec> parse_size(const std::string& text);
 uint64_t resolve_size(const SizeSpec& spec, uint64_t free_bytes);
 
 struct DaemonOptions {
-  std::string backend = "host";  // "host" or "cuda"
+#if defined(MEMBAR_WITH_CUDA)
+  std::string backend = "cuda";  // "host" or "cuda"
+#else
+  std::string backend = "host";
+#endif
   ServerConfig server;
   SizeSpec gpu_pool{256ull << 20, 0};
   SizeSpec host_pool{1ull << 30, 0};
-  SizeSpec default_gpu_quota{0, 0};   // 0: the whole pool
-  SizeSpec default_host_quota{0, 0};
+  SizeSpec default_gpu_quota{0, 1.0};  // a fraction of the pool: the whole pool by default
+  SizeSpec default_host_quota{0, 1.0};
   int device = 0;
-  bool foreground = false;
+  uint32_t max_spaces = 65536;
+  SizeSpec max_client_space{32ull << 40, 0};
+  bool daemonize = false;
+  std::string pid_file;
   std::string log_level = "info";
   bool show_help = false;
 };

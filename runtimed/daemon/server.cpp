@@ -1,9 +1,12 @@
-// membard's libuv loop: control socket, handshakes, admin requests, Prometheus, shutdown.
+// membard's libuv loop: control socket, handshakes, admin requests, limits, Prometheus,
+// shutdown.
 //
-// Threads: the loop thread owns every Connection and every libuv handle. Each trainer client
-// also has a ring thread (session.cpp) that runs its requests; the engine's callbacks may run
-// on any thread and reach the client only through its SessionChannel. The only ways into the
-// loop from other threads are uv_async_send on `wakeup_` (stop requests, protocol violations).
+// Threads: the loop thread owns every Connection and every libuv handle, and never blocks on a
+// peer (Note [Writes never block the daemon] in session.h). Each trainer client also has a ring
+// thread (session.cpp) that runs its requests; the engine's callbacks may run on any thread and
+// reach the client only through its SessionChannel. The only ways into the loop from other
+// threads are uv_async_send on `wakeup_` (stop requests, protocol violations, output to flush,
+// overflowing peers), each naming the connection by id.
 #include "server.h"
 
 #include <fcntl.h>
@@ -17,8 +20,9 @@
 
 #include <atomic>
 #include <cstring>
+#include <map>
 #include <mutex>
-#include <unordered_map>
+#include <set>
 
 #include "prometheus.h"
 #include "session.h"
@@ -26,10 +30,12 @@
 namespace membar::runtimed {
 namespace {
 
-namespace v1 = protocol::v1;
+namespace v2 = protocol::v2;
 
 // The peer's handshake and admin messages are small; more unread bytes than this is abuse.
 constexpr size_t kMaxPendingBytes = 64 * 1024;
+// Bytes read from one peer per loop iteration: a flood must not starve the others.
+constexpr size_t kReadBudget = 256 * 1024;
 
 std::string uv_error_text(int code) { return std::string(uv_err_name(code)) + " (" + uv_strerror(code) + ")"; }
 
@@ -45,13 +51,37 @@ bool socket_answers(const std::string& path) {
   return answers;
 }
 
+// At most one log line per kind every 10 s; the others are counted and reported with the next.
+class RateLimitedLog {
+ public:
+  template <typename... Args>
+  void warn(fmt::format_string<Args...> format, Args&&... args) {
+    uint64_t now = protocol::monotonic_ns();
+    if (last_ns_ != 0 && now - last_ns_ < 10'000'000'000ull) {
+      ++suppressed_;
+      return;
+    }
+    std::string text = fmt::format(format, std::forward<Args>(args)...);
+    if (suppressed_ > 0) text += fmt::format(" ({} more like this since the last line)", suppressed_);
+    spdlog::warn("{}", text);
+    last_ns_ = now;
+    suppressed_ = 0;
+  }
+
+ private:
+  uint64_t last_ns_ = 0;
+  uint64_t suppressed_ = 0;
+};
+
 class ServerImpl;
 
 struct Connection {
-  enum class State { kAwaitHello, kAwaitAttached, kServing, kAdmin, kClosing };
+  enum class State { kAwaitHello, kServing, kAdmin, kClosing };
 
+  uint64_t id = 0;
   ServerImpl* server = nullptr;
-  uv_pipe_t pipe{};
+  uv_poll_t poll{};
+  int poll_events = 0;
   wire::MessageAssembler assembler;
   std::shared_ptr<SessionChannel> channel;
   State state = State::kAwaitHello;
@@ -59,8 +89,11 @@ struct Connection {
   int32_t pid = 0;
   bool client_open = false;
   ClientId client = 0;
+  std::string client_name;
   std::shared_ptr<SharedSegment> segment;
   std::unique_ptr<RingServer> ring;
+  uint64_t accepted_ns = 0;
+  uint64_t last_activity_ns = 0;
   // Set by the ring thread; the loop closes the connection on its next wake-up.
   std::atomic<bool> violated{false};
   std::mutex violation_mutex;
@@ -88,14 +121,21 @@ class ServerImpl final : public Server {
 
  private:
   static void on_connection(uv_stream_t* listener, int status);
-  static void on_read(uv_stream_t* stream, ssize_t nread, const uv_buf_t* buffer);
+  static void on_poll(uv_poll_t* handle, int status, int events);
   static void on_wakeup(uv_async_t* handle);
+  static void on_timer(uv_timer_t* handle);
   static void on_signal(uv_signal_t* handle, int signal_number);
   static void on_http_connection(uv_stream_t* listener, int status);
   static void on_http_read(uv_stream_t* stream, ssize_t nread, const uv_buf_t* buffer);
 
+  void accept_peer(int fd);
+  void read_from(Connection& connection);
+  void write_to(Connection& connection);
+  void set_poll_events(Connection& connection, int events);
+  // From any thread: the loop should look at this connection (output queued, overflow, violation).
+  void attention(uint64_t id);
   void handle_message(Connection& connection, wire::ReceivedMessage& message);
-  void handle_hello(Connection& connection, const v1::HelloV1& hello);
+  void handle_hello(Connection& connection, const v2::HelloV2& hello);
   void fail_connection(Connection& connection, const Status& status);
   void close_connection(Connection& connection, const std::string& reason);
   void shutdown(const std::string& reason);
@@ -108,23 +148,27 @@ class ServerImpl final : public Server {
   uv_loop_t loop_{};
   uv_pipe_t listener_{};
   uv_async_t wakeup_{};
+  uv_timer_t timer_{};
   uv_signal_t sigterm_{};
   uv_signal_t sigint_{};
   uv_tcp_t prometheus_{};
   bool loop_ready_ = false;
   bool listener_initialized_ = false;
   bool listening_ = false;
+  bool timer_initialized_ = false;
   bool signals_initialized_ = false;
   bool prometheus_open_ = false;
   bool shutting_down_ = false;
   int bound_prometheus_port_ = -1;
-  uint64_t segment_counter_ = 0;
-  std::unordered_map<Connection*, std::unique_ptr<Connection>> connections_;
+  uint64_t next_connection_id_ = 1;
+  std::map<uint64_t, std::unique_ptr<Connection>> connections_;
+  RateLimitedLog limit_log_, refused_log_, dropped_log_, timeout_log_;
 
-  std::mutex stop_mutex_;
+  std::mutex stop_mutex_;  // guards the stop request, the attention list and wakeup_closed_
   bool stop_requested_ = false;
   bool wakeup_closed_ = false;
   std::string stop_reason_;
+  std::set<uint64_t> attention_;
 };
 
 ServerImpl::~ServerImpl() {
@@ -173,17 +217,25 @@ Status ServerImpl::start() {
   uv_pipe_init(&loop_, &listener_, 0);
   listener_.data = this;
   listener_initialized_ = true;
-  // Bind with a umask that gives nobody else access before the chmod below narrows it.
+  // Bind with a umask that gives nobody else access before the chmod below sets the mode.
   mode_t previous_umask = ::umask(0177);
   rc = uv_pipe_bind(&listener_, config_.socket_path.c_str());
   ::umask(previous_umask);
   if (rc != 0) return unavailable("cannot bind " + config_.socket_path + ": " + uv_error_text(rc));
-  if (::chmod(config_.socket_path.c_str(), config_.socket_mode) != 0) {
+  // With --allow-uid the credentials check alone decides: others must be able to connect to
+  // be checked at all.
+  uint32_t mode = config_.allowed_uids.empty() ? config_.socket_mode : 0666;
+  if (::chmod(config_.socket_path.c_str(), mode) != 0) {
     return permission_denied("cannot chmod " + config_.socket_path + ": " + std::strerror(errno));
   }
   rc = uv_listen(reinterpret_cast<uv_stream_t*>(&listener_), 128, &ServerImpl::on_connection);
   if (rc != 0) return unavailable("cannot listen on " + config_.socket_path + ": " + uv_error_text(rc));
   listening_ = true;
+
+  uv_timer_init(&loop_, &timer_);
+  timer_.data = this;
+  timer_initialized_ = true;
+  uv_timer_start(&timer_, &ServerImpl::on_timer, 250, 250);
 
   if (config_.handle_signals) {
     uv_signal_init(&loop_, &sigterm_);
@@ -214,8 +266,19 @@ Status ServerImpl::start() {
     bound_prometheus_port_ = ntohs(bound.sin_port);
     spdlog::info("prometheus metrics on http://127.0.0.1:{}/metrics", bound_prometheus_port_);
   }
-  spdlog::info("membard serving {} (backend {}, mode {:o})", config_.socket_path, engine_->backend().name(),
-               config_.socket_mode);
+  if (config_.allowed_uids.empty()) {
+    spdlog::info("membard serving {} (backend {}, socket mode {:o}: the daemon's user and root)", config_.socket_path,
+                 engine_->backend().name(), mode);
+  } else {
+    std::string uids;
+    for (uint32_t uid : config_.allowed_uids) uids += (uids.empty() ? "" : ",") + std::to_string(uid);
+    spdlog::info("membard serving {} (backend {}, socket mode 0666: the daemon's user, root and uids {}; others are "
+                 "refused by their credentials)",
+                 config_.socket_path, engine_->backend().name(), uids);
+  }
+  spdlog::info("limits: {} connections, hello within {} ms, admin idle {} ms, {} queued bytes and {} descriptors per peer",
+               config_.max_connections, config_.handshake_timeout_ms, config_.admin_idle_timeout_ms,
+               config_.outbound.max_bytes, config_.outbound.max_fds);
   return Status::Ok();
 }
 
@@ -238,6 +301,12 @@ void ServerImpl::request_stop(const std::string& reason) {
   if (!wakeup_closed_) uv_async_send(&wakeup_);
 }
 
+void ServerImpl::attention(uint64_t id) {
+  std::lock_guard<std::mutex> lock(stop_mutex_);
+  attention_.insert(id);
+  if (!wakeup_closed_) uv_async_send(&wakeup_);
+}
+
 void ServerImpl::on_signal(uv_signal_t* handle, int signal_number) {
   auto* self = static_cast<ServerImpl*>(handle->data);
   spdlog::info("received signal {}, shutting down", signal_number);
@@ -248,108 +317,191 @@ void ServerImpl::on_wakeup(uv_async_t* handle) {
   auto* self = static_cast<ServerImpl*>(handle->data);
   std::string reason;
   bool stop = false;
+  std::set<uint64_t> ids;
   {
     std::lock_guard<std::mutex> lock(self->stop_mutex_);
     stop = self->stop_requested_;
     reason = self->stop_reason_;
+    ids.swap(self->attention_);
   }
   if (stop) {
     self->shutdown(reason);
     return;
   }
-  std::vector<Connection*> violated;
-  for (auto& [pointer, connection] : self->connections_) {
-    if (connection->violated.load()) violated.push_back(pointer);
-  }
-  for (Connection* connection : violated) {
-    std::string why;
-    {
-      std::lock_guard<std::mutex> lock(connection->violation_mutex);
-      why = connection->violation_reason;
+  for (uint64_t id : ids) {
+    auto it = self->connections_.find(id);
+    if (it == self->connections_.end()) continue;
+    Connection& connection = *it->second;
+    if (connection.state == Connection::State::kClosing) continue;
+    if (connection.violated.load()) {
+      std::string why;
+      {
+        std::lock_guard<std::mutex> lock(connection.violation_mutex);
+        why = connection.violation_reason;
+      }
+      self->fail_connection(connection, invalid_argument("protocol violation: " + why));
+      continue;
     }
-    self->fail_connection(*connection, invalid_argument("protocol violation: " + why));
+    if (connection.channel->overflowed()) {
+      self->dropped_log_.warn("dropping pid {} uid {} ('{}'): it stopped reading its socket ({} bytes queued)",
+                              connection.pid, connection.uid, connection.client_name, connection.channel->queued_bytes());
+      self->close_connection(connection, "stopped reading its socket");
+      continue;
+    }
+    self->write_to(connection);
+  }
+}
+
+void ServerImpl::on_timer(uv_timer_t* handle) {
+  auto* self = static_cast<ServerImpl*>(handle->data);
+  uint64_t now = protocol::monotonic_ns();
+  std::vector<Connection*> late;
+  for (auto& [id, connection] : self->connections_) {
+    if (connection->state == Connection::State::kAwaitHello &&
+        now - connection->accepted_ns > uint64_t(self->config_.handshake_timeout_ms) * 1000000ull) {
+      late.push_back(connection.get());
+    } else if (connection->state == Connection::State::kAdmin &&
+               now - connection->last_activity_ns > uint64_t(self->config_.admin_idle_timeout_ms) * 1000000ull) {
+      late.push_back(connection.get());
+    }
+  }
+  for (Connection* connection : late) {
+    bool hello = connection->state == Connection::State::kAwaitHello;
+    self->timeout_log_.warn("closing the connection of pid {} uid {}: {}", connection->pid, connection->uid,
+                            hello ? "no hello in time" : "idle admin connection");
+    self->fail_connection(*connection, Status(StatusCode::DEADLINE_EXCEEDED,
+                                              hello ? "no hello within " + std::to_string(self->config_.handshake_timeout_ms) + " ms"
+                                                    : "admin connection idle for " +
+                                                          std::to_string(self->config_.admin_idle_timeout_ms) + " ms"));
   }
 }
 
 void ServerImpl::on_connection(uv_stream_t* listener, int status) {
   auto* self = static_cast<ServerImpl*>(listener->data);
   if (status < 0) {
-    spdlog::warn("accept failed: {}", uv_error_text(status));
+    self->limit_log_.warn("accept failed: {}", uv_error_text(status));
+    return;
+  }
+  // libuv accepted the socket; take it into a pipe handle only to get its descriptor, keep a
+  // duplicate, and poll that ourselves (reads and non-blocking writes).
+  auto* pipe = new uv_pipe_t();
+  uv_pipe_init(&self->loop_, pipe, 0);
+  int fd = -1;
+  if (uv_accept(listener, reinterpret_cast<uv_stream_t*>(pipe)) == 0) {
+    uv_os_fd_t accepted = -1;
+    uv_fileno(reinterpret_cast<uv_handle_t*>(pipe), &accepted);
+    fd = ::fcntl(accepted, F_DUPFD_CLOEXEC, 0);
+  }
+  uv_close(reinterpret_cast<uv_handle_t*>(pipe), [](uv_handle_t* handle) { delete reinterpret_cast<uv_pipe_t*>(handle); });
+  if (fd < 0) {
+    self->limit_log_.warn("cannot take a new connection: out of file descriptors");
+    return;
+  }
+  self->accept_peer(fd);
+}
+
+void ServerImpl::accept_peer(int fd) {
+  ucred credentials{};
+  socklen_t length = sizeof(credentials);
+  bool have_credentials = ::getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &credentials, &length) == 0;
+  auto refuse = [fd](const Status& status) {
+    v2::ErrorV2 error{};
+    error.status = static_cast<int32_t>(status.code());
+    v2::copy_text(error.message, sizeof(error.message), status.message());
+    std::vector<uint8_t> bytes = v2::encode_message(v2::MessageType::kError, error);
+    (void)wire::send_some(fd, bytes);
+    ::close(fd);
+  };
+  if (!have_credentials) {
+    refuse(permission_denied("cannot read peer credentials"));
+    return;
+  }
+  bool allowed = credentials.uid == 0 || credentials.uid == ::getuid();
+  for (uint32_t uid : config_.allowed_uids) allowed = allowed || credentials.uid == uid;
+  if (!allowed) {
+    refused_log_.warn("refused connection from pid {} uid {}: uid not allowed (--allow-uid)", credentials.pid,
+                      credentials.uid);
+    refuse(permission_denied("uid " + std::to_string(credentials.uid) + " may not use this membard (see --allow-uid)"));
+    return;
+  }
+  if (connections_.size() >= config_.max_connections || shutting_down_) {
+    limit_log_.warn("connection limit reached ({} connections, --max-connections): refused pid {} uid {}",
+                    connections_.size(), credentials.pid, credentials.uid);
+    refuse(resource_exhausted("membard serves at most " + std::to_string(config_.max_connections) +
+                              " connections (--max-connections); retry later"));
     return;
   }
   auto owned = std::make_unique<Connection>();
   Connection* connection = owned.get();
-  connection->server = self;
-  uv_pipe_init(&self->loop_, &connection->pipe, 0);
-  connection->pipe.data = connection;
-  if (uv_accept(listener, reinterpret_cast<uv_stream_t*>(&connection->pipe)) != 0) {
-    uv_close(reinterpret_cast<uv_handle_t*>(&connection->pipe),
-             [](uv_handle_t* handle) { delete static_cast<Connection*>(handle->data); });
-    owned.release();
-    return;
-  }
-  self->connections_.emplace(connection, std::move(owned));
-  uv_os_fd_t fd = -1;
-  uv_fileno(reinterpret_cast<uv_handle_t*>(&connection->pipe), &fd);
-  connection->channel = std::make_shared<SessionChannel>(::fcntl(fd, F_DUPFD_CLOEXEC, 0));
-
-  ucred credentials{};
-  socklen_t length = sizeof(credentials);
-  if (::getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &credentials, &length) != 0) {
-    self->fail_connection(*connection, permission_denied("cannot read peer credentials"));
-    return;
-  }
+  connection->id = next_connection_id_++;
+  connection->server = this;
   connection->uid = credentials.uid;
   connection->pid = credentials.pid;
-  bool allowed = credentials.uid == 0 || credentials.uid == ::getuid();
-  for (uint32_t uid : self->config_.allowed_uids) allowed = allowed || credentials.uid == uid;
-  if (!allowed) {
-    spdlog::warn("refused connection from pid {} uid {}: uid not allowed", credentials.pid, credentials.uid);
-    self->fail_connection(*connection, permission_denied("uid " + std::to_string(credentials.uid) +
-                                                         " may not use this membard (see --allow-uid)"));
-    return;
-  }
-  uv_read_start(
-      reinterpret_cast<uv_stream_t*>(&connection->pipe),
-      [](uv_handle_t*, size_t suggested, uv_buf_t* buffer) {
-        buffer->base = new char[suggested];
-        buffer->len = suggested;
-      },
-      &ServerImpl::on_read);
+  connection->accepted_ns = connection->last_activity_ns = protocol::monotonic_ns();
+  uint64_t id = connection->id;
+  connection->channel = std::make_shared<SessionChannel>(fd, config_.outbound, [this, id] { attention(id); });
+  connections_.emplace(id, std::move(owned));
+  uv_poll_init(&loop_, &connection->poll, fd);
+  connection->poll.data = connection;
+  set_poll_events(*connection, UV_READABLE);
 }
 
-void ServerImpl::on_read(uv_stream_t* stream, ssize_t nread, const uv_buf_t* buffer) {
-  auto* connection = static_cast<Connection*>(stream->data);
+void ServerImpl::set_poll_events(Connection& connection, int events) {
+  if (connection.poll_events == events) return;
+  connection.poll_events = events;
+  uv_poll_start(&connection.poll, events, &ServerImpl::on_poll);
+}
+
+void ServerImpl::on_poll(uv_poll_t* handle, int status, int events) {
+  auto* connection = static_cast<Connection*>(handle->data);
   ServerImpl* self = connection->server;
-  if (nread > 0 && connection->state != Connection::State::kClosing) {
-    connection->assembler.append(std::span<const uint8_t>(reinterpret_cast<uint8_t*>(buffer->base), nread));
-  }
-  delete[] buffer->base;
   if (connection->state == Connection::State::kClosing) return;
-  if (nread < 0) {
-    self->close_connection(*connection, nread == UV_EOF ? "client disconnected" : "read error: " + uv_error_text(static_cast<int>(nread)));
+  if (status < 0) {
+    self->close_connection(*connection, "socket error: " + uv_error_text(status));
     return;
   }
+  if (events & UV_WRITABLE) self->write_to(*connection);
+  if (connection->state != Connection::State::kClosing && (events & UV_READABLE)) self->read_from(*connection);
+}
+
+void ServerImpl::write_to(Connection& connection) {
+  Result<bool> flushed = connection.channel->flush();
+  if (!flushed.ok()) {
+    close_connection(connection, "peer gone (" + flushed.status().message() + ")");
+    return;
+  }
+  set_poll_events(connection, flushed.value() ? UV_READABLE : UV_READABLE | UV_WRITABLE);
+}
+
+void ServerImpl::read_from(Connection& connection) {
+  Result<bool> read = connection.assembler.read_available(connection.channel->socket_fd(), kReadBudget);
+  connection.last_activity_ns = protocol::monotonic_ns();
   for (;;) {
-    Result<std::optional<wire::ReceivedMessage>> next = connection->assembler.next();
+    Result<std::optional<wire::ReceivedMessage>> next = connection.assembler.next();
     if (!next.ok()) {
-      self->fail_connection(*connection, next.status());
+      fail_connection(connection, next.status());
       return;
     }
     if (!next.value().has_value()) break;
-    self->handle_message(*connection, *next.value());
-    if (connection->state == Connection::State::kClosing) return;
+    handle_message(connection, *next.value());
+    if (connection.state == Connection::State::kClosing) return;
   }
-  if (connection->assembler.pending_bytes() > kMaxPendingBytes) {
-    self->fail_connection(*connection, invalid_argument("more than 64 KiB of unread control bytes"));
+  if (connection.assembler.pending_fds() > 0) {
+    fail_connection(connection, invalid_argument("the peer sent file descriptors; membard takes none"));
+    return;
   }
+  if (connection.assembler.pending_bytes() > kMaxPendingBytes) {
+    fail_connection(connection, invalid_argument("more than 64 KiB of unread control bytes"));
+    return;
+  }
+  if (!read.ok()) close_connection(connection, "peer disconnected");
 }
 
 void ServerImpl::handle_message(Connection& connection, wire::ReceivedMessage& message) {
-  auto type = static_cast<v1::MessageType>(message.header.type);
+  auto type = static_cast<v2::MessageType>(message.header.type);
   using State = Connection::State;
-  if (type == v1::MessageType::kHello && connection.state == State::kAwaitHello) {
-    Result<v1::HelloV1> hello = v1::decode_hello(message.payload);
+  if (type == v2::MessageType::kHello && connection.state == State::kAwaitHello) {
+    Result<v2::HelloV2> hello = v2::decode_hello(message.payload);
     if (!hello.ok()) {
       fail_connection(connection, hello.status());
       return;
@@ -357,43 +509,43 @@ void ServerImpl::handle_message(Connection& connection, wire::ReceivedMessage& m
     handle_hello(connection, hello.value());
     return;
   }
-  if (type == v1::MessageType::kAttached && connection.state == State::kAwaitAttached) {
-    // The client has mapped its segment: the name is no longer needed.
-    connection.segment->remove_name();
-    connection.state = State::kServing;
-    return;
-  }
-  if (type == v1::MessageType::kPing && connection.state != State::kAwaitHello) {
-    Result<v1::PingV1> ping = v1::decode_ping(message.payload);
+  if (type == v2::MessageType::kPing && connection.state != State::kAwaitHello) {
+    Result<v2::PingV2> ping = v2::decode_ping(message.payload);
     if (!ping.ok()) {
       fail_connection(connection, ping.status());
       return;
     }
-    (void)connection.channel->send(v1::MessageType::kPong, ping.value());
+    (void)connection.channel->send(v2::MessageType::kPong, ping.value());
     return;
   }
-  if (type == v1::MessageType::kStatsRequest && connection.state == State::kAdmin) {
-    Result<RuntimeStats> stats = engine_->stats(0);
+  if (type == v2::MessageType::kStatsRequest && connection.state == State::kAdmin) {
+    Result<v2::StatsRequestV2> request = v2::decode_stats_request(message.payload);
+    if (!request.ok()) {
+      fail_connection(connection, request.status());
+      return;
+    }
+    Result<RuntimeStats> stats = engine_->stats(0, request.value().first_space, request.value().max_spaces);
     if (!stats.ok()) {
       fail_connection(connection, stats.status());
       return;
     }
-    std::vector<uint8_t> payload = v1::encode_stats(stats.value());
-    (void)connection.channel->send(v1::MessageType::kStatsReply, payload);
+    std::vector<uint8_t> payload = v2::encode_stats(stats.value());
+    (void)connection.channel->send(v2::MessageType::kStatsReply, payload);
     return;
   }
   fail_connection(connection, invalid_argument("unexpected message type " + std::to_string(message.header.type) +
                                                " at this point of the conversation"));
 }
 
-void ServerImpl::handle_hello(Connection& connection, const v1::HelloV1& hello) {
-  v1::HelloReplyV1 reply{};
-  reply.backend = static_cast<uint8_t>(engine_->backend().name() == "cuda" ? v1::WireBackend::kCuda
-                                                                           : v1::WireBackend::kHost);
-  if (hello.role == static_cast<uint32_t>(v1::Role::kAdmin)) {
+void ServerImpl::handle_hello(Connection& connection, const v2::HelloV2& hello) {
+  v2::HelloReplyV2 reply{};
+  reply.backend = static_cast<uint8_t>(engine_->backend().name() == "cuda" ? v2::WireBackend::kCuda
+                                                                           : v2::WireBackend::kHost);
+  if (hello.role == static_cast<uint32_t>(v2::Role::kAdmin)) {
     connection.state = Connection::State::kAdmin;
     reply.status = 0;
-    (void)connection.channel->send(v1::MessageType::kHelloReply, reply);
+    reply.host_slab_frames = 1;
+    (void)connection.channel->send(v2::MessageType::kHelloReply, reply);
     return;
   }
 
@@ -403,17 +555,33 @@ void ServerImpl::handle_hello(Connection& connection, const v1::HelloV1& hello) 
   client_config.uid = connection.uid;
   client_config.gpu_quota_bytes = hello.gpu_quota_bytes;
   client_config.host_quota_bytes = hello.host_quota_bytes;
+  connection.client_name = client_config.name;
 
   std::shared_ptr<SessionChannel> channel = connection.channel;
   ClientEvents events;
-  events.frame_granted = [channel](uint32_t window_frame, Tier tier, int fd) {
-    v1::FrameNoticeV1 notice{window_frame, static_cast<uint8_t>(tier), {}};
-    (void)channel->send(v1::MessageType::kFrameGrant, notice, fd);
-    ::close(fd);  // the client received its own duplicate
+  events.gpu_frame_granted = [channel](uint32_t window_frame, int fd) {
+    (void)channel->send_event(v2::MessageType::kFrameGrant, v2::FrameGrantV2{0, window_frame, 0}, fd);
+    ::close(fd);
   };
-  events.frame_revoked = [channel](uint32_t window_frame, Tier tier) {
-    v1::FrameNoticeV1 notice{window_frame, static_cast<uint8_t>(tier), {}};
-    (void)channel->send(v1::MessageType::kFrameRevoke, notice);
+  events.gpu_frame_revoked = [channel](uint32_t window_frame) {
+    (void)channel->send_event(v2::MessageType::kFrameRevoke,
+                              v2::FrameEventV2{0, window_frame, static_cast<uint8_t>(Tier::kGpu), {}});
+  };
+  events.host_slab_granted = [channel](uint32_t slab, uint32_t frames, int fd) {
+    (void)channel->send_event(v2::MessageType::kSlabGrant, v2::SlabGrantV2{0, slab, frames, uint64_t{frames} * kFrameBytes},
+                              fd);
+    ::close(fd);
+  };
+  events.host_slab_revoked = [channel](uint32_t slab) {
+    (void)channel->send_event(v2::MessageType::kSlabRevoke, v2::SlabEventV2{0, slab, 0});
+  };
+  events.frame_mapped = [channel](Tier tier, uint32_t window_frame, SpaceId space, uint32_t space_frame) {
+    (void)channel->send_event(v2::MessageType::kFrameMap,
+                              v2::FrameMapV2{0, window_frame, static_cast<uint8_t>(tier), {}, space, space_frame});
+  };
+  events.frame_unmapped = [channel](Tier tier, uint32_t window_frame, SpaceId space, uint32_t space_frame) {
+    (void)channel->send_event(v2::MessageType::kFrameUnmap,
+                              v2::FrameMapV2{0, window_frame, static_cast<uint8_t>(tier), {}, space, space_frame});
   };
   events.tickets_completed = [channel](Ticket completed) { channel->publish_completed(completed); };
 
@@ -426,93 +594,102 @@ void ServerImpl::handle_hello(Connection& connection, const v1::HelloV1& hello) 
   connection.client = client.value();
 
   auto fail = [&](const Status& status) { fail_connection(connection, status); };
-  Result<v1::SegmentLayout> layout = v1::make_segment_layout(config_.ring_capacity, config_.request_payload_bytes,
+  Result<v2::SegmentLayout> layout = v2::make_segment_layout(config_.ring_capacity, config_.request_payload_bytes,
                                                              config_.response_payload_bytes);
   if (!layout.ok()) return fail(layout.status());
-  std::string name = "membar." + std::to_string(::getpid()) + "." + std::to_string(connection.client) + "." +
-                     std::to_string(++segment_counter_);
-  Result<std::unique_ptr<SharedSegment>> segment = SharedSegment::create(name, layout.value(), connection.uid);
+  Result<std::unique_ptr<SharedSegment>> segment = SharedSegment::create(layout.value());
   if (!segment.ok()) return fail(segment.status());
   connection.segment = std::move(segment).value();
   channel->set_segment(connection.segment);
 
-  Result<uint32_t> gpu_frames = engine_->client_window_frames(connection.client, Tier::kGpu);
-  Result<uint32_t> host_frames = engine_->client_window_frames(connection.client, Tier::kHost);
-  if (!gpu_frames.ok()) return fail(gpu_frames.status());
-  if (!host_frames.ok()) return fail(host_frames.status());
+  Result<ClientGeometry> geometry = engine_->client_geometry(connection.client);
+  if (!geometry.ok()) return fail(geometry.status());
   Result<int> signal_fd = engine_->client_signal_fd(connection.client);
   if (!signal_fd.ok()) return fail(signal_fd.status());
-  wire::UniqueFd signal(signal_fd.value());
+  UniqueFd signal(signal_fd.value());
+  Result<int> segment_fd = connection.segment->export_fd();
+  if (!segment_fd.ok()) return fail(segment_fd.status());
+  UniqueFd segment_handle(segment_fd.value());
 
   reply.status = 0;
   reply.client_id = connection.client;
   reply.ring_capacity = layout.value().ring_capacity;
   reply.segment_bytes = layout.value().segment_bytes;
-  reply.gpu_window_frames = gpu_frames.value();
-  reply.host_window_frames = host_frames.value();
+  reply.gpu_quota_frames = geometry.value().gpu_quota_frames;
+  reply.host_quota_frames = geometry.value().host_quota_frames;
+  reply.host_slab_frames = geometry.value().host_slab_frames;
   reply.signal_words = 8;
   reply.device = config_.device;
-  v1::copy_text(reply.segment_name, sizeof(reply.segment_name), name);
 
   // Start serving before the reply so the client's first request finds a thread.
   ClientId id = connection.client;
+  uint64_t connection_id = connection.id;
   Connection* raw = &connection;
   connection.ring = std::make_unique<RingServer>(
       *engine_, id, connection.segment, channel, RingServerConfig{config_.ring_spin_us, &channels_, connection.uid},
-      [this, raw](std::string why) {
+      [this, raw, connection_id](std::string why) {
         {
           std::lock_guard<std::mutex> lock(raw->violation_mutex);
           raw->violation_reason = std::move(why);
         }
         raw->violated.store(true);
-        uv_async_send(&wakeup_);
+        attention(connection_id);
       });
   connection.ring->start();
-  connection.state = Connection::State::kAwaitAttached;
-  Status sent = channel->send(v1::MessageType::kHelloReply, reply, signal.get());
+  connection.state = Connection::State::kServing;
+  int fds[2] = {signal.get(), segment_handle.get()};
+  Status sent = channel->send(v2::MessageType::kHelloReply, reply, std::span<const int>(fds, 2));
   if (!sent.ok()) {
     close_connection(connection, "cannot send hello reply: " + sent.to_string());
     return;
   }
-  spdlog::info("client {} '{}' connected (pid {}, uid {}, window {} gpu / {} host frames)", id,
-               client_config.name, connection.pid, connection.uid, reply.gpu_window_frames, reply.host_window_frames);
+  spdlog::info("client {} '{}' connected (pid {}, uid {}, quota {} GPU / {} host frames)", id, client_config.name,
+               connection.pid, connection.uid, reply.gpu_quota_frames, reply.host_quota_frames);
 }
 
 void ServerImpl::fail_connection(Connection& connection, const Status& status) {
   if (connection.state == Connection::State::kClosing) return;
-  spdlog::warn("dropping connection of pid {}: {}", connection.pid, status.to_string());
-  v1::ErrorV1 error{};
+  if (connection.client_open) {
+    spdlog::warn("dropping client {} ('{}', pid {}): {}", connection.client, connection.client_name, connection.pid,
+                 status.to_string());
+  } else {
+    dropped_log_.warn("dropping connection of pid {} uid {}: {}", connection.pid, connection.uid, status.to_string());
+  }
+  v2::ErrorV2 error{};
   error.status = static_cast<int32_t>(status.ok() ? StatusCode::INTERNAL : status.code());
-  v1::copy_text(error.message, sizeof(error.message), status.message());
-  if (connection.channel) (void)connection.channel->send(v1::MessageType::kError, error);
+  v2::copy_text(error.message, sizeof(error.message), status.message());
+  if (connection.channel) {
+    (void)connection.channel->send(v2::MessageType::kError, error);
+    (void)connection.channel->flush();  // best effort: the peer gets the sentence if it reads
+  }
   close_connection(connection, status.to_string());
 }
 
 void ServerImpl::close_connection(Connection& connection, const std::string& reason) {
   if (connection.state == Connection::State::kClosing) return;
   connection.state = Connection::State::kClosing;
-  if (connection.ring) {
-    connection.ring->stop();
-    connection.ring.reset();
-  }
-  // Close the channel first: the engine's revocations during client_close go nowhere.
-  if (connection.channel) connection.channel->close();
+  // Closing the engine client first wakes a ring thread that waits in the engine for this
+  // client's stream (it is gone); then the thread can be joined at once.
   if (connection.client_open) {
     channels_.close_all(connection.client);
     uint64_t start = protocol::monotonic_ns();
     Status closed = engine_->client_close(connection.client);
     if (!closed.ok()) spdlog::error("client {}: close failed: {}", connection.client, closed.to_string());
-    spdlog::info("client {} closed ({}), its frames reclaimed in {:.1f} ms", connection.client, reason,
-                 (protocol::monotonic_ns() - start) * 1e-6);
+    spdlog::info("client {} '{}' closed ({}), its memory reclaimed in {:.1f} ms", connection.client,
+                 connection.client_name, reason, (protocol::monotonic_ns() - start) * 1e-6);
     connection.client_open = false;
   }
-  if (connection.segment) {
-    connection.segment->remove_name();
-    connection.segment.reset();
+  if (connection.ring) {
+    connection.ring->stop();
+    connection.ring.reset();
   }
-  uv_close(reinterpret_cast<uv_handle_t*>(&connection.pipe), [](uv_handle_t* handle) {
+  connection.segment.reset();
+  uv_poll_stop(&connection.poll);
+  uv_close(reinterpret_cast<uv_handle_t*>(&connection.poll), [](uv_handle_t* handle) {
     auto* closed = static_cast<Connection*>(handle->data);
-    closed->server->connections_.erase(closed);
+    // The channel owns the socket: closing it here tells the peer, after libuv let go of it.
+    closed->channel->close();
+    closed->server->connections_.erase(closed->id);
   });
 }
 
@@ -520,15 +697,16 @@ void ServerImpl::shutdown(const std::string& reason) {
   if (shutting_down_) return;
   shutting_down_ = true;
   spdlog::info("shutting down: {}", reason);
-  v1::ShutdownV1 notice{};
-  v1::copy_text(notice.reason, sizeof(notice.reason), reason);
+  v2::ShutdownV2 notice{};
+  v2::copy_text(notice.reason, sizeof(notice.reason), reason);
   std::vector<Connection*> open;
-  for (auto& [pointer, connection] : connections_) open.push_back(pointer);
+  for (auto& [id, connection] : connections_) open.push_back(connection.get());
   for (Connection* connection : open) {
     if (connection->state == Connection::State::kClosing) continue;
     if (connection->channel) {
       connection->channel->publish_shutdown();
-      (void)connection->channel->send(v1::MessageType::kShutdown, notice);
+      (void)connection->channel->send(v2::MessageType::kShutdown, notice);
+      (void)connection->channel->flush();
     }
     close_connection(*connection, "daemon shutdown");
   }
@@ -539,6 +717,11 @@ void ServerImpl::shutdown(const std::string& reason) {
   if (listening_) {
     ::unlink(config_.socket_path.c_str());
     listening_ = false;
+  }
+  if (timer_initialized_) {
+    uv_timer_stop(&timer_);
+    close_handle(reinterpret_cast<uv_handle_t*>(&timer_));
+    timer_initialized_ = false;
   }
   if (prometheus_open_) close_handle(reinterpret_cast<uv_handle_t*>(&prometheus_));
   if (signals_initialized_) {
@@ -602,7 +785,7 @@ void ServerImpl::respond_http(HttpConnection& http) {
     status_line = "HTTP/1.0 404 Not Found";
     body = "membard serves GET /metrics\n";
   } else {
-    Result<RuntimeStats> stats = engine_->stats(0);
+    Result<RuntimeStats> stats = engine_->stats(0, 0, v2::kMaxStatsSpaces);
     if (stats.ok()) {
       body = format_prometheus(stats.value());
     } else {
@@ -611,7 +794,7 @@ void ServerImpl::respond_http(HttpConnection& http) {
     }
   }
   http.response = status_line + "\r\nContent-Type: text/plain; version=0.0.4\r\nContent-Length: " +
-                   std::to_string(body.size()) + "\r\nConnection: close\r\n\r\n" + body;
+                  std::to_string(body.size()) + "\r\nConnection: close\r\n\r\n" + body;
   uv_buf_t buffer = uv_buf_init(http.response.data(), static_cast<unsigned>(http.response.size()));
   http.write.data = &http;
   uv_write(&http.write, reinterpret_cast<uv_stream_t*>(&http.tcp), &buffer, 1, [](uv_write_t* request, int) {

@@ -9,12 +9,18 @@
 
 #include "membar/engine/engine.h"
 #include "membar/status.h"
+#include "session.h"
 
 namespace membar::runtimed {
 
+// Note [Service limits]
+// What one peer may make membard hold, and how long it may take. Every limit hit is answered
+// with a clear error to that peer and logged (at most one line per limit every 10 s, with the
+// count of the others), and never costs other peers anything.
 struct ServerConfig {
   std::string socket_path;
-  // 0600 by default; 0660 lets the socket's group connect (uids are still checked).
+  // 0600 by default (only the daemon's user and root). With allowed_uids the socket is made
+  // 0666 and the uid check (SO_PEERCRED) alone decides who may connect.
   uint32_t socket_mode = 0600;
   // Besides the daemon's own uid and root, the uids that may connect (SO_PEERCRED).
   std::vector<uint32_t> allowed_uids;
@@ -30,6 +36,14 @@ struct ServerConfig {
   bool handle_signals = true;
   // CUDA device of the GPU tier, told to clients so they map frames on the same device.
   int device = 0;
+  // Connections at once (trainers and membarctl); more are refused with an error.
+  uint32_t max_connections = 256;
+  // A peer must say hello within this; an admin connection may stay idle this long.
+  uint32_t handshake_timeout_ms = 5000;
+  uint32_t admin_idle_timeout_ms = 60000;
+  // Each peer's queue of messages its socket has not taken yet (Note [Writes never block the
+  // daemon]).
+  OutboundLimits outbound;
 };
 
 class Server {

@@ -1,5 +1,6 @@
 #include "session.h"
 
+#include <fcntl.h>
 #include <sched.h>
 #include <unistd.h>
 
@@ -9,16 +10,89 @@
 
 namespace membar::runtimed {
 
-namespace v1 = protocol::v1;
+namespace v2 = protocol::v2;
 
 // ---------------------------------------------------------------------------------------------
-// SessionChannel
+// SessionChannel (Note [Writes never block the daemon])
 
-Status SessionChannel::send(v1::MessageType type, std::span<const uint8_t> payload, int fd_to_pass) {
-  std::vector<uint8_t> bytes = v1::encode_message(type, payload, fd_to_pass >= 0 ? 1 : 0);
+SessionChannel::SessionChannel(int socket_fd, OutboundLimits limits, std::function<void()> want_write)
+    : limits_(limits), want_write_(std::move(want_write)), socket_(socket_fd) {}
+
+Status SessionChannel::send(v2::MessageType type, std::span<const uint8_t> payload, std::span<const int> fds) {
+  std::vector<uint8_t> bytes = v2::encode_message(type, payload, static_cast<uint32_t>(fds.size()));
+  bool wake = false;
+  Status status = Status::Ok();
+  {
+    std::lock_guard<std::mutex> lock(send_mutex_);
+    if (closed_) return unavailable("the peer's connection is closed");
+    if (overflowed_.load(std::memory_order_relaxed)) return resource_exhausted("the peer's write queue overflowed");
+    size_t sent = 0;
+    if (queue_.empty()) {
+      Result<size_t> written = wire::send_some(socket_.get(), bytes, fds);
+      if (!written.ok()) return written.status();  // the loop sees the closed socket and drops the peer
+      sent = written.value();
+      if (sent == bytes.size()) return Status::Ok();
+    }
+    if (queued_bytes_ + (bytes.size() - sent) > limits_.max_bytes ||
+        queued_fds_ + (sent == 0 ? fds.size() : 0) > limits_.max_fds) {
+      overflowed_.store(true, std::memory_order_release);
+      status = resource_exhausted("the peer stopped reading: " + std::to_string(queued_bytes_) + " bytes and " +
+                                  std::to_string(queued_fds_) + " descriptors queued");
+    } else {
+      Pending pending;
+      pending.bytes = std::move(bytes);
+      pending.offset = sent;
+      if (sent == 0) {
+        for (int fd : fds) {
+          int copy = ::fcntl(fd, F_DUPFD_CLOEXEC, 0);
+          if (copy < 0) {
+            overflowed_.store(true, std::memory_order_release);
+            status = resource_exhausted("the daemon is out of descriptors for a queued message");
+            break;
+          }
+          pending.fds.emplace_back(copy);
+        }
+      }
+      if (status.ok()) {
+        queued_bytes_ += pending.bytes.size() - pending.offset;
+        queued_fds_ += pending.fds.size();
+        queue_.push_back(std::move(pending));
+      }
+    }
+    wake = true;
+  }
+  if (wake && want_write_) want_write_();
+  return status;
+}
+
+Result<bool> SessionChannel::flush() {
   std::lock_guard<std::mutex> lock(send_mutex_);
-  if (closed_) return unavailable("the client's connection is closed");
-  return wire::send_message(socket_.get(), bytes, fd_to_pass);
+  return flush_locked();
+}
+
+Result<bool> SessionChannel::flush_locked() {
+  if (closed_) return true;
+  while (!queue_.empty()) {
+    Pending& front = queue_.front();
+    std::vector<int> fds;
+    for (const UniqueFd& fd : front.fds) fds.push_back(fd.get());
+    std::span<const uint8_t> rest(front.bytes.data() + front.offset, front.bytes.size() - front.offset);
+    MEMBAR_ASSIGN_OR_RETURN(size_t written, wire::send_some(socket_.get(), rest, fds));
+    if (written == 0) return false;
+    if (!front.fds.empty()) {
+      queued_fds_ -= front.fds.size();
+      front.fds.clear();
+    }
+    front.offset += written;
+    queued_bytes_ -= written;
+    if (front.offset == front.bytes.size()) queue_.pop_front();
+  }
+  return true;
+}
+
+uint64_t SessionChannel::queued_bytes() const {
+  std::lock_guard<std::mutex> lock(send_mutex_);
+  return queued_bytes_;
 }
 
 void SessionChannel::set_segment(std::shared_ptr<SharedSegment> segment) {
@@ -27,7 +101,7 @@ void SessionChannel::set_segment(std::shared_ptr<SharedSegment> segment) {
 }
 
 namespace {
-void wake_client(v1::SegmentHeaderV1* header) {
+void wake_client(v2::SegmentHeaderV2* header) {
   std::atomic_thread_fence(std::memory_order_seq_cst);
   if (std::atomic_ref<uint32_t>(header->client_waiting).load(std::memory_order_relaxed) != 0) {
     std::atomic_ref<uint32_t>(header->completion_doorbell).fetch_add(1, std::memory_order_release);
@@ -39,7 +113,7 @@ void wake_client(v1::SegmentHeaderV1* header) {
 void SessionChannel::publish_completed(Ticket completed) {
   std::lock_guard<std::mutex> lock(segment_mutex_);
   if (!segment_) return;
-  v1::SegmentHeaderV1* header = segment_->header();
+  v2::SegmentHeaderV2* header = segment_->header();
   auto word = std::atomic_ref<uint64_t>(header->completed_ticket);
   // Only ever raise it (callbacks from several threads may race; the client can also scribble).
   uint64_t seen = word.load(std::memory_order_relaxed);
@@ -51,8 +125,8 @@ void SessionChannel::publish_completed(Ticket completed) {
 void SessionChannel::publish_shutdown() {
   std::lock_guard<std::mutex> lock(segment_mutex_);
   if (!segment_) return;
-  v1::SegmentHeaderV1* header = segment_->header();
-  std::atomic_ref<uint32_t>(header->daemon_state).store(v1::kDaemonShuttingDown, std::memory_order_release);
+  v2::SegmentHeaderV2* header = segment_->header();
+  std::atomic_ref<uint32_t>(header->daemon_state).store(v2::kDaemonShuttingDown, std::memory_order_release);
   // Wake unconditionally: the client may be between its check and its sleep.
   std::atomic_ref<uint32_t>(header->completion_doorbell).fetch_add(1, std::memory_order_release);
   protocol::futex_wake_all(&header->completion_doorbell);
@@ -63,6 +137,9 @@ void SessionChannel::close() {
     std::lock_guard<std::mutex> lock(send_mutex_);
     closed_ = true;
     socket_.reset();
+    queue_.clear();
+    queued_bytes_ = 0;
+    queued_fds_ = 0;
   }
   std::lock_guard<std::mutex> lock(segment_mutex_);
   segment_.reset();
@@ -80,9 +157,9 @@ RingServer::RingServer(Engine& engine, ClientId client, std::shared_ptr<SharedSe
       channel_(std::move(channel)),
       config_(config),
       on_protocol_violation_(std::move(on_protocol_violation)) {
-  const v1::SegmentLayout& layout = segment_->layout();
-  requests_ = protocol::RingEnd<v1::RequestV1>(segment_->base() + layout.request_ring_offset, layout.ring_capacity);
-  completions_ = protocol::RingEnd<v1::CompletionV1>(segment_->base() + layout.completion_ring_offset,
+  const v2::SegmentLayout& layout = segment_->layout();
+  requests_ = protocol::RingEnd<v2::RequestV2>(segment_->base() + layout.request_ring_offset, layout.ring_capacity);
+  completions_ = protocol::RingEnd<v2::CompletionV2>(segment_->base() + layout.completion_ring_offset,
                                                      layout.ring_capacity);
 }
 
@@ -101,7 +178,7 @@ void RingServer::serve() {
   const uint64_t spin_ns = uint64_t{config_.spin_us} * 1000;
   uint32_t idle_spins = 0;
   while (!stopping_.load(std::memory_order_acquire)) {
-    v1::RequestV1 request;
+    v2::RequestV2 request;
     int popped = requests_.try_pop(request);
     if (popped < 0) {
       on_protocol_violation_("request ring head moved outside the ring (corrupted segment)");
@@ -130,13 +207,13 @@ void RingServer::serve() {
 }
 
 bool RingServer::write_response(std::span<const uint8_t> bytes) {
-  const v1::SegmentLayout& layout = segment_->layout();
+  const v2::SegmentLayout& layout = segment_->layout();
   if (bytes.size() > layout.response_payload_bytes) return false;
   if (!bytes.empty()) std::memcpy(segment_->base() + layout.response_payload_offset, bytes.data(), bytes.size());
   return true;
 }
 
-bool RingServer::post(const v1::CompletionV1& completion) {
+bool RingServer::post(const v2::CompletionV2& completion) {
   // One request is outstanding per client, so the ring has room unless the client stopped
   // reading it (or wrote an impossible tail). Give it a second, then drop the client.
   uint64_t deadline = protocol::monotonic_ns() + 1'000'000'000ull;
@@ -151,23 +228,24 @@ bool RingServer::post(const v1::CompletionV1& completion) {
   return true;
 }
 
-void RingServer::complete_error(const v1::RequestV1& request, const Status& status) {
-  v1::CompletionV1 completion{};
+void RingServer::complete_error(const v2::RequestV2& request, const Status& status) {
+  v2::CompletionV2 completion{};
   completion.sequence = request.sequence;
   completion.opcode = request.opcode;
   completion.status = static_cast<int32_t>(status.code());
+  completion.events_through = channel_->events_queued();
   const std::string& message = status.message();
   size_t bytes = std::min<size_t>(message.size(), 4096);
   if (write_response(std::span<const uint8_t>(reinterpret_cast<const uint8_t*>(message.data()), bytes))) {
     completion.payload_bytes = static_cast<uint32_t>(bytes);
   }
-  spdlog::debug("client {}: {} failed: {}", client_, v1::opcode_name(request.opcode), status.to_string());
+  spdlog::debug("client {}: {} failed: {}", client_, v2::opcode_name(request.opcode), status.to_string());
   post(completion);
 }
 
-void RingServer::handle(const v1::RequestV1& request) {
-  const v1::SegmentLayout& layout = segment_->layout();
-  Status valid = v1::validate_request(request, layout.request_payload_bytes);
+void RingServer::handle(const v2::RequestV2& request) {
+  const v2::SegmentLayout& layout = segment_->layout();
+  Status valid = v2::validate_request(request, layout.request_payload_bytes);
   if (!valid.ok()) {
     complete_error(request, valid);
     return;
@@ -177,131 +255,157 @@ void RingServer::handle(const v1::RequestV1& request) {
                           segment_->base() + layout.request_payload_offset + request.payload_bytes);
   if (request.stall_ns != 0) (void)engine_.add_stall_ns(client_, request.stall_ns);
 
-  v1::CompletionV1 completion{};
-  completion.sequence = request.sequence;
-  completion.opcode = request.opcode;
-  PageRange range{request.space, request.first_page, request.page_count};
-  bool dirty = (request.flags & v1::kReleaseDirty) != 0;
-  std::vector<uint8_t> response;
+  Answer answer;
   Status status;
-
-  switch (static_cast<v1::Opcode>(request.opcode)) {
-    case v1::Opcode::kNop:
-      break;
-    case v1::Opcode::kCreateSpace: {
-      std::string name(request_payload_.begin(), request_payload_.end());
-      status = v1::validate_space_name(name);
-      if (!status.ok()) break;
-      Result<SpaceId> space = engine_.create_space(client_, name, request.argument, request.page_count);
-      status = space.status();
-      if (space.ok()) completion.value = space.value();
-      break;
-    }
-    case v1::Opcode::kDestroySpace:
-      status = engine_.destroy_space(client_, request.space);
-      break;
-    case v1::Opcode::kAcquire:
-    case v1::Opcode::kAcquireHost: {
-      Result<AcquireResult> acquired = request.opcode == static_cast<uint16_t>(v1::Opcode::kAcquire)
-                                           ? engine_.acquire(client_, range, request.flags)
-                                           : engine_.acquire_host_async(client_, range);
-      status = acquired.status();
-      if (acquired.ok()) {
-        completion.ticket = acquired.value().ticket;
-        response = v1::encode_locations(acquired.value().locations);
-      }
-      break;
-    }
-    case v1::Opcode::kRelease:
-      status = (request.flags & v1::kReleaseAfterMarker) != 0
-                   ? engine_.release_after(client_, range, dirty, request.argument)
-                   : engine_.release(client_, range, dirty);
-      break;
-    case v1::Opcode::kReleaseHost:
-      status = engine_.release_host(client_, range, dirty);
-      break;
-    case v1::Opcode::kPrefetch:
-    case v1::Opcode::kOffload: {
-      Result<Ticket> ticket = request.opcode == static_cast<uint16_t>(v1::Opcode::kPrefetch)
-                                  ? engine_.prefetch(client_, range)
-                                  : engine_.offload(client_, range);
-      status = ticket.status();
-      if (ticket.ok()) completion.ticket = ticket.value();
-      break;
-    }
-    case v1::Opcode::kFreePages:
-      status = engine_.free_pages(client_, range);
-      break;
-    case v1::Opcode::kSetSchedule: {
-      Result<std::vector<ScheduleStep>> steps = v1::decode_schedule(request_payload_);
-      status = steps.status();
-      if (steps.ok()) status = engine_.set_schedule(client_, std::move(steps).value());
-      break;
-    }
-    case v1::Opcode::kAdvance:
-      status = engine_.advance(client_, static_cast<uint32_t>(request.argument));
-      break;
-    case v1::Opcode::kLocations: {
-      Result<std::vector<PageLocation>> locations = engine_.locations(client_, range);
-      status = locations.status();
-      if (locations.ok()) response = v1::encode_locations(locations.value());
-      break;
-    }
-    case v1::Opcode::kStats: {
-      Result<RuntimeStats> stats = engine_.stats(client_);
-      status = stats.status();
-      if (stats.ok()) response = v1::encode_stats(stats.value());
-      break;
-    }
-    case v1::Opcode::kCreateChannel:
-    case v1::Opcode::kOpenChannel: {
-      if (config_.channels == nullptr) {
-        status = unimplemented("this membard serves no channels");
-        break;
-      }
-      std::string name(request_payload_.begin(), request_payload_.end());
-      Result<ChannelGrant> grant = Status::Ok();
-      if (request.opcode == static_cast<uint16_t>(v1::Opcode::kCreateChannel)) {
-        Result<uint32_t> host_frames = engine_.client_window_frames(client_, Tier::kHost);
-        uint64_t limit = host_frames.ok() ? uint64_t{host_frames.value()} * kFrameBytes : 0;
-        grant = config_.channels->create(client_, config_.uid, name, request.argument, limit);
-      } else {
-        grant = config_.channels->open(config_.uid, name);
-      }
-      status = grant.status();
-      if (!grant.ok()) break;
-      // The descriptor travels before the completion (Note [Two channels]).
-      v1::ChannelNoticeV1 notice{grant.value().id, grant.value().writable ? v1::kChannelWritable : 0u,
-                                 grant.value().bytes};
-      status = channel_->send(v1::MessageType::kChannelGrant, notice, grant.value().fd);
-      ::close(grant.value().fd);
-      if (!status.ok()) {
-        if (request.opcode == static_cast<uint16_t>(v1::Opcode::kCreateChannel)) {
-          (void)config_.channels->close(client_, grant.value().id);
-        }
-        break;
-      }
-      completion.value = grant.value().id;
-      spdlog::debug("client {}: {} channel '{}' ({} bytes)", client_, v1::opcode_name(request.opcode), name,
-                    grant.value().bytes);
-      break;
-    }
-    case v1::Opcode::kCloseChannel:
-      status = config_.channels == nullptr ? unimplemented("this membard serves no channels")
-                                           : config_.channels->close(client_, static_cast<uint32_t>(request.argument));
-      break;
+  switch (static_cast<v2::Opcode>(request.opcode)) {
+#define MEMBAR_OPCODE_CASE(Name, number, text, range, flags, payload, argument) \
+  case v2::Opcode::k##Name:                                                      \
+    status = handle_##Name(request, answer);                                     \
+    break;
+    MEMBAR_PROTOCOL_OPCODES(MEMBAR_OPCODE_CASE)
+#undef MEMBAR_OPCODE_CASE
   }
   if (!status.ok()) {
     complete_error(request, status);
     return;
   }
-  if (!write_response(response)) {
-    complete_error(request, resource_exhausted("the reply (" + std::to_string(response.size()) +
+  if (!write_response(answer.payload)) {
+    complete_error(request, resource_exhausted("the reply (" + std::to_string(answer.payload.size()) +
                                                " bytes) does not fit the response area"));
     return;
   }
-  completion.payload_bytes = static_cast<uint32_t>(response.size());
+  v2::CompletionV2 completion{};
+  completion.sequence = request.sequence;
+  completion.opcode = request.opcode;
+  completion.ticket = answer.ticket;
+  completion.value = answer.value;
+  completion.payload_bytes = static_cast<uint32_t>(answer.payload.size());
+  // Every event the request caused was queued before this (the engine delivers a call's events
+  // before it returns).
+  completion.events_through = channel_->events_queued();
   post(completion);
+}
+
+// ---- Handlers (one per row of MEMBAR_PROTOCOL_OPCODES) --------------------------------------------
+
+namespace {
+PageRange range_of(const v2::RequestV2& request) {
+  return PageRange{request.space, request.first_page, request.page_count};
+}
+}  // namespace
+
+Status RingServer::handle_Nop(const v2::RequestV2&, Answer&) { return Status::Ok(); }
+
+Status RingServer::handle_CreateSpace(const v2::RequestV2& request, Answer& answer) {
+  std::string name(request_payload_.begin(), request_payload_.end());
+  MEMBAR_RETURN_IF_ERROR(v2::validate_name(name, "space"));
+  MEMBAR_ASSIGN_OR_RETURN(SpaceId space, engine_.create_space(client_, name, request.argument, request.page_count));
+  answer.value = space;
+  return Status::Ok();
+}
+
+Status RingServer::handle_DestroySpace(const v2::RequestV2& request, Answer&) {
+  return engine_.destroy_space(client_, request.space);
+}
+
+Status RingServer::handle_Acquire(const v2::RequestV2& request, Answer& answer) {
+  MEMBAR_ASSIGN_OR_RETURN(answer.ticket, engine_.acquire(client_, range_of(request), request.flags));
+  return Status::Ok();
+}
+
+Status RingServer::handle_Release(const v2::RequestV2& request, Answer&) {
+  bool dirty = (request.flags & v2::kReleaseDirty) != 0;
+  if ((request.flags & v2::kReleaseAfterMarker) != 0) {
+    return engine_.release_after(client_, range_of(request), dirty, request.argument);
+  }
+  return engine_.release(client_, range_of(request), dirty);
+}
+
+Status RingServer::handle_Prefetch(const v2::RequestV2& request, Answer& answer) {
+  MEMBAR_ASSIGN_OR_RETURN(answer.ticket, engine_.prefetch(client_, range_of(request)));
+  return Status::Ok();
+}
+
+Status RingServer::handle_Offload(const v2::RequestV2& request, Answer& answer) {
+  MEMBAR_ASSIGN_OR_RETURN(answer.ticket, engine_.offload(client_, range_of(request)));
+  return Status::Ok();
+}
+
+Status RingServer::handle_FreePages(const v2::RequestV2& request, Answer&) {
+  return engine_.free_pages(client_, range_of(request));
+}
+
+Status RingServer::handle_AcquireHost(const v2::RequestV2& request, Answer& answer) {
+  MEMBAR_ASSIGN_OR_RETURN(answer.ticket, engine_.acquire_host(client_, range_of(request)));
+  return Status::Ok();
+}
+
+Status RingServer::handle_ReleaseHost(const v2::RequestV2& request, Answer&) {
+  return engine_.release_host(client_, range_of(request), (request.flags & v2::kReleaseDirty) != 0);
+}
+
+Status RingServer::handle_SetSchedule(const v2::RequestV2&, Answer&) {
+  MEMBAR_ASSIGN_OR_RETURN(std::vector<ScheduleStep> steps, v2::decode_schedule(request_payload_));
+  return engine_.set_schedule(client_, std::move(steps));
+}
+
+Status RingServer::handle_Advance(const v2::RequestV2& request, Answer&) {
+  return engine_.advance(client_, static_cast<uint32_t>(request.argument));
+}
+
+Status RingServer::handle_Stats(const v2::RequestV2&, Answer& answer) {
+  MEMBAR_ASSIGN_OR_RETURN(RuntimeStats stats, engine_.stats(client_, 0, v2::kMaxStatsSpaces));
+  answer.payload = v2::encode_stats(stats);
+  return Status::Ok();
+}
+
+Status RingServer::grant_channel(Result<ChannelGrant> grant, bool created, Answer& answer) {
+  MEMBAR_RETURN_IF_ERROR(grant.status());
+  UniqueFd fd(grant.value().fd);
+  // The descriptor travels as an event, before the completion (Note [Two channels]).
+  v2::ChannelNoticeV2 notice{0, grant.value().id, grant.value().writable ? v2::kChannelWritable : 0u,
+                             grant.value().bytes};
+  Status sent = channel_->send_event(v2::MessageType::kChannelGrant, notice, fd.get());
+  if (!sent.ok()) {
+    if (created) (void)config_.channels->close(client_, grant.value().id);
+    return sent;
+  }
+  answer.value = grant.value().id;
+  return Status::Ok();
+}
+
+Status RingServer::handle_CreateChannel(const v2::RequestV2& request, Answer& answer) {
+  if (config_.channels == nullptr) return unimplemented("this membard serves no channels");
+  std::string name(request_payload_.begin(), request_payload_.end());
+  MEMBAR_RETURN_IF_ERROR(v2::validate_name(name, "channel"));
+  // Channel memory counts against the client's host quota and the host pool (Note [Channels]).
+  MEMBAR_RETURN_IF_ERROR(engine_.reserve_channel_bytes(client_, request.argument));
+  Result<ChannelGrant> grant = config_.channels->create(client_, config_.uid, name, request.argument);
+  if (!grant.ok()) {
+    (void)engine_.release_channel_bytes(client_, request.argument);
+    return grant.status();
+  }
+  Status granted = grant_channel(std::move(grant), true, answer);
+  if (!granted.ok()) (void)engine_.release_channel_bytes(client_, request.argument);
+  return granted;
+}
+
+Status RingServer::handle_OpenChannel(const v2::RequestV2&, Answer& answer) {
+  if (config_.channels == nullptr) return unimplemented("this membard serves no channels");
+  std::string name(request_payload_.begin(), request_payload_.end());
+  MEMBAR_RETURN_IF_ERROR(v2::validate_name(name, "channel"));
+  return grant_channel(config_.channels->open(config_.uid, name), false, answer);
+}
+
+Status RingServer::handle_CloseChannel(const v2::RequestV2& request, Answer&) {
+  if (config_.channels == nullptr) return unimplemented("this membard serves no channels");
+  MEMBAR_ASSIGN_OR_RETURN(uint64_t bytes, config_.channels->close(client_, static_cast<uint32_t>(request.argument)));
+  return engine_.release_channel_bytes(client_, bytes);
+}
+
+Status RingServer::handle_PublishChannel(const v2::RequestV2& request, Answer&) {
+  if (config_.channels == nullptr) return unimplemented("this membard serves no channels");
+  return config_.channels->publish(client_, static_cast<uint32_t>(request.argument));
 }
 
 }  // namespace membar::runtimed

@@ -1,48 +1,41 @@
-// A client's shared-memory segment on the daemon side (Boost.Interprocess shared_memory_object +
-// mapped_region), laid out by protocol v1. Move-only owner: the mapping lives as long as the
-// object; the name is removed once the client has attached (or when the object dies), so a
-// crashed daemon leaves nothing behind in /dev/shm for long.
+// A client's shared-memory segment on the daemon side: a sealed memfd laid out by protocol v2,
+// mapped here and passed to the client as a descriptor in the hello reply. It has no name, so no
+// other process can open it (a same-user process could open a named segment during the handshake
+// and act as that client) and a killed daemon leaves nothing behind in /dev/shm.
 #pragma once
 
 #include <cstdint>
 #include <memory>
-#include <string>
 
-#include "membar/protocol/v1.h"
+#include "membar/common/fd.h"
+#include "membar/protocol/v2.h"
 #include "membar/status.h"
 
 namespace membar::runtimed {
 
 class SharedSegment {
  public:
-  // Creates the segment `name` (mode 0600, zero-filled, owned by `owner_uid` so that a client
-  // admitted by --allow-uid can open it; changing the owner needs a root daemon) and writes its
-  // header.
-  static Result<std::unique_ptr<SharedSegment>> create(const std::string& name,
-                                                       const protocol::v1::SegmentLayout& layout,
-                                                       uint32_t owner_uid);
+  // A zero-filled segment of layout.segment_bytes with its header written.
+  static Result<std::unique_ptr<SharedSegment>> create(const protocol::v2::SegmentLayout& layout);
   ~SharedSegment();
   SharedSegment(const SharedSegment&) = delete;
   SharedSegment& operator=(const SharedSegment&) = delete;
 
-  // Removes the name; the mapping stays valid. Idempotent.
-  void remove_name();
-
+  // A new descriptor of the segment for the client (the caller closes it).
+  Result<int> export_fd() const;
   uint8_t* base() const { return base_; }
-  const protocol::v1::SegmentLayout& layout() const { return layout_; }
-  const std::string& name() const { return name_; }
-  protocol::v1::SegmentHeaderV1* header() const {
-    return reinterpret_cast<protocol::v1::SegmentHeaderV1*>(base_);
-  }
+  const protocol::v2::SegmentLayout& layout() const { return layout_; }
+  protocol::v2::SegmentHeaderV2* header() const { return reinterpret_cast<protocol::v2::SegmentHeaderV2*>(base_); }
 
  private:
-  struct Mapping;
   SharedSegment() = default;
-  std::unique_ptr<Mapping> mapping_;
+  UniqueFd fd_;
   uint8_t* base_ = nullptr;
-  protocol::v1::SegmentLayout layout_;
-  std::string name_;
-  bool name_removed_ = false;
+  protocol::v2::SegmentLayout layout_;
 };
+
+// Removes /dev/shm/membar.* segments that daemons of protocol version 1 left when they were
+// killed (they named their segments). Returns how many went.
+int sweep_named_segments();
 
 }  // namespace membar::runtimed

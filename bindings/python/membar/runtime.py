@@ -2,21 +2,22 @@
 
 A :class:`Runtime` is one client of the runtime: a ``membard`` daemon when one answers, or the
 same engine embedded in this process (the default on machines without a daemon or a GPU).
-Pages live in named :class:`Space` objects; a trainer acquires pages (they become resident on
-the GPU and pinned), reads or writes them through a *pool* tensor, and releases them::
+Pages live in named :class:`Space` objects, each one contiguous range of addresses: page p is
+row p of the space's *pool* tensor, whatever the page size. A trainer acquires pages (they become
+resident on the GPU, mapped in place and pinned), reads or writes those rows, and releases them::
 
     rt = Runtime.connect(embedded=True)
     keys = rt.space("L07.k", page_shape=(128, 4, 128), dtype=torch.bfloat16, pages=512)
-    pool = keys.pool()                       # [window pages, 128, 4, 128] over the GPU window
-    acquired = keys.acquire(0, 8, write=True, zero=True)
-    acquired.wait()
-    pool[acquired.indices.long()] = new_keys  # pages 0..7 of L07.k
+    pool = keys.pool()                        # [512, 128, 4, 128]: page p is pool[p]
+    keys.acquire(0, 8, write=True, zero=True).wait()
+    pool[0:8] = new_keys                      # pages 0..7 of L07.k
     keys.release(0, 8, dirty=True)
     keys.offload(0, 8)                        # asynchronous write back to host memory
 
-Pool tensors view the client's whole GPU window; only rows of acquired (not yet released) pages
-may be touched: other rows may be unmapped or hold another space's pages. A pool tensor keeps
-its Runtime alive, so the memory it views cannot go away under it.
+Only rows of acquired (not yet released) pages may be touched: the others may be unmapped
+(reading them faults) or hold stale contents. Consecutive pages are consecutive rows, so a range
+of a pool is one strided tensor any kernel can read. A pool tensor keeps its Runtime alive, so the
+memory it views cannot go away under it.
 
 The runtime is also reachable as ``torch.classes.membar.Runtime`` (what TorchScript code uses);
 this module only adds names, defaults and Python types on top of it.
@@ -45,15 +46,22 @@ def _runtime_class():
 
 @dataclass
 class Acquired:
-    """The answer of :meth:`Space.acquire`: the ticket to wait for and the pages' pool indices."""
+    """The answer of :meth:`Space.acquire`: the ticket to wait for; the pages are rows
+    [first, first + count) of the space's pool."""
 
     runtime: "Runtime"
     ticket: int
-    indices: torch.Tensor  # [count] int32: rows of the space's pool tensor
+    first: int
+    count: int
 
     def wait(self) -> "Acquired":
         """Blocks until the pages' contents are in place (copies done, zero fills done)."""
         self.runtime.wait(self.ticket)
+        return self
+
+    def stream_wait(self, stream: Optional["torch.cuda.Stream"] = None) -> "Acquired":
+        """Makes ``stream`` (default: the current CUDA stream) wait on the GPU, not the host."""
+        self.runtime.stream_wait(self.ticket, stream)
         return self
 
 
@@ -136,8 +144,9 @@ class Space:
         """Makes pages GPU-resident and pinned. ``write``: they become dirty on release.
         ``zero``: pages without contents are zero-filled. Returns before the copies finish unless
         ``wait``."""
-        ticket, indices = self.runtime._native.acquire(*self._range(first, count), bool(write), bool(zero))
-        acquired = Acquired(self.runtime, int(ticket), indices)
+        space, first, count = self._range(first, count)
+        ticket = self.runtime._native.acquire(space, first, count, bool(write), bool(zero))
+        acquired = Acquired(self.runtime, int(ticket), first, count)
         return acquired.wait() if wait else acquired
 
     def release(self, first: int = 0, count: Optional[int] = None, *, dirty: bool = False) -> None:
@@ -165,29 +174,27 @@ class Space:
         """Drops the pages' contents in both tiers (freeing a page twice is an error)."""
         self.runtime._native.free_pages(*self._range(first, count))
 
-    def acquire_host(self, first: int = 0, count: Optional[int] = None) -> list:
-        """CPU uint8 tensors [page_bytes], one per page, over the pages' host copies (blocks until
-        the data is there). Valid until :meth:`release_host`."""
-        return list(self.runtime._native.acquire_host(*self._range(first, count)))
+    def acquire_host(self, first: int = 0, count: Optional[int] = None) -> torch.Tensor:
+        """A CPU uint8 tensor [count, page_bytes] over the pages' host copies (blocks until the
+        data is there), contiguous. Valid until :meth:`release_host`."""
+        return self.runtime._native.acquire_host(*self._range(first, count))
 
     def release_host(self, first: int = 0, count: Optional[int] = None, *, dirty: bool = False) -> None:
         """Ends host access; with ``dirty`` the host copy becomes the newest."""
         self.runtime._native.release_host(*self._range(first, count), bool(dirty))
 
-    def indices(self, first: int = 0, count: Optional[int] = None) -> torch.Tensor:
-        """Pool indices [count] int32 of the pages now on the GPU; -1 for the others."""
-        return self.runtime._native.pool_indices(*self._range(first, count))
-
     def pool(self, dtype: Optional[torch.dtype] = None, page_shape: Optional[Sequence[int]] = None) -> torch.Tensor:
-        """The GPU window viewed as pages of this space: [window pages, *page_shape] of ``dtype``
-        (defaults: the space's own, else a flat uint8 page)."""
+        """The space's GPU-side addresses as [page_count, *page_shape] of ``dtype`` (defaults: the
+        space's own, else a flat uint8 page): page p is row p."""
         dtype = dtype or self.dtype or torch.uint8
         if page_shape is None:
             page_shape = self.page_shape if self.page_shape is not None and dtype == self.dtype else None
         if page_shape is None:
             element = torch.empty((), dtype=dtype).element_size()
+            if self.page_bytes % element:
+                raise ValueError(f"Space.pool: a page of {self.page_bytes} bytes is not a whole number of {dtype}")
             page_shape = (self.page_bytes // element,)
-        return self.runtime.pool(dtype, page_shape, page_bytes=self.page_bytes)
+        return self.runtime._native.pool(self.id, dtype, [int(x) for x in page_shape])
 
     def destroy(self) -> None:
         """Frees every page and forgets the space (no page may be acquired)."""
@@ -237,8 +244,8 @@ class Runtime:
 
     def space(self, name: str, page_bytes: Optional[int] = None, pages: int = 1, *,
               page_shape: Optional[Sequence[int]] = None, dtype: Optional[torch.dtype] = None) -> Space:
-        """Creates a space of ``pages`` pages. Give ``page_bytes`` (a power of two in
-        [64 KiB, 2 MiB]) or ``page_shape`` and ``dtype`` (whose size must be one)."""
+        """Creates a space of ``pages`` pages of any size. Give ``page_bytes`` or ``page_shape``
+        and ``dtype`` (whose size it then is)."""
         shape = tuple(int(x) for x in page_shape) if page_shape is not None else None
         if shape is not None:
             if dtype is None:
@@ -252,14 +259,6 @@ class Runtime:
             raise ValueError("Runtime.space: give page_bytes or page_shape and dtype")
         space_id = self._native.create_space(name, int(page_bytes), int(pages))
         return Space(self, int(space_id), name, int(page_bytes), int(pages), shape, dtype)
-
-    def pool(self, dtype: torch.dtype, page_shape: Sequence[int], *, page_bytes: Optional[int] = None) -> torch.Tensor:
-        """The GPU window as [window_bytes / page_bytes, *page_shape] of ``dtype`` (page_bytes
-        defaults to the shape's size)."""
-        shape = [int(x) for x in page_shape]
-        if page_bytes is None:
-            page_bytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-        return self._native.pool(int(page_bytes), dtype, shape)
 
     def set_schedule(self, steps: Iterable[Iterable[Union[Tuple[int, int, int], Tuple[Space, int, int]]]]) -> None:
         """The access schedule: ``steps[i]`` lists the (space, first, count) ranges step i touches
@@ -291,8 +290,8 @@ class Runtime:
         self._native.stream_wait(int(ticket), int(stream.cuda_stream))
 
     def stats(self) -> dict:
-        """Frames per tier, this client's pages by residency, bytes moved each way, prefetch
-        hits / misses, evictions, stall time, and its spaces."""
+        """Frames per tier, this client's bytes by residency, bytes moved each way, prefetch
+        hits / misses, evictions, stall time, and its spaces (each with the same counts)."""
         return json.loads(self._native.stats())
 
     def create_channel(self, name: str, nbytes: int) -> Channel:
@@ -303,13 +302,5 @@ class Runtime:
         """Maps an existing channel read-only; RuntimeError (NOT_FOUND) when there is none."""
         return Channel(self, name, self._native.open_channel(str(name)))
 
-    @property
-    def window_pointer(self) -> int:
-        return int(self._native.window_pointer())
-
-    @property
-    def window_bytes(self) -> int:
-        return int(self._native.window_bytes())
-
     def __repr__(self) -> str:
-        return f"Runtime({self.describe()}, window={self.window_bytes // _MIB} MiB)"
+        return f"Runtime({self.describe()})"

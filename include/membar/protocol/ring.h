@@ -1,4 +1,4 @@
-// Lock-free single-producer single-consumer rings over shared memory (protocol v1 layout), and
+// Lock-free single-producer single-consumer rings over shared memory (protocol v2 layout), and
 // the futex doorbell that lets a consumer sleep. Header-only, no dependencies beyond Linux.
 //
 // Note [Ring indices are private]
@@ -21,7 +21,7 @@
 #include <cstring>
 #include <ctime>
 
-#include "membar/protocol/v1.h"
+#include "membar/protocol/v2.h"
 
 namespace membar::protocol {
 
@@ -46,15 +46,15 @@ inline uint64_t monotonic_ns() {
   return static_cast<uint64_t>(now.tv_sec) * 1000000000ull + static_cast<uint64_t>(now.tv_nsec);
 }
 
-// One ring as seen from one end. Entry is RequestV1 or CompletionV1.
+// One ring as seen from one end. Entry is RequestV2 or CompletionV2.
 template <typename Entry>
 class RingEnd {
  public:
   RingEnd() = default;
-  // `control` points at the ring's RingControlV1 in the segment; entries follow it.
+  // `control` points at the ring's RingControlV2 in the segment; entries follow it.
   RingEnd(void* control, uint32_t capacity)
-      : control_(static_cast<v1::RingControlV1*>(control)),
-        entries_(reinterpret_cast<Entry*>(static_cast<uint8_t*>(control) + sizeof(v1::RingControlV1))),
+      : control_(static_cast<v2::RingControlV2*>(control)),
+        entries_(reinterpret_cast<Entry*>(static_cast<uint8_t*>(control) + sizeof(v2::RingControlV2))),
         capacity_(capacity) {}
 
   bool valid() const { return control_ != nullptr; }
@@ -111,7 +111,7 @@ class RingEnd {
   uint32_t capacity() const { return capacity_; }
 
  private:
-  v1::RingControlV1* control_ = nullptr;
+  v2::RingControlV2* control_ = nullptr;
   Entry* entries_ = nullptr;
   uint32_t capacity_ = 0;
   uint64_t head_ = 0;  // producer's own index (Note [Ring indices are private])

@@ -1,11 +1,18 @@
-// The mechanism seam of the daemon: physical frames and copies between tiers. Policy (page
+// The mechanism seam of the engine: physical frames and copies between tiers. Policy (page
 // tables, quotas, eviction) lives in the engine and knows nothing about CUDA; it talks to one
 // DeviceBackend. Two implementations:
-//   - HostBackend (host_backend.cpp): "GPU" and host frames are both memfd shared memory; copies
-//     run on worker threads. Lets the whole stack run and be tested on a machine with no GPU.
+//   - HostBackend (host/host_backend.cpp): "GPU" frames and host slabs are both memfd shared
+//     memory; copies run on worker threads. Lets the whole stack run and be tested on a machine
+//     with no GPU.
 //   - CudaVmmBackend (cuda/cuda_backend.cpp): GPU frames from cuMemCreate (exportable as POSIX
-//     fds), host frames pinned; copies on the daemon's own copy streams.
-// Frames are created once, at start-up (cuMemCreate costs ~390 us each).
+//     fds), host slabs of pinned memfd memory; copies on the daemon's own copy streams.
+//
+// Pools (Note [Frames, slabs and renewal] in engine/frames.cpp): the GPU tier is frames of 2 MiB,
+// each its own allocation; the host tier is slabs of host_slab_frames() frames, one memfd each,
+// handed to one client at a time. Before a GPU frame or a slab is handed to anyone it is
+// *renewed*: given fresh zeroed memory that no earlier holder of a descriptor can reach.
+// Descriptors are not kept per frame: a GPU frame is exported when granted, a slab's memfd lives
+// only while the slab is prepared or held.
 #pragma once
 
 #include <cstdint>
@@ -23,10 +30,17 @@ struct BackendConfig {
   uint64_t gpu_pool_bytes = 256ull << 20;
   uint64_t host_pool_bytes = 1ull << 30;
   int device = 0;
-  // Fault injection for tests: creating the Nth frame (1-based, counting both tiers) fails with
+  // 0: chosen from the host pool size (host_slab_frames_for).
+  uint32_t host_slab_frames = 0;
+  // Fault injection for tests: creating the Nth GPU frame at start-up (1-based) fails with
   // RESOURCE_EXHAUSTED. 0 = never.
   uint64_t fail_frame_create_after = 0;
 };
+
+// Frames per host slab for a pool of `host_pool_bytes`: the smallest power of two that keeps
+// the pool at or under 256 slabs, between 1 frame (2 MiB) and 2048 frames (4 GiB). A 100 GiB pool
+// has 200 slabs of 512 MiB; 1 TiB, 256 of 4 GiB.
+uint32_t host_slab_frames_for(uint64_t host_pool_bytes);
 
 // One contiguous copy between two frames (offsets within the frames).
 struct CopyOp {
@@ -45,24 +59,34 @@ struct BackendCounters {
   uint64_t transfers = 0;        // copies issued after merging adjacent ops
   uint64_t bytes_copied = 0;
   uint64_t zero_fills = 0;
+  uint64_t renewals = 0;         // GPU frames and host slabs renewed
 };
 
 // Threading: every method may be called from any thread. Batches may run concurrently and
 // complete in any order: the engine orders dependent copies itself (it never enqueues a copy
-// that touches a slot another pending batch touches). `done` callbacks are never called from
-// inside enqueue_*, may run concurrently on several backend threads, and must not block.
-// Host-tier frames export fds that mmap() can map (memfd or equivalent) on every backend.
+// that touches a frame another pending batch touches). `done` callbacks are never called from
+// inside enqueue_* / renew, may run concurrently on several backend threads, and must not block.
 class DeviceBackend {
  public:
   virtual ~DeviceBackend() = default;
 
   virtual std::string name() const = 0;        // "host" or "cuda"
   virtual uint64_t frame_count(Tier tier) const = 0;
+  // Host frames per slab; slab s holds host frames [s * host_slab_frames(), + host_slab_frames()).
+  virtual uint32_t host_slab_frames() const = 0;
+  uint64_t host_slab_count() const { return frame_count(Tier::kHost) / host_slab_frames(); }
 
-  // A new file descriptor for the frame (the caller owns and closes it). The client maps it:
-  // mmap on the host backend, cuMemImportFromShareableHandle + cuMemMap on CUDA. Non-blocking.
-  virtual Result<int> export_frame(Tier tier, FrameIndex frame) = 0;
-  // The daemon's own pointer to the frame (host pointer, or device pointer in the daemon's context).
+  // A new file descriptor for a GPU frame (the caller owns and closes it): the client maps it
+  // (mmap on the host backend, cuMemImportFromShareableHandle + cuMemMap on CUDA). Non-blocking.
+  virtual Result<int> export_gpu_frame(FrameIndex frame) = 0;
+  // A new file descriptor for a prepared host slab (mmap-able: memfd), the caller closes it.
+  virtual Result<int> export_host_slab(uint32_t slab) = 0;
+  // Gives a GPU frame (tier kGpu, index = frame) or a host slab (tier kHost, index = slab) fresh
+  // zeroed memory, unreachable through any descriptor exported before; calls `done` exactly once
+  // from a backend thread. Host slabs start unprepared: each is renewed once before first use.
+  // Returns an error (and never calls `done`) if the work cannot be queued.
+  virtual Status renew(Tier tier, uint32_t index, std::function<void(Status)> done) = 0;
+  // The daemon's own pointer to a frame (host pointer, or device pointer in the daemon's context).
   virtual void* frame_pointer(Tier tier, FrameIndex frame) = 0;
 
   // Enqueues a batch of copies (adjacent ops may be merged into larger transfers) and calls
@@ -91,7 +115,7 @@ class DeviceBackend {
   virtual BackendCounters counters() const { return {}; }
 };
 
-// Creates frames up front. BackendKind comes from membar/client.h's meaning: host or cuda.
+// Creates the GPU frames up front (host slabs are prepared by the engine's renewals).
 Result<std::unique_ptr<DeviceBackend>> make_host_backend(const BackendConfig& config);
 #if defined(MEMBAR_WITH_CUDA)
 Result<std::unique_ptr<DeviceBackend>> make_cuda_backend(const BackendConfig& config);

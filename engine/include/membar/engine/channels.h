@@ -6,15 +6,22 @@
 // Note [Channels]
 // Rationale: a publisher and its subscribers must share memory without trusting each other's
 // names for POSIX shm objects (a stale /dev/shm name outlives a crashed trainer; anyone of the
-// same uid can create one first), and a subscriber must not be able to corrupt what the others
-// read. Approach: the registry owns one sealed memfd per channel (size fixed at creation); the
-// creator gets a read-write descriptor, an opener a descriptor re-opened O_RDONLY through
-// /proc/self/fd, which mmap can only map PROT_READ. Names are per registry (per daemon), only
-// openers of the creator's uid (or root) find a channel, and the name is dropped when the creator
-// closes it or disconnects; descriptors already handed out stay valid (the memory lives while
-// any process maps it), so a subscriber sees the last contents but no new ones.
+// same uid can create one first), a subscriber must not be able to corrupt what the others read
+// (not even by re-opening its descriptor read-write through /proc/self/fd), and channel memory
+// must count like any other memory a client holds. Approach: the registry owns one memfd per
+// channel (size fixed at creation, sealed against resizing). The creator gets a read-write
+// descriptor, maps it, then publishes the channel: publishing seals it against any further write
+// access (F_SEAL_FUTURE_WRITE: the creator's mapping stays writable, no new writable mapping or
+// write() is possible through any descriptor, however re-opened). Only published channels can be
+// opened; an opener gets a descriptor re-opened O_RDONLY. Names live in a namespace per uid: a
+// channel is found only by processes of its creator's uid (root sees every uid's names only by
+// giving that uid, through the daemon's credentials check), and two users may use the same name.
+// The name is dropped when the creator closes it or disconnects; descriptors already handed out
+// stay valid (the memory lives while any process maps it), so a subscriber sees the last contents
+// but no new ones. The bytes count against the creator's host quota and the host pool
+// (Engine::reserve_channel_bytes).
 // Limitations: no notification: readers poll the contents (a sequence word in the data, for
-// example). The bytes of a client's channels count against its host quota.
+// example).
 #pragma once
 
 #include <cstdint>
@@ -41,16 +48,18 @@ class ChannelRegistry {
   ChannelRegistry(const ChannelRegistry&) = delete;
   ChannelRegistry& operator=(const ChannelRegistry&) = delete;
 
-  // A zero-filled channel of `bytes` owned by `owner`. ALREADY_EXISTS when the name is taken,
-  // INVALID_ARGUMENT for a bad name or a size of 0 or over 64 GiB, RESOURCE_EXHAUSTED when the
-  // owner's channels would exceed `owner_limit_bytes` (0: no limit).
-  Result<ChannelGrant> create(ClientId owner, uint32_t uid, const std::string& name, uint64_t bytes,
-                              uint64_t owner_limit_bytes);
-  // A read-only descriptor of the channel; NOT_FOUND when no channel of that name is visible to
-  // `uid` (another user's channels are not found, so their names do not leak).
+  // A zero-filled, unpublished channel of `bytes` owned by `owner`, in `uid`'s namespace.
+  // ALREADY_EXISTS when the name is taken there, INVALID_ARGUMENT for a bad name or a size of 0
+  // or over 64 GiB. (Quota: the caller reserves the bytes with the engine first.)
+  Result<ChannelGrant> create(ClientId owner, uint32_t uid, const std::string& name, uint64_t bytes);
+  // Seals the channel against further write access and makes it visible to open().
+  Status publish(ClientId owner, uint32_t id);
+  // A read-only descriptor of a published channel in `uid`'s namespace; NOT_FOUND otherwise
+  // (another user's channels are not found, so their names do not leak).
   Result<ChannelGrant> open(uint32_t uid, const std::string& name);
-  // Drops the name of a channel `owner` created (its memory lives while mapped anywhere).
-  Status close(ClientId owner, uint32_t id);
+  // Drops the name of a channel `owner` created (its memory lives while mapped anywhere) and
+  // returns its size.
+  Result<uint64_t> close(ClientId owner, uint32_t id);
   // Drops every channel of `owner` (disconnect).
   void close_all(ClientId owner);
 
@@ -64,9 +73,10 @@ class ChannelRegistry {
     uint32_t uid = 0;
     uint64_t bytes = 0;
     int fd = -1;  // the registry's read-write descriptor
+    bool published = false;
   };
   mutable std::mutex mutex_;
-  std::map<std::string, Entry> by_name_;
+  std::map<std::pair<uint32_t, std::string>, Entry> by_name_;  // (uid, name)
   uint32_t next_id_ = 1;
 };
 

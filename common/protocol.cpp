@@ -1,13 +1,12 @@
-// Encoding, decoding and validation of protocol v1 (include/membar/protocol/v1.h). Depends only
+// Encoding, decoding and validation of protocol v2 (include/membar/protocol/v2.h). Depends only
 // on the standard library and membar/status.h so that fuzz/protocol_fuzzer.cpp can build it alone.
-#include "membar/protocol/v1.h"
+#include "membar/protocol/v2.h"
 
+#include <cstdio>
 #include <cstring>
 #include <limits>
 
-#include "membar/client.h"
-
-namespace membar::protocol::v1 {
+namespace membar::protocol::v2 {
 namespace {
 
 constexpr uint64_t align_up(uint64_t value, uint64_t alignment) {
@@ -19,18 +18,21 @@ bool is_power_of_two(uint64_t value) { return value != 0 && (value & (value - 1)
 // The largest payload each socket message type may carry.
 uint32_t max_payload_bytes(MessageType type) {
   switch (type) {
-    case MessageType::kHello: return sizeof(HelloV1);
-    case MessageType::kHelloReply: return sizeof(HelloReplyV1);
-    case MessageType::kAttached: return 0;
-    case MessageType::kFrameGrant: return sizeof(FrameNoticeV1);
-    case MessageType::kFrameRevoke: return sizeof(FrameNoticeV1);
-    case MessageType::kShutdown: return sizeof(ShutdownV1);
-    case MessageType::kStatsRequest: return 0;
+    case MessageType::kHello: return sizeof(HelloV2);
+    case MessageType::kHelloReply: return sizeof(HelloReplyV2);
+    case MessageType::kFrameGrant: return sizeof(FrameGrantV2);
+    case MessageType::kFrameRevoke: return sizeof(FrameEventV2);
+    case MessageType::kSlabGrant: return sizeof(SlabGrantV2);
+    case MessageType::kSlabRevoke: return sizeof(SlabEventV2);
+    case MessageType::kFrameMap: return sizeof(FrameMapV2);
+    case MessageType::kFrameUnmap: return sizeof(FrameMapV2);
+    case MessageType::kShutdown: return sizeof(ShutdownV2);
+    case MessageType::kStatsRequest: return sizeof(StatsRequestV2);
     case MessageType::kStatsReply: return kMaxSocketPayloadBytes;
-    case MessageType::kPing: return sizeof(PingV1);
-    case MessageType::kPong: return sizeof(PingV1);
-    case MessageType::kError: return sizeof(ErrorV1);
-    case MessageType::kChannelGrant: return sizeof(ChannelNoticeV1);
+    case MessageType::kPing: return sizeof(PingV2);
+    case MessageType::kPong: return sizeof(PingV2);
+    case MessageType::kError: return sizeof(ErrorV2);
+    case MessageType::kChannelGrant: return sizeof(ChannelNoticeV2);
   }
   return 0;
 }
@@ -38,8 +40,17 @@ uint32_t max_payload_bytes(MessageType type) {
 // Messages whose size is fixed must carry exactly that size.
 bool payload_size_is_fixed(MessageType type) { return type != MessageType::kStatsReply; }
 
-uint32_t expected_fd_count(MessageType type) {
-  return type == MessageType::kFrameGrant || type == MessageType::kChannelGrant ? 1 : 0;
+// Descriptors beside each message type: [fewest, most].
+std::pair<uint32_t, uint32_t> fd_count_range(MessageType type) {
+  switch (type) {
+    case MessageType::kHelloReply: return {0, 2};  // 2 when OK, 0 with a refusal
+    case MessageType::kFrameGrant:
+    case MessageType::kSlabGrant:
+    case MessageType::kChannelGrant:
+      return {1, 1};
+    default:
+      return {0, 0};
+  }
 }
 
 template <typename T>
@@ -138,25 +149,32 @@ Stat read_stat(Reader& r) {
   return s;
 }
 
-// Opcodes that name a page range.
-bool opcode_takes_range(Opcode op) {
-  switch (op) {
-    case Opcode::kAcquire: case Opcode::kRelease: case Opcode::kPrefetch: case Opcode::kOffload:
-    case Opcode::kFreePages: case Opcode::kAcquireHost: case Opcode::kReleaseHost:
-    case Opcode::kLocations:
-      return true;
-    default:
-      return false;
-  }
+// One row of MEMBAR_PROTOCOL_OPCODES (Note [One opcode table]).
+struct OpcodeRow {
+  std::string_view name;
+  RangeRule range;
+  uint32_t flags;
+  PayloadRule payload;
+  ArgumentRule argument;
+};
+
+const OpcodeRow* opcode_row(uint16_t opcode) {
+  static const OpcodeRow kRows[] = {
+#define MEMBAR_OPCODE_ROW(Name, number, text, range, flags, payload, argument) \
+  {text, RangeRule::range, flags, PayloadRule::payload, ArgumentRule::argument},
+      MEMBAR_PROTOCOL_OPCODES(MEMBAR_OPCODE_ROW)
+#undef MEMBAR_OPCODE_ROW
+  };
+  static_assert(sizeof(kRows) / sizeof(kRows[0]) == kLastOpcode - kFirstOpcode + 1,
+                "opcodes are numbered 1..kLastOpcode without gaps");
+  if (opcode < kFirstOpcode || opcode > kLastOpcode) return nullptr;
+  return &kRows[opcode - kFirstOpcode];
 }
 
-uint32_t allowed_flags(Opcode op) {
-  switch (op) {
-    case Opcode::kAcquire: return kAcquireWrite | kAcquireZeroNew;
-    case Opcode::kRelease: return kReleaseDirty | kReleaseAfterMarker;
-    case Opcode::kReleaseHost: return kReleaseDirty;
-    default: return 0;
-  }
+std::string hex(uint64_t value) {
+  char text[24];
+  std::snprintf(text, sizeof(text), "0x%llx", static_cast<unsigned long long>(value));
+  return text;
 }
 
 }  // namespace
@@ -178,11 +196,11 @@ Result<SegmentLayout> make_segment_layout(uint32_t ring_capacity, uint64_t reque
   }
   SegmentLayout layout;
   layout.ring_capacity = ring_capacity;
-  layout.request_ring_offset = sizeof(SegmentHeaderV1);
+  layout.request_ring_offset = sizeof(SegmentHeaderV2);
   layout.completion_ring_offset =
-      layout.request_ring_offset + sizeof(RingControlV1) + uint64_t{ring_capacity} * sizeof(RequestV1);
+      layout.request_ring_offset + sizeof(RingControlV2) + uint64_t{ring_capacity} * sizeof(RequestV2);
   layout.request_payload_offset = align_up(
-      layout.completion_ring_offset + sizeof(RingControlV1) + uint64_t{ring_capacity} * sizeof(CompletionV1),
+      layout.completion_ring_offset + sizeof(RingControlV2) + uint64_t{ring_capacity} * sizeof(CompletionV2),
       4096);
   layout.request_payload_bytes = align_up(request_payload_bytes, 64);
   layout.response_payload_offset = align_up(layout.request_payload_offset + layout.request_payload_bytes, 4096);
@@ -192,11 +210,11 @@ Result<SegmentLayout> make_segment_layout(uint32_t ring_capacity, uint64_t reque
 }
 
 void write_segment_header(void* segment, const SegmentLayout& layout) {
-  SegmentHeaderV1 header{};
+  SegmentHeaderV2 header{};
   header.magic = kMagic;
   header.version = kVersion;
   header.ring_capacity = layout.ring_capacity;
-  header.entry_bytes = sizeof(RequestV1);
+  header.entry_bytes = sizeof(RequestV2);
   header.segment_bytes = layout.segment_bytes;
   header.request_ring_offset = layout.request_ring_offset;
   header.completion_ring_offset = layout.completion_ring_offset;
@@ -209,17 +227,17 @@ void write_segment_header(void* segment, const SegmentLayout& layout) {
 }
 
 Result<SegmentLayout> read_segment_header(const void* segment, uint64_t mapped_bytes) {
-  if (mapped_bytes < sizeof(SegmentHeaderV1)) {
+  if (mapped_bytes < sizeof(SegmentHeaderV2)) {
     return invalid_argument("segment of " + std::to_string(mapped_bytes) + " bytes is smaller than its header");
   }
-  SegmentHeaderV1 header;
+  SegmentHeaderV2 header;
   std::memcpy(&header, segment, sizeof(header));
   if (header.magic != kMagic) return invalid_argument("segment header has a bad magic number");
   if (header.version != kVersion) {
     return failed_precondition("segment is protocol version " + std::to_string(header.version) +
                                ", this client speaks " + std::to_string(kVersion));
   }
-  if (header.entry_bytes != sizeof(RequestV1)) return invalid_argument("segment ring entries have the wrong size");
+  if (header.entry_bytes != sizeof(RequestV2)) return invalid_argument("segment ring entries have the wrong size");
   // Recompute the layout from the sizes and require the offsets to match exactly.
   MEMBAR_ASSIGN_OR_RETURN(SegmentLayout layout,
                           make_segment_layout(header.ring_capacity, header.request_payload_bytes,
@@ -228,7 +246,7 @@ Result<SegmentLayout> read_segment_header(const void* segment, uint64_t mapped_b
       layout.completion_ring_offset != header.completion_ring_offset ||
       layout.request_payload_offset != header.request_payload_offset ||
       layout.response_payload_offset != header.response_payload_offset) {
-    return invalid_argument("segment header offsets do not match protocol v1's layout");
+    return invalid_argument("segment header offsets do not match protocol v2's layout");
   }
   if (layout.segment_bytes > mapped_bytes) {
     return invalid_argument("segment header says " + std::to_string(layout.segment_bytes) +
@@ -241,7 +259,7 @@ Result<SegmentLayout> read_segment_header(const void* segment, uint64_t mapped_b
 // Socket messages.
 
 std::vector<uint8_t> encode_message(MessageType type, std::span<const uint8_t> payload, uint32_t fd_count) {
-  MessageHeaderV1 header{kMagic, kVersion, static_cast<uint16_t>(type),
+  MessageHeaderV2 header{kMagic, kVersion, static_cast<uint16_t>(type),
                          static_cast<uint32_t>(payload.size()), fd_count};
   std::vector<uint8_t> out(sizeof(header) + payload.size());
   std::memcpy(out.data(), &header, sizeof(header));
@@ -249,17 +267,17 @@ std::vector<uint8_t> encode_message(MessageType type, std::span<const uint8_t> p
   return out;
 }
 
-Result<MessageHeaderV1> decode_message_header(std::span<const uint8_t> bytes) {
-  if (bytes.size() < sizeof(MessageHeaderV1)) {
+Result<MessageHeaderV2> decode_message_header(std::span<const uint8_t> bytes) {
+  if (bytes.size() < sizeof(MessageHeaderV2)) {
     return invalid_argument("message header truncated: " + std::to_string(bytes.size()) + " of 16 bytes");
   }
-  MessageHeaderV1 header;
+  MessageHeaderV2 header;
   std::memcpy(&header, bytes.data(), sizeof(header));
   if (header.magic != kMagic) return invalid_argument("bad magic number: not a membar protocol message");
   if (header.version != kVersion) {
     return failed_precondition("protocol version mismatch: peer speaks version " +
                                std::to_string(header.version) + ", this side speaks version " +
-                               std::to_string(kVersion));
+                               std::to_string(kVersion) + " (update membard and the client library together)");
   }
   if (header.type < kFirstMessageType || header.type > kLastMessageType) {
     return invalid_argument("unknown message type " + std::to_string(header.type));
@@ -271,8 +289,8 @@ Result<MessageHeaderV1> decode_message_header(std::span<const uint8_t> bytes) {
                             std::to_string(header.payload_bytes) + " payload bytes, allowed " +
                             std::to_string(limit));
   }
-  if (header.fd_count != expected_fd_count(type) &&
-      !(type == MessageType::kHelloReply && header.fd_count <= 1)) {
+  auto [fewest, most] = fd_count_range(type);
+  if (header.fd_count < fewest || header.fd_count > most) {
     return invalid_argument("message type " + std::to_string(header.type) + " announces " +
                             std::to_string(header.fd_count) + " file descriptors");
   }
@@ -290,8 +308,8 @@ Result<std::string> read_text(const char* field, size_t field_bytes) {
   return std::string(field);
 }
 
-Result<HelloV1> decode_hello(std::span<const uint8_t> payload) {
-  MEMBAR_ASSIGN_OR_RETURN(HelloV1 hello, decode_fixed<HelloV1>(payload, "hello"));
+Result<HelloV2> decode_hello(std::span<const uint8_t> payload) {
+  MEMBAR_ASSIGN_OR_RETURN(HelloV2 hello, decode_fixed<HelloV2>(payload, "hello"));
   if (hello.role != static_cast<uint32_t>(Role::kClient) && hello.role != static_cast<uint32_t>(Role::kAdmin)) {
     return invalid_argument("hello names unknown role " + std::to_string(hello.role));
   }
@@ -305,13 +323,12 @@ Result<HelloV1> decode_hello(std::span<const uint8_t> payload) {
   return hello;
 }
 
-Result<HelloReplyV1> decode_hello_reply(std::span<const uint8_t> payload) {
-  MEMBAR_ASSIGN_OR_RETURN(HelloReplyV1 reply, decode_fixed<HelloReplyV1>(payload, "hello reply"));
+Result<HelloReplyV2> decode_hello_reply(std::span<const uint8_t> payload) {
+  MEMBAR_ASSIGN_OR_RETURN(HelloReplyV2 reply, decode_fixed<HelloReplyV2>(payload, "hello reply"));
   if (!status_code_is_known(reply.status)) {
     return invalid_argument("hello reply has unknown status " + std::to_string(reply.status));
   }
-  if (!text_has_nul(reply.segment_name, sizeof(reply.segment_name)) ||
-      !text_has_nul(reply.message, sizeof(reply.message))) {
+  if (!text_has_nul(reply.message, sizeof(reply.message))) {
     return invalid_argument("hello reply text is not NUL-terminated");
   }
   if (reply.status == static_cast<int32_t>(StatusCode::OK)) {
@@ -319,26 +336,76 @@ Result<HelloReplyV1> decode_hello_reply(std::span<const uint8_t> payload) {
         reply.backend != static_cast<uint8_t>(WireBackend::kCuda)) {
       return invalid_argument("hello reply names unknown backend " + std::to_string(reply.backend));
     }
-    if (reply.gpu_window_frames > (1u << 24) || reply.host_window_frames > (1u << 24)) {
-      return invalid_argument("hello reply window sizes exceed 2^24 frames");
+    if (reply.gpu_quota_frames > (1u << 26) || reply.host_quota_frames > (1u << 26)) {
+      return invalid_argument("hello reply quotas exceed 2^26 frames");
+    }
+    if (reply.host_slab_frames == 0 || reply.host_slab_frames > (1u << 16)) {
+      return invalid_argument("hello reply names host slabs of " + std::to_string(reply.host_slab_frames) + " frames");
     }
   }
   return reply;
 }
 
-Result<FrameNoticeV1> decode_frame_notice(std::span<const uint8_t> payload) {
-  MEMBAR_ASSIGN_OR_RETURN(FrameNoticeV1 notice, decode_fixed<FrameNoticeV1>(payload, "frame notice"));
-  if (notice.tier != static_cast<uint8_t>(Tier::kGpu) && notice.tier != static_cast<uint8_t>(Tier::kHost)) {
-    return invalid_argument("frame notice names unknown tier " + std::to_string(notice.tier));
+namespace {
+Status check_tier(uint8_t tier, const char* what) {
+  if (tier != static_cast<uint8_t>(Tier::kGpu) && tier != static_cast<uint8_t>(Tier::kHost)) {
+    return invalid_argument(std::string(what) + " names unknown tier " + std::to_string(tier));
   }
-  if (notice.window_frame == kNoFrame) return invalid_argument("frame notice names no frame");
-  return notice;
+  return Status::Ok();
+}
+Status check_sequence(uint64_t sequence, const char* what) {
+  if (sequence == 0) return invalid_argument(std::string(what) + " has event sequence number 0");
+  return Status::Ok();
+}
+}  // namespace
+
+Result<FrameGrantV2> decode_frame_grant(std::span<const uint8_t> payload) {
+  MEMBAR_ASSIGN_OR_RETURN(FrameGrantV2 grant, decode_fixed<FrameGrantV2>(payload, "frame grant"));
+  MEMBAR_RETURN_IF_ERROR(check_sequence(grant.sequence, "frame grant"));
+  if (grant.window_frame == kNoFrame || grant.reserved != 0) return invalid_argument("frame grant names no frame");
+  return grant;
 }
 
-Result<ChannelNoticeV1> decode_channel_notice(std::span<const uint8_t> payload) {
-  MEMBAR_ASSIGN_OR_RETURN(ChannelNoticeV1 notice, decode_fixed<ChannelNoticeV1>(payload, "channel notice"));
+Result<FrameEventV2> decode_frame_event(std::span<const uint8_t> payload) {
+  MEMBAR_ASSIGN_OR_RETURN(FrameEventV2 event, decode_fixed<FrameEventV2>(payload, "frame event"));
+  MEMBAR_RETURN_IF_ERROR(check_sequence(event.sequence, "frame event"));
+  MEMBAR_RETURN_IF_ERROR(check_tier(event.tier, "frame event"));
+  if (event.window_frame == kNoFrame) return invalid_argument("frame event names no frame");
+  return event;
+}
+
+Result<SlabGrantV2> decode_slab_grant(std::span<const uint8_t> payload) {
+  MEMBAR_ASSIGN_OR_RETURN(SlabGrantV2 grant, decode_fixed<SlabGrantV2>(payload, "slab grant"));
+  MEMBAR_RETURN_IF_ERROR(check_sequence(grant.sequence, "slab grant"));
+  if (grant.frames == 0 || grant.frames > (1u << 16) || grant.bytes != uint64_t{grant.frames} * kFrameBytes) {
+    return invalid_argument("slab grant of " + std::to_string(grant.frames) + " frames announces " +
+                            std::to_string(grant.bytes) + " bytes");
+  }
+  return grant;
+}
+
+Result<SlabEventV2> decode_slab_event(std::span<const uint8_t> payload) {
+  MEMBAR_ASSIGN_OR_RETURN(SlabEventV2 event, decode_fixed<SlabEventV2>(payload, "slab event"));
+  MEMBAR_RETURN_IF_ERROR(check_sequence(event.sequence, "slab event"));
+  return event;
+}
+
+Result<FrameMapV2> decode_frame_map(std::span<const uint8_t> payload) {
+  MEMBAR_ASSIGN_OR_RETURN(FrameMapV2 map, decode_fixed<FrameMapV2>(payload, "frame map"));
+  MEMBAR_RETURN_IF_ERROR(check_sequence(map.sequence, "frame map"));
+  MEMBAR_RETURN_IF_ERROR(check_tier(map.tier, "frame map"));
+  if (map.space == 0 || map.window_frame == kNoFrame) return invalid_argument("frame map names no space or frame");
+  if (uint64_t{map.space_frame} >= kMaxSpaceBytes / kFrameBytes) {
+    return invalid_argument("frame map names space frame " + std::to_string(map.space_frame) + ", past any space");
+  }
+  return map;
+}
+
+Result<ChannelNoticeV2> decode_channel_notice(std::span<const uint8_t> payload) {
+  MEMBAR_ASSIGN_OR_RETURN(ChannelNoticeV2 notice, decode_fixed<ChannelNoticeV2>(payload, "channel notice"));
+  MEMBAR_RETURN_IF_ERROR(check_sequence(notice.sequence, "channel notice"));
   if ((notice.flags & ~kChannelWritable) != 0) {
-    return invalid_argument("channel notice has unknown flags " + std::to_string(notice.flags));
+    return invalid_argument("channel notice has unknown flags " + hex(notice.flags & ~kChannelWritable));
   }
   if (notice.channel == 0 || notice.bytes == 0 || notice.bytes > (64ull << 30)) {
     return invalid_argument("channel notice names channel " + std::to_string(notice.channel) + " of " +
@@ -347,18 +414,27 @@ Result<ChannelNoticeV1> decode_channel_notice(std::span<const uint8_t> payload) 
   return notice;
 }
 
-Result<ShutdownV1> decode_shutdown(std::span<const uint8_t> payload) {
-  MEMBAR_ASSIGN_OR_RETURN(ShutdownV1 shutdown, decode_fixed<ShutdownV1>(payload, "shutdown"));
+Result<ShutdownV2> decode_shutdown(std::span<const uint8_t> payload) {
+  MEMBAR_ASSIGN_OR_RETURN(ShutdownV2 shutdown, decode_fixed<ShutdownV2>(payload, "shutdown"));
   if (!text_has_nul(shutdown.reason, sizeof(shutdown.reason))) {
     return invalid_argument("shutdown reason is not NUL-terminated");
   }
   return shutdown;
 }
 
-Result<PingV1> decode_ping(std::span<const uint8_t> payload) { return decode_fixed<PingV1>(payload, "ping"); }
+Result<StatsRequestV2> decode_stats_request(std::span<const uint8_t> payload) {
+  MEMBAR_ASSIGN_OR_RETURN(StatsRequestV2 request, decode_fixed<StatsRequestV2>(payload, "stats request"));
+  if (request.max_spaces == 0 || request.max_spaces > kMaxStatsSpaces) {
+    return invalid_argument("stats request asks for " + std::to_string(request.max_spaces) + " spaces (1.." +
+                            std::to_string(kMaxStatsSpaces) + ")");
+  }
+  return request;
+}
 
-Result<ErrorV1> decode_error(std::span<const uint8_t> payload) {
-  MEMBAR_ASSIGN_OR_RETURN(ErrorV1 error, decode_fixed<ErrorV1>(payload, "error"));
+Result<PingV2> decode_ping(std::span<const uint8_t> payload) { return decode_fixed<PingV2>(payload, "ping"); }
+
+Result<ErrorV2> decode_error(std::span<const uint8_t> payload) {
+  MEMBAR_ASSIGN_OR_RETURN(ErrorV2 error, decode_fixed<ErrorV2>(payload, "error"));
   if (!status_code_is_known(error.status) || error.status == 0) {
     return invalid_argument("error message has status " + std::to_string(error.status));
   }
@@ -366,103 +442,130 @@ Result<ErrorV1> decode_error(std::span<const uint8_t> payload) {
   return error;
 }
 
+uint64_t event_sequence(MessageType type, std::span<const uint8_t> payload) {
+  switch (type) {
+    case MessageType::kFrameGrant: case MessageType::kFrameRevoke: case MessageType::kSlabGrant:
+    case MessageType::kSlabRevoke: case MessageType::kFrameMap: case MessageType::kFrameUnmap:
+    case MessageType::kChannelGrant:
+      break;
+    default:
+      return 0;
+  }
+  uint64_t sequence = 0;
+  if (payload.size() >= sizeof(sequence)) std::memcpy(&sequence, payload.data(), sizeof(sequence));
+  return sequence;
+}
+
 // ---------------------------------------------------------------------------------------------
 // Ring entries.
 
-Status validate_space_name(std::string_view name) {
+Status validate_name(std::string_view name, std::string_view what) {
   if (name.empty() || name.size() > kMaxSpaceNameBytes) {
-    return invalid_argument("space name must be 1.." + std::to_string(kMaxSpaceNameBytes) + " bytes, got " +
-                            std::to_string(name.size()));
+    return invalid_argument(std::string(what) + " name must be 1.." + std::to_string(kMaxSpaceNameBytes) +
+                            " bytes, got " + std::to_string(name.size()));
   }
   for (char c : name) {
-    if (c < 0x21 || c > 0x7e) return invalid_argument("space name has a byte that is not printable ASCII");
+    if (c < 0x21 || c > 0x7e) {
+      return invalid_argument(std::string(what) + " name has a byte that is not printable ASCII (or is a space)");
+    }
   }
   return Status::Ok();
 }
 
-Status validate_request(const RequestV1& request, uint64_t request_payload_capacity) {
-  if (request.opcode < kFirstOpcode || request.opcode > kLastOpcode) {
-    return invalid_argument("unknown opcode " + std::to_string(request.opcode));
-  }
-  auto op = static_cast<Opcode>(request.opcode);
-  std::string name(opcode_name(request.opcode));
+Status validate_request(const RequestV2& request, uint64_t request_payload_capacity) {
+  const OpcodeRow* row = opcode_row(request.opcode);
+  if (row == nullptr) return invalid_argument("unknown opcode " + std::to_string(request.opcode));
+  std::string name(row->name);
   if (request.reserved0 != 0 || !all_zero(request.reserved1, sizeof(request.reserved1))) {
     return invalid_argument(name + ": reserved bytes are not zero");
   }
-  if ((request.flags & ~allowed_flags(op)) != 0) {
-    return invalid_argument(name + ": unknown flags 0x" + std::to_string(request.flags & ~allowed_flags(op)));
+  if ((request.flags & ~row->flags) != 0) {
+    return invalid_argument(name + ": unknown flags " + hex(request.flags & ~row->flags) + " (allowed: " +
+                            hex(row->flags) + ")");
   }
   if (request.payload_bytes > request_payload_capacity) {
     return invalid_argument(name + ": payload of " + std::to_string(request.payload_bytes) +
                             " bytes exceeds the payload area (" + std::to_string(request_payload_capacity) + ")");
   }
-  bool takes_payload = op == Opcode::kCreateSpace || op == Opcode::kSetSchedule ||
-                       op == Opcode::kCreateChannel || op == Opcode::kOpenChannel;
-  if (!takes_payload && request.payload_bytes != 0) {
-    return invalid_argument(name + ": takes no payload but announces " + std::to_string(request.payload_bytes) + " bytes");
-  }
-  if (opcode_takes_range(op)) {
-    if (request.page_count == 0) return invalid_argument(name + ": page range is empty");
-    if (uint64_t{request.first_page} + request.page_count > std::numeric_limits<uint32_t>::max()) {
-      return out_of_range(name + ": page range [" + std::to_string(request.first_page) + ", +" +
-                          std::to_string(request.page_count) + ") overflows 32-bit page indices");
-    }
-    bool after_marker = op == Opcode::kRelease && (request.flags & kReleaseAfterMarker) != 0;
-    if (after_marker && request.argument == 0) return invalid_argument(name + ": the release marker must be at least 1");
-    if (!after_marker && request.argument != 0) return invalid_argument(name + ": argument must be zero");
-  } else {
-    // Fields an opcode does not use must be zero, so that no request means two things.
-    if (request.first_page != 0 || (op != Opcode::kCreateSpace && request.page_count != 0)) {
-      return invalid_argument(name + ": takes no page range but names one");
-    }
-    if (request.space != 0 && op != Opcode::kDestroySpace) {
-      return invalid_argument(name + ": takes no space but names space " + std::to_string(request.space));
-    }
-  }
-  switch (op) {
-    case Opcode::kCreateSpace:
-      if (request.page_count == 0) return invalid_argument("create_space: page count must be at least 1");
-      if (request.argument < kMinPageBytes || request.argument > kMaxPageBytes || !is_power_of_two(request.argument)) {
-        return invalid_argument("create_space: page size " + std::to_string(request.argument) +
-                                " is not a power of two in [64 KiB, 2 MiB]");
+  switch (row->payload) {
+    case PayloadRule::kNone:
+      if (request.payload_bytes != 0) {
+        return invalid_argument(name + ": takes no payload but announces " + std::to_string(request.payload_bytes) +
+                                " bytes");
       }
+      break;
+    case PayloadRule::kName:
       if (request.payload_bytes == 0 || request.payload_bytes > kMaxSpaceNameBytes) {
-        return invalid_argument("create_space: name must be 1.." + std::to_string(kMaxSpaceNameBytes) + " bytes");
+        return invalid_argument(name + ": name must be 1.." + std::to_string(kMaxSpaceNameBytes) + " bytes, got " +
+                                std::to_string(request.payload_bytes));
       }
       break;
-    case Opcode::kAdvance:
-      if (request.argument > std::numeric_limits<uint32_t>::max()) {
-        return out_of_range("advance: step " + std::to_string(request.argument) + " exceeds 32 bits");
+    case PayloadRule::kSchedule:
+      if (request.payload_bytes < sizeof(uint32_t)) return invalid_argument(name + ": payload truncated");
+      break;
+  }
+  // Fields an opcode does not use must be zero, so that no request means two things.
+  switch (row->range) {
+    case RangeRule::kNone:
+      if (request.space != 0 || request.first_page != 0 || request.page_count != 0) {
+        return invalid_argument(name + ": takes no space or page range but names one");
       }
       break;
-    case Opcode::kSetSchedule:
-      if (request.payload_bytes < sizeof(uint32_t)) return invalid_argument("set_schedule: payload truncated");
+    case RangeRule::kSpace:
+      if (request.space == 0) return invalid_argument(name + ": names no space");
+      if (request.first_page != 0 || request.page_count != 0) {
+        return invalid_argument(name + ": takes no page range but names one");
+      }
       break;
-    case Opcode::kNop: case Opcode::kDestroySpace: case Opcode::kStats:
+    case RangeRule::kPages:
+      if (request.space == 0) return invalid_argument(name + ": names no space");
+      if (request.page_count == 0) return invalid_argument(name + ": page range is empty");
+      if (uint64_t{request.first_page} + request.page_count > std::numeric_limits<uint32_t>::max()) {
+        return out_of_range(name + ": page range [" + std::to_string(request.first_page) + ", +" +
+                            std::to_string(request.page_count) + ") overflows 32-bit page indices");
+      }
+      break;
+    case RangeRule::kCount:
+      if (request.space != 0 || request.first_page != 0) return invalid_argument(name + ": takes no space or first page");
+      if (request.page_count == 0) return invalid_argument(name + ": page count must be at least 1");
+      break;
+  }
+  switch (row->argument) {
+    case ArgumentRule::kZero:
       if (request.argument != 0) return invalid_argument(name + ": argument must be zero");
       break;
-    case Opcode::kCreateChannel:
-    case Opcode::kOpenChannel:
-      if (request.payload_bytes == 0 || request.payload_bytes > kMaxSpaceNameBytes) {
-        return invalid_argument(name + ": name must be 1.." + std::to_string(kMaxSpaceNameBytes) + " bytes");
+    case ArgumentRule::kPageBytes:
+      if (request.argument == 0 || request.argument > kMaxPageBytes) {
+        return invalid_argument(name + ": page size " + std::to_string(request.argument) + " bytes is not in [1, " +
+                                std::to_string(kMaxPageBytes) + "]");
       }
-      if (op == Opcode::kCreateChannel && (request.argument == 0 || request.argument > (64ull << 30))) {
-        return invalid_argument("create_channel: size " + std::to_string(request.argument) + " is not in [1, 64 GiB]");
-      }
-      if (op == Opcode::kOpenChannel && request.argument != 0) return invalid_argument(name + ": argument must be zero");
       break;
-    case Opcode::kCloseChannel:
+    case ArgumentRule::kMarker: {
+      bool after_marker = (request.flags & kReleaseAfterMarker) != 0;
+      if (after_marker && request.argument == 0) return invalid_argument(name + ": the release marker must be at least 1");
+      if (!after_marker && request.argument != 0) return invalid_argument(name + ": argument must be zero");
+      break;
+    }
+    case ArgumentRule::kStep:
+      if (request.argument > std::numeric_limits<uint32_t>::max()) {
+        return out_of_range(name + ": step " + std::to_string(request.argument) + " exceeds 32 bits");
+      }
+      break;
+    case ArgumentRule::kBytes:
+      if (request.argument == 0 || request.argument > (64ull << 30)) {
+        return invalid_argument(name + ": size " + std::to_string(request.argument) + " is not in [1, 64 GiB]");
+      }
+      break;
+    case ArgumentRule::kChannel:
       if (request.argument == 0 || request.argument > std::numeric_limits<uint32_t>::max()) {
-        return invalid_argument("close_channel: channel id " + std::to_string(request.argument) + " is not valid");
+        return invalid_argument(name + ": channel id " + std::to_string(request.argument) + " is not valid");
       }
-      break;
-    default:
       break;
   }
   return Status::Ok();
 }
 
-Status validate_completion(const CompletionV1& completion, uint64_t response_payload_capacity) {
+Status validate_completion(const CompletionV2& completion, uint64_t response_payload_capacity) {
   if (!status_code_is_known(completion.status)) {
     return invalid_argument("completion has unknown status " + std::to_string(completion.status));
   }
@@ -473,26 +576,8 @@ Status validate_completion(const CompletionV1& completion, uint64_t response_pay
 }
 
 std::string_view opcode_name(uint16_t opcode) {
-  switch (static_cast<Opcode>(opcode)) {
-    case Opcode::kNop: return "nop";
-    case Opcode::kCreateSpace: return "create_space";
-    case Opcode::kDestroySpace: return "destroy_space";
-    case Opcode::kAcquire: return "acquire";
-    case Opcode::kRelease: return "release";
-    case Opcode::kPrefetch: return "prefetch";
-    case Opcode::kOffload: return "offload";
-    case Opcode::kFreePages: return "free_pages";
-    case Opcode::kAcquireHost: return "acquire_host";
-    case Opcode::kReleaseHost: return "release_host";
-    case Opcode::kSetSchedule: return "set_schedule";
-    case Opcode::kAdvance: return "advance";
-    case Opcode::kLocations: return "locations";
-    case Opcode::kStats: return "stats";
-    case Opcode::kCreateChannel: return "create_channel";
-    case Opcode::kOpenChannel: return "open_channel";
-    case Opcode::kCloseChannel: return "close_channel";
-  }
-  return "unknown_opcode";
+  const OpcodeRow* row = opcode_row(opcode);
+  return row == nullptr ? std::string_view("unknown_opcode") : row->name;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -542,57 +627,33 @@ Result<std::vector<ScheduleStep>> decode_schedule(std::span<const uint8_t> paylo
   return steps;
 }
 
-std::vector<uint8_t> encode_locations(const std::vector<PageLocation>& locations) {
-  Writer w;
-  w.write<uint32_t>(static_cast<uint32_t>(locations.size()));
-  for (const PageLocation& location : locations) {
-    w.write<uint32_t>(location.window_frame);
-    w.write<uint32_t>(location.slot);
-  }
-  return w.take();
-}
-
-Result<std::vector<PageLocation>> decode_locations(std::span<const uint8_t> payload, uint32_t expected_count) {
-  Reader r(payload);
-  uint32_t count = r.read<uint32_t>();
-  if (!r.ok() || count != expected_count) {
-    return invalid_argument("locations payload holds " + std::to_string(count) + " entries, expected " +
-                            std::to_string(expected_count));
-  }
-  if (!r.can_hold(count, 2 * sizeof(uint32_t))) return invalid_argument("locations payload truncated");
-  std::vector<PageLocation> locations(count);
-  for (PageLocation& location : locations) {
-    location.window_frame = r.read<uint32_t>();
-    location.slot = r.read<uint32_t>();
-  }
-  if (!r.at_end()) return invalid_argument("locations payload has trailing bytes");
-  return locations;
-}
-
-// Stats: string backend; u32 tiers {u8 tier, u64 total, used, free};
-// u32 clients {u32 client, i32 pid, string name, u64 quotas x2, Stat x2, u64 x9};
-// u32 spaces {u32 id, string name, u64 page_bytes, u32 page_count}.
+// Stats: string backend; u32 first_space, u32 spaces_total;
+// u32 tiers {u8 tier, u64 total, used, free, preparing};
+// u32 clients {u32 client, i32 pid, u32 uid, string name, u64 quotas x2, Stat x2, u32 spaces, u64 x11};
+// u32 spaces {u32 id, string name, u64 page_bytes, u32 page_count, u32 client, u64 x8}.
 std::vector<uint8_t> encode_stats(const RuntimeStats& stats) {
   Writer w;
   w.write_string(stats.backend, kMaxStatsString);
+  w.write<uint32_t>(stats.first_space);
+  w.write<uint32_t>(stats.spaces_total);
   w.write<uint32_t>(static_cast<uint32_t>(stats.tiers.size()));
   for (const TierStats& tier : stats.tiers) {
     w.write<uint8_t>(static_cast<uint8_t>(tier.tier));
-    w.write<uint64_t>(tier.frames_total);
-    w.write<uint64_t>(tier.frames_used);
-    w.write<uint64_t>(tier.frames_free);
+    for (uint64_t v : {tier.frames_total, tier.frames_used, tier.frames_free, tier.frames_preparing}) w.write<uint64_t>(v);
   }
   w.write<uint32_t>(static_cast<uint32_t>(stats.clients.size()));
   for (const ClientStats& c : stats.clients) {
     w.write<uint32_t>(c.client);
     w.write<int32_t>(c.pid);
+    w.write<uint32_t>(c.uid);
     w.write_string(c.name, kMaxStatsString);
     w.write<uint64_t>(c.gpu_quota_bytes);
     w.write<uint64_t>(c.host_quota_bytes);
     write_stat(w, c.gpu_frames);
     write_stat(w, c.host_frames);
-    for (uint64_t v : {c.pages_gpu, c.pages_host, c.pages_both, c.pages_none, c.bytes_host_to_gpu,
-                       c.bytes_gpu_to_host, c.prefetch_hits, c.prefetch_misses, c.evictions, c.stall_ns}) {
+    w.write<uint32_t>(c.spaces);
+    for (uint64_t v : {c.bytes_gpu, c.bytes_host, c.bytes_both, c.bytes_none, c.bytes_host_to_gpu, c.bytes_gpu_to_host,
+                       c.prefetch_hits, c.prefetch_misses, c.evictions, c.stall_ns, c.channel_bytes}) {
       w.write<uint64_t>(v);
     }
   }
@@ -602,13 +663,9 @@ std::vector<uint8_t> encode_stats(const RuntimeStats& stats) {
     w.write_string(s.name, kMaxStatsString);
     w.write<uint64_t>(s.page_bytes);
     w.write<uint32_t>(s.page_count);
-  }
-  // Appended later (per-space residency): one record per space, in the same order. Decoders
-  // accept payloads without it (all zeros).
-  w.write<uint32_t>(static_cast<uint32_t>(stats.spaces.size()));
-  for (const SpaceInfo& s : stats.spaces) {
     w.write<uint32_t>(s.client);
-    for (uint64_t v : {s.pages_gpu, s.pages_host, s.pages_both, s.pages_none, s.pages_dirty, s.pages_pinned}) {
+    for (uint64_t v : {s.bytes_gpu, s.bytes_host, s.bytes_both, s.bytes_none, s.bytes_dirty, s.bytes_pinned,
+                       s.bytes_host_to_gpu, s.bytes_gpu_to_host}) {
       w.write<uint64_t>(v);
     }
   }
@@ -619,61 +676,61 @@ Result<RuntimeStats> decode_stats(std::span<const uint8_t> payload) {
   Reader r(payload);
   RuntimeStats stats;
   stats.backend = r.read_string(kMaxStatsString);
+  stats.first_space = r.read<uint32_t>();
+  stats.spaces_total = r.read<uint32_t>();
   uint32_t tier_count = r.read<uint32_t>();
-  if (!r.can_hold(tier_count, 25)) return invalid_argument("stats payload: tier count exceeds the payload");
+  if (!r.can_hold(tier_count, 33)) return invalid_argument("stats payload: tier count exceeds the payload");
   for (uint32_t i = 0; i < tier_count; ++i) {
     TierStats tier;
     uint8_t tier_number = r.read<uint8_t>();
     if (tier_number > static_cast<uint8_t>(Tier::kHost)) return invalid_argument("stats payload: unknown tier");
     tier.tier = static_cast<Tier>(tier_number);
-    tier.frames_total = r.read<uint64_t>();
-    tier.frames_used = r.read<uint64_t>();
-    tier.frames_free = r.read<uint64_t>();
+    for (uint64_t* v : {&tier.frames_total, &tier.frames_used, &tier.frames_free, &tier.frames_preparing}) {
+      *v = r.read<uint64_t>();
+    }
     stats.tiers.push_back(tier);
   }
   uint32_t client_count = r.read<uint32_t>();
-  constexpr uint64_t kMinClientBytes = 4 + 4 + 4 + 16 + 2 * kStatBytes + 10 * 8;
+  constexpr uint64_t kMinClientBytes = 4 + 4 + 4 + 4 + 16 + 2 * kStatBytes + 4 + 11 * 8;
   if (!r.can_hold(client_count, kMinClientBytes)) return invalid_argument("stats payload: client count exceeds the payload");
   for (uint32_t i = 0; i < client_count; ++i) {
     ClientStats c;
     c.client = r.read<uint32_t>();
     c.pid = r.read<int32_t>();
+    c.uid = r.read<uint32_t>();
     c.name = r.read_string(kMaxStatsString);
     c.gpu_quota_bytes = r.read<uint64_t>();
     c.host_quota_bytes = r.read<uint64_t>();
     c.gpu_frames = read_stat(r);
     c.host_frames = read_stat(r);
-    for (uint64_t* v : {&c.pages_gpu, &c.pages_host, &c.pages_both, &c.pages_none, &c.bytes_host_to_gpu,
-                        &c.bytes_gpu_to_host, &c.prefetch_hits, &c.prefetch_misses, &c.evictions, &c.stall_ns}) {
+    c.spaces = r.read<uint32_t>();
+    for (uint64_t* v : {&c.bytes_gpu, &c.bytes_host, &c.bytes_both, &c.bytes_none, &c.bytes_host_to_gpu,
+                        &c.bytes_gpu_to_host, &c.prefetch_hits, &c.prefetch_misses, &c.evictions, &c.stall_ns,
+                        &c.channel_bytes}) {
       *v = r.read<uint64_t>();
     }
     if (!r.ok()) return invalid_argument("stats payload: client entry truncated");
     stats.clients.push_back(std::move(c));
   }
   uint32_t space_count = r.read<uint32_t>();
-  if (!r.can_hold(space_count, 4 + 4 + 8 + 4)) return invalid_argument("stats payload: space count exceeds the payload");
+  if (!r.can_hold(space_count, 4 + 4 + 8 + 4 + 4 + 8 * 8)) {
+    return invalid_argument("stats payload: space count exceeds the payload");
+  }
   for (uint32_t i = 0; i < space_count; ++i) {
     SpaceInfo s;
     s.id = r.read<uint32_t>();
     s.name = r.read_string(kMaxStatsString);
     s.page_bytes = r.read<uint64_t>();
     s.page_count = r.read<uint32_t>();
+    s.client = r.read<uint32_t>();
+    for (uint64_t* v : {&s.bytes_gpu, &s.bytes_host, &s.bytes_both, &s.bytes_none, &s.bytes_dirty, &s.bytes_pinned,
+                        &s.bytes_host_to_gpu, &s.bytes_gpu_to_host}) {
+      *v = r.read<uint64_t>();
+    }
     stats.spaces.push_back(std::move(s));
-  }
-  if (r.ok() && !r.at_end()) {
-    uint32_t detail_count = r.read<uint32_t>();
-    if (!r.ok() || detail_count != space_count) {
-      return invalid_argument("stats payload: space residency records do not match the spaces");
-    }
-    for (SpaceInfo& s : stats.spaces) {
-      s.client = r.read<uint32_t>();
-      for (uint64_t* v : {&s.pages_gpu, &s.pages_host, &s.pages_both, &s.pages_none, &s.pages_dirty, &s.pages_pinned}) {
-        *v = r.read<uint64_t>();
-      }
-    }
   }
   if (!r.at_end()) return invalid_argument("stats payload is truncated or has trailing bytes");
   return stats;
 }
 
-}  // namespace membar::protocol::v1
+}  // namespace membar::protocol::v2
