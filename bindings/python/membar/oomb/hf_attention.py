@@ -498,10 +498,28 @@ def _outside_the_trainer(module, query, key, value, attention_mask, **kwargs):
         if eager is None:
             raise ValueError(f"{type(module).__name__} soft-caps its attention scores and its module has no "
                              f"eager_attention_forward to run outside the trainer.")
-        return eager(module, query, key, value, attention_mask, **kwargs)
+        mask = _additive_mask(query, key, attention_mask, kwargs.get("sliding_window"))
+        return eager(module, query, key, value, mask, **kwargs)
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+
+def _additive_mask(query, key, attention_mask, window: int | None) -> torch.Tensor:
+    """The float mask eager attention adds to its scores. The mask function registered with
+    "membar_paged" (SDPA's) returns None for a plain causal mask and a boolean one otherwise."""
+    if attention_mask is None:
+        queries, keys = query.shape[2], key.shape[2]
+        query_positions = torch.arange(keys - queries, keys, device=query.device).unsqueeze(1)
+        key_positions = torch.arange(keys, device=query.device).unsqueeze(0)
+        attention_mask = key_positions <= query_positions
+        if window is not None:
+            attention_mask &= key_positions > query_positions - window
+        attention_mask = attention_mask[None, None]    # [1, 1, queries, keys]
+    if attention_mask.dtype != torch.bool:
+        return attention_mask
+    blocked = torch.zeros(attention_mask.shape, dtype=query.dtype, device=query.device)
+    return blocked.masked_fill_(~attention_mask, torch.finfo(query.dtype).min)
 
 
 def register() -> None:
