@@ -21,8 +21,9 @@ Note [Attention in PyTorch]
   Limitations: the slower path: every key block is a dense matmul in float32 over the whole window
   or history (masked entries are computed, then dropped), about (window + chunk) / window more work
   than a banded kernel would do for a local layer, and float32 matmuls on a GPU run without tensor
-  cores. Score blocks are bounded to about 2^24 elements per temporary. Sparse selections are not
-  taken (check_layers refuses sparse mode with such layers).
+  cores (bf16 products with float32 output, torch.bmm(..., out_dtype=float32) on CUDA, would be the
+  next step). Score blocks are bounded (SCORE_ELEMENTS). Sparse selections are not taken
+  (check_layers refuses sparse mode with such layers).
 """
 from __future__ import annotations
 
@@ -32,7 +33,10 @@ import torch
 
 from .kernels import GradView, HistoryView
 
-SCORE_ELEMENTS = 1 << 24     # score entries per block (each float32 temporary is ~64 MiB)
+# Score entries per key block: each float32 temporary is ~64 MiB on the CPU, ~512 MiB on a GPU
+# (where fewer, larger blocks keep kernel launches from dominating: 2048 keys per block for a
+# 4096-token chunk of 16 query heads).
+SCORE_ELEMENTS = {"cpu": 1 << 24, "cuda": 1 << 27}
 
 
 @dataclass(frozen=True)
@@ -60,7 +64,8 @@ def _key_blocks(q, k, v, history: HistoryView, positions: Positions, attend_chun
     source is "history" or "chunk", offset the block's first row within its source."""
     if history.page_map is not None:
         raise ValueError("the PyTorch attention path takes whole pages, not a sparse selection.")
-    block = max(1, SCORE_ELEMENTS // max(1, q.shape[0] * q.shape[1]))
+    budget = SCORE_ELEMENTS.get(q.device.type, SCORE_ELEMENTS["cpu"])
+    block = max(1, budget // max(1, q.shape[0] * q.shape[1]))
     sources = []
     if history.history_tokens > 0:
         history_k = _history_rows(history.k_pool, history.page_index, history.history_tokens)
@@ -106,8 +111,8 @@ def _ungrouped(x, tokens: int) -> torch.Tensor:
 
 
 def forward(q, k, v, history: HistoryView, scale: float, positions: Positions, attend_chunk: bool = True):
-    """(out [Tc, Hq, D] in q's dtype, lse [Hq, Tc] float32) of the chunk's queries over the history
-    view's rows and, when attend_chunk, the chunk's own keys: Note [Attention in PyTorch]."""
+    """(out [Tc, Hq, D] in q's dtype, lse [Hq, Tc] float32, float64 for float64 q) of the chunk's
+    queries over the history view's rows and, when attend_chunk, the chunk's own keys."""
     dtype = _accumulate_dtype(q.dtype)
     tokens, kv_heads = q.shape[0], k.shape[1]
     q_groups = _grouped(q, kv_heads, dtype)
@@ -124,7 +129,7 @@ def forward(q, k, v, history: HistoryView, scale: float, positions: Positions, a
         out.mul_(torch.where(finite, torch.exp(lse - safe), torch.zeros_like(lse)).unsqueeze(-1))
         out.add_(torch.matmul(probabilities, values.to(dtype).transpose(0, 1)))
         lse = merged
-    return _ungrouped(out, tokens).to(q.dtype), _ungrouped(lse.unsqueeze(-1), tokens)[..., 0].t().float().contiguous()
+    return _ungrouped(out, tokens).to(q.dtype), _ungrouped(lse.unsqueeze(-1), tokens)[..., 0].t().contiguous()
 
 
 def backward(q, k, v, history: HistoryView, scale: float, out, dout, lse, grads: GradView | None,
