@@ -25,7 +25,8 @@ Full-sequence attention: SDPA; Gemma 2 soft-caps its scores, which transformers'
 so its full-sequence reference is eager attention (errors part) and --gemma-full (timing: flex
 attention by default, or "skip"). Gemma 2's chunk-recurrent attention runs the PyTorch path
 (Note [Attention in PyTorch] in membar/oomb/torch_attention.py): exact, and slower.
---quick: the four shapes with --timing-layers 4 at 32K only, errors with 2 layers at 4K tokens.
+--quick: the four shapes with --timing-layers 4 at 32K only, errors with 2 layers at 4K tokens, no
+Gemma 2 full-sequence timing (flex attention compiles for a minute or more).
 Rows are merged by (model, part, variant, tokens) into model_coverage.json, and the table
 model_coverage.md is rewritten after every configuration, in $MEMBAR_RESULTS_DIR (default
 bench/results/latest); run one model per call and the table fills up. --time-budget skips what
@@ -389,10 +390,13 @@ def main(argv=None) -> int:
     parser.add_argument("--gpu-reserve-gib", type=float, default=24.0)
     parser.add_argument("--partial-from", type=parse_tokens, default=128 * K)
     parser.add_argument("--stage2-chunks", type=int, default=4)
-    parser.add_argument("--gemma-full", choices=("flex", "eager", "skip"), default="flex")
+    parser.add_argument("--gemma-full", choices=("flex", "eager", "skip"), default=None,
+                        help="Gemma 2's full-sequence timing: flex attention (default; skip with --quick)")
     parser.add_argument("--time-budget", type=float, default=540.0, help="seconds; later configurations are skipped")
     parser.add_argument("--fresh", action="store_true", help="start a new results file instead of merging")
     args = parser.parse_args(argv)
+    if args.gemma_full is None:
+        args.gemma_full = "skip" if args.quick else "flex"
     if args.quick:
         args.contexts, args.timing_layers = "32K", args.timing_layers or 4
         args.error_layers, args.error_tokens, args.error_chunk = 2, 4 * K, K
