@@ -260,16 +260,18 @@ def test_models_that_cannot_train_exactly_get_a_sentence():
         OOMBTrainer(build(t.LlamaConfig(**_small(), attention_dropout=0.1)))
 
 
-def test_soft_capped_models_still_run_outside_the_trainer():
+def test_soft_capped_models_still_run_outside_the_trainer_and_predict_like_them():
     config, _ = family_config("gemma2")
     model = build(config)
     input_ids = torch.randint(0, VOCAB, (1, 300), generator=torch.Generator().manual_seed(4))
     model.set_attn_implementation("eager")
     with torch.no_grad():
         before = model(input_ids=input_ids).logits
-        OOMBTrainer(model, chunk_tokens=128, page_tokens=64)
+        trainer = OOMBTrainer(model, chunk_tokens=128, page_tokens=64)
         after = model(input_ids=input_ids).logits
     assert torch.allclose(before, after, atol=1e-5)
+    positions = [0, 127, 128, 299]
+    assert torch.allclose(trainer.predict(input_ids[0], positions), before[0, positions], atol=1e-5)
 
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

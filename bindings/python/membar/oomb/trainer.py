@@ -200,6 +200,8 @@ class OOMBTrainer:
                 for slot, position in enumerate(positions):
                     if first <= position < end:
                         logits[slot] = self.lm_head(hidden[position - first]).float()
+                        if self.logit_softcap is not None:
+                            logits[slot] = torch.tanh(logits[slot] / self.logit_softcap) * self.logit_softcap
                 if end > max(positions):
                     break
         finally:
