@@ -302,5 +302,6 @@ def test_gpu_bf16_error_at_most_twice_full_sequence_bf16(case):
     bf16.zero_grad(set_to_none=True)
     OOMBTrainer(bf16, OOMBConfig(chunk_tokens=1024, page_tokens=128)).step(input_ids)
     oomb_error = max_relative_error({n: g.float() for n, g in grads_of(bf16).items()}, reference)
-    print(f"\n{case} bf16 max relative gradient error: full sequence {full_error:.3g}, chunk-recurrent {oomb_error:.3g}")
+    print(f"\n{case} bf16 max relative gradient error: full sequence {full_error:.3g}, "
+          f"chunk-recurrent {oomb_error:.3g}")
     assert oomb_error <= 2 * full_error

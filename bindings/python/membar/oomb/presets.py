@@ -20,8 +20,8 @@ PRESETS = {
     # Qwen2.5 shapes (random init).
     "qwen2.5-0.5b": ("qwen2", dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
                                    intermediate_size=4864, vocab_size=151936, **_QWEN2)),
-    "qwen2.5-1.5b": ("qwen2", dict(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
-                                   intermediate_size=8960, vocab_size=151936, **_QWEN2)),
+    "qwen2.5-1.5b": ("qwen2", dict(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12,
+                                   num_key_value_heads=2, intermediate_size=8960, vocab_size=151936, **_QWEN2)),
     "qwen2.5-7b": ("qwen2", dict(hidden_size=3584, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
                                  intermediate_size=18944, vocab_size=152064, **_QWEN2)),
     # The shapes of the model-coverage table (bench/model_coverage_bench.py), from the published configs.

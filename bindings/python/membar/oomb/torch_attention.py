@@ -100,7 +100,8 @@ def _grouped(q, num_kv_heads: int, dtype) -> torch.Tensor:
     """q [Tc, Hq, D] -> [Hkv, G * Tc, D], query head h = kv * G + g (transformers' repeat_kv order)."""
     tokens, heads, dim = q.shape
     groups = heads // num_kv_heads
-    return q.to(dtype).view(tokens, num_kv_heads, groups, dim).permute(1, 2, 0, 3).reshape(num_kv_heads, groups * tokens, dim)
+    grouped = q.to(dtype).view(tokens, num_kv_heads, groups, dim).permute(1, 2, 0, 3)
+    return grouped.reshape(num_kv_heads, groups * tokens, dim)
 
 
 def _ungrouped(x, tokens: int) -> torch.Tensor:
