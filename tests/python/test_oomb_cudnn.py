@@ -27,6 +27,33 @@ def test_cpu_and_deterministic_calls_keep_membar_kernels():
         OOMBConfig(dense_kernel="flash")
 
 
+def test_cudnn_falls_back_per_shape_and_never_on_out_of_memory(caplog):
+    """Note [When cuDNN is not used]: a failing shape is logged once and left to membar's kernels;
+    other shapes keep cuDNN; an out-of-memory error reaches the caller and decides nothing."""
+    q, k = torch.randn(8, 4, 64), torch.randn(8, 2, 64)
+    wider = torch.randn(8, 4, 128)
+
+    def unsupported():
+        raise RuntimeError("cuDNN Frontend error: no valid execution plan")
+
+    def out_of_memory():
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    try:
+        with caplog.at_level("WARNING", logger="membar.oomb"):
+            assert cudnn_attention.attempt("forward", q, k, unsupported) is None
+            assert cudnn_attention.attempt("forward", q, k, unsupported) is None
+        assert len([record for record in caplog.records if "cuDNN attention forward fails" in record.message]) == 1
+        assert cudnn_attention.shape_key(q, k, "forward") in cudnn_attention._failed_shapes
+        assert "no valid execution plan" in cudnn_attention.disabled_reason()
+        assert cudnn_attention.attempt("forward", wider, k, lambda: "cudnn ran") == "cudnn ran"
+        with pytest.raises(torch.OutOfMemoryError):
+            cudnn_attention.attempt("backward", q, k, out_of_memory)
+        assert cudnn_attention.shape_key(q, k, "backward") not in cudnn_attention._failed_shapes
+    finally:
+        cudnn_attention._failed_shapes.clear()
+
+
 def _case(tokens, history_pages, page_tokens, q_heads, kv_heads, dim, first_row, grad_dtype, seed):
     generator = torch.Generator(device="cuda").manual_seed(seed)
 

@@ -32,8 +32,12 @@ import torch.nn.functional as F
 from membar.logra import ops
 from membar.logra.state import LoGRAStates, allocate_state
 
-# Projections of HF Qwen2 / Llama decoder layers (attention and MLP).
-DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# Attention and MLP projections of Hugging Face decoders: q/k/v/o_proj and gate/up/down_proj in
+# Llama, Qwen2/3, Mistral, Gemma 2/3 and the attention of Qwen3-MoE and Mixtral; Phi-3 fuses them
+# into qkv_proj and gate_up_proj. Fused MoE expert weights (3-D parameters named gate_up_proj or
+# down_proj) are not nn.Linear: apply_logra names them in its error (Note [LoGRA targets]).
+DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "qkv_proj", "o_proj", "gate_proj", "up_proj", "gate_up_proj",
+                   "down_proj")
 PROJECTIONS = ("forward", "backward")
 
 
@@ -215,6 +219,37 @@ def target_linears(model: nn.Module, targets: Iterable[str] = DEFAULT_TARGETS) -
     return found
 
 
+# Note [LoGRA targets]
+#   Rationale: LoGRA replaces the backward of a frozen y = x W^T + b; what it wraps must be exactly
+#   that. Decoder families name their projections differently (Phi-3's fused qkv_proj and
+#   gate_up_proj are plain nn.Linear and need nothing more), and some hold a targeted name in
+#   another layout: transformers' MoE experts (Qwen3-MoE, Mixtral) keep every expert's
+#   gate_up_proj / down_proj as one 3-D parameter applied per routed token, and other libraries
+#   put quantized or convolutional modules there. Freezing such a weight while wrapping the rest
+#   would silently leave it untrained.
+#   Approach: apply_logra looks for every module or parameter named in targets that is not an
+#   nn.Linear and refuses with one sentence naming each (path, type, shape), before changing
+#   anything; the caller narrows targets (e.g. the attention projections) to go on.
+#   Limitations: per-expert sketches of fused expert weights are not implemented.
+def unsupported_targets(model: nn.Module, targets: Iterable[str] = DEFAULT_TARGETS) -> list[str]:
+    """Descriptions of modules and parameters named in ``targets`` that are not nn.Linear
+    (Note [LoGRA targets]); empty when every target can be wrapped."""
+    targets = tuple(targets)
+    found = []
+    for parent_name, parent in model.named_modules():
+        if isinstance(parent, (nn.Linear, LoGRALinear)):
+            continue
+        prefix = f"{parent_name}." if parent_name else ""
+        for child_name, child in parent.named_children():
+            if child_name in targets and not isinstance(child, (nn.Linear, LoGRALinear)):
+                found.append(f"{prefix}{child_name} ({type(child).__name__})")
+        for parameter_name, parameter in parent.named_parameters(recurse=False):
+            if parameter_name in targets:
+                found.append(f"{prefix}{parameter_name} (a {tuple(parameter.shape)} parameter of "
+                             f"{type(parent).__name__})")
+    return found
+
+
 def target_weights(model: nn.Module, targets: Iterable[str] = DEFAULT_TARGETS) -> dict[int, torch.Tensor]:
     """matrix id -> weight [d, k] of the targeted projections (the subscriber's view)."""
     return {index: entry[3].weight for index, entry in enumerate(target_linears(model, targets))}
@@ -266,6 +301,12 @@ def apply_logra(
         projection = "backward" if getattr(model, "is_gradient_checkpointing", False) else "forward"
     if projection not in PROJECTIONS:
         raise ValueError(f"projection must be 'auto' or one of {PROJECTIONS}, got {projection!r}")
+    unsupported = unsupported_targets(model, targets)
+    if unsupported:
+        raise ValueError(f"apply_logra wraps nn.Linear projections only, and these targets are not: "
+                         f"{'; '.join(unsupported[:4])}{' ...' if len(unsupported) > 4 else ''} "
+                         f"({len(unsupported)} in all); leave their names out of targets (fused MoE expert "
+                         f"weights have no LoGRA layout).")
     for parameter in model.parameters():
         parameter.requires_grad_(False)
     key_state = KeyState(seed=int(seed))

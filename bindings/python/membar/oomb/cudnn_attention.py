@@ -19,6 +19,17 @@ Note [cuDNN for dense history]
   partial sums); its backward is not run-to-run deterministic, so deterministic mode, sparse
   selections, page tables that are not consecutive rows, float32/float64 inputs and the CPU keep
   membar's kernels. Used on sm90 or newer only (where it was measured faster).
+
+Note [When cuDNN is not used]
+  Rationale: a cuDNN call can fail for a shape its fused kernels do not take (a head size, a
+  layout); membar's kernels then run that call. Turning the fast path off for the whole process on
+  any RuntimeError, as a first version did, also turned it off on an out-of-memory error, which is
+  no property of the shape and must reach the caller.
+  Approach: the decision is per shape (device, dtype, query heads, key/value heads, head size,
+  forward or backward): the first failure of a shape is logged once, with the reason, and that
+  shape runs on membar's kernels from then on; other shapes keep cuDNN. An out-of-memory error
+  (torch.OutOfMemoryError, or cuDNN's allocation failure) is re-raised, never recorded. A failed
+  backward leaves the grad pages untouched, so the caller can redo it with membar's kernels.
 """
 from __future__ import annotations
 
@@ -28,15 +39,21 @@ import torch
 
 log = logging.getLogger("membar.oomb")
 
-_disabled: str | None = None     # why the fast path was turned off in this process, if it was
+_failed_shapes: dict = {}        # shape key -> why cuDNN failed there (Note [When cuDNN is not used])
 _philox: dict = {}                # device -> (seed, offset) placeholders (dropout is always 0)
 calls = {"forward": 0, "backward": 0}   # calls served here (tests and benchmarks read them)
 MIN_CHUNK_TOKENS = 64                    # shorter chunks run on membar's kernels
 
 
-def usable(q: torch.Tensor, history, selected, deterministic: bool, kernel: str) -> bool:
+def shape_key(q: torch.Tensor, k: torch.Tensor, kind: str) -> tuple:
+    """What decides whether cuDNN takes a call (Note [When cuDNN is not used])."""
+    return (str(q.device), q.dtype, q.shape[1], k.shape[1], q.shape[-1], kind)
+
+
+def usable(q: torch.Tensor, history, selected, deterministic: bool, kernel: str, k: torch.Tensor | None = None,
+           kind: str = "forward") -> bool:
     """Whether a dense attention call with these arguments can go through cuDNN."""
-    if kernel == "membar" or _disabled is not None:
+    if kernel == "membar":
         return False
     if not q.is_cuda or q.dtype not in (torch.bfloat16, torch.float16) or q.shape[-1] not in (64, 128):
         return False
@@ -46,21 +63,39 @@ def usable(q: torch.Tensor, history, selected, deterministic: bool, kernel: str)
         return False
     if history.history_tokens > 0 and history.first_row is None:
         return False
+    if k is not None and shape_key(q, k, kind) in _failed_shapes:
+        return False
     return (torch.cuda.get_device_capability(q.device) >= (9, 0) and torch.backends.cudnn.is_available()
             and torch.backends.cudnn.enabled)
 
 
-def disable(error: Exception) -> None:
-    """Turns the fast path off for this process (a cuDNN call failed); membar's kernels take over."""
-    global _disabled
-    reason = str(error).splitlines()[0] if str(error) else type(error).__name__
-    if _disabled is None:
-        log.warning("cuDNN attention disabled, using membar's kernels: %s", reason)
-    _disabled = reason
+def attempt(kind: str, q: torch.Tensor, k: torch.Tensor, call):
+    """call()'s result, or None when cuDNN failed for this shape (recorded and logged once: membar's
+    kernels take it from then on). Out-of-memory errors are raised (Note [When cuDNN is not used])."""
+    try:
+        return call()
+    except torch.OutOfMemoryError:
+        raise
+    except RuntimeError as error:
+        text = str(error)
+        if "out of memory" in text.lower() or "ALLOC_FAILED" in text:
+            raise
+        key = shape_key(q, k, kind)
+        reason = text.splitlines()[0] if text else type(error).__name__
+        if key not in _failed_shapes:
+            log.warning("cuDNN attention %s fails for %s, %d query heads, %d key/value heads, head size %d (%s): "
+                        "membar's kernels run this shape from now on.", kind, q.dtype, q.shape[1], k.shape[1],
+                        q.shape[-1], reason)
+        _failed_shapes[key] = reason
+        return None
 
 
 def disabled_reason() -> str | None:
-    return _disabled
+    """Why cuDNN failed for the shapes it failed for, or None when it never failed."""
+    if not _failed_shapes:
+        return None
+    return "; ".join(f"{key[5]} {key[1]} heads {key[2]}/{key[3]} head size {key[4]}: {reason}"
+                     for key, reason in _failed_shapes.items())
 
 
 def rows(pool: torch.Tensor, first_row: int, tokens: int) -> torch.Tensor:

@@ -4,17 +4,24 @@ transformers calls attention functions as fn(module, query, key, value, attentio
 dropout=..., **kwargs) with post-RoPE query [batch, Hq, tokens, D] and key/value [batch, Hkv, tokens,
 D], and expects (output [batch, tokens, Hq, D], weights or None). While an OOMB `ChunkContext` is
 active the function runs the chunk's attention over the paged history; outside one it falls back
-to SDPA, so a model converted for OOMB still evaluates and generates normally.
+to SDPA (the model's own eager attention for soft-capped layers), so a model converted for OOMB
+still evaluates and generates normally. While `models.probe_layers` runs, it records what each
+layer passes (Note [One integration point] in models.py).
 """
 from __future__ import annotations
 
 import contextlib
+import math
+import sys
 from dataclasses import dataclass, field
+from typing import Sequence
 
 import torch
 
-from . import kernels
+from . import kernels, torch_attention
+from .config import OOMBConfig
 from .kv_store import Access, KVStore
+from .models import AttentionProbe, LayerAttention
 
 ATTENTION_NAME = "membar_paged"
 
@@ -37,31 +44,21 @@ _state = _CurrentChunk()
 class ChunkContext:
     """What the attention function needs to know about the chunk being run.
 
-    stage: 1 (no-grad forward filling pages) or 2 (recompute with grad, then backward).
-    chunk: chunk number; first_token: its absolute position; first_page: its first page.
-    history_pages / history_tokens: pages and tokens of all earlier chunks.
-    later_chunks: whether any later chunk exists (then its dK/dV pages hold gradient to inject).
-    history_block_pages: offloaded layers stream their history in blocks of this many pages
-    (0: the whole history in one call). keep_attention_outputs: stage 2 keeps each layer's
-    attention output until its backward, for the layer recompute of checkpointing.
+    config: the trainer's OOMBConfig (page size, mode, kernels, streaming); layers: what each layer
+    hands the attention interface (models.probe_layers). stage: 1 (no-grad forward filling pages) or
+    2 (recompute with grad, then backward). chunk: chunk number; first_token: its absolute position;
+    sequence_tokens: the whole sequence's length (every chunk knows it: length-dependent RoPE reads
+    it, Note [RoPE that depends on the sequence length] in models.py).
     """
 
     store: KVStore
+    config: OOMBConfig
+    layers: Sequence[LayerAttention]
     stage: int
     chunk: int
     first_token: int
-    first_page: int
     chunk_tokens: int
-    history_pages: int
-    later_chunks: bool
-    page_tokens: int
-    mode: str
-    top_k: int
-    query_tile_tokens: int
-    deterministic: bool
-    history_block_pages: int = 0
-    keep_attention_outputs: bool = False
-    dense_kernel: str = "membar"      # OOMBConfig.dense_kernel: "auto" or "membar"
+    sequence_tokens: int
     # Sparse mode, shared across chunks of one sequence:
     summaries: dict = field(default_factory=dict)    # layer -> float32 [num_pages, Hkv, D]
     # (layer, chunk) -> int32 [tiles, top_k] or None. On the host for layers whose store reads
@@ -72,14 +69,82 @@ class ChunkContext:
     attention_outputs: dict = field(default_factory=dict)
     attended_layers: set = field(default_factory=set)
 
+    # -- the config, as the attention function reads it ------------------------------------------
+
     @property
-    def history_tokens(self) -> int:
+    def page_tokens(self) -> int:
+        return self.config.page_tokens
+
+    @property
+    def mode(self) -> str:
+        return self.config.mode
+
+    @property
+    def top_k(self) -> int:
+        return self.config.top_k
+
+    @property
+    def query_tile_tokens(self) -> int:
+        return self.config.query_tile_tokens
+
+    @property
+    def deterministic(self) -> bool:
+        return self.config.deterministic
+
+    @property
+    def dense_kernel(self) -> str:
+        return self.config.dense_kernel
+
+    @property
+    def history_block_pages(self) -> int:
+        """Offloaded layers stream their history in blocks of this many pages (0: one call)."""
+        return self.config.history_block_tokens // self.config.page_tokens
+
+    @property
+    def keep_attention_outputs(self) -> bool:
+        """Stage 2 keeps each layer's attention output until its backward, for the layer recompute
+        of checkpointing."""
+        return self.config.checkpoint_layers
+
+    # -- where the chunk sits ----------------------------------------------------------------------
+
+    @property
+    def first_page(self) -> int:
         # Every earlier chunk is whole and starts on a page boundary.
-        return self.first_token
+        return self.first_token // self.config.page_tokens
+
+    @property
+    def history_pages(self) -> int:
+        """Pages of all earlier chunks."""
+        return self.first_page
+
+    @property
+    def later_chunks(self) -> bool:
+        """Whether a later chunk exists (then its dK/dV pages hold gradient to inject)."""
+        return self.first_token + self.chunk_tokens < self.sequence_tokens
+
+    def history_first_page(self, layer: int) -> int:
+        """The first history page the layer's queries can see: 0, or for a sliding-window layer the
+        page holding the oldest key of the chunk's first query's window (pages before it are not
+        read; Note [Attention in PyTorch] in torch_attention.py)."""
+        window = self.layers[layer].sliding_window
+        if window is None:
+            return 0
+        return min(max(0, self.first_token - window + 1) // self.page_tokens, self.history_pages)
+
+    def torch_path(self, layer: int) -> bool:
+        """Whether this layer's attention in this chunk runs in PyTorch: it soft-caps its scores, or
+        its window hides keys from some query of the chunk (the last one sees keys from
+        first_token + chunk_tokens - window on)."""
+        record = self.layers[layer]
+        if record.softcap is not None:
+            return True
+        return record.sliding_window is not None and self.first_token + self.chunk_tokens > record.sliding_window
 
     def streams(self, layer: int) -> bool:
         """Whether this layer's history goes through the GPU in several blocks."""
-        return (self.store.offloaded(layer) and 0 < self.history_block_pages < self.history_pages)
+        pages = self.history_pages - self.history_first_page(layer)
+        return self.store.offloaded(layer) and 0 < self.history_block_pages < pages
 
     def _union(self, layer: int) -> tuple[int, ...] | None:
         selection = self.selections.get((layer, self.chunk))
@@ -93,20 +158,22 @@ class ChunkContext:
         return union
 
     def history_access(self, layer: int, phase: str, kind: str = "kv") -> Access:
-        """The one access covering the whole history (the unstreamed path)."""
-        return Access(kind, layer, self.chunk, phase, 0, self.history_pages, self._union(layer))
+        """The one access covering the layer's whole visible history (the unstreamed path)."""
+        first = self.history_first_page(layer)
+        return Access(kind, layer, self.chunk, phase, first, self.history_pages - first, self._union(layer))
 
     def history_accesses(self, layer: int, phase: str, kind: str = "kv") -> list[Access]:
         """The accesses one attention call (forward or backward) of this layer makes, in order:
-        none without history, one over the whole history, or one per block of a streamed history
-        (in sparse mode, blocks holding no selected page are left out)."""
-        if self.history_pages == 0:
+        none without visible history, one over it, or one per block of a streamed history (in
+        sparse mode, blocks holding no selected page are left out)."""
+        start = self.history_first_page(layer)
+        if start >= self.history_pages:
             return []
         if not self.streams(layer):
             return [self.history_access(layer, phase, kind)]
         union = self._union(layer)
         accesses = []
-        for block, first in enumerate(range(0, self.history_pages, self.history_block_pages)):
+        for block, first in enumerate(range(start, self.history_pages, self.history_block_pages)):
             count = min(self.history_block_pages, self.history_pages - first)
             selected = None
             if union is not None:
@@ -168,26 +235,51 @@ def _merge_into(total: torch.Tensor, total_lse: torch.Tensor, out: torch.Tensor,
     return merged
 
 
+def _attention_forward(context: ChunkContext, layer: int, q, k, v, history: kernels.HistoryView, scale: float,
+                       selection, attend_chunk: bool = True):
+    """One attention call of the layer: the paged kernels, or PyTorch for a layer whose window or
+    soft-cap they do not express (Note [Attention in PyTorch] in torch_attention.py)."""
+    if context.torch_path(layer):
+        return torch_attention.forward(q, k, v, history, scale, _positions(context, layer, history), attend_chunk)
+    return kernels.attention_forward(q, k, v, history, scale, selection, context.query_tile_tokens,
+                                     attend_chunk=attend_chunk, kernel=context.dense_kernel,
+                                     deterministic=context.deterministic)
+
+
+def _attention_backward(context: ChunkContext, layer: int, q, k, v, history: kernels.HistoryView, scale: float,
+                        out, dout, lse, grads: kernels.GradView, selection, attend_chunk: bool = True):
+    """The backward of one attention call (see _attention_forward); ADDS the history's dK/dV into grads."""
+    if context.torch_path(layer):
+        return torch_attention.backward(q, k, v, history, scale, out, dout, lse, grads,
+                                        _positions(context, layer, history), attend_chunk)
+    return kernels.attention_backward(q, k, v, history, scale, out, dout, lse, grads, selection,
+                                      context.query_tile_tokens, context.deterministic, attend_chunk=attend_chunk,
+                                      kernel=context.dense_kernel)
+
+
+def _positions(context: ChunkContext, layer: int, history: kernels.HistoryView) -> torch_attention.Positions:
+    record = context.layers[layer]
+    return torch_attention.Positions(chunk_first=context.first_token,
+                                     history_first=history.block_first_page * context.page_tokens,
+                                     sliding_window=record.sliding_window, softcap=record.softcap)
+
+
 def _forward(context: ChunkContext, layer: int, phase: str, q, k, v, scale: float, selection):
     """Attention of the chunk over its history and itself: (out [Tc, Hq, D], lse [Hq, Tc])."""
     store = context.store
     accesses = context.history_accesses(layer, phase)
     if not context.streams(layer):
         history = _history(context, accesses[0] if accesses else None)
-        out, lse = kernels.attention_forward(q, k, v, history, scale, selection, context.query_tile_tokens,
-                                             kernel=context.dense_kernel, deterministic=context.deterministic)
+        out, lse = _attention_forward(context, layer, q, k, v, history, scale, selection)
         if accesses:
             store.release(accesses[0], history)
         return out, lse
     # Note [Streaming a layer's history].
-    out, lse = kernels.attention_forward(q, k, v, _history(context, None), scale, None, context.query_tile_tokens,
-                                         kernel=context.dense_kernel, deterministic=context.deterministic)
+    out, lse = _attention_forward(context, layer, q, k, v, _history(context, None), scale, None)
     total = out.float()
     for access in accesses:
         history = _history(context, access)
-        part, part_lse = kernels.attention_forward(q, k, v, history, scale, selection, context.query_tile_tokens,
-                                                   attend_chunk=False, kernel=context.dense_kernel,
-                                                   deterministic=context.deterministic)
+        part, part_lse = _attention_forward(context, layer, q, k, v, history, scale, selection, attend_chunk=False)
         store.release(access, history)
         lse = _merge_into(total, lse, part, part_lse)
     return total.to(q.dtype), lse
@@ -202,25 +294,21 @@ def _backward(context: ChunkContext, layer: int, q, k, v, out, dout, lse, scale:
         history = _history(context, access)
         grad_access = context.history_access(layer, "backward", kind="dkv") if access is not None else None
         grads = store.grad_history(grad_access) if access is not None else _empty_grads(store, k)
-        dq, dk, dv = kernels.attention_backward(q, k, v, history, scale, out, dout, lse, grads, selection,
-                                                context.query_tile_tokens, context.deterministic,
-                                                kernel=context.dense_kernel)
+        dq, dk, dv = _attention_backward(context, layer, q, k, v, history, scale, out, dout, lse, grads, selection)
         if access is not None:
             store.release(access, history)
             store.release(grad_access, grads)
         return dq, dk, dv
     # Note [Streaming a layer's history]: the chunk alone, then each block, all given the final out/lse.
-    dq, dk, dv = kernels.attention_backward(q, k, v, _history(context, None), scale, out, dout, lse,
-                                            _empty_grads(store, k), None, context.query_tile_tokens,
-                                            context.deterministic, kernel=context.dense_kernel)
+    dq, dk, dv = _attention_backward(context, layer, q, k, v, _history(context, None), scale, out, dout, lse,
+                                     _empty_grads(store, k), None)
     dq_total = dq.float()
     grad_accesses = context.history_accesses(layer, "backward", kind="dkv")
     for access, grad_access in zip(accesses, grad_accesses):
         history = _history(context, access)
         grads = store.grad_history(grad_access)
-        part, _, _ = kernels.attention_backward(q, k, v, history, scale, out, dout, lse, grads, selection,
-                                                context.query_tile_tokens, context.deterministic,
-                                                attend_chunk=False, kernel=context.dense_kernel)
+        part, _, _ = _attention_backward(context, layer, q, k, v, history, scale, out, dout, lse, grads, selection,
+                                         attend_chunk=False)
         store.release(access, history)
         store.release(grad_access, grads)
         dq_total.add_(part)   # float32 += model dtype, without a float32 copy of part
@@ -360,14 +448,13 @@ def membar_paged_attention(module, query, key, value, attention_mask, scaling=No
         if attention_mask is NO_MASK:
             raise RuntimeError("membar_paged attention ran a trainer chunk outside its chunk context (a layer "
                                "recompute after the step?): the chunk's history is unknown here.")
-        from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-        return sdpa_attention_forward(module, query, key, value, attention_mask,
-                                      scaling=scaling, dropout=dropout, **kwargs)
+        return _outside_the_trainer(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
+                                    **kwargs)
+    if isinstance(context, AttentionProbe):
+        context.record(module, query, key, value, dict(kwargs, scaling=scaling, dropout=dropout))
+        return query.new_zeros(query.shape[0], query.shape[2], query.shape[1], value.shape[-1]), None
     if attention_mask is not None and attention_mask is not NO_MASK:
         raise ValueError("chunk-recurrent training takes one unpadded sequence: pass no attention_mask.")
-    if kwargs.get("sliding_window"):
-        raise ValueError("sliding-window attention layers are not supported by chunk-recurrent training.")
     if query.shape[0] != 1:
         raise ValueError(f"chunk-recurrent attention runs one sequence at a time, got batch {query.shape[0]}.")
     if dropout:
@@ -375,6 +462,7 @@ def membar_paged_attention(module, query, key, value, attention_mask, scaling=No
                          "recompute stage 1 exactly).")
     layer = module.layer_idx
     scale = float(scaling if scaling is not None else query.shape[-1] ** -0.5)
+    _check_call(context.layers[layer], scale, kwargs)
     # [1, H, Tc, D] -> [Tc, H, D]
     q = query[0].transpose(0, 1).contiguous()
     k = key[0].transpose(0, 1).contiguous()
@@ -388,6 +476,50 @@ def membar_paged_attention(module, query, key, value, attention_mask, scaling=No
             k, v = _InjectPageGrads.apply(k, v, context, layer)
         out = _ChunkPagedAttention.apply(q, k, v, context, layer, scale)
     return out.unsqueeze(0), None   # [1, Tc, Hq, D]
+
+
+def _check_call(record: LayerAttention, scale: float, kwargs: dict) -> None:
+    """A call must bring the options the probe recorded for its layer: the page accesses were
+    planned from them (Note [One integration point] in models.py)."""
+    window = kwargs.get("sliding_window")
+    softcap = kwargs.get("softcap") or None
+    if (window != record.sliding_window or softcap != record.softcap
+            or not math.isclose(scale, record.scaling, rel_tol=1e-6)):
+        raise ValueError(f"layer {record.layer} called attention with sliding_window={window}, softcap={softcap}, "
+                         f"scaling={scale:g}, but its first call had {record.sliding_window}, {record.softcap}, "
+                         f"{record.scaling:g}: chunk-recurrent training plans each layer's pages from the first.")
+
+
+def _outside_the_trainer(module, query, key, value, attention_mask, **kwargs):
+    """Attention outside a trainer step (evaluation, generation): SDPA, or the model's own eager
+    attention when the layer soft-caps its scores (transformers' SDPA path ignores softcap)."""
+    if kwargs.get("softcap"):
+        eager = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
+        if eager is None:
+            raise ValueError(f"{type(module).__name__} soft-caps its attention scores and its module has no "
+                             f"eager_attention_forward to run outside the trainer.")
+        mask = _additive_mask(query, key, attention_mask, kwargs.get("sliding_window"))
+        return eager(module, query, key, value, mask, **kwargs)
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+
+def _additive_mask(query, key, attention_mask, window: int | None) -> torch.Tensor:
+    """The float mask eager attention adds to its scores. The mask function registered with
+    "membar_paged" (SDPA's) returns None for a plain causal mask and a boolean one otherwise."""
+    if attention_mask is None:
+        queries, keys = query.shape[2], key.shape[2]
+        query_positions = torch.arange(keys - queries, keys, device=query.device).unsqueeze(1)
+        key_positions = torch.arange(keys, device=query.device).unsqueeze(0)
+        attention_mask = key_positions <= query_positions
+        if window is not None:
+            attention_mask &= key_positions > query_positions - window
+        attention_mask = attention_mask[None, None]    # [1, 1, queries, keys]
+    if attention_mask.dtype != torch.bool:
+        return attention_mask
+    blocked = torch.zeros(attention_mask.shape, dtype=query.dtype, device=query.device)
+    return blocked.masked_fill_(~attention_mask, torch.finfo(query.dtype).min)
 
 
 def register() -> None:

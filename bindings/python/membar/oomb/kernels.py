@@ -102,12 +102,13 @@ def attention_forward(q, k, v, history: HistoryView, softmax_scale: float,
     that see no key get out 0, lse -inf); merge blocks with membar.attention.merge_attention.
     kernel="auto": dense calls on consecutive pages go through cuDNN where it applies
     (Note [cuDNN for dense history]); "membar": membar's paged kernels always."""
-    if (attend_chunk or history.history_tokens > 0) and cudnn_attention.usable(q, history, selected, deterministic, kernel):
-        try:
-            history_k, history_v = _history_rows(history)
-            return cudnn_attention.forward(q, k, v, history_k, history_v, softmax_scale, attend_chunk)
-        except RuntimeError as error:
-            cudnn_attention.disable(error)
+    if ((attend_chunk or history.history_tokens > 0)
+            and cudnn_attention.usable(q, history, selected, deterministic, kernel, k, "forward")):
+        history_k, history_v = _history_rows(history)
+        result = cudnn_attention.attempt("forward", q, k, lambda: cudnn_attention.forward(
+            q, k, v, history_k, history_v, softmax_scale, attend_chunk))
+        if result is not None:
+            return result
     return _ops().paged_attention_forward(
         q, k, v, history.k_pool, history.page_index, history.v_pool, history.v_index,
         history.history_tokens, softmax_scale, history.remap_selection(selected), query_tile_tokens,
@@ -122,18 +123,18 @@ def attention_backward(q, k, v, history: HistoryView, softmax_scale: float, out,
     attend_chunk=False: out/lse must be the rows' FINAL merged ones; dq is this block's part and
     dk/dv are zeros. kernel: as in attention_forward."""
     if ((attend_chunk or history.history_tokens > 0)
-            and cudnn_attention.usable(q, history, selected, deterministic, kernel)
+            and cudnn_attention.usable(q, history, selected, deterministic, kernel, k, "backward")
             and (history.history_tokens == 0 or (grads.first_row is not None and grads.dv_page_index is None))):
-        try:
-            history_k, history_v = _history_rows(history)
-            dk_rows = dv_rows = None
-            if history.history_tokens > 0:
-                dk_rows = cudnn_attention.rows(grads.dk_pool, grads.first_row, history.history_tokens)
-                dv_rows = cudnn_attention.rows(grads.dv_pool, grads.first_row, history.history_tokens)
-            return cudnn_attention.backward(q, k, v, history_k, history_v, out, dout, lse, softmax_scale,
-                                            dk_rows, dv_rows, attend_chunk)
-        except RuntimeError as error:
-            cudnn_attention.disable(error)
+        history_k, history_v = _history_rows(history)
+        dk_rows = dv_rows = None
+        if history.history_tokens > 0:
+            dk_rows = cudnn_attention.rows(grads.dk_pool, grads.first_row, history.history_tokens)
+            dv_rows = cudnn_attention.rows(grads.dv_pool, grads.first_row, history.history_tokens)
+        # A failed backward leaves the grad pages untouched (cudnn_attention.backward adds last).
+        result = cudnn_attention.attempt("backward", q, k, lambda: cudnn_attention.backward(
+            q, k, v, history_k, history_v, out, dout, lse, softmax_scale, dk_rows, dv_rows, attend_chunk))
+        if result is not None:
+            return result
     return _ops().paged_attention_backward(
         q, k, v, history.k_pool, history.page_index, history.v_pool, history.v_index,
         out, dout, lse, grads.dk_pool, grads.page_index, grads.dv_pool, grads.dv_index,

@@ -13,8 +13,9 @@ Note [Two stages]
   pages; when chunk c runs, every later chunk has run, so its own grad pages are complete and are
   added to the autograd gradient of its K/V (hf_attention._InjectPageGrads). Parameters end with
   the .grad that full-sequence training would give, up to floating-point summation order.
-  Limitations: one sequence at a time (a batch is a loop over its rows); no padding masks; no
-  sliding-window layers; attention dropout must be 0 (stage 2 must recompute stage 1 exactly).
+  Limitations: one sequence at a time (a batch is a loop over its rows); no padding masks;
+  attention dropout must be 0 (stage 2 must recompute stage 1 exactly). Which models train is
+  models.py's Note [One integration point].
 """
 from __future__ import annotations
 
@@ -27,27 +28,11 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from .config import OOMBConfig
-from .hf_attention import ATTENTION_NAME, NO_MASK, ChunkContext, chunk_context, register
-from . import cudnn_attention, kernels
+from .hf_attention import ATTENTION_NAME, NO_MASK, ChunkContext, chunk_context, current_context, register
+from . import cudnn_attention, kernels, models
 from .kv_store import Access, KVStore, PageLayout, TensorKVStore
 
-SUPPORTED_MODEL_TYPES = ("qwen2", "llama")
 IGNORE_INDEX = -100
-
-
-def _check_model(model) -> None:
-    config = getattr(model, "config", None)
-    model_type = getattr(config, "model_type", None)
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(f"OOMB training supports {', '.join(SUPPORTED_MODEL_TYPES)} causal LMs, "
-                         f"got model_type {model_type!r}.")
-    if getattr(config, "use_sliding_window", False):
-        raise ValueError("this model uses sliding-window attention, which chunk-recurrent training does "
-                         "not support (set use_sliding_window=False).")
-    if getattr(config, "attention_dropout", 0.0):
-        raise ValueError("attention_dropout must be 0 for chunk-recurrent training.")
-    if model.get_output_embeddings() is None:
-        raise ValueError("the model has no output embeddings (lm_head): pass a *ForCausalLM model.")
 
 
 def host_memory() -> dict:
@@ -64,9 +49,12 @@ def host_memory() -> dict:
     return {"rss_bytes": values.get("VmRSS", 0), "peak_rss_bytes": values.get("VmHWM", 0)}
 
 
-def _piece_loss(lm_head, hidden, targets):
-    # hidden [tokens, hidden_size], targets [tokens]: summed cross-entropy in float32.
+def _piece_loss(lm_head, hidden, targets, logit_softcap: float | None = None):
+    # hidden [tokens, hidden_size], targets [tokens]: summed cross-entropy in float32. Gemma's
+    # final_logit_softcapping (models.final_logit_softcap) maps logits to cap * tanh(logits / cap).
     logits = lm_head(hidden).float()
+    if logit_softcap is not None:
+        logits = torch.tanh(logits / logit_softcap) * logit_softcap
     return F.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX, reduction="sum")
 
 
@@ -87,7 +75,7 @@ class OOMBTrainer:
             config = OOMBConfig(**options)
         elif options:
             config = replace(config, **options)
-        _check_model(model)
+        models.check_model(model)
         register()
         try:
             model.set_attn_implementation(ATTENTION_NAME)
@@ -103,12 +91,17 @@ class OOMBTrainer:
         self.lm_head = model.get_output_embeddings()
         parameter = next(model.parameters())
         self.device, self.dtype = parameter.device, parameter.dtype
-        text_config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        text_config = models.text_config(model.config)
         self.num_layers = text_config.num_hidden_layers
-        self.num_q_heads = text_config.num_attention_heads
-        self.num_kv_heads = getattr(text_config, "num_key_value_heads", None) or self.num_q_heads
-        self.head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // self.num_q_heads
         self.vocab_size = text_config.vocab_size
+        # What each layer hands the attention interface (Note [One integration point] in models.py).
+        self.layers = models.probe_layers(self.decoder, self.num_layers, self.device)
+        models.check_layers(self.layers, config.mode)
+        self.num_q_heads = self.layers[0].num_q_heads
+        self.num_kv_heads, self.head_dim = self.layers[0].num_kv_heads, self.layers[0].head_dim
+        self.logit_softcap = models.final_logit_softcap(model)
+        self.rotary = models.SequenceLengthRotary(
+            model, lambda: getattr(current_context(), "sequence_tokens", None))
         self.store = store if store is not None else TensorKVStore(
             self.device, offload=config.offload, prefetch_depth=config.prefetch_depth,
             gpu_resident_layers=config.gpu_resident_layers)
@@ -197,15 +190,18 @@ class OOMBTrainer:
         chunks = self._chunks(tokens)
         shared = {"summaries": {}, "selections": {}}
         logits = [None] * len(positions)
+        self.rotary.reset(self.device)
         self.store.open_sequence(self._layout(tokens))
         try:
             self.store.plan(self._stage1_plan(chunks, shared))
             for chunk, (first, end) in enumerate(chunks):
-                with chunk_context(self._context(1, chunk, (first, end), len(chunks), shared)):
+                with chunk_context(self._context(1, chunk, chunks, shared)):
                     hidden = self._run_decoder(input_ids[first:end], first)
                 for slot, position in enumerate(positions):
                     if first <= position < end:
                         logits[slot] = self.lm_head(hidden[position - first]).float()
+                        if self.logit_softcap is not None:
+                            logits[slot] = torch.tanh(logits[slot] / self.logit_softcap) * self.logit_softcap
                 if end > max(positions):
                     break
         finally:
@@ -271,25 +267,18 @@ class OOMBTrainer:
         size = self.config.chunk_tokens
         return [(first, min(first + size, tokens)) for first in range(0, tokens, size)]
 
-    def _context(self, stage: int, chunk: int, bounds, count: int, shared: dict) -> ChunkContext:
-        config = self.config
-        first, end = bounds
+    def _context(self, stage: int, chunk: int, chunks: list[tuple[int, int]], shared: dict) -> ChunkContext:
+        first, end = chunks[chunk]
         return ChunkContext(
-            store=self.store, stage=stage, chunk=chunk, first_token=first,
-            first_page=first // config.page_tokens, chunk_tokens=end - first,
-            history_pages=first // config.page_tokens, later_chunks=chunk < count - 1,
-            page_tokens=config.page_tokens, mode=config.mode, top_k=config.top_k,
-            query_tile_tokens=config.query_tile_tokens, deterministic=config.deterministic,
-            history_block_pages=config.history_block_tokens // config.page_tokens,
-            keep_attention_outputs=config.checkpoint_layers,
-            dense_kernel=config.dense_kernel,
+            store=self.store, config=self.config, layers=self.layers, stage=stage, chunk=chunk, first_token=first,
+            chunk_tokens=end - first, sequence_tokens=chunks[-1][1],
             summaries=shared["summaries"], selections=shared["selections"],
             selection_unions=shared.setdefault("unions", {}))
 
     def _stage1_plan(self, chunks, shared) -> list[Access]:
         plan = []
-        for chunk, bounds in enumerate(chunks):
-            context = self._context(1, chunk, bounds, len(chunks), shared)
+        for chunk in range(len(chunks)):
+            context = self._context(1, chunk, chunks, shared)
             if self.config.mode == "sparse" and context.history_pages > self.config.top_k:
                 continue   # the pages are chosen only when the chunk's queries exist
             for layer in range(self.num_layers):
@@ -303,7 +292,7 @@ class OOMBTrainer:
         reuse the forward's attention output and access nothing."""
         plan = []
         for chunk in reversed(range(len(chunks))):
-            context = self._context(2, chunk, chunks[chunk], len(chunks), shared)
+            context = self._context(2, chunk, chunks, shared)
             for layer in range(self.num_layers):
                 plan += context.history_accesses(layer, "forward")
             for layer in reversed(range(self.num_layers)):
@@ -331,7 +320,7 @@ class OOMBTrainer:
             if not bool((piece_targets != IGNORE_INDEX).any()):
                 continue
             part = checkpoint(_piece_loss, self.lm_head, hidden[start: start + piece],
-                              self._on_device(piece_targets), use_reentrant=False)
+                              self._on_device(piece_targets), self.logit_softcap, use_reentrant=False)
             total = part if total is None else total + part
         return total
 
@@ -343,6 +332,7 @@ class OOMBTrainer:
         # Position t predicts labels[t + 1]; the last position predicts nothing.
         targets = torch.cat([labels[1:], labels.new_full((1,), IGNORE_INDEX)])
         shared = {"summaries": {}, "selections": {}}
+        self.rotary.reset(self.device)
         self.store.open_sequence(self._layout(tokens))
         try:
             started = time.perf_counter()
@@ -351,7 +341,7 @@ class OOMBTrainer:
             self.store.plan(self._stage1_plan(chunks, shared))
             with torch.no_grad():
                 for chunk, bounds in enumerate(chunks):
-                    with chunk_context(self._context(1, chunk, bounds, count, shared)):
+                    with chunk_context(self._context(1, chunk, chunks, shared)):
                         self._run_decoder(input_ids[bounds[0]: bounds[1]], bounds[0])
                     if per_chunk is not None:
                         per_chunk["stage1"].append(lap())
@@ -364,7 +354,7 @@ class OOMBTrainer:
                 if per_chunk is not None and len(per_chunk["stage2"]) >= per_chunk["stage2_limit"]:
                     break   # Note [Partial steps]
                 first, end = chunks[chunk]
-                context = self._context(2, chunk, chunks[chunk], count, shared)
+                context = self._context(2, chunk, chunks, shared)
                 with chunk_context(context):
                     hidden = self._run_decoder(input_ids[first:end], first)
                     loss = self._chunk_loss(hidden, targets[first:end])

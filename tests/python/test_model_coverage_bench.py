@@ -1,0 +1,57 @@
+"""bench/model_coverage_bench.py on the CPU with every shape shrunk (--tiny): both parts run, rows
+merge by (model, part, variant, tokens) across calls, and the table names what ran. The H200 run
+is the lead's (the command is in docs/models.md)."""
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def load_bench():
+    spec = importlib.util.spec_from_file_location("model_coverage_bench", REPO / "bench" / "model_coverage_bench.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.slow
+def test_tiny_shapes_on_the_cpu(tmp_path, monkeypatch):
+    bench = load_bench()
+    monkeypatch.setenv("MEMBAR_RESULTS_DIR", str(tmp_path))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        common = ["--tiny", "--device", "cpu", "--quick", "--contexts", "1K", "--gemma-full", "eager"]
+        assert bench.main(common + ["--models", "gemma-2-9b", "--fresh"]) == 0
+        assert bench.main(common + ["--models", "qwen3-8b", "--parts", "timing"]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    rows = json.loads((tmp_path / "model_coverage.json").read_text())["rows"]
+    keys = {(row["model"], row["part"], row["variant"]) for row in rows}
+    assert keys == {("gemma-2-9b", "errors", "errors"), ("gemma-2-9b", "timing", "full"),
+                    ("gemma-2-9b", "timing", "chunk-recurrent"), ("qwen3-8b", "timing", "full"),
+                    ("qwen3-8b", "timing", "chunk-recurrent")}
+    errors = next(row for row in rows if row["part"] == "errors")
+    assert errors["full_attention"] == "eager" and errors["torch_path_layers"] == [0, 1]
+    assert 0 < errors["chunk_recurrent_bf16"]["max_relative"] and errors["within_goal"], errors
+    assert all("step_seconds" in row for row in rows if row["part"] == "timing"), rows
+    table = (tmp_path / "model_coverage.md").read_text()
+    assert "| gemma-2-9b | 2 / 4 |" in table and "| qwen3-8b | - / 4 |" in table
+
+
+def test_gemma_full_sequence_reference_is_never_sdpa():
+    bench = load_bench()
+    from membar.oomb.baseline import reference_attention
+
+    config = bench.shape_config("gemma-2-9b", 2, True, 1024)
+    model = bench.build(config, torch.float32, torch.device("cpu"))
+    assert reference_attention(model) == "eager"
+    assert bench.full_attention(model, "flex") == "flex_attention" and bench.full_attention(model, "skip") is None
+    assert bench.full_attention(bench.build(bench.shape_config("qwen3-8b", 2, True, 1024), torch.float32,
+                                            torch.device("cpu")), "flex") == "sdpa"
