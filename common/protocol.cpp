@@ -503,6 +503,12 @@ Status validate_request(const RequestV2& request, uint64_t request_payload_capac
     case PayloadRule::kSchedule:
       if (request.payload_bytes < sizeof(uint32_t)) return invalid_argument(name + ": payload truncated");
       break;
+    case PayloadRule::kRanges:
+      if (request.payload_bytes < sizeof(uint32_t) + 3 * sizeof(uint32_t) ||
+          request.payload_bytes > sizeof(uint32_t) + kMaxRanges * 3 * sizeof(uint32_t)) {
+        return invalid_argument(name + ": a ranges payload of " + std::to_string(request.payload_bytes) + " bytes");
+      }
+      break;
   }
   // Fields an opcode does not use must be zero, so that no request means two things.
   switch (row->range) {
@@ -561,6 +567,14 @@ Status validate_request(const RequestV2& request, uint64_t request_payload_capac
         return invalid_argument(name + ": channel id " + std::to_string(request.argument) + " is not valid");
       }
       break;
+    case ArgumentRule::kAdvanceTo: {
+      bool advance = (request.flags & kAcquireAdvanceFlag) != 0;
+      if (advance && request.argument > std::numeric_limits<uint32_t>::max()) {
+        return out_of_range(name + ": step " + std::to_string(request.argument) + " exceeds 32 bits");
+      }
+      if (!advance && request.argument != 0) return invalid_argument(name + ": argument must be zero");
+      break;
+    }
   }
   return Status::Ok();
 }
@@ -625,6 +639,38 @@ Result<std::vector<ScheduleStep>> decode_schedule(std::span<const uint8_t> paylo
   }
   if (!r.at_end()) return invalid_argument("schedule payload has trailing or missing bytes");
   return steps;
+}
+
+std::vector<uint8_t> encode_ranges(const std::vector<PageRange>& ranges) {
+  Writer w;
+  w.write<uint32_t>(static_cast<uint32_t>(ranges.size()));
+  for (const PageRange& range : ranges) {
+    w.write<uint32_t>(range.space);
+    w.write<uint32_t>(range.first_page);
+    w.write<uint32_t>(range.page_count);
+  }
+  return w.take();
+}
+
+Result<std::vector<PageRange>> decode_ranges(std::span<const uint8_t> payload) {
+  Reader r(payload);
+  uint32_t count = r.read<uint32_t>();
+  if (!r.ok() || count == 0 || count > kMaxRanges || !r.can_hold(count, 3 * sizeof(uint32_t))) {
+    return invalid_argument("a ranges payload announces " + std::to_string(count) + " ranges (1.." +
+                            std::to_string(kMaxRanges) + ", as many as it holds)");
+  }
+  std::vector<PageRange> ranges(count);
+  for (PageRange& range : ranges) {
+    range.space = r.read<uint32_t>();
+    range.first_page = r.read<uint32_t>();
+    range.page_count = r.read<uint32_t>();
+    if (range.space == 0 || range.page_count == 0) return invalid_argument("a ranges payload names an empty range");
+    if (uint64_t{range.first_page} + range.page_count > std::numeric_limits<uint32_t>::max()) {
+      return out_of_range("a page range overflows 32-bit page indices");
+    }
+  }
+  if (!r.at_end()) return invalid_argument("a ranges payload has trailing bytes");
+  return ranges;
 }
 
 // Stats: string backend; u32 first_space, u32 spaces_total;

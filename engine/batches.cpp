@@ -184,6 +184,11 @@ void EngineImpl::add_zero(Builder& builder, Space& space, uint32_t g, Tier tier,
   batch.zeros.push_back(Batch::Zero{tier, frame, 0, space.frame_bytes(g)});
 }
 
+void EngineImpl::add_zero_bytes(Builder& builder, Tier tier, FrameIndex frame, uint64_t offset, uint64_t bytes) {
+  prepare(builder, {{tier, frame}});
+  batches_.at(builder.current).zeros.push_back(Batch::Zero{tier, frame, offset, bytes});
+}
+
 Ticket EngineImpl::finish_builder(Builder& builder) {
   seal(builder);
   ClientState& client = *builder.client;

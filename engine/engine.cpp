@@ -22,6 +22,19 @@
 // covering it is freed or the space is destroyed); the last space frame may be partial and still
 // takes a whole frame.
 //
+// Note [Freed pages]
+// Rationale: free_pages is per page, but contents are kept per space frame; a frame shared by
+// freed pages and live ones must keep its contents, yet a freed page must read as zeros when it is
+// acquired again with zero-fill (a trainer reuses its gradient pages sequence after sequence), and
+// the frame must go once every page in it is freed.
+// Approach: a space gets a bitmap of freed pages and a count per frame of its freed pages at its
+// first free_pages. Freeing a freed page is a double free. A frame goes (contents dropped in both
+// tiers) when all its pages are freed. Acquiring pages clears their bits; with zero-fill, the bytes
+// of pages that were freed in a frame that still has contents are zero-filled (after any copy into
+// the frame: batch order), and a host acquire does the same on the host side.
+// Limitations: the bitmap costs a bit per page: spaces of more than 2^28 pages take frees of
+// whole frames only.
+//
 // Note [Counters]
 // Stats read counters kept as space frames change, never a walk over frames or pages: per space
 // the bytes by residency class (GPU, host, both, none), dirty and pinned, and per client their
@@ -134,6 +147,8 @@ Result<EngineImpl::FrameSpan> EngineImpl::check_range(ClientState& client, const
   span.space = space;
   span.first = uint32_t(first_byte / kFrameBytes);
   span.end = uint32_t((end_byte + kFrameBytes - 1) / kFrameBytes);
+  span.first_page = range.first_page;
+  span.page_count = range.page_count;
   return span;
 }
 
@@ -458,6 +473,8 @@ Result<std::optional<FenceWait>> EngineImpl::acquire_locked(ClientState& client,
       });
     }
   }
+  unfree_pages(client, builder, span,
+               (flags & kEngineAcquireZeroNew) ? std::optional<Tier>(Tier::kGpu) : std::optional<Tier>());
   for (uint32_t g = span.first; g < span.end; ++g) {
     SpaceFrame& frame = space.frames[g];
     frame.key.last_use = ++client.clock;
@@ -465,6 +482,87 @@ Result<std::optional<FenceWait>> EngineImpl::acquire_locked(ClientState& client,
   }
   *ticket = finish_builder(builder);
   return std::optional<FenceWait>();
+}
+
+Result<Ticket> EngineImpl::acquire_ranges(ClientId id, const std::vector<PageRange>& ranges, uint32_t flags,
+                                          std::optional<uint32_t> advance_step) {
+  if (ranges.empty()) return invalid_argument("acquire_ranges: no range given");
+  return with_client_waiting<Result<Ticket>>(
+      id, [&](ClientState& client, std::optional<FenceWait>& wait) -> Result<Ticket> {
+        uint32_t known = kEngineAcquireWrite | kEngineAcquireZeroNew;
+        if ((flags & ~known) != 0) {
+          return invalid_argument("acquire: unknown flag bits " + hex(flags & ~known) + " (known: " + hex(known) + ")");
+        }
+        std::vector<FrameSpan> spans;
+        for (const PageRange& range : ranges) {
+          MEMBAR_ASSIGN_OR_RETURN(FrameSpan span, check_range(client, range));
+          spans.push_back(span);
+        }
+        if (advance_step.has_value()) MEMBAR_RETURN_IF_ERROR(advance_locked(client, *advance_step));
+        // Tickets complete in order: the last one's completion means every range is in place.
+        Ticket last = 0;
+        for (size_t i = 0; i < spans.size(); ++i) {
+          Result<std::optional<FenceWait>> acquired = acquire_locked(client, spans[i], flags, &last);
+          if (!acquired.ok() || acquired.value().has_value()) {
+            for (size_t j = 0; j < i; ++j) unpin_span(client, spans[j]);
+            if (!acquired.ok()) return acquired.status();
+            wait = acquired.value();
+            return Ticket{0};
+          }
+        }
+        return last;
+      });
+}
+
+void EngineImpl::unpin_span(ClientState& client, const FrameSpan& span) {
+  for (uint32_t g = span.first; g < span.end; ++g) {
+    SpaceFrame& frame = span.space->frames[g];
+    if (frame.pins == 0) continue;
+    if (frame.pins == 1) frame.write_intent = false;
+    unpin(client, *span.space, g);
+  }
+}
+
+void EngineImpl::unfree_pages(ClientState& client, Builder& builder, const FrameSpan& span,
+                               std::optional<Tier> zero_tier) {
+  Space& space = *span.space;
+  if (space.freed.empty()) return;
+  uint64_t pb = space.info.page_bytes;
+  for (uint32_t p = span.first_page; p < span.first_page + span.page_count; ++p) {
+    if (!space.page_freed(p)) continue;
+    space.freed[p / 64] &= ~(uint64_t{1} << (p % 64));
+    uint64_t page_start = uint64_t(p) * pb;
+    uint64_t page_end = page_start + pb;
+    for (uint32_t g = uint32_t(page_start / kFrameBytes); g <= uint32_t((page_end - 1) / kFrameBytes); ++g) {
+      --space.freed_in_frame[g];
+      if (!zero_tier.has_value()) continue;
+      SpaceFrame& frame = space.frames[g];
+      FrameIndex target = *zero_tier == Tier::kGpu ? frame.gpu : frame.host;
+      // A frame without contents was zero-filled whole; only leftovers in live frames need it.
+      if (target == kNoFrame || (*zero_tier == Tier::kGpu && !frame.dirty && !frame.host_valid)) continue;
+      uint64_t frame_start = uint64_t(g) * kFrameBytes;
+      uint64_t from = std::max(page_start, frame_start);
+      uint64_t to = std::min(page_end, frame_start + space.frame_bytes(g));
+      add_zero_bytes(builder, *zero_tier, target, from - frame_start, to - from);
+      if (*zero_tier == Tier::kGpu) change(client, space, g, [](SpaceFrame& f) { f.dirty = true; });
+    }
+  }
+}
+
+Status EngineImpl::release_ranges(ClientId id, const std::vector<PageRange>& ranges, bool dirty,
+                                  std::optional<uint64_t> marker) {
+  return with_client<Status>(id, [&](ClientState& client) -> Status {
+    for (const PageRange& range : ranges) {
+      MEMBAR_ASSIGN_OR_RETURN(FrameSpan span, check_range(client, range));
+      for (uint32_t g = span.first; g < span.end; ++g) {
+        if (span.space->frames[g].pins == 0) {
+          return failed_precondition("release: " + frame_text(*span.space, g) + " are not acquired");
+        }
+      }
+    }
+    for (const PageRange& range : ranges) MEMBAR_RETURN_IF_ERROR(release_locked(client, range, dirty, marker));
+    return Status::Ok();
+  });
 }
 
 Status EngineImpl::release(ClientId id, PageRange range, bool dirty) {
@@ -579,7 +677,6 @@ Status EngineImpl::free_pages(ClientId id, PageRange range) {
     Space& space = *span.space;
     uint64_t first_byte = uint64_t(range.first_page) * space.info.page_bytes;
     uint64_t end_byte = (uint64_t(range.first_page) + range.page_count) * space.info.page_bytes;
-    // Only space frames wholly inside the range are dropped (Note [Space layout]).
     auto whole = [&](uint32_t g) {
       uint64_t start = uint64_t(g) * kFrameBytes;
       return start >= first_byte && start + space.frame_bytes(g) <= end_byte;
@@ -589,13 +686,42 @@ Status EngineImpl::free_pages(ClientId id, PageRange range) {
       if (frame.pins != 0 || frame.host_pins != 0) {
         return failed_precondition("free_pages: " + frame_text(space, g) + " are acquired; release them first");
       }
-      if (whole(g) && frame.gpu == kNoFrame && frame.host == kNoFrame) {
+      if (whole(g) && frame.gpu == kNoFrame && frame.host == kNoFrame &&
+          (space.freed_in_frame.empty() || space.freed_in_frame[g] == 0)) {
         return failed_precondition("free_pages: " + frame_text(space, g) +
                                    " hold nothing (never written, or already freed: double free?)");
       }
     }
+    bool partial = !whole(span.first) || !whole(span.end - 1);
+    if (partial && space.freed.empty() && space.info.page_count > (1u << 28)) {
+      return invalid_argument("free_pages: space '" + space.info.name + "' has more than 2^28 pages; free whole 2 MiB "
+                              "frames of it (Note [Freed pages])");
+    }
+    if (space.freed.empty() && (partial || space.info.page_count <= (1u << 28))) {
+      space.freed.assign((uint64_t(space.info.page_count) + 63) / 64, 0);
+      space.freed_in_frame.assign(space.frames.size(), 0);
+    }
+    if (space.freed.empty()) {  // a huge space, whole frames only
+      for (uint32_t g = span.first; g < span.end; ++g) drop_frame(client, space, g);
+      return Status::Ok();
+    }
+    for (uint32_t p = range.first_page; p < range.first_page + range.page_count; ++p) {
+      if (space.page_freed(p)) {
+        return failed_precondition("free_pages: page " + std::to_string(p) + " of space '" + space.info.name +
+                                   "' is already freed (double free)");
+      }
+    }
+    uint64_t pb = space.info.page_bytes;
+    for (uint32_t p = range.first_page; p < range.first_page + range.page_count; ++p) {
+      space.freed[p / 64] |= uint64_t{1} << (p % 64);
+      uint64_t page_start = uint64_t(p) * pb;
+      for (uint32_t g = uint32_t(page_start / kFrameBytes); g <= uint32_t((page_start + pb - 1) / kFrameBytes); ++g) {
+        ++space.freed_in_frame[g];
+      }
+    }
     for (uint32_t g = span.first; g < span.end; ++g) {
-      if (whole(g)) drop_frame(client, space, g);
+      auto [first, last] = space.pages_of_frame(g);
+      if (space.freed_in_frame[g] == last - first + 1) drop_frame(client, space, g);
     }
     return Status::Ok();
   });
@@ -652,6 +778,7 @@ Result<Ticket> EngineImpl::acquire_host(ClientId id, PageRange range) {
       }
       change(client, space, g, [](SpaceFrame& f) { ++f.host_pins; });
     }
+    unfree_pages(client, builder, span, Tier::kHost);
     return finish_builder(builder);
   });
 }

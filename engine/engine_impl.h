@@ -70,6 +70,10 @@ class EngineImpl final : public Engine {
   Result<Ticket> acquire(ClientId id, PageRange range, uint32_t flags) override;
   Status release(ClientId id, PageRange range, bool dirty) override;
   Status release_after(ClientId id, PageRange range, bool dirty, uint64_t marker) override;
+  Result<Ticket> acquire_ranges(ClientId id, const std::vector<PageRange>& ranges, uint32_t flags,
+                                std::optional<uint32_t> advance_step) override;
+  Status release_ranges(ClientId id, const std::vector<PageRange>& ranges, bool dirty,
+                        std::optional<uint64_t> marker) override;
   Result<Ticket> prefetch(ClientId id, PageRange range) override;
   Result<Ticket> offload(ClientId id, PageRange range) override;
   Status free_pages(ClientId id, PageRange range) override;
@@ -95,8 +99,10 @@ class EngineImpl final : public Engine {
   // The space and the space frames [first, end) that hold the range's bytes.
   struct FrameSpan {
     Space* space = nullptr;
-    uint32_t first = 0;
+    uint32_t first = 0;  // space frames [first, end)
     uint32_t end = 0;
+    uint32_t first_page = 0;  // the pages asked for
+    uint32_t page_count = 0;
   };
   Result<FrameSpan> check_range(ClientState& client, const PageRange& range);
   static std::string frame_text(const Space& space, uint32_t g);
@@ -118,6 +124,11 @@ class EngineImpl final : public Engine {
   Result<std::optional<FenceWait>> acquire_locked(ClientState& client, FrameSpan span, uint32_t flags,
                                                   Ticket* ticket);
   Status release_locked(ClientState& client, const PageRange& range, bool dirty, std::optional<uint64_t> marker);
+  // Takes back the pins an acquire of `span` added (no dirtying): the undo of a failed multi-range call.
+  void unpin_span(ClientState& client, const FrameSpan& span);
+  // Note [Freed pages]: the span's pages are in use again; freed ones in frames that still have
+  // contents are zero-filled on `zero_tier` when given.
+  void unfree_pages(ClientState& client, Builder& builder, const FrameSpan& span, std::optional<Tier> zero_tier);
 
   // ---- frames.cpp --------------------------------------------------------------------------
   Frame& frame_of(Tier tier, FrameIndex index) { return pools_[tier_index(tier)].frames[index]; }
@@ -160,6 +171,7 @@ class EngineImpl final : public Engine {
   Result<EvictionKey> choose_victim(ClientState& client, const PrefetchLimit* limit);
   bool may_displace(ClientState& client, const SpaceFrame& occupant, const PrefetchLimit* limit);
   void schedule_prefetch(ClientState& client);
+  Status advance_locked(ClientState& client, uint32_t step);
 
   // ---- batches.cpp -------------------------------------------------------------------------
   Builder start_builder(ClientState& client, bool tracked = true);
@@ -175,6 +187,7 @@ class EngineImpl final : public Engine {
   void add_copy(Builder& builder, Space& space, uint32_t g, Tier from, FrameIndex source, Tier to,
                 FrameIndex destination);
   void add_zero(Builder& builder, Space& space, uint32_t g, Tier tier, FrameIndex frame);
+  void add_zero_bytes(Builder& builder, Tier tier, FrameIndex frame, uint64_t offset, uint64_t bytes);
   Ticket finish_builder(Builder& builder);
   void submit(uint64_t id);
   std::function<void(Status)> completion_callback(uint64_t id);

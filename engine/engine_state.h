@@ -86,6 +86,16 @@ struct Space {
   // Schedule steps naming each space frame, ascending (empty when no schedule names it).
   std::vector<std::vector<uint32_t>> uses;
   SpaceCounters counters;
+  // Note [Freed pages] (engine.cpp): one bit per page freed since it last held contents, and per
+  // space frame the number of its pages that are; both empty until the first free_pages.
+  std::vector<uint64_t> freed;
+  std::vector<uint32_t> freed_in_frame;
+  bool page_freed(uint32_t p) const { return !freed.empty() && (freed[p / 64] >> (p % 64) & 1) != 0; }
+  // Pages overlapping space frame g: [first, last].
+  std::pair<uint32_t, uint32_t> pages_of_frame(uint32_t g) const {
+    uint64_t start = uint64_t(g) * kFrameBytes;
+    return {uint32_t(start / info.page_bytes), uint32_t((start + frame_bytes(g) - 1) / info.page_bytes)};
+  }
   // The bytes of space frame g (the last one may be partial).
   uint64_t frame_bytes(uint32_t g) const {
     uint64_t start = uint64_t(g) * kFrameBytes;

@@ -192,33 +192,35 @@ Status EngineImpl::set_schedule(ClientId id, std::vector<ScheduleStep> steps) {
 }
 
 Status EngineImpl::advance(ClientId id, uint32_t step) {
-  return with_client<Status>(id, [&](ClientState& client) -> Status {
-    if (step >= client.schedule.size()) {
-      return out_of_range("advance: step " + std::to_string(step) + " is outside the schedule of " +
-                          std::to_string(client.schedule.size()) + " steps");
-    }
-    uint32_t previous = client.current_step;
-    client.current_step = step;
-    if (step < previous) {
-      rekey_all(client);
-    } else {
-      for (uint32_t s = previous; s < step; ++s) {
-        for (const PageRange& range : client.schedule[s].ranges) {
-          Result<FrameSpan> span = check_range(client, range);
-          if (!span.ok()) continue;
-          Space& space = *span.value().space;
-          for (uint32_t g = span.value().first; g < span.value().end; ++g) {
-            if (space.frames[g].in_eviction_set) {
-              eviction_erase(client, space.frames[g]);
-              eviction_insert(client, space, g);
-            }
+  return with_client<Status>(id, [&](ClientState& client) { return advance_locked(client, step); });
+}
+
+Status EngineImpl::advance_locked(ClientState& client, uint32_t step) {
+  if (step >= client.schedule.size()) {
+    return out_of_range("advance: step " + std::to_string(step) + " is outside the schedule of " +
+                        std::to_string(client.schedule.size()) + " steps");
+  }
+  uint32_t previous = client.current_step;
+  client.current_step = step;
+  if (step < previous) {
+    rekey_all(client);
+  } else {
+    for (uint32_t s = previous; s < step; ++s) {
+      for (const PageRange& range : client.schedule[s].ranges) {
+        Result<FrameSpan> span = check_range(client, range);
+        if (!span.ok()) continue;
+        Space& space = *span.value().space;
+        for (uint32_t g = span.value().first; g < span.value().end; ++g) {
+          if (space.frames[g].in_eviction_set) {
+            eviction_erase(client, space.frames[g]);
+            eviction_insert(client, space, g);
           }
         }
       }
     }
-    schedule_prefetch(client);
-    return Status::Ok();
-  });
+  }
+  schedule_prefetch(client);
+  return Status::Ok();
 }
 
 // Brings in the frames of the next prefetch_lookahead_steps steps (from the current one) that

@@ -138,6 +138,27 @@ class DaemonClient final : public Client {
     return call(request).status();
   }
 
+  Result<Ticket> acquire_ranges(const std::vector<PageRange>& ranges, uint32_t flags,
+                                std::optional<uint32_t> advance_step) override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    v2::RequestV2 request = make_request(v2::Opcode::kAcquireRanges);
+    request.flags = flags;
+    if (advance_step.has_value()) {
+      request.flags |= v2::kAcquireAdvanceFlag;
+      request.argument = *advance_step;
+    }
+    std::vector<uint8_t> payload = v2::encode_ranges(ranges);
+    MEMBAR_ASSIGN_OR_RETURN(Reply reply, retried([&] { return call(request, payload); }));
+    return reply.ticket;
+  }
+
+  Status release_ranges(const std::vector<PageRange>& ranges, bool dirty) override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    v2::RequestV2 request = make_request(v2::Opcode::kReleaseRanges);
+    request.flags = dirty ? v2::kReleaseDirty : 0;
+    return call(request, v2::encode_ranges(ranges)).status();
+  }
+
   Result<Ticket> prefetch(PageRange range) override {
     std::lock_guard<std::mutex> lock(mutex_);
     MEMBAR_ASSIGN_OR_RETURN(Reply reply, retried([&] { return call(range_request(v2::Opcode::kPrefetch, range)); }));
@@ -264,6 +285,22 @@ class DaemonClient final : public Client {
       request.flags = (dirty ? v2::kReleaseDirty : 0) | v2::kReleaseAfterMarker;
       request.argument = marker;
       return call(request).status();
+    }
+#endif
+    return unimplemented("stream_release needs the CUDA backend; this client runs on " + describe() +
+                         " (use release)");
+  }
+
+  Status stream_release_ranges(const std::vector<PageRange>& ranges, bool dirty, void* cuda_stream) override {
+#if defined(MEMBAR_WITH_CUDA)
+    if (stream_signals_) {
+      std::lock_guard<std::mutex> lock(mutex_);
+      uint64_t marker = ++release_marker_;
+      MEMBAR_RETURN_IF_ERROR(stream_signals_->stream_write(kSignalReleasedWord, marker, cuda_stream));
+      v2::RequestV2 request = make_request(v2::Opcode::kReleaseRanges);
+      request.flags = (dirty ? v2::kReleaseDirty : 0) | v2::kReleaseAfterMarker;
+      request.argument = marker;
+      return call(request, v2::encode_ranges(ranges)).status();
     }
 #endif
     return unimplemented("stream_release needs the CUDA backend; this client runs on " + describe() +

@@ -158,6 +158,20 @@ class EmbeddedClient final : public Client {
     return engine_->release(id_, range, dirty);
   }
 
+  Result<Ticket> acquire_ranges(const std::vector<PageRange>& ranges, uint32_t flags,
+                                std::optional<uint32_t> advance_step) override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    MEMBAR_ASSIGN_OR_RETURN(Ticket ticket,
+                            retried([&] { return engine_->acquire_ranges(id_, ranges, flags, advance_step); }));
+    MEMBAR_RETURN_IF_ERROR(memory_->take_error());
+    return ticket;
+  }
+
+  Status release_ranges(const std::vector<PageRange>& ranges, bool dirty) override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return engine_->release_ranges(id_, ranges, dirty, std::nullopt);
+  }
+
   Result<Ticket> prefetch(PageRange range) override {
     std::lock_guard<std::mutex> lock(mutex_);
     MEMBAR_ASSIGN_OR_RETURN(Ticket ticket, retried([&] { return engine_->prefetch(id_, range); }));
@@ -239,6 +253,18 @@ class EmbeddedClient final : public Client {
       uint64_t marker = ++release_marker_;
       MEMBAR_RETURN_IF_ERROR(stream_signals_->stream_write(runtimed::kSignalReleased, marker, cuda_stream));
       return engine_->release_after(id_, range, dirty, marker);
+    }
+#endif
+    return unimplemented("stream_release needs the CUDA backend; this client runs on " + describe() + " (use release)");
+  }
+
+  Status stream_release_ranges(const std::vector<PageRange>& ranges, bool dirty, void* cuda_stream) override {
+#if defined(MEMBAR_WITH_CUDA)
+    if (stream_signals_) {
+      std::lock_guard<std::mutex> lock(mutex_);
+      uint64_t marker = ++release_marker_;
+      MEMBAR_RETURN_IF_ERROR(stream_signals_->stream_write(runtimed::kSignalReleased, marker, cuda_stream));
+      return engine_->release_ranges(id_, ranges, dirty, marker);
     }
 #endif
     return unimplemented("stream_release needs the CUDA backend; this client runs on " + describe() + " (use release)");

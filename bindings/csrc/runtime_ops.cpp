@@ -16,7 +16,7 @@
 
 #include <cstdio>
 #include <map>
-#include <mutex>
+#include <optional>
 
 #include "membar/client.h"
 
@@ -41,6 +41,14 @@ uint32_t to_u32(int64_t value, const char* name) {
 
 PageRange make_range(int64_t space, int64_t first, int64_t count) {
   return PageRange{to_u32(space, "space"), to_u32(first, "first page"), to_u32(count, "page count")};
+}
+
+std::vector<PageRange> make_ranges(const std::vector<int64_t>& flat, const char* what) {
+  TORCH_CHECK(!flat.empty() && flat.size() % 3 == 0, "membar runtime ", what,
+              ": ranges must be a flat list of (space, first, count) triples, got ", flat.size(), " numbers.");
+  std::vector<PageRange> ranges;
+  for (size_t i = 0; i < flat.size(); i += 3) ranges.push_back(make_range(flat[i], flat[i + 1], flat[i + 2]));
+  return ranges;
 }
 
 std::string json_escape(const std::string& text) {
@@ -212,6 +220,24 @@ class Runtime : public torch::CustomClassHolder {
     return int64_t(take(client_->acquire(make_range(space, first, count), flags), "acquire").ticket);
   }
 
+  // ranges: a flat list of (space, first, count) triples. advance < 0: no schedule step.
+  int64_t acquire_ranges(std::vector<int64_t> ranges, bool write, bool zero_new, int64_t advance) {
+    uint32_t flags = (write ? uint32_t(kAcquireWrite) : 0u) | (zero_new ? uint32_t(kAcquireZeroNew) : 0u);
+    std::optional<uint32_t> step;
+    if (advance >= 0) step = to_u32(advance, "advance step");
+    return int64_t(take(client_->acquire_ranges(make_ranges(ranges, "acquire_ranges"), flags, step), "acquire_ranges"));
+  }
+
+  void release_ranges(std::vector<int64_t> ranges, bool dirty) {
+    check_ok(client_->release_ranges(make_ranges(ranges, "release_ranges"), dirty), "release_ranges");
+  }
+
+  void stream_release_ranges(std::vector<int64_t> ranges, bool dirty, int64_t cuda_stream) {
+    check_ok(client_->stream_release_ranges(make_ranges(ranges, "stream_release_ranges"), dirty,
+                                            reinterpret_cast<void*>(cuda_stream)),
+             "stream_release_ranges");
+  }
+
   void release(int64_t space, int64_t first, int64_t count, bool dirty) {
     check_ok(client_->release(make_range(space, first, count), dirty), "release");
   }
@@ -277,8 +303,9 @@ class Runtime : public torch::CustomClassHolder {
 
   std::string stats() { return stats_json(take(client_->stats(), "stats")); }
 
-  // Channels (runtimed/channels.h): [handle, fd, bytes, writable]. The fd stays the client's
-  // (valid until close_channel); Python maps it again with mmap.
+  // Channels (membar/engine/channels.h): [handle, fd, bytes, writable, address]. The client's
+  // own mapping (at `address`, valid until close_channel) is what Python views: a published
+  // channel can no longer be mapped writable again, not even by its creator.
   std::vector<int64_t> create_channel(std::string name, int64_t bytes) {
     TORCH_CHECK(bytes > 0, "membar runtime create_channel: bytes must be positive, got ", bytes, ".");
     return channel_answer(take(client_->create_channel(name, uint64_t(bytes)), "create_channel"));
@@ -327,7 +354,8 @@ class Runtime : public torch::CustomClassHolder {
 
  private:
   static std::vector<int64_t> channel_answer(const Channel& channel) {
-    return {int64_t(channel.handle), int64_t(channel.fd), int64_t(channel.bytes), channel.writable ? 1 : 0};
+    return {int64_t(channel.handle), int64_t(channel.fd), int64_t(channel.bytes), channel.writable ? 1 : 0,
+            int64_t(reinterpret_cast<uintptr_t>(channel.data))};
   }
 
   std::unique_ptr<Client> client_;
@@ -347,6 +375,9 @@ TORCH_LIBRARY_FRAGMENT(membar, m) {
       .def("destroy_space", &Runtime::destroy_space)
       .def("acquire", &Runtime::acquire)
       .def("release", &Runtime::release)
+      .def("acquire_ranges", &Runtime::acquire_ranges)
+      .def("release_ranges", &Runtime::release_ranges)
+      .def("stream_release_ranges", &Runtime::stream_release_ranges)
       .def("prefetch", &Runtime::prefetch)
       .def("offload", &Runtime::offload)
       .def("free_pages", &Runtime::free_pages)

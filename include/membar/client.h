@@ -19,6 +19,7 @@
 #pragma once
 
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <vector>
@@ -104,6 +105,12 @@ class Client {
   // synchronize the stream that wrote them, or use stream_release, which orders on the GPU).
   virtual Status release(PageRange range, bool dirty) = 0;
 
+  // Several ranges in one call, one round trip and one ticket (the pages one kernel reads from
+  // several spaces); with `advance_step`, advance(step) first. A failure pins nothing.
+  virtual Result<Ticket> acquire_ranges(const std::vector<PageRange>& ranges, uint32_t flags,
+                                        std::optional<uint32_t> advance_step = std::nullopt) = 0;
+  virtual Status release_ranges(const std::vector<PageRange>& ranges, bool dirty) = 0;
+
   // Asynchronous hints; return when accepted.
   virtual Result<Ticket> prefetch(PageRange range) = 0;   // bring to GPU, do not pin
   virtual Result<Ticket> offload(PageRange range) = 0;    // write back to host, free GPU frames
@@ -129,6 +136,7 @@ class Client {
   virtual Ticket completed_ticket() const = 0;
   virtual Status stream_wait(Ticket ticket, void* cuda_stream) = 0;
   virtual Status stream_release(PageRange range, bool dirty, void* cuda_stream) = 0;
+  virtual Status stream_release_ranges(const std::vector<PageRange>& ranges, bool dirty, void* cuda_stream) = 0;
 
   // This client's stats: tiers, its counters, its spaces (the first kMaxStatsSpaces of them).
   virtual Result<RuntimeStats> stats() = 0;

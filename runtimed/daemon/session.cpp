@@ -321,6 +321,22 @@ Status RingServer::handle_Release(const v2::RequestV2& request, Answer&) {
   return engine_.release(client_, range_of(request), dirty);
 }
 
+Status RingServer::handle_AcquireRanges(const v2::RequestV2& request, Answer& answer) {
+  MEMBAR_ASSIGN_OR_RETURN(std::vector<PageRange> ranges, v2::decode_ranges(request_payload_));
+  std::optional<uint32_t> advance;
+  if ((request.flags & v2::kAcquireAdvanceFlag) != 0) advance = static_cast<uint32_t>(request.argument);
+  uint32_t flags = request.flags & (v2::kAcquireWriteFlag | v2::kAcquireZeroNewFlag);
+  MEMBAR_ASSIGN_OR_RETURN(answer.ticket, engine_.acquire_ranges(client_, ranges, flags, advance));
+  return Status::Ok();
+}
+
+Status RingServer::handle_ReleaseRanges(const v2::RequestV2& request, Answer&) {
+  MEMBAR_ASSIGN_OR_RETURN(std::vector<PageRange> ranges, v2::decode_ranges(request_payload_));
+  std::optional<uint64_t> marker;
+  if ((request.flags & v2::kReleaseAfterMarker) != 0) marker = request.argument;
+  return engine_.release_ranges(client_, ranges, (request.flags & v2::kReleaseDirty) != 0, marker);
+}
+
 Status RingServer::handle_Prefetch(const v2::RequestV2& request, Answer& answer) {
   MEMBAR_ASSIGN_OR_RETURN(answer.ticket, engine_.prefetch(client_, range_of(request)));
   return Status::Ok();

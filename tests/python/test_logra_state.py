@@ -17,7 +17,7 @@ from membar.runtime import Runtime
 def _train(runtime=None, offload=False, updates=4):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 300), nn.Tanh(), nn.Linear(300, 40), nn.Tanh(), nn.Linear(40, 24))
-    handle = logra.apply_logra(model, rank=8, targets=("0", "2", "4"), seed=3, runtime=runtime)
+    handle = logra.apply_logra(model, rank=8, targets=("0", "2", "4"), seed=3, runtime=runtime or None)
     optimizer = logra.LoGRAOptimizer(handle, lr=1e-2, offload_moments=offload)
     x = torch.randn(16, 64, generator=torch.Generator().manual_seed(1))
     for _ in range(updates):
@@ -31,17 +31,20 @@ def _check_runtime_states(runtime):
     handle, optimizer = _train(runtime=runtime, offload=True)
     for mine, theirs in zip(handle.layers, reference.layers):
         assert torch.equal(mine.weight, theirs.weight), "runtime pages and offloading must not change the math"
-    # The sketches live inside the runtime's window (peeked: asking for one to accumulate into
+    # The sketches live in the runtime's sketch space (peeked: asking for one to accumulate into
     # would start bringing the moments back).
-    start = runtime.window_pointer
-    for layer in handle.layers:
-        assert start <= layer.sketch.data_ptr() < start + runtime.window_bytes
-    # Between updates the moments sit in host memory only; the sketches stay resident.
     spaces = handle.states.storage.spaces
     assert sorted(spaces) == ["first_moment", "second_moment", "sketch"]
+    start = runtime._native.space_pointer(spaces["sketch"].id, "gpu")
+    for layer in handle.layers:
+        assert start <= layer.sketch.data_ptr() < start + spaces["sketch"].page_bytes * spaces["sketch"].page_count
+    # Between updates the moments sit in host memory only; the sketches stay resident.
     client = runtime.stats()["clients"][0]
-    assert client["pages_host"] == spaces["first_moment"].page_count + spaces["second_moment"].page_count
-    assert client["pages_gpu"] == spaces["sketch"].page_count and client["pages_both"] == 0
+    by_name = {entry["name"]: entry for entry in runtime.stats()["spaces"]}
+    for kind in ("first_moment", "second_moment"):
+        entry = by_name[f"logra.{kind}"]
+        assert entry["bytes_gpu"] == 0 and entry["bytes_both"] == 0 and entry["bytes_host"] > 0
+    assert by_name["logra.sketch"]["bytes_host"] == 0 and by_name["logra.sketch"]["bytes_none"] == 0
     moment_bytes = 2 * 4 * handle.states.numel
     assert client["bytes_gpu_to_host"] >= 4 * moment_bytes  # offloaded after each of the 4 updates
     # The next backward starts bringing them back; the step finds them resident.
@@ -51,7 +54,8 @@ def _check_runtime_states(runtime):
     assert before >= 3 * moment_bytes
     # (The first moment is reset at every redraw of A; the second carries over.)
     second = optimizer.moment("second_moment", 1)
-    assert second.abs().sum() > 0 and start <= second.data_ptr() < start + runtime.window_bytes
+    moments = runtime._native.space_pointer(spaces["second_moment"].id, "gpu")
+    assert second.abs().sum() > 0 and moments <= second.data_ptr() < moments + 4 * handle.states.numel
     optimizer.step()
     assert optimizer.state_bytes() == 3 * 4 * handle.states.numel
     handle.states.close()
@@ -119,7 +123,7 @@ def test_auto_runtime_falls_back_to_an_embedded_one_sized_for_the_states(monkeyp
     model = nn.Sequential(nn.Linear(64, 3000))
     handle = logra.apply_logra(model, rank=200, targets=("0",), runtime="auto")  # 2.4 MB per kind
     assert handle.states.storage.describe().startswith("runtime pages (embedded")
-    assert handle.states.storage.runtime.window_bytes >= 3 * 4 * 3000 * 200
+    assert handle.states.storage.runtime.stats()["clients"][0]["gpu_quota_bytes"] >= 3 * 4 * 3000 * 200
     handle.model(torch.randn(4, 64)).sum().backward()
     optimizer = logra.LoGRAOptimizer(handle, lr=1e-3)
     optimizer.step()

@@ -72,7 +72,7 @@ def test_cli_learns_from_a_file_and_saves_the_model(tmp_path, capsys):
     numpy.save(tmp_path / "tokens.npy", pattern.repeat(200).numpy())
     summary = run(["--model", "tiny-qwen2", "--data", str(tmp_path / "tokens.npy"), "--seq-len", "256",
                    "--chunk", "64", "--page-tokens", "32", "--steps", "12", "--lr", "1e-2", "--batch", "2",
-                   "--no-progress", "--store", "tensor", "--save", str(tmp_path / "out")])
+                   "--no-progress", "--save", str(tmp_path / "out")])
     losses = [step["loss"] for step in summary["steps"]]
     assert losses[0] > 5.5 and losses[-1] < 0.7 * losses[0], losses   # measured: 6.2 -> 2.9
     assert "17 sequences of 256" in capsys.readouterr().out

@@ -117,8 +117,7 @@ def test_cli_recall_task_reports_whole_and_window_accuracy(capsys):
 
     summary = run(["--model", "tiny-qwen2", "--task", "recall", "--distance", "150", "--key-tokens", "8",
                    "--queries", "4", "--key-marker", "--num-keys", "4", "--chunk", "64", "--page-tokens", "32",
-                   "--steps", "2", "--batch", "2", "--window", "64", "--eval-sequences", "4", "--no-progress",
-                   "--store", "tensor"])
+                   "--steps", "2", "--batch", "2", "--window", "64", "--eval-sequences", "4", "--no-progress"])
     assert summary["seq_len"] == 8 + 150 + 4 + 1
     assert summary["steps_run"] == 2
     assert 0.0 <= summary["accuracy"] <= 1.0 and 0.0 <= summary["window_accuracy"] <= 1.0

@@ -60,7 +60,7 @@ def test_bad_token_counts_get_a_sentence(text):
 def test_cli_auto_residency_on_the_cpu(capsys):
     torch.set_num_threads(1)
     summary = run(["--model", "tiny-qwen2", "--seq-len", "1K", "--chunk", "256", "--page-tokens", "64",
-                   "--steps", "1", "--offload", "--gpu-resident-layers", "auto", "--store", "tensor",
+                   "--steps", "1", "--offload", "--gpu-resident-layers", "auto",
                    "--no-progress", "--device", "cpu"])
     assert summary["seq_len"] == 1024 and len(summary["steps"]) == 1
     out = capsys.readouterr().out
@@ -71,7 +71,6 @@ def test_cli_auto_residency_on_the_cpu(capsys):
     (["--gpu-resident-layers", "2"], "needs --offload"),
     (["--offload", "--gpu-resident-layers", "many"], "a number or 'auto'"),
     (["--offload", "--gpu-resident-layers", "-1"], ">= 0"),
-    (["--offload", "--gpu-resident-layers", "1", "--store", "runtime"], "runtime's GPU pool decides"),
 ])
 def test_cli_bad_residency_gets_a_sentence(arguments, message, capsys):
     assert main(["--model", "tiny-qwen2", "--seq-len", "512", "--chunk", "256", "--steps", "1", "--no-progress",

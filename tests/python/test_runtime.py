@@ -1,7 +1,7 @@
 """The runtime from Python (bindings/csrc/runtime_ops.cpp + membar/runtime.py) on the embedded
-host backend (and through a membard daemon when one is built): pools over the window, contents
-surviving offload / prefetch / eviction, host access, schedules, stats, and clear errors for bad
-input."""
+host backend (and through a membard daemon when one is built): a space's pool with page p at row p
+(any page size), contents surviving offload / prefetch / eviction at the same addresses, host
+access, schedules, stats, and clear errors for bad input."""
 import pytest
 import torch
 
@@ -21,41 +21,65 @@ def test_pool_roundtrip_through_host_memory():
     keys = rt.space("L00.k", page_shape=(128, 4, 128), dtype=torch.bfloat16, pages=16)
     assert keys.page_bytes == 128 * 4 * 128 * 2
     pool = keys.pool()
-    assert pool.shape == (rt.window_bytes // keys.page_bytes, 128, 4, 128) and pool.dtype == torch.bfloat16
+    assert pool.shape == (16, 128, 4, 128) and pool.dtype == torch.bfloat16
     generator = torch.Generator().manual_seed(0)
     data = torch.randn(16, 128, 4, 128, generator=generator).to(torch.bfloat16)
     acquired = keys.acquire(0, 16, write=True, zero=True, wait=True)
-    assert acquired.indices.dtype == torch.int32 and acquired.indices.unique().numel() == 16
-    assert torch.count_nonzero(pool[acquired.indices.long()]) == 0  # zero-filled
-    pool[acquired.indices.long()] = data
+    assert (acquired.first, acquired.count) == (0, 16)
+    assert torch.count_nonzero(pool) == 0  # zero-filled
+    pool[:] = data
+    address = pool.data_ptr()
     keys.release(0, 16, dirty=True)
     rt.wait(keys.offload())
-    assert (keys.indices() == -1).all()
     stats = rt.stats()["clients"][0]
-    assert stats["pages_host"] == 16 and stats["bytes_gpu_to_host"] == 16 * keys.page_bytes
-    back = keys.acquire(wait=True)
-    assert torch.equal(pool[back.indices.long()], data)
+    assert stats["bytes_host"] == 16 * keys.page_bytes and stats["bytes_gpu_to_host"] == 16 * keys.page_bytes
+    keys.acquire(wait=True)
+    assert pool.data_ptr() == address and torch.equal(pool, data)  # back at the same addresses
     keys.release()
     host = keys.acquire_host(3, 2)
-    assert len(host) == 2 and host[0].dtype == torch.uint8 and host[0].numel() == keys.page_bytes
+    assert host.shape == (2, keys.page_bytes) and host.dtype == torch.uint8
     assert torch.equal(host[0].view(torch.bfloat16).view(128, 4, 128), data[3])
     keys.release_host(3, 2)
 
 
-def test_eviction_under_a_small_window_keeps_every_page():
+@pytest.mark.parametrize("page_shape", [(16, 3, 5), (64, 2, 96), (128, 4, 128), (7,)])
+def test_pages_of_any_size_keep_their_contents(page_shape):
+    """960-byte, 48 KiB, 256 KiB and 28-byte pages (float32): pages straddle 2 MiB frames."""
+    rt = embedded(gpu_frames=3, host_frames=64)
+    pages = max(4, (9 << 20) // (4 * torch.Size(page_shape).numel()))  # ~9 MiB: more than the GPU pool
+    space = rt.space("odd", page_shape=page_shape, dtype=torch.float32, pages=pages)
+    pool = space.pool()
+    expected = torch.randn((pages,) + tuple(page_shape), generator=torch.Generator().manual_seed(len(page_shape)))
+    step = max(1, pages // 5)
+    for first in range(0, pages, step):
+        count = min(step, pages - first)
+        space.acquire(first, count, write=True, wait=True)
+        pool[first:first + count] = expected[first:first + count]
+        space.release(first, count, dirty=True)
+    for first in reversed(range(0, pages, step)):
+        count = min(step, pages - first)
+        space.acquire(first, count, wait=True)
+        assert torch.equal(pool[first:first + count], expected[first:first + count])
+        space.release(first, count)
+    host = space.acquire_host(0, pages)
+    assert torch.equal(host.view(torch.float32).view_as(expected), expected)
+    space.release_host(0, pages)
+
+
+def test_eviction_under_a_small_gpu_pool_keeps_every_page():
     rt = embedded(gpu_frames=2, host_frames=32)
     space = rt.space("grads", page_bytes=1 * MIB, pages=12)
     pool = space.pool(torch.float32)
     generator = torch.Generator().manual_seed(1)
     expected = torch.randn(12, MIB // 4, generator=generator)
-    for page in range(12):  # 12 MiB through a 4 MiB window: evictions write dirty pages back
-        acquired = space.acquire(page, 1, write=True, wait=True)
-        pool[acquired.indices.long()] = expected[page]
+    for page in range(12):  # 12 MiB through a 4 MiB pool: evictions write dirty frames back
+        space.acquire(page, 1, write=True, wait=True)
+        pool[page] = expected[page]
         space.release(page, 1, dirty=True)
-    assert rt.stats()["clients"][0]["evictions"] >= 8
+    assert rt.stats()["clients"][0]["evictions"] >= 4
     for page in reversed(range(12)):
-        acquired = space.acquire(page, 1, wait=True)
-        assert torch.equal(pool[acquired.indices.long()][0], expected[page])
+        space.acquire(page, 1, wait=True)
+        assert torch.equal(pool[page], expected[page])
         space.release(page, 1)
 
 
@@ -70,11 +94,24 @@ def test_schedule_prefetches_ahead():
     rt.set_schedule([[space.range(page, 1)] for page in range(4)])
     for step in range(4):
         rt.advance(step)
-        acquired = space.acquire(step, 1, wait=True)
-        assert int(pool[acquired.indices.long()][0, 0]) == step + 10
+        space.acquire(step, 1, wait=True)
+        assert int(pool[step, 0]) == step + 10
         space.release(step, 1)
     stats = rt.stats()["clients"][0]
     assert stats["prefetch_misses"] == 0 and stats["prefetch_hits"] == 4
+
+
+def test_acquire_ranges_with_the_schedule_step_is_one_call():
+    rt = embedded(gpu_frames=4, host_frames=16)
+    keys = rt.space("k", page_bytes=1 * MIB, pages=4)
+    values = rt.space("v", page_bytes=1 * MIB, pages=4)
+    rt.set_schedule([[keys.range(0, 4), values.range(0, 4)]])
+    ticket = rt._native.acquire_ranges([keys.id, 0, 4, values.id, 0, 4], True, True, 0)
+    rt.wait(ticket)
+    keys.pool(torch.uint8)[:] = 1
+    values.pool(torch.uint8)[:] = 2
+    rt._native.release_ranges([keys.id, 0, 4, values.id, 0, 4], True)
+    assert rt.stats()["clients"][0]["bytes_gpu"] == 8 * MIB
 
 
 def test_bad_input_raises_clear_errors():
@@ -90,14 +127,16 @@ def test_bad_input_raises_clear_errors():
         space.free(0, 1)
     with pytest.raises(RuntimeError, match="ALREADY_EXISTS"):
         rt.space("s", page_bytes=64 << 10, pages=4)
-    with pytest.raises(RuntimeError, match="power of two"):
-        rt.space("odd", page_bytes=100_000, pages=4)
+    with pytest.raises(RuntimeError, match="page size"):
+        rt.space("huge", page_bytes=2 << 30, pages=1)
     with pytest.raises(RuntimeError, match="holds"):
-        rt.pool(torch.float16, (100,), page_bytes=64 << 10)
+        space.pool(torch.float16, (100,))
     with pytest.raises(RuntimeError, match="OUT_OF_RANGE"):
         rt.advance(0)
     with pytest.raises(RuntimeError, match="UNIMPLEMENTED"):
         rt._native.stream_wait(1, 0)
+    with pytest.raises(RuntimeError, match="never issued"):
+        rt.wait(10_000)
     with pytest.raises(RuntimeError, match="backend must be"):
         Runtime.connect(embedded=True, backend="tpu")
     with pytest.raises(ValueError):
@@ -108,13 +147,12 @@ def test_pool_keeps_the_runtime_alive():
     rt = embedded()
     space = rt.space("s", page_bytes=64 << 10, pages=2)
     pool = space.pool(torch.uint8)
-    acquired = space.acquire(0, 2, write=True, zero=True, wait=True)
-    rows = acquired.indices.long()
-    del rt, space  # the pool's deleter holds the native runtime: the window stays mapped
+    space.acquire(0, 2, write=True, zero=True, wait=True)
+    del rt, space  # the pool's deleter holds the native runtime: the space stays mapped
     import gc
     gc.collect()
-    pool[rows] = 7
-    assert int(pool[rows].sum()) == 7 * 2 * (64 << 10)
+    pool[:] = 7
+    assert int(pool.sum()) == 7 * 2 * (64 << 10)
 
 
 def test_daemon_only_without_a_daemon_is_an_error(tmp_path):
@@ -150,21 +188,23 @@ def test_same_api_through_a_daemon(tmp_path):
         generator = torch.Generator().manual_seed(3)
         data = torch.randn(40, 64, 4, 128, generator=generator)
         for first in range(0, 40, 8):
-            acquired = space.acquire(first, 8, write=True, wait=True)
-            pool[acquired.indices.long()] = data[first:first + 8]
+            space.acquire(first, 8, write=True, wait=True)
+            pool[first:first + 8] = data[first:first + 8]
             space.release(first, 8, dirty=True)
             rt.wait(space.offload(first, 8))
         for first in range(0, 40, 8):
-            acquired = space.acquire(first, 8, wait=True)
-            assert torch.equal(pool[acquired.indices.long()], data[first:first + 8])
+            space.acquire(first, 8, wait=True)
+            assert torch.equal(pool[first:first + 8], data[first:first + 8])
             space.release(first, 8)
         stats = rt.stats()
         assert stats["backend"] == "host"
+        assert stats["clients"][0]["name"] == "pytest"
         assert stats["clients"][0]["bytes_gpu_to_host"] == 40 * space.page_bytes
         # Per-space residency: every page was offloaded, then acquired back (clean on both tiers).
         (entry,) = [s for s in stats["spaces"] if s["name"] == "L00.v"]
         assert entry["client"] == stats["clients"][0]["client"]
-        assert entry["pages_both"] + entry["pages_host"] == 40 and entry["pages_dirty"] == 0
+        assert entry["bytes_both"] + entry["bytes_host"] == 40 * space.page_bytes and entry["bytes_dirty"] == 0
+        assert entry["bytes_gpu_to_host"] == 40 * space.page_bytes
     finally:
         daemon.terminate()
         daemon.wait(timeout=10)

@@ -24,9 +24,9 @@ this module only adds names, defaults and Python types on top of it.
 """
 from __future__ import annotations
 
+import ctypes
 import json
 import math
-import mmap
 from dataclasses import dataclass
 from typing import Iterable, Optional, Sequence, Tuple, Union
 
@@ -77,15 +77,16 @@ class Channel:
     """
 
     def __init__(self, runtime: "Runtime", name: str, answer: Sequence[int]):
-        handle, fd, nbytes, writable = (int(v) for v in answer)
+        handle, fd, nbytes, writable, address = (int(v) for v in answer)
         self.runtime = runtime
         self.name = name
         self.handle = handle
         self.nbytes = nbytes
         self.writable = bool(writable)
-        protection = mmap.PROT_READ | (mmap.PROT_WRITE if self.writable else 0)
-        self._map = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=protection)
-        view = memoryview(self._map)
+        # The client library's own mapping (it lives until close): a published channel cannot be
+        # mapped writable again (Note [Channels]).
+        self._map = (ctypes.c_char * nbytes).from_address(address)
+        view = memoryview(self._map).cast("B")
         self.buffer = view if self.writable else view.toreadonly()
         self._view = view
 
@@ -95,7 +96,6 @@ class Channel:
             return
         self.buffer.release()
         self._view.release()
-        self._map.close()
         self._map = None
         self.runtime._native.close_channel(self.handle)
 

@@ -33,6 +33,18 @@ def _tokens(text):
         raise argparse.ArgumentTypeError(str(error)) from None
 
 
+def _size(text):
+    """A byte size: 8GiB, 512MiB, 1.5G, or a plain number of bytes."""
+    units = {"": 1, "b": 1, "k": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mib": 1 << 20, "g": 1 << 30,
+             "gib": 1 << 30, "t": 1 << 40, "tib": 1 << 40}
+    value = str(text).strip().lower()
+    number = value.rstrip("abcdefghijklmnopqrstuvwxyz")
+    try:
+        return int(float(number) * units[value[len(number):]])
+    except (KeyError, ValueError):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size (e.g. 8GiB, 512MiB)") from None
+
+
 def _parse(argv):
     parser = argparse.ArgumentParser(prog="membar-train", description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -63,22 +75,25 @@ def _parse(argv):
     parser.add_argument("--mode", choices=["dense", "sparse"], default="dense")
     parser.add_argument("--top-k", type=int, default=64, help="sparse: history pages per query tile")
     parser.add_argument("--query-tile", type=int, default=128, help="sparse: queries sharing a selection")
-    parser.add_argument("--offload", action="store_true", help="keep KV/dKV pages in host memory")
+    parser.add_argument("--offload", action="store_true",
+                        help="keep KV/dKV pages in host memory; they stream through a GPU budget of a few history "
+                             "blocks (see --gpu-budget, --gpu-resident-layers)")
+    parser.add_argument("--gpu-budget", type=_size, default=None,
+                        help="with --offload: GPU memory the runtime may keep pages in (e.g. 8GiB); default: a "
+                             "few history blocks plus --gpu-resident-layers whole layers")
     parser.add_argument("--gpu-resident-layers", default="0",
-                        help="with --offload: the first N layers keep their pages on the GPU; 'auto': as many as fit "
-                             "beside --gpu-reserve-gib (what a sequence too long for GPU or host memory alone needs)")
+                        help="with --offload: GPU budget for N more whole layers' pages (the runtime keeps what is "
+                             "needed soonest); 'auto': as many as fit beside --gpu-reserve-gib (what a sequence too "
+                             "long for GPU or host memory alone needs)")
     parser.add_argument("--gpu-reserve-gib", type=float, default=30.0,
                         help="--gpu-resident-layers auto: GPU memory left for activations and attention blocks "
                              "(beside gradients and AdamW's moments, which are counted)")
     parser.add_argument("--history-block", type=_tokens, default=65536,
                         help="with --offload: a layer's history goes through the GPU in blocks of this many tokens "
                              "(0: all at once)")
-    parser.add_argument("--store", choices=["auto", "runtime", "tensor"], default="auto",
-                        help="where pages live: membar's runtime (embedded, or the daemon of --socket) or "
-                             "plain tensor pools; auto: the runtime when --socket is given or on CPU when the "
-                             "page size suits it, else tensor pools")
     parser.add_argument("--socket", default=None,
-                        help="keep pages in a running membard daemon reached at this socket")
+                        help="keep pages in the membard daemon at this socket (default: $MEMBAR_SOCKET; without "
+                             "either, the runtime is embedded in this process; 'embedded' forces that)")
     parser.add_argument("--grad-dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
                         help="model dtype (default: bfloat16 on GPU, float32 on CPU)")
@@ -115,7 +130,7 @@ def _resident_layers(args, model, device) -> int:
     if value in ("0", ""):
         return 0
     if not args.offload:
-        raise ValueError("--gpu-resident-layers splits offloaded pages between GPU and host: it needs --offload.")
+        raise ValueError("--gpu-resident-layers sizes the GPU budget of offloaded pages: it needs --offload.")
     if value != "auto":
         try:
             layers = int(value)
@@ -141,6 +156,7 @@ def _resident_layers(args, model, device) -> int:
 
 def _make_trainer(args, model):
     from membar.oomb import OOMBConfig, OOMBTrainer
+    from membar.oomb.runtime_store import RuntimeKVStore
 
     device = next(model.parameters()).device
     resident = _resident_layers(args, model, device)
@@ -148,27 +164,39 @@ def _make_trainer(args, model):
                         query_tile_tokens=args.query_tile, offload=args.offload, grad_page_dtype=args.grad_dtype,
                         deterministic=args.deterministic, checkpoint_layers=args.checkpoint_layers,
                         history_block_tokens=args.history_block, dense_kernel=args.dense_kernel,
-                        gpu_resident_layers=resident)
-    kind = args.store
-    if kind == "auto":
-        text = model.config
-        head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-        page = args.page_tokens * text.num_key_value_heads * head_dim
-        sizes = [page * model.dtype.itemsize, page * config.grad_page_dtype.itemsize]
-        fits = all(size & (size - 1) == 0 and 64 * 1024 <= size <= 2 * 1024 * 1024 for size in sizes)
-        kind = "runtime" if args.socket or (device.type == "cpu" and fits) else "tensor"
-    store = None
-    if kind == "runtime" and resident > 0:
-        raise ValueError("--gpu-resident-layers places the tensor page store's pools; with the runtime's store "
-                         "(--store runtime, --socket) the runtime's GPU pool decides what stays on the GPU.")
-    if kind == "runtime":
-        from membar.oomb.runtime_store import RuntimeKVStore
-
-        store = RuntimeKVStore(device=device, socket=args.socket, offload=args.offload)
-    elif args.socket:
-        raise ValueError("--socket needs --store runtime (or auto).")
-    args.store = kind
+                        gpu_resident_layers=resident, gpu_budget_bytes=args.gpu_budget)
+    socket = _socket(args)
+    store = RuntimeKVStore(device, offload=args.offload, socket=socket, gpu_budget_bytes=config.gpu_budget_bytes,
+                           gpu_resident_layers=resident, block_tokens=args.history_block,
+                           prefetch_depth=config.prefetch_depth, name=_client_name(args))
+    args.store = "runtime"
     return OOMBTrainer(model, config, store=store)
+
+
+def _socket(args) -> str | None:
+    """The daemon to keep pages in: --socket, else $MEMBAR_SOCKET ("embedded" or unset: none). A
+    socket named that no daemon answers at is one sentence, not a traceback."""
+    import os
+
+    socket = args.socket if args.socket is not None else os.environ.get("MEMBAR_SOCKET") or None
+    if socket in (None, "", "embedded"):
+        return None
+    import stat
+
+    origin = "--socket" if args.socket is not None else "$MEMBAR_SOCKET"
+    try:
+        if not stat.S_ISSOCK(os.stat(socket).st_mode):
+            raise ValueError(f"{origin} {socket} is not a socket (is membard running? it creates the socket).")
+    except FileNotFoundError:
+        raise ValueError(f"{origin} names {socket}, where no membard listens (start one with "
+                         f"`membard --socket {socket}`, or leave {origin} out to embed the runtime).") from None
+    return socket
+
+
+def _client_name(args) -> str:
+    """How membarctl shows this trainer: the model and the sequence length."""
+    model = str(args.model).rstrip("/").split("/")[-1] or "model"
+    return f"membar-train {model} {args.seq_len // 1024}K"[:63]
 
 
 def _device(requested: str | None) -> torch.device:
@@ -318,7 +346,7 @@ def run(argv=None) -> dict:
     print(f"membar-train: {args.model} ({parameters / 1e6:.1f}M parameters, {dtype}) on {device}; "
           f"{args.seq_len} tokens/sequence, chunk {args.chunk}, pages of {args.page_tokens}, {args.mode}"
           f"{f' top-{args.top_k}' if args.mode == 'sparse' else ''}, offload {'on' if args.offload else 'off'}, "
-          f"pages in {'the runtime' if args.store == 'runtime' else 'tensor pools'}",
+          f"pages in the runtime ({trainer.store.runtime.describe() if trainer.store.runtime else 'not connected'})",
           flush=True)
     summary = {"model": args.model, "device": str(device), "dtype": str(dtype), "seq_len": args.seq_len,
                "chunk": args.chunk, "page_tokens": args.page_tokens, "mode": args.mode, "offload": args.offload,

@@ -270,6 +270,8 @@ static_assert(offsetof(RingControlV2, doorbell) == 128, "doorbell on its own cac
 // Request flags.
 inline constexpr uint32_t kAcquireWriteFlag = 1u << 0;      // == membar::kAcquireWrite
 inline constexpr uint32_t kAcquireZeroNewFlag = 1u << 1;    // == membar::kAcquireZeroNew
+// acquire_ranges: advance the schedule to step `argument` first (one call per access).
+inline constexpr uint32_t kAcquireAdvanceFlag = 1u << 2;
 inline constexpr uint32_t kReleaseDirty = 1u << 0;
 // Stream-ordered release: the pages stay in use until the client's stream writes `argument`
 // (>= 1) into its released signal word (Note [Stream-ordered release] in engine/engine.cpp).
@@ -286,7 +288,9 @@ enum class PayloadRule : uint8_t {
   kNone,      // no payload
   kName,      // 1..kMaxSpaceNameBytes bytes of printable ASCII (space or channel name)
   kSchedule,  // an encoded schedule (decode_schedule checks it)
+  kRanges,    // encoded page ranges, 1..kMaxRanges (decode_ranges checks them)
 };
+inline constexpr uint32_t kMaxRanges = 4096;
 enum class ArgumentRule : uint8_t {
   kZero,       // argument must be 0
   kPageBytes,  // 1..kMaxPageBytes
@@ -294,6 +298,7 @@ enum class ArgumentRule : uint8_t {
   kStep,       // < 2^32
   kBytes,      // 1..64 GiB (channel size)
   kChannel,    // a channel id, 1..2^32-1
+  kAdvanceTo,  // < 2^32 with kAcquireAdvanceFlag, else 0
 };
 
 // Note [One opcode table]
@@ -320,7 +325,10 @@ enum class ArgumentRule : uint8_t {
   X(CreateChannel, 14, "create_channel", kNone, 0u, kName, kBytes)                                      \
   X(OpenChannel, 15, "open_channel", kNone, 0u, kName, kZero)                                           \
   X(CloseChannel, 16, "close_channel", kNone, 0u, kNone, kChannel)                                      \
-  X(PublishChannel, 17, "publish_channel", kNone, 0u, kNone, kChannel)
+  X(PublishChannel, 17, "publish_channel", kNone, 0u, kNone, kChannel)                                  \
+  X(AcquireRanges, 18, "acquire_ranges", kNone, kAcquireWriteFlag | kAcquireZeroNewFlag | kAcquireAdvanceFlag, \
+    kRanges, kAdvanceTo)                                                                                \
+  X(ReleaseRanges, 19, "release_ranges", kNone, kReleaseDirty | kReleaseAfterMarker, kRanges, kMarker)
 
 enum class Opcode : uint16_t {
 #define MEMBAR_OPCODE_ENUM(Name, number, text, range, flags, payload, argument) k##Name = number,
@@ -328,7 +336,7 @@ enum class Opcode : uint16_t {
 #undef MEMBAR_OPCODE_ENUM
 };
 inline constexpr uint16_t kFirstOpcode = 1;
-inline constexpr uint16_t kLastOpcode = 17;
+inline constexpr uint16_t kLastOpcode = 19;
 
 struct RequestV2 {
   uint64_t sequence;       // per client, increasing; echoed in the completion
@@ -439,6 +447,10 @@ Status validate_name(std::string_view name, std::string_view what);
 // {u32 space, u32 first_page, u32 page_count}.
 std::vector<uint8_t> encode_schedule(const std::vector<ScheduleStep>& steps);
 Result<std::vector<ScheduleStep>> decode_schedule(std::span<const uint8_t> payload);
+
+// Ranges payload: u32 count (1..kMaxRanges), then count {u32 space, u32 first_page, u32 page_count}.
+std::vector<uint8_t> encode_ranges(const std::vector<PageRange>& ranges);
+Result<std::vector<PageRange>> decode_ranges(std::span<const uint8_t> payload);
 
 // Stats payload: see common/protocol.cpp (length-prefixed strings, counted arrays).
 std::vector<uint8_t> encode_stats(const RuntimeStats& stats);

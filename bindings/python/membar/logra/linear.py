@@ -283,7 +283,7 @@ def apply_logra(
     seed: int = 0,
     master_weights: bool = False,
     projection: str = "auto",
-    runtime=None,
+    runtime="auto",
 ) -> LoGRAModel:
     """Freezes every parameter of ``model`` and replaces each ``nn.Linear`` whose attribute name
     is in ``targets`` with a :class:`LoGRALinear` of the given rank. Matrix ids follow
@@ -293,9 +293,9 @@ def apply_logra(
 
     ``projection``: "forward", "backward" or "auto" (Note [LoGRA projection under checkpointing]).
     ``runtime``: a membar.runtime.Runtime whose pages hold the sketches and optimizer moments
-    (Note [LoGRA state storage]); "auto" connects one (the daemon when one answers and its backend
-    matches the weights' device, else an embedded runtime sized for the states); None keeps them
-    in plain tensors."""
+    (Note [LoGRA state storage]); "auto" (default) connects one (the daemon when one answers and
+    its backend matches the weights' device, else an embedded runtime sized for the states); None
+    keeps them in plain tensors."""
     targets = tuple(targets)
     if projection == "auto":
         projection = "backward" if getattr(model, "is_gradient_checkpointing", False) else "forward"

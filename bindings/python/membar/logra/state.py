@@ -10,18 +10,17 @@ Approach: :class:`LoGRAStates` keeps one flat fp32 buffer per kind (``sketch``,
 optimizer runs each elementwise step once over all layers. The buffers come from a storage:
  - :class:`TensorStorage` (default): plain tensors on the weights' device; offloading copies a
    kind to pinned host memory and frees the device copy.
- - :class:`RuntimeStorage`: one space of membar.runtime.Runtime per kind (pages of up to 2 MiB),
-   acquired as a whole; the flat buffer is the span of the space's pool tensor that holds its
-   pages. Offloading hands the pages to the runtime (``Space.offload``: written back to host
-   memory, GPU slots freed); restoring acquires them again, possibly at other pool rows, so
-   views are rebuilt after every restore (callers ask for views each update, never keep them).
+ - :class:`RuntimeStorage` (what apply_logra uses by default): one space of
+   membar.runtime.Runtime per kind, acquired as a whole; a space is contiguous (Note [Space
+   layout] in engine/engine.cpp), so the flat buffer is its pool tensor, flattened. Offloading
+   hands the pages to the runtime (``Space.offload``: written back to host memory, GPU frames
+   freed for others); restoring acquires them again at the same addresses.
 With ``LoGRAOptimizer(offload_moments=True)`` the moments leave after every update and start
 coming back (prefetch) when the next backward first touches a sketch, so the copy overlaps the
 backward instead of stalling the optimizer step.
-Limitations: a kind's pages must land on consecutive pool rows (true for a space acquired in one
-call on a window with room); otherwise RuntimeStorage raises and says so. The offload waits on
+Limitations: the offload waits on
 the CPU for the copy to host at the end of every update: measured on the H200, +16 ms on a 0.76 s
-7B update (2%), +37 ms on a 0.23 s 1.5B update. An embedded runtime's GPU window stays allocated
+7B update (2%), +37 ms on a 0.23 s 1.5B update. An embedded runtime's GPU pool stays allocated
 while moments are offloaded; the memory only serves others through a daemon. Masters ([d, k] fp32,
 optional) stay plain tensors from :func:`allocate_state`.
 """
@@ -108,13 +107,12 @@ class RuntimeStorage:
     """Flat fp32 buffers as pages of a membar.runtime.Runtime (Note [LoGRA state storage])."""
 
     PAGE_BYTES = 2 << 20
-    MIN_PAGE_BYTES = 64 << 10
 
     def __init__(self, runtime, name: str = "logra"):
         self.runtime = runtime
         self.name = name
         self.spaces = {}
-        self._pool_cache = {}
+        self._flat = {}
 
     def describe(self) -> str:
         return f"runtime pages ({self.runtime.describe()})"
@@ -123,36 +121,17 @@ class RuntimeStorage:
     def device(self) -> torch.device:
         return self.runtime.device
 
-    def _page_bytes(self, nbytes: int) -> int:
-        page = self.PAGE_BYTES
-        while page > self.MIN_PAGE_BYTES and page // 2 >= nbytes:
-            page //= 2
-        return page
-
-    def _flat_view(self, kind: str, numel: int) -> torch.Tensor:
+    def _acquire(self, kind: str) -> torch.Tensor:
         space = self.spaces[kind]
-        acquired = space.acquire(0, space.page_count, write=True, zero=True, wait=True)
-        indices = acquired.indices.long().tolist()
-        first = indices[0]
-        if indices != list(range(first, first + len(indices))):
-            space.release(0, space.page_count)
-            raise RuntimeError(
-                f"LoGRA: the runtime placed the {len(indices)} pages of {space.name!r} on scattered pool rows "
-                f"({indices[:4]}...); the flat state needs them consecutive. Give the runtime a larger GPU window "
-                "or create the LoGRA states before other spaces fragment it.")
-        pool = self._pool_cache.get(space.page_bytes)
-        if pool is None:
-            pool = space.pool(torch.float32, (space.page_bytes // 4,))
-            self._pool_cache[space.page_bytes] = pool
-        return pool[first:first + len(indices)].reshape(-1)[:numel]
+        space.acquire(0, space.page_count, write=True, zero=True, wait=True)
+        return self._flat[kind]
 
     def allocate(self, kind: str, numel: int) -> torch.Tensor:
-        nbytes = numel * 4
-        page_bytes = self._page_bytes(nbytes)
-        pages = max(1, math.ceil(nbytes / page_bytes))
-        space = self.runtime.space(f"{self.name}.{kind}", page_bytes=page_bytes, pages=pages)
+        pages = max(1, math.ceil(numel * 4 / self.PAGE_BYTES))
+        space = self.runtime.space(f"{self.name}.{kind}", page_bytes=self.PAGE_BYTES, pages=pages)
         self.spaces[kind] = space
-        return self._flat_view(kind, numel)
+        self._flat[kind] = space.pool(torch.float32, (self.PAGE_BYTES // 4,)).view(-1)[:numel]
+        return self._acquire(kind)
 
     def offload(self, kind: str, flat: torch.Tensor) -> None:
         space = self.spaces[kind]
@@ -169,7 +148,7 @@ class RuntimeStorage:
         space.prefetch(0, space.page_count)
 
     def restore(self, kind: str, numel: int) -> torch.Tensor:
-        return self._flat_view(kind, numel)
+        return self._acquire(kind)
 
     def close(self) -> None:
         for space in self.spaces.values():
@@ -179,7 +158,7 @@ class RuntimeStorage:
                 pass  # already released (offloaded)
             space.destroy()
         self.spaces.clear()
-        self._pool_cache.clear()
+        self._flat.clear()
 
 
 class LoGRAStates:

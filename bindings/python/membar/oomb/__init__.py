@@ -8,8 +8,9 @@ See docs/oomb.md.
 """
 from .config import OOMBConfig, ResidencyPlan, plan_gpu_resident_layers, pool_bytes_per_layer
 from .hf_attention import ATTENTION_NAME, register
-from .kv_store import Access, KVStore, PageLayout, TensorKVStore
+from .kv_store import Access, KVStore, PageLayout
+from .runtime_store import RuntimeKVStore
 from .trainer import IGNORE_INDEX, OOMBTrainer
 
 __all__ = ["OOMBConfig", "pool_bytes_per_layer", "plan_gpu_resident_layers", "ResidencyPlan", "OOMBTrainer",
-           "KVStore", "TensorKVStore", "PageLayout", "Access", "ATTENTION_NAME", "IGNORE_INDEX", "register"]
+           "KVStore", "RuntimeKVStore", "PageLayout", "Access", "ATTENTION_NAME", "IGNORE_INDEX", "register"]

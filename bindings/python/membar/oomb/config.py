@@ -21,8 +21,11 @@ class OOMBConfig:
     query_tile_tokens: queries that share one sparse selection.
     offload: keep the K/V and dK/dV pages in (pinned) host memory and bring each layer's pages in
         ahead of use.
-    gpu_resident_layers: with offload, the first this-many layers keep their pages on the GPU (use
-        GPU memory left over beside host memory; see pool_bytes_per_layer to size it).
+    gpu_resident_layers: with offload, GPU budget for this-many whole layers' pages on top of the
+        streaming working set (use GPU memory left over beside host memory; see
+        pool_bytes_per_layer to size it). The runtime decides which pages stay, by farthest next use.
+    gpu_budget_bytes: with offload, the runtime's GPU budget for pages, replacing the default (a few
+        history blocks plus gpu_resident_layers whole layers).
     prefetch_depth: how many accesses ahead an offloading store copies pages in.
     grad_page_dtype: float32 (default, exact) or bfloat16 for the dK/dV pages.
     deterministic: ask the backward kernel for run-to-run identical bits.
@@ -51,6 +54,7 @@ class OOMBConfig:
     query_tile_tokens: int = 128
     offload: bool = False
     gpu_resident_layers: int = 0
+    gpu_budget_bytes: int | None = None
     prefetch_depth: int = 2
     grad_page_dtype: torch.dtype = torch.float32
     deterministic: bool = False

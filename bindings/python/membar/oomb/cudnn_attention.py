@@ -7,8 +7,8 @@ Note [cuDNN for dense history]
   same attention FLOPs as full-sequence training, so its step time can only approach the baseline's
   with kernels of that class.
   Approach: when a chunk's history pages are consecutive rows of their pool (every dense access of
-  TensorKVStore: a resident layer's pools, or the block an offloading store just copied in), the
-  history is one strided tensor [tokens, Hkv, D] and needs no page table. The forward is two fused
+  the runtime's store: a space's pages are contiguous, Note [Runtime pages] in runtime_store.py),
+  the history is one strided tensor [tokens, Hkv, D] and needs no page table. The forward is two fused
   calls, history (no mask) and the chunk itself (causal, aligned at the top left as the chunk's
   queries and keys start at the same position), merged by log-sum-exp. The backward runs each part
   with the MERGED out and lse (P = exp(s - lse_final), D = rowsum(dO * O_final): ring attention's

@@ -1,23 +1,32 @@
-"""A KVStore whose pages live in the membar memory runtime (membar.runtime).
+"""Where the K/V and dK/dV pages of a sequence live: membar's memory runtime (membar.runtime).
 
 Each layer has four spaces, "L{layer}.k", ".v", ".dk", ".dv", of one page per page_tokens tokens
-(page_shape [page_tokens, Hkv, D]). The runtime is embedded in this process by default, or a
-running membard daemon (socket=...). The trainer's whole access plan becomes the runtime's
-schedule (Runtime.set_schedule), and each access advances it, so the runtime prefetches the pages
-of the next layers and evicts by farthest next use; with offload=True every access's pages are
-also written back to host memory as soon as the access ends (KV behind stage 1, dK/dV behind each
-layer's backward), keeping GPU use to the few layers in flight.
+(page_shape [page_tokens, Hkv, D]; any size). The runtime is embedded in this process by
+default, or the membard daemon named by ``socket`` / ``$MEMBAR_SOCKET``.
 
-Note [Runtime pages and the compute stream]
-  Acquired pages are handed to the kernels as rows of the space's pool tensor (the client's
-  mapped window). The runtime's release takes no stream, so before releasing pages that kernels
-  enqueued on a CUDA stream still use, this store waits for that stream. That is correct and
-  simple; a stream-ordered release in the runtime would remove the wait.
-
-Limitations: a page must be a power of two between 64 KiB and 2 MiB (the runtime's page sizes),
-e.g. 128 tokens x 4 KV heads x 128 dims in bf16 (128 KiB) or fp32 (256 KiB).
+Note [Runtime pages]
+  Rationale: the runtime must be the store at the speed of plain tensor pools: cuDNN's fused
+  attention (the fastest dense kernels on Hopper) reads only contiguous K/V, and nothing may wait
+  for the GPU on the host in the step loop.
+  Approach: a space is contiguous (Note [Space layout] in engine/engine.cpp), so a layer's pages
+  [a, b) are rows [a, b) of its pool tensor and a history view is one strided tensor with
+  first_row = a: the dense path runs cuDNN on it directly, membar's kernels get the identity page
+  table, and sparse reads index it by page number. Each access is one runtime call:
+  acquire_ranges over the K and V (or dK and dV) ranges with the schedule step to advance to, so
+  the runtime prefetches the next accesses and evicts by farthest next use (the whole access plan
+  is its schedule); the current stream then waits for the ticket on the GPU (cuStreamWaitValue64),
+  and releases are stream-ordered (the stream writes a marker; the runtime holds copies and
+  unmaps until it sees it). With offload, the runtime's GPU budget is what it may keep on the GPU
+  (gpu_budget_bytes, or a working set of a few history blocks, plus gpu_resident_layers whole
+  layers when asked); every layer's history streams in blocks, and whatever the budget holds
+  stays resident by the runtime's choice.
+  Limitations: with offload in sparse mode, each access names its selected pages, so the union of
+  a selection must be known on the host (one wait for the GPU per layer and chunk in stage 1).
+  Grad pages are counted as contents once a backward acquired them (zero-filled on first use).
 """
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -25,81 +34,120 @@ from .kernels import GradView, HistoryView
 from .kv_store import Access, KVStore, PageLayout, StoreStats, _runs
 
 _MIB = 1 << 20
+_FRAME = 2 * _MIB
 
 
 def _round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
 
 
-class RuntimeKVStore(KVStore):
-    """Pages in membar's runtime. runtime: an already connected membar.runtime.Runtime (optional);
-    socket: reach a membard daemon there instead of embedding one; offload: write pages back to
-    host memory behind each access. Same threading contract as KVStore."""
+def _space_bytes(pages: int, page_bytes: int) -> int:
+    return _round_up(pages * page_bytes, _FRAME)
 
-    def __init__(self, device: torch.device | str, socket: str | None = None, offload: bool = False,
-                 runtime=None, gpu_pool_bytes: int | None = None, host_pool_bytes: int | None = None):
+
+def store_sizes(layout: PageLayout, offload: bool, block_pages: int, prefetch_depth: int,
+                gpu_budget_bytes: int | None = None, gpu_resident_layers: int = 0) -> tuple[int, int]:
+    """(GPU bytes, host bytes) the runtime needs for a sequence of this layout: without offload
+    every page on the GPU; with offload every page in host memory and a GPU budget of
+    gpu_budget_bytes, or else a working set (prefetch_depth + 2 accesses of a history block's K, V,
+    dK and dV, and a chunk's pages) plus gpu_resident_layers whole layers."""
+    kv, grad = layout.page_bytes(layout.dtype), layout.page_bytes(layout.grad_dtype)
+    layer = 2 * _space_bytes(layout.num_pages, kv) + 2 * _space_bytes(layout.num_pages, grad)
+    total = layout.num_layers * layer
+    if not offload:
+        return total, 0
+    if gpu_budget_bytes is None:
+        block = min(block_pages or layout.num_pages, layout.num_pages)
+        access = 2 * _space_bytes(block, kv) + 2 * _space_bytes(block, grad)
+        gpu_budget_bytes = (prefetch_depth + 3) * access + gpu_resident_layers * layer
+    return min(total, _round_up(gpu_budget_bytes, _FRAME)), total
+
+
+class RuntimeKVStore(KVStore):
+    """Pages in membar's runtime (Note [Runtime pages]).
+
+    runtime: an already connected membar.runtime.Runtime (optional); socket: reach the membard
+    daemon there instead of embedding a runtime (default: $MEMBAR_SOCKET when set, else embedded);
+    offload: pages live in host memory and stream through a GPU budget (gpu_budget_bytes, default
+    a few history blocks plus gpu_resident_layers whole layers); name: how membarctl shows this
+    trainer. Same threading contract as KVStore."""
+
+    def __init__(self, device: torch.device | str, *, offload: bool = False, socket: str | None = None,
+                 runtime=None, gpu_budget_bytes: int | None = None, gpu_resident_layers: int = 0,
+                 block_tokens: int = 65536, prefetch_depth: int = 2, name: str = "membar-trainer"):
         self.device = torch.device(device)
-        self.socket = socket
         self.offload = offload
+        env_socket = os.environ.get("MEMBAR_SOCKET") or None
+        self.socket = socket if socket is not None else (env_socket if env_socket != "embedded" else None)
         self.runtime = runtime
-        self._gpu_pool_bytes, self._host_pool_bytes = gpu_pool_bytes, host_pool_bytes
+        self._own_runtime = runtime is None
+        self.gpu_budget_bytes = gpu_budget_bytes
+        self.gpu_resident_layers = gpu_resident_layers
+        self.block_tokens = block_tokens
+        self.prefetch_depth = prefetch_depth
+        self.name = name
         self.layout: PageLayout | None = None
         self._capacity: PageLayout | None = None
+        self._sizes = (0, 0)
         self.spaces: list[dict] = []     # per layer: {"k", "v", "dk", "dv"} -> Space
-        self._live: dict = {}            # space name -> bool [num_pages]: pages holding contents
-        self._kv_pool = self._grad_pool = None
+        self.pools: list[dict] = []      # per layer: the same keys -> pool tensor [pages, page_tokens, Hkv, D]
+        self._live: dict = {}            # space id -> bool [num_pages]: pages holding contents
+        self._page_numbers: torch.Tensor | None = None
         self._step_of: dict = {}
-        self._base_stats = None
+        self._cuda = self.device.type == "cuda"
         self._own = StoreStats()
+        self._baseline: dict | None = None
 
     # -- connection and spaces --------------------------------------------------------------------
 
-    def _connect(self, layout: PageLayout) -> None:
+    def _connect(self, gpu_bytes: int, host_bytes: int) -> None:
         from membar.runtime import Runtime
 
-        layer_bytes = 2 * layout.num_pages * (layout.page_bytes(layout.dtype) + layout.page_bytes(layout.grad_dtype))
-        total = layout.num_layers * layer_bytes
-        gpu = self._gpu_pool_bytes or (min(total, 3 * layer_bytes) if self.offload else total)
-        host = self._host_pool_bytes or (total if self.offload else 4 * _MIB)
-        gpu, host = _round_up(gpu + 4 * _MIB, 2 * _MIB), _round_up(host + 4 * _MIB, 2 * _MIB)
-        backend = "cuda" if self.device.type == "cuda" else "host"
+        gpu = _round_up(max(gpu_bytes, _FRAME) + 4 * _MIB, _FRAME)
+        host = _round_up(max(host_bytes, _FRAME) + 4 * _MIB, _FRAME)
+        backend = "cuda" if self._cuda else "host"
+        device = self.device.index or 0
         if self.socket:
-            self.runtime = Runtime.connect(socket=self.socket, embedded=False, device=self.device.index or 0)
+            self.runtime = Runtime.connect(socket=self.socket, embedded=False, device=device, name=self.name,
+                                           gpu_quota_bytes=gpu, host_quota_bytes=host)
         else:
             self.runtime = Runtime.connect(embedded=True, backend=backend, gpu_pool_bytes=gpu, host_pool_bytes=host,
-                                           device=self.device.index or 0)
+                                           device=device, name=self.name)
         if self.runtime.device.type != self.device.type:
             raise ValueError(f"the runtime keeps pages on {self.runtime.device}, the model runs on {self.device}.")
 
+    def _block_pages(self, layout: PageLayout) -> int:
+        return self.block_tokens // layout.page_tokens if self.block_tokens else 0
+
     def open_sequence(self, layout: PageLayout) -> None:
-        for dtype in (layout.dtype, layout.grad_dtype):
-            size = layout.page_bytes(dtype)
-            if size & (size - 1) or not (64 * 1024 <= size <= 2 * _MIB):
-                raise ValueError(
-                    f"a page of {layout.page_tokens} tokens x {layout.num_kv_heads} KV heads x {layout.head_dim} "
-                    f"dims in {dtype} is {size} bytes; the runtime's pages are powers of two from 64 KiB to 2 MiB "
-                    "(change page_tokens, or use the plain TensorKVStore).")
         if layout.device != self.device:
             raise ValueError(f"this store serves {self.device}, the model runs on {layout.device}.")
         if not layout.fits_in(self._capacity):
+            sizes = store_sizes(layout, self.offload, self._block_pages(layout), self.prefetch_depth,
+                                self.gpu_budget_bytes, self.gpu_resident_layers)
             for layer_spaces in self.spaces:
                 for space in layer_spaces.values():
                     self._free_live(space)
                     space.destroy()
-            self.spaces = []
-            if self.runtime is None or (not self.socket and self._capacity is not None):
-                self._connect(layout)
+            self.spaces, self.pools, self._live = [], [], {}
+            if self.runtime is None or (self._own_runtime and not self.socket
+                                        and (sizes[0] > self._sizes[0] or sizes[1] > self._sizes[1])):
+                self.runtime = None
+                self._connect(*sizes)
+                self._sizes = sizes
             page_shape = (layout.page_tokens, layout.num_kv_heads, layout.head_dim)
             for layer in range(layout.num_layers):
-                spaces = {}
+                spaces, pools = {}, {}
                 for kind, dtype in (("k", layout.dtype), ("v", layout.dtype),
                                     ("dk", layout.grad_dtype), ("dv", layout.grad_dtype)):
-                    spaces[kind] = self.runtime.space(f"L{layer:03d}.{kind}", page_shape=page_shape, dtype=dtype,
-                                                      pages=layout.num_pages)
-                    self._live[spaces[kind].name] = torch.zeros(layout.num_pages, dtype=torch.bool)
+                    space = self.runtime.space(f"L{layer:03d}.{kind}", page_shape=page_shape, dtype=dtype,
+                                               pages=layout.num_pages)
+                    spaces[kind] = space
+                    pools[kind] = space.pool()
+                    self._live[space.id] = torch.zeros(layout.num_pages, dtype=torch.bool)
                 self.spaces.append(spaces)
-            self._kv_pool = self.spaces[0]["k"].pool()
-            self._grad_pool = self.spaces[0]["dk"].pool()
+                self.pools.append(pools)
+            self._page_numbers = torch.arange(layout.num_pages, dtype=torch.int32, device=self.device)
             self._capacity = layout
         self.layout = layout
         self._step_of = {}
@@ -108,7 +156,10 @@ class RuntimeKVStore(KVStore):
     def close_sequence(self) -> None:
         if self.layout is None:
             return
-        self._sync()
+        if self._cuda:
+            # The next sequence's writes must not overtake this one's reads in the runtime's copies:
+            # its stream-ordered releases already order them; the host waits for nothing here.
+            pass
         for layer_spaces in self.spaces:
             for space in layer_spaces.values():
                 self._free_live(space)
@@ -117,57 +168,54 @@ class RuntimeKVStore(KVStore):
         self.layout = None
 
     def _free_live(self, space) -> None:
-        live = self._live.get(space.name)
-        if live is None:
+        live = self._live.get(space.id)
+        if live is None or not bool(live.any()):
             return
         for first, count in _runs(torch.nonzero(live).flatten().tolist()):
             space.free(first, count)
         live.zero_()
 
-    # -- helpers ------------------------------------------------------------------------------------
+    # -- one access = one runtime call ------------------------------------------------------------
 
-    def _sync(self) -> None:
-        # Note [Runtime pages and the compute stream].
-        if self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()
+    def _ranges(self, layer: int, kinds: tuple[str, str], pages: list[tuple[int, int]]) -> list[int]:
+        flat = []
+        for kind in kinds:
+            space_id = self.spaces[layer][kind].id
+            for first, count in pages:
+                flat += [space_id, first, count]
+        return flat
 
-    def _acquire(self, space, pages: list[int], write: bool, zero: bool | None = None):
-        """Acquires pages (runs of consecutive pages); returns their pool rows in page order.
-        zero (default: write): pages without contents read as zeros."""
-        indices, handles = [], []
-        for first, count in _runs(pages):
-            acquired = space.acquire(first, count, write=write, zero=write if zero is None else zero)
-            if self.device.type == "cuda":
-                self.runtime.stream_wait(acquired.ticket)
-            else:
-                acquired.wait()
-            indices.append(acquired.indices)
-            handles.append((space, first, count, write))
-            if write:
-                self._live[space.name][first: first + count] = True
-        return torch.cat(indices).to(self.device), handles
+    def _acquire(self, flat: list[int], *, write: bool, zero: bool, step: int | None) -> None:
+        native = self.runtime._native
+        ticket = native.acquire_ranges(flat, write, zero, -1 if step is None else step)
+        if write or zero:
+            for i in range(0, len(flat), 3):
+                self._live[flat[i]][flat[i + 1]: flat[i + 1] + flat[i + 2]] = True
+        if self._cuda:
+            if native.completed_ticket() < ticket:
+                native.stream_wait(ticket, torch.cuda.current_stream(self.device).cuda_stream)
+        else:
+            native.wait(ticket)
 
-    def _release(self, handles) -> None:
-        self._sync()
-        for space, first, count, dirty in handles:
-            space.release(first, count, dirty=dirty)
-            if self.offload:
-                space.offload(first, count)
+    def _release(self, flat: list[int], dirty: bool) -> None:
+        native = self.runtime._native
+        if self._cuda:
+            native.stream_release_ranges(flat, dirty, torch.cuda.current_stream(self.device).cuda_stream)
+        else:
+            native.release_ranges(flat, dirty)
 
     @staticmethod
-    def _pages_of(access: Access) -> list[int]:
+    def _page_runs(access: Access) -> list[tuple[int, int]]:
         if access.selected is not None:
-            return list(access.selected)
-        return list(range(access.first_page, access.first_page + access.num_pages))
-
-    def _advance(self, access: Access) -> None:
-        step = self._step_of.get(access.key)
-        if step is not None:
-            self.runtime.advance(step)
+            return _runs(list(access.selected))
+        return [(access.first_page, access.num_pages)]
 
     # -- KVStore ------------------------------------------------------------------------------------
 
     def offloaded(self, layer: int) -> bool:
+        return self.offload
+
+    def reads_selected_pages(self, layer: int) -> bool:
         return self.offload
 
     def write_chunk(self, layer: int, first_page: int, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -175,63 +223,71 @@ class RuntimeKVStore(KVStore):
         layout = self.layout
         tokens = k.shape[0]
         pages = -(-tokens // layout.page_tokens)
-        handles = []
-        for kind, data in (("k", k), ("v", v)):
-            rows, acquired = self._acquire(self.spaces[layer][kind], list(range(first_page, first_page + pages)), True)
-            padded = data.new_zeros((pages * layout.page_tokens,) + tuple(data.shape[1:]))
-            padded[:tokens] = data
-            self._kv_pool.index_copy_(0, rows.long(), padded.view(pages, layout.page_tokens, *data.shape[1:]))
-            handles += acquired
-        self._release(handles)
+        if first_page + pages > layout.num_pages:
+            raise ValueError(f"chunk pages [{first_page}, {first_page + pages}) lie past the sequence's "
+                             f"{layout.num_pages} pages.")
+        flat = self._ranges(layer, ("k", "v"), [(first_page, pages)])
+        self._acquire(flat, write=True, zero=False, step=None)
+        first_row = first_page * layout.page_tokens
+        pools = self.pools[layer]
+        if k.device.type != "meta":
+            pools["k"].view(-1, layout.num_kv_heads, layout.head_dim)[first_row: first_row + tokens].copy_(k)
+            pools["v"].view(-1, layout.num_kv_heads, layout.head_dim)[first_row: first_row + tokens].copy_(v)
+        self._release(flat, dirty=True)
+
+    def _view_rows(self, access: Access) -> torch.Tensor:
+        return self._page_numbers[access.first_page: access.first_page + access.num_pages]
 
     def history(self, access: Access, history_tokens: int) -> HistoryView:
-        self._advance(access)
-        pages = self._pages_of(access)
-        k_rows, k_handles = self._acquire(self.spaces[access.layer]["k"], pages, False)
-        v_rows, v_handles = self._acquire(self.spaces[access.layer]["v"], pages, False)
-        view = HistoryView(self._kv_pool, self._kv_pool, k_rows, history_tokens, v_page_index=v_rows,
-                           handles=k_handles + v_handles)
-        if access.selected is not None:
-            # Only the selected pages are acquired: renumber them 0..n-1 (kernels.HistoryView.page_map).
-            page_map = torch.full((access.num_pages,), -1, dtype=torch.int64)
-            page_map[torch.tensor(pages, dtype=torch.int64) - access.first_page] = torch.arange(len(pages))
-            view.page_map = page_map   # host: HistoryView.remap_selection applies it
-            view.history_tokens = len(pages) * self.layout.page_tokens
-        return view
+        flat = self._ranges(access.layer, ("k", "v"), self._page_runs(access))
+        self._acquire(flat, write=False, zero=False, step=self._step_of.get(access.key))
+        pools = self.pools[access.layer]
+        return HistoryView(pools["k"], pools["v"], self._view_rows(access), history_tokens,
+                           handles=(flat, False), first_row=access.first_page)
 
     def grad_history(self, access: Access) -> GradView:
-        self._advance(access)
-        pages = self._pages_of(access)
-        dk_rows, dk_handles = self._acquire(self.spaces[access.layer]["dk"], pages, True)
-        dv_rows, dv_handles = self._acquire(self.spaces[access.layer]["dv"], pages, True)
-        return GradView(self._grad_pool, self._grad_pool, dk_rows, dv_page_index=dv_rows,
-                        handles=dk_handles + dv_handles)
+        flat = self._ranges(access.layer, ("dk", "dv"), self._page_runs(access))
+        self._acquire(flat, write=True, zero=True, step=self._step_of.get(access.key))
+        pools = self.pools[access.layer]
+        return GradView(pools["dk"], pools["dv"], self._view_rows(access), handles=(flat, True),
+                        first_row=access.first_page)
 
     def chunk_grads(self, access: Access, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
-        self._advance(access)
         layout = self.layout
-        pages = self._pages_of(access)
-        out = []
-        for kind in ("dk", "dv"):
-            # In sparse mode no later chunk may have selected a page: it then holds no gradient.
-            rows, handles = self._acquire(self.spaces[access.layer][kind], pages, False, zero=True)
-            values = self._grad_pool.index_select(0, rows.long())   # a copy: safe after release
-            self._release(handles)
-            out.append(values.view(len(pages) * layout.page_tokens, layout.num_kv_heads, layout.head_dim)[:tokens])
-        return out[0], out[1]
+        flat = self._ranges(access.layer, ("dk", "dv"), [(access.first_page, access.num_pages)])
+        # In sparse mode no later chunk may have selected a page: it then reads as zeros.
+        self._acquire(flat, write=False, zero=True, step=self._step_of.get(access.key))
+        self._chunk_grad_ranges = flat
+        first_row = access.first_page * layout.page_tokens
+        pools = self.pools[access.layer]
+        rows = slice(first_row, first_row + tokens)
+        return (pools["dk"].view(-1, layout.num_kv_heads, layout.head_dim)[rows],
+                pools["dv"].view(-1, layout.num_kv_heads, layout.head_dim)[rows])
 
     def release(self, access: Access, view) -> None:
-        if view is not None and getattr(view, "handles", None):
-            self._release(view.handles)
+        if view is None:
+            # The chunk's own grad pages (chunk_grads): the kernels reading them are enqueued.
+            flat = getattr(self, "_chunk_grad_ranges", None)
+            if flat is not None:
+                self._chunk_grad_ranges = None
+                self._release(flat, dirty=False)
+            return
+        handles = getattr(view, "handles", None)
+        if handles:
+            flat, dirty = handles
             view.handles = None
+            self._release(flat, dirty)
 
     def free_pages(self, first_page: int, num_pages: int) -> None:
         for layer_spaces in self.spaces:
             for space in layer_spaces.values():
-                live = self._live[space.name]
-                for first, count in _runs([p for p in range(first_page, first_page + num_pages) if live[p]]):
+                live = self._live[space.id]
+                segment = live[first_page: first_page + num_pages]
+                if not bool(segment.any()):
+                    continue
+                for first, count in _runs((torch.nonzero(segment).flatten() + first_page).tolist()):
                     space.free(first, count)
-                live[first_page: first_page + num_pages] = False
+                segment.zero_()
         self._own.pages_freed(num_pages)
 
     def plan(self, accesses: list[Access]) -> None:
@@ -241,16 +297,20 @@ class RuntimeKVStore(KVStore):
             ranges = []
             for kind in kinds[access.kind]:
                 space = self.spaces[access.layer][kind]
-                ranges += [(space, first, count) for first, count in _runs(self._pages_of(access))]
+                ranges += [(space, first, count) for first, count in self._page_runs(access)]
             self._step_of[access.key] = len(steps)
             steps.append(ranges)
         self.runtime.set_schedule(steps)
+
+    def reserve(self, layout: PageLayout) -> None:
+        self.open_sequence(layout)
+        self.close_sequence()
 
     @property
     def stats(self) -> StoreStats:
         """Page traffic as the runtime counts it (this client), plus the store's page bookkeeping."""
         stats = StoreStats(pages_live=self._own.pages_live)
-        if self.runtime is None or self.layout is None and self._capacity is None:
+        if self.runtime is None or self._capacity is None:
             return stats
         client = self.runtime.stats()["clients"][0]
         layout = self._capacity
@@ -261,6 +321,7 @@ class RuntimeKVStore(KVStore):
         stats.pages_to_host = stats.bytes_to_host // page
         stats.prefetch_hits = int(client.get("prefetch_hits", 0))
         stats.prefetch_misses = int(client.get("prefetch_misses", 0))
-        stats.host_pool_bytes = self._host_pool_bytes or 0
-        stats.device_pool_bytes = self.runtime.window_bytes
+        stats.host_pool_bytes = int(client["host_frames"]["peak"]) * _FRAME
+        stats.device_pool_bytes = int(client["gpu_frames"]["peak"]) * _FRAME
+        stats.stall_ns = int(client.get("stall_ns", 0))
         return stats

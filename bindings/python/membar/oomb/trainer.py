@@ -30,7 +30,8 @@ from torch.utils.checkpoint import checkpoint
 from .config import OOMBConfig
 from .hf_attention import ATTENTION_NAME, NO_MASK, ChunkContext, chunk_context, current_context, register
 from . import cudnn_attention, kernels, models
-from .kv_store import Access, KVStore, PageLayout, TensorKVStore
+from .kv_store import Access, KVStore, PageLayout
+from .runtime_store import RuntimeKVStore
 
 IGNORE_INDEX = -100
 
@@ -66,11 +67,14 @@ class OOMBTrainer:
     optimizer.step(); optimizer.zero_grad()
     trainer.stats                       # tokens/s, peak memory, pages moved of the last step
 
-    `store` chooses where pages live (default: TensorKVStore on the model's device, offloading to
-    host memory when config.offload). step() blocks until the step's GPU work is done.
+    Pages live in membar's memory runtime (runtime_store.py, Note [Runtime pages]): the runtime
+    given, else the membard daemon at `socket` (default $MEMBAR_SOCKET), else one embedded in this
+    process; with config.offload they live in host memory and stream through a GPU budget. `store`
+    replaces it with another KVStore. step() blocks until the step's GPU work is done.
     """
 
-    def __init__(self, model, config: OOMBConfig | None = None, store: KVStore | None = None, **options):
+    def __init__(self, model, config: OOMBConfig | None = None, store: KVStore | None = None, *,
+                 runtime=None, socket: str | None = None, name: str = "membar-trainer", **options):
         if config is None:
             config = OOMBConfig(**options)
         elif options:
@@ -102,9 +106,10 @@ class OOMBTrainer:
         self.logit_softcap = models.final_logit_softcap(model)
         self.rotary = models.SequenceLengthRotary(
             model, lambda: getattr(current_context(), "sequence_tokens", None))
-        self.store = store if store is not None else TensorKVStore(
-            self.device, offload=config.offload, prefetch_depth=config.prefetch_depth,
-            gpu_resident_layers=config.gpu_resident_layers)
+        self.store = store if store is not None else RuntimeKVStore(
+            self.device, offload=config.offload, socket=socket, runtime=runtime,
+            gpu_budget_bytes=config.gpu_budget_bytes, gpu_resident_layers=config.gpu_resident_layers,
+            block_tokens=config.history_block_tokens, prefetch_depth=config.prefetch_depth, name=name)
         self.stats: dict = {}
         # Sparse mode: the pages each (layer, chunk) attended in the last sequence, int32
         # [query_tiles, top_k] or None for "all history" (kept for inspection and tests).
@@ -163,6 +168,7 @@ class OOMBTrainer:
             "prefetch_misses": store_after["prefetch_misses"] - store_before["prefetch_misses"],
             "host_pool_bytes": store_after["host_pool_bytes"],
             "device_pool_bytes": store_after["device_pool_bytes"],
+            "stall_seconds": (store_after["stall_ns"] - store_before["stall_ns"]) * 1e-9,
             **host_memory(),
         }
         self.stats["pages_moved"] = self.stats["pages_to_device"] + self.stats["pages_to_host"]
@@ -172,7 +178,9 @@ class OOMBTrainer:
         self.stats["cudnn_attention_calls"] = (cudnn_attention.calls["forward"] + cudnn_attention.calls["backward"]
                                                - cudnn_before)
         if self.device.type == "cuda":
+            # PyTorch's allocations at their peak, plus the runtime's GPU frames (its own pool).
             self.stats["peak_gpu_bytes"] = torch.cuda.max_memory_allocated(self.device)
+            self.stats["peak_gpu_bytes_total"] = self.stats["peak_gpu_bytes"] + store_after["device_pool_bytes"]
         return total
 
     @torch.no_grad()

@@ -28,6 +28,7 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -125,6 +126,14 @@ class Engine {
   // kSignalReleased word. Returns at once; copies out of or into the pages' GPU frames, and the
   // unmapping or revocation of those frames, wait until the word is seen at or past `marker`.
   virtual Status release_after(ClientId client, PageRange range, bool dirty, uint64_t marker) = 0;
+  // Several ranges in one call and one ticket (the K and V pages of one access, say); with
+  // `advance_step`, advance(step) first. A failure pins nothing.
+  virtual Result<Ticket> acquire_ranges(ClientId client, const std::vector<PageRange>& ranges, uint32_t flags,
+                                        std::optional<uint32_t> advance_step) = 0;
+  // Several ranges released at once; with `marker`, in stream order (release_after). All ranges
+  // are checked before any is released.
+  virtual Status release_ranges(ClientId client, const std::vector<PageRange>& ranges, bool dirty,
+                                std::optional<uint64_t> marker) = 0;
   virtual Result<Ticket> prefetch(ClientId client, PageRange range) = 0;
   virtual Result<Ticket> offload(ClientId client, PageRange range) = 0;
   virtual Status free_pages(ClientId client, PageRange range) = 0;
