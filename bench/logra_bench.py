@@ -18,7 +18,7 @@ init, from config) on batch x seqlen tokens with gradient checkpointing. Variant
   sketch64_chunked      the plain sketch with the same chunked loss as LoGRA (separates the
                         loss's share of the saving from LoGRA's own)
   logra64_rt            logra64 with sketches and Adam moments as pages of an embedded
-                        membar.runtime.Runtime (CUDA backend); peak adds the runtime's GPU window
+                        membar.runtime.Runtime (CUDA backend); peak adds the runtime's GPU frames
   logra64_offload       logra64_rt with the moments offloaded to host memory between updates
   logra64_fwdproj       logra64 projecting x A^T in the forward (saved P) instead of the backward
   logra64_exact         logra64 with the CUDA-core update kernel (bit-identical to the CPU) instead
@@ -158,13 +158,12 @@ def build(model_name, variant, device):
         if variant.endswith("_rt") or variant.endswith("_offload"):
             from membar.runtime import Runtime
 
-            # The embedded runtime's GPU window holds sketches and both moments; its host pool
+            # The embedded runtime's GPU pool holds sketches and both moments; its host pool
             # the offloaded moments. 2 MiB of slack per kind for page rounding.
             state_bytes = sum(4 * child.out_features * rank for _, _, _, child in logra.target_linears(model, TARGETS))
             window = (3 * (state_bytes + (4 << 20)) + (2 << 20) - 1) // (2 << 20) * (2 << 20)
             runtime = Runtime.connect(embedded=True, backend="cuda" if device == "cuda" else "host",
                                       gpu_pool_bytes=window, host_pool_bytes=window)
-            info["runtime_window_bytes"] = runtime.window_bytes
         handle = logra.apply_logra(model, rank=rank, targets=TARGETS, seed=1, runtime=runtime,
                                    projection="forward" if variant.endswith("_fwdproj") else "auto")
         optimizer = logra.LoGRAOptimizer(handle, lr=1e-5, algorithm="adam",
@@ -373,12 +372,14 @@ def run_child(model_name, variant, args):
         measured = times[1:] or times
         result.update(step_s=min(measured), mean_step_s=sum(measured) / len(measured), trainable=info["trainable"],
                       state_bytes=info["state_bytes"]())
-        for key in ("sync_payload_bytes", "full_weight_bytes", "runtime_window_bytes"):
+        if info.get("runtime") is not None:
+            result["runtime_gpu_bytes"] = info["runtime"].gpu_bytes(peak=True)
+        for key in ("sync_payload_bytes", "full_weight_bytes"):
             if key in info:
                 result[key] = info[key]
         if cuda:
-            # Runtime pages live in the runtime's own VMM window, outside PyTorch's allocator.
-            extra = info.get("runtime_window_bytes", 0)
+            # Runtime pages live in the runtime's own VMM frames, outside PyTorch's allocator.
+            extra = result.get("runtime_gpu_bytes", 0)
             result["peak_gib"] = (torch.cuda.max_memory_allocated() + extra) / 2**30
             result["mean_gib"] = (sampler.mean() + extra) / 2**30
             if args.profile:

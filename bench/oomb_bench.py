@@ -68,6 +68,15 @@ def parse_tokens(text: str) -> int:
     return int(float(text[:-1] if text[-1] in "KM" else text) * scale)
 
 
+def _size(text: str) -> int:
+    from membar.units import parse_size
+
+    try:
+        return parse_size(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
 def human_tokens(tokens: int) -> str:
     if tokens % (K * K) == 0:
         return f"{tokens // (K * K)}M"
@@ -160,6 +169,7 @@ def run_one(model, spec: dict) -> dict:
                             top_k=spec["top_k"], query_tile_tokens=spec.get("query_tile_tokens") or spec["page_tokens"],
                             offload=offload,
                             gpu_resident_layers=int(resident), loss_piece_tokens=4096,
+                            gpu_budget_bytes=spec.get("gpu_budget_bytes") or None,
                             checkpoint_layers=spec.get("checkpoint_layers", True),
                             history_block_tokens=spec["history_block_tokens"],
                             dense_kernel=dense_kernel_of(result["variant"]))
@@ -192,6 +202,9 @@ def run_one(model, spec: dict) -> dict:
         host_peak_rss_gib=memory["peak_rss_bytes"] / 2**30, host_rss_gib=memory["rss_bytes"] / 2**30)
     if trainer is not None:
         stats = trainer.stats
+        if cuda:   # PyTorch's peak plus the runtime's GPU frames (not in PyTorch's allocator)
+            result.update(peak_gpu_total_gib=stats["peak_gpu_bytes_total"] / 2**30)
+        result.update(stall_seconds=stats["stall_seconds"])
         result.update(pages_moved=stats["pages_moved"], bytes_moved_gib=stats["bytes_moved"] / 2**30,
                       host_pool_gib=stats["host_pool_bytes"] / 2**30,
                       device_pool_gib=stats["device_pool_bytes"] / 2**30,
@@ -263,7 +276,7 @@ def child_main(job: dict) -> None:
 
 def run_sweep(args, write) -> list[dict]:
     specs = [dict(variant=variant, tokens=tokens, model=args.model, chunk=args.chunk, page_tokens=args.page_tokens,
-                  top_k=args.top_k, gpu_reserve_gib=args.gpu_reserve_gib,
+                  top_k=args.top_k, gpu_reserve_gib=args.gpu_reserve_gib, gpu_budget_bytes=args.gpu_budget,
                   query_tile_tokens=args.query_tile or args.page_tokens, stage2_chunks=args.stage2_chunks,
                   checkpoint_layers=not args.no_checkpoint_layers,
                   history_block_tokens=(parse_tokens(variant.split("@")[1]) if "@" in variant
@@ -481,6 +494,9 @@ def main() -> int:
                              "size gives one selection per chunk, so offload moves only top-k pages)")
     parser.add_argument("--history-block-tokens", type=int, default=65536,
                         help="offloaded layers stream their history through the GPU in blocks of this many tokens")
+    parser.add_argument("--gpu-budget", type=_size, default=0,
+                        help="offload variants: the runtime's GPU budget for pages (e.g. 2GiB; default: a few "
+                             "history blocks, plus the planned layers for dense-hybrid)")
     parser.add_argument("--gpu-reserve-gib", type=float, default=30.0,
                         help="dense-hybrid: GPU memory kept free for activations beside the pages")
     parser.add_argument("--time-budget", type=float, default=0.0,

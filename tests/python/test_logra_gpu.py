@@ -175,8 +175,8 @@ def test_states_as_cuda_runtime_pages_with_offloaded_moments_match_plain_tensors
             optimizer.step()
         torch.cuda.synchronize()
         if use_runtime:
-            start = runtime.window_pointer
-            assert start <= handle.layers[0].sketch.data_ptr() < start + runtime.window_bytes
+            space = handle.states.storage.spaces["sketch"]
+            assert space.pointer <= handle.layers[0].sketch.data_ptr() < space.pointer + space.page_bytes * space.page_count
             assert runtime.stats()["clients"][0]["bytes_gpu_to_host"] > 0
         results.append([layer.weight.detach().cpu() for layer in handle.layers])
     for plain, paged in zip(*results):

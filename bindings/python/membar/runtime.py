@@ -196,6 +196,11 @@ class Space:
             page_shape = (self.page_bytes // element,)
         return self.runtime._native.pool(self.id, dtype, [int(x) for x in page_shape])
 
+    @property
+    def pointer(self) -> int:
+        """The address of page 0 on the GPU side (page p lies at pointer + p * page_bytes)."""
+        return int(self.runtime._native.space_pointer(self.id, "gpu"))
+
     def destroy(self) -> None:
         """Frees every page and forgets the space (no page may be acquired)."""
         self.runtime._native.destroy_space(self.id)
@@ -293,6 +298,12 @@ class Runtime:
         """Frames per tier, this client's bytes by residency, bytes moved each way, prefetch
         hits / misses, evictions, stall time, and its spaces (each with the same counts)."""
         return json.loads(self._native.stats())
+
+    def gpu_bytes(self, peak: bool = True) -> int:
+        """GPU memory this client's pages occupy (2 MiB frames), at its peak or now: memory outside
+        PyTorch's allocator, to add to torch.cuda.max_memory_allocated()."""
+        frames = self.stats()["clients"][0]["gpu_frames"]
+        return int(frames["peak" if peak else "current"]) * (2 << 20)
 
     def create_channel(self, name: str, nbytes: int) -> Channel:
         """A zero-filled channel of ``nbytes`` that this process writes (see :class:`Channel`)."""

@@ -35,14 +35,12 @@ def _tokens(text):
 
 def _size(text):
     """A byte size: 8GiB, 512MiB, 1.5G, or a plain number of bytes."""
-    units = {"": 1, "b": 1, "k": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mib": 1 << 20, "g": 1 << 30,
-             "gib": 1 << 30, "t": 1 << 40, "tib": 1 << 40}
-    value = str(text).strip().lower()
-    number = value.rstrip("abcdefghijklmnopqrstuvwxyz")
+    from membar.units import parse_size
+
     try:
-        return int(float(number) * units[value[len(number):]])
-    except (KeyError, ValueError):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a size (e.g. 8GiB, 512MiB)") from None
+        return parse_size(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 def _parse(argv):

@@ -35,7 +35,8 @@ class OOMBConfig:
         stage 2 activation memory further. The recompute reuses the attention output of the chunk's
         stage-2 forward (kept per layer until its backward), so attention is not computed a third time.
     history_block_tokens: with offload, a layer's history travels through the GPU in blocks of this
-        many tokens (a multiple of page_tokens; 0 = the whole history at once). Each block is one
+        many tokens (a multiple of page_tokens; 0 = the whole history at once; default 64K tokens
+        rounded down to whole pages). Each block is one
         attention call without the chunk's own keys, merged by log-sum-exp with a chunk-only call, so
         GPU memory no longer grows with the sequence (Note [Streaming a layer's history] in
         hf_attention.py). Default 64K: on an H200 at 256K (Qwen2.5-7B shape) blocks of 64K cost
@@ -60,7 +61,7 @@ class OOMBConfig:
     deterministic: bool = False
     loss_piece_tokens: int = 4096
     checkpoint_layers: bool = False
-    history_block_tokens: int = 65536
+    history_block_tokens: int | None = None
     dense_kernel: str = "auto"
     extra: dict = field(default_factory=dict)
 
@@ -70,6 +71,8 @@ class OOMBConfig:
             if name not in _GRAD_PAGE_DTYPES:
                 raise ValueError(f"grad_page_dtype must be float32 or bfloat16, not {self.grad_page_dtype!r}.")
             self.grad_page_dtype = _GRAD_PAGE_DTYPES[name]
+        if self.history_block_tokens is None and self.page_tokens >= 1:
+            self.history_block_tokens = max(self.page_tokens, 65536 // self.page_tokens * self.page_tokens)
         self.validate()
 
     def validate(self) -> None:

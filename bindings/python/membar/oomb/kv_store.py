@@ -99,6 +99,7 @@ class StoreStats:
     host_pool_bytes: int = 0
     device_pool_bytes: int = 0
     stall_ns: int = 0
+    pages_read: int = 0          # history pages the attention acquired (K and V each counted)
     pages_live: dict = field(default_factory=lambda: {"current": 0, "peak": 0, "allocated": 0, "freed": 0})
 
     def pages_allocated(self, count: int) -> None:
@@ -118,7 +119,7 @@ class StoreStats:
             "bytes_to_device": self.bytes_to_device, "bytes_to_host": self.bytes_to_host,
             "prefetch_hits": self.prefetch_hits, "prefetch_misses": self.prefetch_misses,
             "host_pool_bytes": self.host_pool_bytes, "device_pool_bytes": self.device_pool_bytes,
-            "stall_ns": self.stall_ns,
+            "stall_ns": self.stall_ns, "pages_read": self.pages_read,
             "pages_live": dict(self.pages_live),
         }
 
@@ -131,6 +132,10 @@ class KVStore(abc.ABC):
     @abc.abstractmethod
     def open_sequence(self, layout: PageLayout) -> None:
         """Makes room for one sequence's pages (K/V now, dK/dV zeroed by their first use)."""
+
+    def use_config(self, config) -> None:
+        """The trainer's OOMBConfig (chunk and history block sizes, prefetch depth), handed over
+        before the first sequence; a store fills in what it was not told. Optional."""
 
     def reserve(self, layout: PageLayout) -> None:
         """Allocates everything a sequence of this layout needs, so that the steps that follow

@@ -23,18 +23,24 @@ Note [Runtime pages]
   Limitations: with offload in sparse mode, each access names its selected pages, so the union of
   a selection must be known on the host (one wait for the GPU per layer and chunk in stage 1).
   Grad pages are counted as contents once a backward acquired them (zero-filled on first use).
+  On the meta device (shapes without bits: how tests measure what a step keeps on the device at
+  any length) the runtime runs on its host backend for the bookkeeping and the pools are meta
+  tensors of the same shape; reserve() before a measured step keeps their creation out of it.
 """
 from __future__ import annotations
 
+import math
 import os
 
 import torch
 
+from ..units import human_bytes
 from .kernels import GradView, HistoryView
 from .kv_store import Access, KVStore, PageLayout, StoreStats, _runs
 
 _MIB = 1 << 20
 _FRAME = 2 * _MIB
+_SLACK = 4 * _MIB   # on top of each tier's budget: ranges straddling frames
 
 
 def _round_up(value: int, multiple: int) -> int:
@@ -45,22 +51,42 @@ def _space_bytes(pages: int, page_bytes: int) -> int:
     return _round_up(pages * page_bytes, _FRAME)
 
 
+def _frames_spanned(pages: int, page_bytes: int, space_pages: int) -> int:
+    """The most 2 MiB frames `pages` consecutive pages of a space of `space_pages` can touch: a
+    page starts at a multiple of gcd(page_bytes, frame) within its frame, so a range can start
+    that close to a frame's end."""
+    spanned = -(-(pages * page_bytes + _FRAME - math.gcd(page_bytes, _FRAME)) // _FRAME)
+    return min(spanned, _space_bytes(space_pages, page_bytes) // _FRAME)
+
+
 def store_sizes(layout: PageLayout, offload: bool, block_pages: int, prefetch_depth: int,
-                gpu_budget_bytes: int | None = None, gpu_resident_layers: int = 0) -> tuple[int, int]:
+                gpu_budget_bytes: int | None = None, gpu_resident_layers: int = 0,
+                chunk_pages: int = 0) -> tuple[int, int]:
     """(GPU bytes, host bytes) the runtime needs for a sequence of this layout: without offload
     every page on the GPU; with offload every page in host memory and a GPU budget of
     gpu_budget_bytes, or else a working set (prefetch_depth + 2 accesses of a history block's K, V,
-    dK and dV, and a chunk's pages) plus gpu_resident_layers whole layers."""
+    dK and dV, and a chunk's pages) plus gpu_resident_layers whole layers. A budget below what one
+    step acquires at once is a ValueError."""
     kv, grad = layout.page_bytes(layout.dtype), layout.page_bytes(layout.grad_dtype)
     layer = 2 * _space_bytes(layout.num_pages, kv) + 2 * _space_bytes(layout.num_pages, grad)
     total = layout.num_layers * layer
     if not offload:
         return total, 0
+    block = min(block_pages or layout.num_pages, layout.num_pages)
     if gpu_budget_bytes is None:
-        block = min(block_pages or layout.num_pages, layout.num_pages)
         access = 2 * _space_bytes(block, kv) + 2 * _space_bytes(block, grad)
         gpu_budget_bytes = (prefetch_depth + 3) * access + gpu_resident_layers * layer
-    return min(total, _round_up(gpu_budget_bytes, _FRAME)), total
+    budget = min(total, _round_up(gpu_budget_bytes, _FRAME))
+    # What a backward holds at once: a history block's K, V, dK and dV and the chunk's dK and dV.
+    chunk = min(chunk_pages or layout.num_pages, layout.num_pages)
+    pages = layout.num_pages
+    least = min(total, _FRAME * (2 * _frames_spanned(block, kv, pages) + 2 * _frames_spanned(block, grad, pages)
+                                 + 2 * _frames_spanned(chunk, grad, pages)))
+    if budget + _SLACK < least:
+        raise ValueError(f"a GPU budget of {human_bytes(gpu_budget_bytes)} cannot hold what one step acquires at "
+                         f"once ({human_bytes(least)}: a history block's K, V, dK and dV and a chunk's dK and dV); "
+                         f"raise gpu_budget_bytes or lower history_block_tokens.")
+    return budget, total
 
 
 class RuntimeKVStore(KVStore):
@@ -74,7 +100,8 @@ class RuntimeKVStore(KVStore):
 
     def __init__(self, device: torch.device | str, *, offload: bool = False, socket: str | None = None,
                  runtime=None, gpu_budget_bytes: int | None = None, gpu_resident_layers: int = 0,
-                 block_tokens: int = 65536, prefetch_depth: int = 2, name: str = "membar-trainer"):
+                 block_tokens: int | None = None, chunk_tokens: int | None = None, prefetch_depth: int | None = None,
+                 name: str = "membar-trainer"):
         self.device = torch.device(device)
         self.offload = offload
         env_socket = os.environ.get("MEMBAR_SOCKET") or None
@@ -84,6 +111,7 @@ class RuntimeKVStore(KVStore):
         self.gpu_budget_bytes = gpu_budget_bytes
         self.gpu_resident_layers = gpu_resident_layers
         self.block_tokens = block_tokens
+        self.chunk_tokens = chunk_tokens
         self.prefetch_depth = prefetch_depth
         self.name = name
         self.layout: PageLayout | None = None
@@ -95,6 +123,7 @@ class RuntimeKVStore(KVStore):
         self._page_numbers: torch.Tensor | None = None
         self._step_of: dict = {}
         self._cuda = self.device.type == "cuda"
+        self._meta = self.device.type == "meta"
         self._own = StoreStats()
         self._baseline: dict | None = None
 
@@ -103,8 +132,8 @@ class RuntimeKVStore(KVStore):
     def _connect(self, gpu_bytes: int, host_bytes: int) -> None:
         from membar.runtime import Runtime
 
-        gpu = _round_up(max(gpu_bytes, _FRAME) + 4 * _MIB, _FRAME)
-        host = _round_up(max(host_bytes, _FRAME) + 4 * _MIB, _FRAME)
+        gpu = _round_up(max(gpu_bytes, _FRAME) + _SLACK, _FRAME)
+        host = _round_up(max(host_bytes, _FRAME) + _SLACK, _FRAME)
         backend = "cuda" if self._cuda else "host"
         device = self.device.index or 0
         if self.socket:
@@ -113,18 +142,31 @@ class RuntimeKVStore(KVStore):
         else:
             self.runtime = Runtime.connect(embedded=True, backend=backend, gpu_pool_bytes=gpu, host_pool_bytes=host,
                                            device=device, name=self.name)
-        if self.runtime.device.type != self.device.type:
+        if self.runtime.device.type != ("cpu" if self._meta else self.device.type):
             raise ValueError(f"the runtime keeps pages on {self.runtime.device}, the model runs on {self.device}.")
 
+    def use_config(self, config) -> None:
+        if self.block_tokens is None:
+            self.block_tokens = config.history_block_tokens
+        if self.chunk_tokens is None:
+            self.chunk_tokens = config.chunk_tokens
+        if self.prefetch_depth is None:
+            self.prefetch_depth = config.prefetch_depth
+
     def _block_pages(self, layout: PageLayout) -> int:
-        return self.block_tokens // layout.page_tokens if self.block_tokens else 0
+        return -(-self.block_tokens // layout.page_tokens) if self.block_tokens else 0
 
     def open_sequence(self, layout: PageLayout) -> None:
         if layout.device != self.device:
             raise ValueError(f"this store serves {self.device}, the model runs on {layout.device}.")
         if not layout.fits_in(self._capacity):
+            if self.block_tokens is None:
+                self.block_tokens = 65536
+            if self.prefetch_depth is None:
+                self.prefetch_depth = 2
+            chunk_pages = -(-self.chunk_tokens // layout.page_tokens) if self.chunk_tokens else 0
             sizes = store_sizes(layout, self.offload, self._block_pages(layout), self.prefetch_depth,
-                                self.gpu_budget_bytes, self.gpu_resident_layers)
+                                self.gpu_budget_bytes, self.gpu_resident_layers, chunk_pages)
             for layer_spaces in self.spaces:
                 for space in layer_spaces.values():
                     self._free_live(space)
@@ -143,7 +185,8 @@ class RuntimeKVStore(KVStore):
                     space = self.runtime.space(f"L{layer:03d}.{kind}", page_shape=page_shape, dtype=dtype,
                                                pages=layout.num_pages)
                     spaces[kind] = space
-                    pools[kind] = space.pool()
+                    pools[kind] = (torch.empty((layout.num_pages, *page_shape), dtype=dtype, device="meta")
+                                   if self._meta else space.pool())
                     self._live[space.id] = torch.zeros(layout.num_pages, dtype=torch.bool)
                 self.spaces.append(spaces)
                 self.pools.append(pools)
@@ -238,8 +281,12 @@ class RuntimeKVStore(KVStore):
     def _view_rows(self, access: Access) -> torch.Tensor:
         return self._page_numbers[access.first_page: access.first_page + access.num_pages]
 
+    def _count_read(self, flat: list[int]) -> None:
+        self._own.pages_read += sum(flat[2::3])
+
     def history(self, access: Access, history_tokens: int) -> HistoryView:
         flat = self._ranges(access.layer, ("k", "v"), self._page_runs(access))
+        self._count_read(flat)
         self._acquire(flat, write=False, zero=False, step=self._step_of.get(access.key))
         pools = self.pools[access.layer]
         return HistoryView(pools["k"], pools["v"], self._view_rows(access), history_tokens,
@@ -247,6 +294,7 @@ class RuntimeKVStore(KVStore):
 
     def grad_history(self, access: Access) -> GradView:
         flat = self._ranges(access.layer, ("dk", "dv"), self._page_runs(access))
+        self._count_read(flat)
         self._acquire(flat, write=True, zero=True, step=self._step_of.get(access.key))
         pools = self.pools[access.layer]
         return GradView(pools["dk"], pools["dv"], self._view_rows(access), handles=(flat, True),
@@ -309,7 +357,7 @@ class RuntimeKVStore(KVStore):
     @property
     def stats(self) -> StoreStats:
         """Page traffic as the runtime counts it (this client), plus the store's page bookkeeping."""
-        stats = StoreStats(pages_live=self._own.pages_live)
+        stats = StoreStats(pages_live=self._own.pages_live, pages_read=self._own.pages_read)
         if self.runtime is None or self._capacity is None:
             return stats
         client = self.runtime.stats()["clients"][0]

@@ -109,7 +109,8 @@ class OOMBTrainer:
         self.store = store if store is not None else RuntimeKVStore(
             self.device, offload=config.offload, socket=socket, runtime=runtime,
             gpu_budget_bytes=config.gpu_budget_bytes, gpu_resident_layers=config.gpu_resident_layers,
-            block_tokens=config.history_block_tokens, prefetch_depth=config.prefetch_depth, name=name)
+            name=name)
+        self.store.use_config(config)
         self.stats: dict = {}
         # Sparse mode: the pages each (layer, chunk) attended in the last sequence, int32
         # [query_tiles, top_k] or None for "all history" (kept for inspection and tests).
@@ -164,6 +165,7 @@ class OOMBTrainer:
             "pages_to_host": store_after["pages_to_host"] - store_before["pages_to_host"],
             "bytes_moved": (store_after["bytes_to_device"] + store_after["bytes_to_host"]
                             - store_before["bytes_to_device"] - store_before["bytes_to_host"]),
+            "pages_read": store_after["pages_read"] - store_before["pages_read"],
             "prefetch_hits": store_after["prefetch_hits"] - store_before["prefetch_hits"],
             "prefetch_misses": store_after["prefetch_misses"] - store_before["prefetch_misses"],
             "host_pool_bytes": store_after["host_pool_bytes"],
