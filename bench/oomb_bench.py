@@ -14,19 +14,25 @@ and rewrites the results after every line, so whatever finished is kept. Before 
 configuration the child estimates its time from the H200 numbers measured so far (this run's,
 else bench/results' 7B numbers, scaled by context^1.6 for dense, ^1.1 for sparse) and skips it
 when the budget left cannot hold it. A variant that fails (OOM, timeout) skips its longer contexts.
-Variants:
+Variants (pages live in membar's runtime: embedded, or the membard named by $MEMBAR_SOCKET):
   full            HF full-sequence training: SDPA, gradient checkpointing, loss in 4K pieces
   dense           OOMB, exact gradients, all pages on the GPU
-  dense-offload   OOMB, pages of every layer in pinned host memory, streamed per layer in blocks
+  dense-offload   OOMB, pages in host memory, streamed per layer in blocks through a GPU budget
+                  (--gpu-budget, default a few history blocks)
   dense-hybrid    OOMB, as many layers' pages on the GPU as fit, the rest in host memory
   sparse          OOMB, top-k pages per query tile (selection from stage 1 reused in stage 2)
   sparse-offload  the same with offload
-Each step is forward + backward of one sequence (no optimizer step, like the baseline in
-/work/shared/docs/measured.md), after a short warm-up sequence; OOMB variants recompute layer
-activations in backward (like the baseline's gradient checkpointing) unless --no-checkpoint-layers.
-Columns: step time, tokens/s, peak GPU memory (torch allocator), GPU growth per 10K tokens (against
-the same variant's previous context), peak host RSS during the configuration, pinned page pools,
-bytes moved, offload overhead (X-offload step time / X step time - 1 at the same context).
+Suffixes: "+membar" runs dense attention on membar's kernels instead of cuDNN's; "+plain" keeps
+the pages in plain PyTorch tensors instead of the runtime (bench/plain_store.py: the baseline
+the runtime must match); "@8K" sets the variant's history block.
+Each step is forward + backward of one sequence (no optimizer step, like the full-sequence
+baseline), after a short warm-up sequence; OOMB variants recompute layer activations in backward
+(like the baseline's gradient checkpointing) unless --no-checkpoint-layers.
+Columns: step time, tokens/s, peak GPU memory (PyTorch's allocator plus the runtime's frames), GPU
+growth per 10K tokens (against the same variant's previous context), peak host RSS during the
+configuration, host page pools, bytes moved, offload overhead (X-offload step time / X step time
+- 1 at the same context), the time the stream waited for pages (share of the step), and
+throughput against the "+plain" run of the same kernels at the same context.
 Results: oomb_bench.json and oomb_bench.txt (sweep), oomb_learning.json (learning) in
 $MEMBAR_RESULTS_DIR (default bench/results/latest).
 """
@@ -47,8 +53,7 @@ sys.path.insert(0, str(REPO / "bindings" / "python"))
 VARIANTS = ["full", "dense", "dense-offload", "sparse", "sparse-offload", "dense-hybrid"]
 K = 1024
 
-# Step seconds measured on the H200 at the Qwen2.5-7B shape (bench/results/2026-11-30-h200 and
-# /work/shared/docs/measured.md; 128K dense from the issue). Only used to decide what fits the budget.
+# Step seconds measured on the H200 at the Qwen2.5-7B shape (bench/results/2026-11-30-h200*).
 KNOWN_7B_SECONDS = {   # measured on the H200 (bench/results/2026-11-30-h200-session3)
     ("full", 32 * K): 5.1, ("full", 64 * K): 13.6, ("full", 128 * K): 41.6,
     ("dense", 32 * K): 6.2, ("dense", 64 * K): 15.9, ("dense", 128 * K): 45.5,
@@ -87,6 +92,14 @@ def base_variant(variant: str) -> str:
     """The variant without its history block and kernel suffixes ("dense-offload@8K" ->
     "dense-offload", "dense+membar" -> "dense")."""
     return variant.split("@")[0].split("+")[0]
+
+
+def resident_name(variant: str) -> str:
+    """The variant that keeps every page on the GPU, with the same kernels ("sparse-offload+membar"
+    -> "sparse+membar")."""
+    base = base_variant(variant)
+    base = base[: -len("-offload")] if base.endswith("-offload") else base
+    return base + ("+membar" if "+membar" in variant else "")
 
 
 def dense_kernel_of(variant: str) -> str:
@@ -173,7 +186,15 @@ def run_one(model, spec: dict) -> dict:
                             checkpoint_layers=spec.get("checkpoint_layers", True),
                             history_block_tokens=spec["history_block_tokens"],
                             dense_kernel=dense_kernel_of(result["variant"]))
-        trainer = OOMBTrainer(model, config)
+        store = None
+        if "+plain" in result["variant"]:   # the baseline: pages in plain PyTorch tensors (bench/plain_store.py)
+            if offload:
+                result.update(error="the plain tensor store keeps every page on the GPU: no offload variant")
+                return result
+            from plain_store import PlainKVStore
+
+            store = PlainKVStore(device)
+        trainer = OOMBTrainer(model, config, store=store)
         trainer.reserve(tokens)   # page pools are allocated once, before the timed step
 
         def step(ids, partial=None):
@@ -370,13 +391,17 @@ def annotate(results: list[dict]) -> list[dict]:
         earlier = [t for (v, t) in ok if v == r["variant"] and t < r["tokens"]]
         if earlier:
             previous = ok[(r["variant"], max(earlier))]
-            r["gpu_growth_mib_per_10k"] = ((r["peak_gpu_gib"] - previous["peak_gpu_gib"]) * 1024
-                                           / ((r["tokens"] - previous["tokens"]) / 1e4))
+            peak, previous_peak = (r.get("peak_gpu_total_gib", r["peak_gpu_gib"]),
+                                   previous.get("peak_gpu_total_gib", previous["peak_gpu_gib"]))
+            r["gpu_growth_mib_per_10k"] = (peak - previous_peak) * 1024 / ((r["tokens"] - previous["tokens"]) / 1e4)
         if base_variant(r["variant"]).endswith("-offload"):
-            resident_name = base_variant(r["variant"])[: -len("-offload")] + ("+membar" if "+membar" in r["variant"] else "")
-            resident = ok.get((resident_name, r["tokens"]))
+            resident = ok.get((resident_name(r["variant"]), r["tokens"]))
             if resident:
                 r["offload_overhead"] = r["step_seconds"] / resident["step_seconds"] - 1
+        # Throughput against the plain-tensor baseline of the same kernels, pages on the GPU.
+        plain = ok.get((resident_name(r["variant"]) + "+plain", r["tokens"]))
+        if plain and "+plain" not in r["variant"]:
+            r["vs_plain"] = plain["step_seconds"] / r["step_seconds"]
     return results
 
 
@@ -396,13 +421,16 @@ def format_row(r: dict) -> str:
                 f"{r['estimated_step_seconds']:.0f} s (<= {r['step_seconds_upper_bound']:.0f} s)  "
                 f"GPU {r['peak_gpu_gib']:6.1f} GiB  host {r['host_peak_rss_gib']:6.1f} GiB"
                 + (f"  pools {r['host_pool_gib']:6.1f} GiB" if "host_pool_gib" in r else ""))
+    gpu = r.get("peak_gpu_total_gib", r["peak_gpu_gib"])
     return (f"{head}  {r['step_seconds']:8.1f} s  {r['tokens_per_second']:8,.0f} tok/s  "
-            f"GPU {r['peak_gpu_gib']:6.1f} GiB  "
+            f"GPU {gpu:6.1f} GiB  "
             + (f"{growth:+8.1f}" if growth is not None else f"{'':>8}") + " MiB/10K  "
             f"host {r['host_peak_rss_gib']:6.1f} GiB"
             + (f"  pools {r['host_pool_gib']:6.1f} GiB  moved {r['bytes_moved_gib']:7.1f} GiB"
                if "bytes_moved_gib" in r else "")
-            + (f"  overhead {overhead:+.1%}" if overhead is not None else ""))
+            + (f"  overhead {overhead:+.1%}" if overhead is not None else "")
+            + (f"  stall {r['stall_seconds'] / r['step_seconds']:.2%}" if "stall_seconds" in r else "")
+            + (f"  {r['vs_plain']:.3f}x plain" if "vs_plain" in r else ""))
 
 
 def summarise(results: list[dict]) -> dict:
@@ -417,7 +445,7 @@ def summarise(results: list[dict]) -> dict:
             "variant", "peak_gpu_gib", "host_peak_rss_gib", "stage1_seconds", "stage2_chunks_run",
             "stage2_chunks_total", "estimated_step_seconds", "step_seconds_upper_bound")}
     for variant in sorted({v for (v, _) in ok if base_variant(v).endswith("-offload")}):
-        points = sorted((t, r["peak_gpu_gib"]) for (v, t), r in ok.items() if v == variant)
+        points = sorted((t, r.get("peak_gpu_total_gib", r["peak_gpu_gib"])) for (v, t), r in ok.items() if v == variant)
         if len(points) >= 2:
             # Below history_block_tokens a layer's history still arrives whole, so the goal is read
             # between the two longest contexts (the first-to-last figure is kept beside it).
@@ -442,6 +470,13 @@ def summarise(results: list[dict]) -> dict:
             goals[f"offload_overhead{variant[len('dense-offload'):]}"] = {
                 human_tokens(t): ok[(variant, t)]["step_seconds"] / ok[(resident, t)]["step_seconds"] - 1
                 for t in both}
+    ratios = {f"{v}@{human_tokens(t)}": r["vs_plain"] for (v, t), r in sorted(ok.items()) if "vs_plain" in r}
+    if ratios:   # throughput through the runtime / through plain tensors (issue 11: >= 0.98)
+        goals["runtime_vs_plain_tensors"] = ratios
+    stalls = {f"{v}@{human_tokens(t)}": r["stall_seconds"] / r["step_seconds"] for (v, t), r in sorted(ok.items())
+              if "stall_seconds" in r and "+plain" not in v}
+    if stalls:
+        goals["stall_fraction"] = stalls
     for t in sorted({t for (v, t) in ok}, reverse=True):
         dense = [v for (v, u) in ok if u == t and base_variant(v) in ("dense", "dense-offload")]
         sparse = [v for (v, u) in ok if u == t and base_variant(v) in ("sparse", "sparse-offload")]

@@ -78,13 +78,15 @@ def test_sweep_runs_on_the_cpu_and_writes_results(tmp_path):
     environment = dict(os.environ, MEMBAR_RESULTS_DIR=str(tmp_path),
                        PYTHONPATH=str(REPO / "bindings" / "python"), OMP_NUM_THREADS="1")
     command = [sys.executable, str(REPO / "bench" / "oomb_bench.py"), "--device", "cpu", "--model", "tiny-qwen2",
-               "--contexts", "256,512", "--variants", "dense,dense-offload,dense-hybrid", "--chunk", "64", "--page-tokens", "16",
+               "--contexts", "256,512", "--variants", "dense,dense+plain,dense-offload,dense-hybrid", "--chunk", "64", "--page-tokens", "16",
                "--history-block-tokens", "128", "--gpu-budget", "20MiB", "--time-budget", "120", "--time-limit", "100"]
     finished = subprocess.run(command, capture_output=True, text=True, timeout=200, env=environment)
     assert finished.returncode == 0, finished.stderr[-2000:]
     report = json.loads((tmp_path / "oomb_bench.json").read_text())
     rows = {(r["variant"], r["tokens"]): r for r in report["results"]}
-    assert set(rows) == {(v, t) for v in ("dense", "dense-offload", "dense-hybrid") for t in (256, 512)}
+    assert set(rows) == {(v, t) for v in ("dense", "dense+plain", "dense-offload", "dense-hybrid") for t in (256, 512)}
+    assert rows[("dense", 512)]["vs_plain"] > 0 and rows[("dense-offload", 512)]["vs_plain"] > 0
+    assert "runtime_vs_plain_tensors" in report["goals"]
     assert all("step_seconds" in r for r in rows.values()), report["results"]
     # On the CPU the "GPU" is host memory less the 30 GiB reserve: no layer is planned to stay.
     # (This shape's pages fit in a few 2 MiB frames, under any budget: test_oomb_runtime.py moves pages.)
@@ -128,3 +130,24 @@ def test_partial_steps_are_not_whole_steps():
     assert goals["longest_dense_tokens_partial_step"] == 1024 * K
     assert goals["longest_dense_partial_step"]["estimated_step_seconds"] == 1700.0
     assert "whole step ~1700 s (<= 2900 s)" in bench.format_row(rows[0])
+
+
+def test_the_plain_baseline_gives_the_runtime_s_gradient_bits():
+    """The benchmarks' baseline store (plain tensors) and the runtime compute the same step."""
+    sys.path.insert(0, str(REPO / "bench"))
+    from plain_store import PlainKVStore
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from membar.oomb import OOMBConfig, OOMBTrainer
+    from membar.oomb.runtime_store import RuntimeKVStore
+
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(Qwen2Config(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                         num_key_value_heads=2, intermediate_size=96, vocab_size=97))
+    input_ids = torch.randint(0, 97, (1, 300), generator=torch.Generator().manual_seed(1))
+    grads = []
+    for store in (PlainKVStore("cpu"), RuntimeKVStore("cpu")):
+        model.zero_grad()
+        OOMBTrainer(model, OOMBConfig(chunk_tokens=64, page_tokens=16, deterministic=True), store=store).step(input_ids)
+        grads.append([parameter.grad.clone() for parameter in model.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
