@@ -55,7 +55,8 @@ def test_wheel_builds_against_the_shared_torch_and_installs_the_commands(shared_
     import torch
 
     torch_lib = os.path.join(os.path.dirname(torch.__file__), "lib")
-    assert f"LibTorch {torch.__version__} from {torch_lib}" in build.stdout, build.stdout[-4000:]
+    log = build.stdout + build.stderr
+    assert f"LibTorch {torch.__version__} from {torch_lib}" in log, log[-4000:]
     wheels = list(wheelhouse.glob("membar-*.whl"))
     assert len(wheels) == 1, build.stdout[-2000:]
 
