@@ -62,8 +62,8 @@ def right_padding_collator(rows):
     mask = torch.zeros((len(rows), width), dtype=torch.long)
     for index, row in enumerate(rows):
         length = len(row["input_ids"])
-        input_ids[index, :length] = row["input_ids"]
-        labels[index, :length] = row["labels"]
+        input_ids[index, :length] = torch.as_tensor(row["input_ids"])
+        labels[index, :length] = torch.as_tensor(row["labels"])
         mask[index, :length] = 1
     return {"input_ids": input_ids, "labels": labels, "attention_mask": mask}
 
@@ -136,3 +136,64 @@ def test_mixed_precision_is_refused_with_a_sentence(tmp_path):
     args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, bf16=True, report_to=[])
     with pytest.raises(ValueError, match="load the model in bfloat16"):
         OOMBHFTrainer(model=tiny_model(), args=args, train_dataset=dataset(2), data_collator=right_padding_collator)
+
+
+def test_sft_trainer_steps_equal_trls(tmp_path):
+    trl = pytest.importorskip("trl", reason="TRL is not installed (tools/setup.sh installs trl; CI has it)")
+    from datasets import Dataset
+
+    from membar.integrations.oomb import oomb_sft_trainer
+
+    sys_path_example()
+    from train import word_level_tokenizer
+
+    rows = [{"input_ids": row["input_ids"].tolist(), "labels": row["labels"].tolist()} for row in dataset(4)]
+
+    def run(name, make):
+        model = tiny_model()
+        recorder = GradientRecorder()
+        config = trl.SFTConfig(output_dir=str(tmp_path / name), per_device_train_batch_size=2,
+                               gradient_accumulation_steps=2, max_steps=1, learning_rate=0.1, optim="sgd",
+                               logging_steps=1, save_strategy="no", report_to=[], use_cpu=True, seed=0, bf16=False,
+                               max_length=None, packing=False, disable_tqdm=True)
+        trainer = make(model=model, args=config, train_dataset=Dataset.from_list(rows),
+                       data_collator=right_padding_collator, processing_class=word_level_tokenizer(VOCAB),
+                       callbacks=[recorder])
+        trainer.train()
+        return recorder.steps[0], [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+
+    reference, reference_losses = run("trl", trl.SFTTrainer)
+    grads, losses = run("oomb", lambda **kwargs: oomb_sft_trainer(
+        **kwargs, oomb_config=OOMBConfig(chunk_tokens=32, page_tokens=16)))
+    assert abs(losses[0] - reference_losses[0]) <= 1e-5 * abs(reference_losses[0])
+    for name, want in reference.items():
+        error = float((grads[name] - want).abs().max() / want.abs().max())
+        assert error <= 1e-4, f"{name}: relative gradient error {error:.3g}"
+
+
+def test_example_runs_with_both_trainers(tmp_path):
+    sys_path_example()
+    import train
+
+    for trainer in ("hf", "sft") if _has_trl() else ("hf",):
+        summary = train.main(["--trainer", trainer, "--seq-len", "256", "--chunk", "64", "--page-tokens", "32",
+                              "--steps", "2", "--out", str(tmp_path / trainer)])
+        assert len(summary["losses"]) == 2 and summary["checkpoints"] == ["checkpoint-2"]
+
+
+def _has_trl() -> bool:
+    try:
+        import trl  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def sys_path_example():
+    import sys
+    from pathlib import Path
+
+    example = str(Path(__file__).resolve().parents[2] / "examples" / "hf_trainer_oomb")
+    if example not in sys.path:
+        sys.path.insert(0, example)
+    sys.modules.pop("train", None)
