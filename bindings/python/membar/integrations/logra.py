@@ -103,6 +103,8 @@ class LoGRATorchOptimizer(torch.optim.Optimizer):
         """Nothing to clear: the sketches are consumed by step(); the wrapped weights are frozen."""
 
     def state_dict(self) -> dict:
+        """The learning rate, LoGRA's update count, draw of A and bias-correction counts, and the
+        optimizer moments (on the host): what resuming from a Trainer checkpoint needs."""
         core = self.logra_optimizer
         states = core.states
         moments = {kind: states.flat(kind).detach().cpu().clone()
@@ -114,6 +116,7 @@ class LoGRATorchOptimizer(torch.optim.Optimizer):
                           "moments": moments}}
 
     def load_state_dict(self, state: dict) -> None:
+        """Restores what :meth:`state_dict` returned (into an optimizer over the same LoGRA layers)."""
         core = self.logra_optimizer
         for group, saved in zip(self.param_groups, state["param_groups"]):
             group.update(saved)
