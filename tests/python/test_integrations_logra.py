@@ -4,27 +4,14 @@ the published (seed, U) messages ends with the trainer's weights bit for bit. Th
 adapter keeps a Trainer's learning-rate schedule and checkpoints LoGRA's state."""
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
 pytest.importorskip("trl", reason="TRL is not installed (tools/setup.sh installs trl; CI has it)")
 
-EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "trl_grpo_logra"
-
-
 @pytest.fixture
-def example():
-    sys.path.insert(0, str(EXAMPLE))
-    try:
-        import train
-        yield train
-    finally:
-        sys.path.remove(str(EXAMPLE))
-        sys.modules.pop("train", None)
-        sys.modules.pop("task", None)
+def example(load_example):
+    return load_example("trl_grpo_logra")
 
 
 @pytest.fixture(autouse=True)

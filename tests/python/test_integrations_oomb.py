@@ -138,14 +138,13 @@ def test_mixed_precision_is_refused_with_a_sentence(tmp_path):
         OOMBHFTrainer(model=tiny_model(), args=args, train_dataset=dataset(2), data_collator=right_padding_collator)
 
 
-def test_sft_trainer_steps_equal_trls(tmp_path):
+def test_sft_trainer_steps_equal_trls(tmp_path, load_example):
     trl = pytest.importorskip("trl", reason="TRL is not installed (tools/setup.sh installs trl; CI has it)")
     from datasets import Dataset
 
     from membar.integrations.oomb import oomb_sft_trainer
 
-    sys_path_example()
-    from train import word_level_tokenizer
+    word_level_tokenizer = load_example("hf_trainer_oomb").word_level_tokenizer
 
     rows = [{"input_ids": row["input_ids"].tolist(), "labels": row["labels"].tolist()} for row in dataset(4)]
 
@@ -171,9 +170,8 @@ def test_sft_trainer_steps_equal_trls(tmp_path):
         assert error <= 1e-4, f"{name}: relative gradient error {error:.3g}"
 
 
-def test_example_runs_with_both_trainers(tmp_path):
-    sys_path_example()
-    import train
+def test_example_runs_with_both_trainers(tmp_path, load_example):
+    train = load_example("hf_trainer_oomb")
 
     for trainer in ("hf", "sft") if _has_trl() else ("hf",):
         summary = train.main(["--trainer", trainer, "--seq-len", "256", "--chunk", "64", "--page-tokens", "32",
@@ -187,13 +185,3 @@ def _has_trl() -> bool:
     except ImportError:
         return False
     return True
-
-
-def sys_path_example():
-    import sys
-    from pathlib import Path
-
-    example = str(Path(__file__).resolve().parents[2] / "examples" / "hf_trainer_oomb")
-    if example not in sys.path:
-        sys.path.insert(0, example)
-    sys.modules.pop("train", None)

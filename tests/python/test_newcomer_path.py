@@ -166,13 +166,8 @@ def test_logra_sgd_momentum_that_a_redraw_would_erase_is_refused():
     assert any(not torch.equal(a, b) for a, b in zip(with_momentum, without))
 
 
-def test_logra_example_refuses_bad_arguments_with_a_sentence(capsys):
-    sys.path.insert(0, str(REPO / "examples" / "logra_rl"))
-    try:
-        import train as example
-    finally:
-        sys.path.remove(str(REPO / "examples" / "logra_rl"))
-        sys.modules.pop("train", None)
+def test_logra_example_refuses_bad_arguments_with_a_sentence(capsys, load_example):
+    example = load_example("logra_rl")
     for argv, words in ((["--group", "1"], "--group must be at least 2"), (["--rank", "0"], "--rank must be at least 1"),
                         (["--kl-delta", "0"], "--kl-delta must be positive")):
         with pytest.raises(SystemExit) as stop:
