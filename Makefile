@@ -8,7 +8,7 @@ JOBS ?= 2
 GENERATOR := $(shell command -v ninja >/dev/null 2>&1 && echo "-G Ninja")
 CMAKE_FLAGS ?=
 
-.PHONY: all setup build cuda-compile-check test demo gpu-check clean
+.PHONY: all setup build cuda-compile-check test demo docs gpu-check clean
 
 all: build
 
@@ -37,6 +37,10 @@ cuda-compile-check:
 
 demo: build
 	@PYTHON=$(PYTHON) CMAKE_FLAGS="$(CMAKE_FLAGS)" tools/demo.sh
+
+# The Python API reference (pdoc), from the docstrings: docs/api/index.html.
+docs: build
+	@$(PYTHON) tools/api_docs.py --out docs/api
 
 # GPU machine: build with CUDA into build-gpu, run the gpu-labelled tests and the benchmarks,
 # write results under $${OUT:-bench/results/latest}.

@@ -60,7 +60,25 @@ def parse_args(argv=None):
                         help="membard socket: policy sync through the daemon's channels (default $MEMBAR_SOCKET; "
                              "without one, POSIX shared memory)")
     parser.add_argument("--out", default=os.path.join(os.environ.get("MEMBAR_RESULTS_DIR", "bench/results/latest"), "logra_rl"))
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    _check_arguments(parser, args)
+    return args
+
+
+def _check_arguments(parser, args) -> None:
+    """One sentence (and exit status 2) for each argument the run cannot use."""
+    for flag, value, least in (("--rl-steps", args.rl_steps, 1), ("--prompts", args.prompts, 1),
+                               ("--rank", args.rank, 1), ("--threads", args.threads, 1),
+                               ("--sft-steps", args.sft_steps, 0)):
+        if value < least:
+            parser.error(f"{flag} must be at least {least}, got {value}")
+    if args.group < 2:
+        parser.error(f"--group must be at least 2: advantages compare the samples of one prompt, and with "
+                     f"{args.group} every advantage (and every update) is zero")
+    for flag, value in (("--lr-logra", args.lr_logra), ("--lr-dense", args.lr_dense), ("--kl-delta", args.kl_delta),
+                        ("--temperature", args.temperature)):
+        if not value > 0:
+            parser.error(f"{flag} must be positive, got {value}")
 
 
 def answer_log_probs(model, prompts: torch.Tensor, answers: torch.Tensor) -> torch.Tensor:
@@ -200,6 +218,7 @@ def train_logra(sft_model, args, device, out_dir: Path) -> dict:
         publisher.close()
     history["sync_payload_bytes"] = publisher.payload_bytes
     history["full_weight_bytes"] = publisher.full_weight_bytes
+    history["sync_bytes_per_update"] = publisher.payload_bytes
     history["optimizer_state_bytes"] = optimizer.state_bytes()
     history["sync_transport"] = publisher.ring.transport
     history["states"] = handle.states.storage.describe()
@@ -232,6 +251,8 @@ def train_dense(sft_model, args, device) -> dict:
             print(f"[dense] update {update + 1:3d} reward {history['reward'][-1]:.3f} "
                   f"greedy exact {history['accuracy'][-1][1]:.3f}", flush=True)
     history["optimizer_state_bytes"] = sum(2 * w.numel() * 4 for w in weights)
+    # A rollout process elsewhere would need the updated weights themselves after every update.
+    history["sync_bytes_per_update"] = sum(w.numel() * w.element_size() for w in weights)
     return history
 
 
@@ -249,7 +270,7 @@ def plot(histories: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    figure, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    figure, (left, right, costs) = plt.subplots(1, 3, figsize=(16, 4))
     for name, history in histories.items():
         steps = list(range(1, len(history["reward"]) + 1))
         left.plot(steps, history["reward"], alpha=0.25)
@@ -261,6 +282,17 @@ def plot(histories: dict, path: Path) -> None:
     right.set(xlabel="RL update", ylabel="greedy exact match (held-out)", title="Accuracy")
     left.legend()
     right.legend()
+    # What LoGRA is for: the optimizer state it keeps and the bytes a policy update sends to a
+    # rollout process, beside dense Adam's (two moments; a weight copy per update).
+    names = list(histories)
+    state = [histories[name]["optimizer_state_bytes"] / 2**10 for name in names]
+    sync = [histories[name]["sync_bytes_per_update"] / 2**10 for name in names]
+    positions = range(len(names))
+    costs.bar([x - 0.2 for x in positions], state, width=0.4, label="optimizer state")
+    costs.bar([x + 0.2 for x in positions], sync, width=0.4, label="sync per update (dense: weight copy)")
+    costs.set_xticks(list(positions), [name.split(" (")[0] for name in names])
+    costs.set(ylabel="KiB", title="Memory and sync bytes")
+    costs.legend()
     figure.tight_layout()
     figure.savefig(path, dpi=120)
 
@@ -297,6 +329,10 @@ def main(argv=None):
         print(f"{name}: reward {sum(first) / len(first):.3f} -> {sum(last) / len(last):.3f}, "
               f"greedy exact {sft_accuracy:.3f} -> {history['accuracy'][-1][1]:.3f}, "
               f"{history['seconds'][-1]:.0f} s")
+    print("what each run keeps and would send to a rollout process per update (dense: a copy of the weights):")
+    for name, history in histories.items():
+        print(f"  {name.split(' (')[0]:<12} optimizer state {history['optimizer_state_bytes'] / 2**10:8.0f} KiB, "
+              f"sync per update {history['sync_bytes_per_update'] / 2**10:8.0f} KiB")
     print(f"wrote {out_dir / 'reward_curve.png'} and {out_dir / 'rewards.json'}")
     return summary
 

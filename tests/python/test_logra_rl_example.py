@@ -23,6 +23,9 @@ def _membard():
 
 
 def _run_example(tmp_path, extra=()):
+    # The rollout process (spawned) imports this example as `train`: another example's cached
+    # `train` module must not stand in for it.
+    sys.modules.pop("train", None)
     sys.path.insert(0, str(EXAMPLE))
     try:
         import train

@@ -5,6 +5,7 @@ into ``torch.ops.membar``.
 """
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -31,7 +32,22 @@ def _find_library() -> Path:
     )
 
 
-torch.ops.load_library(str(_find_library()))
+def _check_torch(library: Path) -> None:
+    """Refuses a library built against another torch than the one imported (its C++ ABI differs:
+    loading it would crash or fail on a missing symbol)."""
+    info = library.with_name(library.stem + ".build.json")
+    if not info.exists():
+        return
+    built = json.loads(info.read_text()).get("torch", "")
+    if built and built.split("+")[0] != torch.__version__.split("+")[0]:
+        raise ImportError(f"membar's compiled library ({library}) was built against torch {built}, but torch "
+                          f"{torch.__version__} is imported. Rebuild membar in this environment (`pip install .` "
+                          f"from the source tree, or `make build`).")
+
+
+_LIBRARY = _find_library()
+_check_torch(_LIBRARY)
+torch.ops.load_library(str(_LIBRARY))
 ops = torch.ops.membar
 
 

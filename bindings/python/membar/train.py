@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 import time
 
@@ -276,44 +277,156 @@ def run(argv=None) -> dict:
     args = _parse(argv)
     if args.demo:
         args = _demo_defaults(args)
+    _check_arguments(args)
     torch.manual_seed(args.seed)
     device = _device(args.device)
     if args.demo and device.type == "cuda":
         return _gpu_demo(args, device)
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, None: None}[args.dtype]
-    if dtype is None:
-        dtype = torch.bfloat16 if device.type == "cuda" and not args.demo else torch.float32
+    dtype = _model_dtype(args, device)
     if device.type == "cpu" and args.demo:
         torch.set_num_threads(1)   # the demo model is tiny: threads would only add overhead
 
     from membar.oomb.presets import build_model
-    from membar.oomb.tasks import PasskeyTask, RecallTask, passkey_accuracy
-    from membar.oomb.trainer import host_memory
 
-    distance = None
-    if args.task == "recall":
-        # A recall sequence is the key, the filler and the questions: its length follows from them.
-        distance = args.distance if args.distance is not None else args.seq_len - args.key_tokens - args.queries - 1
-        args.seq_len = args.key_tokens + distance + args.queries + 1
+    distance = _recall_length(args)
+    _check_memory(args, device, dtype)
     model = build_model(args.model, dtype=dtype, device=device, max_positions=args.seq_len, seed=args.seed)
     model.train()
     trainer = _make_trainer(args, model)
     trainer.reserve(args.seq_len)   # page pools allocated once, not inside the first step
-    vocab = trainer.vocab_size
-    task = None
-    if args.task == "passkey":
-        distance = args.distance if args.distance is not None else int(args.seq_len * 0.9)
-        task = PasskeyTask(vocab, args.seq_len, distance, num_keys=args.num_keys, seed=args.seed + 1,
-                           key_repeats=args.key_repeats)
-        eval_task = PasskeyTask(vocab, args.seq_len, distance, num_keys=args.num_keys, seed=args.seed + 1000,
-                                key_repeats=args.key_repeats)
-    elif args.task == "recall":
-        task = RecallTask(vocab, distance, num_keys=args.num_keys, key_tokens=args.key_tokens,
-                          queries=args.queries, seed=args.seed + 1, key_marker=args.key_marker)
-        eval_task = RecallTask(vocab, distance, num_keys=args.num_keys, key_tokens=args.key_tokens,
-                               queries=args.queries, seed=args.seed + 1000, key_marker=args.key_marker)
-    held_out = [eval_task.batch(1) for _ in range(args.eval_sequences)] if task is not None else []
-    windows = None
+    tasks = _make_tasks(args, trainer.vocab_size, distance)
+    next_batch = _batch_source(args, tasks, trainer.vocab_size)
+    optimizer, schedule = _make_optimizer(args, model)
+    summary = _start(args, model, device, dtype, trainer, tasks)
+    _train(args, trainer, model, optimizer, schedule, next_batch, tasks, summary)
+    if tasks.task is not None:
+        _final_accuracy(args, trainer, tasks, summary)
+    if args.save:
+        _save(args, model, summary)
+    if args.json:
+        print(json.dumps(summary), flush=True)
+    return summary
+
+
+def _check_arguments(args) -> None:
+    """One sentence for each argument a run cannot start with (before anything is built)."""
+    at_least_one = {"--batch": (args.batch, "sequences per step"), "--steps": (args.steps, "training steps"),
+                    "--chunk": (args.chunk, "tokens per chunk"), "--page-tokens": (args.page_tokens, "tokens per page"),
+                    "--eval-sequences": (args.eval_sequences, "held-out sequences")}
+    for flag, (value, meaning) in at_least_one.items():
+        if value < 1:
+            raise ValueError(f"{flag} must be at least 1 ({meaning}), got {value}.")
+    if args.seq_len < 2:
+        raise ValueError(f"--seq-len must be at least 2 (a token and its target), got {args.seq_len}.")
+    if not args.lr > 0:
+        raise ValueError(f"--lr must be positive, got {args.lr}.")
+    if args.eval_every < 0:
+        raise ValueError(f"--eval-every must be 0 (only at the end) or positive, got {args.eval_every}.")
+    if args.demo and not args.demo_minutes > 0:
+        raise ValueError(f"--demo-minutes must be positive, got {args.demo_minutes}.")
+    if args.save is not None:
+        _check_save_target(args.save)
+
+
+def _check_save_target(path: str) -> None:
+    """--save names a directory that save_pretrained can write (checked before training, so a
+    long run does not end in a model that was never written)."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ValueError(f"--save {path} is an existing file; the model is saved as a directory (config.json, "
+                         f"weights, tokenizer): give a directory path.")
+    parent = os.path.abspath(path)
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent) or not os.access(parent, os.W_OK):
+        raise ValueError(f"--save {path}: {parent} is not a writable directory.")
+
+
+def _model_dtype(args, device: torch.device) -> torch.dtype:
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, None: None}[args.dtype]
+    if dtype is None:
+        dtype = torch.bfloat16 if device.type == "cuda" and not args.demo else torch.float32
+    return dtype
+
+
+def _recall_length(args) -> int | None:
+    """The recall task's key-to-question distance; its sequence length follows from it (the key,
+    the filler and the questions) and replaces --seq-len."""
+    if args.task != "recall":
+        return None
+    distance = args.distance if args.distance is not None else args.seq_len - args.key_tokens - args.queries - 1
+    args.seq_len = args.key_tokens + distance + args.queries + 1
+    return distance
+
+
+def _model_config(name: str):
+    from transformers import AutoConfig
+
+    from membar.oomb.presets import preset_config
+
+    if os.path.isdir(name) or os.path.isfile(name):
+        return AutoConfig.from_pretrained(name)
+    return preset_config(name)
+
+
+def training_memory(config, dtype: torch.dtype, seq_len: int, page_tokens: int, grad_page_dtype: torch.dtype) -> dict:
+    """Bytes a run needs at least, before activations: the weights, their gradients and AdamW's two
+    moments (each the size of the weights), and the K, V, dK, dV pages of every layer."""
+    from transformers import AutoModelForCausalLM
+
+    from membar.oomb.config import pool_bytes_per_layer
+
+    with torch.device("meta"):
+        shell = AutoModelForCausalLM.from_config(config)
+    parameters = sum(p.numel() for p in shell.parameters())
+    weights = parameters * torch.empty((), dtype=dtype).element_size()
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    heads = text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    pages = text.num_hidden_layers * pool_bytes_per_layer(seq_len, page_tokens, kv_heads, head_dim, dtype,
+                                                          grad_page_dtype)
+    return {"parameters": parameters, "model_state_bytes": 4 * weights, "page_bytes": pages}
+
+
+def _check_memory(args, device: torch.device, dtype: torch.dtype) -> None:
+    """Refuses, with a sentence, a run whose weights, gradients, optimizer moments (and pages, where
+    they share the memory) cannot fit: the kernel would otherwise kill it midway."""
+    from membar.oomb.config import _GRAD_PAGE_DTYPES, host_available_bytes
+
+    need = training_memory(_model_config(args.model), dtype, args.seq_len, args.page_tokens,
+                           _GRAD_PAGE_DTYPES[args.grad_dtype])
+    state = need["model_state_bytes"]
+    if device.type == "cpu":
+        where, available, needed = "host memory", host_available_bytes(), state + need["page_bytes"]
+    elif device.type == "cuda":
+        where, available = f"GPU memory of {device}", torch.cuda.mem_get_info(device)[1]
+        needed = state + (0 if args.offload else need["page_bytes"])
+    else:
+        return
+    if available and needed > available:
+        if state > available:
+            advice = "choose a smaller model" + (" or a GPU" if device.type == "cpu" else "")
+        else:
+            advice = "choose a shorter --seq-len" + (" or --offload" if device.type == "cuda" else "")
+        raise ValueError(
+            f"{args.model} ({need['parameters'] / 1e9:.2f}B parameters, {dtype}) needs at least {_gib(needed)} of "
+            f"{where} for its weights, gradients and AdamW's moments"
+            f"{' and its KV pages' if needed > state else ''} (activations not counted), but "
+            f"{_gib(available)} is available: {advice}.")
+
+
+class _Tasks:
+    """The training task (None: --data or random tokens), its held-out twin, and the held-out
+    sequences every accuracy is measured on."""
+
+    def __init__(self, task=None, eval_task=None, held_out=(), distance=None, windows=None):
+        self.task, self.eval_task, self.held_out, self.distance, self.windows = (task, eval_task, list(held_out),
+                                                                                 distance, windows)
+
+
+def _make_tasks(args, vocab: int, distance: int | None) -> _Tasks:
+    from membar.oomb.tasks import PasskeyTask, RecallTask
+
     if args.data is not None:
         if args.task != "random" or args.demo:
             raise ValueError("--data trains on the file's tokens: leave out --task and --demo.")
@@ -323,7 +436,36 @@ def run(argv=None) -> dict:
         windows = TokenWindows(tokens, args.seq_len, vocab, seed=args.seed + 3)
         print(f"data: {args.data}: {tokens.numel():,} tokens, {windows.count:,} sequences of {args.seq_len}",
               flush=True)
+        return _Tasks(windows=windows)
+    if args.task == "passkey":
+        distance = args.distance if args.distance is not None else int(args.seq_len * 0.9)
+        make = lambda seed: PasskeyTask(vocab, args.seq_len, distance, num_keys=args.num_keys, seed=seed,  # noqa: E731
+                                        key_repeats=args.key_repeats)
+    elif args.task == "recall":
+        make = lambda seed: RecallTask(vocab, distance, num_keys=args.num_keys, key_tokens=args.key_tokens,  # noqa: E731
+                                       queries=args.queries, seed=seed, key_marker=args.key_marker)
+    else:
+        return _Tasks()
+    task, eval_task = make(args.seed + 1), make(args.seed + 1000)
+    return _Tasks(task, eval_task, [eval_task.batch(1) for _ in range(args.eval_sequences)], distance)
+
+
+def _batch_source(args, tasks: _Tasks, vocab: int):
+    """A function giving the next (input_ids, labels or None) of --batch sequences."""
     generator = torch.Generator().manual_seed(args.seed + 2)
+
+    def next_batch():
+        if tasks.task is not None:
+            batch = tasks.task.batch(args.batch)
+            return batch.input_ids, batch.labels
+        if tasks.windows is not None:
+            return tasks.windows.batch(args.batch), None
+        return torch.randint(0, vocab, (args.batch, args.seq_len), generator=generator), None
+
+    return next_batch
+
+
+def _make_optimizer(args, model):
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
     schedule = None
     if args.demo:
@@ -331,14 +473,12 @@ def run(argv=None) -> dict:
         # has learned to recall can lose it again late in the run.
         schedule = torch.optim.lr_scheduler.LambdaLR(
             optimizer, lambda done: 0.1 + 0.45 * (1 + math.cos(math.pi * min(done / max(args.steps, 1), 1.0))))
+    return optimizer, schedule
 
-    def batch():
-        if task is not None:
-            b = task.batch(args.batch)
-            return b.input_ids, b.labels
-        if windows is not None:
-            return windows.batch(args.batch), None
-        return torch.randint(0, vocab, (args.batch, args.seq_len), generator=generator), None
+
+def _start(args, model, device, dtype, trainer, tasks: _Tasks) -> dict:
+    """Prints what runs and the accuracy before training; returns the summary to fill."""
+    from membar.oomb.tasks import passkey_accuracy
 
     parameters = sum(p.numel() for p in model.parameters())
     print(f"membar-train: {args.model} ({parameters / 1e6:.1f}M parameters, {dtype}) on {device}; "
@@ -350,111 +490,164 @@ def run(argv=None) -> dict:
                "chunk": args.chunk, "page_tokens": args.page_tokens, "mode": args.mode, "offload": args.offload,
                "store": args.store, "data": args.data,
                "parameters": parameters, "steps": []}
-    accuracy_before = None
     if args.demo:
         print(f"task: recall one of {args.num_keys} keys, stated {args.key_tokens} times at the start, after "
-              f"{distance} random filler tokens; {args.queries} questions at the end, answers never in the input; "
-              f"trained on the answers only (chance {1 / args.num_keys:.1%}, loss ln {args.num_keys} = "
+              f"{tasks.distance} random filler tokens; {args.queries} questions at the end, answers never in the "
+              f"input; trained on the answers only (chance {1 / args.num_keys:.1%}, loss ln {args.num_keys} = "
               f"{math.log(args.num_keys):.2f})", flush=True)
-    elif task is not None:
-        accuracy_before = passkey_accuracy(trainer, eval_task, args.eval_sequences, batches=held_out)
-        print(f"passkey accuracy before training: {accuracy_before:.0%} "
-              f"(chance {1 / args.num_keys:.0%}; key >= {task.distance} tokens before the question)", flush=True)
-        summary["accuracy_before"] = accuracy_before
+    elif tasks.task is not None:
+        before = passkey_accuracy(trainer, tasks.eval_task, args.eval_sequences, batches=tasks.held_out)
+        print(f"passkey accuracy before training: {before:.0%} "
+              f"(chance {1 / args.num_keys:.0%}; key >= {tasks.task.distance} tokens before the question)", flush=True)
+        summary["accuracy_before"] = before
+    return summary
 
-    try:
-        from tqdm import tqdm
-    except ImportError:   # tqdm is in the pinned environment; run without a bar elsewhere.
-        tqdm = None
-    total_steps = args.steps if args.steps < 10**6 else None
-    bar = None
-    if tqdm is not None and not args.no_progress:
-        bar = tqdm(total=total_steps, unit="step", dynamic_ncols=True, file=sys.stderr)
+
+class _Progress:
+    """A tqdm bar when stderr is a terminal; otherwise (a log file, a pipe) plain lines only, since
+    a bar's carriage-return redraws become fragments there. The bar shows the mean loss of the
+    last RECENT steps, labelled as such; each step's own loss is in its line."""
+
+    RECENT = 10
+
+    def __init__(self, total: int | None, enabled: bool):
+        self.bar = None
+        self.recent: list[float] = []
+        if enabled and sys.stderr.isatty():
+            try:
+                from tqdm import tqdm
+            except ImportError:   # tqdm is in the pinned environment; run without a bar elsewhere.
+                return
+            self.bar = tqdm(total=total, unit="step", dynamic_ncols=True, file=sys.stderr)
+
+    def line(self, text: str) -> None:
+        if self.bar is not None:
+            self.bar.write(text)
+        else:
+            print(text, flush=True)
+
+    def step(self, loss: float, tokens_per_second: float, text: str) -> None:
+        self.recent = (self.recent + [loss])[-self.RECENT:]
+        if self.bar is not None:
+            self.bar.set_postfix({f"mean loss (last {len(self.recent)})": f"{sum(self.recent) / len(self.recent):.3f}",
+                                  "tok/s": f"{tokens_per_second:,.0f}"})
+            self.bar.update(1)
+        self.line(text)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def _train(args, trainer, model, optimizer, schedule, next_batch, tasks: _Tasks, summary: dict) -> None:
+    """The training steps (until --steps, or --demo-minutes for the demo); fills summary."""
+    from membar.oomb.tasks import passkey_accuracy
+    from membar.oomb.trainer import host_memory
+
+    progress = _Progress(args.steps if args.steps < 10**6 else None, not args.no_progress)
     deadline = time.monotonic() + args.demo_minutes * 60 if args.demo else math.inf
     started = time.monotonic()
     step = 0
-    recent = []
-    while step < args.steps and time.monotonic() < deadline:
-        input_ids, labels = batch()
-        loss = trainer.step(input_ids, labels)
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        if schedule is not None:
-            schedule.step()
-        step += 1
-        stats = dict(trainer.stats)
-        record = {"step": step, "loss": loss, "tokens_per_second": stats["tokens_per_second"],
-                  "seconds": stats["seconds"], "peak_gpu_bytes": stats.get("peak_gpu_bytes", 0),
-                  "host_rss_bytes": stats["rss_bytes"], "pages_moved": stats["pages_moved"]}
-        summary["steps"].append(record)
-        if step == 1:
-            summary["attention_kernels"] = "cudnn+membar" if stats.get("cudnn_attention_calls") else "membar"
-            note = (f"attention: {'cuDNN fused kernels for dense history, membar kernels elsewhere' if stats.get('cudnn_attention_calls') else 'membar kernels'}")
-            (bar.write if bar is not None else print)(note)
-        recent = (recent + [loss])[-10:]
-        if args.demo:
-            line = (f"step {step}: answer loss {loss:.3f}  ({time.monotonic() - started:.0f} s, "
-                    f"{stats['tokens_per_second']:,.0f} tok/s, host {_gib(record['host_rss_bytes'])})")
-        else:
-            line = (f"step {step}: loss {loss:.4f}  {stats['tokens_per_second']:,.0f} tok/s  "
-                    f"peak GPU {_gib(record['peak_gpu_bytes'])}  host {_gib(record['host_rss_bytes'])}  "
-                    f"pages moved {record['pages_moved']:,}")
-        if bar is not None:
-            bar.set_postfix(loss=f"{sum(recent) / len(recent):.3f}", tok_s=f"{stats['tokens_per_second']:,.0f}")
-            bar.update(1)
-            bar.write(line)
-        else:
-            print(line, flush=True)
-        if task is not None and args.eval_every and step % args.eval_every == 0:
-            accuracy = passkey_accuracy(trainer, eval_task, args.eval_sequences, batches=held_out)
-            (bar.write if bar else print)(f"step {step}: passkey accuracy {accuracy:.0%}")
-    if bar is not None:
-        bar.close()
-    elapsed = time.monotonic() - started
-    summary["train_seconds"] = elapsed
+    try:
+        while step < args.steps and time.monotonic() < deadline:
+            input_ids, labels = next_batch()
+            loss = trainer.step(input_ids, labels)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            if schedule is not None:
+                schedule.step()
+            step += 1
+            stats = dict(trainer.stats)
+            record = {"step": step, "loss": loss, "tokens_per_second": stats["tokens_per_second"],
+                      "seconds": stats["seconds"], "peak_gpu_bytes": stats.get("peak_gpu_bytes", 0),
+                      "host_rss_bytes": stats["rss_bytes"], "pages_moved": stats["pages_moved"]}
+            summary["steps"].append(record)
+            if step == 1:
+                cudnn = stats.get("cudnn_attention_calls")
+                summary["attention_kernels"] = "cudnn+membar" if cudnn else "membar"
+                progress.line(f"attention: {'cuDNN fused kernels for dense history, membar kernels elsewhere' if cudnn else 'membar kernels'}")
+            if args.demo:
+                line = (f"step {step}: answer loss {loss:.3f}  ({time.monotonic() - started:.0f} s, "
+                        f"{stats['tokens_per_second']:,.0f} tok/s, host {_gib(record['host_rss_bytes'])})")
+            else:
+                line = (f"step {step}: loss {loss:.4f}  {stats['tokens_per_second']:,.0f} tok/s  "
+                        f"peak GPU {_gib(record['peak_gpu_bytes'])}  host {_gib(record['host_rss_bytes'])}  "
+                        f"pages moved {record['pages_moved']:,}")
+            progress.step(loss, stats["tokens_per_second"], line)
+            if tasks.task is not None and args.eval_every and step % args.eval_every == 0:
+                accuracy = passkey_accuracy(trainer, tasks.eval_task, args.eval_sequences, batches=tasks.held_out)
+                progress.line(f"step {step}: passkey accuracy {accuracy:.0%}")
+    finally:
+        progress.close()
+    summary["train_seconds"] = time.monotonic() - started
     summary["steps_run"] = step
     if step:
         summary["mean_tokens_per_second"] = sum(r["tokens_per_second"] for r in summary["steps"]) / step
         summary["peak_gpu_bytes"] = max(r["peak_gpu_bytes"] for r in summary["steps"])
         summary["final_loss"] = summary["steps"][-1]["loss"]
     summary["host_memory"] = host_memory()
-    if task is not None:
-        accuracy = passkey_accuracy(trainer, eval_task, args.eval_sequences, batches=held_out)
-        summary["accuracy"] = accuracy
-        summary["chance"] = 1 / args.num_keys
-        if args.demo:
-            losses = [record["loss"] for record in summary["steps"]]
-            first, last = losses[:5], losses[-5:]
-            print(f"trained {step} steps in {elapsed:.0f} s; answer loss (mean of 5 steps) "
-                  f"{sum(first) / max(len(first), 1):.2f} at the start -> {sum(last) / max(len(last), 1):.2f} "
-                  f"at the end", flush=True)
-            print(f"held-out accuracy, {len(held_out)} fresh sequences:", flush=True)
-            print(f"  whole sequence (key {distance}+ tokens before the question): {accuracy:.0%}", flush=True)
+
+
+def _final_accuracy(args, trainer, tasks: _Tasks, summary: dict) -> None:
+    """Held-out accuracy after training (and on the last --window tokens only); prints it."""
+    from membar.oomb.tasks import passkey_accuracy
+
+    step, elapsed = summary["steps_run"], summary["train_seconds"]
+    accuracy = passkey_accuracy(trainer, tasks.eval_task, args.eval_sequences, batches=tasks.held_out)
+    summary["accuracy"] = accuracy
+    summary["chance"] = 1 / args.num_keys
+    if args.demo:
+        losses = [record["loss"] for record in summary["steps"]]
+        first, last = losses[:5], losses[-5:]
+        print(f"trained {step} steps in {elapsed:.0f} s; answer loss (mean of 5 steps) "
+              f"{sum(first) / max(len(first), 1):.2f} at the start -> {sum(last) / max(len(last), 1):.2f} "
+              f"at the end", flush=True)
+        print(f"held-out accuracy, {len(tasks.held_out)} fresh sequences:", flush=True)
+        print(f"  whole sequence (key {tasks.distance}+ tokens before the question): {accuracy:.0%}", flush=True)
+    else:
+        print(f"passkey accuracy after {step} steps ({elapsed:.0f} s): {accuracy:.0%} "
+              f"(before: {summary['accuracy_before']:.0%}, chance {1 / args.num_keys:.0%})", flush=True)
+    if args.window:
+        windowed = passkey_accuracy(trainer, tasks.eval_task, args.eval_sequences, window=args.window,
+                                    batches=tasks.held_out)
+        summary["window_accuracy"] = windowed
+        print(f"  {'same model, ' if args.demo else 'window: '}only the last {args.window} tokens "
+              f"(key out of reach): {windowed:.0%}", flush=True)
+    if args.demo:
+        print(f"  chance (1 of {args.num_keys} keys): {1 / args.num_keys:.0%}", flush=True)
+
+
+def _save(args, model, summary: dict) -> None:
+    """save_pretrained into --save, with the checkpoint's tokenizer when --model has one; verifies
+    that the files are there (save_pretrained only logs when it cannot write)."""
+    os.makedirs(args.save, exist_ok=True)
+    model.save_pretrained(args.save)
+    names = set(os.listdir(args.save))
+    weights = {"model.safetensors", "model.safetensors.index.json", "pytorch_model.bin"}
+    if "config.json" not in names or not names & weights:
+        raise ValueError(f"--save {args.save}: save_pretrained wrote no model there (found {sorted(names) or 'nothing'}).")
+    tokenizer_note = "no tokenizer (a random-init preset has none)"
+    summary["tokenizer_saved"] = False
+    if os.path.isdir(args.model):
+        from transformers import AutoTokenizer
+
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(args.model)
+        except (OSError, ValueError):
+            tokenizer_note = f"no tokenizer ({args.model} has none)"
         else:
-            print(f"passkey accuracy after {step} steps ({elapsed:.0f} s): {accuracy:.0%} "
-                  f"(before: {accuracy_before:.0%}, chance {1 / args.num_keys:.0%})", flush=True)
-        if args.window:
-            windowed = passkey_accuracy(trainer, eval_task, args.eval_sequences, window=args.window,
-                                        batches=held_out)
-            summary["window_accuracy"] = windowed
-            print(f"  {'same model, ' if args.demo else 'window: '}only the last {args.window} tokens "
-                  f"(key out of reach): {windowed:.0%}", flush=True)
-        if args.demo:
-            print(f"  chance (1 of {args.num_keys} keys): {1 / args.num_keys:.0%}", flush=True)
-    if args.save:
-        model.save_pretrained(args.save)
-        summary["saved"] = args.save
-        print(f"saved the model to {args.save}", flush=True)
-    if args.json:
-        print(json.dumps(summary), flush=True)
-    return summary
+            tokenizer.save_pretrained(args.save)
+            summary["tokenizer_saved"] = True
+            tokenizer_note = "its tokenizer"
+    summary["saved"] = args.save
+    print(f"saved the model and {tokenizer_note} to {args.save}", flush=True)
 
 
 def main(argv=None) -> int:
     try:
         run(argv)
-    except (ValueError, TypeError) as error:
+    except (ValueError, TypeError, OSError) as error:
         print(f"membar-train: {error}", file=sys.stderr)
         return 2
     return 0

@@ -158,6 +158,8 @@ class LoGRALinear(nn.Module):
         return self.states.view("sketch", self.state_index)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """y = x W^T + b [..., d]; with grad enabled its backward adds to the sketch instead of
+        forming W's gradient (and, during predicted KL, the output carries the update's tangent)."""
         if self._tangent_update is not None:
             return self._forward_with_tangent(x)
         if not torch.is_grad_enabled():

@@ -84,6 +84,13 @@ class LoGRAOptimizer:
             raise ValueError(f"redraw_every must be at least 1 (updates per draw of A), got {redraw_every}")
         if lr <= 0:
             raise ValueError(f"the learning rate must be positive, got {lr}")
+        if algorithm == "sgd" and momentum != 0.0 and redraw_every == 1 and moments_on_redraw != "keep":
+            # The momentum buffer lives in the coordinates of one draw of A and is reset on every
+            # redraw (Note [Adam moments when A is redrawn]): redrawn after every update, it never
+            # holds more than the current sketch, and momentum would change nothing.
+            raise ValueError(f"SGD momentum {momentum} has no effect when A is redrawn after every update "
+                             f"(redraw_every=1): the momentum buffer is reset on each redraw. Use redraw_every > 1, "
+                             f"moments_on_redraw='keep', or momentum=0.")
         self.logra = logra
         self.lr = float(lr)
         self.algorithm = algorithm

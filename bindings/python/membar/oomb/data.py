@@ -23,7 +23,11 @@ def load_tokens(path: str, dtype: str = "uint16", tokenizer_path: str | None = N
         raise ValueError(f"--data {path}: no such file.")
     suffix = os.path.splitext(path)[1].lower()
     if suffix == ".pt":
-        data = torch.load(path, map_location="cpu", weights_only=True)
+        try:
+            data = torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as error:   # torch's own message may advise weights_only=False, which is unsafe
+            raise ValueError(f"--data {path}: not a tensor saved with torch.save, or the file is damaged "
+                             f"({type(error).__name__}).") from None
         if isinstance(data, (list, tuple)):
             data = torch.cat([torch.as_tensor(part).flatten() for part in data]) if data else torch.empty(0)
         if not isinstance(data, torch.Tensor):
@@ -32,7 +36,20 @@ def load_tokens(path: str, dtype: str = "uint16", tokenizer_path: str | None = N
     elif suffix == ".npy":
         import numpy
 
-        tokens = torch.from_numpy(numpy.load(path, allow_pickle=False))
+        with open(path, "rb") as file:
+            magic = file.read(6)
+        if magic != b"\x93NUMPY":
+            # Without this check numpy takes the file for a pickle and suggests allow_pickle=True,
+            # which would run whatever code the file holds.
+            raise ValueError(f"--data {path}: not a .npy array file (no NumPy header); write token ids with "
+                             f"numpy.save, or pass them as .bin, .pt or .txt.")
+        try:
+            array = numpy.load(path, allow_pickle=False)
+        except (ValueError, OSError, EOFError) as error:
+            raise ValueError(f"--data {path}: a damaged .npy file ({error}).") from None
+        if array.dtype == object:
+            raise ValueError(f"--data {path}: holds Python objects, not token ids.")
+        tokens = torch.from_numpy(array)
     elif suffix == ".bin":
         if dtype not in _RAW_DTYPES:
             raise ValueError(f"--data-dtype must be one of {sorted(_RAW_DTYPES)}, got {dtype!r}.")

@@ -119,12 +119,14 @@ class OOMBTrainer:
     # -- public ---------------------------------------------------------------------------------
 
     def step(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None, *,
-             stage2_chunks: int | None = None) -> float:
+             stage2_chunks: int | None = None, loss_scale: float = 1.0) -> float:
         """Forward + backward of a batch of sequences; returns the mean loss over predicted tokens.
 
         input_ids: int [tokens] or [batch, tokens]. labels: same shape, Hugging Face convention
         (aligned with input_ids, shifted inside: position t is trained to predict labels[t + 1];
         IGNORE_INDEX = -100 skips a target); default input_ids. Gradients ACCUMULATE into .grad.
+        loss_scale: the gradients and the returned loss are those of loss_scale times the mean loss
+        (gradient accumulation's share of a micro-batch, as Hugging Face's Trainer weighs it).
 
         stage2_chunks (measurement only, Note [Partial steps]): run all of stage 1 but only the
         first this-many chunks of stage 2 (the last chunks of the sequence, whose histories are
@@ -148,7 +150,7 @@ class OOMBTrainer:
             timings["chunk_seconds"] = {"stage1": [], "stage2": [], "stage2_limit": stage2_chunks}
         total = torch.zeros((), dtype=torch.float64, device=self.device)   # summed on the device
         for row in range(input_ids.shape[0]):
-            self._sequence(input_ids[row], labels[row], 1.0 / predicted, timings, total)
+            self._sequence(input_ids[row], labels[row], loss_scale / predicted, timings, total)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         # The one read of a GPU value in a step (a meta device, used to count memory, has none).
