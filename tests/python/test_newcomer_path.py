@@ -19,7 +19,7 @@ import torch
 from membar.train import main
 
 REPO = Path(__file__).resolve().parents[2]
-TINY = ["--model", "tiny-qwen2", "--seq-len", "128", "--chunk", "64", "--page-tokens", "32", "--store", "tensor"]
+TINY = ["--model", "tiny-qwen2", "--seq-len", "128", "--chunk", "64", "--page-tokens", "32"]
 
 
 @pytest.fixture(autouse=True)
@@ -60,7 +60,7 @@ def test_save_writes_the_model_and_the_checkpoints_tokenizer(tmp_path, capsys):
     PreTrainedTokenizerFast(tokenizer_object=core, unk_token="w0").save_pretrained(checkpoint)
     out = tmp_path / "trained"
     assert main(["--model", str(checkpoint), "--seq-len", "128", "--chunk", "64", "--page-tokens", "32",
-                 "--store", "tensor", "--steps", "1", "--no-progress", "--save", str(out)]) == 0
+                 "--steps", "1", "--no-progress", "--save", str(out)]) == 0
     assert "saved the model and its tokenizer" in capsys.readouterr().out
     assert AutoModelForCausalLM.from_pretrained(out).config.vocab_size == 512
     assert (out / "tokenizer.json").exists()

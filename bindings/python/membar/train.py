@@ -103,6 +103,12 @@ def _parse(argv):
     parser.add_argument("--checkpoint-layers", action="store_true", help="recompute decoder layers in backward")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--lr", type=float, default=1e-4)
+    parser.add_argument("--optimizer", choices=["adamw", "logra"], default="adamw",
+                        help="adamw: dense AdamW on every parameter; logra: LoGRA (low-rank gradient sketches of "
+                             "the attention and MLP projections accumulated over the chunks, Adam on the "
+                             "sketches, merged full-rank update; other parameters frozen), its states in the "
+                             "same runtime as the pages")
+    parser.add_argument("--logra-rank", type=int, default=64, help="--optimizer logra: sketch rank")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     parser.add_argument("--eval-every", type=int, default=0, help="passkey: accuracy every N steps (0: at the end)")
@@ -165,9 +171,14 @@ def _make_trainer(args, model):
                         history_block_tokens=args.history_block, dense_kernel=args.dense_kernel,
                         gpu_resident_layers=resident, gpu_budget_bytes=args.gpu_budget)
     socket = _socket(args)
+    extra = (0, 0)
+    if args.optimizer == "logra":   # LoGRA's states share the pages' runtime
+        from membar.logra import state_pool_bytes
+
+        extra = (state_pool_bytes(model, args.logra_rank),) * 2
     store = RuntimeKVStore(device, offload=args.offload, socket=socket, gpu_budget_bytes=config.gpu_budget_bytes,
                            gpu_resident_layers=resident, block_tokens=args.history_block,
-                           prefetch_depth=config.prefetch_depth, name=_client_name(args))
+                           prefetch_depth=config.prefetch_depth, name=_client_name(args), extra_bytes=extra)
     args.store = "runtime"
     return OOMBTrainer(model, config, store=store)
 
@@ -296,7 +307,7 @@ def run(argv=None) -> dict:
     trainer.reserve(args.seq_len)   # page pools allocated once, not inside the first step
     tasks = _make_tasks(args, trainer.vocab_size, distance)
     next_batch = _batch_source(args, tasks, trainer.vocab_size)
-    optimizer, schedule = _make_optimizer(args, model)
+    optimizer, schedule = _make_optimizer(args, model, trainer)
     summary = _start(args, model, device, dtype, trainer, tasks)
     _train(args, trainer, model, optimizer, schedule, next_batch, tasks, summary)
     if tasks.task is not None:
@@ -385,7 +396,7 @@ def training_memory(config, dtype: torch.dtype, seq_len: int, page_tokens: int, 
     kv_heads = getattr(text, "num_key_value_heads", None) or heads
     pages = text.num_hidden_layers * pool_bytes_per_layer(seq_len, page_tokens, kv_heads, head_dim, dtype,
                                                           grad_page_dtype)
-    return {"parameters": parameters, "model_state_bytes": 4 * weights, "page_bytes": pages}
+    return {"parameters": parameters, "weight_bytes": weights, "model_state_bytes": 4 * weights, "page_bytes": pages}
 
 
 def _check_memory(args, device: torch.device, dtype: torch.dtype) -> None:
@@ -395,7 +406,8 @@ def _check_memory(args, device: torch.device, dtype: torch.dtype) -> None:
 
     need = training_memory(_model_config(args.model), dtype, args.seq_len, args.page_tokens,
                            _GRAD_PAGE_DTYPES[args.grad_dtype])
-    state = need["model_state_bytes"]
+    # LoGRA: the weights (frozen but for its merged updates) and states of a few percent of them.
+    state = need["model_state_bytes"] if args.optimizer == "adamw" else need["weight_bytes"]
     if device.type == "cpu":
         where, available, needed = "host memory", host_available_bytes(), state + need["page_bytes"]
     elif device.type == "cuda":
@@ -410,7 +422,7 @@ def _check_memory(args, device: torch.device, dtype: torch.dtype) -> None:
             advice = "choose a shorter --seq-len" + (" or --offload" if device.type == "cuda" else "")
         raise ValueError(
             f"{args.model} ({need['parameters'] / 1e9:.2f}B parameters, {dtype}) needs at least {_gib(needed)} of "
-            f"{where} for its weights, gradients and AdamW's moments"
+            f"{where} for its weights{', gradients and AdamW moments' if args.optimizer == 'adamw' else ''}"
             f"{' and its KV pages' if needed > state else ''} (activations not counted), but "
             f"{_gib(available)} is available: {advice}.")
 
@@ -465,7 +477,35 @@ def _batch_source(args, tasks: _Tasks, vocab: int):
     return next_batch
 
 
-def _make_optimizer(args, model):
+class _LoGRAStep:
+    """LoGRA as the training loop's optimizer: step() consumes the sketches the chunks' backwards
+    accumulated (there are no dense gradients to clip or zero)."""
+
+    def __init__(self, optimizer):
+        self.optimizer = optimizer
+        self.param_groups = [{"lr": optimizer.lr}]
+
+    def step(self):
+        self.optimizer.lr = self.param_groups[0]["lr"]
+        return self.optimizer.step()
+
+    def zero_grad(self, set_to_none: bool = True):
+        pass
+
+
+def _make_optimizer(args, model, trainer):
+    if args.optimizer == "logra":
+        from membar import logra
+
+        # The trainer has probed the model's attention; LoGRA now wraps its projections, its states
+        # in the runtime that holds the pages (sized for both by _make_trainer).
+        handle = logra.apply_logra(model, rank=args.logra_rank, seed=args.seed, runtime=trainer.store.runtime)
+        optimizer = _LoGRAStep(logra.LoGRAOptimizer(handle, lr=args.lr, offload_moments=args.offload))
+        print(f"optimizer: LoGRA rank {args.logra_rank} on {len(handle.layers)} projections "
+              f"({sum(layer.out_features * layer.in_features for layer in handle.layers) / 1e6:.1f}M weights "
+              f"updated, {sum(layer.out_features * layer.rank for layer in handle.layers) / 1e6:.1f}M trainable "
+              f"sketch entries), states in {handle.states.storage.describe()}", flush=True)
+        return optimizer, None
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
     schedule = None
     if args.demo:
@@ -488,7 +528,7 @@ def _start(args, model, device, dtype, trainer, tasks: _Tasks) -> dict:
           flush=True)
     summary = {"model": args.model, "device": str(device), "dtype": str(dtype), "seq_len": args.seq_len,
                "chunk": args.chunk, "page_tokens": args.page_tokens, "mode": args.mode, "offload": args.offload,
-               "store": args.store, "data": args.data,
+               "store": args.store, "data": args.data, "optimizer": args.optimizer,
                "parameters": parameters, "steps": []}
     if args.demo:
         print(f"task: recall one of {args.num_keys} keys, stated {args.key_tokens} times at the start, after "
@@ -552,7 +592,8 @@ def _train(args, trainer, model, optimizer, schedule, next_batch, tasks: _Tasks,
         while step < args.steps and time.monotonic() < deadline:
             input_ids, labels = next_batch()
             loss = trainer.step(input_ids, labels)
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            if args.optimizer == "adamw":
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             if schedule is not None:
@@ -560,7 +601,9 @@ def _train(args, trainer, model, optimizer, schedule, next_batch, tasks: _Tasks,
             step += 1
             stats = dict(trainer.stats)
             record = {"step": step, "loss": loss, "tokens_per_second": stats["tokens_per_second"],
-                      "seconds": stats["seconds"], "peak_gpu_bytes": stats.get("peak_gpu_bytes", 0),
+                      "seconds": stats["seconds"],
+                      # PyTorch's peak plus the runtime's GPU frames (pages, and LoGRA's states)
+                      "peak_gpu_bytes": stats.get("peak_gpu_bytes_total", stats.get("peak_gpu_bytes", 0)),
                       "host_rss_bytes": stats["rss_bytes"], "pages_moved": stats["pages_moved"]}
             summary["steps"].append(record)
             if step == 1:

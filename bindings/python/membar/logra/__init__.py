@@ -23,8 +23,8 @@ Adam's moments on a redraw of A: see Note [Adam moments when A is redrawn] in op
 memory between updates (``LoGRAOptimizer(..., offload_moments=True)``).
 """
 from membar.logra.kl import KLPrediction, measured_kl, predict_kl, softmax_fisher_quadratic, step_scale
-from membar.logra.linear import (DEFAULT_TARGETS, KeyState, LoGRALinear, LoGRAModel, apply_logra, target_linears,
-                                 target_weights)
+from membar.logra.linear import (DEFAULT_TARGETS, KeyState, LoGRALinear, LoGRAModel, apply_logra, state_pool_bytes,
+                                 target_linears, target_weights)
 from membar.logra.loss import causal_lm_loss, chunked_linear_cross_entropy
 from membar.logra.ops import ProjectionKey, fused_update_, generate, project, sketch_accumulate_
 from membar.logra.optimizer import KLControl, LoGRAOptimizer, StepResult
@@ -36,5 +36,5 @@ __all__ = [
     "LoGRAStates", "causal_lm_loss", "chunked_linear_cross_entropy",
     "PolicyPublisher", "PolicySubscriber", "ProjectionKey", "SharedMemoryRing", "StepResult", "SyncOverrun",
     "allocate_state", "apply_logra", "fused_update_", "generate", "measured_kl", "predict_kl", "project",
-    "sketch_accumulate_", "softmax_fisher_quadratic", "step_scale", "target_linears", "target_weights",
+    "sketch_accumulate_", "softmax_fisher_quadratic", "state_pool_bytes", "step_scale", "target_linears", "target_weights",
 ]

@@ -257,16 +257,27 @@ def target_weights(model: nn.Module, targets: Iterable[str] = DEFAULT_TARGETS) -
     return {index: entry[3].weight for index, entry in enumerate(target_linears(model, targets))}
 
 
+def state_pool_bytes(model: nn.Module, rank: int, targets: Iterable[str] = DEFAULT_TARGETS) -> int:
+    """Runtime memory (per tier) that apply_logra's states need: the three flat fp32 kinds (sketch
+    and two moments) of every targeted projection, with room for page rounding. For sizing a
+    runtime that other spaces share (membar-train's chunk-recurrent pages)."""
+    return _state_pool_bytes([(entry[3].out_features, int(rank)) for entry in target_linears(model, targets)])
+
+
+def _state_pool_bytes(shapes) -> int:
+    frame = 2 << 20
+    state_bytes = 4 * sum(rows * rank for rows, rank in shapes)
+    return (3 * (state_bytes + 2 * frame) + frame - 1) // frame * frame
+
+
 def _connect_runtime_for_states(shapes, device: torch.device):
     """A runtime for apply_logra(runtime="auto"): the daemon when one answers with a backend of
-    the weights' device type, else an embedded one whose GPU window and host pool hold the three
-    flat state kinds (sketch, two moments) with room for page rounding."""
+    the weights' device type, else an embedded one whose GPU and host pools hold the three flat
+    state kinds (sketch, two moments) with room for page rounding."""
     from membar.runtime import Runtime
 
     backend = "cuda" if device.type == "cuda" else "host"
-    frame = 2 << 20
-    state_bytes = 4 * sum(rows * rank for rows, rank in shapes)
-    pool_bytes = (3 * (state_bytes + 2 * frame) + frame - 1) // frame * frame
+    pool_bytes = _state_pool_bytes(shapes)
     try:
         runtime = Runtime.connect(embedded=False, name="logra", device=device.index or 0)
         if runtime.device.type == device.type:

@@ -96,12 +96,13 @@ class RuntimeKVStore(KVStore):
     daemon there instead of embedding a runtime (default: $MEMBAR_SOCKET when set, else embedded);
     offload: pages live in host memory and stream through a GPU budget (gpu_budget_bytes, default
     a few history blocks plus gpu_resident_layers whole layers); name: how membarctl shows this
-    trainer. Same threading contract as KVStore."""
+    trainer; extra_bytes: (GPU, host) bytes the runtime this store connects holds beyond the pages,
+    for other spaces sharing it (LoGRA's states in membar-train). Same threading contract as KVStore."""
 
     def __init__(self, device: torch.device | str, *, offload: bool = False, socket: str | None = None,
                  runtime=None, gpu_budget_bytes: int | None = None, gpu_resident_layers: int = 0,
                  block_tokens: int | None = None, chunk_tokens: int | None = None, prefetch_depth: int | None = None,
-                 name: str = "membar-trainer"):
+                 name: str = "membar-trainer", extra_bytes: tuple[int, int] = (0, 0)):
         self.device = torch.device(device)
         self.offload = offload
         env_socket = os.environ.get("MEMBAR_SOCKET") or None
@@ -114,6 +115,7 @@ class RuntimeKVStore(KVStore):
         self.chunk_tokens = chunk_tokens
         self.prefetch_depth = prefetch_depth
         self.name = name
+        self.extra_bytes = extra_bytes   # (GPU, host) room for other spaces in a runtime this store connects
         self.layout: PageLayout | None = None
         self._capacity: PageLayout | None = None
         self._sizes = (0, 0)
@@ -132,8 +134,8 @@ class RuntimeKVStore(KVStore):
     def _connect(self, gpu_bytes: int, host_bytes: int) -> None:
         from membar.runtime import Runtime
 
-        gpu = _round_up(max(gpu_bytes, _FRAME) + _SLACK, _FRAME)
-        host = _round_up(max(host_bytes, _FRAME) + _SLACK, _FRAME)
+        gpu = _round_up(max(gpu_bytes, _FRAME) + _SLACK + self.extra_bytes[0], _FRAME)
+        host = _round_up(max(host_bytes, _FRAME) + _SLACK + self.extra_bytes[1], _FRAME)
         backend = "cuda" if self._cuda else "host"
         device = self.device.index or 0
         if self.socket:
