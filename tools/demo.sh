@@ -6,6 +6,9 @@
 # also built with the CUDA kernels into build-demo-gpu/ (its own _C.so, loaded through
 # MEMBAR_LIBRARY, so the CPU build and `make test` are untouched) and the demo trains there. When
 # any of that is missing or the CUDA build fails, the demo runs on the CPU and says why.
+#
+# DEMO_DAEMON=1 (`make demo DEMO_DAEMON=1`): the demo starts its own membard on a private socket,
+# trains through it ($MEMBAR_SOCKET), shows `membarctl stats` once training runs, and stops it.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 root=$PWD
@@ -42,8 +45,9 @@ if arch=$(gpu_arch 2> /tmp/membar-demo-gpu.$$); then
   if cmake -S . -B build-demo-gpu $generator -DCMAKE_BUILD_TYPE=Release -DMEMBAR_WITH_CUDA=ON \
         -DMEMBAR_CUDA_ARCHS="$arch" -DMEMBAR_PYTHON="$py" \
         -DMEMBAR_PYTHON_LIBRARY_DIR="$root/build-demo-gpu/python" ${CMAKE_FLAGS:-} > "$log" 2>&1 \
-     && cmake --build build-demo-gpu -j "${JOBS_GPU:-$(nproc)}" --target membar_C >> "$log" 2>&1; then
+     && cmake --build build-demo-gpu -j "${JOBS_GPU:-$(nproc)}" --target membar_C membard membarctl >> "$log" 2>&1; then
     export MEMBAR_LIBRARY=$root/build-demo-gpu/python/_C.so
+    bin=$root/build-demo-gpu/bin
   else
     say "the CUDA build failed (see $log): the demo runs on the CPU"
   fi
@@ -51,4 +55,38 @@ else
   say "no usable GPU ($(cat /tmp/membar-demo-gpu.$$)): the demo runs on the CPU"
 fi
 rm -f /tmp/membar-demo-gpu.$$
-exec "$py" -m membar.train --demo "$@"
+if [ "${DEMO_DAEMON:-0}" = 0 ]; then
+  exec "$py" -m membar.train --demo "$@"
+fi
+
+# The daemon's own demo: membard (CUDA backend beside the CUDA build, else the host backend of
+# the CPU build), the trainer as its client, membarctl's view of it while it trains.
+bin=${bin:-$root/build/bin}
+backend=host
+[ "$bin" = "$root/build-demo-gpu/bin" ] && backend=cuda
+work=$(mktemp -d /tmp/membar-demo.XXXXXX)
+socket=$work/membard.sock
+say "starting $bin/membard --backend $backend --socket $socket (log: $work/membard.log)"
+"$bin/membard" --backend "$backend" --socket "$socket" --gpu-pool 1GiB --host-pool 1GiB > "$work/membard.log" 2>&1 &
+daemon=$!
+stop_daemon() { kill "$daemon" 2>/dev/null; wait "$daemon" 2>/dev/null; rm -rf "$work"; }
+trap stop_daemon EXIT
+for _ in $(seq 100); do [ -S "$socket" ] && break; sleep 0.1; done
+[ -S "$socket" ] || { say "membard did not start:"; cat "$work/membard.log"; exit 1; }
+export MEMBAR_SOCKET=$socket
+"$py" -m membar.train --demo "$@" 2>&1 | tee "$work/train.log" &
+trainer=$!
+# Once the first step is done, the operator's view of the node: the trainer by name, its spaces.
+while kill -0 "$trainer" 2>/dev/null; do
+  if grep -q "^step 1:" "$work/train.log" 2>/dev/null; then
+    say "membarctl stats while the demo trains:"
+    # (the first of the trainer's spaces: K, V, dK and dV pages per layer)
+    "$bin/membarctl" --socket "$socket" stats | awk '/^# Space/ && ++n == 2 {exit} {print "    " $0}'
+    break
+  fi
+  sleep 1
+done
+wait "$trainer"
+rc=$?
+say "stopping membard"
+exit $rc

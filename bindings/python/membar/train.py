@@ -630,6 +630,35 @@ def _train(args, trainer, model, optimizer, schedule, next_batch, tasks: _Tasks,
         summary["peak_gpu_bytes"] = max(r["peak_gpu_bytes"] for r in summary["steps"])
         summary["final_loss"] = summary["steps"][-1]["loss"]
     summary["host_memory"] = host_memory()
+    summary["runtime"] = _runtime_report(trainer)
+    if summary["runtime"]:
+        print(summary["runtime"]["line"], flush=True)
+
+
+def _runtime_report(trainer) -> dict:
+    """What the memory runtime did for this run (its client's counters), with a one-line summary."""
+    from membar.units import human_bytes
+
+    runtime = getattr(trainer.store, "runtime", None)
+    if runtime is None:
+        return {}
+    stats = runtime.stats()
+    client = stats["clients"][0]
+    page_bytes = trainer.store.layout_page_bytes() if hasattr(trainer.store, "layout_page_bytes") else 0
+    hits, misses = int(client.get("prefetch_hits", 0)), int(client.get("prefetch_misses", 0))
+    report = {"runtime": runtime.describe(), "spaces": int(client["spaces"]),
+              "bytes_host_to_gpu": int(client["bytes_host_to_gpu"]), "bytes_gpu_to_host": int(client["bytes_gpu_to_host"]),
+              "prefetch_hits": hits, "prefetch_misses": misses, "stall_seconds": int(client.get("stall_ns", 0)) * 1e-9,
+              "gpu_frames_peak": int(client["gpu_frames"]["peak"]), "host_frames_peak": int(client["host_frames"]["peak"])}
+    moved = report["bytes_host_to_gpu"] + report["bytes_gpu_to_host"]
+    report["line"] = (
+        f"runtime ({report['runtime']}): {report['spaces']} spaces; moved {human_bytes(report['bytes_host_to_gpu'])} "
+        f"to the GPU tier and {human_bytes(report['bytes_gpu_to_host'])} to host memory"
+        + (f" ({moved // page_bytes:,} pages)" if page_bytes else "")
+        + (f"; prefetch hit rate {hits / (hits + misses):.1%}" if hits + misses else "")
+        + f"; the stream waited {report['stall_seconds']:.2f} s for pages; GPU tier peak "
+        f"{human_bytes(report['gpu_frames_peak'] * (2 << 20))}")
+    return report
 
 
 def _final_accuracy(args, trainer, tasks: _Tasks, summary: dict) -> None:

@@ -356,6 +356,11 @@ class RuntimeKVStore(KVStore):
         self.open_sequence(layout)
         self.close_sequence()
 
+    def layout_page_bytes(self) -> int:
+        """Bytes of one K/V page of the current (or last) sequence's layout; 0 before any."""
+        layout = self._capacity
+        return layout.page_bytes(layout.dtype) if layout is not None else 0
+
     @property
     def stats(self) -> StoreStats:
         """Page traffic as the runtime counts it (this client), plus the store's page bookkeeping."""
