@@ -13,8 +13,8 @@ init, from config) on batch x seqlen tokens with gradient checkpointing. Variant
   adamw_bf16            AdamW on bf16 params (HF loss)
   lora64                PEFT LoRA r=64 on the 7 projections (HF loss); skipped without peft
   sketch64, sketch256   plain PyTorch sketch: W frozen, fixed random-sign A buffer, zero-init
-                        B trained (B.grad = G A^T), AdamW on B (HF loss), as in
-                        ../shared/probes/optim_baseline.py
+                        B trained (B.grad = G A^T), AdamW on B (HF loss): the usual way
+                        to train a sketch in plain PyTorch
   sketch64_chunked      the plain sketch with the same chunked loss as LoGRA (separates the
                         loss's share of the saving from LoGRA's own)
   logra64_rt            logra64 with sketches and Adam moments as pages of an embedded
