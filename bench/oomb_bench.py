@@ -22,7 +22,8 @@ Variants (pages live in membar's runtime: embedded, or the membard named by $MEM
   dense-hybrid    OOMB, as many layers' pages on the GPU as fit, the rest in host memory
   sparse          OOMB, top-k pages per query tile (selection from stage 1 reused in stage 2)
   sparse-offload  the same with offload
-Suffixes: "+membar" runs dense attention on membar's kernels instead of cuDNN's; "+plain" keeps
+Suffixes: "+logra" / "+adamw" add a LoGRA (rank 64, states in the pages' runtime) / dense
+AdamW update to the timed step; "+membar" runs dense attention on membar's kernels instead of cuDNN's; "+plain" keeps
 the pages in plain PyTorch tensors instead of the runtime (bench/plain_store.py: the baseline
 the runtime must match); "@8K" sets the variant's history block.
 Each step is forward + backward of one sequence (no optimizer step, like the full-sequence
@@ -100,6 +101,15 @@ def resident_name(variant: str) -> str:
     base = base_variant(variant)
     base = base[: -len("-offload")] if base.endswith("-offload") else base
     return base + ("+membar" if "+membar" in variant else "")
+
+
+LOGRA_RANK = 64
+
+
+def optimizer_of(variant: str) -> str | None:
+    """"+logra" includes a LoGRA (rank 64) update in the timed step, "+adamw" a dense AdamW one;
+    otherwise the step is forward + backward only."""
+    return "logra" if "+logra" in variant else "adamw" if "+adamw" in variant else None
 
 
 def dense_kernel_of(variant: str) -> str:
@@ -195,10 +205,27 @@ def run_one(model, spec: dict) -> dict:
 
             store = PlainKVStore(device)
         trainer = OOMBTrainer(model, config, store=store)
+        optimizer_name = optimizer_of(result["variant"])
+        if optimizer_name == "logra":   # LoGRA's states share the pages' runtime
+            from membar import logra
+
+            trainer.store.extra_bytes = (logra.state_pool_bytes(model, LOGRA_RANK),) * 2
         trainer.reserve(tokens)   # page pools are allocated once, before the timed step
+        optimizer = None
+        if optimizer_name == "logra":
+            handle = logra.apply_logra(model, rank=LOGRA_RANK, seed=1, runtime=trainer.store.runtime)
+            optimizer = logra.LoGRAOptimizer(handle, lr=1e-5, offload_moments=offload)
+            result.update(trainable_parameters=sum(layer.out_features * layer.rank for layer in handle.layers))
+        elif optimizer_name == "adamw":   # dense AdamW on the bf16 parameters (moments in bf16: its smallest form)
+            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=cuda)
+            result.update(trainable_parameters=sum(p.numel() for p in model.parameters()))
 
         def step(ids, partial=None):
             trainer.step(ids, stage2_chunks=partial)
+            if optimizer is not None and not partial:
+                optimizer.step()
+                if optimizer_name == "adamw":
+                    optimizer.zero_grad(set_to_none=False)
 
     step(warmup)
     model.zero_grad(set_to_none=False)
@@ -272,6 +299,11 @@ def child_main(job: dict) -> None:
             else:
                 try:
                     result = run_one(model, spec)
+                    if optimizer_of(variant) == "logra":   # LoGRA replaced the model's projections
+                        del model
+                        gc.collect()
+                        model = build_model(job["model"], dtype=dtype, device=device, max_positions=longest, seed=0)
+                        model.train()
                     if "step_seconds" in result:
                         measured[(variant, tokens)] = result["step_seconds"]
                 except Exception as error:   # an OOM ends this configuration, not the run
