@@ -1,0 +1,105 @@
+#!/usr/bin/env bash
+# The runtime's measurements on a lent H200 (issue "One memory system"), in steps that fit
+# 10-minute device calls on one warm machine (the build stays between calls while it is warm):
+#
+#   tools/h200_session.sh STEP...
+#
+#   build     CUDA build (tools/gpu_check.sh's build stage, sm_90a)
+#   tests     gpu-labelled C++ tests and gpu-marked Python tests
+#   plain     7B shape: the runtime against plain tensors (bench/plain_store.py) in one run: dense
+#             32K and 128K, sparse 256K; dense-offload at 32K (GPU peak) and 128K
+#   offload   7B at 256K: dense-offload, the same with a LoGRA r=64 update (both methods, one runtime)
+#   daemon    through membard (CUDA backend): dense 32K and dense-offload 128K, embedded beside them
+#   hostpool  membard --gpu-pool 100GiB --host-pool 100GiB under ulimit -n 1024: time to serve,
+#             time until the host pool is pinned, open descriptors
+#
+# Logs and results go to $OUT (or bench/results/latest): one folder per step, packed into
+# $OUT/session-<steps>.tgz at the end (the device returns at most 8 files).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+root=$PWD
+py=${PYTHON:-python3}
+out=${OUT:-$root/bench/results/latest}
+work=/tmp/membar-session
+mkdir -p "$work" "$out"
+export PYTHONPATH=$root/bindings/python PYTHONUNBUFFERED=1
+log() { printf '[h200 %s] %s\n' "$(date +%H:%M:%S)" "$*"; }
+bin=$root/build-gpu/bin
+status=0
+
+bench() {   # bench STEP ARGS...: bench/oomb_bench.py at the 7B shape into $work/STEP
+  local step=$1; shift
+  mkdir -p "$work/$step"
+  MEMBAR_RESULTS_DIR=$work/$step timeout 570 "$py" bench/oomb_bench.py --model qwen2.5-7b --time-limit 400 "$@" \
+    > "$work/$step/bench.log" 2>&1 || status=1
+  grep -vE '^\[|^ +' "$work/$step/oomb_bench.txt" 2>/dev/null || tail -20 "$work/$step/bench.log"
+}
+
+start_daemon() {   # start_daemon SOCKET ARGS...: membard on the CUDA backend, waits for its socket
+  local socket=$1; shift
+  rm -f "$socket"
+  "$bin/membard" --backend cuda --socket "$socket" --log-level warn "$@" > "$work/membard.log" 2>&1 &
+  daemon=$!
+  for _ in $(seq 600); do [ -S "$socket" ] && return 0; sleep 0.05; done
+  log "membard did not start"; cat "$work/membard.log"; return 1
+}
+
+for step in "$@"; do
+  log "step $step"
+  case $step in
+    build)
+      GPU_CHECK_STAGES=build MEMBAR_RESULTS_DIR=$work/build OUT= tools/gpu_check.sh > "$work/build.log" 2>&1 \
+        || { status=1; tail -40 "$work/build.log"; }
+      ls -la bindings/python/membar/_C.so "$bin/membard" 2>&1 | sed 's/^/  /' ;;
+    tests)
+      mkdir -p "$work/tests"
+      ctest --test-dir build-gpu -L gpu --output-on-failure --timeout 300 > "$work/tests/gpu_ctest.log" 2>&1 || status=1
+      tail -6 "$work/tests/gpu_ctest.log"
+      timeout 420 "$py" -m pytest -q -m gpu tests/python -p no:cacheprovider -x --durations=10 \
+        > "$work/tests/gpu_pytest.log" 2>&1 || status=1
+      tail -25 "$work/tests/gpu_pytest.log" ;;
+    plain)
+      bench plain --contexts 32K,128K,256K --time-budget 540 \
+        --variants "dense+plain:32K/128K,dense:32K/128K,dense-offload:32K/128K,sparse+plain:256K,sparse:256K" ;;
+    offload)
+      bench offload --contexts 256K --time-budget 540 --variants "dense-offload,dense-offload+logra" ;;
+    daemon)
+      socket=/tmp/membar-session.sock
+      start_daemon "$socket" --gpu-pool 24GiB --host-pool 40GiB || { status=1; continue; }
+      MEMBAR_SOCKET=$socket bench daemon --contexts 32K,128K --time-budget 300 --variants "dense:32K,dense-offload:128K"
+      "$bin/membarctl" --socket "$socket" stats --json > "$work/daemon/membarctl_stats.json" 2>&1
+      kill "$daemon"; wait "$daemon" 2>/dev/null
+      bench daemon-embedded --contexts 32K,128K --time-budget 240 --variants "dense:32K,dense-offload:128K" ;;
+    hostpool)
+      mkdir -p "$work/hostpool"
+      (
+        ulimit -n 1024
+        socket=/tmp/membar-hostpool.sock
+        started=$(date +%s.%N)
+        start_daemon "$socket" --gpu-pool 100GiB --host-pool 100GiB || exit 1
+        serving=$(date +%s.%N)
+        for _ in $(seq 1200); do
+          preparing=$("$bin/membarctl" --socket "$socket" stats --json 2>/dev/null \
+            | "$py" -c 'import json,sys; print(sum(t["frames_preparing"] for t in json.load(sys.stdin)["tiers"]))' 2>/dev/null)
+          [ "$preparing" = 0 ] && break
+          sleep 0.25
+        done
+        pinned=$(date +%s.%N)
+        fds=$(ls /proc/$daemon/fd | wc -l)
+        "$bin/membarctl" --socket "$socket" stats > "$work/hostpool/membarctl_stats.txt" 2>&1
+        kill "$daemon"; wait "$daemon" 2>/dev/null
+        "$py" - "$started" "$serving" "$pinned" "$fds" <<'EOF' | tee "$work/hostpool/hostpool.json"
+import json, sys
+started, serving, pinned, fds = map(float, sys.argv[1:])
+print(json.dumps({"gpu_pool_gib": 100, "host_pool_gib": 100, "ulimit_n": 1024, "seconds_to_serve": serving - started,
+                  "seconds_to_host_pool_pinned": pinned - started, "open_descriptors": int(fds)}))
+EOF
+      ) || status=1 ;;
+    *) log "unknown step $step"; status=1 ;;
+  esac
+done
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader > "$work/machine.txt" 2>&1
+echo "commit: ${MEMBAR_COMMIT:-unknown}" >> "$work/machine.txt"
+tar czf "$out/session-$(IFS=-; echo "$*").tgz" -C "$work" --exclude='*.so' . 2>/dev/null
+log "done (status $status)"
+exit $status
