@@ -477,7 +477,6 @@ void EngineImpl::return_client_memory(ClientState& client) {
   client.idle_host_frames.clear();
   channel_frames_ -= std::min(channel_frames_, client.channel_frames);
   client.channel_frames = 0;
-  client.spaces.clear();
   client.space_names.clear();
   client.eviction_set.clear();
 }
