@@ -11,13 +11,13 @@ namespace membar::integration {
 namespace {
 
 // Writes a recognisable pattern into `count` pages from `first` and checks it later.
-void write_pattern(void* first, size_t count, uint64_t page_bytes, uint8_t seed) {
+[[maybe_unused]] void write_pattern(void* first, size_t count, uint64_t page_bytes, uint8_t seed) {
   for (size_t i = 0; i < count; ++i) {
     auto* bytes = static_cast<uint8_t*>(first) + i * page_bytes;
     for (uint64_t b = 0; b < page_bytes; b += 64) bytes[b] = static_cast<uint8_t>(seed + i + b / 64);
   }
 }
-bool pattern_intact(const void* first, size_t count, uint64_t page_bytes, uint8_t seed) {
+[[maybe_unused]] bool pattern_intact(const void* first, size_t count, uint64_t page_bytes, uint8_t seed) {
   for (size_t i = 0; i < count; ++i) {
     auto* bytes = static_cast<const uint8_t*>(first) + i * page_bytes;
     for (uint64_t b = 0; b < page_bytes; b += 64) {
