@@ -170,7 +170,10 @@ int run(const std::string& socket, bool quick, int rounds) {
     check(timed([&] { return client.stream_wait(acquired.value().ticket, stream); }), "stream_wait");
     Group group;
     group.count = config.group_pages;
-    for (int i = 0; i < config.group_pages; ++i) group.pages[i] = static_cast<float*>(acquired.value().page_pointers[i]);
+    // The group's pages are one contiguous range (Note [Space layout]).
+    for (int i = 0; i < config.group_pages; ++i) {
+      group.pages[i] = static_cast<float*>(acquired.value().pointer) + uint64_t(i) * words_per_page;
+    }
     step_kernel<<<grid, block, 0, stream>>>(group, words_per_page, config.rounds);
     PIPELINE_CHECK_CUDA(cudaGetLastError());
     check(timed([&] { return client.stream_release(range, true, stream); }), "stream_release");
@@ -188,9 +191,9 @@ int run(const std::string& socket, bool quick, int rounds) {
   uint64_t bad_words = 0, checked_words = 0;
   std::vector<float> host(words_per_page);
   for (uint32_t p = 0; p < pages; ++p) {
-    Result<std::vector<void*>> pointers = client.acquire_host(PageRange{space.value(), p, 1});
-    check(pointers.status(), "acquire_host");
-    std::memcpy(host.data(), pointers.value()[0], config.page_bytes);
+    Result<void*> pointer = client.acquire_host(PageRange{space.value(), p, 1});
+    check(pointer.status(), "acquire_host");
+    std::memcpy(host.data(), pointer.value(), config.page_bytes);
     check(client.release_host(PageRange{space.value(), p, 1}, false), "release_host");
     for (float value : host) bad_words += value != float(config.passes) ? 1 : 0;
     checked_words += host.size();

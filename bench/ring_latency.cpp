@@ -1,7 +1,7 @@
 // Request latency through the shared-memory ring: a real membard process (host backend) and this
 // process as its client, one request at a time, timed from push to completion.
 //   nop        the ring round trip alone (the daemon answers without the engine)
-//   locations  one page's location (a read-only engine call)
+//   prefetch   of one GPU-resident page (an engine call that moves nothing)
 //   acquire / release  of one GPU-resident page (the trainer's hot path)
 // Targets (issue 2): p50 <= 10 us, p99 <= 50 us. Writes ring_latency.json and ring_latency.txt
 // to $MEMBAR_RESULTS_DIR (default bench/results/latest).
@@ -107,7 +107,7 @@ int main(int argc, char** argv) {
     std::FILE* out = std::freopen(log.c_str(), "w", stderr);
     (void)out;
     ::execl(membard.c_str(), membard.c_str(), "--backend", backend.c_str(), "--socket", socket_path.c_str(),
-            "--gpu-pool", "64MiB", "--host-pool", "64MiB", "--foreground", "--log-level", "warn", nullptr);
+            "--gpu-pool", "64MiB", "--host-pool", "64MiB", "--log-level", "warn", nullptr);
     ::_exit(127);
   }
   auto cleanup = [&] {
@@ -144,7 +144,7 @@ int main(int argc, char** argv) {
   std::vector<Summary> summaries;
   summaries.push_back(summarize("nop", time_calls(2000, iterations, [&] { keep(daemon_client_nop(client)); })));
   summaries.push_back(
-      summarize("locations", time_calls(1000, iterations / 2, [&] { keep(client.locations(page).status()); })));
+      summarize("prefetch", time_calls(1000, iterations / 2, [&] { keep(client.prefetch(page).status()); })));
   std::vector<double> acquire_us, release_us;
   for (size_t i = 0; i < iterations / 2 + 1000; ++i) {
     auto start = Clock::now();

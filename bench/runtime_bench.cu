@@ -4,8 +4,10 @@
 //       "merged" (pages adjacent in frames, as a space's pages are) against raw copies of the
 //       backend's batch size, and "scattered" (every page to a random slot, nothing merges)
 //       against raw page-sized copies. Goal >= 0.9x.
-//   (b) on-demand map throughput of the CUDA window: map_frame (fd import + cuMemMap +
-//       cuMemSetAccess) and unmap_frame per second.
+//   (b) the client's mapping costs on the CUDA mapper (libclient/memory.h): a GPU frame's
+//       export, its import (cuMemImportFromShareableHandle), a map at a space position
+//       (cuMemMap + cuMemSetAccess) and an unmap; and the daemon's renewal of a GPU frame and of a
+//       host slab (Note [Frames, slabs and renewal]: what a frame costs when it changes hands).
 //   (c) a kernel loop timed alone vs while the backend streams a known schedule in and out;
 //       a compute-bound and an HBM-bound kernel. Goal >= 0.97x.
 // Writes runtime_bench.json and runtime_bench.txt to $MEMBAR_RESULTS_DIR
@@ -32,7 +34,7 @@
 #include <thread>
 #include <vector>
 
-#include "window.h"
+#include "memory.h"
 #include "membar/engine/backend.h"
 
 namespace membar::bench {
@@ -255,6 +257,20 @@ int run(bool quick) {
   check_status(made.status(), "make_cuda_backend");
   double startup_seconds = seconds_since(start);
   DeviceBackend& backend = *made.value();
+  // Host slabs start unprepared (the engine renews them in the background): prepare them all, and
+  // time it (slab renewal: a new memfd, populated and pinned).
+  auto renew_all = [&](Tier tier, uint64_t count) {
+    CompletionCounter renewed;
+    auto began = std::chrono::steady_clock::now();
+    for (uint64_t index = 0; index < count; ++index) {
+      check_status(backend.renew(tier, static_cast<uint32_t>(index), renewed.callback()), "renew");
+    }
+    renewed.wait_for(count);
+    return seconds_since(began) * 1e6 / double(count);
+  };
+  double slab_renew_us = renew_all(Tier::kHost, backend.host_slab_count());
+  std::printf("[renew] %llu host slabs of %u frames: %.0f us per slab\n",
+              static_cast<unsigned long long>(backend.host_slab_count()), backend.host_slab_frames(), slab_renew_us);
   for (uint64_t frame = 0; frame < 2 * layout.frames; ++frame) {
     std::memset(backend.frame_pointer(Tier::kHost, frame), static_cast<int>(frame), kFrameBytes);
   }
@@ -304,39 +320,54 @@ int run(bool quick) {
     }
   }
 
-  // (b) On-demand mapping through the client's CUDA window.
+  // (b) The client's mapping costs, and renewal.
   std::vector<Row> map_rows;
   {
     const uint32_t frames = static_cast<uint32_t>(std::min<uint64_t>(512, 2 * layout.frames));
-    Result<std::unique_ptr<Window>> window = make_cuda_window(frames, device);
-    check_status(window.status(), "make_cuda_window");
-    std::vector<double> export_us, map_us, unmap_us;
+    std::vector<double> export_us, import_us, map_us, unmap_us;
     for (int round = 0; round < repetitions; ++round) {
+      Result<std::unique_ptr<FrameMapper>> mapper = make_cuda_mapper(device);
+      check_status(mapper.status(), "make_cuda_mapper");
+      Result<char*> base = mapper.value()->reserve(uint64_t(frames) * kFrameBytes);
+      check_status(base.status(), "reserve");
       std::vector<int> fds(frames);
       auto exported = std::chrono::steady_clock::now();
       for (uint32_t frame = 0; frame < frames; ++frame) {
-        Result<int> fd = backend.export_frame(Tier::kGpu, frame);
-        check_status(fd.status(), "export_frame");
+        Result<int> fd = backend.export_gpu_frame(frame);
+        check_status(fd.status(), "export_gpu_frame");
         fds[frame] = fd.value();
       }
       export_us.push_back(seconds_since(exported) * 1e6 / frames);
+      auto imported = std::chrono::steady_clock::now();
+      for (uint32_t frame = 0; frame < frames; ++frame) check_status(mapper.value()->adopt_frame(frame, fds[frame]), "adopt_frame");
+      import_us.push_back(seconds_since(imported) * 1e6 / frames);
       auto mapped = std::chrono::steady_clock::now();
-      for (uint32_t frame = 0; frame < frames; ++frame) check_status(window.value()->map_frame(frame, fds[frame]), "map_frame");
+      for (uint32_t frame = 0; frame < frames; ++frame) {
+        check_status(mapper.value()->map(frame, base.value() + uint64_t(frame) * kFrameBytes), "map");
+      }
       map_us.push_back(seconds_since(mapped) * 1e6 / frames);
       auto unmapped = std::chrono::steady_clock::now();
-      for (uint32_t frame = 0; frame < frames; ++frame) check_status(window.value()->unmap_frame(frame), "unmap_frame");
+      for (uint32_t frame = 0; frame < frames; ++frame) {
+        check_status(mapper.value()->unmap(base.value() + uint64_t(frame) * kFrameBytes), "unmap");
+      }
       unmap_us.push_back(seconds_since(unmapped) * 1e6 / frames);
+      for (uint32_t frame = 0; frame < frames; ++frame) mapper.value()->drop_frame(frame);
+      mapper.value()->release(base.value(), uint64_t(frames) * kFrameBytes);
     }
-    double map = median(map_us), unmap = median(unmap_us), exported = median(export_us);
-    map_rows.push_back(Row{"window_map_unmap",
+    double gpu_renew_us = renew_all(Tier::kGpu, frames);
+    double map = median(map_us), unmap = median(unmap_us), exported = median(export_us), imported = median(import_us);
+    map_rows.push_back(Row{"client_map_unmap",
                            {{"frames", static_cast<double>(frames)},
                             {"export_us", exported},
                             {"map_us", map},
                             {"unmap_us", unmap},
                             {"map_unmap_pages_per_s", 1e6 / (map + unmap)},
-                            {"export_map_unmap_pages_per_s", 1e6 / (exported + map + unmap)}}});
-    std::printf("[map] export %.1f us, map (import+map+access) %.1f us, unmap %.1f us: %.0f map+unmap pages/s\n",
-                exported, map, unmap, 1e6 / (map + unmap));
+                            {"import_us", imported},
+                            {"gpu_frame_renew_us", gpu_renew_us},
+                            {"host_slab_renew_us", slab_renew_us}}});
+    std::printf("[map] export %.1f us, import %.1f us, map (map+access) %.1f us, unmap %.1f us: %.0f map+unmap "
+                "frames/s; renewal %.1f us per GPU frame, %.0f us per host slab\n",
+                exported, imported, map, unmap, 1e6 / (map + unmap), gpu_renew_us, slab_renew_us);
   }
 
   // (c) Kernels alone vs while the backend streams a schedule in and out.
@@ -470,12 +501,13 @@ int run(bool quick) {
                   row.values[2].second, row.values[3].second, row.values[4].second);
     text << line;
   }
-  text << "\n(b) on-demand mapping (CUDA window)\n";
+  text << "\n(b) the client's mapping costs (CUDA mapper) and renewal\n";
   for (const Row& row : map_rows) {
     std::snprintf(line, sizeof(line),
-                  "export %.1f us, map %.1f us, unmap %.1f us per 2 MiB frame: %.0f map+unmap pages/s (%.0f with export)\n",
-                  row.values[1].second, row.values[2].second, row.values[3].second, row.values[4].second,
-                  row.values[5].second);
+                  "export %.1f us, import %.1f us, map %.1f us, unmap %.1f us per 2 MiB frame: %.0f map+unmap frames/s\n"
+                  "renewal: %.1f us per GPU frame, %.0f us per host slab\n",
+                  row.values[1].second, row.values[5].second, row.values[2].second, row.values[3].second,
+                  row.values[4].second, row.values[6].second, row.values[7].second);
     text << line;
   }
   text << "\n(c) kernels alone vs while the backend streams in and out (goal >= 0.97x)\n";

@@ -238,6 +238,7 @@ Result<ClientId> EngineImpl::client_open(const ClientConfig& config, ClientEvent
 
 Status EngineImpl::client_close(ClientId id) {
   std::shared_ptr<ClientState> client;
+  std::map<SpaceId, std::unique_ptr<Space>> doomed_spaces;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     auto it = clients_.find(id);
@@ -260,11 +261,14 @@ Status EngineImpl::client_close(ClientId id) {
       batches_.erase(batch_id);
     }
     return_client_memory(*client);
+    // The page tables are freed below, with no lock held (a huge space takes a while).
+    doomed_spaces.swap(client->spaces);
     (void)backend_->destroy_signal_block(client->signal_block);
     client->signal_words = nullptr;
     clients_.erase(it);
   }
   ticket_done_.notify_all();
+  doomed_spaces.clear();
   // Wait for a delivery in progress on another thread, then close descriptors nobody will take.
   std::lock_guard<std::mutex> delivery(client->delivery_mutex);
   std::lock_guard<std::mutex> lock(mutex_);
@@ -339,41 +343,80 @@ Result<SpaceId> EngineImpl::create_space(ClientId id, const std::string& name, u
   });
 }
 
+// A space is destroyed in chunks of space frames, the engine lock taken per chunk, so that a huge
+// space (a million frames) does not stall other clients (Note [Counters]): the owner's calls are
+// serialised, so nothing adds contents, pins or fences to the space meanwhile; other clients'
+// reclaims and finishing copies only take state away. The page table is freed with no lock held.
 Status EngineImpl::destroy_space(ClientId id, SpaceId space_id) {
-  return with_client_waiting<Status>(id, [&](ClientState& client, std::optional<FenceWait>& wait) -> Status {
+  constexpr uint32_t kChunkFrames = 16384;
+  // Pins are known from the counters, without a walk.
+  uint32_t frame_count = 0;
+  MEMBAR_RETURN_IF_ERROR(with_client<Status>(id, [&](ClientState& client) -> Status {
     MEMBAR_ASSIGN_OR_RETURN(Space * space, find_space(client, space_id));
-    for (uint32_t g = 0; g < space->frames.size(); ++g) {
-      const SpaceFrame& frame = space->frames[g];
-      if (frame.pins != 0 || frame.host_pins != 0) {
-        return failed_precondition("space '" + space->info.name + "' cannot be destroyed: " + frame_text(*space, g) +
-                                   " are still acquired");
-      }
+    if (space->counters.pinned != 0) {
+      return failed_precondition("space '" + space->info.name + "' cannot be destroyed: " +
+                                 human_bytes(space->counters.pinned) + " of it are still acquired");
     }
-    // The client's kernels may still read positions released in stream order: their mappings
-    // go only once its stream has passed the markers.
+    frame_count = uint32_t(space->frames.size());
+    return Status::Ok();
+  }));
+  // The client's kernels may still read positions released in stream order: their mappings go
+  // only once its stream has passed the markers.
+  for (int attempt = 0;; ++attempt) {
     uint64_t newest = 0;
-    for (const SpaceFrame& frame : space->frames) {
-      if (frame.mapped_gpu != kNoFrame && frame.va_fence != 0 && !fence_met(client, frame.va_fence)) {
-        newest = std::max(newest, frame.va_fence);
+    for (uint32_t first = 0; first < frame_count; first += kChunkFrames) {
+      MEMBAR_RETURN_IF_ERROR(with_client<Status>(id, [&](ClientState& client) -> Status {
+        MEMBAR_ASSIGN_OR_RETURN(Space * space, find_space(client, space_id));
+        uint32_t end = uint32_t(std::min<uint64_t>(space->frames.size(), uint64_t(first) + kChunkFrames));
+        for (uint32_t g = first; g < end; ++g) {
+          const SpaceFrame& frame = space->frames[g];
+          if (frame.mapped_gpu != kNoFrame && frame.va_fence != 0 && !fence_met(client, frame.va_fence)) {
+            newest = std::max(newest, frame.va_fence);
+          }
+        }
+        return Status::Ok();
+      }));
+    }
+    if (newest == 0) break;
+    if (attempt >= 64) {
+      return Status(StatusCode::DEADLINE_EXCEEDED, "destroy_space: client " + std::to_string(id) +
+                                                       "'s stream keeps the space's mappings in use");
+    }
+    std::shared_ptr<ClientState> owner;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      MEMBAR_ASSIGN_OR_RETURN(owner, find_client_shared(id));
+    }
+    MEMBAR_RETURN_IF_ERROR(wait_for_marker(owner, newest));
+  }
+  for (uint32_t first = 0; first < frame_count; first += kChunkFrames) {
+    MEMBAR_RETURN_IF_ERROR(with_client<Status>(id, [&](ClientState& client) -> Status {
+      MEMBAR_ASSIGN_OR_RETURN(Space * space, find_space(client, space_id));
+      uint32_t end = uint32_t(std::min<uint64_t>(space->frames.size(), uint64_t(first) + kChunkFrames));
+      for (uint32_t g = first; g < end; ++g) {
+        drop_frame(client, *space, g);
+        unmap_position(client, *space, g);
       }
-    }
-    if (newest != 0) {
-      wait = FenceWait{newest};
       return Status::Ok();
-    }
-    for (uint32_t g = 0; g < space->frames.size(); ++g) {
-      drop_frame(client, *space, g);
-      unmap_position(client, *space, g);
-    }
-    client.space_names.erase(space->info.name);
-    client.space_frames_total -= space->frames.size();
-    client.stats.bytes_none -= space->counters.bytes[kClassNone];
-    client.spaces.erase(space_id);
+    }));
+  }
+  std::unique_ptr<Space> doomed;
+  Status done = with_client<Status>(id, [&](ClientState& client) -> Status {
+    auto it = client.spaces.find(space_id);
+    if (it == client.spaces.end()) return find_space(client, space_id).status();
+    Space& space = *it->second;
+    client.space_names.erase(space.info.name);
+    client.space_frames_total -= space.frames.size();
+    client.stats.bytes_none -= space.counters.bytes[kClassNone];
+    doomed = std::move(it->second);
+    client.spaces.erase(it);
     client.stats.spaces = uint32_t(client.spaces.size());
     // A schedule naming a dead space is meaningless: forget it.
     if (!client.schedule.empty()) clear_schedule(client);
     return Status::Ok();
   });
+  doomed.reset();
+  return done;
 }
 
 Result<SpaceInfo> EngineImpl::space_info(ClientId id, SpaceId space_id) {

@@ -12,19 +12,27 @@
 // descending; last use, ascending): the first element is the victim. advance(step) moves the
 // current step and re-keys only the frames named by the steps it passed (their next use changed),
 // so its cost is the size of those steps, not of the spaces. Without a schedule every next use is
-// "never" and the order is pure LRU; frames the schedule never names are evicted before any it
-// does name. Schedule-driven prefetch (advance's lookahead) evicts a frame only when its next use
-// is strictly later than that of the frame being brought in, so prefetching can never displace
-// something needed sooner, and only when MIN itself would choose that victim at the step that
-// needs the frame: if a frame the intervening steps still use will be needed even later, MIN
+// "never" and the order is LRU (but see the reuse of mapped frames below); frames the schedule
+// never names are evicted before any it does name. Schedule-driven prefetch (advance's lookahead)
+// evicts a frame only when its next use is strictly later than that of the frame being brought
+// in, so prefetching can never displace something needed sooner, and only when MIN itself would
+// choose that victim at the step that needs the frame: if a frame the intervening steps still use will be needed even later, MIN
 // would evict that one once those steps ran, so the prefetch waits (conservative prefetching,
 // after Cao et al.: the same replacements as MIN, made earlier). Acquire, which must succeed,
-// takes the first victim whatever its next use. The frame already mapped at a position is
-// preferred over MIN's victim when its occupant may go (Note [Remapping a position]): in the
-// streaming regime every frame is reloaded anyway, and a reused mapping saves the client a map.
+// takes the first victim whatever its next use. The frame already mapped at a position serves it
+// again (Note [Remapping a position]) when its occupant is as good a victim as MIN's: its next
+// use is no sooner than the victim's (they tie; every "never" ties). MIN's load count is then
+// unchanged, and streaming without a schedule, or through a schedule that does not use a frame
+// again, settles into the same frames at the same positions with no map calls. Where the
+// occupant is needed sooner than MIN's victim, MIN wins and the position is remapped (taking the
+// mapped frame anyway made random schedules load more than MIN and let lookahead displace frames
+// needed sooner). Without a schedule the order is therefore LRU except for that reuse.
 // Limitations: next use is counted in steps, not within a step, so frames of one step tie and
-// fall back to LRU among themselves. Explicit prefetch() is obeyed like acquire (it may evict
-// anything unpinned); only advance()'s lookahead follows MIN's rule. A frame brought in by a
+// fall back to LRU among themselves. A schedule that walks a history several times, through more
+// frames than the quota, keeps remapping: each frame is used again, so MIN's victim is rarely the
+// frame mapped where the next one goes (set the schedule per pass to keep the mappings; measured
+// in Engine.ScheduledStreamingReusesMappings). Explicit prefetch() is obeyed like acquire (it
+// may evict anything unpinned); only advance()'s lookahead follows MIN's rule. A frame brought in by a
 // prefetch whose copy is still in flight may be chosen as a victim; copies into its frame then
 // wait for that copy (batch ordering), never corrupt it.
 #include <algorithm>
@@ -87,15 +95,19 @@ void EngineImpl::clear_schedule(ClientState& client) {
   rekey_all(client);
 }
 
+// The frame mapped at a position serves it again (no remap) only when that costs no load MIN
+// would not make: the client must evict (no idle frame, no new frame under quota), the occupant's
+// next use is no sooner than that of MIN's victim (choose_victim, with the same limit; MIN is
+// indifferent among victims whose next use ties, and every "never" ties), and no release marker
+// holds the occupant's frame.
 bool EngineImpl::may_displace(ClientState& client, const SpaceFrame& occupant, const PrefetchLimit* limit) {
-  if (occupant.pins != 0) return false;
-  if (limit == nullptr) {
-    // Acquire: any unpinned occupant, except one the lookahead is about to need (taking it would
-    // only make the next step load it again).
-    uint64_t horizon = uint64_t(client.current_step) + config_.prefetch_lookahead_steps;
-    return occupant.key.next_use == kNeverUsed || occupant.key.next_use > horizon;
-  }
-  return occupant.key.next_use > limit->needed_at && occupant.key.next_use >= limit->floor;
+  if (occupant.pins != 0 || !occupant.in_eviction_set) return false;
+  if (!client.idle_gpu_frames.empty()) return false;
+  if (client.gpu_frames.size() < client.quota_frames[0] && !pools_[0].free_frames.empty()) return false;
+  uint64_t& fence = frame_of(Tier::kGpu, occupant.gpu).fence;
+  if (fence != 0 && !fence_met(client, fence)) return false;
+  Result<EvictionKey> victim = choose_victim(client, limit);
+  return victim.ok() && occupant.key.next_use >= victim.value().next_use;
 }
 
 // The victim in MIN's order (Note [Eviction order]), except that a frame whose release marker

@@ -33,10 +33,10 @@
 // bounded GPU budget moves about a million frames a step; remapping each would add tens of seconds.
 // Approach: a GPU frame stays mapped at every position it has served (Frame::mapped_at, its
 // mapping cache; SpaceFrame::mapped_gpu is the frame mapped at a position). Placing space frame g
-// takes, in order: the frame already mapped at g's position, if it is idle or its occupant may go
-// (not pinned and, for lookahead prefetch, needed later than g); else an idle frame, a new frame
-// under quota, or the eviction victim, mapped there (after unmapping the old frame at g's
-// position). Streaming a history settles into the same frames serving the same positions chunk
+// takes, in order: the frame already mapped at g's position, if it is idle, or if its occupant is
+// the victim MIN's order would evict for this placement anyway (may_displace, Note [Eviction
+// order]); else an idle frame, a new frame under quota, or the eviction victim, mapped there
+// (after unmapping the old frame at g's position). Streaming a history settles into the same frames serving the same positions chunk
 // after chunk, with no map calls. A position whose old mapping the client's kernels may still
 // read (its stream has not passed the marker of the position's last stream-ordered release) is
 // not unmapped: acquire then waits for the marker with no engine lock held (a short wait on the
@@ -477,7 +477,6 @@ void EngineImpl::return_client_memory(ClientState& client) {
   client.idle_host_frames.clear();
   channel_frames_ -= std::min(channel_frames_, client.channel_frames);
   client.channel_frames = 0;
-  client.spaces.clear();
   client.space_names.clear();
   client.eviction_set.clear();
 }

@@ -88,6 +88,7 @@ Result<RuntimeStats> AdminConnection::stats() {
     MEMBAR_ASSIGN_OR_RETURN(wire::ReceivedMessage reply,
                             read_message(static_cast<uint16_t>(v2::MessageType::kStatsReply)));
     MEMBAR_ASSIGN_OR_RETURN(RuntimeStats page, v2::decode_stats(reply.payload));
+    bool empty_page = page.spaces.empty();  // read before `page` is moved from
     if (first == 0) {
       all = std::move(page);
     } else {
@@ -95,7 +96,8 @@ Result<RuntimeStats> AdminConnection::stats() {
       all.spaces_total = page.spaces_total;
     }
     first = static_cast<uint32_t>(all.spaces.size());
-    if (first >= all.spaces_total || (first > 0 && page.spaces.empty() && first != 0)) break;
+    // Done when every space is here, or when the daemon has no more (spaces went meanwhile).
+    if (first >= all.spaces_total || empty_page) break;
     if (all.spaces.size() >= 1000000) break;  // a bound on what membarctl holds
   }
   return all;

@@ -1,17 +1,23 @@
-// Protocol v1 unit tests: round trips of every encoder, rejection of every malformed field,
-// segment layout checks and the SPSC ring's index validation.
+// Protocol v2 unit tests: round trips of every encoder, rejection of every malformed field (the
+// opcode table's rules, Note [One opcode table]), event sequence numbers, paged stats, segment
+// layout checks and the SPSC ring's index validation.
 #include <gtest/gtest.h>
 
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <chrono>
 #include <cstring>
+#include <thread>
 #include <random>
 #include <vector>
 
 #include "membar/client.h"
 #include "membar/protocol/ring.h"
-#include "membar/protocol/v1.h"
+#include "membar/protocol/v2.h"
 #include "membar/common/wire_socket.h"
 
-namespace membar::protocol::v1 {
+namespace membar::protocol::v2 {
 namespace {
 
 std::mt19937_64& rng() {
@@ -31,42 +37,59 @@ std::span<const uint8_t> bytes_of(const T& value) {
 // Socket messages.
 
 TEST(MessageHeader, RoundTripsEveryFixedSizeMessage) {
-  HelloV1 hello{};
+  HelloV2 hello{};
   hello.gpu_quota_bytes = random_u32(1, 1u << 30);
   copy_text(hello.client_name, sizeof(hello.client_name), "trainer-7");
   std::vector<uint8_t> bytes = encode_message(MessageType::kHello, hello);
-  ASSERT_EQ(bytes.size(), sizeof(MessageHeaderV1) + sizeof(HelloV1));
+  ASSERT_EQ(bytes.size(), sizeof(MessageHeaderV2) + sizeof(HelloV2));
   auto header = decode_message_header(bytes);
   ASSERT_TRUE(header.ok()) << header.status().to_string();
   EXPECT_EQ(header.value().type, static_cast<uint16_t>(MessageType::kHello));
-  EXPECT_EQ(header.value().payload_bytes, sizeof(HelloV1));
-  auto decoded = decode_hello(std::span<const uint8_t>(bytes).subspan(sizeof(MessageHeaderV1)));
+  EXPECT_EQ(header.value().payload_bytes, sizeof(HelloV2));
+  auto decoded = decode_hello(std::span<const uint8_t>(bytes).subspan(sizeof(MessageHeaderV2)));
   ASSERT_TRUE(decoded.ok());
   EXPECT_EQ(decoded.value().gpu_quota_bytes, hello.gpu_quota_bytes);
   EXPECT_STREQ(decoded.value().client_name, "trainer-7");
 
-  FrameNoticeV1 notice{random_u32(0, 1000), static_cast<uint8_t>(Tier::kHost), {}};
-  auto grant = encode_message(MessageType::kFrameGrant, notice, 1);
-  auto grant_header = decode_message_header(grant);
+  FrameGrantV2 grant{7, random_u32(0, 1000), 0};
+  auto grant_message = encode_message(MessageType::kFrameGrant, grant, 1);
+  auto grant_header = decode_message_header(grant_message);
   ASSERT_TRUE(grant_header.ok());
   EXPECT_EQ(grant_header.value().fd_count, 1u);
-  auto decoded_notice = decode_frame_notice(std::span<const uint8_t>(grant).subspan(16));
-  ASSERT_TRUE(decoded_notice.ok());
-  EXPECT_EQ(decoded_notice.value().window_frame, notice.window_frame);
+  auto decoded_grant = decode_frame_grant(std::span<const uint8_t>(grant_message).subspan(16));
+  ASSERT_TRUE(decoded_grant.ok());
+  EXPECT_EQ(decoded_grant.value().window_frame, grant.window_frame);
+  EXPECT_EQ(event_sequence(MessageType::kFrameGrant, bytes_of(grant)), 7u);
 
-  PingV1 ping{rng()()};
+  FrameEventV2 revoke{8, random_u32(0, 1000), static_cast<uint8_t>(Tier::kGpu), {}};
+  ASSERT_TRUE(decode_frame_event(bytes_of(revoke)).ok());
+  SlabGrantV2 slab{9, 3, 4, 4 * kFrameBytes};
+  ASSERT_TRUE(decode_slab_grant(bytes_of(slab)).ok());
+  EXPECT_EQ(decode_message_header(encode_message(MessageType::kSlabGrant, slab, 1)).value().fd_count, 1u);
+  SlabEventV2 slab_revoke{10, 3, 0};
+  ASSERT_TRUE(decode_slab_event(bytes_of(slab_revoke)).ok());
+  FrameMapV2 map{11, 2, static_cast<uint8_t>(Tier::kHost), {}, 5, random_u32(0, 1u << 20)};
+  auto decoded_map = decode_frame_map(bytes_of(map));
+  ASSERT_TRUE(decoded_map.ok());
+  EXPECT_EQ(decoded_map.value().space_frame, map.space_frame);
+  EXPECT_EQ(event_sequence(MessageType::kFrameUnmap, bytes_of(map)), 11u);
+  EXPECT_EQ(event_sequence(MessageType::kPong, bytes_of(map)), 0u) << "only events carry a sequence number";
+  StatsRequestV2 request{4096, 100};
+  ASSERT_TRUE(decode_stats_request(bytes_of(request)).ok());
+
+  PingV2 ping{rng()()};
   auto pong = decode_ping(bytes_of(ping));
   ASSERT_TRUE(pong.ok());
   EXPECT_EQ(pong.value().nonce, ping.nonce);
 }
 
 TEST(MessageHeader, RejectsEveryMalformedField) {
-  HelloV1 hello{};
+  HelloV2 hello{};
   std::vector<uint8_t> good = encode_message(MessageType::kHello, hello);
   ASSERT_TRUE(decode_message_header(good).ok());
 
   // Truncated at every length below the header.
-  for (size_t n = 0; n < sizeof(MessageHeaderV1); ++n) {
+  for (size_t n = 0; n < sizeof(MessageHeaderV2); ++n) {
     EXPECT_EQ(decode_message_header(std::span<const uint8_t>(good.data(), n)).status().code(),
               StatusCode::INVALID_ARGUMENT);
   }
@@ -80,25 +103,36 @@ TEST(MessageHeader, RejectsEveryMalformedField) {
   Status version = mutate(4, 9);
   EXPECT_EQ(version.code(), StatusCode::FAILED_PRECONDITION);     // version
   EXPECT_NE(version.message().find("version 9"), std::string::npos) << version.to_string();
+  EXPECT_NE(mutate(4, 1).message().find("version 1"), std::string::npos) << "a protocol v1 peer is named";
   EXPECT_EQ(mutate(6, 0).code(), StatusCode::INVALID_ARGUMENT);   // type 0
   EXPECT_EQ(mutate(6, kLastMessageType + 1).code(), StatusCode::INVALID_ARGUMENT);
-  EXPECT_EQ(mutate(8, sizeof(HelloV1) - 1).code(), StatusCode::INVALID_ARGUMENT);  // payload size
+  EXPECT_EQ(mutate(8, sizeof(HelloV2) - 1).code(), StatusCode::INVALID_ARGUMENT);  // payload size
   EXPECT_EQ(mutate(11, 1).code(), StatusCode::INVALID_ARGUMENT);  // payload size, high byte
   EXPECT_EQ(mutate(12, 1).code(), StatusCode::INVALID_ARGUMENT);  // fd on a hello
-  // A grant without its fd, and a stats reply over the limit.
-  FrameNoticeV1 notice{};
-  EXPECT_EQ(decode_message_header(encode_message(MessageType::kFrameGrant, notice, 0)).status().code(),
+  // Grants without their fd, a map with one, a hello reply with three, and a stats reply over the
+  // limit.
+  FrameGrantV2 grant{1, 0, 0};
+  EXPECT_EQ(decode_message_header(encode_message(MessageType::kFrameGrant, grant, 0)).status().code(),
             StatusCode::INVALID_ARGUMENT);
-  MessageHeaderV1 huge{kMagic, kVersion, static_cast<uint16_t>(MessageType::kStatsReply),
+  SlabGrantV2 slab{1, 0, 1, kFrameBytes};
+  EXPECT_EQ(decode_message_header(encode_message(MessageType::kSlabGrant, slab, 0)).status().code(),
+            StatusCode::INVALID_ARGUMENT);
+  FrameMapV2 map{1, 0, 0, {}, 1, 0};
+  EXPECT_EQ(decode_message_header(encode_message(MessageType::kFrameMap, map, 1)).status().code(),
+            StatusCode::INVALID_ARGUMENT);
+  HelloReplyV2 reply{};
+  EXPECT_EQ(decode_message_header(encode_message(MessageType::kHelloReply, reply, 3)).status().code(),
+            StatusCode::INVALID_ARGUMENT);
+  MessageHeaderV2 huge{kMagic, kVersion, static_cast<uint16_t>(MessageType::kStatsReply),
                        kMaxSocketPayloadBytes + 1, 0};
   EXPECT_EQ(decode_message_header(bytes_of(huge)).status().code(), StatusCode::INVALID_ARGUMENT);
 }
 
 TEST(Hello, RejectsBadRoleReservedAndNames) {
-  HelloV1 hello{};
+  HelloV2 hello{};
   copy_text(hello.client_name, sizeof(hello.client_name), "ok");
   ASSERT_TRUE(decode_hello(bytes_of(hello)).ok());
-  HelloV1 bad = hello;
+  HelloV2 bad = hello;
   bad.role = 2;
   EXPECT_FALSE(decode_hello(bytes_of(bad)).ok());
   bad = hello;
@@ -110,14 +144,15 @@ TEST(Hello, RejectsBadRoleReservedAndNames) {
   bad = hello;
   bad.client_name[0] = '\n';
   EXPECT_FALSE(decode_hello(bytes_of(bad)).ok());
-  EXPECT_FALSE(decode_hello(std::span<const uint8_t>(bytes_of(hello)).first(sizeof(HelloV1) - 1)).ok());
+  EXPECT_FALSE(decode_hello(std::span<const uint8_t>(bytes_of(hello)).first(sizeof(HelloV2) - 1)).ok());
 }
 
-TEST(HelloReply, RejectsUnknownStatusBackendAndUnterminatedText) {
-  HelloReplyV1 reply{};
+TEST(HelloReply, RejectsUnknownStatusBackendSlabsAndUnterminatedText) {
+  HelloReplyV2 reply{};
   reply.backend = static_cast<uint8_t>(WireBackend::kHost);
+  reply.host_slab_frames = 4;
   ASSERT_TRUE(decode_hello_reply(bytes_of(reply)).ok());
-  HelloReplyV1 bad = reply;
+  HelloReplyV2 bad = reply;
   bad.status = 99;
   EXPECT_FALSE(decode_hello_reply(bytes_of(bad)).ok());
   bad = reply;
@@ -127,28 +162,51 @@ TEST(HelloReply, RejectsUnknownStatusBackendAndUnterminatedText) {
   std::memset(bad.message, 'm', sizeof(bad.message));
   EXPECT_FALSE(decode_hello_reply(bytes_of(bad)).ok());
   bad = reply;
-  bad.gpu_window_frames = 1u << 30;
+  bad.gpu_quota_frames = 1u << 30;
   EXPECT_FALSE(decode_hello_reply(bytes_of(bad)).ok());
+  bad = reply;
+  bad.host_slab_frames = 0;
+  EXPECT_FALSE(decode_hello_reply(bytes_of(bad)).ok());
+  bad.host_slab_frames = (1u << 16) + 1;
+  EXPECT_FALSE(decode_hello_reply(bytes_of(bad)).ok());
+  // A refusal needs no geometry, only its sentence.
+  HelloReplyV2 refusal{};
+  refusal.status = static_cast<int32_t>(StatusCode::PERMISSION_DENIED);
+  copy_text(refusal.message, sizeof(refusal.message), "uid not allowed");
+  EXPECT_TRUE(decode_hello_reply(bytes_of(refusal)).ok());
 }
 
-TEST(SmallMessages, RejectBadTierErrorStatusAndText) {
-  FrameNoticeV1 notice{3, 2, {}};
-  EXPECT_FALSE(decode_frame_notice(bytes_of(notice)).ok());
-  notice = {kNoFrame, 0, {}};
-  EXPECT_FALSE(decode_frame_notice(bytes_of(notice)).ok());
-  ErrorV1 error{};
+TEST(Events, RejectSequenceZeroBadTiersAndImpossibleFrames) {
+  EXPECT_FALSE(decode_frame_grant(bytes_of(FrameGrantV2{0, 1, 0})).ok()) << "sequence 0";
+  EXPECT_FALSE(decode_frame_grant(bytes_of(FrameGrantV2{1, kNoFrame, 0})).ok());
+  EXPECT_FALSE(decode_frame_grant(bytes_of(FrameGrantV2{1, 1, 1})).ok()) << "reserved";
+  EXPECT_FALSE(decode_frame_event(bytes_of(FrameEventV2{1, 3, 2, {}})).ok()) << "tier 2";
+  EXPECT_FALSE(decode_frame_event(bytes_of(FrameEventV2{0, 3, 0, {}})).ok());
+  EXPECT_FALSE(decode_frame_event(bytes_of(FrameEventV2{1, kNoFrame, 0, {}})).ok());
+  EXPECT_FALSE(decode_slab_grant(bytes_of(SlabGrantV2{1, 0, 0, 0})).ok()) << "no frames";
+  EXPECT_FALSE(decode_slab_grant(bytes_of(SlabGrantV2{1, 0, 2, kFrameBytes})).ok()) << "bytes disagree";
+  EXPECT_FALSE(decode_slab_grant(bytes_of(SlabGrantV2{1, 0, (1u << 16) + 1, ((1u << 16) + 1) * kFrameBytes})).ok());
+  EXPECT_FALSE(decode_slab_event(bytes_of(SlabEventV2{0, 1, 0})).ok());
+  EXPECT_FALSE(decode_frame_map(bytes_of(FrameMapV2{1, 1, 3, {}, 1, 0})).ok()) << "tier 3";
+  EXPECT_FALSE(decode_frame_map(bytes_of(FrameMapV2{1, 1, 0, {}, 0, 0})).ok()) << "space 0";
+  EXPECT_FALSE(decode_frame_map(bytes_of(FrameMapV2{1, 1, 0, {}, 1, uint32_t(kMaxSpaceBytes / kFrameBytes)})).ok())
+      << "past any space";
+  EXPECT_FALSE(decode_frame_map(bytes_of(FrameMapV2{0, 1, 0, {}, 1, 0})).ok());
+  ErrorV2 error{};
   EXPECT_FALSE(decode_error(bytes_of(error)).ok());  // status OK is not an error
   error.status = static_cast<int32_t>(StatusCode::PERMISSION_DENIED);
   EXPECT_TRUE(decode_error(bytes_of(error)).ok());
   std::memset(error.message, 'e', sizeof(error.message));
   EXPECT_FALSE(decode_error(bytes_of(error)).ok());
-  ShutdownV1 shutdown{};
+  ShutdownV2 shutdown{};
   std::memset(shutdown.reason, 'r', sizeof(shutdown.reason));
   EXPECT_FALSE(decode_shutdown(bytes_of(shutdown)).ok());
+  EXPECT_FALSE(decode_stats_request(bytes_of(StatsRequestV2{0, 0})).ok()) << "no spaces asked for";
+  EXPECT_FALSE(decode_stats_request(bytes_of(StatsRequestV2{0, kMaxStatsSpaces + 1})).ok());
 }
 
 TEST(Channels, NoticesAndRequestsRejectBadFields) {
-  ChannelNoticeV1 notice{4, kChannelWritable, 1 << 20};
+  ChannelNoticeV2 notice{1, 4, kChannelWritable, 1 << 20};
   ASSERT_TRUE(decode_channel_notice(bytes_of(notice)).ok());
   auto message = encode_message(MessageType::kChannelGrant, notice, 1);
   auto header = decode_message_header(message);
@@ -156,31 +214,37 @@ TEST(Channels, NoticesAndRequestsRejectBadFields) {
   EXPECT_EQ(header.value().fd_count, 1u);
   EXPECT_FALSE(decode_message_header(encode_message(MessageType::kChannelGrant, notice, 0)).ok())
       << "a channel grant without its descriptor is malformed";
-  for (ChannelNoticeV1 bad : {ChannelNoticeV1{4, 2, 1 << 20}, ChannelNoticeV1{0, 0, 1 << 20}, ChannelNoticeV1{4, 0, 0},
-                              ChannelNoticeV1{4, 0, 1ull << 40}}) {
+  for (ChannelNoticeV2 bad : {ChannelNoticeV2{1, 4, 2, 1 << 20}, ChannelNoticeV2{1, 0, 0, 1 << 20},
+                              ChannelNoticeV2{1, 4, 0, 0}, ChannelNoticeV2{1, 4, 0, 1ull << 40},
+                              ChannelNoticeV2{0, 4, 0, 1 << 20}}) {
     EXPECT_FALSE(decode_channel_notice(bytes_of(bad)).ok()) << bad.channel << " " << bad.flags << " " << bad.bytes;
   }
-  RequestV1 create{};
+  RequestV2 create{};
   create.opcode = static_cast<uint16_t>(Opcode::kCreateChannel);
   create.payload_bytes = 4;
   EXPECT_FALSE(validate_request(create, 4096).ok()) << "size 0";
   create.argument = 1ull << 40;
   EXPECT_FALSE(validate_request(create, 4096).ok()) << "over 64 GiB";
   create.argument = 4096;
+  EXPECT_TRUE(validate_request(create, 4096).ok());
   create.payload_bytes = 0;
   EXPECT_FALSE(validate_request(create, 4096).ok()) << "no name";
   create.payload_bytes = 64;
   EXPECT_FALSE(validate_request(create, 4096).ok()) << "name too long";
-  RequestV1 open{};
+  RequestV2 open{};
   open.opcode = static_cast<uint16_t>(Opcode::kOpenChannel);
   open.payload_bytes = 3;
   open.argument = 5;
   EXPECT_FALSE(validate_request(open, 4096).ok()) << "open takes no argument";
-  RequestV1 close{};
-  close.opcode = static_cast<uint16_t>(Opcode::kCloseChannel);
-  EXPECT_FALSE(validate_request(close, 4096).ok()) << "channel 0";
-  close.argument = 1ull << 33;
-  EXPECT_FALSE(validate_request(close, 4096).ok()) << "id beyond 32 bits";
+  for (Opcode op : {Opcode::kCloseChannel, Opcode::kPublishChannel}) {
+    RequestV2 request{};
+    request.opcode = static_cast<uint16_t>(op);
+    EXPECT_FALSE(validate_request(request, 4096).ok()) << "channel 0";
+    request.argument = 1ull << 33;
+    EXPECT_FALSE(validate_request(request, 4096).ok()) << "id beyond 32 bits";
+    request.argument = 3;
+    EXPECT_TRUE(validate_request(request, 4096).ok());
+  }
 }
 
 TEST(Text, CopyTruncatesAndTerminates) {
@@ -197,23 +261,23 @@ TEST(Text, CopyTruncatesAndTerminates) {
 // ---------------------------------------------------------------------------------------------
 // Ring requests.
 
-RequestV1 valid_acquire() {
-  RequestV1 request{};
+RequestV2 valid_acquire() {
+  RequestV2 request{};
   request.opcode = static_cast<uint16_t>(Opcode::kAcquire);
   request.space = 1;
   request.first_page = random_u32(0, 1000);
   request.page_count = random_u32(1, 64);
-  request.flags = kAcquireWrite;
+  request.flags = kAcquireWriteFlag;
   return request;
 }
 
 TEST(Request, AcceptsValidRequestsOfEveryOpcode) {
   for (uint16_t op = kFirstOpcode; op <= kLastOpcode; ++op) {
-    RequestV1 request{};
+    RequestV2 request{};
     request.opcode = op;
     switch (static_cast<Opcode>(op)) {
       case Opcode::kCreateSpace:
-        request.argument = 64 << 10;
+        request.argument = 960;  // any page size
         request.page_count = 4;
         request.payload_bytes = 5;
         break;
@@ -223,7 +287,10 @@ TEST(Request, AcceptsValidRequestsOfEveryOpcode) {
       case Opcode::kAdvance:
         request.argument = 7;
         break;
-      case Opcode::kNop: case Opcode::kDestroySpace: case Opcode::kStats:
+      case Opcode::kNop: case Opcode::kStats:
+        break;
+      case Opcode::kDestroySpace:
+        request.space = 1;
         break;
       case Opcode::kCreateChannel:
         request.argument = 1 << 20;
@@ -232,25 +299,29 @@ TEST(Request, AcceptsValidRequestsOfEveryOpcode) {
       case Opcode::kOpenChannel:
         request.payload_bytes = 4;
         break;
-      case Opcode::kCloseChannel:
+      case Opcode::kCloseChannel: case Opcode::kPublishChannel:
         request.argument = 3;
         break;
       default:
+        request.space = 1;
         request.page_count = 1;
     }
     EXPECT_TRUE(validate_request(request, 4096).ok()) << opcode_name(op) << ": "
                                                       << validate_request(request, 4096).to_string();
+    EXPECT_NE(opcode_name(op), "unknown_opcode");
   }
+  EXPECT_EQ(opcode_name(0), "unknown_opcode");
+  EXPECT_EQ(opcode_name(kLastOpcode + 1), "unknown_opcode");
 }
 
 TEST(Request, RejectsEveryMalformedField) {
   ASSERT_TRUE(validate_request(valid_acquire(), 4096).ok());
-  auto expect_code = [](const RequestV1& request, StatusCode code, const char* what) {
+  auto expect_code = [](const RequestV2& request, StatusCode code, const char* what) {
     Status status = validate_request(request, 4096);
     EXPECT_EQ(status.code(), code) << what << ": " << status.to_string();
     EXPECT_FALSE(status.message().empty()) << what;
   };
-  RequestV1 r = valid_acquire();
+  RequestV2 r = valid_acquire();
   r.opcode = 0;
   expect_code(r, StatusCode::INVALID_ARGUMENT, "opcode 0");
   r.opcode = kLastOpcode + 1;
@@ -264,8 +335,17 @@ TEST(Request, RejectsEveryMalformedField) {
     expect_code(r, StatusCode::INVALID_ARGUMENT, "reserved1");
   }
   r = valid_acquire();
-  r.flags = 1u << 5;
+  r.flags = 0x128;
   expect_code(r, StatusCode::INVALID_ARGUMENT, "unknown acquire flag");
+  // The message names exactly the unknown bits, in hex, and the allowed ones.
+  Status flags = validate_request(r, 4096);
+  EXPECT_NE(flags.message().find("unknown flags 0x128 (allowed: 0x3)"), std::string::npos) << flags.to_string();
+  r.flags = 0x12b;
+  flags = validate_request(r, 4096);
+  EXPECT_NE(flags.message().find("unknown flags 0x128"), std::string::npos) << flags.to_string();
+  r = valid_acquire();
+  r.space = 0;
+  expect_code(r, StatusCode::INVALID_ARGUMENT, "no space");
   r = valid_acquire();
   r.opcode = static_cast<uint16_t>(Opcode::kPrefetch);
   r.flags = 0;
@@ -282,27 +362,36 @@ TEST(Request, RejectsEveryMalformedField) {
   r.argument = 1;
   expect_code(r, StatusCode::INVALID_ARGUMENT, "argument on a range op");
 
-  RequestV1 release{};
+  RequestV2 release{};
   release.opcode = static_cast<uint16_t>(Opcode::kRelease);
+  release.space = 1;
   release.page_count = 1;
   release.flags = kReleaseDirty;
   EXPECT_TRUE(validate_request(release, 4096).ok());
-  release.flags = kAcquireZeroNew;
-  expect_code(release, StatusCode::INVALID_ARGUMENT, "acquire flag on release");
+  release.argument = 1;
+  expect_code(release, StatusCode::INVALID_ARGUMENT, "marker without kReleaseAfterMarker");
+  release.flags |= kReleaseAfterMarker;
+  EXPECT_TRUE(validate_request(release, 4096).ok());
+  release.argument = 0;
+  expect_code(release, StatusCode::INVALID_ARGUMENT, "stream-ordered release without a marker");
+  release.flags = 1u << 2;
+  expect_code(release, StatusCode::INVALID_ARGUMENT, "unknown release flag");
 
-  RequestV1 create{};
+  RequestV2 create{};
   create.opcode = static_cast<uint16_t>(Opcode::kCreateSpace);
   create.argument = 64 << 10;
   create.page_count = 4;
   create.payload_bytes = 4;
   ASSERT_TRUE(validate_request(create, 4096).ok());
-  RequestV1 c = create;
-  c.argument = 96 << 10;
-  expect_code(c, StatusCode::INVALID_ARGUMENT, "page size not a power of two");
-  c.argument = 32 << 10;
-  expect_code(c, StatusCode::INVALID_ARGUMENT, "page size below 64 KiB");
-  c.argument = 4 << 20;
-  expect_code(c, StatusCode::INVALID_ARGUMENT, "page size above 2 MiB");
+  RequestV2 c = create;
+  for (uint64_t any : {uint64_t(1), uint64_t(96 << 10), uint64_t(960), uint64_t(4 << 20), kMaxPageBytes}) {
+    c.argument = any;
+    EXPECT_TRUE(validate_request(c, 4096).ok()) << "page size " << any;
+  }
+  c.argument = 0;
+  expect_code(c, StatusCode::INVALID_ARGUMENT, "page size 0");
+  c.argument = kMaxPageBytes + 1;
+  expect_code(c, StatusCode::INVALID_ARGUMENT, "page size above kMaxPageBytes");
   c = create;
   c.page_count = 0;
   expect_code(c, StatusCode::INVALID_ARGUMENT, "no pages");
@@ -314,15 +403,15 @@ TEST(Request, RejectsEveryMalformedField) {
   c.payload_bytes = 5000;
   expect_code(c, StatusCode::INVALID_ARGUMENT, "payload beyond the area");
 
-  RequestV1 advance{};
+  RequestV2 advance{};
   advance.opcode = static_cast<uint16_t>(Opcode::kAdvance);
   advance.argument = 1ull << 32;
   expect_code(advance, StatusCode::OUT_OF_RANGE, "step beyond 32 bits");
-  RequestV1 schedule{};
+  RequestV2 schedule{};
   schedule.opcode = static_cast<uint16_t>(Opcode::kSetSchedule);
   schedule.payload_bytes = 3;
   expect_code(schedule, StatusCode::INVALID_ARGUMENT, "schedule shorter than its count");
-  RequestV1 nop{};
+  RequestV2 nop{};
   nop.opcode = static_cast<uint16_t>(Opcode::kNop);
   nop.argument = 5;
   expect_code(nop, StatusCode::INVALID_ARGUMENT, "argument on nop");
@@ -335,10 +424,16 @@ TEST(Request, RejectsEveryMalformedField) {
   c = create;
   c.first_page = 1;
   expect_code(c, StatusCode::INVALID_ARGUMENT, "first page on create_space");
+  RequestV2 destroy{};
+  destroy.opcode = static_cast<uint16_t>(Opcode::kDestroySpace);
+  expect_code(destroy, StatusCode::INVALID_ARGUMENT, "destroy_space of space 0");
+  destroy.space = 3;
+  destroy.page_count = 1;
+  expect_code(destroy, StatusCode::INVALID_ARGUMENT, "page range on destroy_space");
 }
 
 TEST(Completion, RejectsUnknownStatusAndOversizedPayload) {
-  CompletionV1 completion{};
+  CompletionV2 completion{};
   EXPECT_TRUE(validate_completion(completion, 4096).ok());
   completion.status = 77;
   EXPECT_FALSE(validate_completion(completion, 4096).ok());
@@ -347,13 +442,15 @@ TEST(Completion, RejectsUnknownStatusAndOversizedPayload) {
   EXPECT_FALSE(validate_completion(completion, 4096).ok());
 }
 
-TEST(SpaceName, AcceptsPrintableAndRejectsTheRest) {
-  EXPECT_TRUE(validate_space_name("L07.dk").ok());
-  EXPECT_FALSE(validate_space_name("").ok());
-  EXPECT_FALSE(validate_space_name(std::string(kMaxSpaceNameBytes + 1, 'a')).ok());
-  EXPECT_FALSE(validate_space_name("has space").ok());
-  EXPECT_FALSE(validate_space_name(std::string("nul\0", 4)).ok());
-  EXPECT_FALSE(validate_space_name("\x80").ok());
+TEST(Name, AcceptsPrintableAndRejectsTheRest) {
+  EXPECT_TRUE(validate_name("L07.dk", "space").ok());
+  EXPECT_FALSE(validate_name("", "space").ok());
+  EXPECT_FALSE(validate_name(std::string(kMaxSpaceNameBytes + 1, 'a'), "space").ok());
+  EXPECT_FALSE(validate_name("has space", "space").ok());
+  EXPECT_FALSE(validate_name(std::string("nul\0", 4), "space").ok());
+  Status status = validate_name("\x80", "channel");
+  EXPECT_FALSE(status.ok());
+  EXPECT_NE(status.message().find("channel"), std::string::npos) << status.to_string();
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -399,49 +496,37 @@ TEST(Schedule, RejectsHugeCountsEmptyRangesAndOverflow) {
   EXPECT_FALSE(decode_schedule(huge_ranges).ok());
 }
 
-TEST(Locations, RoundTripAndRejectWrongCounts) {
-  std::vector<PageLocation> locations(random_u32(1, 100));
-  for (PageLocation& location : locations) location = {random_u32(0, 500), random_u32(0, 31)};
-  std::vector<uint8_t> bytes = encode_locations(locations);
-  auto decoded = decode_locations(bytes, static_cast<uint32_t>(locations.size()));
-  ASSERT_TRUE(decoded.ok());
-  for (size_t i = 0; i < locations.size(); ++i) {
-    EXPECT_EQ(decoded.value()[i].window_frame, locations[i].window_frame);
-    EXPECT_EQ(decoded.value()[i].slot, locations[i].slot);
-  }
-  EXPECT_FALSE(decode_locations(bytes, static_cast<uint32_t>(locations.size()) + 1).ok());
-  EXPECT_FALSE(decode_locations(std::span<const uint8_t>(bytes).first(bytes.size() - 1),
-                                static_cast<uint32_t>(locations.size())).ok());
-  bytes.push_back(1);
-  EXPECT_FALSE(decode_locations(bytes, static_cast<uint32_t>(locations.size())).ok());
-}
-
 RuntimeStats random_stats() {
   RuntimeStats stats;
   stats.backend = "host";
-  stats.tiers = {{Tier::kGpu, random_u32(1, 100), random_u32(0, 50), random_u32(0, 50)},
-                 {Tier::kHost, random_u32(1, 100), random_u32(0, 50), random_u32(0, 50)}};
+  stats.tiers = {{Tier::kGpu, random_u32(1, 100), random_u32(0, 50), random_u32(0, 50), random_u32(0, 9)},
+                 {Tier::kHost, random_u32(1, 100), random_u32(0, 50), random_u32(0, 50), random_u32(0, 9)}};
   for (uint32_t c = 0; c < random_u32(0, 5); ++c) {
     ClientStats client;
     client.client = c + 1;
     client.pid = static_cast<int32_t>(random_u32(1, 100000));
+    client.uid = random_u32(0, 70000);
     client.name = "client-" + std::to_string(c);
     client.gpu_quota_bytes = rng()();
     stat_increase(client.gpu_frames, random_u32(1, 10));
     stat_decrease(client.gpu_frames, 1);
-    client.pages_both = random_u32(0, 1000);
+    client.bytes_both = rng()();
     client.bytes_host_to_gpu = rng()();
     client.stall_ns = rng()();
+    client.channel_bytes = rng()();
     stats.clients.push_back(client);
   }
   for (uint32_t s = 0; s < random_u32(0, 5); ++s) {
-    SpaceInfo space{s + 1, "L" + std::to_string(s) + ".k", 64ull << 10, random_u32(1, 1000)};
+    SpaceInfo space{s + 1, "L" + std::to_string(s) + ".k", random_u32(1, 1u << 30), random_u32(1, 1000)};
     space.client = random_u32(1, 9);
-    space.pages_host = random_u32(0, 1000);
-    space.pages_dirty = random_u32(0, 1000);
-    space.pages_pinned = random_u32(0, 1000);
+    space.bytes_host = rng()();
+    space.bytes_dirty = rng()();
+    space.bytes_pinned = rng()();
+    space.bytes_gpu_to_host = rng()();
     stats.spaces.push_back(space);
   }
+  stats.first_space = random_u32(0, 100);
+  stats.spaces_total = stats.first_space + uint32_t(stats.spaces.size()) + random_u32(0, 100);
   return stats;
 }
 
@@ -452,46 +537,73 @@ TEST(Stats, RoundTripsAndRejectsEveryTruncation) {
     auto decoded = decode_stats(bytes);
     ASSERT_TRUE(decoded.ok()) << decoded.status().to_string();
     EXPECT_EQ(decoded.value().backend, stats.backend);
+    EXPECT_EQ(decoded.value().first_space, stats.first_space);
+    EXPECT_EQ(decoded.value().spaces_total, stats.spaces_total);
     ASSERT_EQ(decoded.value().tiers.size(), 2u);
     EXPECT_EQ(decoded.value().tiers[1].frames_total, stats.tiers[1].frames_total);
+    EXPECT_EQ(decoded.value().tiers[0].frames_preparing, stats.tiers[0].frames_preparing);
     ASSERT_EQ(decoded.value().clients.size(), stats.clients.size());
     for (size_t c = 0; c < stats.clients.size(); ++c) {
       EXPECT_EQ(decoded.value().clients[c].name, stats.clients[c].name);
+      EXPECT_EQ(decoded.value().clients[c].uid, stats.clients[c].uid);
       EXPECT_EQ(decoded.value().clients[c].gpu_frames.peak, stats.clients[c].gpu_frames.peak);
       EXPECT_EQ(decoded.value().clients[c].gpu_frames.freed, stats.clients[c].gpu_frames.freed);
       EXPECT_EQ(decoded.value().clients[c].stall_ns, stats.clients[c].stall_ns);
+      EXPECT_EQ(decoded.value().clients[c].bytes_both, stats.clients[c].bytes_both);
       EXPECT_EQ(decoded.value().clients[c].bytes_host_to_gpu, stats.clients[c].bytes_host_to_gpu);
+      EXPECT_EQ(decoded.value().clients[c].channel_bytes, stats.clients[c].channel_bytes);
     }
     ASSERT_EQ(decoded.value().spaces.size(), stats.spaces.size());
     for (size_t s = 0; s < stats.spaces.size(); ++s) {
       EXPECT_EQ(decoded.value().spaces[s].name, stats.spaces[s].name);
+      EXPECT_EQ(decoded.value().spaces[s].page_bytes, stats.spaces[s].page_bytes);
       EXPECT_EQ(decoded.value().spaces[s].client, stats.spaces[s].client);
-      EXPECT_EQ(decoded.value().spaces[s].pages_host, stats.spaces[s].pages_host);
-      EXPECT_EQ(decoded.value().spaces[s].pages_dirty, stats.spaces[s].pages_dirty);
-      EXPECT_EQ(decoded.value().spaces[s].pages_pinned, stats.spaces[s].pages_pinned);
+      EXPECT_EQ(decoded.value().spaces[s].bytes_host, stats.spaces[s].bytes_host);
+      EXPECT_EQ(decoded.value().spaces[s].bytes_dirty, stats.spaces[s].bytes_dirty);
+      EXPECT_EQ(decoded.value().spaces[s].bytes_pinned, stats.spaces[s].bytes_pinned);
+      EXPECT_EQ(decoded.value().spaces[s].bytes_gpu_to_host, stats.spaces[s].bytes_gpu_to_host);
     }
-    // A payload that ends where the per-space residency records begin is an older daemon's: it
-    // decodes (records zero). Every other truncation is refused.
-    size_t without_records = bytes.size() - (4 + stats.spaces.size() * (4 + 6 * 8));
-    auto older = decode_stats(std::span<const uint8_t>(bytes.data(), without_records));
-    ASSERT_TRUE(older.ok()) << older.status().to_string();
-    for (const SpaceInfo& space : older.value().spaces) EXPECT_EQ(space.pages_host, 0u);
+    // The encoding is canonical, and every truncation (and a trailing byte) is refused.
+    EXPECT_EQ(encode_stats(decoded.value()), bytes);
     for (size_t n = 0; n < bytes.size(); ++n) {
-      if (n == without_records) continue;
       EXPECT_FALSE(decode_stats(std::span<const uint8_t>(bytes.data(), n)).ok()) << "length " << n;
     }
+    bytes.push_back(0);
+    EXPECT_FALSE(decode_stats(bytes).ok());
   }
+}
+
+// A page of the admin view with the most spaces a reply may carry fits the socket limit.
+TEST(Stats, AFullPageOfSpacesFitsOneMessage) {
+  RuntimeStats stats;
+  stats.backend = "cuda";
+  stats.tiers = {{Tier::kGpu, 1, 0, 1, 0}, {Tier::kHost, 1, 0, 1, 0}};
+  for (uint32_t c = 0; c < 256; ++c) {
+    ClientStats client;
+    client.client = c + 1;
+    client.name = std::string(63, 'n');
+    stats.clients.push_back(client);
+  }
+  for (uint32_t s = 0; s < kMaxStatsSpaces; ++s) {
+    stats.spaces.push_back(SpaceInfo{s + 1, std::string(kMaxSpaceNameBytes, 's'), kMaxPageBytes, 0xffffffffu});
+  }
+  EXPECT_LE(encode_stats(stats).size(), kMaxSocketPayloadBytes);
 }
 
 TEST(Stats, RejectsUnknownTierAndHugeCounts) {
   RuntimeStats stats = random_stats();
   std::vector<uint8_t> bytes = encode_stats(stats);
+  // backend string, first_space, spaces_total, then the tier count and the first tier's number.
+  size_t tier_count = 4 + stats.backend.size() + 8;
   std::vector<uint8_t> bad_tier = bytes;
-  bad_tier[4 + stats.backend.size() + 4] = 5;  // first tier's number
+  bad_tier[tier_count + 4] = 5;
   EXPECT_FALSE(decode_stats(bad_tier).ok());
   std::vector<uint8_t> huge_tiers = bytes;
-  std::memset(huge_tiers.data() + 4 + stats.backend.size(), 0xff, 4);
+  std::memset(huge_tiers.data() + tier_count, 0xff, 4);
   EXPECT_FALSE(decode_stats(huge_tiers).ok());
+  std::vector<uint8_t> huge_clients = bytes;
+  std::memset(huge_clients.data() + tier_count + 4 + 2 * 33, 0xff, 4);
+  EXPECT_FALSE(decode_stats(huge_clients).ok());
   std::vector<uint8_t> huge_string = bytes;
   std::memset(huge_string.data(), 0xff, 4);
   EXPECT_FALSE(decode_stats(huge_string).ok());
@@ -515,11 +627,11 @@ TEST(Segment, LayoutRoundTripsAndRejectsTampering) {
   EXPECT_EQ(read.value().segment_bytes, layout.value().segment_bytes);
   EXPECT_FALSE(read_segment_header(segment.data(), segment.size() - 1).ok());
   EXPECT_FALSE(read_segment_header(segment.data(), 100).ok());
-  auto* header = reinterpret_cast<SegmentHeaderV1*>(segment.data());
+  auto* header = reinterpret_cast<SegmentHeaderV2*>(segment.data());
   header->completion_ring_offset += 64;
   EXPECT_FALSE(read_segment_header(segment.data(), segment.size()).ok());
   header->completion_ring_offset -= 64;
-  header->version = 2;
+  header->version = 1;
   EXPECT_EQ(read_segment_header(segment.data(), segment.size()).status().code(), StatusCode::FAILED_PRECONDITION);
 
   EXPECT_FALSE(make_segment_layout(3, 1 << 20, 1 << 20).ok());
@@ -531,13 +643,13 @@ TEST(Segment, LayoutRoundTripsAndRejectsTampering) {
 
 TEST(Ring, PassesEntriesInOrderAcrossThreadsAndWraps) {
   constexpr uint32_t kCapacity = 8;
-  std::vector<uint8_t> memory(sizeof(RingControlV1) + kCapacity * sizeof(RequestV1));
-  RingEnd<RequestV1> producer(memory.data(), kCapacity);
-  RingEnd<RequestV1> consumer(memory.data(), kCapacity);
+  std::vector<uint8_t> memory(sizeof(RingControlV2) + kCapacity * sizeof(RequestV2));
+  RingEnd<RequestV2> producer(memory.data(), kCapacity);
+  RingEnd<RequestV2> consumer(memory.data(), kCapacity);
   constexpr uint64_t kCount = 20000;
   std::thread thread([&] {
     for (uint64_t i = 1; i <= kCount; ++i) {
-      RequestV1 request{};
+      RequestV2 request{};
       request.sequence = i;
       request.argument = i * 3;
       while (!producer.try_push(request)) std::this_thread::yield();
@@ -546,7 +658,7 @@ TEST(Ring, PassesEntriesInOrderAcrossThreadsAndWraps) {
   uint64_t expected = 1;
   uint32_t idle = 0;
   while (expected <= kCount) {
-    RequestV1 request;
+    RequestV2 request;
     int popped = consumer.try_pop(request);
     ASSERT_GE(popped, 0);
     if (popped == 0) {
@@ -564,17 +676,17 @@ TEST(Ring, PassesEntriesInOrderAcrossThreadsAndWraps) {
 
 TEST(Ring, RejectsAnImpossibleHeadAndAFullRing) {
   constexpr uint32_t kCapacity = 4;
-  std::vector<uint8_t> memory(sizeof(RingControlV1) + kCapacity * sizeof(CompletionV1));
-  RingEnd<CompletionV1> producer(memory.data(), kCapacity);
-  RingEnd<CompletionV1> consumer(memory.data(), kCapacity);
-  CompletionV1 entry{};
+  std::vector<uint8_t> memory(sizeof(RingControlV2) + kCapacity * sizeof(CompletionV2));
+  RingEnd<CompletionV2> producer(memory.data(), kCapacity);
+  RingEnd<CompletionV2> consumer(memory.data(), kCapacity);
+  CompletionV2 entry{};
   for (uint32_t i = 0; i < kCapacity; ++i) EXPECT_TRUE(producer.try_push(entry));
   EXPECT_FALSE(producer.try_push(entry)) << "a full ring refuses";
-  auto* control = reinterpret_cast<RingControlV1*>(memory.data());
+  auto* control = reinterpret_cast<RingControlV2*>(memory.data());
   control->head = 1000;  // a producer lying about its head
   EXPECT_EQ(consumer.try_pop(entry), -1);
   // A consumer lying about its tail (beyond the head) cannot make the producer overwrite.
-  RingEnd<CompletionV1> fresh_producer(memory.data(), kCapacity);
+  RingEnd<CompletionV2> fresh_producer(memory.data(), kCapacity);
   control->tail = 1ull << 50;
   EXPECT_FALSE(fresh_producer.try_push(entry));
 }
@@ -583,37 +695,48 @@ TEST(Ring, RejectsAnImpossibleHeadAndAFullRing) {
 // Socket framing.
 
 TEST(Assembler, SplitsAStreamFedByteByByteAndPairsFds) {
-  HelloV1 hello{};
-  FrameNoticeV1 notice{5, 0, {}};
+  HelloV2 hello{};
+  HelloReplyV2 reply{};
+  FrameGrantV2 grant{1, 5, 0};
   std::vector<uint8_t> stream = encode_message(MessageType::kHello, hello);
-  std::vector<uint8_t> grant = encode_message(MessageType::kFrameGrant, notice, 1);
-  stream.insert(stream.end(), grant.begin(), grant.end());
+  std::vector<uint8_t> with_two = encode_message(MessageType::kHelloReply, reply, 2);
+  std::vector<uint8_t> with_one = encode_message(MessageType::kFrameGrant, grant, 1);
+  stream.insert(stream.end(), with_two.begin(), with_two.end());
+  stream.insert(stream.end(), with_one.begin(), with_one.end());
   wire::MessageAssembler assembler;
-  int pipe_fds[2];
-  ASSERT_EQ(::pipe(pipe_fds), 0);
-  ::close(pipe_fds[1]);
-  assembler.append_fd(pipe_fds[0]);
+  int pipes[3][2];
+  for (auto& pipe_fds : pipes) {
+    ASSERT_EQ(::pipe(pipe_fds), 0);
+    ::close(pipe_fds[1]);
+    assembler.append_fd(pipe_fds[0]);
+  }
   std::vector<uint16_t> types;
   for (uint8_t byte : stream) {
     assembler.append(std::span<const uint8_t>(&byte, 1));
     auto next = assembler.next();
     ASSERT_TRUE(next.ok());
-    if (next.value().has_value()) {
-      types.push_back(next.value()->header.type);
-      if (next.value()->header.type == static_cast<uint16_t>(MessageType::kFrameGrant)) {
-        EXPECT_EQ(next.value()->fd.get(), pipe_fds[0]);
-      }
+    if (!next.value().has_value()) continue;
+    types.push_back(next.value()->header.type);
+    if (next.value()->header.type == static_cast<uint16_t>(MessageType::kHelloReply)) {
+      ASSERT_EQ(next.value()->fds.size(), 2u);
+      EXPECT_EQ(next.value()->fds[0].get(), pipes[0][0]);
+      EXPECT_EQ(next.value()->fds[1].get(), pipes[1][0]);
+    }
+    if (next.value()->header.type == static_cast<uint16_t>(MessageType::kFrameGrant)) {
+      ASSERT_EQ(next.value()->fds.size(), 1u);
+      EXPECT_EQ(next.value()->fds[0].get(), pipes[2][0]);
     }
   }
-  EXPECT_EQ(types, (std::vector<uint16_t>{1, 4}));
+  EXPECT_EQ(types, (std::vector<uint16_t>{1, 2, 3}));
   EXPECT_EQ(assembler.pending_bytes(), 0u);
+  EXPECT_EQ(assembler.pending_fds(), 0u);
 }
 
 TEST(Assembler, ReportsAMissingFdAndGarbage) {
-  FrameNoticeV1 notice{5, 0, {}};
+  FrameGrantV2 grant{1, 5, 0};
   wire::MessageAssembler missing_fd;
-  auto grant = encode_message(MessageType::kFrameGrant, notice, 1);
-  missing_fd.append(grant);
+  auto message = encode_message(MessageType::kFrameGrant, grant, 1);
+  missing_fd.append(message);
   EXPECT_FALSE(missing_fd.next().ok());
   wire::MessageAssembler garbage;
   std::vector<uint8_t> noise(64, 0xab);
@@ -621,5 +744,26 @@ TEST(Assembler, ReportsAMissingFdAndGarbage) {
   EXPECT_FALSE(garbage.next().ok());
 }
 
+// send_some never waits: on a full socket it writes what fits, then 0.
+TEST(Wire, SendSomeNeverBlocks) {
+  int pair[2];
+  ASSERT_EQ(::socketpair(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK, 0, pair), 0);
+  std::vector<uint8_t> big(1 << 20, 7);
+  size_t total = 0;
+  auto start = std::chrono::steady_clock::now();
+  for (int i = 0; i < 64; ++i) {
+    auto sent = wire::send_some(pair[0], big);
+    ASSERT_TRUE(sent.ok());
+    total += sent.value();
+    if (sent.value() == 0) break;
+  }
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(1));
+  EXPECT_LT(total, 64u << 20) << "the socket buffer should have filled";
+  EXPECT_EQ(wire::send_some(pair[0], big).value(), 0u);
+  ::close(pair[1]);
+  EXPECT_EQ(wire::send_some(pair[0], big).status().code(), StatusCode::UNAVAILABLE);
+  ::close(pair[0]);
+}
+
 }  // namespace
-}  // namespace membar::protocol::v1
+}  // namespace membar::protocol::v2

@@ -4,6 +4,9 @@
 //   - EmbeddedCuda: one trainer, the engine in-process (embedded:cuda).
 //   - DaemonTwoProcesses: `membard --backend cuda` plus two trainer processes started from this
 //     binary, each with its own space, over the socket and shared-memory rings.
+//   - DaemonRenewsGpuFramesBetweenClients: a trainer fills every GPU frame of the pool and is
+//     killed (-9); the next one, asking for no zero-fill, reads zeros (issue 12: GPU frames are
+//     renewed before they change hands; a 96 KiB-page space checks pages that straddle frames).
 // Pages move through stream_wait (the trainer's stream waits for the ticket on the GPU) and
 // stream_release (the stream says when it is done with pages it wrote; the runtime holds copies
 // of those pages until then, Note [Stream-ordered release]). The trainer never synchronizes its
@@ -76,7 +79,7 @@ std::string check_late_write(Client& client, SpaceId space, uint64_t seed, cudaS
   if (!client.stream_wait(acquired.value().ticket, stream).ok()) return "late write stream_wait failed";
   fill_pattern(staging, seed, 0, 1);
   cudaLaunchHostFunc(stream, sleep_on_stream, reinterpret_cast<void*>(uintptr_t{50}));
-  cudaMemcpyAsync(acquired.value().page_pointers[0], staging, kPageBytes, cudaMemcpyHostToDevice, stream);
+  cudaMemcpyAsync(acquired.value().pointer, staging, kPageBytes, cudaMemcpyHostToDevice, stream);
   auto start = std::chrono::steady_clock::now();
   Status released = client.stream_release(range, true, stream);
   double release_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
@@ -86,9 +89,9 @@ std::string check_late_write(Client& client, SpaceId space, uint64_t seed, cudaS
   if (release_ms > 25) return "stream_release waited " + std::to_string(release_ms) + " ms for the stream";
   Status waited = client.wait(offloaded.value());
   if (!waited.ok()) return "late write wait: " + waited.to_string();
-  Result<std::vector<void*>> host = client.acquire_host(range);
+  Result<void*> host = client.acquire_host(range);
   if (!host.ok()) return "late write acquire_host: " + host.status().to_string();
-  bool intact = std::memcmp(host.value()[0], staging, kPageBytes) == 0;
+  bool intact = std::memcmp(host.value(), staging, kPageBytes) == 0;
   (void)client.release_host(range, false);
   cudaStreamSynchronize(stream);
   return intact ? "" : "the offload copied the page before the stream's write (late write lost)";
@@ -138,7 +141,7 @@ WorkerReport run_worker(Client& client, uint64_t seed, const std::string& space_
       if (generator() % 8 == 0) cudaLaunchHostFunc(stream, sleep_on_stream, reinterpret_cast<void*>(uintptr_t{2}));
       for (uint32_t i = 0; i < count; ++i) {
         fill_pattern(staging + i * kPageBytes, seed, first + i, version[first + i] + 1);
-        if (cudaMemcpyAsync(acquired.value().page_pointers[i], staging + i * kPageBytes, kPageBytes,
+        if (cudaMemcpyAsync(static_cast<char*>(acquired.value().pointer) + i * kPageBytes, staging + i * kPageBytes, kPageBytes,
                             cudaMemcpyHostToDevice, stream) != cudaSuccess) {
           return fail("write copy", internal_error("cudaMemcpyAsync failed"));
         }
@@ -159,7 +162,7 @@ WorkerReport run_worker(Client& client, uint64_t seed, const std::string& space_
       Status waited = wait_on_stream(client, acquired.value().ticket, stream);
       if (!waited.ok()) return fail("wait", waited);
       for (uint32_t i = 0; i < count; ++i) {
-        if (cudaMemcpyAsync(staging + i * kPageBytes, acquired.value().page_pointers[i], kPageBytes,
+        if (cudaMemcpyAsync(staging + i * kPageBytes, static_cast<char*>(acquired.value().pointer) + i * kPageBytes, kPageBytes,
                             cudaMemcpyDeviceToHost, stream) != cudaSuccess) {
           return fail("read copy", internal_error("cudaMemcpyAsync failed"));
         }
@@ -188,7 +191,7 @@ WorkerReport run_worker(Client& client, uint64_t seed, const std::string& space_
     if (!acquired.ok()) return fail("final acquire", acquired.status());
     Status waited = wait_on_stream(client, acquired.value().ticket, stream);
     if (!waited.ok()) return fail("wait", waited);
-    cudaMemcpyAsync(staging, acquired.value().page_pointers[0], kPageBytes, cudaMemcpyDeviceToHost, stream);
+    cudaMemcpyAsync(staging, acquired.value().pointer, kPageBytes, cudaMemcpyDeviceToHost, stream);
     if (cudaStreamSynchronize(stream) != cudaSuccess) return fail("stream", internal_error("stream failed"));
     Status released = client.release(range, false);
     if (!released.ok()) return fail("release", released);
@@ -272,8 +275,7 @@ TEST(CudaClientIntegrity, DaemonTwoProcesses) {
   ASSERT_NE(mkdtemp(directory_template), nullptr);
   std::string socket_path = std::string(directory_template) + "/membard.sock";
   ProcessGuard daemon(spawn({MEMBAR_MEMBARD_PATH, "--backend", "cuda", "--socket", socket_path, "--gpu-pool", "64MiB",
-                             "--host-pool", "256MiB", "--default-gpu-quota", "8MiB", "--foreground", "--log-level",
-                             "warn"}),
+                             "--host-pool", "256MiB", "--default-gpu-quota", "8MiB", "--log-level", "warn"}),
                       SIGTERM);
   ASSERT_GT(daemon.pid, 0) << "cannot start " << MEMBAR_MEMBARD_PATH;
 
@@ -311,7 +313,85 @@ TEST(CudaClientIntegrity, DaemonTwoProcesses) {
   unlink(socket_path.c_str());
   rmdir(directory_template);
 }
+TEST(CudaClientIntegrity, DaemonRenewsGpuFramesBetweenClients) {
+  if (!gpu_present()) GTEST_SKIP() << "no CUDA GPU";
+  char directory_template[] = "/tmp/membar-cuda-renewal-XXXXXX";
+  ASSERT_NE(mkdtemp(directory_template), nullptr);
+  std::string socket_path = std::string(directory_template) + "/membard.sock";
+  ProcessGuard daemon(spawn({MEMBAR_MEMBARD_PATH, "--backend", "cuda", "--socket", socket_path, "--gpu-pool", "32MiB",
+                             "--host-pool", "64MiB", "--log-level", "warn"}),
+                      SIGTERM);
+  ASSERT_GT(daemon.pid, 0);
+  ConnectOptions options;
+  options.socket_path = socket_path;
+  options.allow_embedded = false;
+  bool up = false;
+  for (int attempt = 0; attempt < 300 && !up; ++attempt) {
+    up = connect(options).ok();
+    if (!up) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  ASSERT_TRUE(up);
+  // The filler takes the whole GPU pool (16 frames), writes it, leaves a marker file, then
+  // sleeps until killed.
+  std::string ready = std::string(directory_template) + "/ready";
+  ProcessGuard filler(spawn({"/proc/self/exe", "--membar-fill", socket_path, ready}));
+  ASSERT_GT(filler.pid, 0);
+  for (int attempt = 0; attempt < 600 && access(ready.c_str(), F_OK) != 0; ++attempt) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  ASSERT_EQ(access(ready.c_str(), F_OK), 0) << "the filler never filled the pool";
+  kill(filler.pid, SIGKILL);
+  waitpid(filler.pid, nullptr, 0);
+  filler.pid = -1;
+
+  Result<std::unique_ptr<Client>> reader = Status(StatusCode::UNAVAILABLE, "not yet");
+  for (int attempt = 0; attempt < 100 && !reader.ok(); ++attempt) {
+    reader = connect(options);
+    if (!reader.ok()) std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  ASSERT_TRUE(reader.ok()) << reader.status().to_string();
+  Result<SpaceId> space = reader.value()->create_space("reader", 96 << 10, 340);  // ~31.9 MiB: 16 frames
+  ASSERT_TRUE(space.ok()) << space.status().to_string();
+  Result<Acquired> acquired = reader.value()->acquire({space.value(), 0, 340}, 0);  // no zero-fill asked for
+  ASSERT_TRUE(acquired.ok()) << acquired.status().to_string();
+  ASSERT_TRUE(reader.value()->wait(acquired.value().ticket).ok());
+  std::vector<uint64_t> seen(16 * kFrameBytes / 8);
+  ASSERT_EQ(cudaMemcpy(seen.data(), acquired.value().pointer, 16 * kFrameBytes, cudaMemcpyDeviceToHost), cudaSuccess)
+      << "the whole mapped range (16 frames) must be readable";
+  uint64_t nonzero = 0;
+  for (uint64_t word : seen) nonzero += word != 0;
+  EXPECT_EQ(nonzero, 0u) << "a GPU frame reached the next client with the killed one's bytes";
+  ASSERT_TRUE(reader.value()->release({space.value(), 0, 340}, false).ok());
+  reader.value().reset();
+  kill(daemon.pid, SIGTERM);
+  if (wait_with_timeout(daemon.pid, 20) != -1) daemon.pid = -1;
+  unlink(ready.c_str());
+  unlink(socket_path.c_str());
+  rmdir(directory_template);
+}
+
 #endif
+
+// The filler of DaemonRenewsGpuFramesBetweenClients: the whole GPU pool, written, then a marker.
+int fill_main(const std::string& socket_path, const std::string& ready) {
+  ConnectOptions options;
+  options.socket_path = socket_path;
+  options.allow_embedded = false;
+  Result<std::unique_ptr<Client>> client = connect(options);
+  if (!client.ok()) return 2;
+  Result<SpaceId> space = client.value()->create_space("fill", kFrameBytes, 16);
+  if (!space.ok()) return 3;
+  Result<Acquired> acquired = client.value()->acquire({space.value(), 0, 16}, kAcquireWrite);
+  if (!acquired.ok() || !client.value()->wait(acquired.value().ticket).ok()) return 4;
+  if (cudaMemset(acquired.value().pointer, 0x5a, 16 * kFrameBytes) != cudaSuccess || cudaDeviceSynchronize() != cudaSuccess) {
+    return 5;
+  }
+  if (!client.value()->release({space.value(), 0, 16}, true).ok()) return 6;
+  FILE* marker = std::fopen(ready.c_str(), "w");
+  if (marker != nullptr) std::fclose(marker);
+  ::sleep(120);
+  return 0;
+}
 
 // A trainer process of DaemonTwoProcesses: exit 0 when every checked page was intact.
 int worker_main(const std::string& socket_path, uint64_t seed, const std::string& name) {
@@ -343,6 +423,7 @@ int main(int argc, char** argv) {
   if (argc == 5 && std::string(argv[1]) == "--membar-worker") {
     return membar::worker_main(argv[2], std::stoull(argv[3]), argv[4]);
   }
+  if (argc == 4 && std::string(argv[1]) == "--membar-fill") return membar::fill_main(argv[2], argv[3]);
   ::testing::InitGoogleTest(&argc, argv);
   return RUN_ALL_TESTS();
 }

@@ -1,6 +1,7 @@
-// CudaVmmBackend on a real GPU (label gpu): frames, merged copies both ways, zero fills,
-// signal words, exactly-once completion, bad input and fault injection. Contents are random
-// bytes checked against the host's own copy. Skips when there is no driver or GPU.
+// CudaVmmBackend on a real GPU (label gpu): frames and slabs, renewal (Note [Frames, slabs and
+// renewal]), merged copies both ways, zero fills, signal words, exactly-once completion, bad
+// input and fault injection. Contents are random bytes checked against the host's own copy.
+// Skips when there is no driver or GPU.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 #include <sys/mman.h>
@@ -73,6 +74,17 @@ std::vector<uint8_t> read_gpu(void* device_pointer, uint64_t bytes) {
   return out;
 }
 
+// Host slabs start unprepared: renews (makes and pins) every one, as the engine does in the
+// background after start-up, and waits.
+void prepare_slabs(DeviceBackend& backend) {
+  std::vector<std::unique_ptr<Completion>> done;
+  for (uint32_t slab = 0; slab < backend.host_slab_count(); ++slab) {
+    done.push_back(std::make_unique<Completion>());
+    ASSERT_TRUE(backend.renew(Tier::kHost, slab, done.back()->callback()).ok());
+  }
+  for (auto& completion : done) ASSERT_TRUE(completion->wait().ok());
+}
+
 class CudaBackendTest : public ::testing::Test {
  protected:
   void SetUp() override {
@@ -82,19 +94,21 @@ class CudaBackendTest : public ::testing::Test {
     }
     ASSERT_TRUE(made.ok()) << made.status().to_string();
     backend_ = std::move(made).value();
+    prepare_slabs(*backend_);
   }
   std::unique_ptr<DeviceBackend> backend_;
 };
 
-TEST_F(CudaBackendTest, FramesAreCountedAndExportable) {
+TEST_F(CudaBackendTest, FramesAndSlabsAreCountedAndExportable) {
   EXPECT_EQ(backend_->name(), "cuda");
   EXPECT_EQ(backend_->frame_count(Tier::kGpu), kGpuFrames);
   EXPECT_EQ(backend_->frame_count(Tier::kHost), kHostFrames);
+  EXPECT_EQ(backend_->host_slab_frames(), host_slab_frames_for(kHostFrames * kFrameBytes));
+  Result<int> fd = backend_->export_gpu_frame(3);
+  ASSERT_TRUE(fd.ok()) << fd.status().to_string();
+  EXPECT_GE(fd.value(), 0);
+  close(fd.value());
   for (Tier tier : {Tier::kGpu, Tier::kHost}) {
-    Result<int> fd = backend_->export_frame(tier, 3);
-    ASSERT_TRUE(fd.ok()) << fd.status().to_string();
-    EXPECT_GE(fd.value(), 0);
-    close(fd.value());
     EXPECT_NE(backend_->frame_pointer(tier, 0), nullptr);
     EXPECT_EQ(backend_->frame_pointer(tier, tier == Tier::kGpu ? kGpuFrames : kHostFrames), nullptr);
   }
@@ -102,19 +116,55 @@ TEST_F(CudaBackendTest, FramesAreCountedAndExportable) {
   EXPECT_EQ(static_cast<char*>(backend_->frame_pointer(Tier::kGpu, 1)) -
                 static_cast<char*>(backend_->frame_pointer(Tier::kGpu, 0)),
             static_cast<ptrdiff_t>(kFrameBytes));
-  Result<int> missing = backend_->export_frame(Tier::kGpu, kGpuFrames);
+  Result<int> missing = backend_->export_gpu_frame(kGpuFrames);
   EXPECT_EQ(missing.status().code(), StatusCode::OUT_OF_RANGE);
 
-  // A host frame's fd maps the same bytes the daemon sees, and cannot be resized.
-  Result<int> host_fd = backend_->export_frame(Tier::kHost, 5);
-  ASSERT_TRUE(host_fd.ok());
+  // A slab's fd maps the same bytes the daemon sees, and cannot be resized.
+  uint32_t slab = 2;
+  FrameIndex first = slab * backend_->host_slab_frames();
+  Result<int> host_fd = backend_->export_host_slab(slab);
+  ASSERT_TRUE(host_fd.ok()) << host_fd.status().to_string();
   void* mapped = mmap(nullptr, kFrameBytes, PROT_READ | PROT_WRITE, MAP_SHARED, host_fd.value(), 0);
   ASSERT_NE(mapped, MAP_FAILED);
-  fill_random(backend_->frame_pointer(Tier::kHost, 5), kFrameBytes, 77);
-  EXPECT_EQ(std::memcmp(mapped, backend_->frame_pointer(Tier::kHost, 5), kFrameBytes), 0);
-  EXPECT_NE(ftruncate(host_fd.value(), 4096), 0) << "a client must not be able to shrink a host frame";
+  fill_random(backend_->frame_pointer(Tier::kHost, first), kFrameBytes, 77);
+  EXPECT_EQ(std::memcmp(mapped, backend_->frame_pointer(Tier::kHost, first), kFrameBytes), 0);
+  EXPECT_NE(ftruncate(host_fd.value(), 4096), 0) << "a client must not be able to shrink a host slab";
   munmap(mapped, kFrameBytes);
   close(host_fd.value());
+}
+
+// Renewal gives a GPU frame and a slab fresh zeroed memory; a descriptor exported before reaches
+// only the old memory.
+TEST_F(CudaBackendTest, RenewalGivesFreshZeroedMemory) {
+  uint64_t renewals = backend_->counters().renewals;
+  std::vector<uint8_t> bytes(kFrameBytes);
+  fill_random(bytes.data(), kFrameBytes, 5);
+  ASSERT_EQ(cudaMemcpy(backend_->frame_pointer(Tier::kGpu, 3), bytes.data(), kFrameBytes, cudaMemcpyHostToDevice),
+            cudaSuccess);
+  Completion gpu_renewed;
+  ASSERT_TRUE(backend_->renew(Tier::kGpu, 3, gpu_renewed.callback()).ok());
+  ASSERT_TRUE(gpu_renewed.wait().ok());
+  std::vector<uint8_t> after = read_gpu(backend_->frame_pointer(Tier::kGpu, 3), kFrameBytes);
+  EXPECT_EQ(after, std::vector<uint8_t>(kFrameBytes, 0)) << "a renewed GPU frame must hold zeros";
+
+  uint32_t slab = 1;
+  FrameIndex first = slab * backend_->host_slab_frames();
+  Result<int> old_fd = backend_->export_host_slab(slab);
+  ASSERT_TRUE(old_fd.ok());
+  void* old_view = mmap(nullptr, kFrameBytes, PROT_READ | PROT_WRITE, MAP_SHARED, old_fd.value(), 0);
+  ASSERT_NE(old_view, MAP_FAILED);
+  fill_random(old_view, kFrameBytes, 6);
+  Completion slab_renewed;
+  ASSERT_TRUE(backend_->renew(Tier::kHost, slab, slab_renewed.callback()).ok());
+  ASSERT_TRUE(slab_renewed.wait().ok());
+  std::vector<uint8_t> zeros(kFrameBytes, 0);
+  EXPECT_EQ(std::memcmp(backend_->frame_pointer(Tier::kHost, first), zeros.data(), kFrameBytes), 0);
+  fill_random(old_view, kFrameBytes, 7);  // the old holder keeps writing
+  EXPECT_EQ(std::memcmp(backend_->frame_pointer(Tier::kHost, first), zeros.data(), kFrameBytes), 0);
+  munmap(old_view, kFrameBytes);
+  close(old_fd.value());
+  EXPECT_EQ(backend_->counters().renewals, renewals + 2);
+  EXPECT_EQ(backend_->renew(Tier::kGpu, kGpuFrames, [](Status) {}).code(), StatusCode::OUT_OF_RANGE);
 }
 
 // Pages of `page_bytes` go host -> GPU in a shuffled order (so merging only joins what is
@@ -337,7 +387,8 @@ TEST(CudaBackendFaults, NthFrameFailsAsResourceExhaustedAndLeaksNothing) {
   size_t free_before = 0, total = 0;
   ASSERT_EQ(cudaMemGetInfo(&free_before, &total), cudaSuccess);
 
-  for (uint64_t failing : {uint64_t{1}, uint64_t{5}, kGpuFrames, kGpuFrames + 1, kGpuFrames + kHostFrames}) {
+  // Only GPU frames are made at start-up (host slabs are prepared later, by renewals).
+  for (uint64_t failing : {uint64_t{1}, uint64_t{5}, kGpuFrames}) {
     SCOPED_TRACE(failing);
     config.fail_frame_create_after = failing;
     Result<std::unique_ptr<DeviceBackend>> made = make_cuda_backend(config);
@@ -351,7 +402,7 @@ TEST(CudaBackendFaults, NthFrameFailsAsResourceExhaustedAndLeaksNothing) {
   ASSERT_EQ(cudaMemGetInfo(&free_after, &total), cudaSuccess);
   EXPECT_LE(free_before, free_after + (2ull << 20)) << "frames leaked by failed start-ups";
 
-  config.fail_frame_create_after = 0;
+  config.fail_frame_create_after = kGpuFrames + 1;
   Result<std::unique_ptr<DeviceBackend>> healthy = make_cuda_backend(config);
   EXPECT_TRUE(healthy.ok()) << healthy.status().to_string();
 }

@@ -1,10 +1,11 @@
 // Two-process integrity on the CUDA backend (label gpu), at the mechanism level: this process
 // plays the daemon (CudaVmmBackend: frames, copy streams, signal block); a second process,
-// started from this same binary, plays the trainer (CUDA window + stream signals). Frame and
-// signal fds cross over a Unix socket with SCM_RIGHTS, as they do from membard.
+// started from this same binary, plays the trainer (its ClientMemory on the CUDA mapper, and
+// stream signals). Frame and signal fds cross over a Unix socket with SCM_RIGHTS, as they do from
+// membard, and the trainer maps frame i at space frame i of one space (Note [Space layout]).
 //
 // Each cycle: the daemon prefetches fresh random pages host -> GPU and signals ticket k; the
-// trainer's stream waits for k on the GPU, reads and checks the pages through its window,
+// trainer's stream waits for k on the GPU, reads and checks the pages at their space positions,
 // writes new pages, and signals "released k" from its stream; the daemon sees the release,
 // offloads GPU -> host and checks the trainer's bytes. Every page of every cycle is checked
 // in both processes: 0 corrupted, 0 lost.
@@ -18,6 +19,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstring>
@@ -28,7 +30,7 @@
 #include <vector>
 
 #include "cuda/stream_signal.h"
-#include "window.h"
+#include "memory.h"
 #include "membar/engine/backend.h"
 
 extern char** environ;
@@ -127,13 +129,19 @@ int run_child(int socket) {
   Result<std::unique_ptr<StreamSignals>> signals =
       StreamSignals::create(static_cast<volatile uint64_t*>(signal_mapping), kSignalWordCount, 0);
   if (!signals.ok()) return fail(signals.status().to_string());
-  Result<std::unique_ptr<Window>> window = make_cuda_window(hello.frames, 0);
-  if (!window.ok()) return fail(window.status().to_string());
+  Result<std::unique_ptr<FrameMapper>> mapper = make_cuda_mapper(0);
+  if (!mapper.ok()) return fail(mapper.status().to_string());
+  auto memory = std::make_unique<ClientMemory>(std::move(mapper).value(), make_mmap_mapper(), 1);
+  constexpr SpaceId kSpace = 1;
+  Status added = memory->add_space(kSpace, kFrameBytes, hello.frames);
+  if (!added.ok()) return fail(added.to_string());
   for (uint32_t frame = 0; frame < hello.frames; ++frame) {
     int fd = -1;
     uint32_t index = 0;
     if (!receive_message(socket, &index, sizeof(index), &fd) || fd < 0) return fail("no frame fd");
-    Status mapped = window.value()->map_frame(index, fd);
+    Status granted = memory->gpu_frame_granted(index, fd);
+    if (!granted.ok()) return fail(granted.to_string());
+    Status mapped = memory->mapped(Tier::kGpu, index, kSpace, index);
     if (!mapped.ok()) return fail(mapped.to_string());
   }
   cudaStream_t stream = nullptr;
@@ -141,11 +149,11 @@ int run_child(int socket) {
   uint8_t* staging = nullptr;  // pinned: copies into it do not block this thread
   uint64_t bytes = uint64_t{hello.frames} * kFrameBytes;
   if (cudaMallocHost(&staging, bytes) != cudaSuccess) return fail("no pinned staging buffer");
-  auto* base = static_cast<uint8_t*>(window.value()->base());
+  auto* base = static_cast<uint8_t*>(memory->view(kSpace).value().gpu);
   std::vector<uint8_t> scratch;
 
   for (uint32_t cycle = 1; cycle <= hello.cycles; ++cycle) {
-    // Wait for the daemon's prefetch on the GPU, then read the pages through the window.
+    // Wait for the daemon's prefetch on the GPU, then read the pages at their positions.
     if (!signals.value()->stream_wait(kTicketWord, cycle, stream).ok()) return fail("stream_wait failed");
     if (cudaMemcpyAsync(staging, base, bytes, cudaMemcpyDeviceToHost, stream) != cudaSuccess) return fail("read failed");
     if (cudaStreamSynchronize(stream) != cudaSuccess) return fail("stream failed");
@@ -164,7 +172,7 @@ int run_child(int socket) {
   }
   cudaFreeHost(staging);
   cudaStreamDestroy(stream);
-  window.value().reset();
+  memory.reset();
   signals.value().reset();
   munmap(signal_mapping, 4096);
   return send_message(socket, &report, sizeof(report), -1) ? 0 : 1;
@@ -190,6 +198,15 @@ TEST(CudaTwoProcess, PagesSurviveEveryCycleAcrossProcesses) {
   if (!made.ok() && made.status().code() == StatusCode::UNAVAILABLE) GTEST_SKIP() << made.status().to_string();
   ASSERT_TRUE(made.ok()) << made.status().to_string();
   runtimed::DeviceBackend& backend = *made.value();
+  // Host slabs start unprepared (the engine renews them in the background): prepare them all.
+  for (uint32_t slab = 0; slab < backend.host_slab_count(); ++slab) {
+    std::atomic<bool> done{false};
+    ASSERT_TRUE(backend.renew(Tier::kHost, slab, [&](Status status) {
+      EXPECT_TRUE(status.ok()) << status.to_string();
+      done = true;
+    }).ok());
+    while (!done.load()) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
   Result<uint32_t> block = backend.create_signal_block(kSignalWordCount);
   ASSERT_TRUE(block.ok()) << block.status().to_string();
   volatile uint64_t* words = backend.signal_words(block.value());
@@ -221,7 +238,7 @@ TEST(CudaTwoProcess, PagesSurviveEveryCycleAcrossProcesses) {
   ASSERT_TRUE(send_message(socket, &hello, sizeof(hello), signal_fd.value()));
   close(signal_fd.value());
   for (uint32_t frame = 0; frame < kFrames; ++frame) {
-    Result<int> fd = backend.export_frame(Tier::kGpu, kFrames + frame);
+    Result<int> fd = backend.export_gpu_frame(kFrames + frame);
     ASSERT_TRUE(fd.ok()) << fd.status().to_string();
     ASSERT_TRUE(send_message(socket, &frame, sizeof(frame), fd.value()));
     close(fd.value());

@@ -1,5 +1,7 @@
-// The engine on the host backend: page tables, slot packing, quotas, bad input, data movement
-// between tiers, host access, client close.
+// The engine on the host backend: bad input, quotas, data movement between tiers at fixed
+// addresses (Note [Space layout]), pages of any size, the mapping cache (Note [Remapping a
+// position]), renewal of memory that changes hands (Note [Frames, slabs and renewal]),
+// incremental counters (Note [Counters]), host access, stream-ordered release and client close.
 #include <sys/mman.h>
 #include <unistd.h>
 
@@ -13,207 +15,544 @@ namespace membar::runtimed {
 namespace {
 
 using membar::testing::check_pattern;
+using membar::testing::eventually;
 using membar::testing::fill_pattern;
 using membar::testing::is_zero;
 using membar::testing::make_engine;
 using membar::testing::MappedClient;
+using membar::testing::pools_settle;
+using membar::testing::retrying;
 
 constexpr uint64_t k64K = 64 << 10;
+constexpr uint64_t k96K = 96 << 10;
+constexpr uint64_t k1M = 1 << 20;
 constexpr uint64_t k2M = 2 << 20;
 
 bool contains(const Status& status, const std::string& text) {
   return status.message().find(text) != std::string::npos;
 }
 
+// Maps the client's signal block; word kSignalReleased is what a CUDA stream would write.
+struct ReleasedWord {
+  void* mapped = MAP_FAILED;
+  explicit ReleasedWord(Engine& engine, ClientId id) {
+    auto fd = engine.client_signal_fd(id);
+    EXPECT_TRUE(fd.ok());
+    mapped = ::mmap(nullptr, 4096, PROT_READ | PROT_WRITE, MAP_SHARED, fd.value(), 0);
+    ::close(fd.value());
+    EXPECT_NE(mapped, MAP_FAILED);
+  }
+  ~ReleasedWord() {
+    if (mapped != MAP_FAILED) ::munmap(mapped, 4096);
+  }
+  void set(uint64_t value) {
+    __atomic_store_n(static_cast<uint64_t*>(mapped) + kSignalReleased, value, __ATOMIC_RELEASE);
+  }
+};
+
 TEST(Engine, BadInputGetsClearErrors) {
-  auto engine = make_engine(4, 8);
+  EngineConfig config;
+  config.max_spaces_per_client = 4;
+  config.max_space_frames_per_client = 64;
+  auto engine = make_engine(4, 8, config);
   auto client = MappedClient::open(*engine);
   ClientId id = client->id;
-  // Page sizes and names.
-  for (uint64_t bytes : {uint64_t(0), uint64_t(32 << 10), uint64_t(96 << 10), uint64_t(4 << 20)}) {
+  // Page sizes: any from 1 byte to kMaxPageBytes.
+  for (uint64_t bytes : {uint64_t(0), kMaxPageBytes + 1}) {
     auto space = engine->create_space(id, "bad", bytes, 4);
     ASSERT_FALSE(space.ok());
     EXPECT_EQ(space.status().code(), StatusCode::INVALID_ARGUMENT);
-    EXPECT_TRUE(contains(space.status(), "power of two")) << space.status().to_string();
+    EXPECT_TRUE(contains(space.status(), "page size")) << space.status().to_string();
   }
   EXPECT_EQ(engine->create_space(id, "zero", k64K, 0).status().code(), StatusCode::INVALID_ARGUMENT);
   EXPECT_EQ(engine->create_space(id, "", k64K, 1).status().code(), StatusCode::INVALID_ARGUMENT);
-  EXPECT_EQ(engine->create_space(id, "huge", k64K, 0xffffffffu).status().code(), StatusCode::RESOURCE_EXHAUSTED);
+  Status huge = engine->create_space(id, "huge", k64K, 0xffffffffu).status();  // 256 TiB > kMaxSpaceBytes
+  EXPECT_EQ(huge.code(), StatusCode::INVALID_ARGUMENT) << huge.to_string();
+  // Over the client's page-table limit (64 frames here): RESOURCE_EXHAUSTED naming it.
+  Status over_limit = engine->create_space(id, "big", k2M, 65).status();
+  EXPECT_EQ(over_limit.code(), StatusCode::RESOURCE_EXHAUSTED) << over_limit.to_string();
+  EXPECT_TRUE(contains(over_limit, "over its limit")) << over_limit.to_string();
   SpaceId space = client->space("L00.k", k64K, 8);
   EXPECT_EQ(engine->create_space(id, "L00.k", k64K, 8).status().code(), StatusCode::ALREADY_EXISTS);
-  // Unknown client, space, page.
+  // Unknown client, space, page; unknown flags named in hex.
   EXPECT_EQ(engine->acquire(99, {space, 0, 1}, 0).status().code(), StatusCode::NOT_FOUND);
   EXPECT_EQ(engine->acquire(id, {space + 7, 0, 1}, 0).status().code(), StatusCode::NOT_FOUND);
   EXPECT_EQ(engine->acquire(id, {space, 8, 1}, 0).status().code(), StatusCode::OUT_OF_RANGE);
   EXPECT_EQ(engine->acquire(id, {space, 7, 2}, 0).status().code(), StatusCode::OUT_OF_RANGE);
   EXPECT_EQ(engine->acquire(id, {space, 0xffffffffu, 2}, 0).status().code(), StatusCode::OUT_OF_RANGE);
   EXPECT_EQ(engine->acquire(id, {space, 0, 0}, 0).status().code(), StatusCode::INVALID_ARGUMENT);
-  EXPECT_EQ(engine->acquire(id, {space, 0, 1}, 1u << 7).status().code(), StatusCode::INVALID_ARGUMENT);
-  // Release of an unpinned page, double free, free of an acquired page.
+  Status flags = engine->acquire(id, {space, 0, 1}, 0x128).status();
+  EXPECT_EQ(flags.code(), StatusCode::INVALID_ARGUMENT);
+  EXPECT_TRUE(contains(flags, "0x128")) << "unknown bits 0x128 (0x3 known): " << flags.to_string();
+  // Release of an unpinned page, free of a page that holds nothing, free of an acquired page.
   EXPECT_EQ(engine->release(id, {space, 0, 1}, false).code(), StatusCode::FAILED_PRECONDITION);
-  EXPECT_EQ(engine->free_pages(id, {space, 0, 1}).code(), StatusCode::FAILED_PRECONDITION);
-  client->acquire({space, 0, 2}, kAcquireZeroNew);
+  EXPECT_EQ(engine->free_pages(id, {space, 0, 8}).code(), StatusCode::FAILED_PRECONDITION);
+  ASSERT_NE(client->acquire({space, 0, 2}, kEngineAcquireZeroNew), nullptr);
   EXPECT_EQ(engine->free_pages(id, {space, 0, 1}).code(), StatusCode::FAILED_PRECONDITION);
   EXPECT_EQ(engine->offload(id, {space, 1, 1}).status().code(), StatusCode::FAILED_PRECONDITION);
   EXPECT_EQ(engine->acquire_host(id, {space, 0, 1}).status().code(), StatusCode::FAILED_PRECONDITION);
   EXPECT_EQ(engine->destroy_space(id, space).code(), StatusCode::FAILED_PRECONDITION);
   ASSERT_TRUE(engine->release(id, {space, 0, 2}, true).ok());
   EXPECT_EQ(engine->release(id, {space, 0, 1}, true).code(), StatusCode::FAILED_PRECONDITION);
-  ASSERT_TRUE(engine->free_pages(id, {space, 0, 2}).ok());
-  Status double_free = engine->free_pages(id, {space, 0, 2});
+  // The space's 512 KiB are one (partial) space frame: freeing every page drops it.
+  ASSERT_TRUE(engine->free_pages(id, {space, 0, 8}).ok());
+  Status double_free = engine->free_pages(id, {space, 0, 8});
   EXPECT_EQ(double_free.code(), StatusCode::FAILED_PRECONDITION);
   EXPECT_TRUE(contains(double_free, "double free")) << double_free.to_string();
-  // Schedules and tickets.
+  // Schedules and tickets: a ticket never issued is refused at once.
   EXPECT_EQ(engine->advance(id, 0).code(), StatusCode::OUT_OF_RANGE);
   EXPECT_EQ(engine->set_schedule(id, {ScheduleStep{{PageRange{space, 6, 4}}}}).code(), StatusCode::OUT_OF_RANGE);
+  auto start = std::chrono::steady_clock::now();
   EXPECT_EQ(engine->wait(id, 1000).code(), StatusCode::INVALID_ARGUMENT);
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::milliseconds(100));
   EXPECT_EQ(engine->wait(99, 1).code(), StatusCode::NOT_FOUND);
   EXPECT_TRUE(engine->wait(id, 0).ok());
+  // The spaces limit (4 here) names its flag.
+  for (int i = 0; i < 3; ++i) ASSERT_TRUE(engine->create_space(id, "more" + std::to_string(i), 1, 1).ok());
+  Status too_many = engine->create_space(id, "one.too.many", 1, 1).status();
+  EXPECT_EQ(too_many.code(), StatusCode::RESOURCE_EXHAUSTED);
+  EXPECT_TRUE(contains(too_many, "--max-spaces")) << too_many.to_string();
   // The page table is intact after all of that.
-  EXPECT_TRUE(engine->destroy_space(id, space).ok());
+  EXPECT_TRUE(client->destroy(space).ok());
   EXPECT_EQ(engine->destroy_space(id, space).code(), StatusCode::NOT_FOUND);
   EXPECT_EQ(engine->client_close(99).code(), StatusCode::NOT_FOUND);
 }
 
-TEST(Engine, PagesPackIntoFramesAndFramesComeBack) {
+TEST(Engine, QuotasUnderOneFrameAreRefused) {
+  auto engine = make_engine(4, 8);
+  for (uint64_t quota : {uint64_t(1), kFrameBytes - 1}) {
+    ClientConfig config;
+    config.gpu_quota_bytes = quota;
+    auto opened = engine->client_open(config, {});
+    ASSERT_FALSE(opened.ok());
+    EXPECT_EQ(opened.status().code(), StatusCode::INVALID_ARGUMENT);
+    EXPECT_TRUE(contains(opened.status(), "less than one 2 MiB frame")) << opened.status().to_string();
+    config.gpu_quota_bytes = 0;
+    config.host_quota_bytes = quota;
+    EXPECT_EQ(engine->client_open(config, {}).status().code(), StatusCode::INVALID_ARGUMENT);
+  }
+}
+
+// A range of pages is one contiguous run of addresses, on both tiers, and stays at the same
+// addresses through offload and reload; GPU frames emptied stay with the client.
+TEST(Engine, PagesAreContiguousAndKeepTheirAddresses) {
   auto engine = make_engine(4, 4);
+  ASSERT_TRUE(pools_settle(*engine, 4, 4));
   auto client = MappedClient::open(*engine);
-  SpaceId space = client->space("kv", k64K, 40);
-  auto pointers = client->acquire({space, 0, 40}, kAcquireZeroNew | kAcquireWrite);
-  ASSERT_EQ(pointers.size(), 40u);
-  // 32 slots per frame: 40 pages need exactly two frames, every page its own 64 KiB.
-  EXPECT_EQ(client->grants.load(), 2);
+  SpaceId space = client->space("kv", k64K, 40);  // 2.5 MiB: two space frames, the last partial
+  SpaceView view = client->view(space);
+  EXPECT_EQ(view.bytes, 40 * k64K);
+  EXPECT_EQ(reinterpret_cast<uintptr_t>(view.gpu) % kFrameBytes, 0u);
+  char* pages = client->acquire({space, 0, 40}, kEngineAcquireZeroNew | kEngineAcquireWrite);
+  ASSERT_EQ(pages, static_cast<char*>(view.gpu));
+  EXPECT_EQ(client->gpu_grants.load(), 2);
+  EXPECT_EQ(client->maps[0].load(), 2);
   auto stats = client->stats();
   EXPECT_EQ(stats.gpu_frames.current, 2);
-  EXPECT_EQ(stats.pages_gpu, 40u);
-  std::set<char*> distinct(pointers.begin(), pointers.end());
-  EXPECT_EQ(distinct.size(), 40u);
-  for (size_t i = 0; i < pointers.size(); ++i) {
-    EXPECT_TRUE(is_zero(pointers[i], k64K));
-    fill_pattern(pointers[i], k64K, i);
-  }
-  auto locations = engine->locations(client->id, {space, 0, 40}).value();
-  for (const PageLocation& location : locations) EXPECT_LT(location.slot, 32u);
+  EXPECT_EQ(stats.bytes_gpu, 40 * k64K);
+  EXPECT_EQ(stats.bytes_none, 0u);
+  // One contiguous run: writing all 40 pages at once through the first pointer.
+  ASSERT_TRUE(is_zero(pages, 40 * k64K));
+  for (uint32_t p = 0; p < 40; ++p) fill_pattern(pages + p * k64K, k64K, p);
   ASSERT_TRUE(engine->release(client->id, {space, 0, 40}, false).ok());  // kAcquireWrite made them dirty
-  // Offload everything: the GPU frames go back to the pool; the host holds the data.
-  auto ticket = engine->offload(client->id, {space, 0, 40});
-  ASSERT_TRUE(ticket.ok());
-  ASSERT_TRUE(engine->wait(client->id, ticket.value()).ok());
+  EXPECT_EQ(client->space_stats(space).bytes_dirty, 40 * k64K);
+  // Offload everything: the host holds the data; the GPU frames stay with the client (idle).
+  client->finish(engine->offload(client->id, {space, 0, 40}));
   stats = client->stats();
-  EXPECT_EQ(stats.gpu_frames.current, 0);
-  EXPECT_EQ(stats.pages_host, 40u);
-  EXPECT_EQ(stats.bytes_gpu_to_host, 40 * k64K);
-  EXPECT_TRUE(client->eventually_revoked(2)) << client->revokes.load();
-  EXPECT_EQ(engine->stats(0).value().tiers[0].frames_free, 4u);
-  // And back: contents survive.
-  pointers = client->acquire({space, 0, 40}, 0);
-  for (size_t i = 0; i < pointers.size(); ++i) EXPECT_TRUE(check_pattern(pointers[i], k64K, i)) << i;
+  EXPECT_EQ(stats.gpu_frames.current, 2);
+  EXPECT_EQ(stats.bytes_host, 40 * k64K);
+  EXPECT_EQ(stats.bytes_gpu_to_host, 40 * k64K) << "a partial last frame copies only its bytes";
+  EXPECT_EQ(client->gpu_revokes.load(), 0);
+  EXPECT_EQ(engine->stats(0).value().tiers[0].frames_free, 2u);
+  char* host = client->acquire_host({space, 0, 40});
+  ASSERT_EQ(host, static_cast<char*>(view.host));
+  for (uint32_t p = 0; p < 40; ++p) EXPECT_TRUE(check_pattern(host + p * k64K, k64K, p)) << p;
+  ASSERT_TRUE(engine->release_host(client->id, {space, 0, 40}, false).ok());
+  // And back: same addresses, same contents, no new mapping.
+  pages = client->acquire({space, 10, 30}, 0);
+  ASSERT_EQ(pages, static_cast<char*>(view.gpu) + 10 * k64K);
+  for (uint32_t p = 10; p < 40; ++p) EXPECT_TRUE(check_pattern(pages + (p - 10) * k64K, k64K, p)) << p;
   EXPECT_EQ(client->stats().bytes_host_to_gpu, 40 * k64K);
-  EXPECT_EQ(client->stats().pages_both, 40u);
-  ASSERT_TRUE(engine->release(client->id, {space, 0, 40}, false).ok());
-  // Freeing drops both tiers and returns every frame.
+  EXPECT_EQ(client->stats().bytes_both, 40 * k64K);
+  EXPECT_EQ(client->maps[0].load(), 2) << "the frames were still mapped where they served";
+  ASSERT_TRUE(engine->release(client->id, {space, 10, 30}, false).ok());
+  // Freeing drops both tiers.
   ASSERT_TRUE(engine->free_pages(client->id, {space, 0, 40}).ok());
-  auto tiers = engine->stats(0).value().tiers;
-  EXPECT_EQ(tiers[0].frames_free, 4u);
-  EXPECT_EQ(tiers[1].frames_free, 4u);
-  EXPECT_EQ(client->stats().pages_none, 40u);
+  EXPECT_EQ(client->stats().bytes_none, 40 * k64K);
+  EXPECT_EQ(client->space_stats(space).bytes_dirty, 0u);
+  // Closing the client returns every frame and slab, renewed.
+  ASSERT_TRUE(engine->client_close(client->id).ok());
+  EXPECT_TRUE(pools_settle(*engine, 4, 4));
+}
+
+// Pages of any size: 96 KiB (pages straddle frames), 960 bytes, 32 KiB and 1 byte, each written
+// page by page through a GPU quota smaller than the space (evictions), then read back through
+// both tiers at base + p * page_bytes.
+TEST(Engine, PagesOfAnySizeSurviveEvictionAndHostAccess) {
+  auto engine = make_engine(4, 32);
+  ClientConfig config;
+  config.gpu_quota_bytes = 2 * kFrameBytes;
+  auto client = MappedClient::open(*engine, config);
+  struct Shape {
+    uint64_t page_bytes;
+    uint32_t pages;
+  };
+  for (Shape shape : {Shape{k96K, 64}, Shape{960, 5000}, Shape{32 << 10, 200}, Shape{1, 5 << 20}}) {
+    SCOPED_TRACE("page_bytes " + std::to_string(shape.page_bytes));
+    SpaceId space = client->space("s" + std::to_string(shape.page_bytes), shape.page_bytes, shape.pages);
+    uint64_t bytes = shape.page_bytes * shape.pages;
+    ASSERT_GT(bytes, 2 * kFrameBytes) << "the space must not fit the quota";
+    // Write in chunks of pages whose bytes span at most one frame boundary.
+    uint32_t chunk = uint32_t(std::max<uint64_t>(1, (kFrameBytes / 2) / shape.page_bytes));
+    for (uint32_t p = 0; p < shape.pages; p += chunk) {
+      uint32_t count = std::min(chunk, shape.pages - p);
+      char* page = client->acquire({space, p, count}, kEngineAcquireWrite | kEngineAcquireZeroNew);
+      ASSERT_NE(page, nullptr);
+      fill_pattern(page, uint64_t(count) * shape.page_bytes, 1000 + p);
+      ASSERT_TRUE(engine->release(client->id, {space, p, count}, true).ok());
+    }
+    EXPECT_GT(client->stats().evictions, 0u);
+    // Pages straddling a frame boundary read back whole from the GPU tier.
+    for (uint64_t boundary = kFrameBytes; boundary < bytes; boundary += kFrameBytes) {
+      uint32_t p = uint32_t(boundary / shape.page_bytes);
+      if (uint64_t(p) * shape.page_bytes == boundary) continue;  // no page straddles it
+      uint32_t first = p / chunk * chunk;
+      char* page = client->acquire({space, p, 1}, 0);
+      ASSERT_NE(page, nullptr);
+      uint64_t offset = uint64_t(p - first) * shape.page_bytes;
+      std::vector<uint8_t> expected(shape.page_bytes);
+      std::vector<uint8_t> chunk_bytes((p - first + 1) * shape.page_bytes);
+      fill_pattern(chunk_bytes.data(), chunk_bytes.size(), 1000 + first);
+      EXPECT_EQ(std::memcmp(page, chunk_bytes.data() + offset, shape.page_bytes), 0) << "page " << p;
+      ASSERT_TRUE(engine->release(client->id, {space, p, 1}, false).ok());
+    }
+    // Every byte through the host tier, one contiguous pointer.
+    char* host = client->acquire_host({space, 0, shape.pages});
+    ASSERT_NE(host, nullptr);
+    for (uint32_t p = 0; p < shape.pages; p += chunk) {
+      uint32_t count = std::min(chunk, shape.pages - p);
+      ASSERT_TRUE(check_pattern(host + uint64_t(p) * shape.page_bytes, uint64_t(count) * shape.page_bytes, 1000 + p))
+          << "pages from " << p;
+    }
+    ASSERT_TRUE(engine->release_host(client->id, {space, 0, shape.pages}, false).ok());
+    // Stats count exactly the space's bytes.
+    SpaceInfo info = client->space_stats(space);
+    EXPECT_EQ(info.bytes_gpu + info.bytes_host + info.bytes_both + info.bytes_none, bytes);
+    EXPECT_EQ(info.bytes_none, 0u);
+    ASSERT_TRUE(client->destroy(space).ok());
+  }
 }
 
 TEST(Engine, QuotaAndPoolExhaustionNameTheNumbers) {
   auto engine = make_engine(4, 16);
+  ASSERT_TRUE(pools_settle(*engine, 4, 16));
   ClientConfig small;
   small.name = "small";
   small.gpu_quota_bytes = 2 * kFrameBytes;
   auto a = MappedClient::open(*engine, small);
   SpaceId space = a->space("big", k2M, 6);
-  auto over = engine->acquire(a->id, {space, 0, 3}, kAcquireZeroNew);
+  auto over = engine->acquire(a->id, {space, 0, 3}, kEngineAcquireZeroNew);
   ASSERT_FALSE(over.ok());
   EXPECT_EQ(over.status().code(), StatusCode::RESOURCE_EXHAUSTED);
   EXPECT_TRUE(contains(over.status(), "client " + std::to_string(a->id))) << over.status().to_string();
   EXPECT_TRUE(contains(over.status(), "'small'"));
   EXPECT_TRUE(contains(over.status(), "2-frame GPU quota")) << over.status().to_string();
   // Nothing stays pinned after the failure: the next acquire of two pages works.
-  auto ok = engine->acquire(a->id, {space, 0, 2}, kAcquireZeroNew);
-  ASSERT_TRUE(ok.ok()) << ok.status().to_string();
+  ASSERT_NE(a->acquire({space, 0, 2}, kEngineAcquireZeroNew), nullptr);
   EXPECT_EQ(a->stats().gpu_frames.current, 2);
-  // A second client without a quota gets the other two frames, then the pool is empty.
+  // A second client without a quota gets the other two frames, then the pool is empty (a's
+  // frames are pinned: nothing to reclaim).
   auto b = MappedClient::open(*engine);
   SpaceId other = b->space("other", k2M, 4);
-  ASSERT_TRUE(engine->acquire(b->id, {other, 0, 2}, kAcquireZeroNew).ok());
-  auto empty = engine->acquire(b->id, {other, 2, 1}, kAcquireZeroNew);
+  ASSERT_NE(b->acquire({other, 0, 2}, kEngineAcquireZeroNew), nullptr);
+  auto empty = engine->acquire(b->id, {other, 2, 1}, kEngineAcquireZeroNew);
   ASSERT_FALSE(empty.ok());
   EXPECT_EQ(empty.status().code(), StatusCode::RESOURCE_EXHAUSTED);
   EXPECT_TRUE(contains(empty.status(), "0 of 4 frames free")) << empty.status().to_string();
-  // Once client a closes, its frames serve b.
+  // Once client a closes, its frames serve b (after renewal: "retry" meanwhile).
   ASSERT_TRUE(engine->client_close(a->id).ok());
-  auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(1);
-  Result<AcquireResult> retry = engine->acquire(b->id, {other, 2, 2}, kAcquireZeroNew);
-  while (!retry.ok() && retry.status().code() == StatusCode::UNAVAILABLE && std::chrono::steady_clock::now() < deadline) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(1));
-    retry = engine->acquire(b->id, {other, 2, 2}, kAcquireZeroNew);
-  }
-  ASSERT_TRUE(retry.ok()) << retry.status().to_string();
-  // Window frame numbers are per client: b's four frames are 0..3 in its own window.
-  auto locations = engine->locations(b->id, {other, 0, 4}).value();
-  std::set<uint32_t> frames;
-  for (auto& location : locations) frames.insert(location.window_frame);
-  EXPECT_EQ(frames, (std::set<uint32_t>{0, 1, 2, 3}));
+  ASSERT_NE(b->acquire({other, 2, 2}, kEngineAcquireZeroNew), nullptr);
+  // Window frame numbers are per client: b's four frames are 0..3 in its own numbering.
+  EXPECT_EQ(b->granted_gpu_windows, (std::set<uint32_t>{0, 1, 2, 3}));
 }
 
-TEST(Engine, EvictionWritesDirtyPagesBackAndKeepsContents) {
+// Frames a client emptied stay with it, mapped (idle) until another client needs them; then
+// they are revoked, renewed and granted: the new holder reads zeros, never the old bytes, on the
+// GPU tier and in host slabs, including the part of a frame past the end of a space.
+TEST(Engine, MemoryThatChangesHandsIsRenewedFirst) {
+  auto engine = make_engine(2, 2, {}, /*host_slab_frames=*/2);  // one slab
+  ASSERT_TRUE(pools_settle(*engine, 2, 2));
+  uint64_t renewals_before = engine->backend().counters().renewals;
+  auto a = MappedClient::open(*engine);
+  SpaceId secret = a->space("secret", k2M, 2);
+  char* pages = a->acquire({secret, 0, 2}, kEngineAcquireWrite | kEngineAcquireZeroNew);
+  ASSERT_NE(pages, nullptr);
+  fill_pattern(pages, 2 * k2M, 77);
+  ASSERT_TRUE(engine->release(a->id, {secret, 0, 2}, true).ok());
+  a->finish(engine->offload(a->id, {secret, 0, 2}));  // both host frames (one slab) hold it too
+  char* host = a->acquire_host({secret, 0, 2});
+  ASSERT_TRUE(check_pattern(host, 2 * k2M, 77));
+  ASSERT_TRUE(engine->release_host(a->id, {secret, 0, 2}, false).ok());
+  // Emptied: a keeps its frames (idle, mapped).
+  ASSERT_TRUE(engine->free_pages(a->id, {secret, 0, 2}).ok());
+  EXPECT_EQ(a->stats().gpu_frames.current, 2);
+  EXPECT_EQ(a->gpu_revokes.load(), 0);
+
+  // b needs two GPU frames and host memory: a's idle ones are taken back, renewed, granted.
+  auto b = MappedClient::open(*engine);
+  SpaceId fresh = b->space("fresh", k1M, 3);  // 3 MiB: the second space frame is partial
+  char* seen = b->acquire({fresh, 0, 3}, /*flags=*/0);  // no zero-fill asked for
+  ASSERT_NE(seen, nullptr);
+  EXPECT_TRUE(eventually([&] { return a->gpu_revokes.load() == 2; }));
+  EXPECT_EQ(a->stats().gpu_frames.current, 0);
+  EXPECT_TRUE(is_zero(seen, 4 * k1M)) << "a GPU frame reached b with a's bytes (or past the space end)";
+  ASSERT_TRUE(engine->release(b->id, {fresh, 0, 3}, false).ok());
+  char* b_host = b->acquire_host({fresh, 0, 3});
+  ASSERT_NE(b_host, nullptr);
+  EXPECT_TRUE(eventually([&] { return a->slab_revokes.load() == 1; }));
+  // The mapping covers whole frames: the 1 MiB past the space's end is readable, and zero.
+  EXPECT_TRUE(is_zero(b_host, 4 * k1M)) << "a host slab reached b with a's bytes";
+  ASSERT_TRUE(engine->release_host(b->id, {fresh, 0, 3}, false).ok());
+  EXPECT_GE(engine->backend().counters().renewals - renewals_before, 3u) << "two GPU frames and one slab";
+}
+
+// A client that keeps descriptors of its frames after they are taken back reaches only the old
+// memory, which nobody else is given.
+TEST(Engine, ADescriptorKeptAfterRevocationReadsNoneOfTheNewOwnersBytes) {
+  auto engine = make_engine(1, 2, {}, 1);
+  ASSERT_TRUE(pools_settle(*engine, 1, 2));
+  int kept_gpu = -1, kept_slab = -1;
+  ClientEvents events;
+  events.gpu_frame_granted = [&](uint32_t, int fd) { kept_gpu = fd; };
+  events.host_slab_granted = [&](uint32_t, uint32_t, int fd) { kept_slab = fd; };
+  ClientId hostile = engine->client_open({}, std::move(events)).value();
+  SpaceId space = engine->create_space(hostile, "x", k2M, 1).value();
+  auto ticket = engine->acquire(hostile, {space, 0, 1}, kEngineAcquireZeroNew);
+  ASSERT_TRUE(ticket.ok() && engine->wait(hostile, ticket.value()).ok());
+  ASSERT_TRUE(engine->release(hostile, {space, 0, 1}, true).ok());
+  ticket = retrying([&] { return engine->acquire_host(hostile, {space, 0, 1}); });
+  ASSERT_TRUE(ticket.ok() && engine->wait(hostile, ticket.value()).ok());
+  ASSERT_TRUE(engine->release_host(hostile, {space, 0, 1}, false).ok());
+  ASSERT_GE(kept_gpu, 0);
+  ASSERT_GE(kept_slab, 0);
+  void* old_gpu = ::mmap(nullptr, k2M, PROT_READ | PROT_WRITE, MAP_SHARED, kept_gpu, 0);
+  void* old_host = ::mmap(nullptr, k2M, PROT_READ | PROT_WRITE, MAP_SHARED, kept_slab, 0);
+  ASSERT_NE(old_gpu, MAP_FAILED);
+  ASSERT_NE(old_host, MAP_FAILED);
+  ASSERT_TRUE(engine->client_close(hostile).ok());
+
+  // The next owner writes its secret through both tiers.
+  auto next = MappedClient::open(*engine);
+  SpaceId secret = next->space("secret", k2M, 1);
+  char* page = next->acquire({secret, 0, 1}, kEngineAcquireWrite | kEngineAcquireZeroNew);
+  ASSERT_NE(page, nullptr);
+  fill_pattern(page, k2M, 4242);
+  ASSERT_TRUE(engine->release(next->id, {secret, 0, 1}, true).ok());
+  next->finish(engine->offload(next->id, {secret, 0, 1}));
+  ASSERT_TRUE(check_pattern(next->acquire_host({secret, 0, 1}), k2M, 4242));
+  ASSERT_TRUE(engine->release_host(next->id, {secret, 0, 1}, false).ok());
+  // The hostile descriptors still work, on memory that holds none of it.
+  EXPECT_FALSE(check_pattern(old_gpu, 4096, 4242));
+  EXPECT_FALSE(check_pattern(old_host, 4096, 4242));
+  static_cast<char*>(old_gpu)[0] = 1;  // and writing them changes nothing of the new owner's
+  static_cast<char*>(old_host)[0] = 1;
+  ASSERT_TRUE(check_pattern(next->acquire_host({secret, 0, 1}), k2M, 4242));
+  ASSERT_TRUE(engine->release_host(next->id, {secret, 0, 1}, false).ok());
+  ::munmap(old_gpu, k2M);
+  ::munmap(old_host, k2M);
+  ::close(kept_gpu);
+  ::close(kept_slab);
+}
+
+// Note [Remapping a position]: streaming a space through a small GPU quota settles into the
+// same frames serving the same positions: the second pass issues no map events at all.
+TEST(Engine, ASecondStreamingPassMakesNoNewMappings) {
+  auto engine = make_engine(8, 32);
+  ClientConfig config;
+  config.gpu_quota_bytes = 4 * kFrameBytes;
+  auto client = MappedClient::open(*engine, config);
+  SpaceId space = client->space("history", k1M, 32);  // 16 space frames through 4 GPU frames
+  for (uint32_t p = 0; p < 32; p += 2) {
+    char* pages = client->acquire({space, p, 2}, kEngineAcquireWrite | kEngineAcquireZeroNew);
+    ASSERT_NE(pages, nullptr);
+    fill_pattern(pages, 2 * k1M, 500 + p);
+    ASSERT_TRUE(engine->release(client->id, {space, p, 2}, true).ok());
+  }
+  int maps_first_pass = client->maps[0].load();
+  EXPECT_EQ(maps_first_pass, 16) << "one map per position";
+  EXPECT_EQ(client->gpu_grants.load(), 4);
+  for (int pass = 0; pass < 2; ++pass) {
+    for (uint32_t p = 0; p < 32; p += 2) {
+      char* pages = client->acquire({space, p, 2}, kEngineAcquireWrite);
+      ASSERT_NE(pages, nullptr);
+      ASSERT_TRUE(check_pattern(pages, 2 * k1M, 500 + p + pass)) << "pass " << pass << " pages " << p;
+      fill_pattern(pages, 2 * k1M, 500 + p + pass + 1);
+      ASSERT_TRUE(engine->release(client->id, {space, p, 2}, true).ok());
+    }
+  }
+  EXPECT_EQ(client->maps[0].load(), maps_first_pass) << "streaming passes remapped frames";
+  EXPECT_EQ(client->unmaps[0].load(), 0);
+  EXPECT_EQ(client->gpu_grants.load(), 4);
+  EXPECT_EQ(client->stats().evictions, 16u * 3 - 4);
+}
+
+// The same with a schedule and its lookahead, set per pass as a chunk-recurrent trainer plans
+// its steps: once the first pass has mapped every position, later passes mostly reuse the
+// mappings (a chunk the pass does not use again ties with MIN's victim), and every load is a
+// prefetch. Returns the GPU map events of the passes after the first.
+int stream_with_schedule(bool schedule_per_pass, ClientStats* stats_out) {
+  EngineConfig engine_config;
+  engine_config.prefetch_lookahead_steps = 2;
+  auto engine = make_engine(8, 32, engine_config);
+  ClientConfig config;
+  config.gpu_quota_bytes = 6 * kFrameBytes;
+  auto client = MappedClient::open(*engine, config);
+  SpaceId space = client->space("history", k1M, 32);  // 8 chunks of 2 space frames
+  char* host = client->acquire_host({space, 0, 32});
+  EXPECT_NE(host, nullptr);
+  for (uint32_t c = 0; c < 8; ++c) fill_pattern(host + c * 4 * k1M, 4 * k1M, 300 + c);
+  EXPECT_TRUE(engine->release_host(client->id, {space, 0, 32}, true).ok());
+  constexpr int kPasses = 3;
+  auto pass_steps = [&](int passes) {
+    std::vector<ScheduleStep> steps;
+    for (int s = 0; s < 8 * passes; ++s) steps.push_back(ScheduleStep{{PageRange{space, uint32_t(s % 8) * 4, 4}}});
+    return steps;
+  };
+  if (!schedule_per_pass) EXPECT_TRUE(engine->set_schedule(client->id, pass_steps(kPasses)).ok());
+  int maps_after_first_pass = 0;
+  for (int s = 0; s < 8 * kPasses; ++s) {
+    if (s == 8) maps_after_first_pass = client->maps[0].load();
+    if (schedule_per_pass && s % 8 == 0) EXPECT_TRUE(engine->set_schedule(client->id, pass_steps(1)).ok());
+    EXPECT_TRUE(engine->advance(client->id, uint32_t(schedule_per_pass ? s % 8 : s)).ok());
+    uint32_t chunk = uint32_t(s % 8);
+    char* pages = client->acquire({space, chunk * 4, 4}, kEngineAcquireWrite);
+    if (pages == nullptr) return -1;
+    EXPECT_TRUE(check_pattern(pages, 4 * k1M, 300 + chunk + 100 * (s / 8))) << "step " << s;
+    fill_pattern(pages, 4 * k1M, 300 + chunk + 100 * (s / 8 + 1));
+    EXPECT_TRUE(engine->release(client->id, {space, chunk * 4, 4}, true).ok());
+  }
+  EXPECT_EQ(maps_after_first_pass, 16) << "one map per position in the first pass";
+  EXPECT_EQ(client->gpu_grants.load(), 6);
+  *stats_out = client->stats();
+  return client->maps[0].load() - maps_after_first_pass;
+}
+
+TEST(Engine, ScheduledStreamingReusesMappings) {
+  // Per pass: 16 placements; at most the quota's 6 frames are remapped, at the pass boundary
+  // (where the new schedule's MIN keeps what the next pass uses first), never one per placement.
+  ClientStats per_pass;
+  int remaps = stream_with_schedule(/*schedule_per_pass=*/true, &per_pass);
+  EXPECT_LE(remaps, 2 * 6) << "later passes remapped frames";
+  EXPECT_EQ(per_pass.prefetch_misses, 0u) << "every load is a lookahead prefetch";
+  // One schedule over all passes: every chunk is used again, so MIN's victim is rarely the frame
+  // mapped where the next chunk goes (Note [Eviction order], Limitations). Reported, not a goal.
+  ClientStats whole;
+  int whole_remaps = stream_with_schedule(/*schedule_per_pass=*/false, &whole);
+  std::printf("maps in passes 2-3 (32 placements): %d with one schedule per pass, %d with one schedule for all "
+              "passes (loads %llu vs %llu MiB)\n",
+              remaps, whole_remaps, (unsigned long long)(per_pass.bytes_host_to_gpu >> 20),
+              (unsigned long long)(whole.bytes_host_to_gpu >> 20));
+}
+
+// free_pages drops only the space frames wholly inside its range: a frame shared with pages
+// outside it keeps its contents.
+TEST(Engine, FreeingPagesOfPartlyCoveredFramesKeepsTheirNeighbours) {
+  auto engine = make_engine(4, 16);
+  auto client = MappedClient::open(*engine);
+  SpaceId space = client->space("s", k96K, 64);  // 6 MiB; page 21 straddles frames 0 and 1
+  char* pages = client->acquire({space, 0, 64}, kEngineAcquireWrite | kEngineAcquireZeroNew);
+  ASSERT_NE(pages, nullptr);
+  for (uint32_t p = 0; p < 64; ++p) fill_pattern(pages + p * k96K, k96K, 9000 + p);
+  ASSERT_TRUE(engine->release(client->id, {space, 0, 64}, true).ok());
+  // Pages [0, 21) end inside frame 0: nothing is dropped.
+  ASSERT_TRUE(engine->free_pages(client->id, {space, 0, 21}).ok());
+  EXPECT_EQ(client->space_stats(space).bytes_none, 0u);
+  // Pages [0, 22) cover frame 0 whole: it goes; frame 1 (shared with page 22 on) stays.
+  ASSERT_TRUE(engine->free_pages(client->id, {space, 0, 22}).ok());
+  EXPECT_EQ(client->space_stats(space).bytes_none, k2M);
+  Status again = engine->free_pages(client->id, {space, 0, 22});
+  EXPECT_EQ(again.code(), StatusCode::FAILED_PRECONDITION) << "frame 0 holds nothing now";
+  char* host = client->acquire_host({space, 0, 64});
+  ASSERT_NE(host, nullptr);
+  for (uint32_t p = 22; p < 64; ++p) EXPECT_TRUE(check_pattern(host + p * k96K, k96K, 9000 + p)) << p;
+  EXPECT_TRUE(is_zero(host, k2M)) << "a dropped frame reads as zeros";
+  // Page 21's bytes in frame 1 are intact (they share the frame with page 22).
+  std::vector<uint8_t> page21(k96K);
+  fill_pattern(page21.data(), k96K, 9000 + 21);
+  uint64_t in_frame_1 = 22 * k96K - k2M;
+  EXPECT_EQ(std::memcmp(host + k2M, page21.data() + (k96K - in_frame_1), in_frame_1), 0);
+  ASSERT_TRUE(engine->release_host(client->id, {space, 0, 64}, false).ok());
+  // The partial last frame: a 3 MiB space is two frames, the second of 1 MiB; freeing its
+  // last page drops it only when the range reaches the space's end.
+  SpaceId tail = client->space("tail", k1M, 3);
+  ASSERT_NE(client->acquire({tail, 0, 3}, kEngineAcquireWrite | kEngineAcquireZeroNew), nullptr);
+  ASSERT_TRUE(engine->release(client->id, {tail, 0, 3}, true).ok());
+  EXPECT_EQ(client->space_stats(tail).bytes_gpu, 3 * k1M);
+  ASSERT_TRUE(engine->free_pages(client->id, {tail, 2, 1}).ok());
+  SpaceInfo info = client->space_stats(tail);
+  EXPECT_EQ(info.bytes_none, k1M);
+  EXPECT_EQ(info.bytes_gpu, k2M);
+}
+
+TEST(Engine, EvictionWritesDirtyFramesBackAndKeepsContents) {
   auto engine = make_engine(2, 16);
   auto client = MappedClient::open(*engine);
   SpaceId space = client->space("s", k2M, 8);
-  // Write 8 pages through a 2-frame GPU: every acquire beyond two evicts a dirty page.
+  // Write 8 pages through a 2-frame GPU: every acquire beyond two evicts a dirty frame.
   for (uint32_t p = 0; p < 8; ++p) {
-    auto pointers = client->acquire({space, p, 1}, kAcquireWrite);
-    fill_pattern(pointers[0], k2M, 1000 + p);
+    char* page = client->acquire({space, p, 1}, kEngineAcquireWrite);
+    ASSERT_NE(page, nullptr);
+    fill_pattern(page, k2M, 1000 + p);
     ASSERT_TRUE(engine->release(client->id, {space, p, 1}, true).ok());
   }
   EXPECT_EQ(client->stats().evictions, 6u);
   EXPECT_EQ(client->stats().gpu_frames.current, 2);
   for (uint32_t p = 0; p < 8; ++p) {
-    auto pointers = client->acquire({space, p, 1}, 0);
-    EXPECT_TRUE(check_pattern(pointers[0], k2M, 1000 + p)) << p;
+    char* page = client->acquire({space, p, 1}, 0);
+    EXPECT_TRUE(check_pattern(page, k2M, 1000 + p)) << p;
     ASSERT_TRUE(engine->release(client->id, {space, p, 1}, false).ok());
   }
   // Host reads see the newest contents, including pages dirty on the GPU.
-  auto pointers = client->acquire({space, 7, 1}, kAcquireWrite);
-  fill_pattern(pointers[0], k2M, 7777);
+  char* page = client->acquire({space, 7, 1}, kEngineAcquireWrite);
+  fill_pattern(page, k2M, 7777);
   ASSERT_TRUE(engine->release(client->id, {space, 7, 1}, false).ok());
-  auto host = client->acquire_host({space, 0, 8});
-  ASSERT_EQ(host.size(), 8u);
-  for (uint32_t p = 0; p < 7; ++p) EXPECT_TRUE(check_pattern(host[p], k2M, 1000 + p)) << p;
-  EXPECT_TRUE(check_pattern(host[7], k2M, 7777));
+  char* host = client->acquire_host({space, 0, 8});
+  ASSERT_NE(host, nullptr);
+  for (uint32_t p = 0; p < 7; ++p) EXPECT_TRUE(check_pattern(host + p * k2M, k2M, 1000 + p)) << p;
+  EXPECT_TRUE(check_pattern(host + 7 * k2M, k2M, 7777));
   // A host write makes the GPU copy stale: the next acquire must bring the host version.
-  fill_pattern(host[7], k2M, 8888);
+  fill_pattern(host + 7 * k2M, k2M, 8888);
   ASSERT_TRUE(engine->release_host(client->id, {space, 0, 8}, true).ok());
   EXPECT_EQ(engine->release_host(client->id, {space, 0, 1}, false).code(), StatusCode::FAILED_PRECONDITION);
-  pointers = client->acquire({space, 7, 1}, 0);
-  EXPECT_TRUE(check_pattern(pointers[0], k2M, 8888));
+  page = client->acquire({space, 7, 1}, 0);
+  EXPECT_TRUE(check_pattern(page, k2M, 8888));
   ASSERT_TRUE(engine->release(client->id, {space, 7, 1}, false).ok());
 }
 
-TEST(Engine, MixedPageSizesRetypeWholeFrames) {
+// Spaces of different page sizes share the client's frames: eviction moves whole space frames,
+// whatever the pages in them.
+TEST(Engine, SpacesOfDifferentPageSizesShareFrames) {
   auto engine = make_engine(2, 16);
   auto client = MappedClient::open(*engine);
   SpaceId small = client->space("small", k64K, 64);
   SpaceId large = client->space("large", k2M, 2);
-  auto pointers = client->acquire({small, 0, 64}, kAcquireWrite | kAcquireZeroNew);
-  for (uint32_t p = 0; p < 64; ++p) fill_pattern(pointers[p], k64K, p);
+  char* pages = client->acquire({small, 0, 64}, kEngineAcquireWrite | kEngineAcquireZeroNew);
+  for (uint32_t p = 0; p < 64; ++p) fill_pattern(pages + p * k64K, k64K, p);
   ASSERT_TRUE(engine->release(client->id, {small, 0, 64}, true).ok());
-  // Both frames hold 64 KiB pages; a 2 MiB page needs a whole frame emptied.
-  pointers = client->acquire({large, 0, 1}, kAcquireWrite | kAcquireZeroNew);
-  ASSERT_EQ(pointers.size(), 1u);
-  fill_pattern(pointers[0], k2M, 99);
+  // Both frames hold small pages; the large page takes one of them (one eviction, a whole frame).
+  pages = client->acquire({large, 0, 1}, kEngineAcquireWrite | kEngineAcquireZeroNew);
+  ASSERT_NE(pages, nullptr);
+  fill_pattern(pages, k2M, 99);
   ASSERT_TRUE(engine->release(client->id, {large, 0, 1}, true).ok());
-  EXPECT_EQ(client->stats().evictions, 32u);
-  pointers = client->acquire({small, 0, 64}, 0);
-  ASSERT_EQ(pointers.size(), 64u);
-  for (uint32_t p = 0; p < 64; ++p) EXPECT_TRUE(check_pattern(pointers[p], k64K, p)) << p;
+  EXPECT_EQ(client->stats().evictions, 1u);
+  EXPECT_EQ(client->gpu_bytes(small), k2M);
+  pages = client->acquire({small, 0, 64}, 0);
+  ASSERT_NE(pages, nullptr);
+  for (uint32_t p = 0; p < 64; ++p) EXPECT_TRUE(check_pattern(pages + p * k64K, k64K, p)) << p;
   ASSERT_TRUE(engine->release(client->id, {small, 0, 64}, false).ok());
-  pointers = client->acquire({large, 0, 1}, 0);
-  EXPECT_TRUE(check_pattern(pointers[0], k2M, 99));
+  pages = client->acquire({large, 0, 1}, 0);
+  EXPECT_TRUE(check_pattern(pages, k2M, 99));
+  ASSERT_TRUE(engine->release(client->id, {large, 0, 1}, false).ok());
 }
 
 TEST(Engine, PrefetchHitsAndScheduleLookahead) {
@@ -222,14 +561,13 @@ TEST(Engine, PrefetchHitsAndScheduleLookahead) {
   auto engine = make_engine(2, 16, config);
   auto client = MappedClient::open(*engine);
   SpaceId space = client->space("s", k2M, 4);
-  auto host = client->acquire_host({space, 0, 4});
-  for (uint32_t p = 0; p < 4; ++p) fill_pattern(host[p], k2M, 50 + p);
+  char* host = client->acquire_host({space, 0, 4});
+  for (uint32_t p = 0; p < 4; ++p) fill_pattern(host + p * k2M, k2M, 50 + p);
   ASSERT_TRUE(engine->release_host(client->id, {space, 0, 4}, true).ok());
   // Explicit prefetch, then acquire: a hit, no new transfer.
-  auto ticket = engine->prefetch(client->id, {space, 0, 1});
-  ASSERT_TRUE(ticket.ok());
-  auto pointers = client->acquire({space, 0, 1}, 0);
-  EXPECT_TRUE(check_pattern(pointers[0], k2M, 50));
+  client->finish(engine->prefetch(client->id, {space, 0, 1}));
+  char* page = client->acquire({space, 0, 1}, 0);
+  EXPECT_TRUE(check_pattern(page, k2M, 50));
   EXPECT_EQ(client->stats().prefetch_hits, 1u);
   EXPECT_EQ(client->stats().prefetch_misses, 0u);
   ASSERT_TRUE(engine->release(client->id, {space, 0, 1}, false).ok());
@@ -239,8 +577,8 @@ TEST(Engine, PrefetchHitsAndScheduleLookahead) {
   ASSERT_TRUE(engine->set_schedule(client->id, steps).ok());
   for (uint32_t s = 0; s < 4; ++s) {
     ASSERT_TRUE(engine->advance(client->id, s).ok());
-    pointers = client->acquire({space, s, 1}, 0);
-    EXPECT_TRUE(check_pattern(pointers[0], k2M, 50 + s)) << s;
+    page = client->acquire({space, s, 1}, 0);
+    EXPECT_TRUE(check_pattern(page, k2M, 50 + s)) << s;
     ASSERT_TRUE(engine->release(client->id, {space, s, 1}, false).ok());
   }
   auto stats = client->stats();
@@ -254,144 +592,118 @@ TEST(Engine, CloseReclaimsEverythingWhileCopiesRun) {
   for (int round = 0; round < 5; ++round) {
     auto client = MappedClient::open(*engine);
     SpaceId space = client->space("s", k64K, 256);
-    // The previous client's frames may still be finishing its copies: UNAVAILABLE says retry.
-    auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(1);
-    auto acquired = engine->acquire(client->id, {space, 0, 256}, kAcquireZeroNew | kAcquireWrite);
-    while (!acquired.ok() && acquired.status().code() == StatusCode::UNAVAILABLE &&
-           std::chrono::steady_clock::now() < deadline) {
-      std::this_thread::sleep_for(std::chrono::microseconds(200));
-      acquired = engine->acquire(client->id, {space, 0, 256}, kAcquireZeroNew | kAcquireWrite);
-    }
-    ASSERT_TRUE(acquired.ok()) << acquired.status().to_string();
+    // The previous client's frames may still be renewed: UNAVAILABLE says retry.
+    char* pages = client->acquire({space, 0, 256}, kEngineAcquireZeroNew | kEngineAcquireWrite);
+    ASSERT_NE(pages, nullptr);
+    fill_pattern(pages, 256 * k64K, round);
     ASSERT_TRUE(engine->release(client->id, {space, 0, 256}, true).ok());
     ASSERT_TRUE(engine->offload(client->id, {space, 0, 128}).ok());  // copies in flight at close
     ASSERT_TRUE(engine->client_close(client->id).ok());
     EXPECT_EQ(engine->stats(client->id).status().code(), StatusCode::NOT_FOUND);
   }
-  auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(1);
-  RuntimeStats stats;
-  do {
-    stats = engine->stats(0).value();
-    if (stats.tiers[0].frames_free == 8 && stats.tiers[1].frames_free == 32) break;
-    std::this_thread::sleep_for(std::chrono::milliseconds(1));
-  } while (std::chrono::steady_clock::now() < deadline);
-  EXPECT_EQ(stats.tiers[0].frames_free, 8u);
-  EXPECT_EQ(stats.tiers[1].frames_free, 32u);
-  EXPECT_TRUE(stats.clients.empty());
+  EXPECT_TRUE(pools_settle(*engine, 8, 32));
+  EXPECT_TRUE(engine->stats(0).value().clients.empty());
 }
 
-// Note [Stream-ordered release]: copies of released pages and the revocation of their frames wait
-// until the client's released word reaches the marker (here written by the test, as a CUDA
-// stream's cuStreamWriteValue64 would).
+// Note [Stream-ordered release]: copies of released pages wait until the client's released word
+// reaches the marker (written here by the test, as a CUDA stream's cuStreamWriteValue64 would),
+// and another client's need does not take a frame whose marker was not seen.
 TEST(Engine, StreamOrderedReleaseHoldsCopiesAndFramesUntilTheMarker) {
-  auto engine = make_engine(2, 4);
+  auto engine = make_engine(2, 8);
+  ASSERT_TRUE(pools_settle(*engine, 2, 8));
   auto client = MappedClient::open(*engine);
   ClientId id = client->id;
-  auto signal_fd = engine->client_signal_fd(id);
-  ASSERT_TRUE(signal_fd.ok());
-  void* mapped = ::mmap(nullptr, 4096, PROT_READ | PROT_WRITE, MAP_SHARED, signal_fd.value(), 0);
-  ::close(signal_fd.value());
-  ASSERT_NE(mapped, MAP_FAILED);
-  auto* released_word = static_cast<uint64_t*>(mapped) + kSignalReleased;
-  auto set_released = [&](uint64_t value) { __atomic_store_n(released_word, value, __ATOMIC_RELEASE); };
+  ReleasedWord released(*engine, id);
 
   SpaceId space = client->space("L00.k", k64K, 4);
-  std::vector<char*> pages = client->acquire({space, 0, 4}, kAcquireWrite | kAcquireZeroNew);
-  ASSERT_EQ(pages.size(), 4u);
-  for (int i = 0; i < 4; ++i) fill_pattern(pages[i], k64K, 100 + i);
+  char* pages = client->acquire({space, 0, 4}, kEngineAcquireWrite | kEngineAcquireZeroNew);
+  ASSERT_NE(pages, nullptr);
+  for (int i = 0; i < 4; ++i) fill_pattern(pages + i * k64K, k64K, 100 + i);
   EXPECT_EQ(engine->release_after(id, {space, 0, 4}, true, 0).code(), StatusCode::INVALID_ARGUMENT);
   ASSERT_TRUE(engine->release_after(id, {space, 0, 4}, true, 1).ok());
   EXPECT_EQ(engine->release_after(id, {space, 0, 4}, true, 2).code(), StatusCode::FAILED_PRECONDITION);
   // The "GPU" is still writing after the release call: these are the bytes that must reach host.
-  for (int i = 0; i < 4; ++i) fill_pattern(pages[i], k64K, 200 + i);
+  for (int i = 0; i < 4; ++i) fill_pattern(pages + i * k64K, k64K, 200 + i);
 
   auto offloaded = engine->offload(id, {space, 0, 4});
   ASSERT_TRUE(offloaded.ok()) << offloaded.status().to_string();
   std::this_thread::sleep_for(std::chrono::milliseconds(30));
   EXPECT_LT(engine->completed_ticket(id).value(), offloaded.value()) << "the writeback ran before the marker";
   EXPECT_EQ(client->stats().bytes_gpu_to_host, 0u);
-  EXPECT_EQ(client->revokes.load(), 0) << "a frame the client may still use was taken back";
 
-  set_released(1);
+  released.set(1);
   ASSERT_TRUE(engine->wait(id, offloaded.value()).ok());
   EXPECT_EQ(client->stats().bytes_gpu_to_host, 4 * k64K);
-  EXPECT_TRUE(client->eventually_revoked(1)) << "the emptied GPU frame goes back once the marker is seen";
-  std::vector<char*> host = client->acquire_host({space, 0, 4});
-  ASSERT_EQ(host.size(), 4u);
-  for (int i = 0; i < 4; ++i) EXPECT_TRUE(check_pattern(host[i], k64K, 200 + i)) << "page " << i;
+  char* host = client->acquire_host({space, 0, 4});
+  ASSERT_NE(host, nullptr);
+  for (int i = 0; i < 4; ++i) EXPECT_TRUE(check_pattern(host + i * k64K, k64K, 200 + i)) << "page " << i;
   ASSERT_TRUE(engine->release_host(id, {space, 0, 4}, false).ok());
 
-  // A clean page freed right after its stream-ordered release: its frame stays mapped until the
-  // marker, and a marker already passed holds nothing.
-  int revokes_before = client->revokes.load();
-  client->acquire({space, 0, 1}, 0);
-  ASSERT_TRUE(engine->release_after(id, {space, 0, 1}, false, 2).ok());
-  ASSERT_TRUE(engine->free_pages(id, {space, 0, 1}).ok());
-  std::this_thread::sleep_for(std::chrono::milliseconds(20));
-  EXPECT_EQ(client->revokes.load(), revokes_before);
-  set_released(2);
-  EXPECT_TRUE(client->eventually_revoked(revokes_before + 1));
-  client->acquire({space, 1, 1}, 0);
+  // A frame freed right after its stream-ordered release stays with its client until the
+  // marker: another client's need cannot take it before.
+  SpaceId both = client->space("both", k2M, 2);
+  ASSERT_NE(client->acquire({both, 0, 2}, kEngineAcquireWrite | kEngineAcquireZeroNew), nullptr);
+  ASSERT_TRUE(engine->release_after(id, {both, 0, 2}, false, 2).ok());
+  ASSERT_TRUE(engine->free_pages(id, {both, 0, 2}).ok());
+  auto other = MappedClient::open(*engine);
+  SpaceId wanted = other->space("wanted", k2M, 1);
+  auto early = engine->acquire(other->id, {wanted, 0, 1}, kEngineAcquireZeroNew);
+  ASSERT_FALSE(early.ok());
+  EXPECT_EQ(early.status().code(), StatusCode::RESOURCE_EXHAUSTED) << early.status().to_string();
+  EXPECT_EQ(client->gpu_revokes.load(), 0) << "a frame the client's stream may still use was taken back";
+  released.set(2);
+  ASSERT_NE(other->acquire({wanted, 0, 1}, kEngineAcquireZeroNew), nullptr) << "reclaimed once the marker passed";
+  EXPECT_TRUE(eventually([&] { return client->gpu_revokes.load() >= 1; }));
+  // A marker already passed holds nothing.
+  char* page = client->acquire({space, 1, 1}, 0);
+  ASSERT_NE(page, nullptr);
   ASSERT_TRUE(engine->release_after(id, {space, 1, 1}, true, 2).ok());
-  auto quick = engine->offload(id, {space, 1, 1});
-  ASSERT_TRUE(quick.ok());
-  EXPECT_TRUE(engine->wait(id, quick.value()).ok());
-  ::munmap(mapped, 4096);
+  client->finish(engine->offload(id, {space, 1, 1}));
 }
 
 // The schedule's lookahead prefetch takes no ticket: an acquire of pages already resident
 // completes even while a lookahead copy waits (here for a release marker), instead of queueing
 // behind it in ticket order.
 TEST(Engine, AcquireDoesNotWaitForTheLookaheadOfLaterSteps) {
-  constexpr uint64_t k1M = 1 << 20;
-  auto engine = make_engine(1, 4);  // one GPU frame: two 1 MiB slots
-  auto client = MappedClient::open(*engine);
+  auto engine = make_engine(4, 8);
+  ClientConfig config;
+  config.gpu_quota_bytes = 2 * kFrameBytes;
+  auto client = MappedClient::open(*engine, config);
   ClientId id = client->id;
-  auto signal_fd = engine->client_signal_fd(id);
-  ASSERT_TRUE(signal_fd.ok());
-  void* mapped = ::mmap(nullptr, 4096, PROT_READ | PROT_WRITE, MAP_SHARED, signal_fd.value(), 0);
-  ::close(signal_fd.value());
-  ASSERT_NE(mapped, MAP_FAILED);
-  auto* released_word = static_cast<uint64_t*>(mapped) + kSignalReleased;
+  ReleasedWord released(*engine, id);
 
-  SpaceId space = client->space("L00.k", k1M, 3);
+  SpaceId space = client->space("L00.k", k2M, 3);
   for (uint32_t p = 0; p < 3; ++p) {  // every page gets contents on the host
-    std::vector<char*> page = client->acquire({space, p, 1}, kAcquireWrite | kAcquireZeroNew);
-    fill_pattern(page[0], k1M, 10 + p);
+    char* page = client->acquire({space, p, 1}, kEngineAcquireWrite | kEngineAcquireZeroNew);
+    fill_pattern(page, k2M, 10 + p);
     ASSERT_TRUE(engine->release(id, {space, p, 1}, true).ok());
-    auto offloaded = engine->offload(id, {space, p, 1});
-    ASSERT_TRUE(offloaded.ok() && engine->wait(id, offloaded.value()).ok());
+    client->finish(engine->offload(id, {space, p, 1}));
   }
   ASSERT_TRUE(engine->set_schedule(id, {ScheduleStep{{PageRange{space, 0, 1}}}, ScheduleStep{{PageRange{space, 1, 1}}},
                                         ScheduleStep{{PageRange{space, 2, 1}}}}).ok());
-  ASSERT_TRUE(engine->advance(id, 0).ok());  // brings in pages 0 and 1 (two slots)
-  std::vector<char*> page0 = client->acquire({space, 0, 1}, kAcquireWrite);
-  ASSERT_EQ(page0.size(), 1u);
-  EXPECT_TRUE(check_pattern(page0[0], k1M, 10));
+  ASSERT_TRUE(engine->advance(id, 0).ok());  // brings in pages 0 and 1 (the quota)
+  char* page0 = client->acquire({space, 0, 1}, kEngineAcquireWrite);
+  ASSERT_NE(page0, nullptr);
+  EXPECT_TRUE(check_pattern(page0, k2M, 10));
   ASSERT_TRUE(engine->release_after(id, {space, 0, 1}, true, 1).ok());  // the "kernel" still runs
-  // Step 1: the lookahead wants page 2, and the only page it may evict is page 0, whose marker
+  // Step 1: the lookahead wants page 2, and the only frame it may take is page 0's, whose marker
   // was not seen: that copy is held.
   ASSERT_TRUE(engine->advance(id, 1).ok());
   auto acquired = engine->acquire(id, {space, 1, 1}, 0);
   ASSERT_TRUE(acquired.ok()) << acquired.status().to_string();
-  auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(2);
-  while (engine->completed_ticket(id).value() < acquired.value().ticket && std::chrono::steady_clock::now() < deadline) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(1));
-  }
-  EXPECT_GE(engine->completed_ticket(id).value(), acquired.value().ticket)
+  EXPECT_TRUE(eventually([&] { return engine->completed_ticket(id).value() >= acquired.value(); }))
       << "the acquire of a resident page waited for the held lookahead copy";
-  EXPECT_TRUE(check_pattern(client->pointer(Tier::kGpu, space, acquired.value().locations[0]), k1M, 11));
+  EXPECT_TRUE(check_pattern(client->page(Tier::kGpu, space, 1), k2M, 11));
   ASSERT_TRUE(engine->release(id, {space, 1, 1}, false).ok());
   // The marker arrives: page 0 is written back, page 2 comes in, and every byte is right.
-  __atomic_store_n(released_word, uint64_t{1}, __ATOMIC_RELEASE);
-  std::vector<char*> page2 = client->acquire({space, 2, 1}, 0);
-  ASSERT_EQ(page2.size(), 1u);
-  EXPECT_TRUE(check_pattern(page2[0], k1M, 12));
+  released.set(1);
+  char* page2 = client->acquire({space, 2, 1}, 0);
+  ASSERT_NE(page2, nullptr);
+  EXPECT_TRUE(check_pattern(page2, k2M, 12));
   ASSERT_TRUE(engine->release(id, {space, 2, 1}, false).ok());
-  std::vector<char*> host = client->acquire_host({space, 0, 1});
-  ASSERT_EQ(host.size(), 1u);
-  EXPECT_TRUE(check_pattern(host[0], k1M, 10));
-  ::munmap(mapped, 4096);
+  char* host = client->acquire_host({space, 0, 1});
+  ASSERT_NE(host, nullptr);
+  EXPECT_TRUE(check_pattern(host, k2M, 10));
 }
 
 TEST(Engine, TicketsCompleteInOrderAndSetTheSignalWord) {
@@ -399,23 +711,25 @@ TEST(Engine, TicketsCompleteInOrderAndSetTheSignalWord) {
   std::vector<Ticket> seen;
   std::mutex seen_mutex;
   ClientEvents events;
-  events.frame_granted = [](uint32_t, Tier, int fd) { ::close(fd); };
+  events.gpu_frame_granted = [](uint32_t, int fd) { ::close(fd); };
+  events.host_slab_granted = [](uint32_t, uint32_t, int fd) { ::close(fd); };
   events.tickets_completed = [&](Ticket t) {
     std::lock_guard<std::mutex> lock(seen_mutex);
     seen.push_back(t);
   };
   ClientId id = engine->client_open({}, std::move(events)).value();
-  SpaceId space = engine->create_space(id, "s", k64K, 128).value();
+  SpaceId space = engine->create_space(id, "s", k64K, 256).value();
   Ticket last = 0;
-  for (uint32_t i = 0; i < 16; ++i) {
-    auto acquired = engine->acquire(id, {space, i * 8, 8}, kAcquireZeroNew | kAcquireWrite);
+  for (uint32_t i = 0; i < 8; ++i) {
+    PageRange range{space, i * 32, 32};  // one space frame each
+    auto acquired = retrying([&] { return engine->acquire(id, range, kEngineAcquireZeroNew | kEngineAcquireWrite); });
     ASSERT_TRUE(acquired.ok()) << acquired.status().to_string();
-    EXPECT_GT(acquired.value().ticket, last);
-    last = acquired.value().ticket;
-    ASSERT_TRUE(engine->release(id, {space, i * 8, 8}, true).ok());
-    ASSERT_TRUE(engine->offload(id, {space, i * 8, 8}).ok());
+    EXPECT_GT(acquired.value(), last);
+    last = acquired.value();
+    ASSERT_TRUE(engine->release(id, range, true).ok());
+    ASSERT_TRUE(retrying([&] { return engine->offload(id, range); }).ok());
   }
-  auto final_ticket = engine->offload(id, {space, 0, 128});
+  auto final_ticket = engine->offload(id, {space, 0, 256});
   ASSERT_TRUE(final_ticket.ok());
   ASSERT_TRUE(engine->wait(id, final_ticket.value()).ok());
   EXPECT_GE(engine->completed_ticket(id).value(), final_ticket.value());
@@ -425,18 +739,49 @@ TEST(Engine, TicketsCompleteInOrderAndSetTheSignalWord) {
   EXPECT_GE(words[kSignalCompleted], final_ticket.value());
   ::munmap(const_cast<uint64_t*>(words), 4096);
   // The event reaches the callback after the ticket completes (delivery runs unlocked).
-  auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(1);
-  for (;;) {
-    {
-      std::lock_guard<std::mutex> lock(seen_mutex);
-      if ((!seen.empty() && seen.back() >= final_ticket.value()) || std::chrono::steady_clock::now() > deadline) break;
-    }
-    std::this_thread::sleep_for(std::chrono::microseconds(100));
-  }
+  EXPECT_TRUE(eventually([&] {
+    std::lock_guard<std::mutex> lock(seen_mutex);
+    return !seen.empty() && seen.back() >= final_ticket.value();
+  }));
   std::lock_guard<std::mutex> lock(seen_mutex);
   ASSERT_FALSE(seen.empty());
   EXPECT_TRUE(std::is_sorted(seen.begin(), seen.end()));
   EXPECT_GE(seen.back(), final_ticket.value());
+}
+
+// Note [Counters]: stats cost O(spaces reported), come in pages, and add up.
+TEST(Engine, StatsArePagedAndAddUp) {
+  auto engine = make_engine(4, 8);
+  auto a = MappedClient::open(*engine);
+  auto b = MappedClient::open(*engine);
+  for (int i = 0; i < 30; ++i) a->space("a" + std::to_string(i), 1000 + i, 100);
+  for (int i = 0; i < 20; ++i) b->space("b" + std::to_string(i), 4096, 10);
+  RuntimeStats all = engine->stats(0, 0, 1000).value();
+  EXPECT_EQ(all.spaces_total, 50u);
+  EXPECT_EQ(all.spaces.size(), 50u);
+  std::vector<SpaceInfo> paged;
+  for (uint32_t first = 0; first < 50; first += 7) {
+    RuntimeStats page = engine->stats(0, first, 7).value();
+    EXPECT_EQ(page.first_space, first);
+    EXPECT_EQ(page.spaces_total, 50u);
+    EXPECT_LE(page.spaces.size(), 7u);
+    paged.insert(paged.end(), page.spaces.begin(), page.spaces.end());
+  }
+  ASSERT_EQ(paged.size(), 50u);
+  for (size_t i = 0; i < 50; ++i) {
+    EXPECT_EQ(paged[i].name, all.spaces[i].name);
+    EXPECT_EQ(paged[i].client, all.spaces[i].client);
+  }
+  EXPECT_EQ(paged.front().client, a->id);  // (client, space id) order
+  EXPECT_EQ(paged.back().client, b->id);
+  RuntimeStats own = engine->stats(b->id, 0, 1000).value();
+  EXPECT_EQ(own.spaces_total, 20u);
+  ASSERT_EQ(own.clients.size(), 1u);
+  EXPECT_EQ(own.clients[0].spaces, 20u);
+  uint64_t none = 0;
+  for (const SpaceInfo& space : own.spaces) none += space.bytes_none;
+  EXPECT_EQ(own.clients[0].bytes_none, none);
+  EXPECT_EQ(none, 20u * 4096 * 10);
 }
 
 }  // namespace

@@ -1,251 +1,25 @@
 // Integration tier: a real membard process on the host backend, client processes
 // (membar_integration_worker), in-process daemon clients, raw protocol peers and membarctl.
-// Every test starts its own daemon on a socket in its own temporary directory.
+// Every test starts its own daemon on a socket in its own temporary directory. The hardening
+// of issue 12 (hostile and careless clients) is in hardening_test.cpp, the soak in soak_test.cpp.
 #include <arpa/inet.h>
-#include <fcntl.h>
 #include <netinet/in.h>
-#include <poll.h>
-#include <signal.h>
-#include <sys/mman.h>
-#include <sys/socket.h>
-#include <sys/stat.h>
-#include <sys/un.h>
-#include <sys/wait.h>
-#include <unistd.h>
 
-#include <gtest/gtest.h>
+#include "daemon_harness.h"
 
-#include <boost/interprocess/mapped_region.hpp>
-#include <boost/interprocess/shared_memory_object.hpp>
-
-#include <chrono>
-#include <cstdlib>
-#include <cstring>
-#include <map>
-#include <regex>
-#include <string>
-#include <thread>
-#include <utility>
-#include <vector>
-
-#include "membar/client.h"
-#include "membar/protocol/ring.h"
-#include "membar/protocol/v1.h"
-#include "membar/common/wire_socket.h"
-
-namespace membar {
+namespace membar::integration {
 namespace {
 
-namespace v1 = protocol::v1;
-using Clock = std::chrono::steady_clock;
-
-double seconds_since(Clock::time_point start) {
-  return std::chrono::duration<double>(Clock::now() - start).count();
-}
-
-// A child process with its stdout (and optionally stderr) captured in a file.
-struct Process {
-  pid_t pid = -1;
-  std::string output_path;
-
-  Process() = default;
-  Process(Process&& other) noexcept : pid(std::exchange(other.pid, -1)), output_path(std::move(other.output_path)) {}
-  Process& operator=(Process&& other) noexcept {
-    if (this != &other) {
-      reap();
-      pid = std::exchange(other.pid, -1);
-      output_path = std::move(other.output_path);
-    }
-    return *this;
-  }
-  Process(const Process&) = delete;
-  Process& operator=(const Process&) = delete;
-
-  void reap() {
-    if (pid > 0) {
-      ::kill(pid, SIGKILL);
-      ::waitpid(pid, nullptr, 0);
-      pid = -1;
-    }
-  }
-
-  static Process spawn(const std::vector<std::string>& argv, const std::string& output_path) {
-    Process process;
-    process.output_path = output_path;
-    process.pid = ::fork();
-    if (process.pid == 0) {
-      int fd = ::open(output_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-      ::dup2(fd, STDOUT_FILENO);
-      ::dup2(fd, STDERR_FILENO);
-      std::vector<char*> args;
-      for (const std::string& a : argv) args.push_back(const_cast<char*>(a.c_str()));
-      args.push_back(nullptr);
-      ::execv(args[0], args.data());
-      ::_exit(127);
-    }
-    return process;
-  }
-
-  // Exit status (or 128 + signal); -1 if it did not exit within timeout_s.
-  int wait(double timeout_s) {
-    auto start = Clock::now();
-    while (seconds_since(start) < timeout_s) {
-      int status = 0;
-      pid_t done = ::waitpid(pid, &status, WNOHANG);
-      if (done == pid) {
-        pid = -1;
-        return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
-      }
-      std::this_thread::sleep_for(std::chrono::milliseconds(5));
-    }
-    return -1;
-  }
-
-  // True while the child has not exited (it is not reaped here).
-  bool running() const {
-    siginfo_t info{};
-    return pid > 0 && ::waitid(P_PID, static_cast<id_t>(pid), &info, WEXITED | WNOHANG | WNOWAIT) == 0 &&
-           info.si_pid == 0;
-  }
-
-  void kill_now(int signal_number = SIGKILL) {
-    if (pid > 0) ::kill(pid, signal_number);
-  }
-
-  std::string output() const {
-    std::string text;
-    if (FILE* f = std::fopen(output_path.c_str(), "r")) {
-      char buffer[4096];
-      size_t n;
-      while ((n = std::fread(buffer, 1, sizeof(buffer), f)) > 0) text.append(buffer, n);
-      std::fclose(f);
-    }
-    return text;
-  }
-
-  ~Process() { reap(); }
-};
-
-std::string run_command(const std::string& command, int* exit_code = nullptr) {
-  std::string output;
-  FILE* pipe = ::popen((command + " 2>&1").c_str(), "r");
-  if (pipe == nullptr) return output;
-  char buffer[4096];
-  size_t n;
-  while ((n = std::fread(buffer, 1, sizeof(buffer), pipe)) > 0) output.append(buffer, n);
-  int status = ::pclose(pipe);
-  if (exit_code != nullptr) *exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  return output;
-}
-
-int connect_unix(const std::string& path) {
-  int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  sockaddr_un address{};
-  address.sun_family = AF_UNIX;
-  std::strncpy(address.sun_path, path.c_str(), sizeof(address.sun_path) - 1);
-  if (::connect(fd, reinterpret_cast<sockaddr*>(&address), sizeof(address)) != 0) {
-    ::close(fd);
-    return -1;
-  }
-  return fd;
-}
-
-// Reads messages from a raw socket until one arrives (or EOF / timeout).
-[[maybe_unused]] std::optional<wire::ReceivedMessage> read_one(int fd, wire::MessageAssembler& assembler, int timeout_ms = 3000) {
-  auto start = Clock::now();
-  while (seconds_since(start) * 1000 < timeout_ms) {
-    auto next = assembler.next();
-    if (!next.ok()) return std::nullopt;
-    if (next.value().has_value()) return std::move(*next.value());
-    pollfd p{fd, POLLIN, 0};
-    ::poll(&p, 1, 50);
-    if (!assembler.read_available(fd).ok()) {
-      auto last = assembler.next();
-      if (last.ok() && last.value().has_value()) return std::move(*last.value());
-      return std::nullopt;
-    }
-  }
-  return std::nullopt;
-}
-
-// True when the peer has closed `fd` (EOF) within timeout_ms.
-[[maybe_unused]] bool peer_closes(int fd, int timeout_ms = 3000) {
-  auto start = Clock::now();
-  while (seconds_since(start) * 1000 < timeout_ms) {
-    char byte;
-    ssize_t n = ::recv(fd, &byte, 1, MSG_DONTWAIT);
-    if (n == 0) return true;
-    if (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK) return true;
-    std::this_thread::sleep_for(std::chrono::milliseconds(5));
-  }
-  return false;
-}
-
-class DaemonTest : public ::testing::Test {
- protected:
-  void SetUp() override {
-    char pattern[] = "/tmp/membar-it-XXXXXX";
-    directory_ = ::mkdtemp(pattern);
-    socket_path_ = directory_ + "/membard.sock";
-  }
-
-  void TearDown() override {
-    daemon_.kill_now(SIGKILL);
-    daemon_.wait(5);
-    run_command("rm -rf " + directory_);
-  }
-
-  void start_daemon(std::vector<std::string> extra = {}) {
-    std::vector<std::string> argv = {MEMBARD_PATH, "--backend", backend_, "--socket", socket_path_, "--gpu-pool",
-                                     "32MiB", "--host-pool", "128MiB", "--foreground", "--log-level", "info"};
-    argv.insert(argv.end(), extra.begin(), extra.end());
-    daemon_ = Process::spawn(argv, directory_ + "/membard.log");
-    auto start = Clock::now();
-    while (seconds_since(start) < 10) {
-      int fd = connect_unix(socket_path_);
-      if (fd >= 0) {
-        ::close(fd);
-        return;
-      }
-      std::this_thread::sleep_for(std::chrono::milliseconds(10));
-    }
-    FAIL() << "membard did not start: " << daemon_.output();
-  }
-
-  std::unique_ptr<Client> connect_client(const std::string& name, uint64_t gpu_quota = 0) {
-    ConnectOptions options;
-    options.client_name = name;
-    options.gpu_quota_bytes = gpu_quota;
-    auto client = connect_daemon(socket_path_, options);
-    EXPECT_TRUE(client.ok()) << client.status().to_string();
-    return client.ok() ? std::move(client).value() : nullptr;
-  }
-
-  // frames_used of a tier, read through `membarctl stats --json`.
-  int64_t frames_used(const char* tier) {
-    std::string json = run_command(std::string(MEMBARCTL_PATH) + " --socket " + socket_path_ + " stats --json");
-    std::smatch match;
-    std::regex pattern(std::string("\"tier\": \"") + tier + "\", \"frames_total\": [0-9]+, \"frames_used\": ([0-9]+)");
-    if (!std::regex_search(json, match, pattern)) return -1;
-    return std::stoll(match[1]);
-  }
-
-  std::string backend_ = "host";
-  std::string directory_;
-  std::string socket_path_;
-  Process daemon_;
-};
-
-// Writes a recognisable pattern into pages and checks it later.
-[[maybe_unused]] void write_pattern(const std::vector<void*>& pages, uint64_t page_bytes, uint8_t seed) {
-  for (size_t i = 0; i < pages.size(); ++i) {
-    auto* bytes = static_cast<uint8_t*>(pages[i]);
+// Writes a recognisable pattern into `count` pages from `first` and checks it later.
+[[maybe_unused]] void write_pattern(void* first, size_t count, uint64_t page_bytes, uint8_t seed) {
+  for (size_t i = 0; i < count; ++i) {
+    auto* bytes = static_cast<uint8_t*>(first) + i * page_bytes;
     for (uint64_t b = 0; b < page_bytes; b += 64) bytes[b] = static_cast<uint8_t>(seed + i + b / 64);
   }
 }
-[[maybe_unused]] bool pattern_intact(const std::vector<void*>& pages, uint64_t page_bytes, uint8_t seed) {
-  for (size_t i = 0; i < pages.size(); ++i) {
-    auto* bytes = static_cast<const uint8_t*>(pages[i]);
+[[maybe_unused]] bool pattern_intact(const void* first, size_t count, uint64_t page_bytes, uint8_t seed) {
+  for (size_t i = 0; i < count; ++i) {
+    auto* bytes = static_cast<const uint8_t*>(first) + i * page_bytes;
     for (uint64_t b = 0; b < page_bytes; b += 64) {
       if (bytes[b] != static_cast<uint8_t>(seed + i + b / 64)) return false;
     }
@@ -287,9 +61,8 @@ TEST_F(DaemonTest, FourClientProcessesKeepEveryPageAcrossTenThousandCycles) {
   EXPECT_GE(cycles, 10000u);
   EXPECT_GT(bytes_moved, 100ull << 20) << "the schedule should move data between tiers";
   EXPECT_GT(evictions, 0u) << "the quota should force evictions";
-  // Everyone left: every frame is back in the pools.
-  EXPECT_EQ(frames_used("gpu"), 0);
-  EXPECT_EQ(frames_used("host"), 0);
+  // Everyone left: every frame is back in the pools (renewed).
+  EXPECT_TRUE(pools_empty());
 }
 
 TEST_F(DaemonTest, AClientKilledMidScheduleCostsTheOthersNothing) {
@@ -308,12 +81,7 @@ TEST_F(DaemonTest, AClientKilledMidScheduleCostsTheOthersNothing) {
   EXPECT_EQ(victim.wait(5), 128 + SIGKILL);
   EXPECT_EQ(survivor.wait(120), 0) << survivor.output();
   EXPECT_NE(survivor.output().find("corrupted=0 lost=0 failed_calls=0"), std::string::npos) << survivor.output();
-  auto start = Clock::now();
-  while ((frames_used("gpu") != 0 || frames_used("host") != 0) && seconds_since(start) < 3) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(10));
-  }
-  EXPECT_EQ(frames_used("gpu"), 0);
-  EXPECT_EQ(frames_used("host"), 0);
+  EXPECT_TRUE(pools_empty());
 }
 
 TEST_F(DaemonTest, TheIntegrityCheckCatchesASabotagedPage) {
@@ -330,6 +98,7 @@ TEST_F(DaemonTest, TheIntegrityCheckCatchesASabotagedPage) {
 
 TEST_F(DaemonTest, KillNineOfAClientReclaimsAllItsFramesWithinOneSecond) {
   start_daemon();
+  std::vector<std::string> shm_before = dev_shm_entries();
   Process holder = Process::spawn({WORKER_PATH, "hold", "--socket", socket_path_, "--pages", "96"},
                                   directory_ + "/holder.out");
   auto start = Clock::now();
@@ -349,10 +118,10 @@ TEST_F(DaemonTest, KillNineOfAClientReclaimsAllItsFramesWithinOneSecond) {
   double reclaimed_after = seconds_since(killed);
   EXPECT_EQ(frames_used("gpu"), 0);
   EXPECT_EQ(frames_used("host"), 0);
-  EXPECT_LT(reclaimed_after, 1.0) << "frames came back after " << reclaimed_after << " s";
-  // Its segment name is gone from /dev/shm too.
-  std::string leftovers = run_command("ls /dev/shm | grep '^membar\\.' || true");
-  EXPECT_EQ(leftovers.find("membar." + std::to_string(daemon_.pid) + "."), std::string::npos) << leftovers;
+  EXPECT_LT(reclaimed_after, 1.0) << "frames came back (renewed) after " << reclaimed_after << " s";
+  std::printf("reclaim of a killed client, renewal included: %.0f ms\n", reclaimed_after * 1000);
+  // Segments travel as descriptors: nothing was ever named in /dev/shm.
+  EXPECT_EQ(dev_shm_entries(), shm_before);
 }
 
 TEST_F(DaemonTest, KillingTheDaemonGivesClientsUnavailableNotAHang) {
@@ -378,7 +147,8 @@ TEST_F(DaemonTest, KillingTheDaemonGivesClientsUnavailableNotAHang) {
   start = Clock::now();
   EXPECT_EQ(client->prefetch({space.value(), 0, 1}).status().code(), StatusCode::UNAVAILABLE);
   EXPECT_EQ(client->stats().status().code(), StatusCode::UNAVAILABLE);
-  EXPECT_EQ(client->wait(client->completed_ticket() + 100).code(), StatusCode::UNAVAILABLE);
+  EXPECT_EQ(client->wait(client->completed_ticket() + 100).code(), StatusCode::INVALID_ARGUMENT)
+      << "a ticket never issued is refused at once, daemon or not";
   EXPECT_LT(seconds_since(start), 1.0);
 }
 
@@ -476,7 +246,7 @@ TEST_F(DaemonTest, AClientCannotReachAnotherClientsPages) {
   auto acquired = owner->acquire({space.value(), 0, 8}, kAcquireWrite | kAcquireZeroNew);
   ASSERT_TRUE(acquired.ok());
   ASSERT_TRUE(owner->wait(acquired.value().ticket).ok());
-  write_pattern(acquired.value().page_pointers, 64 << 10, 7);
+  write_pattern(acquired.value().pointer, 8, 64 << 10, 7);
   ASSERT_TRUE(owner->release({space.value(), 0, 8}, true).ok());
 
   // The intruder names the owner's space id: every access is refused, and no frame reaches it.
@@ -486,7 +256,7 @@ TEST_F(DaemonTest, AClientCannotReachAnotherClientsPages) {
   };
   EXPECT_TRUE(is_refused(intruder->acquire(stolen, 0).status()));
   EXPECT_TRUE(is_refused(intruder->acquire_host(stolen).status()));
-  EXPECT_TRUE(is_refused(intruder->locations(stolen).status()));
+  EXPECT_EQ(intruder->space_view(space.value()).status().code(), StatusCode::NOT_FOUND);
   EXPECT_TRUE(is_refused(intruder->prefetch(stolen).status()));
   EXPECT_TRUE(is_refused(intruder->offload(stolen).status()));
   EXPECT_TRUE(is_refused(intruder->free_pages(stolen)));
@@ -508,7 +278,7 @@ TEST_F(DaemonTest, AClientCannotReachAnotherClientsPages) {
   // The owner's pages are untouched.
   auto host = owner->acquire_host({space.value(), 0, 8});
   ASSERT_TRUE(host.ok()) << host.status().to_string();
-  EXPECT_TRUE(pattern_intact(host.value(), 64 << 10, 7));
+  EXPECT_TRUE(pattern_intact(host.value(), 8, 64 << 10, 7));
   EXPECT_TRUE(owner->release_host({space.value(), 0, 8}, false).ok());
 }
 
@@ -521,7 +291,7 @@ TEST_F(DaemonTest, BadRequestsGetClearErrorsAndOtherClientsLoseNothing) {
   auto acquired = bystander->acquire({kept.value(), 0, 16}, kAcquireWrite | kAcquireZeroNew);
   ASSERT_TRUE(acquired.ok());
   ASSERT_TRUE(bystander->wait(acquired.value().ticket).ok());
-  write_pattern(acquired.value().page_pointers, 64 << 10, 42);
+  write_pattern(acquired.value().pointer, 16, 64 << 10, 42);
   ASSERT_TRUE(bystander->release({kept.value(), 0, 16}, true).ok());
 
   // 2 MiB of GPU quota: one frame.
@@ -530,25 +300,30 @@ TEST_F(DaemonTest, BadRequestsGetClearErrorsAndOtherClientsLoseNothing) {
   auto space = bad->create_space("s", 64 << 10, 64);
   ASSERT_TRUE(space.ok());
   EXPECT_EQ(bad->create_space("s", 64 << 10, 4).status().code(), StatusCode::ALREADY_EXISTS);
-  EXPECT_EQ(bad->create_space("odd", 100000, 4).status().code(), StatusCode::INVALID_ARGUMENT);
+  EXPECT_TRUE(bad->create_space("odd", 100000, 4).ok()) << "pages may have any size";
+  EXPECT_EQ(bad->create_space("empty", 0, 4).status().code(), StatusCode::INVALID_ARGUMENT);
+  EXPECT_EQ(bad->create_space("huge", kMaxPageBytes + 1, 4).status().code(), StatusCode::INVALID_ARGUMENT);
   EXPECT_EQ(bad->create_space("", 64 << 10, 4).status().code(), StatusCode::INVALID_ARGUMENT);
   EXPECT_EQ(bad->acquire({space.value() + 100, 0, 1}, 0).status().code(), StatusCode::NOT_FOUND);
   EXPECT_EQ(bad->acquire({space.value(), 60, 10}, 0).status().code(), StatusCode::OUT_OF_RANGE);
   EXPECT_EQ(bad->acquire({space.value(), 0, 0}, 0).status().code(), StatusCode::INVALID_ARGUMENT);
-  EXPECT_EQ(bad->acquire({space.value(), 0, 1}, 1u << 7).status().code(), StatusCode::INVALID_ARGUMENT);
+  Status flags = bad->acquire({space.value(), 0, 1}, 0x128).status();
+  EXPECT_EQ(flags.code(), StatusCode::INVALID_ARGUMENT);
+  EXPECT_NE(flags.message().find("unknown flags 0x128"), std::string::npos) << flags.to_string();
   // Over quota: 64 pinned 64 KiB pages need 2 frames, the client has 1.
   auto over = bad->acquire({space.value(), 0, 64}, kAcquireWrite | kAcquireZeroNew);
   ASSERT_FALSE(over.ok());
   EXPECT_EQ(over.status().code(), StatusCode::RESOURCE_EXHAUSTED) << over.status().to_string();
-  // Double free.
-  auto one = bad->acquire({space.value(), 0, 1}, kAcquireWrite | kAcquireZeroNew);
+  // Double free: pages 0..31 are the space's first frame.
+  auto one = bad->acquire({space.value(), 0, 32}, kAcquireWrite | kAcquireZeroNew);
   ASSERT_TRUE(one.ok()) << one.status().to_string();
   ASSERT_TRUE(bad->wait(one.value().ticket).ok());
-  ASSERT_TRUE(bad->release({space.value(), 0, 1}, true).ok());
-  EXPECT_TRUE(bad->free_pages({space.value(), 0, 1}).ok());
-  auto second_free = bad->free_pages({space.value(), 0, 1});
+  ASSERT_TRUE(bad->release({space.value(), 0, 32}, true).ok());
+  EXPECT_TRUE(bad->free_pages({space.value(), 0, 32}).ok());
+  auto second_free = bad->free_pages({space.value(), 0, 32});
   EXPECT_FALSE(second_free.ok());
   EXPECT_EQ(second_free.code(), StatusCode::FAILED_PRECONDITION) << second_free.to_string();
+  EXPECT_NE(second_free.message().find("double free"), std::string::npos) << second_free.to_string();
   EXPECT_TRUE(bad->destroy_space(space.value()).ok());
   EXPECT_EQ(bad->destroy_space(space.value()).code(), StatusCode::NOT_FOUND);
   // Still connected and working after all of that.
@@ -556,69 +331,9 @@ TEST_F(DaemonTest, BadRequestsGetClearErrorsAndOtherClientsLoseNothing) {
 
   auto host = bystander->acquire_host({kept.value(), 0, 16});
   ASSERT_TRUE(host.ok()) << host.status().to_string();
-  EXPECT_TRUE(pattern_intact(host.value(), 64 << 10, 42));
+  EXPECT_TRUE(pattern_intact(host.value(), 16, 64 << 10, 42));
   EXPECT_TRUE(bystander->release_host({kept.value(), 0, 16}, false).ok());
 }
-
-// A raw protocol peer: speaks v1 by hand, so the test can send what no DaemonClient would.
-struct RawPeer {
-  int fd = -1;
-  wire::MessageAssembler assembler;
-  boost::interprocess::mapped_region region;
-  v1::SegmentLayout layout;
-  protocol::RingEnd<v1::RequestV1> requests;
-  protocol::RingEnd<v1::CompletionV1> completions;
-  uint64_t sequence = 0;
-
-  ~RawPeer() {
-    if (fd >= 0) ::close(fd);
-  }
-
-  bool send_raw(const std::vector<uint8_t>& bytes) { return wire::send_message(fd, bytes).ok(); }
-
-  // Full client handshake; returns false on any failure.
-  bool handshake(const std::string& path) {
-    fd = connect_unix(path);
-    if (fd < 0) return false;
-    v1::HelloV1 hello{};
-    v1::copy_text(hello.client_name, sizeof(hello.client_name), "raw");
-    if (!send_raw(v1::encode_message(v1::MessageType::kHello, hello))) return false;
-    auto reply = read_one(fd, assembler);
-    if (!reply || reply->header.type != static_cast<uint16_t>(v1::MessageType::kHelloReply)) return false;
-    auto decoded = v1::decode_hello_reply(reply->payload);
-    if (!decoded.ok() || decoded.value().status != 0) return false;
-    boost::interprocess::shared_memory_object object(boost::interprocess::open_only, decoded.value().segment_name,
-                                                     boost::interprocess::read_write);
-    boost::interprocess::mapped_region mapped(object, boost::interprocess::read_write);
-    region.swap(mapped);
-    auto read = v1::read_segment_header(region.get_address(), region.get_size());
-    if (!read.ok()) return false;
-    layout = read.value();
-    auto* base = static_cast<uint8_t*>(region.get_address());
-    requests = protocol::RingEnd<v1::RequestV1>(base + layout.request_ring_offset, layout.ring_capacity);
-    completions = protocol::RingEnd<v1::CompletionV1>(base + layout.completion_ring_offset, layout.ring_capacity);
-    return send_raw(v1::encode_message(v1::MessageType::kAttached, std::span<const uint8_t>()));
-  }
-
-  // Pushes a request (sequence filled in) and returns its completion's status and message.
-  std::pair<StatusCode, std::string> call(v1::RequestV1 request, const std::string& payload = "") {
-    auto* base = static_cast<uint8_t*>(region.get_address());
-    std::memcpy(base + layout.request_payload_offset, payload.data(), payload.size());
-    request.sequence = ++sequence;
-    if (!requests.try_push(request)) return {StatusCode::INTERNAL, "ring full"};
-    auto start = Clock::now();
-    v1::CompletionV1 completion;
-    while (seconds_since(start) < 3) {
-      if (completions.try_pop(completion) > 0) {
-        std::string message(reinterpret_cast<const char*>(base + layout.response_payload_offset),
-                            completion.status != 0 ? completion.payload_bytes : 0);
-        return {static_cast<StatusCode>(completion.status), message};
-      }
-      std::this_thread::sleep_for(std::chrono::microseconds(50));
-    }
-    return {StatusCode::DEADLINE_EXCEEDED, "no completion"};
-  }
-};
 
 TEST_F(DaemonTest, MalformedSocketMessagesAreRefusedWithoutHurtingOthers) {
   start_daemon();
@@ -634,44 +349,44 @@ TEST_F(DaemonTest, MalformedSocketMessagesAreRefusedWithoutHurtingOthers) {
     wire::MessageAssembler assembler;
     auto reply = read_one(fd, assembler);
     ASSERT_TRUE(reply.has_value()) << what;
-    ASSERT_EQ(reply->header.type, static_cast<uint16_t>(v1::MessageType::kError)) << what;
-    auto error = v1::decode_error(reply->payload);
+    ASSERT_EQ(reply->header.type, static_cast<uint16_t>(v2::MessageType::kError)) << what;
+    auto error = v2::decode_error(reply->payload);
     ASSERT_TRUE(error.ok());
     EXPECT_EQ(static_cast<StatusCode>(error.value().status), expected) << what << ": " << error.value().message;
     EXPECT_TRUE(peer_closes(fd)) << what;
     ::close(fd);
   };
 
-  v1::HelloV1 hello{};
-  v1::copy_text(hello.client_name, sizeof(hello.client_name), "raw");
-  std::vector<uint8_t> good_hello = v1::encode_message(v1::MessageType::kHello, hello);
+  v2::HelloV2 hello{};
+  v2::copy_text(hello.client_name, sizeof(hello.client_name), "raw");
+  std::vector<uint8_t> good_hello = v2::encode_message(v2::MessageType::kHello, hello);
 
   std::vector<uint8_t> bad_magic = good_hello;
   bad_magic[0] ^= 0xff;
   expect_error(bad_magic, StatusCode::INVALID_ARGUMENT, "bad magic");
 
   std::vector<uint8_t> wrong_version = good_hello;
-  wrong_version[4] = 2;  // MessageHeaderV1::version
-  expect_error(wrong_version, StatusCode::FAILED_PRECONDITION, "protocol version 2");
+  wrong_version[4] = 1;  // MessageHeaderV2::version: a client of protocol version 1
+  expect_error(wrong_version, StatusCode::FAILED_PRECONDITION, "protocol version 1");
 
   std::vector<uint8_t> unknown_type = good_hello;
-  unknown_type[6] = 200;  // MessageHeaderV1::type
+  unknown_type[6] = 200;  // MessageHeaderV2::type
   expect_error(unknown_type, StatusCode::INVALID_ARGUMENT, "unknown message type");
 
-  std::vector<uint8_t> short_payload = v1::encode_message(
-      v1::MessageType::kHello, std::span<const uint8_t>(good_hello.data() + 16, sizeof(v1::HelloV1) - 8));
+  std::vector<uint8_t> short_payload = v2::encode_message(
+      v2::MessageType::kHello, std::span<const uint8_t>(good_hello.data() + 16, sizeof(v2::HelloV2) - 8));
   expect_error(short_payload, StatusCode::INVALID_ARGUMENT, "hello of the wrong size");
 
-  v1::HelloV1 bad_role = hello;
+  v2::HelloV2 bad_role = hello;
   bad_role.role = 9;
-  expect_error(v1::encode_message(v1::MessageType::kHello, bad_role), StatusCode::INVALID_ARGUMENT, "unknown role");
+  expect_error(v2::encode_message(v2::MessageType::kHello, bad_role), StatusCode::INVALID_ARGUMENT, "unknown role");
 
-  v1::HelloV1 unterminated = hello;
+  v2::HelloV2 unterminated = hello;
   std::memset(unterminated.client_name, 'a', sizeof(unterminated.client_name));
-  expect_error(v1::encode_message(v1::MessageType::kHello, unterminated), StatusCode::INVALID_ARGUMENT,
+  expect_error(v2::encode_message(v2::MessageType::kHello, unterminated), StatusCode::INVALID_ARGUMENT,
                "unterminated name");
 
-  expect_error(v1::encode_message(v1::MessageType::kStatsRequest, std::span<const uint8_t>()),
+  expect_error(v2::encode_message(v2::MessageType::kStatsRequest, std::span<const uint8_t>()),
                StatusCode::INVALID_ARGUMENT, "stats before hello");
 
   // Truncated: half a header, then the peer hangs up. The daemon just drops it.
@@ -696,69 +411,76 @@ TEST_F(DaemonTest, MalformedRingRequestsGetErrorCompletionsAndACorruptRingDropsO
   auto acquired = bystander->acquire({kept.value(), 0, 4}, kAcquireWrite | kAcquireZeroNew);
   ASSERT_TRUE(acquired.ok());
   ASSERT_TRUE(bystander->wait(acquired.value().ticket).ok());
-  write_pattern(acquired.value().page_pointers, 64 << 10, 99);
+  write_pattern(acquired.value().pointer, 4, 64 << 10, 99);
   ASSERT_TRUE(bystander->release({kept.value(), 0, 4}, true).ok());
 
   RawPeer peer;
   ASSERT_TRUE(peer.handshake(socket_path_));
-  v1::RequestV1 nop{};
-  nop.opcode = static_cast<uint16_t>(v1::Opcode::kNop);
-  EXPECT_EQ(peer.call(nop).first, StatusCode::OK);
+  v2::RequestV2 nop{};
+  nop.opcode = static_cast<uint16_t>(v2::Opcode::kNop);
+  EXPECT_EQ(peer.call(nop).code, StatusCode::OK);
 
-  v1::RequestV1 request = nop;
+  v2::RequestV2 request = nop;
   request.opcode = 77;
-  EXPECT_EQ(peer.call(request).first, StatusCode::INVALID_ARGUMENT);
+  EXPECT_EQ(peer.call(request).code, StatusCode::INVALID_ARGUMENT);
   request = nop;
   request.reserved1[3] = 1;
-  EXPECT_EQ(peer.call(request).first, StatusCode::INVALID_ARGUMENT);
+  EXPECT_EQ(peer.call(request).code, StatusCode::INVALID_ARGUMENT);
   request = nop;
   request.payload_bytes = 1u << 31;
-  EXPECT_EQ(peer.call(request).first, StatusCode::INVALID_ARGUMENT);
+  EXPECT_EQ(peer.call(request).code, StatusCode::INVALID_ARGUMENT);
 
-  v1::RequestV1 create{};
-  create.opcode = static_cast<uint16_t>(v1::Opcode::kCreateSpace);
+  v2::RequestV2 create{};
+  create.opcode = static_cast<uint16_t>(v2::Opcode::kCreateSpace);
   create.argument = 64 << 10;
   create.page_count = 4;
   create.payload_bytes = 5;
-  EXPECT_EQ(peer.call(create, std::string("a\nb\0c", 5)).first, StatusCode::INVALID_ARGUMENT);
-  create.argument = 3 << 16;
-  EXPECT_EQ(peer.call(create, "space").first, StatusCode::INVALID_ARGUMENT);
+  EXPECT_EQ(peer.call(create, std::string("a\nb\0c", 5)).code, StatusCode::INVALID_ARGUMENT);
+  create.argument = 0;
+  EXPECT_EQ(peer.call(create, "space").code, StatusCode::INVALID_ARGUMENT);
+  create.argument = 3 << 16;  // 192 KiB: pages may have any size
+  EXPECT_EQ(peer.call(create, "space").code, StatusCode::OK);
 
-  v1::RequestV1 schedule{};
-  schedule.opcode = static_cast<uint16_t>(v1::Opcode::kSetSchedule);
+  v2::RequestV2 schedule{};
+  schedule.opcode = static_cast<uint16_t>(v2::Opcode::kSetSchedule);
   std::string bad_schedule("\xff\xff\xff\x7f\x00\x00\x00\x00", 8);  // 2^31 steps in 8 bytes
   schedule.payload_bytes = static_cast<uint32_t>(bad_schedule.size());
-  auto [schedule_code, schedule_message] = peer.call(schedule, bad_schedule);
-  EXPECT_EQ(schedule_code, StatusCode::INVALID_ARGUMENT);
-  EXPECT_NE(schedule_message.find("schedule"), std::string::npos) << schedule_message;
+  auto bad = peer.call(schedule, bad_schedule);
+  EXPECT_EQ(bad.code, StatusCode::INVALID_ARGUMENT);
+  EXPECT_NE(bad.message.find("schedule"), std::string::npos) << bad.message;
 
-  v1::RequestV1 acquire{};
-  acquire.opcode = static_cast<uint16_t>(v1::Opcode::kAcquire);
-  acquire.space = kept.value();  // the bystander's space id; this peer has none
+  v2::RequestV2 acquire{};
+  acquire.opcode = static_cast<uint16_t>(v2::Opcode::kAcquire);
+  acquire.space = kept.value() + 1;  // space ids are per client: this peer has only space 1
   acquire.page_count = 1;
-  auto [foreign_code, foreign_message] = peer.call(acquire);
-  EXPECT_TRUE(foreign_code == StatusCode::NOT_FOUND || foreign_code == StatusCode::PERMISSION_DENIED)
-      << foreign_message;
+  auto foreign = peer.call(acquire);
+  EXPECT_TRUE(foreign.code == StatusCode::NOT_FOUND || foreign.code == StatusCode::PERMISSION_DENIED) << foreign.message;
   acquire.first_page = 0xfffffff0u;
   acquire.page_count = 0x100;
-  EXPECT_EQ(peer.call(acquire).first, StatusCode::OUT_OF_RANGE);
+  EXPECT_EQ(peer.call(acquire).code, StatusCode::OUT_OF_RANGE);
+  acquire.first_page = 0;
+  acquire.page_count = 1;
+  acquire.flags = 0x128;
+  auto flags = peer.call(acquire);
+  EXPECT_EQ(flags.code, StatusCode::INVALID_ARGUMENT);
+  EXPECT_NE(flags.message.find("unknown flags 0x128 (allowed: 0x3)"), std::string::npos) << flags.message;
 
   // Still served after all of that.
-  EXPECT_EQ(peer.call(nop).first, StatusCode::OK);
+  EXPECT_EQ(peer.call(nop).code, StatusCode::OK);
 
   // A head that jumps past the ring: the daemon drops this client (error notice, socket closed).
-  auto* control = reinterpret_cast<v1::RingControlV1*>(static_cast<uint8_t*>(peer.region.get_address()) +
+  auto* control = reinterpret_cast<v2::RingControlV2*>(static_cast<uint8_t*>(peer.segment) +
                                                        peer.layout.request_ring_offset);
   std::atomic_ref<uint64_t>(control->head).store(1ull << 40);
   peer.requests.ring_doorbell();
   auto notice = read_one(peer.fd, peer.assembler);
   ASSERT_TRUE(notice.has_value());
-  EXPECT_EQ(notice->header.type, static_cast<uint16_t>(v1::MessageType::kError));
+  EXPECT_EQ(notice->header.type, static_cast<uint16_t>(v2::MessageType::kError));
   EXPECT_TRUE(peer_closes(peer.fd));
 
   auto host = bystander->acquire_host({kept.value(), 0, 4});
   ASSERT_TRUE(host.ok()) << host.status().to_string();
-  EXPECT_TRUE(pattern_intact(host.value(), 64 << 10, 99));
+  EXPECT_TRUE(pattern_intact(host.value(), 4, 64 << 10, 99));
   EXPECT_TRUE(bystander->release_host({kept.value(), 0, 4}, false).ok());
 }
 
@@ -766,32 +488,36 @@ TEST_F(DaemonTest, MembarctlAndPrometheusReportFramesClientsAndSpaces) {
   start_daemon({"--prometheus-port", "0"});
   auto client = connect_client("trainer-a");
   ASSERT_TRUE(client);
-  auto space = client->create_space("L07.k", 64 << 10, 32);
+  auto space = client->create_space("L07.k", 96 << 10, 32);  // 3 MiB: two space frames, the second partial
   ASSERT_TRUE(space.ok());
   auto acquired = client->acquire({space.value(), 0, 32}, kAcquireWrite | kAcquireZeroNew);
   ASSERT_TRUE(acquired.ok());
   ASSERT_TRUE(client->wait(acquired.value().ticket).ok());
   ASSERT_TRUE(client->release({space.value(), 0, 32}, true).ok());
-  auto offloaded = client->offload({space.value(), 0, 16});
+  auto offloaded = client->offload({space.value(), 0, 21});  // pages 0..20 lie in the first frame
   ASSERT_TRUE(offloaded.ok());
   ASSERT_TRUE(client->wait(offloaded.value()).ok());
+  auto channel = client->create_channel("trainer-a.sync", 3 << 20);
+  ASSERT_TRUE(channel.ok()) << channel.status().to_string();
 
   std::string ctl = std::string(MEMBARCTL_PATH) + " --socket " + socket_path_;
   int code = -1;
   std::string text = run_command(ctl + " stats", &code);
   EXPECT_EQ(code, 0) << text;
-  for (const char* expected : {"# Server", "backend: host", "# Tier gpu", "frames_total: 16 (32 MiB)",
-                               "# Client", "name: trainer-a", "pages_gpu:", "bytes_gpu_to_host: ",
-                               "prefetch_hit_rate:", "stall_ns:", "# Space", "name: L07.k",
-                               "page_bytes: 65536 (64 KiB)", "pages_host: 16", "pages_both: 0",
-                               "pages_dirty: 16", "pages_pinned: 0"}) {
+  for (const char* expected : {"# Server", "backend: host", "spaces: 1", "# Tier gpu", "frames_total: 16 (32 MiB)",
+                               "# Client", "name: trainer-a", "bytes_gpu: 1048576 (1 MiB)",
+                               "bytes_host: 2097152 (2 MiB)", "bytes_gpu_to_host: 2097152 (2 MiB)",
+                               "channel_bytes: 4194304 (4 MiB)", "prefetch_hit_rate:", "stall_ns:", "# Space",
+                               "name: L07.k", "page_bytes: 98304 (96 KiB)", "bytes: 3145728 (3 MiB)", "bytes_both: 0",
+                               "bytes_dirty: 1048576 (1 MiB)", "bytes_pinned: 0"}) {
     EXPECT_NE(text.find(expected), std::string::npos) << "missing '" << expected << "' in\n" << text;
   }
   std::string json = run_command(ctl + " stats --json", &code);
   EXPECT_EQ(code, 0);
   EXPECT_NE(json.find("\"name\": \"trainer-a\""), std::string::npos) << json;
-  EXPECT_NE(json.find("\"bytes_gpu_to_host\": 1048576"), std::string::npos) << json;
-  EXPECT_NE(json.find("\"page_count\": 32, \"client\": 1, \"pages_gpu\": 16, \"pages_host\": 16"), std::string::npos)
+  EXPECT_NE(json.find("\"bytes_gpu_to_host\": 2097152"), std::string::npos) << json;
+  EXPECT_NE(json.find("\"channel_bytes\": 4194304"), std::string::npos) << json;
+  EXPECT_NE(json.find("\"page_count\": 32, \"bytes_gpu\": 1048576, \"bytes_host\": 2097152"), std::string::npos)
       << json;
   std::string top = run_command(ctl + " top --iterations 2 --interval-ms 50", &code);
   EXPECT_EQ(code, 0);
@@ -821,8 +547,9 @@ TEST_F(DaemonTest, MembarctlAndPrometheusReportFramesClientsAndSpaces) {
   EXPECT_NE(response.find("membar_frames_total{tier=\"gpu\"} 16"), std::string::npos) << response;
   EXPECT_NE(response.find("name=\"trainer-a\""), std::string::npos) << response;
   EXPECT_NE(response.find("membar_client_transferred_bytes_total"), std::string::npos) << response;
-  EXPECT_NE(response.find("membar_space_pages{client=\"1\",space=\"L07.k\",state=\"host\"} 16"), std::string::npos)
-      << response;
+  EXPECT_NE(response.find("membar_space_bytes{client=\"1\",space=\"L07.k\",state=\"host\"} 2097152"),
+            std::string::npos) << response;
+  EXPECT_NE(response.find("membar_client_channel_bytes{client=\"1\""), std::string::npos) << response;
 }
 
 TEST_F(DaemonTest, SocketIsPrivateAndForeignUidsAreRefused) {
@@ -834,39 +561,33 @@ TEST_F(DaemonTest, SocketIsPrivateAndForeignUidsAreRefused) {
   // Open the file permissions so only SO_PEERCRED stands between uid 65534 and the daemon.
   ::chmod(directory_.c_str(), 0755);
   ::chmod(socket_path_.c_str(), 0666);
-  pid_t child = ::fork();
-  if (child == 0) {
-    if (::setgid(65534) != 0 || ::setuid(65534) != 0) ::_exit(10);
-    ConnectOptions options;
-    auto client = connect_daemon(socket_path_, options);
-    ::_exit(client.ok() ? 11 : client.status().code() == StatusCode::PERMISSION_DENIED ? 0 : 12);
-  }
-  int status = 0;
-  ::waitpid(child, &status, 0);
-  ASSERT_TRUE(WIFEXITED(status));
-  EXPECT_EQ(WEXITSTATUS(status), 0) << "10: setuid failed, 11: accepted, 12: another error";
+  int code = as_other_user([&] {
+    auto client = connect_daemon(socket_path_, ConnectOptions{});
+    return client.ok() ? 11 : client.status().code() == StatusCode::PERMISSION_DENIED ? 0 : 12;
+  });
+  EXPECT_EQ(code, 0) << "10: setuid failed, 11: accepted, 12: another error";
   EXPECT_NE(daemon_.output().find("uid not allowed"), std::string::npos);
 }
 
-TEST_F(DaemonTest, AllowUidListAdmitsAnotherUid) {
+TEST_F(DaemonTest, AllowUidListAdmitsAnotherUidWithoutChangingTheSocket) {
   if (::getuid() != 0) GTEST_SKIP() << "acting as another uid needs root";
-  start_daemon({"--allow-uid", "65534", "--socket-mode", "0660"});
-  ::chmod(directory_.c_str(), 0755);
-  ::chmod(socket_path_.c_str(), 0666);
-  pid_t child = ::fork();
-  if (child == 0) {
-    if (::setgid(65534) != 0 || ::setuid(65534) != 0) ::_exit(10);
+  start_daemon({"--allow-uid", "65534"});
+  // --allow-uid makes the socket usable by the admitted uids itself (the credentials check
+  // decides): no chmod or chgrp of the socket by an admin.
+  struct stat info {};
+  ASSERT_EQ(::stat(socket_path_.c_str(), &info), 0);
+  EXPECT_EQ(info.st_mode & 0777, 0666u);
+  EXPECT_NE(daemon_.output().find("uids 65534"), std::string::npos) << daemon_.output();
+  ::chmod(directory_.c_str(), 0755);  // the test's private directory, not the daemon's socket
+  int code = as_other_user([&] {
     auto client = connect_daemon(socket_path_, ConnectOptions{});
     if (!client.ok()) {
       std::fprintf(stderr, "%s\n", client.status().to_string().c_str());
-      ::_exit(11);
+      return 11;
     }
-    ::_exit(client.value()->create_space("x", 64 << 10, 1).ok() ? 0 : 12);
-  }
-  int status = 0;
-  ::waitpid(child, &status, 0);
-  ASSERT_TRUE(WIFEXITED(status));
-  EXPECT_EQ(WEXITSTATUS(status), 0);
+    return client.value()->create_space("x", 64 << 10, 1).ok() ? 0 : 12;
+  });
+  EXPECT_EQ(code, 0) << "10: setuid failed, 11: refused, 12: a call failed";
 }
 
 TEST_F(DaemonTest, ConnectPrefersTheNamedDaemonAndFallsBackToEmbeddedOnlyWhenAllowed) {
@@ -932,4 +653,4 @@ TEST_F(DaemonTest, CudaBackendKillNineReclaimsFrames) {
 #endif
 
 }  // namespace
-}  // namespace membar
+}  // namespace membar::integration

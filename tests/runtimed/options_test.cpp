@@ -42,8 +42,10 @@ Result<DaemonOptions> parse(std::vector<const char*> args) {
 TEST(DaemonOptions, ParsesEveryFlag) {
   auto options = parse({"--backend", "host", "--socket", "/tmp/x.sock", "--gpu-pool", "0.8", "--host-pool=40GiB",
                         "--default-gpu-quota", "2GiB", "--allow-uid", "1000,1001", "--socket-mode", "0660",
-                        "--prometheus-port", "9464", "--ring-capacity", "128", "--foreground", "--log-level",
-                        "debug", "--device", "1"});
+                        "--prometheus-port", "9464", "--ring-capacity", "128", "--daemonize", "--pid-file",
+                        "/tmp/membard.pid", "--log-level", "debug", "--device", "1", "--max-connections", "10000",
+                        "--handshake-timeout", "250", "--max-spaces", "100", "--max-client-space", "1TiB",
+                        "--queue-limit", "1MiB", "--default-host-quota", "0.25"});
   ASSERT_TRUE(options.ok()) << options.status().to_string();
   const DaemonOptions& o = options.value();
   EXPECT_EQ(o.backend, "host");
@@ -55,14 +57,39 @@ TEST(DaemonOptions, ParsesEveryFlag) {
   EXPECT_EQ(o.server.socket_mode, 0660u);
   EXPECT_EQ(o.server.prometheus_port, 9464);
   EXPECT_EQ(o.server.ring_capacity, 128u);
-  EXPECT_TRUE(o.foreground);
+  EXPECT_TRUE(o.daemonize);
+  EXPECT_EQ(o.pid_file, "/tmp/membard.pid");
   EXPECT_EQ(o.log_level, "debug");
   EXPECT_EQ(o.device, 1);
+  EXPECT_EQ(o.server.max_connections, 10000u);
+  EXPECT_EQ(o.server.handshake_timeout_ms, 250u);
+  EXPECT_EQ(o.max_spaces, 100u);
+  EXPECT_EQ(o.max_client_space.bytes, 1ull << 40);
+  EXPECT_EQ(o.server.outbound.max_bytes, 1ull << 20);
+  EXPECT_DOUBLE_EQ(o.default_host_quota.fraction, 0.25);
+  // Defaults: in the foreground, and the limits docs/service.md lists.
   auto defaults = parse({});
   ASSERT_TRUE(defaults.ok());
-  EXPECT_EQ(defaults.value().server.socket_path, "/run/membar/membard.sock");
-  EXPECT_EQ(defaults.value().server.socket_mode, 0600u);
-  EXPECT_EQ(defaults.value().server.prometheus_port, -1);
+  const DaemonOptions& d = defaults.value();
+  EXPECT_EQ(d.server.socket_path, "/run/membar/membard.sock");
+  EXPECT_EQ(d.server.socket_mode, 0600u);
+  EXPECT_EQ(d.server.prometheus_port, -1);
+  EXPECT_FALSE(d.daemonize);
+  EXPECT_TRUE(d.pid_file.empty());
+  EXPECT_EQ(d.server.max_connections, 256u);
+  EXPECT_EQ(d.server.handshake_timeout_ms, 5000u);
+  EXPECT_EQ(d.server.admin_idle_timeout_ms, 60000u);
+  EXPECT_EQ(d.server.outbound.max_bytes, 16ull << 20);
+  EXPECT_EQ(d.server.outbound.max_fds, 4096u);
+  EXPECT_EQ(d.server.ring_capacity, 64u);
+  EXPECT_EQ(d.max_spaces, 65536u);
+  EXPECT_EQ(d.max_client_space.bytes, 32ull << 40);
+  EXPECT_EQ(d.gpu_pool.bytes, 256ull << 20);
+  EXPECT_EQ(d.host_pool.bytes, 1ull << 30);
+  EXPECT_DOUBLE_EQ(d.default_gpu_quota.fraction, 1.0);
+  EXPECT_DOUBLE_EQ(d.default_host_quota.fraction, 1.0);
+  EXPECT_TRUE(parse({"--foreground"}).ok()) << "kept for scripts that pass it";
+  EXPECT_FALSE(parse({"--foreground"}).value().daemonize);
 }
 
 TEST(DaemonOptions, RejectsBadFlagsWithTheirName) {
@@ -76,6 +103,10 @@ TEST(DaemonOptions, RejectsBadFlagsWithTheirName) {
       {{"--prometheus-port", "70000"}, "--prometheus-port"}, {{"--ring-capacity", "1"}, "--ring-capacity"},
       {{"--log-level", "loud"}, "--log-level"}, {{"--frobnicate"}, "--frobnicate"},
       {{"--socket"}, "--socket"},
+      {{"--max-connections", "0"}, "--max-connections"}, {{"--handshake-timeout", "5"}, "--handshake-timeout"},
+      {{"--max-spaces", "0"}, "--max-spaces"}, {{"--max-client-space", "1MiB"}, "--max-client-space"},
+      {{"--max-client-space", "0.5"}, "--max-client-space"}, {{"--queue-limit", "1KiB"}, "--queue-limit"},
+      {{"--default-gpu-quota", "1"}, "--default-gpu-quota"}, {{"--default-host-quota", "1MiB"}, "--default-host-quota"},
   };
   for (const Case& c : cases) {
     auto options = parse(c.args);
@@ -85,26 +116,38 @@ TEST(DaemonOptions, RejectsBadFlagsWithTheirName) {
   }
 }
 
-TEST(Prometheus, FormatsTiersAndClientsWithEscapedLabels) {
+TEST(Prometheus, FormatsTiersClientsAndSpacesWithEscapedLabels) {
   RuntimeStats stats;
   stats.backend = "host";
-  stats.tiers = {{Tier::kGpu, 16, 3, 13}, {Tier::kHost, 64, 0, 64}};
+  stats.tiers = {{Tier::kGpu, 16, 3, 12, 1}, {Tier::kHost, 64, 0, 64, 0}};
   ClientStats client;
   client.client = 4;
   client.pid = 99;
   client.name = "we\"ird\\name";
   stat_increase(client.gpu_frames, 3);
   client.bytes_gpu_to_host = 12345;
+  client.bytes_both = 777;
+  client.channel_bytes = 2 << 20;
   client.stall_ns = 1500000000;
   stats.clients.push_back(client);
+  SpaceInfo space{1, "L07.k", 96 << 10, 10};
+  space.client = 4;
+  space.bytes_host = 983040;
+  stats.spaces.push_back(space);
   std::string text = format_prometheus(stats);
   EXPECT_NE(text.find("# TYPE membar_frames_total gauge"), std::string::npos);
   EXPECT_NE(text.find("membar_frames_used{tier=\"gpu\"} 3\n"), std::string::npos) << text;
   EXPECT_NE(text.find("membar_frames_free{tier=\"host\"} 64\n"), std::string::npos) << text;
+  EXPECT_NE(text.find("membar_frames_preparing{tier=\"gpu\"} 1\n"), std::string::npos) << text;
   EXPECT_NE(text.find("name=\"we\\\"ird\\\\name\""), std::string::npos) << text;
   EXPECT_NE(text.find("direction=\"gpu_to_host\"} 12345\n"), std::string::npos) << text;
+  EXPECT_NE(text.find("residency=\"both\"} 777\n"), std::string::npos) << text;
+  EXPECT_NE(text.find("membar_client_channel_bytes{client=\"4\""), std::string::npos) << text;
+  EXPECT_NE(text.find("} 2097152\n"), std::string::npos) << text;
   EXPECT_NE(text.find("membar_client_stall_seconds_total{client=\"4\""), std::string::npos) << text;
   EXPECT_NE(text.find("} 1.5\n"), std::string::npos) << text;
+  EXPECT_NE(text.find("membar_space_bytes{client=\"4\",space=\"L07.k\",state=\"host\"} 983040\n"),
+            std::string::npos) << text;
 }
 
 }  // namespace

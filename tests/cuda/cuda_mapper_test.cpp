@@ -1,6 +1,8 @@
-// The client's CUDA window and stream signals against a CudaVmmBackend in the same process
-// (label gpu): frames exported as fds map on demand, both sides see each other's bytes, a
-// client stream really waits for the daemon's signal, and bad calls get clear errors.
+// The client's CUDA memory (libclient/memory.h on the CUDA mapper) and stream signals against a
+// CudaVmmBackend in the same process (label gpu): granted frames are imported once and mapped at
+// space positions (Note [Space layout]); both sides see each other's bytes; one frame may serve
+// several positions at once (the mapping cache, Note [Remapping a position]); a revoke unmaps it
+// everywhere; a client stream really waits for the daemon's signal; bad calls get clear errors.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 #include <sys/mman.h>
@@ -13,7 +15,7 @@
 #include <vector>
 
 #include "cuda/stream_signal.h"
-#include "window.h"
+#include "memory.h"
 #include "membar/engine/backend.h"
 
 namespace membar {
@@ -29,92 +31,106 @@ void fill_random(void* pointer, uint64_t bytes, uint64_t seed) {
   for (uint64_t i = 0; i < bytes / 8; ++i) words[i] = generator();
 }
 
-class CudaWindowTest : public ::testing::Test {
+class CudaMapperTest : public ::testing::Test {
  protected:
   void SetUp() override {
     BackendConfig config;
     config.gpu_pool_bytes = 8 * kFrameBytes;
     config.host_pool_bytes = 8 * kFrameBytes;
+    config.host_slab_frames = 2;
     Result<std::unique_ptr<DeviceBackend>> made = runtimed::make_cuda_backend(config);
     if (!made.ok() && made.status().code() == StatusCode::UNAVAILABLE) {
       GTEST_SKIP() << "no usable CUDA GPU: " << made.status().to_string();
     }
     ASSERT_TRUE(made.ok()) << made.status().to_string();
     backend_ = std::move(made).value();
-    Result<std::unique_ptr<Window>> window = make_cuda_window(16, 0);
-    ASSERT_TRUE(window.ok()) << window.status().to_string();
-    window_ = std::move(window).value();
+    for (uint32_t slab = 0; slab < backend_->host_slab_count(); ++slab) {
+      std::atomic<bool> done{false};
+      ASSERT_TRUE(backend_->renew(Tier::kHost, slab, [&](Status status) {
+        EXPECT_TRUE(status.ok()) << status.to_string();
+        done = true;
+      }).ok());
+      while (!done.load()) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    Result<std::unique_ptr<FrameMapper>> mapper = make_cuda_mapper(0);
+    ASSERT_TRUE(mapper.ok()) << mapper.status().to_string();
+    memory_ = std::make_unique<ClientMemory>(std::move(mapper).value(), make_mmap_mapper(), 2);
   }
   void TearDown() override {
-    window_.reset();
+    memory_.reset();
     backend_.reset();
   }
-  char* window_frame(uint32_t frame) { return static_cast<char*>(window_->base()) + frame * kFrameBytes; }
+  // Grants GPU frame `frame` of the pool as the client's window frame `window`.
+  void grant(uint32_t window, FrameIndex frame) {
+    Result<int> fd = backend_->export_gpu_frame(frame);
+    ASSERT_TRUE(fd.ok()) << fd.status().to_string();
+    ASSERT_TRUE(memory_->gpu_frame_granted(window, fd.value()).ok());
+  }
+  char* gpu_page(SpaceId space, uint32_t space_frame) {
+    return static_cast<char*>(memory_->view(space).value().gpu) + uint64_t(space_frame) * kFrameBytes;
+  }
 
   std::unique_ptr<DeviceBackend> backend_;
-  std::unique_ptr<Window> window_;
+  std::unique_ptr<ClientMemory> memory_;
 };
 
-TEST_F(CudaWindowTest, MappedFramesShareBytesBothWays) {
-  EXPECT_EQ(window_->bytes(), 16 * kFrameBytes);
-  EXPECT_EQ(reinterpret_cast<uintptr_t>(window_->base()) % kFrameBytes, 0u);
+TEST_F(CudaMapperTest, MappedFramesShareBytesBothWaysAtTheirPositions) {
+  ASSERT_TRUE(memory_->add_space(1, 96 << 10, 64).ok());  // 6 MiB: three space frames
+  SpaceView view = memory_->view(1).value();
+  EXPECT_EQ(reinterpret_cast<uintptr_t>(view.gpu) % kFrameBytes, 0u);
+  EXPECT_EQ(view.bytes, 64ull * (96 << 10));
   uint64_t seed = std::random_device{}();
   std::vector<uint8_t> bytes(kFrameBytes), seen(kFrameBytes);
-
+  grant(0, 5);
+  grant(1, 6);
   for (int round = 0; round < 3; ++round) {
-    // Backend frame 5 appears at window frame 3 (and frame 6 at window frame 15).
+    // Pool frame 5 (window 0) appears at space frame 2, pool frame 6 (window 1) at space frame 0.
     fill_random(bytes.data(), kFrameBytes, seed + round);
     ASSERT_EQ(cudaMemcpy(backend_->frame_pointer(Tier::kGpu, 5), bytes.data(), kFrameBytes, cudaMemcpyHostToDevice), cudaSuccess);
-    Result<int> fd = backend_->export_frame(Tier::kGpu, 5);
-    ASSERT_TRUE(fd.ok()) << fd.status().to_string();
-    ASSERT_TRUE(window_->map_frame(3, fd.value()).ok());
-    Result<int> other = backend_->export_frame(Tier::kGpu, 6);
-    ASSERT_TRUE(other.ok());
-    ASSERT_TRUE(window_->map_frame(15, other.value()).ok());
-    EXPECT_TRUE(window_->is_mapped(3));
-    EXPECT_FALSE(window_->is_mapped(4));
-    ASSERT_EQ(cudaMemcpy(seen.data(), window_frame(3), kFrameBytes, cudaMemcpyDeviceToHost), cudaSuccess);
+    ASSERT_TRUE(memory_->mapped(Tier::kGpu, 0, 1, 2).ok());
+    ASSERT_TRUE(memory_->mapped(Tier::kGpu, 1, 1, 0).ok());
+    ASSERT_EQ(cudaMemcpy(seen.data(), gpu_page(1, 2), kFrameBytes, cudaMemcpyDeviceToHost), cudaSuccess);
     EXPECT_EQ(seen, bytes);
-
-    // Writes through the window land in the daemon's frame.
+    // Writes at a position land in the daemon's frame.
     fill_random(bytes.data(), kFrameBytes, seed + 100 + round);
-    ASSERT_EQ(cudaMemcpy(window_frame(15), bytes.data(), kFrameBytes, cudaMemcpyHostToDevice), cudaSuccess);
+    ASSERT_EQ(cudaMemcpy(gpu_page(1, 0), bytes.data(), kFrameBytes, cudaMemcpyHostToDevice), cudaSuccess);
     ASSERT_EQ(cudaMemcpy(seen.data(), backend_->frame_pointer(Tier::kGpu, 6), kFrameBytes, cudaMemcpyDeviceToHost), cudaSuccess);
     EXPECT_EQ(seen, bytes);
-
-    EXPECT_TRUE(window_->unmap_frame(3).ok());
-    EXPECT_TRUE(window_->unmap_frame(15).ok());
-    EXPECT_FALSE(window_->is_mapped(3));
+    // One contiguous range across the two mapped positions and the frame between them.
+    ASSERT_TRUE(memory_->mapped(Tier::kGpu, 0, 1, 1).ok());  // the same frame at a second position
+    std::vector<uint8_t> range(3 * kFrameBytes);
+    ASSERT_EQ(cudaMemcpy(range.data(), view.gpu, 3 * kFrameBytes, cudaMemcpyDeviceToHost), cudaSuccess);
+    EXPECT_EQ(std::memcmp(range.data() + kFrameBytes, range.data() + 2 * kFrameBytes, kFrameBytes), 0);
+    ASSERT_TRUE(memory_->unmapped(Tier::kGpu, 0, 1, 1).ok());
+    ASSERT_TRUE(memory_->unmapped(Tier::kGpu, 0, 1, 2).ok());
+    ASSERT_TRUE(memory_->unmapped(Tier::kGpu, 1, 1, 0).ok());
   }
+  // A revoke unmaps the frame at every position it serves.
+  ASSERT_TRUE(memory_->mapped(Tier::kGpu, 0, 1, 0).ok());
+  ASSERT_TRUE(memory_->mapped(Tier::kGpu, 0, 1, 2).ok());
+  ASSERT_TRUE(memory_->gpu_frame_revoked(0).ok());
+  EXPECT_FALSE(memory_->mapped(Tier::kGpu, 0, 1, 1).ok()) << "a revoked frame cannot be mapped again";
+  ASSERT_TRUE(memory_->remove_space(1).ok());
 }
 
-TEST_F(CudaWindowTest, BadCallsGetClearErrors) {
-  Result<int> fd = backend_->export_frame(Tier::kGpu, 0);
-  ASSERT_TRUE(fd.ok());
-  EXPECT_EQ(window_->map_frame(16, fd.value()).code(), StatusCode::OUT_OF_RANGE);  // closes the fd
-  fd = backend_->export_frame(Tier::kGpu, 0);
-  ASSERT_TRUE(fd.ok());
-  ASSERT_TRUE(window_->map_frame(2, fd.value()).ok());
-  fd = backend_->export_frame(Tier::kGpu, 1);
-  ASSERT_TRUE(fd.ok());
-  EXPECT_EQ(window_->map_frame(2, fd.value()).code(), StatusCode::ALREADY_EXISTS);
-  EXPECT_EQ(window_->unmap_frame(7).code(), StatusCode::FAILED_PRECONDITION);
-  EXPECT_EQ(window_->unmap_frame(99).code(), StatusCode::OUT_OF_RANGE);
-  EXPECT_EQ(window_->map_frame(4, -1).code(), StatusCode::INVALID_ARGUMENT);
-  // A host frame's memfd is not a CUDA allocation: refused, window frame left unmapped.
-  Result<int> host_fd = backend_->export_frame(Tier::kHost, 0);
+TEST_F(CudaMapperTest, BadEventsGetClearErrors) {
+  ASSERT_TRUE(memory_->add_space(1, 1 << 20, 3).ok());  // two space frames
+  EXPECT_EQ(memory_->mapped(Tier::kGpu, 7, 1, 0).code(), StatusCode::INTERNAL) << "a frame never granted";
+  grant(0, 0);
+  EXPECT_EQ(memory_->mapped(Tier::kGpu, 0, 1, 2).code(), StatusCode::INTERNAL) << "past the space's end";
+  EXPECT_EQ(memory_->mapped(Tier::kGpu, 0, 9, 0).code(), StatusCode::INTERNAL) << "a space never made";
+  // A host slab's memfd is not a CUDA allocation: refused.
+  Result<int> host_fd = backend_->export_host_slab(0);
   ASSERT_TRUE(host_fd.ok());
-  Status wrong = window_->map_frame(5, host_fd.value());
+  Status wrong = memory_->gpu_frame_granted(3, host_fd.value());
   EXPECT_FALSE(wrong.ok());
-  EXPECT_FALSE(window_->is_mapped(5));
   EXPECT_NE(wrong.message().find("cuMemImportFromShareableHandle"), std::string::npos) << wrong.to_string();
-  EXPECT_EQ(make_cuda_window(0, 0).status().code(), StatusCode::INVALID_ARGUMENT);
-  EXPECT_EQ(make_cuda_window(1, 1000).status().code(), StatusCode::INVALID_ARGUMENT);
+  EXPECT_FALSE(make_cuda_mapper(1000).ok()) << "device 1000 does not exist";
 }
 
 // The client maps its signal block from the fd, registers it, and its stream waits on the GPU
 // for the daemon's signal; the client's own write comes back to the daemon's CPU view.
-TEST_F(CudaWindowTest, ClientStreamWaitsForTheDaemonsSignal) {
+TEST_F(CudaMapperTest, ClientStreamWaitsForTheDaemonsSignal) {
   Result<uint32_t> block = backend_->create_signal_block(8);
   ASSERT_TRUE(block.ok()) << block.status().to_string();
   Result<int> signal_fd = backend_->export_signal_block(block.value());
@@ -125,9 +141,9 @@ TEST_F(CudaWindowTest, ClientStreamWaitsForTheDaemonsSignal) {
   Result<std::unique_ptr<StreamSignals>> signals = StreamSignals::create(static_cast<volatile uint64_t*>(mapped), 8, 0);
   ASSERT_TRUE(signals.ok()) << signals.status().to_string();
 
-  Result<int> fd = backend_->export_frame(Tier::kGpu, 2);
-  ASSERT_TRUE(fd.ok());
-  ASSERT_TRUE(window_->map_frame(0, fd.value()).ok());
+  ASSERT_TRUE(memory_->add_space(1, kFrameBytes, 1).ok());
+  grant(0, 2);
+  ASSERT_TRUE(memory_->mapped(Tier::kGpu, 0, 1, 0).ok());
   cudaStream_t stream = nullptr;
   ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
   // Pinned: a copy into pageable memory would block this thread until the stream ran, and
@@ -140,7 +156,7 @@ TEST_F(CudaWindowTest, ClientStreamWaitsForTheDaemonsSignal) {
     // The client enqueues "wait for ticket, read the page, say released" before the daemon
     // has even started the copy.
     ASSERT_TRUE(signals.value()->stream_wait(0, ticket, stream).ok());
-    ASSERT_EQ(cudaMemcpyAsync(seen, window_frame(0), kFrameBytes, cudaMemcpyDeviceToHost, stream), cudaSuccess);
+    ASSERT_EQ(cudaMemcpyAsync(seen, gpu_page(1, 0), kFrameBytes, cudaMemcpyDeviceToHost, stream), cudaSuccess);
     ASSERT_TRUE(signals.value()->stream_write(1, ticket, stream).ok());
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
     EXPECT_EQ(cudaStreamQuery(stream), cudaErrorNotReady) << "the client stream did not wait for the signal";
