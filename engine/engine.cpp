@@ -486,6 +486,9 @@ Result<std::optional<FenceWait>> EngineImpl::acquire_locked(ClientState& client,
       return wait;
     }
     placed.push_back(g);
+    // The frame may have been someone's until now: a copy or fill of the old owner still queued
+    // must land before this ticket completes, even when this call puts nothing into the frame.
+    depend_on_frame(builder, Tier::kGpu, space.frames[g].gpu);
   }
   // Phase 2: contents. A resident frame that never had contents (acquired before without
   // zero-fill and never written) is zero-filled now if asked.
@@ -587,7 +590,14 @@ void EngineImpl::unfree_pages(ClientState& client, Builder& builder, const Frame
       uint64_t from = std::max(page_start, frame_start);
       uint64_t to = std::min(page_end, frame_start + space.frame_bytes(g));
       add_zero_bytes(builder, *zero_tier, target, from - frame_start, to - from);
-      if (*zero_tier == Tier::kGpu) change(client, space, g, [](SpaceFrame& f) { f.dirty = true; });
+      // The GPU copy is now the newer one: the host copy must not be read or written back over
+      // (dirty implies !host_valid everywhere; a host access copies the GPU frame out first).
+      if (*zero_tier == Tier::kGpu) {
+        change(client, space, g, [](SpaceFrame& f) {
+          f.dirty = true;
+          f.host_valid = false;
+        });
+      }
     }
   }
 }

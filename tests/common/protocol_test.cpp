@@ -302,6 +302,9 @@ TEST(Request, AcceptsValidRequestsOfEveryOpcode) {
       case Opcode::kCloseChannel: case Opcode::kPublishChannel:
         request.argument = 3;
         break;
+      case Opcode::kAcquireRanges: case Opcode::kReleaseRanges:
+        request.payload_bytes = static_cast<uint32_t>(encode_ranges({{1, 0, 1}}).size());
+        break;
       default:
         request.space = 1;
         request.page_count = 1;
