@@ -192,9 +192,9 @@ def main():
                   "chunk": CHUNK, "dtype": "bfloat16", "grad_pages": "float32"},
         "flop_convention": "fwd 4*Tc*Hq*D*(history + Tc/2); bwd 2.5x fwd; same for both",
         "histories": histories,
-        # The compiled kernel variants that ran (bench/attention_sweep.py compares all of them).
-        "variants": {kind: ops.attention_cuda_variants(kind)[1] for kind in ("forward", "backward")}
-        if hasattr(ops, "attention_cuda_variants") else {},
+        # The layouts the kernels chose for this shape (bench/attention_sweep.py times all of them).
+        "layouts": {kind: ops.attention_cuda_layout(kind, torch.bfloat16, HEAD_DIM, PAGE_TOKENS)
+                    for kind in ("forward", "backward")} if hasattr(ops, "attention_cuda_layout") else {},
         "dense": [],
         "sparse": None,
     }
@@ -203,7 +203,7 @@ def main():
 
     lines = [f"paged attention vs SDPA flash, {results['machine']}, commit {results['commit'][:12]}, {results['date']}",
              "Qwen2.5-7B attention: 28 q heads, 4 kv heads, D=128, bf16, chunk 4096, pages of 128, fp32 grad pages; "
-             f"kernel variants {results['variants']}",
+             f"kernel layouts {results['layouts']}",
              f"{'history':>8} {'fwd TF/s':>9} {'SDPA fwd':>9} {'ratio':>6} {'bwd TF/s':>9} {'SDPA bwd':>9} {'ratio':>6}"
              f" {'bwd det ms':>10} {'bwd bf16pg ms':>13} {'|diff|':>8}"]
     for row in results["dense"]:

@@ -28,6 +28,8 @@
 
 #include <cstdint>
 
+#include "membar/kernels/dtype.h"
+
 namespace membar::kernels::cuda::detail {
 
 template <typename Element>
@@ -35,6 +37,7 @@ struct ElementTraits;
 
 template <>
 struct ElementTraits<__nv_bfloat16> {
+  static constexpr DType kDType = DType::kBFloat16;
   // Packs two floats into one register, `low` in the low half (the smaller column).
   static __device__ __forceinline__ uint32_t pack(float low, float high) {
     __nv_bfloat162 value = __floats2bfloat162_rn(low, high);
@@ -55,6 +58,7 @@ struct ElementTraits<__nv_bfloat16> {
 
 template <>
 struct ElementTraits<__half> {
+  static constexpr DType kDType = DType::kFloat16;
   static __device__ __forceinline__ uint32_t pack(float low, float high) {
     __half2 value = __floats2half2_rn(low, high);
     return *reinterpret_cast<uint32_t*>(&value);
@@ -403,22 +407,5 @@ __device__ __forceinline__ KeySequence<Element, kKeys, kShiftIndexing> key_seque
 }
 
 inline constexpr float kLog2e = 1.4426950408889634f;
-
-// The index of the entry called `name` in a table of kernel variants (structs with a `name`),
-// or -1. constexpr, so a default can be checked at compile time; also what the run-time
-// selection by environment variable uses.
-template <typename Variant, int kCount>
-constexpr int find_variant(const Variant (&variants)[kCount], const char* name) {
-  for (int i = 0; i < kCount; ++i) {
-    const char* a = variants[i].name;
-    const char* b = name;
-    while (*a != '\0' && *a == *b) {
-      ++a;
-      ++b;
-    }
-    if (*a == *b) return i;
-  }
-  return -1;
-}
 
 }  // namespace membar::kernels::cuda::detail

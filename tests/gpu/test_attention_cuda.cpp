@@ -19,8 +19,8 @@
 #include <string>
 #include <vector>
 
-#include "attention_cuda_internal.h"
 #include "membar/kernels/attention.h"
+#include "membar/kernels/attention_cuda.h"
 #include "membar/kernels/half_types.h"
 
 namespace {
@@ -282,7 +282,7 @@ struct RawBits {
   std::vector<uint8_t> dk_pool, dv_pool;
 };
 
-Results run_gpu(const Problem& p, bool deterministic, RawBits* raw = nullptr) {
+Results run_gpu(const Problem& p, bool deterministic, RawBits* raw = nullptr, const mk::CudaOptions& options = {}) {
   Results r;
   const DType dtype = p.c.dtype;
   const size_t q_elements = p.q.size(), kv_elements = p.k_chunk.size(), pool_elements = p.k_pool.size();
@@ -316,7 +316,7 @@ Results run_gpu(const Problem& p, bool deterministic, RawBits* raw = nullptr) {
   forward.history = {k_pool.get(), k_index.get(), v_pool.get(), v_index.get()};
   forward.selection = selection;
   forward.out = out.get(), forward.lse = lse.get();
-  EXPECT_EQ(0, mk::cuda::paged_attention_forward(forward, nullptr));
+  EXPECT_EQ(0, mk::cuda::paged_attention_forward(forward, nullptr, options));
   mk::PagedAttentionBackwardParams backward;
   backward.shape = p.shape;
   backward.q = q.get(), backward.k_chunk = k.get(), backward.v_chunk = v.get();
@@ -328,7 +328,7 @@ Results run_gpu(const Problem& p, bool deterministic, RawBits* raw = nullptr) {
   backward.grad_page_dtype = p.c.grad_page_dtype;
   backward.deterministic = deterministic;
   backward.workspace = workspace.get();
-  EXPECT_EQ(0, mk::cuda::paged_attention_backward(backward, nullptr));
+  EXPECT_EQ(0, mk::cuda::paged_attention_backward(backward, nullptr, options));
   EXPECT_EQ(cudaSuccess, cudaDeviceSynchronize());
 
   auto decode = [&](const std::vector<uint16_t>& bits, DType t) {
@@ -430,12 +430,37 @@ TEST_P(PagedAttentionCuda, ForwardAndBackwardMatchReference) {
     EXPECT_EQ(pick(initial_dk, dk_used, false), pick(gpu.dk_pool, dk_used, false));
     EXPECT_EQ(pick(initial_dv, dv_used, false), pick(gpu.dv_pool, dv_used, false));
   }
-  // The forward's other layout (four warps of 32 rows, chosen by an environment knob).
-  setenv("MEMBAR_ATTENTION_FORWARD_WARP_ROWS", "32", 1);
-  const Results other_layout = run_gpu(p, false);
-  unsetenv("MEMBAR_ATTENTION_FORWARD_WARP_ROWS");
-  expect_close("out32", other_layout.out, baseline.out, truth.out, slack);
-  expect_close("lse32", other_layout.lse, baseline.lse, truth.lse, 1e-4);
+  // Every other compiled layout that fits this call on this device (the layouts another GPU would
+  // run, e.g. the mma.sync forward where Hopper runs the warpgroup one), asked for by name.
+  const mk::cuda::CudaTarget target = mk::cuda::current_cuda_target();
+  const mk::cuda::LayoutQuery query = mk::cuda::layout_query(p.shape, selection_of(p, p.selection.data()));
+  for (mk::ForwardLayout layout : mk::cuda::kForwardLayouts) {
+    if (mk::cuda::resolve_forward_layout(layout, target, query) != layout ||
+        layout == mk::cuda::choose_forward_layout(target, query)) {
+      continue;
+    }
+    const char* name = mk::cuda::forward_layout_name(layout);
+    std::printf(" forward layout %s\n", name);
+    mk::CudaOptions options;
+    options.forward_layout = layout;
+    const Results other = run_gpu(p, false, nullptr, options);
+    expect_close((std::string("out ") + name).c_str(), other.out, baseline.out, truth.out, slack);
+    expect_close((std::string("lse ") + name).c_str(), other.lse, baseline.lse, truth.lse, 1e-4);
+  }
+  for (mk::BackwardLayout layout : mk::cuda::kBackwardLayouts) {
+    if (mk::cuda::resolve_backward_layout(layout, target, query) != layout ||
+        layout == mk::cuda::choose_backward_layout(target, query)) {
+      continue;
+    }
+    const char* name = mk::cuda::backward_layout_name(layout);
+    std::printf(" backward layout %s\n", name);
+    mk::CudaOptions options;
+    options.backward_layout = layout;
+    const Results other = run_gpu(p, false, nullptr, options);
+    expect_close((std::string("dq ") + name).c_str(), other.dq, baseline.dq, truth.dq, slack);
+    expect_close((std::string("dk ") + name).c_str(), other.dk, baseline.dk, truth.dk, slack);
+    expect_close((std::string("dv ") + name).c_str(), other.dv, baseline.dv, truth.dv, slack);
+  }
 }
 
 TEST_P(PagedAttentionCuda, DeterministicModeGivesSameBitsTwice) {
