@@ -81,8 +81,7 @@ cudaError_t run_backward_typed(const PagedAttentionBackwardParams& params, KvLau
   workspace.inverse_count = reinterpret_cast<const int32_t*>(base + layout.inverse_count_offset);
   workspace.inverse_tiles = reinterpret_cast<const int32_t*>(base + layout.inverse_tiles_offset);
   workspace.inverse_capacity = layout.inverse_tiles_capacity;
-  // Without attend_chunk no CTA owns chunk keys: dk_chunk/dv_chunk stay untouched.
-  workspace.num_chunk_blocks = shape.attend_chunk ? (shape.chunk_tokens + shape.page_tokens - 1) / shape.page_tokens : 0;
+  workspace.num_chunk_blocks = 0;  // set by the dK/dV launch for its keys per CTA
 
   const int64_t rows = int64_t(shape.chunk_tokens) * shape.num_q_heads;
   backward_delta_kernel<Element><<<unsigned((rows + 7) / 8), 256, 0, stream>>>(
@@ -148,6 +147,11 @@ detail::KvLaunch layout_launch(BackwardLayout layout) {
         return &detail::launch_kv<Element, kHeadDim, layouts::MmaW4K64Padded>;
       }
       break;
+    case BackwardLayout::kMmaW4K64S2Halves:
+      if constexpr (backward_layout_compiled(BackwardLayout::kMmaW4K64S2Halves, kDType, kHeadDim)) {
+        return &detail::launch_kv<Element, kHeadDim, layouts::MmaW4K64S2Halves>;
+      }
+      break;
     case BackwardLayout::kAuto:
       break;
   }
@@ -156,8 +160,13 @@ detail::KvLaunch layout_launch(BackwardLayout layout) {
 
 template <typename Element>
 detail::KvLaunch layout_launch_for_head_dim(BackwardLayout layout, int32_t head_dim) {
-  if (head_dim == 64) return layout_launch<Element, 64>(layout);
-  return layout_launch<Element, 128>(layout);
+  switch (head_dim) {
+    case 64: return layout_launch<Element, 64>(layout);
+    case 96: return layout_launch<Element, 96>(layout);
+    case 128: return layout_launch<Element, 128>(layout);
+    case 256: return layout_launch<Element, 256>(layout);
+  }
+  return nullptr;
 }
 
 }  // namespace

@@ -8,13 +8,13 @@
 // (atomics) is many times slower than FlashAttention's, whose every KV block has one owner.
 // Here every KV block has exactly one owner too.
 // Approach: one CTA per (KV block, kv head). A KV block is one history page (page_tokens = 64 or
-// 128 keys, 16 keys per warp) or a block of the chunk's own keys of the same size. The CTA keeps
-// its K and V in shared memory and loops over the (q head of the GQA group, block of 64 queries)
-// pairs that attend to it: every query block for a dense history page, the query blocks of the
-// tiles that selected the page in sparse mode (the inverse selection, built by
-// build_inverse_selection_kernel), and the query blocks at or after the block's first key for a
-// chunk block. Q and dO of the next pair load (cp.async, three stages) while the current pair
-// computes:
+// 128 keys, 16 keys per warp), a part of one (page_parts: 64 keys of a page of 128), or a block
+// of the chunk's own keys of the same size. The CTA keeps its K and V in shared memory and loops
+// over the (q head of the GQA group, block of 64 queries) pairs that attend to it: every query
+// block for a dense history page, the query blocks of the tiles that selected the page in sparse
+// mode (the inverse selection, built by build_inverse_selection_kernel), and the query blocks at
+// or after the block's first key for a chunk block. Q and dO of the next pair load (cp.async, two
+// or three stages) while the current pair computes:
 //   S^T = K Q^T, P^T = exp(S^T * scale - lse), dP^T = V dO^T, dS^T = P^T o (dP^T - delta),
 //   dV += P^T dO, dK += dS^T Q                                  (registers, per warp),
 //   dQ += dS K                                                  (dS^T through shared memory,
@@ -24,6 +24,9 @@
 // dK/dV are deterministic. delta = rowsum(dO o O) comes from a small kernel first.
 // Deterministic mode leaves dQ out of this kernel and runs launch_backward_dq instead, which owns
 // each query block and walks its keys like the forward (no atomics; costs two more products).
+// At head_dim 256 the dK/dV of a warp's 16 keys do not fit in registers: with dim_parts the CTA
+// walks its pairs once per part of the columns, recomputing S^T and dP^T each time (1.4x the
+// products for two parts) and adding that part's dK, dV and dQ.
 // Limitations: the chunk blocks have unequal work (causal); they run first in the grid so the
 // uniform history blocks fill in behind them.
 #pragma once
@@ -40,12 +43,20 @@ namespace membar::kernels::cuda::detail {
 
 // A layout of the first dK/dV kernel (Note [Backward kernel]): named fields, bounds checked by
 // backward_keys_tile_checked. Layout names (docs/kernels.md): w<warps>_k<keys>_dq<dQ columns a
-// warp holds at once, at head_dim 128>, then _pad (padded_tiles).
+// warp holds at once, at head_dim 128>, then _pad (padded_tiles), _s<stages> (when not 3) and
+// _d<dim_parts> (when not 1).
 struct BackwardKeysTile {
-  int warps = 8;              // warps per CTA, 16 keys each: a CTA owns one page of 16 * warps keys
+  int warps = 8;              // warps per CTA, 16 keys each: a CTA owns 16 * warps keys of one page
+                              // (the whole page, or a part of it)
   int dq_pieces = 1;          // each warp computes its dQ columns in this many pieces, one after the
                               // other, so that fewer accumulators are live next to dK and dV
-  bool padded_tiles = false;  // padded instead of swizzled tiles (Note [Padded tiles])
+  bool padded_tiles = false;  // padded instead of swizzled tiles (Note [Padded tiles]; always at
+                              // head sizes that are not a multiple of 64)
+  int stages = 3;             // Q/dO stages in shared memory (Note [Backward kernel])
+  int dim_parts = 1;          // the CTA walks its work list this many times, each time for dK/dV of
+                              // head_dim / dim_parts columns (and their dQ): registers for dK/dV
+                              // of the whole of a head_dim of 256 do not exist
+  bool page_parts = false;    // a CTA owns a part of a page when pages are longer than its keys
 
   constexpr int keys() const { return 16 * warps; }
   constexpr int threads() const { return 32 * warps; }
@@ -54,10 +65,15 @@ struct BackwardKeysTile {
 template <int kHeadDim, typename Tiling>
 constexpr bool backward_keys_tile_checked() {
   constexpr BackwardKeysTile kTile = Tiling::kTile;
-  static_assert(kTile.warps == 4 || kTile.warps == 8, "a CTA owns one page of 64 or 128 keys, 16 per warp");
-  static_assert(kTile.dq_pieces >= 1 && (kHeadDim / (kTile.warps / 4) / kTile.dq_pieces) % 16 == 0,
+  static_assert(kTile.warps == 4 || kTile.warps == 8, "a CTA owns 64 or 128 keys, 16 per warp");
+  static_assert(kTile.stages == 2 || kTile.stages == 3, "the barrier schemes of Note [Backward kernel] take 2 or 3 stages");
+  static_assert(kTile.dim_parts >= 1 && kHeadDim % (16 * kTile.dim_parts) == 0,
+                "a part of head_dim is whole 16-column fragments");
+  static_assert(kTile.dq_pieces >= 1 &&
+                    (kHeadDim / kTile.dim_parts / (kTile.warps / 4) / kTile.dq_pieces) % 16 == 0 &&
+                    (kHeadDim / kTile.dim_parts / (kTile.warps / 4)) % kTile.dq_pieces == 0,
                 "a dQ piece is whole 16-column fragments");
-  static_assert(kHeadDim % 64 == 0, "a swizzled tile row is whole groups of 64 elements (Note [Swizzle])");
+  static_assert(kHeadDim % 16 == 0, "a row of Q, K or V is whole 16-column MMA fragments");
   return true;
 }
 
@@ -80,18 +96,12 @@ constexpr bool backward_split_tile_checked() {
   return true;
 }
 
-// Q/dO stages of the first kernel: three, so that no barrier is needed at the end of an
-// iteration (a stage is rewritten two iterations after it was read, and every warp finished that
-// iteration before passing the current one's first barrier; dS^T is rewritten only after that
-// barrier too).
-inline constexpr int kKeyOwnerStages = 3;
-
 template <int kHeadDim, typename Tiling>
 constexpr size_t backward_shared_bytes() {
   constexpr BackwardKeysTile kTile = Tiling::kTile;
   constexpr int kKeys = kTile.keys();
-  constexpr int kStages = kKeyOwnerStages;
-  constexpr bool kPadded = kTile.padded_tiles;
+  constexpr int kStages = kTile.stages;
+  constexpr bool kPadded = tile_padded<kHeadDim>(kTile.padded_tiles);
   constexpr int kStride = TileLayout<kHeadDim, kPadded>::kStride;
   constexpr int kScoreStride = TileLayout<kQueries, kPadded>::kStride;
   // K, V [kKeys, D]; Q, dO [kStages, 64, D]; dS^T [kKeys, 64] (16-bit, rows of kStride elements);
@@ -103,13 +113,14 @@ constexpr size_t backward_shared_bytes() {
 template <typename Element, int kHeadDim, typename Tiling>
 __global__ void __launch_bounds__(Tiling::kTile.threads(), 1)
     paged_attention_backward_kv_kernel(const PagedAttentionBackwardParams params, const BackwardWorkspacePointers workspace) {
-  constexpr BackwardKeysTile kTile = Tiling::kTile;
   static_assert(backward_keys_tile_checked<kHeadDim, Tiling>(), "backward_keys_tile_checked holds the bounds");
-  constexpr int kWarps = kTile.warps;
-  constexpr int kDqPieces = kTile.dq_pieces;
-  constexpr bool kPadded = kTile.padded_tiles;
-  constexpr int kStages = kKeyOwnerStages;
-  constexpr int kKeys = kTile.keys();
+  constexpr int kWarps = Tiling::kTile.warps;
+  constexpr int kDqPieces = Tiling::kTile.dq_pieces;
+  constexpr bool kPadded = tile_padded<kHeadDim>(Tiling::kTile.padded_tiles);
+  constexpr int kStages = Tiling::kTile.stages;
+  constexpr int kDimParts = Tiling::kTile.dim_parts;
+  constexpr int kPartColumns = kHeadDim / kDimParts;  // dK/dV (and dQ) columns of one pass
+  constexpr int kKeys = Tiling::kTile.keys();
   constexpr int kThreads = kWarps * 32;
   constexpr int kStride = TileLayout<kHeadDim, kPadded>::kStride;
   using ScoreLayout = TileLayout<kQueries, kPadded>;
@@ -133,13 +144,10 @@ __global__ void __launch_bounds__(Tiling::kTile.threads(), 1)
   const int64_t kv_row_stride = int64_t(shape.num_kv_heads) * kHeadDim;
 
   // Which keys this CTA owns, and which query blocks see them.
-  const OwnedKeys<Element> owned = own_keys<Element, kHeadDim, kKeys>(params, workspace);
+  const OwnedKeys<Element> owned = own_keys<Element, kHeadDim, kKeys, Tiling::kTile.page_parts>(params, workspace);
   const bool chunk_block = owned.chunk_block;
-  const Element* k_base = owned.k_base;
-  const Element* v_base = owned.v_base;
   const int valid_keys = owned.valid_keys;
   const int first_key = owned.first_key;
-  const int page = owned.page;
   const WorkList work = owned.work;
   // A page no query tile selected receives nothing: adding zeros is a no-op.
   if (work.count == 0) return;
@@ -175,132 +183,161 @@ __global__ void __launch_bounds__(Tiling::kTile.threads(), 1)
     }
   };
 
-  load_tile_async<Element, kKeys, kHeadDim, kThreads, kPadded>(k_tile, k_base, kv_row_stride, valid_keys, thread);
-  load_tile_async<Element, kKeys, kHeadDim, kThreads, kPadded>(v_tile, v_base, kv_row_stride, valid_keys, thread);
+  load_tile_async<Element, kKeys, kHeadDim, kThreads, kPadded>(k_tile, owned.k_base, kv_row_stride, valid_keys, thread);
+  load_tile_async<Element, kKeys, kHeadDim, kThreads, kPadded>(v_tile, owned.v_base, kv_row_stride, valid_keys, thread);
   load_queries(0, 0);
   copy_async_commit();
   if (thread < kQueries) read_row_statistics(0, lse_tiles[thread], delta_tiles[thread]);
 
   const float scale_log2 = shape.softmax_scale * kLog2e;
-  float dk[kHeadDim / 8][4];
-  float dv[kHeadDim / 8][4];
-  clear(dk);
-  clear(dv);
   // Key rows of this thread: warp * 16 + lane / 4 and that + 8.
   const int key_row = warp * 16 + lane / 4;
 
-  for (int item = 0; item < work.count; ++item) {
-    const int stage = item % kStages;
-    const int next_stage = (item + 1) % kStages;
-    float next_lse = 0.f, next_delta = 0.f;
-    if (item + 1 < work.count) {
-      load_queries(item + 1, next_stage);
-      if (thread < kQueries) read_row_statistics(item + 1, next_lse, next_delta);
-    }
-    copy_async_commit();
-    copy_async_wait<1>();
-    __syncthreads();
-
-    int head_in_group, query_block;
-    work.decode(item, head_in_group, query_block);
-    const int first_query = query_block * kQueries;
-    if (first_query < chunk_tokens) {
-      const Element* q_tile = q_tiles + stage * kQueries * kStride;
-      const Element* dout_tile = dout_tiles + stage * kQueries * kStride;
-      const float* row_lse = lse_tiles + stage * kQueries;
-      const float* row_delta = delta_tiles + stage * kQueries;
-
-      float scores[kQueries / 8][4];   // S^T: [16 keys, 64 queries] per warp
-      float dscores[kQueries / 8][4];  // dP^T, then dS^T
-      clear(scores);
-      clear(dscores);
-      warp_matmul_shared_nt<Element, kQueries, kHeadDim, kHeadDim, kHeadDim, kPadded>(scores, k_tile, warp * 16, q_tile, 0, lane);
-      warp_matmul_shared_nt<Element, kQueries, kHeadDim, kHeadDim, kHeadDim, kPadded>(dscores, v_tile, warp * 16, dout_tile, 0,
-                                                                             lane);
-      const bool may_cut = valid_keys < kKeys || (chunk_block && first_key + kKeys - 1 > first_query);
+  // One pass over the work list per part of head_dim (dim_parts), each for that part's dK/dV
+  // columns and dQ columns; the Q/dO pipeline runs on across passes (step = part * count + item).
+  // The parts are unrolled, so that each pass's columns are compile-time offsets.
 #pragma unroll
-      for (int n = 0; n < kQueries / 8; ++n) {
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          const int query = n * 8 + 2 * (lane % 4) + (j & 1);
-          const int key = key_row + (j >> 1) * 8;
-          float p = exp2f(scores[n][j] * scale_log2 - row_lse[query]);
-          if (may_cut) {
-            bool visible = key < valid_keys;
-            if (chunk_block) visible = visible && first_key + key <= first_query + query;
-            if (!visible) p = 0.f;
-          }
-          scores[n][j] = p;
-          dscores[n][j] = p * (dscores[n][j] - row_delta[query]);
+  for (int part = 0; part < kDimParts; ++part) {
+    const int part_column = part * kPartColumns;
+    float dk[kPartColumns / 8][4];
+    float dv[kPartColumns / 8][4];
+    clear(dk);
+    clear(dv);
+    for (int item = 0; item < work.count; ++item) {
+      const int step = part * work.count + item;
+      const int stage = step % kStages;
+      const int next_stage = (step + 1) % kStages;
+      // The next step's item: the next one of this pass, or the first one of the next pass.
+      const bool has_next = item + 1 < work.count || part + 1 < kDimParts;
+      const int next_item = (kDimParts == 1 || item + 1 < work.count) ? item + 1 : 0;
+      float next_lse = 0.f, next_delta = 0.f;
+      if constexpr (kStages == 3) {
+        // The stage loaded here was read two steps ago, and dS^T is rewritten only after the
+        // barrier below: every warp finished those steps before passing it.
+        if (has_next) {
+          load_queries(next_item, next_stage);
+          if (thread < kQueries) read_row_statistics(next_item, next_lse, next_delta);
         }
+        copy_async_commit();
+        copy_async_wait<1>();
+        __syncthreads();
+      } else {
+        // Two stages: the stage loaded next was read in the previous step, which every warp
+        // finished before passing this barrier.
+        copy_async_wait<0>();
+        __syncthreads();
+        if (has_next) {
+          load_queries(next_item, next_stage);
+          if (thread < kQueries) read_row_statistics(next_item, next_lse, next_delta);
+        }
+        copy_async_commit();
       }
-      uint32_t fragments[kQueries / 16][4];
-      accumulator_to_a_fragments<Element, kQueries>(fragments, scores);
-      warp_matmul_registers_nn<Element, kHeadDim, kQueries, kHeadDim, kPadded>(dv, fragments, dout_tile, 0, 0, lane);
-      accumulator_to_a_fragments<Element, kQueries>(fragments, dscores);
-      warp_matmul_registers_nn<Element, kHeadDim, kQueries, kHeadDim, kPadded>(dk, fragments, q_tile, 0, 0, lane);
 
-      if (workspace.dq_accumulator != nullptr) {
-        // dS^T to shared memory: [kKeys, 64].
+      int head_in_group, query_block;
+      work.decode(item, head_in_group, query_block);
+      const int first_query = query_block * kQueries;
+      if (first_query < chunk_tokens) {
+        const Element* q_tile = q_tiles + stage * kQueries * kStride;
+        const Element* dout_tile = dout_tiles + stage * kQueries * kStride;
+        const float* row_lse = lse_tiles + stage * kQueries;
+        const float* row_delta = delta_tiles + stage * kQueries;
+
+        float scores[kQueries / 8][4];   // S^T: [16 keys, 64 queries] per warp
+        float dscores[kQueries / 8][4];  // dP^T, then dS^T
+        clear(scores);
+        clear(dscores);
+        warp_matmul_shared_nt<Element, kQueries, kHeadDim, kHeadDim, kHeadDim, kPadded>(scores, k_tile, warp * 16,
+                                                                                       q_tile, 0, lane);
+        warp_matmul_shared_nt<Element, kQueries, kHeadDim, kHeadDim, kHeadDim, kPadded>(dscores, v_tile, warp * 16,
+                                                                                       dout_tile, 0, lane);
+        const bool may_cut = valid_keys < kKeys || (chunk_block && first_key + kKeys - 1 > first_query);
 #pragma unroll
         for (int n = 0; n < kQueries / 8; ++n) {
 #pragma unroll
-          for (int half = 0; half < 2; ++half) {
-            const int column = n * 8 + 2 * (lane % 4);
-            *reinterpret_cast<uint32_t*>(ds_tile + ScoreLayout::offset(key_row + half * 8, column)) =
-                fragments[n / 2][(n % 2) * 2 + half];
+          for (int j = 0; j < 4; ++j) {
+            const int query = n * 8 + 2 * (lane % 4) + (j & 1);
+            const int key = key_row + (j >> 1) * 8;
+            float p = exp2f(scores[n][j] * scale_log2 - row_lse[query]);
+            if (may_cut) {
+              bool visible = key < valid_keys;
+              if (chunk_block) visible = visible && first_key + key <= first_query + query;
+              if (!visible) p = 0.f;
+            }
+            scores[n][j] = p;
+            dscores[n][j] = p * (dscores[n][j] - row_delta[query]);
           }
         }
-        __syncthreads();
-        // dQ [64, D] = dS [64, kKeys] K [kKeys, D]: warps split 4 row groups x (kWarps / 4) column parts.
-        constexpr int kColumnParts = kWarps / 4;
-        constexpr int kDqColumns = kHeadDim / kColumnParts / kDqPieces;
-        static_assert(kDqColumns % 16 == 0, "a dQ piece is whole 16-column fragments");
-        const int row_group = warp % 4;
-        const int column_part = warp / 4;
-        const int q_head = kv_head * group + head_in_group;
+        uint32_t fragments[kQueries / 16][4];
+        accumulator_to_a_fragments<Element, kQueries>(fragments, scores);
+        warp_matmul_registers_nn<Element, kPartColumns, kQueries, kHeadDim, kPadded>(dv, fragments, dout_tile, 0,
+                                                                                    part_column, lane);
+        accumulator_to_a_fragments<Element, kQueries>(fragments, dscores);
+        warp_matmul_registers_nn<Element, kPartColumns, kQueries, kHeadDim, kPadded>(dk, fragments, q_tile, 0,
+                                                                                    part_column, lane);
+
+        if (workspace.dq_accumulator != nullptr) {
+          // dS^T to shared memory: [kKeys, 64].
 #pragma unroll
-        for (int piece = 0; piece < kDqPieces; ++piece) {
-          const int first_column = (column_part * kDqPieces + piece) * kDqColumns;
-          float dq[kDqColumns / 8][4];
-          clear(dq);
-          warp_matmul_shared_tn<Element, kDqColumns, kKeys, kQueries, kHeadDim, kPadded>(dq, ds_tile, row_group * 16, k_tile,
-                                                                                first_column, lane);
+          for (int n = 0; n < kQueries / 8; ++n) {
 #pragma unroll
-          for (int half = 0; half < 2; ++half) {
-            const int position = first_query + row_group * 16 + lane / 4 + half * 8;
-            if (position >= chunk_tokens) continue;
-            float* row = workspace.dq_accumulator + int64_t(position) * q_row_stride + int64_t(q_head) * kHeadDim +
-                         first_column;
-#pragma unroll
-            for (int n = 0; n < kDqColumns / 8; ++n) {
+            for (int half = 0; half < 2; ++half) {
               const int column = n * 8 + 2 * (lane % 4);
+              *reinterpret_cast<uint32_t*>(ds_tile + ScoreLayout::offset(key_row + half * 8, column)) =
+                  fragments[n / 2][(n % 2) * 2 + half];
+            }
+          }
+          __syncthreads();
+          // dQ [64, this pass's columns] = dS [64, kKeys] K [kKeys, columns]: warps split 4 row
+          // groups x (kWarps / 4) column parts.
+          constexpr int kColumnParts = kWarps / 4;
+          constexpr int kDqColumns = kPartColumns / kColumnParts / kDqPieces;
+          const int row_group = warp % 4;
+          const int column_part = warp / 4;
+          const int q_head = kv_head * group + head_in_group;
+#pragma unroll
+          for (int piece = 0; piece < kDqPieces; ++piece) {
+            const int first_column = part_column + (column_part * kDqPieces + piece) * kDqColumns;
+            float dq[kDqColumns / 8][4];
+            clear(dq);
+            warp_matmul_shared_tn<Element, kDqColumns, kKeys, kQueries, kHeadDim, kPadded>(dq, ds_tile, row_group * 16,
+                                                                                          k_tile, first_column, lane);
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+              const int position = first_query + row_group * 16 + lane / 4 + half * 8;
+              if (position >= chunk_tokens) continue;
+              float* row = workspace.dq_accumulator + int64_t(position) * q_row_stride + int64_t(q_head) * kHeadDim +
+                           first_column;
+#pragma unroll
+              for (int n = 0; n < kDqColumns / 8; ++n) {
+                const int column = n * 8 + 2 * (lane % 4);
 #if __CUDA_ARCH__ >= 900
-              atomicAdd(reinterpret_cast<float2*>(row + column), make_float2(dq[n][2 * half], dq[n][2 * half + 1]));
+                atomicAdd(reinterpret_cast<float2*>(row + column), make_float2(dq[n][2 * half], dq[n][2 * half + 1]));
 #else
-              atomicAdd(row + column, dq[n][2 * half]);
-              atomicAdd(row + column + 1, dq[n][2 * half + 1]);
+                atomicAdd(row + column, dq[n][2 * half]);
+                atomicAdd(row + column + 1, dq[n][2 * half + 1]);
 #endif
+              }
             }
           }
         }
       }
+      if (has_next && thread < kQueries) {
+        lse_tiles[next_stage * kQueries + thread] = next_lse;
+        delta_tiles[next_stage * kQueries + thread] = next_delta;
+      }
     }
-    if (item + 1 < work.count && thread < kQueries) {
-      lse_tiles[next_stage * kQueries + thread] = next_lse;
-      delta_tiles[next_stage * kQueries + thread] = next_delta;
-    }
-  }
 
-  // Write dK (scaled) and dV once.
+    // Write this pass's dK (scaled) and dV once.
 #pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    const int key = key_row + half * 8;
-    if (key >= valid_keys) continue;
+    for (int half = 0; half < 2; ++half) {
+      const int key = key_row + half * 8;
+      if (key >= valid_keys) continue;
 #pragma unroll
-    for (int n = 0; n < kHeadDim / 8; ++n) {
-      write_key_gradients<Element, kHeadDim>(params, chunk_block, first_key, page, key, n * 8 + 2 * (lane % 4),
-                                             dk[n][2 * half], dk[n][2 * half + 1], dv[n][2 * half], dv[n][2 * half + 1]);
+      for (int n = 0; n < kPartColumns / 8; ++n) {
+        write_key_gradients<Element, kHeadDim, Tiling::kTile.page_parts>(params, chunk_block, first_key, owned.page, key,
+                                               part_column + n * 8 + 2 * (lane % 4), dk[n][2 * half],
+                                               dk[n][2 * half + 1], dv[n][2 * half], dv[n][2 * half + 1]);
+      }
     }
   }
 }
@@ -359,7 +396,7 @@ __global__ void __launch_bounds__(256, 1)
   constexpr int kKeys = 128;
   constexpr int kThreads = 256;
   constexpr int kStagesHere = kTile.stages;
-  constexpr bool kPadded = kTile.padded_tiles;
+  constexpr bool kPadded = tile_padded<kHeadDim>(kTile.padded_tiles);
   constexpr bool kQuadDq = kTile.quad_dq_atomics;
   using Layout = TileLayout<kHeadDim, kPadded>;        // K, V, Q, dO
   using ScoreLayout = TileLayout<kQueries, kPadded>;   // P^T, dS^T
@@ -655,7 +692,7 @@ template <int kHeadDim, typename Tiling>
 constexpr size_t backward_split_shared_bytes() {
   constexpr BackwardSplitTile kTile = Tiling::kTile;
   constexpr int kStagesSplit = kTile.stages;
-  constexpr bool kPadded = kTile.padded_tiles;
+  constexpr bool kPadded = tile_padded<kHeadDim>(kTile.padded_tiles);
   // K, V [128, D]; Q, dO [stages, 64, D]; P^T, dS^T [128, 64] (16-bit, rows of kStride elements);
   // lse, delta [stages, 64] fp32.
   constexpr int kStride = TileLayout<kHeadDim, kPadded>::kStride;
@@ -672,9 +709,11 @@ cudaError_t launch_kv(const PagedAttentionBackwardParams& params, const Backward
   auto kernel = paged_attention_backward_kv_kernel<Element, kHeadDim, Tiling>;
   cudaError_t error = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kSharedBytes));
   if (error != cudaSuccess) return error;
-  const dim3 grid(workspace.num_chunk_blocks + history_page_count(params.shape), params.shape.num_kv_heads);
+  BackwardWorkspacePointers owners = workspace;
+  owners.num_chunk_blocks = chunk_owner_count<kTile.keys()>(params.shape);
+  const dim3 grid(owner_count<kTile.keys()>(params.shape, owners.num_chunk_blocks), params.shape.num_kv_heads);
   if (grid.x == 0) return cudaSuccess;  // no key at all (attend_chunk false, empty history)
-  kernel<<<grid, kTile.threads(), kSharedBytes, stream>>>(params, workspace);
+  kernel<<<grid, kTile.threads(), kSharedBytes, stream>>>(params, owners);
   return cudaGetLastError();
 }
 
@@ -685,9 +724,11 @@ cudaError_t launch_kv_split(const PagedAttentionBackwardParams& params, const Ba
   auto kernel = paged_attention_backward_split_kernel<Element, kHeadDim, Tiling>;
   cudaError_t error = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kSharedBytes));
   if (error != cudaSuccess) return error;
-  const dim3 grid(workspace.num_chunk_blocks + history_page_count(params.shape), params.shape.num_kv_heads);
+  BackwardWorkspacePointers owners = workspace;
+  owners.num_chunk_blocks = chunk_owner_count<128>(params.shape);
+  const dim3 grid(owner_count<128>(params.shape, owners.num_chunk_blocks), params.shape.num_kv_heads);
   if (grid.x == 0) return cudaSuccess;  // no key at all (attend_chunk false, empty history)
-  kernel<<<grid, 256, kSharedBytes, stream>>>(params, workspace);
+  kernel<<<grid, 256, kSharedBytes, stream>>>(params, owners);
   return cudaGetLastError();
 }
 

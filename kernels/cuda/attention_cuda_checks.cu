@@ -12,7 +12,12 @@ namespace membar::kernels::cuda {
 
 const char* paged_attention_cuda_check(const PagedAttentionShape& shape, const PageSelection& selection) {
   if (!cuda_dtype_supported(shape.dtype)) return "the CUDA attention kernels take bfloat16 or float16 tensors.";
-  if (!cuda_head_dim_supported(shape.head_dim)) return "the CUDA attention kernels support head_dim 64 or 128.";
+  if (!cuda_head_dim_supported(shape.head_dim)) {
+    static thread_local char message[120];
+    snprintf(message, sizeof(message), "the CUDA attention kernels support head_dim 64, 96, 128 or 256 (got %d).",
+             int(shape.head_dim));
+    return message;
+  }
   if (shape.page_tokens != 64 && shape.page_tokens != 128) {
     return "the CUDA attention kernels support page_tokens 64 or 128.";
   }

@@ -35,6 +35,8 @@ struct BackwardWorkspacePointers {
   const int32_t* inverse_count;   // [num_history_pages], sparse only
   const int32_t* inverse_tiles;   // [num_history_pages, inverse_capacity], sparse only
   int32_t inverse_capacity;
+  // CTAs that own the chunk's keys (none without attend_chunk: dk_chunk/dv_chunk stay untouched);
+  // each dK/dV launch sets it for its keys per CTA (chunk_owner_count).
   int32_t num_chunk_blocks;
 };
 

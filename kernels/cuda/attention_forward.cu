@@ -41,6 +41,11 @@ cudaError_t launch_layout(ForwardLayout layout, const PagedAttentionForwardParam
         return detail::launch_forward<Element, kHeadDim, layouts::MmaW4R16K64S3>(params, stream);
       }
       break;
+    case ForwardLayout::kMmaW4R16K64S2:
+      if constexpr (forward_layout_compiled(ForwardLayout::kMmaW4R16K64S2, kDType, kHeadDim)) {
+        return detail::launch_forward<Element, kHeadDim, layouts::MmaW4R16K64S2>(params, stream);
+      }
+      break;
     case ForwardLayout::kAuto:
       break;
   }
@@ -50,8 +55,13 @@ cudaError_t launch_layout(ForwardLayout layout, const PagedAttentionForwardParam
 
 template <typename Element>
 cudaError_t launch_head_dim(ForwardLayout layout, const PagedAttentionForwardParams& params, cudaStream_t stream) {
-  if (params.shape.head_dim == 64) return launch_layout<Element, 64>(layout, params, stream);
-  return launch_layout<Element, 128>(layout, params, stream);
+  switch (params.shape.head_dim) {
+    case 64: return launch_layout<Element, 64>(layout, params, stream);
+    case 96: return launch_layout<Element, 96>(layout, params, stream);
+    case 128: return launch_layout<Element, 128>(layout, params, stream);
+    case 256: return launch_layout<Element, 256>(layout, params, stream);
+  }
+  return cudaErrorInvalidValue;  // paged_attention_cuda_check refused it before
 }
 
 }  // namespace

@@ -71,7 +71,8 @@ struct ForwardTile {
   bool q_in_registers = false;        // Q fragments loaded once into registers, not per block
   bool skip_rescale = false;          // skip the rescale when no row maximum of the warp grew
   bool shift_indexing = false;        // page and row numbers by shifts, not divisions (KeySequence)
-  bool padded_tiles = false;          // padded instead of swizzled tiles (Note [Padded tiles])
+  bool padded_tiles = false;          // padded instead of swizzled tiles (Note [Padded tiles]; always
+                                      // at head sizes that are not a multiple of 64)
   bool pipelined = false;             // S of the next block before this one's softmax (Note [Forward pipelining])
   bool sequential_row_tiles = false;  // two row tiles' S and softmax one after the other (one
                                       // tile's scores live; K fragments read once per tile)
@@ -96,7 +97,7 @@ constexpr bool forward_tile_checked() {
   static_assert(!kTile.pipelined || kTile.stages == 3, "the pipelined loop keeps blocks i and i + 1 while i + 2 loads");
   static_assert(!kTile.sequential_row_tiles || (kTile.row_tiles_per_warp == 2 && kTile.stages > 1 && !kTile.pipelined),
                 "sequential row tiles need two of them and the plain two- or three-stage loop");
-  static_assert(kHeadDim % 64 == 0, "a swizzled tile row is whole groups of 64 elements (Note [Swizzle])");
+  static_assert(kHeadDim % 16 == 0, "a row of Q, K or V is whole 16-column MMA fragments");
   return true;
 }
 
@@ -104,7 +105,7 @@ template <int kHeadDim, typename Tiling>
 constexpr size_t forward_shared_bytes_fixed() {
   constexpr ForwardTile kTile = Tiling::kTile;
   // Q [rows, D] + K and V [stages, keys_per_block, D], 16-bit elements (rows of kStride elements).
-  constexpr int kStride = TileLayout<kHeadDim, kTile.padded_tiles>::kStride;
+  constexpr int kStride = TileLayout<kHeadDim, tile_padded<kHeadDim>(kTile.padded_tiles)>::kStride;
   return size_t(kTile.rows() * kStride + 2 * kTile.stages * kTile.keys_per_block * kStride) * 2;
 }
 
@@ -119,7 +120,8 @@ __global__ void __launch_bounds__(Tiling::kTile.threads(), Tiling::kTile.ctas_pe
   constexpr int kRows = Tiling::kTile.rows();
   constexpr int kThreads = kWarps * 32;
   constexpr int kKeys = Tiling::kTile.keys_per_block;
-  using Layout = TileLayout<kHeadDim, Tiling::kTile.padded_tiles>;
+  constexpr bool kPadded = tile_padded<kHeadDim>(Tiling::kTile.padded_tiles);
+  using Layout = TileLayout<kHeadDim, kPadded>;
   constexpr int kStride = Layout::kStride;
   extern __shared__ __align__(128) unsigned char shared_raw[];
   Element* q_tile = reinterpret_cast<Element*>(shared_raw);     // [kRows, D]
@@ -142,7 +144,7 @@ __global__ void __launch_bounds__(Tiling::kTile.threads(), Tiling::kTile.ctas_pe
   const int64_t q_row_stride = int64_t(shape.num_q_heads) * kHeadDim;
 
   const Element* q = static_cast<const Element*>(params.q);
-  load_tile_async<Element, kRows, kHeadDim, kThreads, Tiling::kTile.padded_tiles>(
+  load_tile_async<Element, kRows, kHeadDim, kThreads, kPadded>(
       q_tile, q + int64_t(first_query) * q_row_stride + int64_t(q_head) * kHeadDim, q_row_stride,
       chunk_tokens - first_query, thread);
   copy_async_commit();
@@ -157,20 +159,20 @@ __global__ void __launch_bounds__(Tiling::kTile.threads(), Tiling::kTile.ctas_pe
 
   auto load_keys = [&](int index, int stage) {
     const KeyBlock<Element> block = keys.block(index);
-    load_tile_async<Element, kKeys, kHeadDim, kThreads, Tiling::kTile.padded_tiles>(k_tiles + stage * kKeys * kStride, block.k_base,
-                                                                          kv_row_stride, block.valid_rows, thread);
+    load_tile_async<Element, kKeys, kHeadDim, kThreads, kPadded>(k_tiles + stage * kKeys * kStride, block.k_base,
+                                                          kv_row_stride, block.valid_rows, thread);
   };
   auto load_values = [&](int index, int stage) {
     const KeyBlock<Element> block = keys.block(index);
-    load_tile_async<Element, kKeys, kHeadDim, kThreads, Tiling::kTile.padded_tiles>(v_tiles + stage * kKeys * kStride, block.v_base,
-                                                                          kv_row_stride, block.valid_rows, thread);
+    load_tile_async<Element, kKeys, kHeadDim, kThreads, kPadded>(v_tiles + stage * kKeys * kStride, block.v_base,
+                                                          kv_row_stride, block.valid_rows, thread);
   };
   auto load_block = [&](int index, int stage) {
     const KeyBlock<Element> block = keys.block(index);
-    load_tile_async<Element, kKeys, kHeadDim, kThreads, Tiling::kTile.padded_tiles>(k_tiles + stage * kKeys * kStride, block.k_base,
-                                                                          kv_row_stride, block.valid_rows, thread);
-    load_tile_async<Element, kKeys, kHeadDim, kThreads, Tiling::kTile.padded_tiles>(v_tiles + stage * kKeys * kStride, block.v_base,
-                                                                          kv_row_stride, block.valid_rows, thread);
+    load_tile_async<Element, kKeys, kHeadDim, kThreads, kPadded>(k_tiles + stage * kKeys * kStride, block.k_base,
+                                                          kv_row_stride, block.valid_rows, thread);
+    load_tile_async<Element, kKeys, kHeadDim, kThreads, kPadded>(v_tiles + stage * kKeys * kStride, block.v_base,
+                                                          kv_row_stride, block.valid_rows, thread);
   };
   if (num_blocks > 0) {
     if constexpr (kStages == 1) {

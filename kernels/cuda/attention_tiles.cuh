@@ -48,13 +48,15 @@ struct MmaW8R16K128S3 {
 };
 
 struct MmaW8R16K64S3 {
-  static constexpr const char* kName = "w8r16_k64_s3";
+  static constexpr const char* kName = "w8r16_k64_s3_qreg_shift";
   static constexpr detail::ForwardTile kTile = [] {
     detail::ForwardTile tile;
     tile.warps = 8;
     tile.row_tiles_per_warp = 1;
     tile.keys_per_block = 64;
     tile.stages = 3;
+    tile.q_in_registers = true;
+    tile.shift_indexing = true;
     return tile;
   }();
 };
@@ -67,6 +69,20 @@ struct MmaW4R16K64S3 {
     tile.row_tiles_per_warp = 1;
     tile.keys_per_block = 64;
     tile.stages = 3;
+    return tile;
+  }();
+};
+
+struct MmaW4R16K64S2 {
+  static constexpr const char* kName = "w4r16_k64_s2_shift_pad";
+  static constexpr detail::ForwardTile kTile = [] {
+    detail::ForwardTile tile;
+    tile.warps = 4;
+    tile.row_tiles_per_warp = 1;
+    tile.keys_per_block = 64;
+    tile.stages = 2;
+    tile.shift_indexing = true;
+    tile.padded_tiles = true;
     return tile;
   }();
 };
@@ -109,6 +125,20 @@ struct MmaW4K64Padded {
     tile.warps = 4;
     tile.dq_pieces = 1;
     tile.padded_tiles = true;
+    return tile;
+  }();
+};
+
+struct MmaW4K64S2Halves {
+  static constexpr const char* kName = "w4_k64_dq32_pad_s2_d2";
+  static constexpr detail::BackwardKeysTile kTile = [] {
+    detail::BackwardKeysTile tile;
+    tile.warps = 4;
+    tile.dq_pieces = 2;
+    tile.padded_tiles = true;
+    tile.stages = 2;
+    tile.dim_parts = 2;
+    tile.page_parts = true;
     return tile;
   }();
 };

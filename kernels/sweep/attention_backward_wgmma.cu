@@ -369,9 +369,11 @@ cudaError_t launch_kv(const PagedAttentionBackwardParams& params, const Backward
   auto kernel = paged_attention_backward_wgmma_kernel;
   cudaError_t error = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kSharedBytes));
   if (error != cudaSuccess) return error;
-  const dim3 grid(workspace.num_chunk_blocks + history_page_count(params.shape), params.shape.num_kv_heads);
+  BackwardWorkspacePointers owners = workspace;
+  owners.num_chunk_blocks = chunk_owner_count<kKeys>(params.shape);
+  const dim3 grid(owner_count<kKeys>(params.shape, owners.num_chunk_blocks), params.shape.num_kv_heads);
   if (grid.x == 0) return cudaSuccess;  // no key at all (attend_chunk false, empty history)
-  kernel<<<grid, kThreads, kSharedBytes, stream>>>(params, workspace);
+  kernel<<<grid, kThreads, kSharedBytes, stream>>>(params, owners);
   return cudaGetLastError();
 }
 

@@ -26,6 +26,19 @@ constexpr const char* kSplitNames[] = {
     "w8_k128_split_s3",             "w8_k128_split_s2_pad_dq4", "w8_k128_split_s3_pad_dq4",
 };
 constexpr const char* kKeysNames[] = {"w8_k128_dq64", "w8_k128_dq32", "w8_k128_dq64_pad"};
+
+// The shipped one-warp-per-16-keys layouts' fields are what their names say.
+constexpr bool same_keys_tile(const detail::BackwardKeysTile& a, const detail::BackwardKeysTile& b) {
+  return a.warps == b.warps && a.dq_pieces == b.dq_pieces && a.padded_tiles == b.padded_tiles &&
+         a.stages == b.stages && a.dim_parts == b.dim_parts;
+}
+static_assert(same_keys_tile(backward_keys_tile_from_name(layouts::MmaW8K128::kName).tile, layouts::MmaW8K128::kTile) &&
+                  same_keys_tile(backward_keys_tile_from_name(layouts::MmaW4K64::kName).tile, layouts::MmaW4K64::kTile) &&
+                  same_keys_tile(backward_keys_tile_from_name(layouts::MmaW4K64Padded::kName).tile,
+                                 layouts::MmaW4K64Padded::kTile) &&
+                  same_keys_tile(backward_keys_tile_from_name(layouts::MmaW4K64S2Halves::kName).tile,
+                                 layouts::MmaW4K64S2Halves::kTile),
+              "the shipped layouts' fields match their names");
 constexpr int kSplitCount = int(sizeof(kSplitNames) / sizeof(kSplitNames[0]));
 constexpr int kKeysCount = int(sizeof(kKeysNames) / sizeof(kKeysNames[0]));
 

@@ -7,7 +7,7 @@
 //     (shift_indexing), _2cta (ctas_per_sm = 2), _pad (padded_tiles), _pipe (pipelined), _seq
 //     (sequential_row_tiles), _lazy (lazy_rescale);
 //   backward, one warp per 16 keys: w<warps>_k<16 warps>_dq<dQ columns a warp holds at once at
-//     head_dim 128>, then _pad;
+//     head_dim 128>, then _pad, _s<Q/dO stages> (when not 3) and _d<dim_parts> (when not 1);
 //   backward, split: w8_k128_split_s<stages>, then _pad and _dq4 (quad_dq_atomics).
 #pragma once
 
@@ -87,11 +87,16 @@ constexpr Parsed<detail::BackwardKeysTile> backward_keys_tile_from_name(const ch
   int columns = 0;
   if (!take(cursor, "w") || !take_number(cursor, tile.warps) || !take(cursor, "_k") || !take_number(cursor, keys) ||
       !take(cursor, "_dq") || !take_number(cursor, columns) || keys != 16 * tile.warps || tile.warps < 4 ||
-      columns == 0 || (128 / (tile.warps / 4)) % columns != 0) {
+      columns == 0) {
     return parsed;
   }
-  tile.dq_pieces = (128 / (tile.warps / 4)) / columns;
   if (take(cursor, "_pad")) tile.padded_tiles = true;
+  if (take(cursor, "_s") && !take_number(cursor, tile.stages)) return parsed;
+  if (take(cursor, "_d") && !take_number(cursor, tile.dim_parts)) return parsed;
+  // The dQ columns a warp holds at once, at head_dim 128: 128 / dim_parts / (warps / 4) / dq_pieces.
+  const int warp_columns = tile.dim_parts >= 1 ? 128 / tile.dim_parts / (tile.warps / 4) : 0;
+  if (warp_columns == 0 || warp_columns % columns != 0) return parsed;
+  tile.dq_pieces = warp_columns / columns;
   parsed.ok = *cursor == '\0';
   return parsed;
 }

@@ -478,8 +478,8 @@ TEST_P(PagedAttentionCuda, DeterministicModeGivesSameBitsTwice) {
   EXPECT_EQ(first.dv_pool, second.dv_pool);
 }
 
-// GQA groups 1/4/7/8, head_dim 64/128, pages 64/128, partial last pages, chunk lengths that are
-// not a multiple of any tile, dense and sparse, fp32 and bf16 grad pages, one fp16 case.
+// GQA groups 1/4/7/8, head_dim 64/96/128/256, pages 64/128, partial last pages, chunk lengths that
+// are not a multiple of any tile, dense and sparse, fp32 and bf16 grad pages, bf16 and fp16.
 const Case kCases[] = {
     {"gqa4_d128_p128_dense", 200, 300, 128, 8, 2, 128, 0, 0, DType::kFloat32, DType::kBFloat16},
     {"gqa7_d64_p64_dense_bf16pages", 77, 130, 64, 7, 1, 64, 0, 0, DType::kBFloat16, DType::kBFloat16},
@@ -489,6 +489,14 @@ const Case kCases[] = {
     {"gqa1_d128_p128_sparse_tile256", 600, 2000, 128, 4, 4, 128, 256, 3, DType::kFloat32, DType::kBFloat16},
     {"gqa4_d128_p128_dense_fp16", 150, 200, 128, 4, 1, 128, 0, 0, DType::kFloat32, DType::kFloat16},
     {"gqa8_d64_p64_exact_tiles", 128, 128, 64, 8, 1, 64, 0, 0, DType::kBFloat16, DType::kBFloat16},
+    {"gqa8_d64_p128_dense_fp16", 100, 500, 128, 8, 1, 64, 0, 0, DType::kFloat32, DType::kFloat16},
+    // Head sizes 96 (padded tiles) and 256 (64-row forward CTAs; dK/dV by halves of pages of 128 and
+    // halves of head_dim, the last page's second half past the history's end).
+    {"gqa4_d96_p128_dense", 200, 300, 128, 8, 2, 96, 0, 0, DType::kFloat32, DType::kBFloat16},
+    {"gqa2_d96_p64_sparse_tile64_fp16", 150, 700, 64, 4, 2, 96, 64, 4, DType::kFloat32, DType::kFloat16},
+    {"gqa4_d256_p128_dense", 130, 300, 128, 8, 2, 256, 0, 0, DType::kFloat32, DType::kBFloat16},
+    {"gqa1_d256_p64_sparse_tile128_fp16", 200, 1000, 64, 2, 2, 256, 128, 3, DType::kBFloat16, DType::kFloat16},
+    {"gqa7_d256_p128_sparse_tile64_bf16pages", 90, 900, 128, 7, 1, 256, 64, 2, DType::kBFloat16, DType::kBFloat16},
 };
 
 INSTANTIATE_TEST_SUITE_P(Shapes, PagedAttentionCuda, ::testing::ValuesIn(kCases),
@@ -568,10 +576,13 @@ TEST(PageSelectionCuda, SummaryAndSelectMatchReference) {
 TEST(PagedAttentionCudaChecks, RejectsUnsupportedShapes) {
   mk::PagedAttentionShape shape;
   shape.chunk_tokens = 128, shape.history_tokens = 0, shape.page_tokens = 128;
-  shape.num_q_heads = 4, shape.num_kv_heads = 2, shape.head_dim = 96, shape.softmax_scale = 0.1f;
-  EXPECT_STRNE("", mk::cuda::paged_attention_cuda_check(shape, {}));
-  shape.head_dim = 128;
-  EXPECT_STREQ("", mk::cuda::paged_attention_cuda_check(shape, {}));
+  shape.num_q_heads = 4, shape.num_kv_heads = 2, shape.head_dim = 80, shape.softmax_scale = 0.1f;
+  EXPECT_STREQ("the CUDA attention kernels support head_dim 64, 96, 128 or 256 (got 80).",
+               mk::cuda::paged_attention_cuda_check(shape, {}));
+  for (int32_t head_dim : {64, 96, 128, 256}) {
+    shape.head_dim = head_dim;
+    EXPECT_STREQ("", mk::cuda::paged_attention_cuda_check(shape, {}));
+  }
   shape.page_tokens = 32;
   EXPECT_STRNE("", mk::cuda::paged_attention_cuda_check(shape, {}));
   shape.page_tokens = 128;
@@ -579,7 +590,7 @@ TEST(PagedAttentionCudaChecks, RejectsUnsupportedShapes) {
   EXPECT_STRNE("", mk::cuda::paged_attention_cuda_check(shape, selection));
   mk::PagedAttentionForwardParams forward;
   forward.shape = shape;
-  forward.shape.head_dim = 96;
+  forward.shape.head_dim = 80;
   EXPECT_NE(0, mk::cuda::paged_attention_forward(forward, nullptr));
 }
 

@@ -37,13 +37,22 @@ TEST(AttentionLayouts, HopperRunsTheWarpgroupForwardForBf16HeadDim128) {
   EXPECT_EQ(ForwardLayout::kMmaW4R16K64S3, choose_forward_layout(kHopper, LayoutQuery{DType::kBFloat16, 128, 128, 192}));
 }
 
-TEST(AttentionLayouts, OtherDevicesRunMmaSync) {
+TEST(AttentionLayouts, OtherDevicesDtypesAndHeadSizesRunMmaSync) {
   for (const CudaTarget& target : {kAmpere, kHopperWithoutSm90a}) {
     EXPECT_EQ(ForwardLayout::kMmaW8R16K128S3, choose_forward_layout(target, LayoutQuery{DType::kBFloat16, 128, 128, 0}));
     EXPECT_EQ(ForwardLayout::kMmaW8R16K64S3, choose_forward_layout(target, LayoutQuery{DType::kBFloat16, 128, 64, 0}));
   }
-  EXPECT_EQ(ForwardLayout::kMmaW8R16K64S3, choose_forward_layout(kHopper, LayoutQuery{DType::kFloat16, 128, 128, 0}));
-  EXPECT_EQ(ForwardLayout::kMmaW8R16K64S3, choose_forward_layout(kHopper, LayoutQuery{DType::kBFloat16, 64, 128, 0}));
+  for (int32_t head_dim : {64, 96, 128}) {
+    EXPECT_EQ(ForwardLayout::kMmaW8R16K128S3, choose_forward_layout(kHopper, LayoutQuery{DType::kFloat16, head_dim, 128, 0}));
+    EXPECT_EQ(ForwardLayout::kMmaW8R16K64S3, choose_forward_layout(kHopper, LayoutQuery{DType::kFloat16, head_dim, 64, 0}));
+  }
+  EXPECT_EQ(ForwardLayout::kMmaW8R16K128S3, choose_forward_layout(kHopper, LayoutQuery{DType::kBFloat16, 64, 128, 0}));
+  EXPECT_EQ(ForwardLayout::kMmaW8R16K128S3, choose_forward_layout(kHopper, LayoutQuery{DType::kBFloat16, 96, 128, 256}));
+  // Head size 256 runs 64-row CTAs everywhere, whatever the pages and sparse tiles.
+  for (int32_t tile : {0, 64, 128}) {
+    EXPECT_EQ(ForwardLayout::kMmaW4R16K64S2, choose_forward_layout(kHopper, LayoutQuery{DType::kBFloat16, 256, 128, tile}));
+    EXPECT_EQ(ForwardLayout::kMmaW4R16K64S2, choose_forward_layout(kAmpere, LayoutQuery{DType::kFloat16, 256, 64, tile}));
+  }
 }
 
 TEST(AttentionLayouts, BackwardFollowsThePageSizeAndHeadDim) {
@@ -51,8 +60,12 @@ TEST(AttentionLayouts, BackwardFollowsThePageSizeAndHeadDim) {
     for (DType dtype : {DType::kBFloat16, DType::kFloat16}) {
       EXPECT_EQ(BackwardLayout::kMmaSplitK128S2, choose_backward_layout(target, LayoutQuery{dtype, 128, 128, 0}));
       EXPECT_EQ(BackwardLayout::kMmaW4K64Padded, choose_backward_layout(target, LayoutQuery{dtype, 128, 64, 0}));
-      EXPECT_EQ(BackwardLayout::kMmaW8K128, choose_backward_layout(target, LayoutQuery{dtype, 64, 128, 128}));
+      EXPECT_EQ(BackwardLayout::kMmaSplitK128S2, choose_backward_layout(target, LayoutQuery{dtype, 64, 128, 128}));
       EXPECT_EQ(BackwardLayout::kMmaW4K64, choose_backward_layout(target, LayoutQuery{dtype, 64, 64, 64}));
+      EXPECT_EQ(BackwardLayout::kMmaW8K128, choose_backward_layout(target, LayoutQuery{dtype, 96, 128, 0}));
+      EXPECT_EQ(BackwardLayout::kMmaW4K64, choose_backward_layout(target, LayoutQuery{dtype, 96, 64, 0}));
+      EXPECT_EQ(BackwardLayout::kMmaW4K64S2Halves, choose_backward_layout(target, LayoutQuery{dtype, 256, 128, 0}));
+      EXPECT_EQ(BackwardLayout::kMmaW4K64S2Halves, choose_backward_layout(target, LayoutQuery{dtype, 256, 64, 64}));
     }
   }
 }
@@ -62,7 +75,7 @@ TEST(AttentionLayouts, BackwardFollowsThePageSizeAndHeadDim) {
 TEST(AttentionLayouts, EveryChoiceIsCompiledAndFits) {
   for (const CudaTarget& target : {kHopper, kHopperWithoutSm90a, kAmpere}) {
     for (DType dtype : {DType::kBFloat16, DType::kFloat16}) {
-      for (int32_t head_dim : {64, 128}) {
+      for (int32_t head_dim : {64, 96, 128, 256}) {
         for (int32_t page_tokens : {64, 128}) {
           for (int32_t tile : {0, 64, 128, 192, 256, 4096}) {
             const LayoutQuery query{dtype, head_dim, page_tokens, tile};
@@ -86,16 +99,26 @@ TEST(AttentionLayouts, OnlyTheLayoutsDispatchReachesAreCompiled) {
   EXPECT_FALSE(forward_layout_compiled(ForwardLayout::kWgmmaW8R64K128S2, DType::kFloat16, 128));
   EXPECT_FALSE(forward_layout_compiled(ForwardLayout::kWgmmaW8R64K128S2, DType::kBFloat16, 64));
   EXPECT_TRUE(forward_layout_compiled(ForwardLayout::kMmaW8R16K128S3, DType::kBFloat16, 128));
-  EXPECT_FALSE(forward_layout_compiled(ForwardLayout::kMmaW8R16K128S3, DType::kFloat16, 128));
+  EXPECT_TRUE(forward_layout_compiled(ForwardLayout::kMmaW8R16K128S3, DType::kFloat16, 128));
+  EXPECT_TRUE(forward_layout_compiled(ForwardLayout::kMmaW8R16K128S3, DType::kFloat16, 96));
   EXPECT_TRUE(forward_layout_compiled(ForwardLayout::kMmaW8R16K64S3, DType::kFloat16, 64));
+  EXPECT_FALSE(forward_layout_compiled(ForwardLayout::kMmaW8R16K128S3, DType::kBFloat16, 256));
+  EXPECT_TRUE(forward_layout_compiled(ForwardLayout::kMmaW4R16K64S2, DType::kBFloat16, 256));
+  EXPECT_FALSE(forward_layout_compiled(ForwardLayout::kMmaW4R16K64S2, DType::kBFloat16, 128));
   EXPECT_TRUE(backward_layout_compiled(BackwardLayout::kMmaSplitK128S2, DType::kFloat16, 128));
-  EXPECT_FALSE(backward_layout_compiled(BackwardLayout::kMmaSplitK128S2, DType::kBFloat16, 64));
+  EXPECT_TRUE(backward_layout_compiled(BackwardLayout::kMmaSplitK128S2, DType::kBFloat16, 64));
+  // The split layout needs whole 64-column groups.
+  EXPECT_FALSE(backward_layout_compiled(BackwardLayout::kMmaSplitK128S2, DType::kBFloat16, 96));
+  EXPECT_TRUE(backward_layout_compiled(BackwardLayout::kMmaW4K64S2Halves, DType::kFloat16, 256));
+  EXPECT_FALSE(backward_layout_compiled(BackwardLayout::kMmaW4K64S2Halves, DType::kFloat16, 128));
   // The unpadded one-warp-per-16-keys kernel spills at head_dim 128: never compiled there.
   EXPECT_FALSE(backward_layout_compiled(BackwardLayout::kMmaW4K64, DType::kBFloat16, 128));
   EXPECT_FALSE(backward_layout_compiled(BackwardLayout::kMmaW8K128, DType::kBFloat16, 128));
-  // A head size no layout is chosen for compiles nothing.
-  for (ForwardLayout layout : mk::cuda::kForwardLayouts) {
-    EXPECT_FALSE(forward_layout_compiled(layout, DType::kBFloat16, 80));
+  // A head size the kernels do not support compiles nothing.
+  for (int32_t head_dim : {32, 80, 160, 192}) {
+    EXPECT_FALSE(mk::cuda::cuda_head_dim_supported(head_dim));
+    for (ForwardLayout layout : mk::cuda::kForwardLayouts) EXPECT_FALSE(forward_layout_compiled(layout, DType::kBFloat16, head_dim));
+    for (BackwardLayout layout : mk::cuda::kBackwardLayouts) EXPECT_FALSE(backward_layout_compiled(layout, DType::kFloat16, head_dim));
   }
 }
 
@@ -107,9 +130,9 @@ TEST(AttentionLayouts, AskingForALayoutRunsItOnlyWhereItIsCompiledAndFits) {
   EXPECT_EQ(ForwardLayout::kMmaW8R16K128S3, resolve_forward_layout(ForwardLayout::kWgmmaW8R64K128S2, kAmpere, bf16_128));
   EXPECT_EQ(ForwardLayout::kMmaW8R16K128S3,
             resolve_forward_layout(ForwardLayout::kWgmmaW8R64K128S2, kHopperWithoutSm90a, bf16_128));
-  // Not compiled for fp16: the choice runs.
-  const LayoutQuery fp16_128{DType::kFloat16, 128, 128, 0};
-  EXPECT_EQ(ForwardLayout::kMmaW8R16K64S3, resolve_forward_layout(ForwardLayout::kMmaW8R16K128S3, kHopper, fp16_128));
+  // Not compiled for this head size: the choice runs.
+  const LayoutQuery fp16_256{DType::kFloat16, 256, 128, 0};
+  EXPECT_EQ(ForwardLayout::kMmaW4R16K64S2, resolve_forward_layout(ForwardLayout::kMmaW8R16K128S3, kHopper, fp16_256));
   // 128-key blocks do not fit pages of 64.
   const LayoutQuery pages_64{DType::kBFloat16, 128, 64, 0};
   EXPECT_EQ(ForwardLayout::kWgmmaW8R64K64S3, resolve_forward_layout(ForwardLayout::kWgmmaW8R64K128S2, kHopper, pages_64));

@@ -29,7 +29,7 @@ def baseline_layout(case):
     blocks for pages of 128, 64-key ones for pages of 64. Where a wgmma layout does not fit (sparse
     tiles of 64 rows), both fall back to the same chosen layout."""
     page_tokens = case[2]
-    return "w8r16_k128_s3_qreg_shift" if page_tokens % 128 == 0 else "w8r16_k64_s3"
+    return "w8r16_k128_s3_qreg_shift" if page_tokens % 128 == 0 else "w8r16_k64_s3_qreg_shift"
 
 
 # (chunk_tokens, history_tokens, page_tokens, q_heads, kv_heads, attend_chunk, sparse tile or 0, top_k)

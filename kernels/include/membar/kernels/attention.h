@@ -110,8 +110,9 @@ enum class ForwardLayout : int32_t {
   kWgmmaW8R64K128S2 = 1,  // "wgmma_w8r64_k128_s2": two warpgroups of 64 rows, 128-key blocks, 2 stages
   kWgmmaW8R64K64S3 = 2,   // "wgmma_w8r64_k64_s3": two warpgroups of 64 rows, 64-key blocks, 3 stages
   kMmaW8R16K128S3 = 3,    // "w8r16_k128_s3_qreg_shift": mma.sync, 8 warps of 16 rows, 128-key blocks
-  kMmaW8R16K64S3 = 4,     // "w8r16_k64_s3": mma.sync, 8 warps of 16 rows
+  kMmaW8R16K64S3 = 4,     // "w8r16_k64_s3_qreg_shift": mma.sync, 8 warps of 16 rows, 64-key blocks
   kMmaW4R16K64S3 = 5,     // "w4r16_k64_s3": mma.sync, 4 warps of 16 rows (sparse tiles of 64 rows)
+  kMmaW4R16K64S2 = 6,     // "w4r16_k64_s2_shift_pad": mma.sync, 4 warps of 16 rows, 2 stages (head_dim 256)
 };
 enum class BackwardLayout : int32_t {
   kAuto = 0,              // the layout choose_backward_layout picks
@@ -119,6 +120,8 @@ enum class BackwardLayout : int32_t {
   kMmaW8K128 = 2,         // "w8_k128_dq64": 8 warps of 16 keys per 128-key page
   kMmaW4K64 = 3,          // "w4_k64_dq128": 4 warps of 16 keys per 64-key page
   kMmaW4K64Padded = 4,    // "w4_k64_dq128_pad": the same with padded tiles (no spills at head_dim 128)
+  kMmaW4K64S2Halves = 5,  // "w4_k64_dq32_pad_s2_d2": 64 keys a CTA (of a page of 64 or 128), 2 stages, dK/dV
+                          // in two passes of head_dim / 2 columns (head_dim 256)
 };
 
 // How a call runs, apart from what it computes (the params). Like ggml's compute plan (its thread

@@ -2,7 +2,7 @@
 // tests: what the kernels support, the checks to run before a launch, and which compiled layout
 // runs a call. Torch-free and CUDA-free; the launch functions are declared in attention.h.
 //
-// Support: dtype bf16 or fp16; head_dim 64 or 128; page_tokens 64 or 128; in sparse mode a
+// Support: dtype bf16 or fp16; head_dim 64, 96, 128 or 256; page_tokens 64 or 128; in sparse mode a
 // query_tile_tokens that is a multiple of 64 (a query tile holds whole 64-row blocks, because
 // every block of queries reads one selection row); 16-byte aligned tensors.
 //
@@ -55,29 +55,36 @@ inline LayoutQuery layout_query(const PagedAttentionShape& shape, const PageSele
 // The dtypes and head sizes the CUDA kernels are compiled for (paged_attention_cuda_check refuses
 // the others with a sentence).
 constexpr bool cuda_dtype_supported(DType dtype) { return dtype == DType::kBFloat16 || dtype == DType::kFloat16; }
-constexpr bool cuda_head_dim_supported(int32_t head_dim) { return head_dim == 64 || head_dim == 128; }
+constexpr bool cuda_head_dim_supported(int32_t head_dim) {
+  return head_dim == 64 || head_dim == 96 || head_dim == 128 || head_dim == 256;
+}
 
 // The layout dispatch runs for a call on `target` (Note [Layout choice]); meaningful for the
 // supported dtypes and head sizes.
 constexpr ForwardLayout choose_forward_layout(const CudaTarget& target, const LayoutQuery& query) {
+  // Head size 256: Q and two stages of K and V fill the shared memory of a 64-row CTA.
+  if (query.head_dim == 256) return ForwardLayout::kMmaW4R16K64S2;
   // A CTA's queries must lie inside one sparse tile: 128-row CTAs need tiles of 128k rows.
-  const bool tiles_hold_128_rows = query.sparse_tile_tokens % 128 == 0;
-  if (query.dtype == DType::kBFloat16 && query.head_dim == 128 && tiles_hold_128_rows) {
-    if (target.compute_capability == 90 && target.warpgroup_kernels) {
-      return query.page_tokens % 128 == 0 ? ForwardLayout::kWgmmaW8R64K128S2 : ForwardLayout::kWgmmaW8R64K64S3;
-    }
-    if (query.page_tokens % 128 == 0) return ForwardLayout::kMmaW8R16K128S3;
+  if (query.sparse_tile_tokens % 128 != 0) return ForwardLayout::kMmaW4R16K64S3;
+  if (query.dtype == DType::kBFloat16 && query.head_dim == 128 && target.compute_capability == 90 &&
+      target.warpgroup_kernels) {
+    return query.page_tokens % 128 == 0 ? ForwardLayout::kWgmmaW8R64K128S2 : ForwardLayout::kWgmmaW8R64K64S3;
   }
-  return tiles_hold_128_rows ? ForwardLayout::kMmaW8R16K64S3 : ForwardLayout::kMmaW4R16K64S3;
+  // 128-key blocks lie inside pages of 128 only.
+  return query.page_tokens % 128 == 0 ? ForwardLayout::kMmaW8R16K128S3 : ForwardLayout::kMmaW8R16K64S3;
 }
 
 constexpr BackwardLayout choose_backward_layout(const CudaTarget& target, const LayoutQuery& query) {
-  // A CTA of the dK/dV kernels owns one page: its keys are the page's. At head_dim 128 the
-  // swizzled one-warp-per-16-keys kernel spills; padded tiles or the split layout do not.
+  // Head size 256: no CTA holds dK and dV of a whole page in registers; 64 keys a CTA, in two
+  // passes of half the columns.
+  if (query.head_dim == 256) return BackwardLayout::kMmaW4K64S2Halves;
+  // Otherwise a CTA owns one page. At head_dim 128 the swizzled one-warp-per-16-keys kernel
+  // spills; padded tiles or the split layout do not. The split layout needs whole 64-column
+  // groups (head_dim 64 or 128).
   if (query.page_tokens == 64) {
     return query.head_dim == 128 ? BackwardLayout::kMmaW4K64Padded : BackwardLayout::kMmaW4K64;
   }
-  return query.head_dim == 128 ? BackwardLayout::kMmaSplitK128S2 : BackwardLayout::kMmaW8K128;
+  return query.head_dim % 64 == 0 ? BackwardLayout::kMmaSplitK128S2 : BackwardLayout::kMmaW8K128;
 }
 
 // Whether `layout` can run a call at all (ignoring dtype and head_dim): its key blocks lie inside
@@ -96,6 +103,7 @@ constexpr bool forward_layout_fits(ForwardLayout layout, const CudaTarget& targe
     case ForwardLayout::kMmaW8R16K64S3:
       return tiles_hold(128) && query.page_tokens % 64 == 0;
     case ForwardLayout::kMmaW4R16K64S3:
+    case ForwardLayout::kMmaW4R16K64S2:
       return tiles_hold(64) && query.page_tokens % 64 == 0;
     case ForwardLayout::kAuto:
       break;
@@ -111,6 +119,8 @@ constexpr bool backward_layout_fits(BackwardLayout layout, const CudaTarget& tar
     case BackwardLayout::kMmaW4K64:
     case BackwardLayout::kMmaW4K64Padded:
       return query.page_tokens == 64;
+    case BackwardLayout::kMmaW4K64S2Halves:
+      return query.page_tokens % 64 == 0;
     case BackwardLayout::kAuto:
       break;
   }
@@ -172,9 +182,10 @@ constexpr BackwardLayout resolve_backward_layout(BackwardLayout requested, const
 // Every layout the library has, and their names (the layout grammar of docs/kernels.md).
 inline constexpr ForwardLayout kForwardLayouts[] = {
     ForwardLayout::kWgmmaW8R64K128S2, ForwardLayout::kWgmmaW8R64K64S3, ForwardLayout::kMmaW8R16K128S3,
-    ForwardLayout::kMmaW8R16K64S3, ForwardLayout::kMmaW4R16K64S3};
+    ForwardLayout::kMmaW8R16K64S3, ForwardLayout::kMmaW4R16K64S3, ForwardLayout::kMmaW4R16K64S2};
 inline constexpr BackwardLayout kBackwardLayouts[] = {BackwardLayout::kMmaSplitK128S2, BackwardLayout::kMmaW8K128,
-                                                      BackwardLayout::kMmaW4K64, BackwardLayout::kMmaW4K64Padded};
+                                                      BackwardLayout::kMmaW4K64, BackwardLayout::kMmaW4K64Padded,
+                                                      BackwardLayout::kMmaW4K64S2Halves};
 
 constexpr const char* forward_layout_name(ForwardLayout layout) {
   switch (layout) {
@@ -182,8 +193,9 @@ constexpr const char* forward_layout_name(ForwardLayout layout) {
     case ForwardLayout::kWgmmaW8R64K128S2: return "wgmma_w8r64_k128_s2";
     case ForwardLayout::kWgmmaW8R64K64S3: return "wgmma_w8r64_k64_s3";
     case ForwardLayout::kMmaW8R16K128S3: return "w8r16_k128_s3_qreg_shift";
-    case ForwardLayout::kMmaW8R16K64S3: return "w8r16_k64_s3";
+    case ForwardLayout::kMmaW8R16K64S3: return "w8r16_k64_s3_qreg_shift";
     case ForwardLayout::kMmaW4R16K64S3: return "w4r16_k64_s3";
+    case ForwardLayout::kMmaW4R16K64S2: return "w4r16_k64_s2_shift_pad";
   }
   return "unknown";
 }
@@ -195,6 +207,7 @@ constexpr const char* backward_layout_name(BackwardLayout layout) {
     case BackwardLayout::kMmaW8K128: return "w8_k128_dq64";
     case BackwardLayout::kMmaW4K64: return "w4_k64_dq128";
     case BackwardLayout::kMmaW4K64Padded: return "w4_k64_dq128_pad";
+    case BackwardLayout::kMmaW4K64S2Halves: return "w4_k64_dq32_pad_s2_d2";
   }
   return "unknown";
 }
