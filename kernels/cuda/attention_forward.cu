@@ -46,6 +46,11 @@ cudaError_t launch_layout(ForwardLayout layout, const PagedAttentionForwardParam
         return detail::launch_forward<Element, kHeadDim, layouts::MmaW4R16K64S2>(params, stream);
       }
       break;
+    case ForwardLayout::kMmaW4R16K128S1:
+      if constexpr (forward_layout_compiled(ForwardLayout::kMmaW4R16K128S1, kDType, kHeadDim)) {
+        return detail::launch_forward<Element, kHeadDim, layouts::MmaW4R16K128S1>(params, stream);
+      }
+      break;
     case ForwardLayout::kAuto:
       break;
   }

@@ -87,6 +87,21 @@ struct MmaW4R16K64S2 {
   }();
 };
 
+struct MmaW4R16K128S1 {
+  static constexpr const char* kName = "w4r16_k128_s1_qreg_shift_2cta";
+  static constexpr detail::ForwardTile kTile = [] {
+    detail::ForwardTile tile;
+    tile.warps = 4;
+    tile.row_tiles_per_warp = 1;
+    tile.keys_per_block = 128;
+    tile.stages = 1;
+    tile.ctas_per_sm = 2;
+    tile.q_in_registers = true;
+    tile.shift_indexing = true;
+    return tile;
+  }();
+};
+
 // Backward dK/dV (attention_backward_kernel.cuh).
 struct MmaSplitK128S2 {
   static constexpr const char* kName = "w8_k128_split_s2_pad";

@@ -24,6 +24,7 @@ constexpr const char* kMmaNames[] = {
     layouts::MmaW8R16K64S3::kName,
     layouts::MmaW4R16K64S3::kName,
     layouts::MmaW4R16K64S2::kName,
+    layouts::MmaW4R16K128S1::kName,
     "w8r16_k64_s3",
     "w4r32_k64_s2_shift_2cta",
     "w4r32_k64_s2_skip_2cta",
@@ -42,7 +43,6 @@ constexpr const char* kMmaNames[] = {
     "w4r16_k64_s3_qreg_shift_2cta_pipe",
     "w4r16_k64_s3_shift_2cta_pipe",
     "w4r16_k64_s3_qreg_shift_2cta_pipe_lazy",
-    "w4r16_k128_s1_qreg_shift_2cta",
     "w4r16_k128_s1_qreg_shift_2cta_lazy",
     "w8r16_k128_s3_qreg_skip",
     "w8r16_k128_s2_qreg_skip",
@@ -62,6 +62,8 @@ static_assert(same_tile(forward_tile_from_name(layouts::MmaW8R16K64S3::kName).ti
 static_assert(same_tile(forward_tile_from_name(layouts::MmaW4R16K64S3::kName).tile, layouts::MmaW4R16K64S3::kTile),
               "the shipped layout's fields match its name");
 static_assert(same_tile(forward_tile_from_name(layouts::MmaW4R16K64S2::kName).tile, layouts::MmaW4R16K64S2::kTile),
+              "the shipped layout's fields match its name");
+static_assert(same_tile(forward_tile_from_name(layouts::MmaW4R16K128S1::kName).tile, layouts::MmaW4R16K128S1::kTile),
               "the shipped layout's fields match its name");
 
 // The layout called kMmaNames[kIndex], as the kernel's template argument.

@@ -39,9 +39,13 @@ TEST(AttentionLayouts, HopperRunsTheWarpgroupForwardForBf16HeadDim128) {
 
 TEST(AttentionLayouts, OtherDevicesDtypesAndHeadSizesRunMmaSync) {
   for (const CudaTarget& target : {kAmpere, kHopperWithoutSm90a}) {
-    EXPECT_EQ(ForwardLayout::kMmaW8R16K128S3, choose_forward_layout(target, LayoutQuery{DType::kBFloat16, 128, 128, 0}));
     EXPECT_EQ(ForwardLayout::kMmaW8R16K64S3, choose_forward_layout(target, LayoutQuery{DType::kBFloat16, 128, 64, 0}));
   }
+  // Three stages of 128-key blocks take more shared memory than an A100 has.
+  EXPECT_EQ(ForwardLayout::kMmaW8R16K128S3,
+            choose_forward_layout(kHopperWithoutSm90a, LayoutQuery{DType::kBFloat16, 128, 128, 0}));
+  EXPECT_EQ(ForwardLayout::kMmaW4R16K128S1, choose_forward_layout(kAmpere, LayoutQuery{DType::kBFloat16, 128, 128, 0}));
+  EXPECT_EQ(ForwardLayout::kMmaW4R16K128S1, choose_forward_layout(kAmpere, LayoutQuery{DType::kFloat16, 96, 128, 0}));
   for (int32_t head_dim : {64, 96, 128}) {
     EXPECT_EQ(ForwardLayout::kMmaW8R16K128S3, choose_forward_layout(kHopper, LayoutQuery{DType::kFloat16, head_dim, 128, 0}));
     EXPECT_EQ(ForwardLayout::kMmaW8R16K64S3, choose_forward_layout(kHopper, LayoutQuery{DType::kFloat16, head_dim, 64, 0}));
@@ -126,8 +130,9 @@ TEST(AttentionLayouts, AskingForALayoutRunsItOnlyWhereItIsCompiledAndFits) {
   const LayoutQuery bf16_128{DType::kBFloat16, 128, 128, 0};
   // The layout another GPU would run, on Hopper: it runs.
   EXPECT_EQ(ForwardLayout::kMmaW8R16K128S3, resolve_forward_layout(ForwardLayout::kMmaW8R16K128S3, kHopper, bf16_128));
+  EXPECT_EQ(ForwardLayout::kMmaW4R16K128S1, resolve_forward_layout(ForwardLayout::kMmaW4R16K128S1, kHopper, bf16_128));
   // Warpgroup layouts need Hopper and the sm_90a build; elsewhere the choice runs.
-  EXPECT_EQ(ForwardLayout::kMmaW8R16K128S3, resolve_forward_layout(ForwardLayout::kWgmmaW8R64K128S2, kAmpere, bf16_128));
+  EXPECT_EQ(ForwardLayout::kMmaW4R16K128S1, resolve_forward_layout(ForwardLayout::kWgmmaW8R64K128S2, kAmpere, bf16_128));
   EXPECT_EQ(ForwardLayout::kMmaW8R16K128S3,
             resolve_forward_layout(ForwardLayout::kWgmmaW8R64K128S2, kHopperWithoutSm90a, bf16_128));
   // Not compiled for this head size: the choice runs.

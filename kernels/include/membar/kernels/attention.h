@@ -113,6 +113,7 @@ enum class ForwardLayout : int32_t {
   kMmaW8R16K64S3 = 4,     // "w8r16_k64_s3_qreg_shift": mma.sync, 8 warps of 16 rows, 64-key blocks
   kMmaW4R16K64S3 = 5,     // "w4r16_k64_s3": mma.sync, 4 warps of 16 rows (sparse tiles of 64 rows)
   kMmaW4R16K64S2 = 6,     // "w4r16_k64_s2_shift_pad": mma.sync, 4 warps of 16 rows, 2 stages (head_dim 256)
+  kMmaW4R16K128S1 = 7,    // "w4r16_k128_s1_qreg_shift_2cta": mma.sync, 4 warps of 16 rows, one K/V buffer
 };
 enum class BackwardLayout : int32_t {
   kAuto = 0,              // the layout choose_backward_layout picks

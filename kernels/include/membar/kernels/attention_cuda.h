@@ -70,8 +70,11 @@ constexpr ForwardLayout choose_forward_layout(const CudaTarget& target, const La
       target.warpgroup_kernels) {
     return query.page_tokens % 128 == 0 ? ForwardLayout::kWgmmaW8R64K128S2 : ForwardLayout::kWgmmaW8R64K64S3;
   }
-  // 128-key blocks lie inside pages of 128 only.
-  return query.page_tokens % 128 == 0 ? ForwardLayout::kMmaW8R16K128S3 : ForwardLayout::kMmaW8R16K64S3;
+  // 128-key blocks lie inside pages of 128 only. Three stages of them take 224 KiB of shared
+  // memory at head_dim 128, which Hopper has and an A100 (164 KiB) does not: before sm_90 the
+  // 64-row layout with one K and one V buffer (80 KiB) runs them.
+  if (query.page_tokens % 128 != 0) return ForwardLayout::kMmaW8R16K64S3;
+  return target.compute_capability >= 90 ? ForwardLayout::kMmaW8R16K128S3 : ForwardLayout::kMmaW4R16K128S1;
 }
 
 constexpr BackwardLayout choose_backward_layout(const CudaTarget& target, const LayoutQuery& query) {
@@ -105,6 +108,8 @@ constexpr bool forward_layout_fits(ForwardLayout layout, const CudaTarget& targe
     case ForwardLayout::kMmaW4R16K64S3:
     case ForwardLayout::kMmaW4R16K64S2:
       return tiles_hold(64) && query.page_tokens % 64 == 0;
+    case ForwardLayout::kMmaW4R16K128S1:
+      return tiles_hold(64) && query.page_tokens % 128 == 0;
     case ForwardLayout::kAuto:
       break;
   }
@@ -182,7 +187,8 @@ constexpr BackwardLayout resolve_backward_layout(BackwardLayout requested, const
 // Every layout the library has, and their names (the layout grammar of docs/kernels.md).
 inline constexpr ForwardLayout kForwardLayouts[] = {
     ForwardLayout::kWgmmaW8R64K128S2, ForwardLayout::kWgmmaW8R64K64S3, ForwardLayout::kMmaW8R16K128S3,
-    ForwardLayout::kMmaW8R16K64S3, ForwardLayout::kMmaW4R16K64S3, ForwardLayout::kMmaW4R16K64S2};
+    ForwardLayout::kMmaW8R16K64S3, ForwardLayout::kMmaW4R16K64S3, ForwardLayout::kMmaW4R16K64S2,
+    ForwardLayout::kMmaW4R16K128S1};
 inline constexpr BackwardLayout kBackwardLayouts[] = {BackwardLayout::kMmaSplitK128S2, BackwardLayout::kMmaW8K128,
                                                       BackwardLayout::kMmaW4K64, BackwardLayout::kMmaW4K64Padded,
                                                       BackwardLayout::kMmaW4K64S2Halves};
@@ -196,6 +202,7 @@ constexpr const char* forward_layout_name(ForwardLayout layout) {
     case ForwardLayout::kMmaW8R16K64S3: return "w8r16_k64_s3_qreg_shift";
     case ForwardLayout::kMmaW4R16K64S3: return "w4r16_k64_s3";
     case ForwardLayout::kMmaW4R16K64S2: return "w4r16_k64_s2_shift_pad";
+    case ForwardLayout::kMmaW4R16K128S1: return "w4r16_k128_s1_qreg_shift_2cta";
   }
   return "unknown";
 }
