@@ -11,8 +11,13 @@ paging, so it is the dense-attention ceiling a paged kernel is measured against.
 Sparse: each 128-query tile attends to its top-64 history pages (page_select on page_summary
 means) plus the chunk; reported as speedup of forward + backward over the dense op.
 
+Head sizes: the same chunk (4096 queries, 28 / 4 heads) after a 32K history for every head size
+the CUDA kernels take (64, 96, 128, 256) in bf16 and fp16, against SDPA flash in the same dtype;
+goals forward >= 1.0x and backward >= 0.8x SDPA flash. The layouts the kernels chose are recorded.
+
 Writes attention.json and attention.txt into $MEMBAR_RESULTS_DIR (default bench/results/latest).
 Usage: PYTHONPATH=bindings/python python3 bench/attention_bench.py [--histories 32768,131072,262144]
+    [--head-dims 64,96,128,256] [--head-dim-dtypes bfloat16,float16] [--head-dim-history 32768]
 """
 import argparse
 import json
@@ -47,25 +52,25 @@ def time_ms(function, warmup=2, iterations=5):
     return times[len(times) // 2]
 
 
-def forward_flops(chunk, history):
-    return 4.0 * chunk * Q_HEADS * HEAD_DIM * (history + chunk / 2)
+def forward_flops(chunk, history, head_dim=HEAD_DIM):
+    return 4.0 * chunk * Q_HEADS * head_dim * (history + chunk / 2)
 
 
-def make_inputs(history, generator_seed=0):
+def make_inputs(history, generator_seed=0, head_dim=HEAD_DIM, dtype=torch.bfloat16):
     torch.manual_seed(generator_seed)
-    device, dtype = "cuda", torch.bfloat16
+    device = "cuda"
     num_pages = history // PAGE_TOKENS
-    q = torch.randn(CHUNK, Q_HEADS, HEAD_DIM, device=device, dtype=dtype)
-    k = torch.randn(CHUNK, KV_HEADS, HEAD_DIM, device=device, dtype=dtype)
-    v = torch.randn(CHUNK, KV_HEADS, HEAD_DIM, device=device, dtype=dtype)
-    dout = torch.randn(CHUNK, Q_HEADS, HEAD_DIM, device=device, dtype=dtype)
-    k_pool = torch.randn(num_pages, PAGE_TOKENS, KV_HEADS, HEAD_DIM, device=device, dtype=dtype)
-    v_pool = torch.randn(num_pages, PAGE_TOKENS, KV_HEADS, HEAD_DIM, device=device, dtype=dtype)
+    q = torch.randn(CHUNK, Q_HEADS, head_dim, device=device, dtype=dtype)
+    k = torch.randn(CHUNK, KV_HEADS, head_dim, device=device, dtype=dtype)
+    v = torch.randn(CHUNK, KV_HEADS, head_dim, device=device, dtype=dtype)
+    dout = torch.randn(CHUNK, Q_HEADS, head_dim, device=device, dtype=dtype)
+    k_pool = torch.randn(num_pages, PAGE_TOKENS, KV_HEADS, head_dim, device=device, dtype=dtype)
+    v_pool = torch.randn(num_pages, PAGE_TOKENS, KV_HEADS, head_dim, device=device, dtype=dtype)
     # Pages in shuffled pool order, as a runtime would hand them out.
     k_index = torch.randperm(num_pages, device=device).to(torch.int32)
     v_index = torch.randperm(num_pages, device=device).to(torch.int32)
     return dict(q=q, k=k, v=v, dout=dout, k_pool=k_pool, v_pool=v_pool, k_index=k_index, v_index=v_index,
-                history=history, scale=1.0 / math.sqrt(HEAD_DIM))
+                history=history, scale=1.0 / math.sqrt(head_dim))
 
 
 def membar_runner(p, selection=None, grad_dtype=torch.float32, deterministic=False):
@@ -92,8 +97,9 @@ def sdpa_runner(p):
     from torch.nn.attention.bias import causal_lower_right
 
     group = Q_HEADS // KV_HEADS
-    keys = torch.cat([p["k_pool"][p["k_index"].long()].reshape(-1, KV_HEADS, HEAD_DIM), p["k"]])
-    values = torch.cat([p["v_pool"][p["v_index"].long()].reshape(-1, KV_HEADS, HEAD_DIM), p["v"]])
+    head_dim = p["q"].shape[-1]
+    keys = torch.cat([p["k_pool"][p["k_index"].long()].reshape(-1, KV_HEADS, head_dim), p["k"]])
+    values = torch.cat([p["v_pool"][p["v_index"].long()].reshape(-1, KV_HEADS, head_dim), p["v"]])
     q = p["q"].transpose(0, 1).unsqueeze(0).detach().requires_grad_()
     k = keys.repeat_interleave(group, dim=1).transpose(0, 1).unsqueeze(0).detach().requires_grad_()
     v = values.repeat_interleave(group, dim=1).transpose(0, 1).unsqueeze(0).detach().requires_grad_()
@@ -169,11 +175,43 @@ def bench_history(history, results):
     torch.cuda.empty_cache()
 
 
+def bench_head_dim(head_dim, dtype, history, results):
+    """Forward and backward TFLOP/s of membar and SDPA flash at one head size and dtype."""
+    p = make_inputs(history, head_dim=head_dim, dtype=dtype)
+    fwd_flops = forward_flops(CHUNK, history, head_dim)
+    row = {"head_dim": head_dim, "dtype": str(dtype).replace("torch.", ""), "history": history, "chunk": CHUNK}
+    if hasattr(ops, "attention_cuda_layout"):
+        row["layouts"] = {kind: ops.attention_cuda_layout(kind, dtype, head_dim, PAGE_TOKENS)
+                          for kind in ("forward", "backward")}
+    forward, backward, state = membar_runner(p)
+    row["membar_forward_ms"] = time_ms(forward)
+    forward()
+    row["membar_backward_ms"] = time_ms(backward)
+    sdpa_forward, sdpa_forward_backward, sdpa_state = sdpa_runner(p)
+    row["sdpa_forward_ms"] = time_ms(sdpa_forward)
+    row["sdpa_backward_ms"] = time_ms(sdpa_forward_backward) - row["sdpa_forward_ms"]
+    sdpa_forward()
+    row["max_abs_diff_vs_sdpa"] = (state["out"] - sdpa_state["out"][0].transpose(0, 1)).abs().max().item()
+    for who in ("membar", "sdpa"):
+        row[f"{who}_forward_tflops"] = fwd_flops / (row[f"{who}_forward_ms"] * 1e-3) / 1e12
+        row[f"{who}_backward_tflops"] = 2.5 * fwd_flops / (row[f"{who}_backward_ms"] * 1e-3) / 1e12
+    row["forward_ratio"] = row["membar_forward_tflops"] / row["sdpa_forward_tflops"]
+    row["backward_ratio"] = row["membar_backward_tflops"] / row["sdpa_backward_tflops"]
+    row["goals_met"] = row["forward_ratio"] >= 1.0 and row["backward_ratio"] >= 0.8
+    results["head_dims"].append(row)
+    print(json.dumps(row), flush=True)
+    del p, state, sdpa_state
+    torch.cuda.empty_cache()
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--histories", default="32768,131072,262144")
+    parser.add_argument("--head-dims", default="64,96,128,256", help="head sizes to compare with SDPA ('' for none)")
+    parser.add_argument("--head-dim-dtypes", default="bfloat16,float16")
+    parser.add_argument("--head-dim-history", type=int, default=32768)
     args = parser.parse_args()
-    histories = [int(h) for h in args.histories.split(",")]
+    histories = [int(h) for h in args.histories.split(",") if h]
     # MEMBAR_COMMIT first: on the lent device the tree's .git may be an older copy than its files.
     commit = os.environ.get("MEMBAR_COMMIT", "")
     if not commit:
@@ -192,18 +230,22 @@ def main():
                   "chunk": CHUNK, "dtype": "bfloat16", "grad_pages": "float32"},
         "flop_convention": "fwd 4*Tc*Hq*D*(history + Tc/2); bwd 2.5x fwd; same for both",
         "histories": histories,
-        # The compiled kernel variants that ran (bench/attention_sweep.py compares all of them).
-        "variants": {kind: ops.attention_cuda_variants(kind)[1] for kind in ("forward", "backward")}
-        if hasattr(ops, "attention_cuda_variants") else {},
+        # The layouts the kernels chose for this shape (bench/attention_sweep.py times all of them).
+        "layouts": {kind: ops.attention_cuda_layout(kind, torch.bfloat16, HEAD_DIM, PAGE_TOKENS)
+                    for kind in ("forward", "backward")} if hasattr(ops, "attention_cuda_layout") else {},
         "dense": [],
         "sparse": None,
+        "head_dims": [],
     }
     for history in histories:
         bench_history(history, results)
+    for head_dim in [int(d) for d in args.head_dims.split(",") if d]:
+        for dtype_name in [d for d in args.head_dim_dtypes.split(",") if d]:
+            bench_head_dim(head_dim, getattr(torch, dtype_name), args.head_dim_history, results)
 
     lines = [f"paged attention vs SDPA flash, {results['machine']}, commit {results['commit'][:12]}, {results['date']}",
              "Qwen2.5-7B attention: 28 q heads, 4 kv heads, D=128, bf16, chunk 4096, pages of 128, fp32 grad pages; "
-             f"kernel variants {results['variants']}",
+             f"kernel layouts {results['layouts']}",
              f"{'history':>8} {'fwd TF/s':>9} {'SDPA fwd':>9} {'ratio':>6} {'bwd TF/s':>9} {'SDPA bwd':>9} {'ratio':>6}"
              f" {'bwd det ms':>10} {'bwd bf16pg ms':>13} {'|diff|':>8}"]
     for row in results["dense"]:
@@ -218,6 +260,18 @@ def main():
                      f"bwd {s['backward_ms']:.2f} ms, summary+select {s['summary_select_ms']:.2f} ms; "
                      f"fwd+bwd speedup {s['speedup_fwd_bwd_over_dense']:.1f}x over dense paged, "
                      f"{s['speedup_fwd_bwd_over_sdpa']:.1f}x over SDPA")
+    if results["head_dims"]:
+        lines.append(f"head sizes at history {args.head_dim_history} (28 / 4 heads, chunk 4096, pages of 128); "
+                     "goals: forward >= 1.0x, backward >= 0.8x SDPA flash")
+        lines.append(f"{'D':>4} {'dtype':>9} {'fwd TF/s':>9} {'SDPA fwd':>9} {'ratio':>6} {'bwd TF/s':>9} {'SDPA bwd':>9}"
+                     f" {'ratio':>6} {'goals':>6}  layouts")
+        for row in results["head_dims"]:
+            layouts = row.get("layouts", {})
+            lines.append(f"{row['head_dim']:>4} {row['dtype']:>9} {row['membar_forward_tflops']:>9.1f}"
+                         f" {row['sdpa_forward_tflops']:>9.1f} {row['forward_ratio']:>6.2f}"
+                         f" {row['membar_backward_tflops']:>9.1f} {row['sdpa_backward_tflops']:>9.1f}"
+                         f" {row['backward_ratio']:>6.2f} {'met' if row['goals_met'] else 'NOT':>6}"
+                         f"  {layouts.get('forward', '?')} / {layouts.get('backward', '?')}")
     text = "\n".join(lines) + "\n"
     print(text)
     out_dir = Path(os.environ.get("MEMBAR_RESULTS_DIR", Path(__file__).parent / "results" / "latest"))

@@ -1,33 +1,35 @@
-"""Sweep of the compiled CUDA attention kernel variants (Note [Forward variants] in
-kernels/cuda/attention_forward.cu, Note [Backward variants] in attention_backward.cu) at the
-Qwen2.5-7B attention shape: 28 q heads, 4 KV heads, head_dim 128, bf16, a chunk of 4096 queries
-after a history of 32K and 128K tokens in pages of 128, beside torch SDPA with the flash backend.
+"""Sweep of the CUDA attention kernels' layouts (the sweep target of kernels/sweep/: the shipped
+layouts, the contenders that lost and the experimental ones; Note [Layout choice] in
+kernels/include/membar/kernels/attention_cuda.h) at the Qwen2.5-7B attention shape: 28 q heads,
+4 KV heads, head_dim 128, bf16, a chunk of 4096 queries after a history of 32K and 128K tokens in
+pages of 128, beside torch SDPA with the flash backend. docs/kernels.md keeps the results.
 
-For each history: the default variants' outputs are the reference; every variant runs once on the
+The layouts run through the sweep module (torch.ops.membar_sweep, the library
+membar_attention_sweep.so that `cmake --build <build> --target membar_attention_sweep` writes into
+<build>/lib; --library or $MEMBAR_SWEEP_LIBRARY name another). For each history the shipped
+library's own choice (torch.ops.membar) gives the reference outputs; every layout runs once on the
 same random inputs and must agree with them up to rounding (norm of the difference / norm of the
 reference <= 1e-2, and no element off by more than 10% of the reference's largest magnitude),
-then is timed (median of 5 runs after a warm-up). FLOPs are counted as in attention_bench.py:
-4 * Tc * Hq * D * (history + Tc / 2) for the forward, 2.5 times that for the backward.
+then is timed (median of 5 runs after a warm-up). A layout that does not fit the shape (pages of
+64 only) is listed as such. FLOPs are counted as in attention_bench.py:
+4 * Tc * Hq * D * (history + Tc / 2) for the forward, 2.5 times that for the backward. Registers
+and local memory (stack and spills) per thread come from cudaFuncGetAttributes of each layout's
+kernel.
 
-Registers and stack (spill) bytes per kernel come from `cuobjdump --dump-resource-usage` on the
-loaded ops library.
-
-A variant that crashes the CUDA context or hangs must not take the others with it: the work runs
+A layout that crashes the CUDA context or hangs must not take the others with it: the work runs
 in a child process that writes one JSON line per finished measurement; when the child dies, the
-parent marks the variant it was on as failed and starts a new child for the rest.
+parent marks the layout it was on as failed and starts a new child for the rest.
 
 Writes attention_sweep.json and attention_sweep.txt into $MEMBAR_RESULTS_DIR (default
-bench/results/latest). Usage (about a minute on an H200):
+bench/results/latest). Usage (about a minute on an H200, once the module is built):
   PYTHONPATH=bindings/python python3 bench/attention_sweep.py [--histories 32768,131072]
-      [--forward NAME,...] [--backward NAME,...]
+      [--forward NAME,...] [--backward NAME,...] [--library PATH]
 """
 import argparse
 import json
 import math
 import os
 import platform
-import re
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -38,6 +40,22 @@ Q_HEADS, KV_HEADS, HEAD_DIM, PAGE_TOKENS, CHUNK = 28, 4, 128, 128, 4096
 NORM_TOLERANCE = 1e-2
 MAX_TOLERANCE = 0.1
 CHILD_TIMEOUT_S = 150
+REPOSITORY = Path(__file__).resolve().parent.parent
+LIBRARY_NAME = "membar_attention_sweep.so"
+
+
+def find_sweep_library(explicit=""):
+    """The sweep module's path: `explicit`, $MEMBAR_SWEEP_LIBRARY, $MEMBAR_BUILD_DIR/lib, or the
+    lib/ of a build directory of this checkout (build-gpu, build, build-*); None when not built."""
+    candidates = [explicit, os.environ.get("MEMBAR_SWEEP_LIBRARY", "")]
+    if os.environ.get("MEMBAR_BUILD_DIR"):
+        candidates.append(os.path.join(os.environ["MEMBAR_BUILD_DIR"], "lib", LIBRARY_NAME))
+    candidates += [str(REPOSITORY / name / "lib" / LIBRARY_NAME) for name in ("build-gpu", "build")]
+    candidates += sorted(str(path) for path in REPOSITORY.glob("build-*/lib/" + LIBRARY_NAME))
+    for candidate in candidates:
+        if candidate and os.path.exists(candidate):
+            return Path(candidate)
+    return None
 
 
 def forward_flops(history):
@@ -52,7 +70,8 @@ def child_main(args):
 
     import membar  # noqa: F401  (loads the ops library)
 
-    ops = torch.ops.membar
+    torch.ops.load_library(args.library)
+    ops, sweep = torch.ops.membar, torch.ops.membar_sweep
     out_file = open(args.child_out, "a", buffering=1)
 
     def emit(record):
@@ -91,16 +110,19 @@ def child_main(args):
         dk_pool = torch.zeros(k_pool.shape, device=device, dtype=torch.float32)
         dv_pool = torch.zeros(v_pool.shape, device=device, dtype=torch.float32)
         fwd_flops = forward_flops(history)
+        inputs = (q, k, v, k_pool, k_index, v_pool, v_index)
 
-        def forward():
-            return ops.paged_attention_forward(q, k, v, k_pool, k_index, v_pool, v_index, history, scale, None, 128)
+        def forward(layout=None):
+            if layout is None:
+                return ops.paged_attention_forward(*inputs, history, scale, None, 128)
+            return sweep.paged_attention_forward(layout, *inputs, history, scale, None, 128)
 
-        def backward(out, lse, dk, dv):
-            return ops.paged_attention_backward(q, k, v, k_pool, k_index, v_pool, v_index, out, dout, lse, dk,
-                                                k_index, dv, v_index, history, scale, None, 128, False)
+        def backward(out, lse, dk, dv, layout=None):
+            arguments = (*inputs, out, dout, lse, dk, k_index, dv, v_index, history, scale, None, 128, False)
+            if layout is None:
+                return ops.paged_attention_backward(*arguments)
+            return sweep.paged_attention_backward(layout, *arguments)
 
-        os.environ.pop("MEMBAR_ATTENTION_FORWARD_VARIANT", None)
-        os.environ.pop("MEMBAR_ATTENTION_BACKWARD_VARIANT", None)
         reference_out, reference_lse = forward()
         dk_reference, dv_reference = torch.zeros_like(dk_pool), torch.zeros_like(dv_pool)
         reference_grads = backward(reference_out, reference_lse, dk_reference, dv_reference)
@@ -108,7 +130,7 @@ def child_main(args):
         torch.cuda.synchronize()
 
         if ("sdpa", "flash") in [tuple(item) for item in todo]:
-            emit({"kind": "sdpa", "variant": "flash", "history": history, "started": True})
+            emit({"kind": "sdpa", "layout": "flash", "history": history, "started": True})
             from torch.nn.attention import SDPBackend, sdpa_kernel
             from torch.nn.attention.bias import causal_lower_right
 
@@ -136,34 +158,32 @@ def child_main(args):
             both_ms = time_ms(sdpa_forward_backward)
             sdpa_forward()
             difference = (state["out"][0].transpose(0, 1).float() - reference_out.float()).abs().max().item()
-            emit({"kind": "sdpa", "variant": "flash", "history": history, "forward_ms": forward_ms,
+            emit({"kind": "sdpa", "layout": "flash", "history": history, "forward_ms": forward_ms,
                   "backward_ms": both_ms - forward_ms,
                   "forward_tflops": fwd_flops / (forward_ms * 1e-3) / 1e12,
                   "backward_tflops": 2.5 * fwd_flops / ((both_ms - forward_ms) * 1e-3) / 1e12,
-                  "max_abs_diff_vs_default": difference})
+                  "max_abs_diff_vs_shipped": difference})
             del sq, sk, sv, state
             torch.cuda.empty_cache()
 
         for kind, name in todo:
             if kind == "sdpa":
                 continue
-            emit({"kind": kind, "variant": name, "history": history, "started": True})
-            variable = "MEMBAR_ATTENTION_FORWARD_VARIANT" if kind == "forward" else "MEMBAR_ATTENTION_BACKWARD_VARIANT"
-            os.environ[variable] = name
-            record = {"kind": kind, "variant": name, "history": history}
+            emit({"kind": kind, "layout": name, "history": history, "started": True})
+            record = {"kind": kind, "layout": name, "history": history}
             try:
                 if kind == "forward":
-                    out, lse = forward()
+                    out, lse = forward(name)
                     out_rel = compare(out, reference_out)
                     lse_difference = (lse - reference_lse).abs().max().item()
                     record["checks"] = {"out": out_rel[:2], "lse_max_abs": lse_difference}
                     record["ok"] = out_rel[2] and lse_difference <= 1e-3
-                    milliseconds = time_ms(forward)
+                    milliseconds = time_ms(lambda: forward(name))
                     record["ms"] = milliseconds
                     record["tflops"] = fwd_flops / (milliseconds * 1e-3) / 1e12
                 else:
                     dk, dv = torch.zeros_like(dk_pool), torch.zeros_like(dv_pool)
-                    grads = list(backward(reference_out, reference_lse, dk, dv)) + [dk, dv]
+                    grads = list(backward(reference_out, reference_lse, dk, dv, name)) + [dk, dv]
                     record["checks"] = {}
                     record["ok"] = True
                     for label, got, want in zip(("dq", "dk_chunk", "dv_chunk", "dk_pages", "dv_pages"), grads,
@@ -172,17 +192,19 @@ def child_main(args):
                         record["checks"][label] = [norm_rel, max_rel]
                         record["ok"] = record["ok"] and ok
                     del grads, dk, dv
-                    milliseconds = time_ms(lambda: backward(reference_out, reference_lse, dk_pool, dv_pool))
+                    milliseconds = time_ms(lambda: backward(reference_out, reference_lse, dk_pool, dv_pool, name))
                     record["ms"] = milliseconds
                     record["tflops"] = 2.5 * fwd_flops / (milliseconds * 1e-3) / 1e12
                 torch.cuda.synchronize()
             except RuntimeError as error:
-                record["ok"] = False
-                record["error"] = str(error).splitlines()[0][:300]
-                if "CUDA" in str(error) and "launch" not in str(error):
-                    raise  # the context may be gone: the parent marks this variant and starts a new child
-            finally:
-                os.environ.pop(variable, None)
+                message = str(error).splitlines()[0][:300]
+                if "does not fit" in message:
+                    record["skipped"] = "does not fit this shape or device"
+                else:
+                    record["ok"] = False
+                    record["error"] = message
+                    if "CUDA" in str(error) and "launch" not in str(error):
+                        raise  # the context may be gone: the parent marks this layout and starts a new child
             emit(record)
         del q, k, v, dout, k_pool, v_pool, dk_pool, dv_pool, reference_out, reference_lse, reference_grads
         torch.cuda.empty_cache()
@@ -192,127 +214,13 @@ def child_main(args):
 # ---------------------------------------------------------------------------------------------
 # Parent: plans the work, restarts children, prints and writes the results.
 
-def resource_usage(library):
-    """{demangled kernel name: (registers, stack bytes)} from cuobjdump, or {} when unavailable."""
-    tool = shutil.which("cuobjdump") or "/usr/local/cuda/bin/cuobjdump"
-    if not os.path.exists(tool):
-        return {}
-    try:
-        text = subprocess.run([tool, "--dump-resource-usage", str(library)], capture_output=True, text=True,
-                              timeout=60).stdout
-    except (OSError, subprocess.TimeoutExpired):
-        return {}
-    usage = {}
-    current = None
-    for line in text.splitlines():
-        match = re.search(r"Function (\S+):", line)
-        if match:
-            current = match.group(1)
-            continue
-        match = re.search(r"REG:(\d+) STACK:(\d+)", line)
-        if match and current and "attention" in current:
-            usage[current] = (int(match.group(1)), int(match.group(2)))
-            current = None
-    return demangle_keys(usage)
-
-
-def tensor_core_instructions(library):
-    """{demangled kernel name: number of HMMA (mma.sync) plus HGMMA (wgmma) instructions in its SASS}, from
-    `cuobjdump -sass`, or {} when cuobjdump is unavailable: the issue asks to check that the
-    kernels run on tensor cores."""
-    tool = shutil.which("cuobjdump") or "/usr/local/cuda/bin/cuobjdump"
-    if not os.path.exists(tool):
-        return {}
-    try:
-        text = subprocess.run([tool, "-sass", str(library)], capture_output=True, text=True, timeout=120).stdout
-    except (OSError, subprocess.TimeoutExpired):
-        return {}
-    counts = {}
-    current = None
-    for line in text.splitlines():
-        match = re.search(r"Function : (\S+)", line)
-        if match:
-            current = match.group(1) if "attention" in match.group(1) else None
-            if current:
-                counts[current] = 0
-            continue
-        if current and re.search(r"\bHMMA\b|\bHGMMA\b", line):
-            counts[current] += 1
-    return demangle_keys(counts)
-
-
-def resource_usage_from_ptxas(log_path):
-    """{demangled kernel name: (registers, spill store bytes)} from the ptxas -v lines of a build
-    log (kernels/CMakeLists.txt compiles with -Xptxas=-v; tools/gpu_check.sh keeps build.log)."""
-    try:
-        text = Path(log_path).read_text(errors="replace")
-    except OSError:
-        return {}
-    usage = {}
-    pattern = re.compile(r"Compiling entry function '([^']+)' for 'sm_\w+'\s*\n(?:[^\n]*\n){0,3}?[^\n]*?"
-                         r"(\d+) bytes spill stores[^\n]*\n[^\n]*?Used (\d+) registers")
-    for mangled, spill, registers in pattern.findall(text):
-        if "attention" in mangled:
-            usage[mangled] = (int(registers), int(spill))
-    return demangle_keys(usage)
-
-
-def demangle_keys(usage):
-    """The same mapping keyed by c++filt's names, without this project's namespaces."""
-    if usage and shutil.which("c++filt"):
-        names = list(usage)
-        demangled = subprocess.run(["c++filt"], input="\n".join(names), capture_output=True, text=True).stdout.split("\n")
-        usage = {d.strip().replace("membar::kernels::cuda::(anonymous namespace)::", ""): usage[n]
-                 for n, d in zip(names, demangled)}
-    return usage
-
-
-def variant_kernel_pattern(kind, name):
-    """The template arguments (as c++filt prints them) of the bf16, D=128 kernel of a variant."""
-    if kind == "forward":
-        match = re.match(r"wgmma_w8r64_k(\d+)_s(\d)$", name)   # kernels/cuda/attention_forward_wgmma.cu
-        if match:
-            return f"paged_attention_forward_wgmma_kernel<{match.group(1)}, {match.group(2)}, 1>"
-        match = re.match(r"w(\d+)r(\d+)_k(\d+)_s(\d+)(_qreg)?(_skip)?(_shift)?(_2cta)?(_pad)?(_pipe)?(_seq)?(_lazy)?$",
-                         name)
-        if not match:
-            return None
-        warps, rows, keys, stages, qreg, skip, shift, two, pad, pipe, seq, lazy = match.groups()
-        flag = lambda value: "true" if value else "false"  # noqa: E731
-        config = (f"ForwardConfig<{warps}, {int(rows) // 16}, {keys}, {stages}, {flag(qreg)}, {flag(skip)}, "
-                  f"{2 if two else 1}, {flag(skip or shift)}, {flag(pad)}, {flag(pipe)}, {flag(seq)}, {flag(lazy)}>")
-        return f"paged_attention_forward_kernel<__nv_bfloat16, 128, {config} >"
-    match = re.match(r"w(\d+)_k(\d+)_dq(\d+)(_pad)?$", name)
-    if match:
-        warps, keys, columns = (int(g) for g in match.groups()[:3])
-        pieces = (HEAD_DIM // (warps // 4)) // columns
-        padded = "true" if match.group(4) else "false"
-        return f"paged_attention_backward_kv_kernel<__nv_bfloat16, 128, {warps}, {pieces}, {padded}>"
-    match = re.match(r"w8_k128_split_s(\d)(_pad)?(_dq4)?$", name)
-    if match:
-        padded = "true" if match.group(2) else "false"
-        quad = "true" if match.group(3) else "false"
-        return f"paged_attention_backward_split_kernel<__nv_bfloat16, 128, {match.group(1)}, {padded}, {quad}>"
-    return None
-
-
-def lookup_usage(usage, kind, name):
-    pattern = variant_kernel_pattern(kind, name)
-    if pattern is None:
-        return None
-    for kernel, values in usage.items():
-        if pattern in kernel:
-            return values
-    return None
-
-
-def run_children(todo, histories, out_path):
+def run_children(todo, histories, out_path, library):
     """Runs the todo list in children until every item finished or failed; returns the records."""
     failed = []
     for _attempt in range(len(todo) + 1):
         records = [json.loads(line) for line in open(out_path)] if os.path.exists(out_path) else []
-        finished = {(r["kind"], r["variant"], r["history"]) for r in records if not r.get("started")}
-        failed_keys = {(f["kind"], f["variant"], f["history"]) for f in failed}
+        finished = {(r["kind"], r["layout"], r["history"]) for r in records if not r.get("started")}
+        failed_keys = {(f["kind"], f["layout"], f["history"]) for f in failed}
         remaining = [(kind, name) for kind, name in todo
                      if any((kind, name, h) not in finished and (kind, name, h) not in failed_keys for h in histories)]
         if not remaining:
@@ -320,7 +228,7 @@ def run_children(todo, histories, out_path):
         pending_histories = [h for h in histories
                              if any((kind, name, h) not in finished and (kind, name, h) not in failed_keys
                                     for kind, name in remaining)]
-        command = [sys.executable, __file__, "--child-out", out_path, "--histories",
+        command = [sys.executable, __file__, "--child-out", out_path, "--library", str(library), "--histories",
                    ",".join(str(h) for h in pending_histories),
                    "--todo", ",".join(f"{kind}:{name}" for kind, name in remaining)]
         try:
@@ -333,40 +241,41 @@ def run_children(todo, histories, out_path):
             continue
         # The last started item without a result is the one that took the child down.
         records = [json.loads(line) for line in open(out_path)] if os.path.exists(out_path) else []
-        finished = {(r["kind"], r["variant"], r["history"]) for r in records if not r.get("started")}
+        finished = {(r["kind"], r["layout"], r["history"]) for r in records if not r.get("started")}
         culprit = None
         for record in records:
-            key = (record["kind"], record["variant"], record["history"])
+            key = (record["kind"], record["layout"], record["history"])
             if record.get("started") and key not in finished:
                 culprit = key
         if culprit is None:
-            print(f"[sweep] a child failed before starting any variant: {' '.join(message)}", flush=True)
+            print(f"[sweep] a child failed before starting any layout: {' '.join(message)}", flush=True)
             break
         print(f"[sweep] {culprit} took its process down: {' '.join(message)}", flush=True)
-        # A variant that crashes at one history is not trusted at the others either.
+        # A layout that crashes at one history is not trusted at the others either.
         for h in histories:
-            failed.append({"kind": culprit[0], "variant": culprit[1], "history": h, "ok": False,
+            failed.append({"kind": culprit[0], "layout": culprit[1], "history": h, "ok": False,
                            "error": "crashed or hung: " + " ".join(message)})
     records = [json.loads(line) for line in open(out_path)] if os.path.exists(out_path) else []
     results = {}
     for record in records + failed:
         if record.get("started"):
             continue
-        results.setdefault((record["kind"], record["variant"], record["history"]), record)
+        results.setdefault((record["kind"], record["layout"], record["history"]), record)
     return list(results.values())
 
 
-def render_table(records, todo, histories, defaults, usage, usage_source, header):
-    """The text table of a sweep and the fastest variant of each kind that agreed with the default
-    at every history: (lines, {kind: name})."""
-    by_key = {(r["kind"], r["variant"], r["history"]): r for r in records}
+def render_table(records, todo, histories, standings, resources, header):
+    """The text table of a sweep and the fastest layout of each kind that agreed with the shipped
+    library at every history: (lines, {kind: name})."""
+    by_key = {(r["kind"], r["layout"], r["history"]): r for r in records}
+    marks = {"shipped": " *", "experimental": " (exp)", "contender": ""}
     lines = [header,
              "Qwen2.5-7B attention: 28 q heads, 4 kv heads, D=128, bf16, chunk 4096, pages of 128, fp32 grad pages; "
-             "TFLOP/s (ratio to SDPA); check = |diff| norm / max relative to the default variant's output",
-             f"{'kind':<9}{'variant':<36}{'regs':>5}{'stack':>6}" +
+             "TFLOP/s (ratio to SDPA); check = |diff| norm / max relative to the shipped library's output",
+             f"{'kind':<9}{'layout':<44}{'regs':>5}{'local':>6}" +
              "".join(f"{'h=' + str(h // 1024) + 'K':>18}" for h in histories) + "  check (norm, max) / error"]
     for kind, name in todo:
-        regs = lookup_usage(usage, kind, name) if kind != "sdpa" else None
+        usage = resources.get((kind, name)) if kind != "sdpa" else None
         cells, notes = [], []
         for h in histories:
             record = by_key.get((kind, name, h))
@@ -376,6 +285,9 @@ def render_table(records, todo, histories, defaults, usage, usage_source, header
                 continue
             if kind == "sdpa":
                 cells.append(f"{record.get('forward_tflops', 0):>8.1f}/{record.get('backward_tflops', 0):>6.1f} f/b")
+                continue
+            if "skipped" in record:
+                cells.append(f"{'n/a':>18}")
                 continue
             if "tflops" not in record:
                 cells.append(f"{'FAILED':>18}")
@@ -389,15 +301,16 @@ def render_table(records, todo, histories, defaults, usage, usage_source, header
             worst = max((c for c in checks.values() if isinstance(c, list)), key=lambda c: c[0], default=None)
             if worst:
                 notes.append(f"{worst[0]:.1e},{worst[1]:.1e}" + ("" if record.get("ok") else " MISMATCH"))
-        default = defaults.get(kind) == name
-        label = name + (" *" if default else "")
-        reg_text = f"{regs[0]:>5}{regs[1]:>6}" if regs else f"{'':>5}{'':>6}"
-        lines.append(f"{kind:<9}{label:<36}{reg_text}" + "".join(cells) + "  " + "; ".join(notes))
-    lines.append("* = default; ! = disagrees with the default (not a candidate); regs/stack from " + usage_source)
+        label = name + marks.get(standings.get((kind, name), ""), "")
+        reg_text = f"{usage[0]:>5}{usage[1]:>6}" if usage else f"{'':>5}{'':>6}"
+        lines.append(f"{kind:<9}{label:<44}{reg_text}" + "".join(cells) + "  " + "; ".join(notes))
+    lines.append("* = shipped; (exp) = experimental; ! = disagrees with the shipped library (not a candidate); "
+                 "n/a = does not fit pages of 128; regs/local = registers and local bytes per thread "
+                 "(cudaFuncGetAttributes)")
     best = {}
     for kind in ("forward", "backward"):
         candidates = [r for r in records if r["kind"] == kind and r.get("ok") and "tflops" in r]
-        names = sorted({r["variant"] for r in candidates})
+        names = sorted({r["layout"] for r in candidates})
         complete = [n for n in names if all(by_key.get((kind, n, h), {}).get("ok") for h in histories)]
         if complete:
             score = {n: sum(by_key[(kind, n, h)]["tflops"] for h in histories) for n in complete}
@@ -408,10 +321,9 @@ def render_table(records, todo, histories, defaults, usage, usage_source, header
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--histories", default="32768,131072")
-    parser.add_argument("--forward", default="", help="forward variants to run (default: all compiled)")
-    parser.add_argument("--backward", default="", help="backward variants to run (default: all compiled)")
-    parser.add_argument("--ptxas-log", default="", help="build log with ptxas -v lines, used when cuobjdump is "
-                        "missing (default: $MEMBAR_RESULTS_DIR/build.log)")
+    parser.add_argument("--forward", default="", help="forward layouts to run (default: all of the sweep)")
+    parser.add_argument("--backward", default="", help="backward layouts to run (default: all of the sweep)")
+    parser.add_argument("--library", default="", help=f"path of {LIBRARY_NAME} (default: see find_sweep_library)")
     parser.add_argument("--child-out", default="", help=argparse.SUPPRESS)
     parser.add_argument("--todo", default="", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -422,32 +334,34 @@ def main():
     started = time.time()
     import torch
 
-    import membar
+    import membar  # noqa: F401
 
     if not torch.cuda.is_available():
         sys.exit("attention_sweep: needs a CUDA device.")
-    if not hasattr(torch.ops.membar, "attention_cuda_variants"):
+    if not hasattr(torch.ops.membar, "attention_cuda_layouts"):
         sys.exit("attention_sweep: the loaded membar library was built without CUDA.")
-    forward_names, forward_default = torch.ops.membar.attention_cuda_variants("forward")
-    backward_names, backward_default = torch.ops.membar.attention_cuda_variants("backward")
+    library = find_sweep_library(args.library)
+    if library is None:
+        sys.exit(f"attention_sweep: {LIBRARY_NAME} not found; build it with "
+                 "`cmake --build <build> --target membar_attention_sweep` or pass --library.")
+    torch.ops.load_library(str(library))
+    sweep = torch.ops.membar_sweep
+    standings, names = {}, {}
+    for kind in ("forward", "backward"):
+        kind_names, kind_standings = sweep.layouts(kind)
+        names[kind] = list(kind_names)
+        standings.update({(kind, n): s for n, s in zip(kind_names, kind_standings)})
     if args.forward:
-        forward_names = args.forward.split(",")
+        names["forward"] = args.forward.split(",")
     if args.backward:
-        backward_names = args.backward.split(",")
+        names["backward"] = args.backward.split(",")
     histories = [int(h) for h in args.histories.split(",")]
-    todo = [("sdpa", "flash")] + [("forward", n) for n in forward_names] + [("backward", n) for n in backward_names]
+    todo = [("sdpa", "flash")] + [("forward", n) for n in names["forward"]] + [("backward", n) for n in names["backward"]]
+    resources = {(kind, n): tuple(sweep.resources(kind, n)) for kind, n in todo if kind != "sdpa"}
 
     with tempfile.TemporaryDirectory() as scratch:
-        records = run_children(todo, histories, os.path.join(scratch, "records.jsonl"))
+        records = run_children(todo, histories, os.path.join(scratch, "records.jsonl"), library)
 
-    library = Path(os.environ.get("MEMBAR_LIBRARY") or Path(membar.__file__).parent / "_C.so")
-    hmma = tensor_core_instructions(library)
-    usage = resource_usage(library)
-    usage_source = "cuobjdump (REG, STACK bytes)"
-    if not usage:
-        log = args.ptxas_log or os.path.join(os.environ.get("MEMBAR_RESULTS_DIR", ""), "build.log")
-        usage = resource_usage_from_ptxas(log)
-        usage_source = f"ptxas -v in {log} (registers, spill store bytes)"
     # MEMBAR_COMMIT first: on the lent device the tree's .git may be an older copy than its files.
     commit = os.environ.get("MEMBAR_COMMIT", "")
     if not commit:
@@ -456,30 +370,23 @@ def main():
                                     cwd=Path(__file__).parent).stdout.strip()
         except OSError:
             commit = ""
-    header = (f"attention kernel variants vs SDPA flash, {torch.cuda.get_device_name()}, commit {commit[:12]}, "
+    header = (f"attention kernel layouts vs SDPA flash, {torch.cuda.get_device_name()}, commit {commit[:12]}, "
               f"{time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())}")
-    lines, best = render_table(records, todo, histories, {"forward": forward_default, "backward": backward_default},
-                               usage, usage_source, header)
-    if hmma:
-        counted = [(kind, name, lookup_usage(hmma, kind, name)) for kind, name in todo if kind != "sdpa"]
-        lines.append("tensor-core instructions in the SASS (HMMA, or HGMMA for wgmma; cuobjdump -sass): " +
-                     ", ".join(f"{name} {count}" for kind, name, count in counted if count is not None))
+    lines, best = render_table(records, todo, histories, standings, resources, header)
     lines.append("fastest correct: " + ", ".join(f"{k} {v}" for k, v in best.items()) +
                  f"; sweep took {time.time() - started:.0f} s")
     text = "\n".join(lines) + "\n"
     print(text)
     results = {
-        "benchmark": "attention kernel variants vs torch SDPA (flash), Qwen2.5-7B attention shape",
-        "commit": commit or os.environ.get("MEMBAR_COMMIT", "unknown"),
+        "benchmark": "attention kernel layouts vs torch SDPA (flash), Qwen2.5-7B attention shape",
+        "commit": commit or "unknown",
         "machine": f"{torch.cuda.get_device_name()} ({platform.node()})",
         "torch": torch.__version__,
         "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
         "histories": histories,
-        "defaults": {"forward": forward_default, "backward": backward_default},
+        "standings": {f"{kind}:{n}": s for (kind, n), s in standings.items()},
         "fastest_correct": best,
-        "resource_usage": {k: list(v) for k, v in usage.items()},
-        "resource_usage_source": usage_source,
-        "hmma_instructions": hmma,
+        "resources": {f"{kind}:{n}": list(v) for (kind, n), v in resources.items()},
         "records": records,
     }
     out_dir = Path(os.environ.get("MEMBAR_RESULTS_DIR", Path(__file__).parent / "results" / "latest"))

@@ -5,7 +5,8 @@
 # Results go to $MEMBAR_RESULTS_DIR (default: $OUT when set, else bench/results/latest).
 # Stages (GPU_CHECK_STAGES, space-separated; default all): build tests bench
 # (GPU_CHECK_TARGETS, space-separated: build only these targets, e.g. "membard pipeline_bench")
-# Benchmarks (GPU_CHECK_BENCH; default all): runtime pipeline attention logra oomb; extra arguments for
+# Benchmarks (GPU_CHECK_BENCH; default all but sweep): runtime pipeline attention logra oomb, and sweep
+# (builds the attention kernels' sweep module and runs bench/attention_sweep.py); extra arguments for
 # each Python benchmark in ATTENTION_BENCH_ARGS, LOGRA_BENCH_ARGS, OOMB_BENCH_ARGS (defaults: the
 # full sweeps, which take far longer than one 10-minute device call).
 # Where libuv/spdlog/boost/gtest are missing, they come from .deps/bundle.tgz
@@ -115,6 +116,11 @@ if has_stage bench; then
   fi
   if has_bench attention && [ -f bench/attention_bench.py ]; then
     log "bench: attention"; timeout 400 $py bench/attention_bench.py ${ATTENTION_BENCH_ARGS:-} 2>&1 | tail -30 || status=1
+  fi
+  if has_bench sweep && [ -f bench/attention_sweep.py ]; then
+    log "bench: attention layouts sweep"
+    { cmake --build build-gpu -j "$jobs" --target membar_attention_sweep >> "$results/build.log" 2>&1 \
+      && MEMBAR_BUILD_DIR=$root/build-gpu timeout 600 $py bench/attention_sweep.py 2>&1 | tail -60; } || status=1
   fi
   if has_bench logra && [ -f bench/logra_bench.py ]; then
     log "bench: logra"; timeout ${LOGRA_BENCH_TIMEOUT:-600} $py bench/logra_bench.py ${LOGRA_BENCH_ARGS:-} 2>&1 | tail -30 || status=1

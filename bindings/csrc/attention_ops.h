@@ -1,7 +1,8 @@
-// Shared validation of the paged-attention ops (attention_ops.cpp holds the schemas, the meta
-// functions and the CPU implementations; a CUDA implementation may reuse these helpers). Each
-// prepare_* function checks its tensors with TORCH_CHECK and a sentence, allocates the outputs
-// and fills the kernel's plain parameter struct; nothing here launches work.
+// Shared validation of the paged-attention ops, implemented in attention_prepare.cpp
+// (attention_ops.cpp holds the schemas, the meta functions and the CPU implementations; the CUDA
+// implementation and the sweep module reuse these helpers). Each prepare_* function checks its
+// tensors with TORCH_CHECK and a sentence, allocates the outputs and fills the kernel's plain
+// parameter struct; nothing here launches work.
 //
 // Shapes (see kernels/include/membar/kernels/attention.h):
 //   q [Tc, Hq, D]; k_chunk, v_chunk [Tc, Hkv, D]; pools [pool_pages, page_tokens, Hkv, D];
@@ -20,6 +21,11 @@
 namespace membar::bindings::attention {
 
 kernels::DType to_kernel_dtype(at::ScalarType type, const char* what);
+
+// lse is float32, or float64 for float64 inputs.
+inline at::ScalarType lse_dtype_for(at::ScalarType element) {
+  return element == at::kDouble ? at::kDouble : at::kFloat;
+}
 
 // check_index_values: read the page indices and the selection (host tensors only) and check
 // every value is in range; a CUDA caller passes false and relies on its own checks.

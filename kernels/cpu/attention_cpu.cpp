@@ -336,7 +336,7 @@ void forward_query_block(const Problem<Element>& problem, const QueryBlock& bloc
 }
 
 template <typename Element, typename Compute>
-int forward_typed(const PagedAttentionForwardParams& params) {
+int forward_typed(const PagedAttentionForwardParams& params, int64_t thread_limit) {
   const Problem<Element> problem(params.shape, params.q, params.k_chunk, params.v_chunk, params.history,
                                  params.selection);
   const std::vector<QueryBlock> blocks = problem.all_query_blocks();
@@ -344,7 +344,7 @@ int forward_typed(const PagedAttentionForwardParams& params) {
   Compute* lse = static_cast<Compute*>(params.lse);
   const bool ok = parallel_for(int64_t(blocks.size()), [&](int64_t index) {
     forward_query_block<Element, Compute>(problem, blocks[size_t(index)], out, lse);
-  }, workers_for_work(problem.forward_flops()));
+  }, std::min(workers_for_work(problem.forward_flops()), thread_limit));
   return ok ? 0 : kCpuOutOfMemory;
 }
 
@@ -486,7 +486,7 @@ struct OwnedKeyBlock {
 };
 
 template <typename Element, typename Compute>
-int backward_typed(const PagedAttentionBackwardParams& params) {
+int backward_typed(const PagedAttentionBackwardParams& params, int64_t thread_limit) {
   const Problem<Element> problem(params.shape, params.q, params.k_chunk, params.v_chunk, params.history,
                                  params.selection);
   const PagedAttentionShape& shape = params.shape;
@@ -500,7 +500,7 @@ int backward_typed(const PagedAttentionBackwardParams& params) {
 
   // delta[h][i] = sum_d dO[i][h][d] * O[i][h][d], the softmax backward's row term ([Hq, Tc]).
   std::vector<Compute> delta(size_t(shape.num_q_heads) * chunk_tokens);
-  const int64_t workers = workers_for_work(3.5 * problem.forward_flops());
+  const int64_t workers = std::min(workers_for_work(3.5 * problem.forward_flops()), thread_limit);
   bool ok = parallel_for(shape.num_q_heads, [&](int64_t head) {
     for (int32_t token = 0; token < chunk_tokens; ++token) {
       const Element* o_row = problem.row_of(out, token, int32_t(head));
@@ -667,7 +667,7 @@ int backward_typed(const PagedAttentionBackwardParams& params) {
 // Page summaries and selection.
 
 template <typename Element>
-int page_summary_typed(const PageSummaryParams& params) {
+int page_summary_typed(const PageSummaryParams& params, int64_t thread_limit) {
   const PagedAttentionShape& shape = params.shape;
   const int32_t num_pages = shape.num_history_pages();
   const int32_t head_dim = shape.head_dim;
@@ -698,12 +698,12 @@ int page_summary_typed(const PageSummaryParams& params) {
         if (params.max) params.max[offset + d] = float(high[size_t(d)]);
       }
     }
-  });
+  }, thread_limit);
   return ok ? 0 : kCpuOutOfMemory;
 }
 
 template <typename Element>
-int page_select_typed(const PageSelectParams& params) {
+int page_select_typed(const PageSelectParams& params, int64_t thread_limit) {
   const PagedAttentionShape& shape = params.shape;
   const int32_t num_pages = shape.num_history_pages();
   const int32_t head_dim = shape.head_dim;
@@ -752,7 +752,7 @@ int page_select_typed(const PageSelectParams& params) {
       std::sort(pages.begin(), pages.begin() + keep);
     }
     for (int32_t slot = 0; slot < params.top_k; ++slot) selected[slot] = slot < keep ? pages[size_t(slot)] : -1;
-  });
+  }, thread_limit);
   return ok ? 0 : kCpuOutOfMemory;
 }
 
@@ -762,7 +762,7 @@ bool grad_page_dtype_supported(DType dtype) {
 
 }  // namespace
 
-int paged_attention_forward(const PagedAttentionForwardParams& params) {
+int paged_attention_forward(const PagedAttentionForwardParams& params, const CpuOptions& options) {
   if (paged_attention_check_shape(params.shape)[0] != '\0') return kCpuInvalidArgument;
   if (!params.q || !params.out || !params.lse) return kCpuInvalidArgument;
   if (params.shape.attend_chunk && (!params.k_chunk || !params.v_chunk)) return kCpuInvalidArgument;
@@ -773,10 +773,10 @@ int paged_attention_forward(const PagedAttentionForwardParams& params) {
   try {
     if (page_selection_check(params.shape, params.selection)[0] != '\0') return kCpuInvalidArgument;
     switch (params.shape.dtype) {
-      case DType::kFloat32: return forward_typed<float, float>(params);
-      case DType::kBFloat16: return forward_typed<BFloat16, float>(params);
-      case DType::kFloat16: return forward_typed<Float16, float>(params);
-      case DType::kFloat64: return forward_typed<double, double>(params);
+      case DType::kFloat32: return forward_typed<float, float>(params, detail::worker_limit(options.max_threads));
+      case DType::kBFloat16: return forward_typed<BFloat16, float>(params, detail::worker_limit(options.max_threads));
+      case DType::kFloat16: return forward_typed<Float16, float>(params, detail::worker_limit(options.max_threads));
+      case DType::kFloat64: return forward_typed<double, double>(params, detail::worker_limit(options.max_threads));
     }
   } catch (const std::bad_alloc&) {
     return kCpuOutOfMemory;
@@ -784,7 +784,7 @@ int paged_attention_forward(const PagedAttentionForwardParams& params) {
   return kCpuInvalidArgument;
 }
 
-int paged_attention_backward(const PagedAttentionBackwardParams& params) {
+int paged_attention_backward(const PagedAttentionBackwardParams& params, const CpuOptions& options) {
   if (paged_attention_check_shape(params.shape)[0] != '\0') return kCpuInvalidArgument;
   if (!params.q || !params.out || !params.dout || !params.lse || !params.dq) return kCpuInvalidArgument;
   if (params.shape.attend_chunk &&
@@ -801,10 +801,10 @@ int paged_attention_backward(const PagedAttentionBackwardParams& params) {
   try {
     if (page_selection_check(params.shape, params.selection)[0] != '\0') return kCpuInvalidArgument;
     switch (params.shape.dtype) {
-      case DType::kFloat32: return backward_typed<float, float>(params);
-      case DType::kBFloat16: return backward_typed<BFloat16, float>(params);
-      case DType::kFloat16: return backward_typed<Float16, float>(params);
-      case DType::kFloat64: return backward_typed<double, double>(params);
+      case DType::kFloat32: return backward_typed<float, float>(params, detail::worker_limit(options.max_threads));
+      case DType::kBFloat16: return backward_typed<BFloat16, float>(params, detail::worker_limit(options.max_threads));
+      case DType::kFloat16: return backward_typed<Float16, float>(params, detail::worker_limit(options.max_threads));
+      case DType::kFloat64: return backward_typed<double, double>(params, detail::worker_limit(options.max_threads));
     }
   } catch (const std::bad_alloc&) {
     return kCpuOutOfMemory;
@@ -812,7 +812,7 @@ int paged_attention_backward(const PagedAttentionBackwardParams& params) {
   return kCpuInvalidArgument;
 }
 
-int page_summary(const PageSummaryParams& params) {
+int page_summary(const PageSummaryParams& params, const CpuOptions& options) {
   const PagedAttentionShape& shape = params.shape;
   if (shape.history_tokens < 0 || shape.page_tokens < 1 || shape.num_kv_heads < 1 || shape.head_dim < 1 ||
       shape.head_dim > 256) {
@@ -821,10 +821,10 @@ int page_summary(const PageSummaryParams& params) {
   if (!params.mean || (shape.history_tokens > 0 && (!params.k_pool || !params.k_page_index))) return kCpuInvalidArgument;
   try {
     switch (shape.dtype) {
-      case DType::kFloat32: return page_summary_typed<float>(params);
-      case DType::kBFloat16: return page_summary_typed<BFloat16>(params);
-      case DType::kFloat16: return page_summary_typed<Float16>(params);
-      case DType::kFloat64: return page_summary_typed<double>(params);
+      case DType::kFloat32: return page_summary_typed<float>(params, detail::worker_limit(options.max_threads));
+      case DType::kBFloat16: return page_summary_typed<BFloat16>(params, detail::worker_limit(options.max_threads));
+      case DType::kFloat16: return page_summary_typed<Float16>(params, detail::worker_limit(options.max_threads));
+      case DType::kFloat64: return page_summary_typed<double>(params, detail::worker_limit(options.max_threads));
     }
   } catch (const std::bad_alloc&) {
     return kCpuOutOfMemory;
@@ -832,7 +832,7 @@ int page_summary(const PageSummaryParams& params) {
   return kCpuInvalidArgument;
 }
 
-int page_select(const PageSelectParams& params) {
+int page_select(const PageSelectParams& params, const CpuOptions& options) {
   if (paged_attention_check_shape(params.shape)[0] != '\0') return kCpuInvalidArgument;
   if (params.top_k < 1 || params.query_tile_tokens < 1 || !params.q || !params.selected_pages) return kCpuInvalidArgument;
   if (params.shape.history_tokens > 0) {
@@ -840,10 +840,10 @@ int page_select(const PageSelectParams& params) {
   }
   try {
     switch (params.shape.dtype) {
-      case DType::kFloat32: return page_select_typed<float>(params);
-      case DType::kBFloat16: return page_select_typed<BFloat16>(params);
-      case DType::kFloat16: return page_select_typed<Float16>(params);
-      case DType::kFloat64: return page_select_typed<double>(params);
+      case DType::kFloat32: return page_select_typed<float>(params, detail::worker_limit(options.max_threads));
+      case DType::kBFloat16: return page_select_typed<BFloat16>(params, detail::worker_limit(options.max_threads));
+      case DType::kFloat16: return page_select_typed<Float16>(params, detail::worker_limit(options.max_threads));
+      case DType::kFloat64: return page_select_typed<double>(params, detail::worker_limit(options.max_threads));
     }
   } catch (const std::bad_alloc&) {
     return kCpuOutOfMemory;

@@ -17,7 +17,6 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
-#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <thread>
@@ -265,16 +264,13 @@ void widen(const float* from, float* to, int64_t count) { std::memcpy(to, from, 
 
 void widen(const double* from, double* to, int64_t count) { std::memcpy(to, from, size_t(count) * sizeof(double)); }
 
-int worker_count() {
-  static const int count = [] {
-    if (const char* text = std::getenv("MEMBAR_CPU_THREADS")) {
-      const int requested = std::atoi(text);
-      if (requested >= 1) return requested;
-    }
-    const unsigned hardware = std::thread::hardware_concurrency();
-    return hardware >= 1 ? int(hardware) : 1;
+int worker_limit(int32_t max_threads) {
+  if (max_threads >= 1) return max_threads;
+  static const int hardware = [] {
+    const unsigned count = std::thread::hardware_concurrency();
+    return count >= 1 ? int(count) : 1;
   }();
-  return count;
+  return hardware;
 }
 
 int64_t workers_for_work(double work) {
@@ -283,7 +279,7 @@ int64_t workers_for_work(double work) {
 }
 
 int64_t planned_workers(int64_t num_tasks, int64_t max_workers) {
-  return std::max<int64_t>(1, std::min<int64_t>({int64_t(worker_count()), num_tasks, max_workers}));
+  return std::max<int64_t>(1, std::min<int64_t>(num_tasks, max_workers));
 }
 
 bool parallel_for_workers(int64_t num_tasks, const std::function<void(int64_t, int)>& task, int64_t max_workers) {

@@ -3,7 +3,6 @@
 #pragma once
 
 #include <cstdint>
-#include <climits>
 #include <functional>
 
 #include "membar/kernels/half_types.h"
@@ -58,21 +57,19 @@ inline Element from_compute(double value);
 template <>
 inline double from_compute<double>(double value) { return value; }
 
-// The number of worker threads the kernels use: MEMBAR_CPU_THREADS if set (>= 1), else
-// std::thread::hardware_concurrency().
-int worker_count();
+// The number of worker threads a call may use: max_threads when it is at least 1
+// (CpuOptions::max_threads), else std::thread::hardware_concurrency().
+int worker_limit(int32_t max_threads);
 
-// Calls task(index) for every index in [0, num_tasks), on up to min(max_workers,
-// worker_count()) threads (the calling thread is one of them); indices are handed out in
-// increasing order. Blocks until every task ran. Returns false when a task threw (its exception
-// is swallowed; the remaining tasks still run) so that kernels can report an error code instead
-// of throwing.
-bool parallel_for(int64_t num_tasks, const std::function<void(int64_t)>& task, int64_t max_workers = INT64_MAX);
+// Calls task(index) for every index in [0, num_tasks), on up to max_workers threads (the calling
+// thread is one of them); indices are handed out in increasing order. Blocks until every task ran.
+// Returns false when a task threw (its exception is swallowed; the remaining tasks still run) so
+// that kernels can report an error code instead of throwing.
+bool parallel_for(int64_t num_tasks, const std::function<void(int64_t)>& task, int64_t max_workers);
 
 // The same, also passing the worker's number, in [0, planned_workers(num_tasks, max_workers)),
 // to each task (for per-worker buffers).
-bool parallel_for_workers(int64_t num_tasks, const std::function<void(int64_t, int)>& task,
-                          int64_t max_workers = INT64_MAX);
+bool parallel_for_workers(int64_t num_tasks, const std::function<void(int64_t, int)>& task, int64_t max_workers);
 
 // The number of workers parallel_for(_workers) starts at most for these arguments.
 int64_t planned_workers(int64_t num_tasks, int64_t max_workers);

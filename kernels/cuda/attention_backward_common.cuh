@@ -34,20 +34,35 @@ struct WorkList {
   }
 };
 
-// The keys one CTA of a dK/dV kernel owns (kKeys rows of one kv head: a history page or a block
-// of the chunk's own keys) and the (q head, query block) pairs that see them.
+// The keys one CTA of a dK/dV kernel owns (kKeys rows of one kv head: a history page, a part of
+// one when kKeys < page_tokens, or a block of the chunk's own keys) and the (q head, query block)
+// pairs that see them.
 template <typename Element>
 struct OwnedKeys {
   bool chunk_block;
   const Element* k_base;  // row r of the keys at k_base + r * kv_row_stride
   const Element* v_base;
-  int valid_keys;
-  int first_key;  // chunk position of key row 0 (chunk blocks)
-  int page;       // history page (history blocks)
+  int valid_keys;         // may be 0 or less for the last part of a partial last page: no work
+  int first_key;          // chunk blocks: chunk position of key row 0; history: its row in the page
+  int page;               // history page (history blocks)
   WorkList work;
 };
 
-template <typename Element, int kHeadDim, int kKeys>
+// CTAs own the chunk's blocks first (num_chunk_blocks of them), then every part of every history
+// page: kKeys divides page_tokens (the layouts' fits check it).
+template <int kKeys>
+__host__ __device__ __forceinline__ int owner_count(const PagedAttentionShape& shape, int num_chunk_blocks) {
+  return num_chunk_blocks + history_page_count(shape) * (shape.page_tokens / kKeys);
+}
+
+template <int kKeys>
+__host__ __device__ __forceinline__ int chunk_owner_count(const PagedAttentionShape& shape) {
+  return shape.attend_chunk ? (shape.chunk_tokens + kKeys - 1) / kKeys : 0;
+}
+
+// kPageParts: pages may be longer than kKeys (a CTA owns a part of one); false when every page
+// holds exactly kKeys keys (the layouts' fits check it), which spares the kernels the arithmetic.
+template <typename Element, int kHeadDim, int kKeys, bool kPageParts = false>
 __device__ __forceinline__ OwnedKeys<Element> own_keys(const PagedAttentionBackwardParams& params,
                                                         const BackwardWorkspacePointers& workspace) {
   const PagedAttentionShape& shape = params.shape;
@@ -67,12 +82,26 @@ __device__ __forceinline__ OwnedKeys<Element> own_keys(const PagedAttentionBackw
     owned.work.first_query_block = owned.first_key / kQueries;
     owned.work.per_head = num_query_blocks - owned.work.first_query_block;
   } else {
-    owned.page = blockIdx.x - workspace.num_chunk_blocks;
+    const int owner = blockIdx.x - workspace.num_chunk_blocks;
+    if constexpr (kPageParts) {
+      const int parts_per_page = shape.page_tokens / kKeys;
+      owned.page = owner / parts_per_page;
+      owned.first_key = (owner % parts_per_page) * kKeys;
+    } else {
+      owned.page = owner;
+    }
+    const int64_t first_row = owned.first_key;
     owned.k_base = static_cast<const Element*>(params.history.k_pool) +
-                   int64_t(params.history.k_page_index[owned.page]) * shape.page_tokens * kv_row_stride + kv_head * kHeadDim;
+                   (int64_t(params.history.k_page_index[owned.page]) * shape.page_tokens + first_row) * kv_row_stride +
+                   kv_head * kHeadDim;
     owned.v_base = static_cast<const Element*>(params.history.v_pool) +
-                   int64_t(params.history.v_page_index[owned.page]) * shape.page_tokens * kv_row_stride + kv_head * kHeadDim;
-    owned.valid_keys = min(kKeys, shape.history_tokens - owned.page * kKeys);
+                   (int64_t(params.history.v_page_index[owned.page]) * shape.page_tokens + first_row) * kv_row_stride +
+                   kv_head * kHeadDim;
+    owned.valid_keys = min(kKeys, shape.history_tokens - owned.page * shape.page_tokens - owned.first_key);
+    if (kPageParts && owned.valid_keys <= 0) {
+      owned.work.count = 0;  // a part past the end of a partial last page
+      return owned;
+    }
     if (params.selection.selected_pages != nullptr) {
       owned.work.tiles = workspace.inverse_tiles + int64_t(owned.page) * workspace.inverse_capacity;
       owned.work.blocks_per_tile = params.selection.query_tile_tokens / kQueries;
@@ -85,10 +114,10 @@ __device__ __forceinline__ OwnedKeys<Element> own_keys(const PagedAttentionBackw
   return owned;
 }
 
-// Writes dK (times the softmax scale) and dV of key row `key`, columns `column` and `column + 1`:
-// overwritten for chunk keys, ADDED into the grad pages for history keys (fp32, or bf16 with
-// round-to-nearest-even).
-template <typename Element, int kHeadDim>
+// Writes dK (times the softmax scale) and dV of key row `key` of the CTA's keys (row first_key +
+// key of the chunk, or of the page), columns `column` and `column + 1`: overwritten for chunk
+// keys, ADDED into the grad pages for history keys (fp32, or bf16 with round-to-nearest-even).
+template <typename Element, int kHeadDim, bool kPageParts = false>
 __device__ __forceinline__ void write_key_gradients(const PagedAttentionBackwardParams& params, bool chunk_block,
                                                     int first_key, int page, int key, int column, float dk0, float dk1,
                                                     float dv0, float dv1) {
@@ -104,10 +133,12 @@ __device__ __forceinline__ void write_key_gradients(const PagedAttentionBackward
     return;
   }
   const HistoryGradPages& grad = params.grad_history;
+  // History rows: first_key is the part's first row in the page, 0 unless CTAs own parts of pages.
+  const int64_t row = kPageParts ? first_key + key : key;
   const int64_t dk_offset =
-      (int64_t(grad.dk_page_index[page]) * shape.page_tokens + key) * kv_row_stride + int64_t(kv_head) * kHeadDim + column;
+      (int64_t(grad.dk_page_index[page]) * shape.page_tokens + row) * kv_row_stride + int64_t(kv_head) * kHeadDim + column;
   const int64_t dv_offset =
-      (int64_t(grad.dv_page_index[page]) * shape.page_tokens + key) * kv_row_stride + int64_t(kv_head) * kHeadDim + column;
+      (int64_t(grad.dv_page_index[page]) * shape.page_tokens + row) * kv_row_stride + int64_t(kv_head) * kHeadDim + column;
   if (params.grad_page_dtype == DType::kFloat32) {
     float2* dk_pair = reinterpret_cast<float2*>(static_cast<float*>(grad.dk_pool) + dk_offset);
     float2* dv_pair = reinterpret_cast<float2*>(static_cast<float*>(grad.dv_pool) + dv_offset);

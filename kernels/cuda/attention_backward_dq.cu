@@ -21,10 +21,23 @@ constexpr int kDqWarps = 4;
 constexpr int kDqRows = 16 * kDqWarps;
 constexpr int kDqKeys = 64;
 
+// Tiles are swizzled up to head_dim 128, padded above it (one register per tile instead of one
+// per fragment offset: at 256 the swizzled kernel spills) and at head sizes that are not a
+// multiple of 64 (Note [Padded tiles]).
+template <int kHeadDim>
+constexpr bool dq_padded() {
+  return tile_padded<kHeadDim>(kHeadDim > 128);
+}
+
+template <int kHeadDim>
+constexpr int dq_stride() {
+  return TileLayout<kHeadDim, dq_padded<kHeadDim>()>::kStride;
+}
+
 template <int kHeadDim>
 constexpr size_t dq_shared_bytes_fixed() {
-  // Q, dO [64, D]; K, V [2 stages, 64, D]; 16-bit elements.
-  return size_t(2 * kDqRows * kHeadDim + 4 * kDqKeys * kHeadDim) * 2;
+  // Q, dO [64, D]; K, V [2 stages, 64, D]; 16-bit elements (rows of dq_stride elements).
+  return size_t(2 * kDqRows * dq_stride<kHeadDim>() + 4 * kDqKeys * dq_stride<kHeadDim>()) * 2;
 }
 
 template <typename Element, int kHeadDim>
@@ -32,12 +45,14 @@ __global__ void __launch_bounds__(kDqWarps * 32) paged_attention_backward_dq_ker
                                                                                    const float* delta) {
   constexpr int kThreads = kDqWarps * 32;
   constexpr int kKeys = kDqKeys;
+  constexpr bool kPadded = dq_padded<kHeadDim>();
+  constexpr int kStride = dq_stride<kHeadDim>();
   extern __shared__ __align__(128) unsigned char shared_raw[];
   Element* q_tile = reinterpret_cast<Element*>(shared_raw);    // [64, D]
-  Element* dout_tile = q_tile + kDqRows * kHeadDim;              // [64, D]
-  Element* k_tiles = dout_tile + kDqRows * kHeadDim;             // [2, 64, D]
-  Element* v_tiles = k_tiles + 2 * kKeys * kHeadDim;             // [2, 64, D]
-  int32_t* selected = reinterpret_cast<int32_t*>(v_tiles + 2 * kKeys * kHeadDim);  // [selected_per_tile]
+  Element* dout_tile = q_tile + kDqRows * kStride;               // [64, D]
+  Element* k_tiles = dout_tile + kDqRows * kStride;              // [2, 64, D]
+  Element* v_tiles = k_tiles + 2 * kKeys * kStride;              // [2, 64, D]
+  int32_t* selected = reinterpret_cast<int32_t*>(v_tiles + 2 * kKeys * kStride);  // [selected_per_tile]
   __shared__ int selected_count;
 
   const PagedAttentionShape& shape = params.shape;
@@ -52,10 +67,10 @@ __global__ void __launch_bounds__(kDqWarps * 32) paged_attention_backward_dq_ker
   const int64_t q_row_stride = int64_t(shape.num_q_heads) * kHeadDim;
   const int64_t q_offset = int64_t(first_query) * q_row_stride + int64_t(q_head) * kHeadDim;
 
-  load_tile_async<Element, kDqRows, kHeadDim, kThreads>(q_tile, static_cast<const Element*>(params.q) + q_offset,
-                                                        q_row_stride, chunk_tokens - first_query, thread);
-  load_tile_async<Element, kDqRows, kHeadDim, kThreads>(dout_tile, static_cast<const Element*>(params.dout) + q_offset,
-                                                        q_row_stride, chunk_tokens - first_query, thread);
+  load_tile_async<Element, kDqRows, kHeadDim, kThreads, kPadded>(q_tile, static_cast<const Element*>(params.q) + q_offset,
+                                                                 q_row_stride, chunk_tokens - first_query, thread);
+  load_tile_async<Element, kDqRows, kHeadDim, kThreads, kPadded>(
+      dout_tile, static_cast<const Element*>(params.dout) + q_offset, q_row_stride, chunk_tokens - first_query, thread);
   copy_async_commit();
 
   const auto keys =
@@ -65,10 +80,10 @@ __global__ void __launch_bounds__(kDqWarps * 32) paged_attention_backward_dq_ker
   const int64_t kv_row_stride = int64_t(shape.num_kv_heads) * kHeadDim;
   auto load_block = [&](int index, int stage) {
     const KeyBlock<Element> block = keys.block(index);
-    load_tile_async<Element, kKeys, kHeadDim, kThreads>(k_tiles + stage * kKeys * kHeadDim, block.k_base, kv_row_stride,
-                                                        block.valid_rows, thread);
-    load_tile_async<Element, kKeys, kHeadDim, kThreads>(v_tiles + stage * kKeys * kHeadDim, block.v_base, kv_row_stride,
-                                                        block.valid_rows, thread);
+    load_tile_async<Element, kKeys, kHeadDim, kThreads, kPadded>(k_tiles + stage * kKeys * kStride, block.k_base,
+                                                                 kv_row_stride, block.valid_rows, thread);
+    load_tile_async<Element, kKeys, kHeadDim, kThreads, kPadded>(v_tiles + stage * kKeys * kStride, block.v_base,
+                                                                 kv_row_stride, block.valid_rows, thread);
   };
   if (num_blocks > 0) load_block(0, 0);
   copy_async_commit();
@@ -98,14 +113,15 @@ __global__ void __launch_bounds__(kDqWarps * 32) paged_attention_backward_dq_ker
     copy_async_wait<1>();
     __syncthreads();
 
-    const Element* k_tile = k_tiles + stage * kKeys * kHeadDim;
-    const Element* v_tile = v_tiles + stage * kKeys * kHeadDim;
+    const Element* k_tile = k_tiles + stage * kKeys * kStride;
+    const Element* v_tile = v_tiles + stage * kKeys * kStride;
     float scores[kKeys / 8][4];
     float dscores[kKeys / 8][4];
     clear(scores);
     clear(dscores);
-    warp_matmul_shared_nt<Element, kKeys, kHeadDim, kHeadDim, kHeadDim>(scores, q_tile, warp * 16, k_tile, 0, lane);
-    warp_matmul_shared_nt<Element, kKeys, kHeadDim, kHeadDim, kHeadDim>(dscores, dout_tile, warp * 16, v_tile, 0, lane);
+    warp_matmul_shared_nt<Element, kKeys, kHeadDim, kHeadDim, kHeadDim, kPadded>(scores, q_tile, warp * 16, k_tile, 0, lane);
+    warp_matmul_shared_nt<Element, kKeys, kHeadDim, kHeadDim, kHeadDim, kPadded>(dscores, dout_tile, warp * 16, v_tile, 0,
+                                                                                lane);
     const KeyBlock<Element> block = keys.block(index);
     const bool chunk_block = block.first_position >= 0;
     const bool may_cut = block.valid_rows < kKeys ||
@@ -126,7 +142,7 @@ __global__ void __launch_bounds__(kDqWarps * 32) paged_attention_backward_dq_ker
     }
     uint32_t fragments[kKeys / 16][4];
     accumulator_to_a_fragments<Element, kKeys>(fragments, dscores);
-    warp_matmul_registers_nn<Element, kHeadDim, kKeys, kHeadDim>(dq, fragments, k_tile, 0, 0, lane);
+    warp_matmul_registers_nn<Element, kHeadDim, kKeys, kHeadDim, kPadded>(dq, fragments, k_tile, 0, 0, lane);
     __syncthreads();
   }
   // Leave no copy in flight (a CTA without key blocks never waited for its Q copy).
@@ -159,15 +175,23 @@ cudaError_t launch(const PagedAttentionBackwardParams& params, const float* delt
   return cudaGetLastError();
 }
 
+template <typename Element>
+cudaError_t launch_head_dim(const PagedAttentionBackwardParams& params, const float* delta, cudaStream_t stream) {
+  switch (params.shape.head_dim) {
+    case 64: return launch<Element, 64>(params, delta, stream);
+    case 96: return launch<Element, 96>(params, delta, stream);
+    case 128: return launch<Element, 128>(params, delta, stream);
+    case 256: return launch<Element, 256>(params, delta, stream);
+  }
+  return cudaErrorInvalidValue;  // paged_attention_cuda_check refused it before
+}
+
 }  // namespace
 
 int launch_backward_dq(const PagedAttentionBackwardParams& params, const float* delta, void* stream) {
   cudaStream_t cuda_stream = static_cast<cudaStream_t>(stream);
-  const bool bf16 = params.shape.dtype == DType::kBFloat16;
-  if (params.shape.head_dim == 64) {
-    return bf16 ? launch<__nv_bfloat16, 64>(params, delta, cuda_stream) : launch<__half, 64>(params, delta, cuda_stream);
-  }
-  return bf16 ? launch<__nv_bfloat16, 128>(params, delta, cuda_stream) : launch<__half, 128>(params, delta, cuda_stream);
+  if (params.shape.dtype == DType::kBFloat16) return launch_head_dim<__nv_bfloat16>(params, delta, cuda_stream);
+  return launch_head_dim<__half>(params, delta, cuda_stream);
 }
 
 }  // namespace membar::kernels::cuda

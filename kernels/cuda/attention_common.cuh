@@ -28,6 +28,8 @@
 
 #include <cstdint>
 
+#include "membar/kernels/dtype.h"
+
 namespace membar::kernels::cuda::detail {
 
 template <typename Element>
@@ -35,6 +37,7 @@ struct ElementTraits;
 
 template <>
 struct ElementTraits<__nv_bfloat16> {
+  static constexpr DType kDType = DType::kBFloat16;
   // Packs two floats into one register, `low` in the low half (the smaller column).
   static __device__ __forceinline__ uint32_t pack(float low, float high) {
     __nv_bfloat162 value = __floats2bfloat162_rn(low, high);
@@ -55,6 +58,7 @@ struct ElementTraits<__nv_bfloat16> {
 
 template <>
 struct ElementTraits<__half> {
+  static constexpr DType kDType = DType::kFloat16;
   static __device__ __forceinline__ uint32_t pack(float low, float high) {
     __half2 value = __floats2half2_rn(low, high);
     return *reinterpret_cast<uint32_t*>(&value);
@@ -83,9 +87,11 @@ __device__ __forceinline__ int swizzled_offset(int row, int column) {
 // Note [Padded tiles]
 // The alternative to the swizzle: rows of kColumns + 8 elements (16 bytes of padding). The eight
 // row addresses of an ldmatrix matrix then start 272 bytes apart at kColumns = 128, i.e. four banks
-// apart, and fall into eight different bank groups too. Unlike the swizzle, the offset of a
+// apart, and fall into eight different bank groups too (any row of an odd number of 16-byte pieces
+// does: 9, 13, 17 or 33 for 64, 96, 128 or 256 columns). Unlike the swizzle, the offset of a
 // fragment is the thread's row offset plus a compile-time column, so the compiler needs one
-// register per tile instead of one per (fragment, k step), at 6% more shared memory.
+// register per tile instead of one per (fragment, k step), at 6% more shared memory. Head sizes
+// that are not whole groups of 64 columns (96) can only be padded (tile_padded).
 template <int kColumns, bool kPadded>
 struct TileLayout {
   static constexpr int kStride = kPadded ? kColumns + 8 : kColumns;  // elements per stored row
@@ -135,22 +141,48 @@ __device__ __forceinline__ void load_tile_async(Element* tile, const Element* ba
                                                 int valid_rows, int thread) {
   using Layout = TileLayout<kColumns, kPadded>;
   constexpr int kPiecesPerRow = kColumns / 8;
-  static_assert(kThreads % kPiecesPerRow == 0, "one pass of the threads copies whole rows");
-  constexpr int kRowsPerPass = kThreads / kPiecesPerRow;
-  static_assert(kRows % kRowsPerPass == 0, "every thread copies the same number of pieces");
-  // Rows a pass apart share their swizzle phase (row % 8), so a thread's shared offsets differ by
-  // a constant and its sources by a stride: no per-piece index arithmetic.
-  static_assert(kPadded || kRowsPerPass % 8 == 0, "the swizzle phase must repeat every pass");
+  // Each pass copies kRowsPerPass whole rows: the most rows the threads hold that divide kRows.
+  // When the threads are not a multiple of a row's pieces (head_dim 96: 12 pieces a row), the
+  // remaining threads copy nothing.
+  constexpr int kRowsPerPass = [] {
+    int rows = kThreads / kPiecesPerRow;
+    while (rows > 1 && kRows % rows != 0) --rows;
+    return rows;
+  }();
+  static_assert(kRowsPerPass >= 1 && kRows % kRowsPerPass == 0, "every copying thread copies the same number of pieces");
+  if (kThreads % kPiecesPerRow != 0 && thread >= kRowsPerPass * kPiecesPerRow) return;
   const int first_row = thread / kPiecesPerRow;
   const int column = (thread % kPiecesPerRow) * 8;
   const Element* source = base + first_row * row_stride + column;
   const int64_t pass_stride = int64_t(kRowsPerPass) * row_stride;
-  Element* destination = tile + Layout::offset(first_row, column);
+  if constexpr (kPadded || kRowsPerPass % 8 == 0) {
+    // Rows a pass apart share their swizzle phase (row % 8), so a thread's shared offsets differ by
+    // a constant and its sources by a stride: no per-piece index arithmetic.
+    Element* destination = tile + Layout::offset(first_row, column);
 #pragma unroll
-  for (int pass = 0; pass < kRows / kRowsPerPass; ++pass) {
-    const bool valid = first_row + pass * kRowsPerPass < valid_rows;
-    copy_async_16(destination + pass * kRowsPerPass * Layout::kStride, valid ? source + pass * pass_stride : base, valid);
+    for (int pass = 0; pass < kRows / kRowsPerPass; ++pass) {
+      const bool valid = first_row + pass * kRowsPerPass < valid_rows;
+      copy_async_16(destination + pass * kRowsPerPass * Layout::kStride, valid ? source + pass * pass_stride : base,
+                    valid);
+    }
+  } else {
+    // Fewer than 8 rows a pass (head_dim 256: 4 rows of 32 pieces for 128 threads): the swizzle
+    // phase changes from pass to pass, so each pass finds its piece's offset.
+#pragma unroll
+    for (int pass = 0; pass < kRows / kRowsPerPass; ++pass) {
+      const int row = first_row + pass * kRowsPerPass;
+      const bool valid = row < valid_rows;
+      copy_async_16(tile + Layout::offset(row, column), valid ? source + pass * pass_stride : base, valid);
+    }
   }
+}
+
+// Whether a tile of kColumns 16-bit elements per row is padded (Note [Padded tiles]): when a layout
+// asks for it, and always when a row is not whole groups of 64 elements, which the swizzle needs
+// (Note [Swizzle]; head_dim 96).
+template <int kColumns>
+constexpr bool tile_padded(bool requested) {
+  return requested || kColumns % 64 != 0;
 }
 
 // The matrix products below take swizzled tiles, or padded ones with kPadded (Note [Padded tiles]).
@@ -403,22 +435,5 @@ __device__ __forceinline__ KeySequence<Element, kKeys, kShiftIndexing> key_seque
 }
 
 inline constexpr float kLog2e = 1.4426950408889634f;
-
-// The index of the entry called `name` in a table of kernel variants (structs with a `name`),
-// or -1. constexpr, so a default can be checked at compile time; also what the run-time
-// selection by environment variable uses.
-template <typename Variant, int kCount>
-constexpr int find_variant(const Variant (&variants)[kCount], const char* name) {
-  for (int i = 0; i < kCount; ++i) {
-    const char* a = variants[i].name;
-    const char* b = name;
-    while (*a != '\0' && *a == *b) {
-      ++a;
-      ++b;
-    }
-    if (*a == *b) return i;
-  }
-  return -1;
-}
 
 }  // namespace membar::kernels::cuda::detail

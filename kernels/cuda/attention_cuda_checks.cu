@@ -1,18 +1,23 @@
-// Host-side checks and the backward workspace layout of the CUDA attention kernels.
+// Host-side checks, the device a layout is chosen for, and the backward workspace layout of the
+// CUDA attention kernels.
 #include <cuda_runtime.h>
 
 #include <cstdint>
 #include <cstdio>
 
 #include "attention_cuda_internal.h"
+#include "membar/kernels/attention_cuda.h"
 
 namespace membar::kernels::cuda {
 
 const char* paged_attention_cuda_check(const PagedAttentionShape& shape, const PageSelection& selection) {
-  if (shape.dtype != DType::kBFloat16 && shape.dtype != DType::kFloat16) {
-    return "the CUDA attention kernels take bfloat16 or float16 tensors.";
+  if (!cuda_dtype_supported(shape.dtype)) return "the CUDA attention kernels take bfloat16 or float16 tensors.";
+  if (!cuda_head_dim_supported(shape.head_dim)) {
+    static thread_local char message[120];
+    snprintf(message, sizeof(message), "the CUDA attention kernels support head_dim 64, 96, 128 or 256 (got %d).",
+             int(shape.head_dim));
+    return message;
   }
-  if (shape.head_dim != 64 && shape.head_dim != 128) return "the CUDA attention kernels support head_dim 64 or 128.";
   if (shape.page_tokens != 64 && shape.page_tokens != 128) {
     return "the CUDA attention kernels support page_tokens 64 or 128.";
   }
@@ -36,6 +41,23 @@ const char* paged_attention_check_alignment(const void* const* pointers, const c
     }
   }
   return "";
+}
+
+CudaTarget current_cuda_target() {
+  CudaTarget target;
+#if defined(MEMBAR_WGMMA_BUILT)
+  target.warpgroup_kernels = true;  // the architecture list held sm_90a (kernels/CMakeLists.txt)
+#endif
+  int device = 0;
+  int major = 0;
+  int minor = 0;
+  if (cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) != cudaSuccess) {
+    return target;
+  }
+  target.compute_capability = 10 * major + minor;
+  return target;
 }
 
 int64_t page_select_max_pages(const PagedAttentionShape& shape) {

@@ -1,34 +1,18 @@
-// Additions to membar/kernels/attention.h that only the CUDA attention kernels, their bindings
-// and their tests need. Torch-free and CUDA-free (no CUDA include), like the contract header.
-//
-// What the CUDA kernels support, on top of paged_attention_check_shape:
-//   dtype bf16 or fp16; head_dim 64 or 128; page_tokens 64 or 128; in sparse mode a
-//   query_tile_tokens that is a multiple of 64 (a query tile must hold whole 64-row blocks,
-//   because every block of queries reads one selection row); 16-byte aligned tensors.
+// Pieces of the CUDA attention kernels that only kernels/cuda/, kernels/sweep/ and their tests
+// use. Torch-free and CUDA-free (no CUDA include), like the contract headers
+// membar/kernels/attention.h and membar/kernels/attention_cuda.h.
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
 
 #include "membar/kernels/attention.h"
+#include "membar/kernels/attention_cuda.h"
 
 namespace membar::kernels::cuda {
 
 // Queries per block of the backward kernels and the granularity of a sparse query tile.
 inline constexpr int32_t kQueryBlockTokens = 64;
-
-// Returns an empty string when the CUDA kernels support `shape` (and `selection`, which may be
-// disabled), else a sentence saying what is not supported. Checks the shape only; pointers are
-// checked by paged_attention_check_pointers.
-const char* paged_attention_cuda_check(const PagedAttentionShape& shape, const PageSelection& selection);
-
-// Returns an empty string when every non-null pointer is 16-byte aligned (the kernels copy
-// 16-byte pieces), else a sentence naming the first misaligned one.
-const char* paged_attention_check_alignment(const void* const* pointers, const char* const* names, int count);
-
-// Page select keeps one score per history page in shared memory: the largest history (in pages)
-// it accepts for a given number of q heads and head_dim.
-int64_t page_select_max_pages(const PagedAttentionShape& shape);
 
 // The backward workspace, carved from the caller's buffer in this order (each piece 256-byte
 // aligned): dQ accumulator fp32 [Tc, Hq, D]; delta = rowsum(dO * O) fp32 [Hq, Tc];
@@ -51,21 +35,15 @@ struct BackwardWorkspacePointers {
   const int32_t* inverse_count;   // [num_history_pages], sparse only
   const int32_t* inverse_tiles;   // [num_history_pages, inverse_capacity], sparse only
   int32_t inverse_capacity;
+  // CTAs that own the chunk's keys (none without attend_chunk: dk_chunk/dv_chunk stay untouched);
+  // each dK/dV launch sets it for its keys per CTA (chunk_owner_count).
   int32_t num_chunk_blocks;
 };
 
-// Compiled variants of the bf16, head_dim 128 kernels, picked at run time by
-// MEMBAR_ATTENTION_FORWARD_VARIANT / MEMBAR_ATTENTION_BACKWARD_VARIANT = <name> (Note [Forward
-// variants] in attention_forward.cu, Note [Backward variants] in attention_backward.cu). A name
-// that is not listed makes the launch fail with cudaErrorInvalidValue; a variant that does not
-// apply to a call (e.g. 128-key blocks with pages of 64) leaves that call to the default layout.
-// forward_variant_name(i) is null outside [0, forward_variant_count()).
-int forward_variant_count();
-const char* forward_variant_name(int index);
-const char* forward_default_variant();
-int backward_variant_count();
-const char* backward_variant_name(int index);
-const char* backward_default_variant();
+// The launch functions' checks of their params (shape, support, alignment, required pointers):
+// cudaSuccess, or cudaErrorInvalidValue (as an int) before anything is enqueued.
+int forward_params_check(const PagedAttentionForwardParams& params);
+int backward_params_check(const PagedAttentionBackwardParams& params);
 
 // The deterministic backward's dQ pass (attention_backward_dq.cu): one CTA per 64 queries and q
 // head recomputes P and dS over the tile's keys and writes dQ once, with no atomics.

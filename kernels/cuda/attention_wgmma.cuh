@@ -1,8 +1,7 @@
 // The warpgroup-MMA (wgmma) building blocks of the Hopper attention kernels: matrix descriptors,
 // wgmma fences, the m64n64k16 / m64n128k16 products in bf16 and the swizzled tile copy of
-// Note [Warpgroup shared layout] (attention_forward_wgmma.cu), and the device check. Shared by
-// attention_forward_wgmma.cu and attention_backward_wgmma.cu; moved verbatim out of the former.
-// Internal to kernels/cuda/.
+// Note [Warpgroup shared layout] (attention_forward_wgmma.cuh). Shared by the warpgroup forward
+// and the experimental warpgroup backward of the sweep target (kernels/sweep/). Internal to kernels/.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -110,19 +109,5 @@ __device__ __forceinline__ void load_swizzled_tile(unsigned char* tile, const __
 }
 
 #endif  // MEMBAR_WGMMA_AVAILABLE
-
-// Whether the current device is an sm_90 one and this build holds the sm_90a kernel body.
-inline bool device_is_sm90() {
-#ifndef MEMBAR_WGMMA_BUILT
-  return false;  // built without sm_90a (kernels/CMakeLists.txt): the body would only trap
-#endif
-  int device = 0;
-  if (cudaGetDevice(&device) != cudaSuccess) return false;
-  int major = 0;
-  int minor = 0;
-  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess) return false;
-  if (cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) != cudaSuccess) return false;
-  return major == 9 && minor == 0;
-}
 
 }  // namespace membar::kernels::cuda::detail

@@ -19,8 +19,8 @@
 #include <string>
 #include <vector>
 
-#include "attention_cuda_internal.h"
 #include "membar/kernels/attention.h"
+#include "membar/kernels/attention_cuda.h"
 #include "membar/kernels/half_types.h"
 
 namespace {
@@ -282,7 +282,7 @@ struct RawBits {
   std::vector<uint8_t> dk_pool, dv_pool;
 };
 
-Results run_gpu(const Problem& p, bool deterministic, RawBits* raw = nullptr) {
+Results run_gpu(const Problem& p, bool deterministic, RawBits* raw = nullptr, const mk::CudaOptions& options = {}) {
   Results r;
   const DType dtype = p.c.dtype;
   const size_t q_elements = p.q.size(), kv_elements = p.k_chunk.size(), pool_elements = p.k_pool.size();
@@ -316,7 +316,7 @@ Results run_gpu(const Problem& p, bool deterministic, RawBits* raw = nullptr) {
   forward.history = {k_pool.get(), k_index.get(), v_pool.get(), v_index.get()};
   forward.selection = selection;
   forward.out = out.get(), forward.lse = lse.get();
-  EXPECT_EQ(0, mk::cuda::paged_attention_forward(forward, nullptr));
+  EXPECT_EQ(0, mk::cuda::paged_attention_forward(forward, nullptr, options));
   mk::PagedAttentionBackwardParams backward;
   backward.shape = p.shape;
   backward.q = q.get(), backward.k_chunk = k.get(), backward.v_chunk = v.get();
@@ -328,7 +328,7 @@ Results run_gpu(const Problem& p, bool deterministic, RawBits* raw = nullptr) {
   backward.grad_page_dtype = p.c.grad_page_dtype;
   backward.deterministic = deterministic;
   backward.workspace = workspace.get();
-  EXPECT_EQ(0, mk::cuda::paged_attention_backward(backward, nullptr));
+  EXPECT_EQ(0, mk::cuda::paged_attention_backward(backward, nullptr, options));
   EXPECT_EQ(cudaSuccess, cudaDeviceSynchronize());
 
   auto decode = [&](const std::vector<uint16_t>& bits, DType t) {
@@ -430,12 +430,37 @@ TEST_P(PagedAttentionCuda, ForwardAndBackwardMatchReference) {
     EXPECT_EQ(pick(initial_dk, dk_used, false), pick(gpu.dk_pool, dk_used, false));
     EXPECT_EQ(pick(initial_dv, dv_used, false), pick(gpu.dv_pool, dv_used, false));
   }
-  // The forward's other layout (four warps of 32 rows, chosen by an environment knob).
-  setenv("MEMBAR_ATTENTION_FORWARD_WARP_ROWS", "32", 1);
-  const Results other_layout = run_gpu(p, false);
-  unsetenv("MEMBAR_ATTENTION_FORWARD_WARP_ROWS");
-  expect_close("out32", other_layout.out, baseline.out, truth.out, slack);
-  expect_close("lse32", other_layout.lse, baseline.lse, truth.lse, 1e-4);
+  // Every other compiled layout that fits this call on this device (the layouts another GPU would
+  // run, e.g. the mma.sync forward where Hopper runs the warpgroup one), asked for by name.
+  const mk::cuda::CudaTarget target = mk::cuda::current_cuda_target();
+  const mk::cuda::LayoutQuery query = mk::cuda::layout_query(p.shape, selection_of(p, p.selection.data()));
+  for (mk::ForwardLayout layout : mk::cuda::kForwardLayouts) {
+    if (mk::cuda::resolve_forward_layout(layout, target, query) != layout ||
+        layout == mk::cuda::choose_forward_layout(target, query)) {
+      continue;
+    }
+    const char* name = mk::cuda::forward_layout_name(layout);
+    std::printf(" forward layout %s\n", name);
+    mk::CudaOptions options;
+    options.forward_layout = layout;
+    const Results other = run_gpu(p, false, nullptr, options);
+    expect_close((std::string("out ") + name).c_str(), other.out, baseline.out, truth.out, slack);
+    expect_close((std::string("lse ") + name).c_str(), other.lse, baseline.lse, truth.lse, 1e-4);
+  }
+  for (mk::BackwardLayout layout : mk::cuda::kBackwardLayouts) {
+    if (mk::cuda::resolve_backward_layout(layout, target, query) != layout ||
+        layout == mk::cuda::choose_backward_layout(target, query)) {
+      continue;
+    }
+    const char* name = mk::cuda::backward_layout_name(layout);
+    std::printf(" backward layout %s\n", name);
+    mk::CudaOptions options;
+    options.backward_layout = layout;
+    const Results other = run_gpu(p, false, nullptr, options);
+    expect_close((std::string("dq ") + name).c_str(), other.dq, baseline.dq, truth.dq, slack);
+    expect_close((std::string("dk ") + name).c_str(), other.dk, baseline.dk, truth.dk, slack);
+    expect_close((std::string("dv ") + name).c_str(), other.dv, baseline.dv, truth.dv, slack);
+  }
 }
 
 TEST_P(PagedAttentionCuda, DeterministicModeGivesSameBitsTwice) {
@@ -453,8 +478,8 @@ TEST_P(PagedAttentionCuda, DeterministicModeGivesSameBitsTwice) {
   EXPECT_EQ(first.dv_pool, second.dv_pool);
 }
 
-// GQA groups 1/4/7/8, head_dim 64/128, pages 64/128, partial last pages, chunk lengths that are
-// not a multiple of any tile, dense and sparse, fp32 and bf16 grad pages, one fp16 case.
+// GQA groups 1/4/7/8, head_dim 64/96/128/256, pages 64/128, partial last pages, chunk lengths that
+// are not a multiple of any tile, dense and sparse, fp32 and bf16 grad pages, bf16 and fp16.
 const Case kCases[] = {
     {"gqa4_d128_p128_dense", 200, 300, 128, 8, 2, 128, 0, 0, DType::kFloat32, DType::kBFloat16},
     {"gqa7_d64_p64_dense_bf16pages", 77, 130, 64, 7, 1, 64, 0, 0, DType::kBFloat16, DType::kBFloat16},
@@ -464,6 +489,14 @@ const Case kCases[] = {
     {"gqa1_d128_p128_sparse_tile256", 600, 2000, 128, 4, 4, 128, 256, 3, DType::kFloat32, DType::kBFloat16},
     {"gqa4_d128_p128_dense_fp16", 150, 200, 128, 4, 1, 128, 0, 0, DType::kFloat32, DType::kFloat16},
     {"gqa8_d64_p64_exact_tiles", 128, 128, 64, 8, 1, 64, 0, 0, DType::kBFloat16, DType::kBFloat16},
+    {"gqa8_d64_p128_dense_fp16", 100, 500, 128, 8, 1, 64, 0, 0, DType::kFloat32, DType::kFloat16},
+    // Head sizes 96 (padded tiles) and 256 (64-row forward CTAs; dK/dV by halves of pages of 128 and
+    // halves of head_dim, the last page's second half past the history's end).
+    {"gqa4_d96_p128_dense", 200, 300, 128, 8, 2, 96, 0, 0, DType::kFloat32, DType::kBFloat16},
+    {"gqa2_d96_p64_sparse_tile64_fp16", 150, 700, 64, 4, 2, 96, 64, 4, DType::kFloat32, DType::kFloat16},
+    {"gqa4_d256_p128_dense", 130, 300, 128, 8, 2, 256, 0, 0, DType::kFloat32, DType::kBFloat16},
+    {"gqa1_d256_p64_sparse_tile128_fp16", 200, 1000, 64, 2, 2, 256, 128, 3, DType::kBFloat16, DType::kFloat16},
+    {"gqa7_d256_p128_sparse_tile64_bf16pages", 90, 900, 128, 7, 1, 256, 64, 2, DType::kBFloat16, DType::kBFloat16},
 };
 
 INSTANTIATE_TEST_SUITE_P(Shapes, PagedAttentionCuda, ::testing::ValuesIn(kCases),
@@ -543,10 +576,13 @@ TEST(PageSelectionCuda, SummaryAndSelectMatchReference) {
 TEST(PagedAttentionCudaChecks, RejectsUnsupportedShapes) {
   mk::PagedAttentionShape shape;
   shape.chunk_tokens = 128, shape.history_tokens = 0, shape.page_tokens = 128;
-  shape.num_q_heads = 4, shape.num_kv_heads = 2, shape.head_dim = 96, shape.softmax_scale = 0.1f;
-  EXPECT_STRNE("", mk::cuda::paged_attention_cuda_check(shape, {}));
-  shape.head_dim = 128;
-  EXPECT_STREQ("", mk::cuda::paged_attention_cuda_check(shape, {}));
+  shape.num_q_heads = 4, shape.num_kv_heads = 2, shape.head_dim = 80, shape.softmax_scale = 0.1f;
+  EXPECT_STREQ("the CUDA attention kernels support head_dim 64, 96, 128 or 256 (got 80).",
+               mk::cuda::paged_attention_cuda_check(shape, {}));
+  for (int32_t head_dim : {64, 96, 128, 256}) {
+    shape.head_dim = head_dim;
+    EXPECT_STREQ("", mk::cuda::paged_attention_cuda_check(shape, {}));
+  }
   shape.page_tokens = 32;
   EXPECT_STRNE("", mk::cuda::paged_attention_cuda_check(shape, {}));
   shape.page_tokens = 128;
@@ -554,7 +590,7 @@ TEST(PagedAttentionCudaChecks, RejectsUnsupportedShapes) {
   EXPECT_STRNE("", mk::cuda::paged_attention_cuda_check(shape, selection));
   mk::PagedAttentionForwardParams forward;
   forward.shape = shape;
-  forward.shape.head_dim = 96;
+  forward.shape.head_dim = 80;
   EXPECT_NE(0, mk::cuda::paged_attention_forward(forward, nullptr));
 }
 

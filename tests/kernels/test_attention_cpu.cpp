@@ -460,6 +460,13 @@ std::vector<Case> shape_grid() {
   // A page longer than a key block (split into parts) and head_dim 256.
   cases.push_back(Case{20, 300, 200, 4, 2, 256, false, 0, 0, 102});
   cases.push_back(Case{20, 300, 200, 4, 2, 64, true, 8, 1, 103});
+  // Every head size the CUDA kernels take (96 and 256 besides the grid's), and sizes that are not a
+  // multiple of the matmul micro-kernel's tile: the reference takes any head size.
+  cases.push_back(Case{70, 150, 64, 8, 2, 96, false, 0, 0, 104});
+  cases.push_back(Case{70, 300, 128, 4, 1, 96, true, 32, 2, 105});
+  cases.push_back(Case{33, 200, 128, 4, 2, 256, true, 16, 2, 106});
+  cases.push_back(Case{45, 90, 32, 6, 3, 40, false, 0, 0, 107});
+  cases.push_back(Case{45, 90, 32, 4, 2, 3, true, 16, 2, 108});
   return cases;
 }
 
@@ -530,6 +537,8 @@ TEST(AttentionCpu, Float32WithinTwicePlainError) {
 
 TEST(AttentionCpu, Float16WithinTwicePlainError) {
   check_against_naive<Float16>(Case{77, 150, 64, 8, 2, 128, false, 0, 0, 9}, DType::kFloat32, false, false);
+  check_against_naive<Float16>(Case{60, 130, 64, 4, 2, 96, false, 0, 0, 12}, DType::kFloat32, false, false);
+  check_against_naive<Float16>(Case{30, 140, 128, 4, 1, 256, true, 16, 2, 13}, DType::kFloat32, false, true);
 }
 
 TEST(AttentionCpu, BFloat16GradPagesWithinTwicePlainError) {

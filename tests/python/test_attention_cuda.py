@@ -110,21 +110,29 @@ def max_error(a, b):
 
 
 CASES = [
-    # (chunk_tokens, history_tokens, page_tokens, q_heads, kv_heads, head_dim, sparse tile or 0, top_k)
-    (200, 300, 128, 8, 2, 128, 0, 0),
-    (77, 130, 64, 7, 1, 64, 0, 0),
-    (256, 0, 128, 4, 4, 128, 0, 0),
-    (300, 1100, 128, 8, 1, 128, 128, 4),
-    (130, 700, 64, 4, 1, 64, 64, 5),
+    # (chunk_tokens, history_tokens, page_tokens, q_heads, kv_heads, head_dim, sparse tile or 0, top_k, dtype)
+    (200, 300, 128, 8, 2, 128, 0, 0, torch.bfloat16),
+    (77, 130, 64, 7, 1, 64, 0, 0, torch.bfloat16),
+    (256, 0, 128, 4, 4, 128, 0, 0, torch.bfloat16),
+    (300, 1100, 128, 8, 1, 128, 128, 4, torch.bfloat16),
+    (130, 700, 64, 4, 1, 64, 64, 5, torch.bfloat16),
+    # Every head size the CUDA kernels take, in bf16 and fp16.
+    (100, 500, 128, 8, 1, 64, 0, 0, torch.float16),
+    (200, 300, 128, 8, 2, 96, 0, 0, torch.bfloat16),
+    (150, 700, 64, 4, 2, 96, 64, 4, torch.float16),
+    (130, 300, 128, 8, 2, 256, 0, 0, torch.bfloat16),
+    (200, 1000, 64, 2, 2, 256, 128, 3, torch.float16),
+    (90, 900, 128, 7, 1, 256, 64, 2, torch.bfloat16),
+    (150, 400, 64, 4, 1, 128, 0, 0, torch.float16),
 ]
 
 
 @pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("case", CASES)
 def test_ops_match_reference(case, grad_dtype):
-    chunk_tokens, history_tokens, page_tokens, q_heads, kv_heads, head_dim, tile, top_k = case
+    chunk_tokens, history_tokens, page_tokens, q_heads, kv_heads, head_dim, tile, top_k, dtype = case
     generator = torch.Generator().manual_seed(torch.seed() % (2**31))
-    host = make_problem(chunk_tokens, history_tokens, page_tokens, q_heads, kv_heads, head_dim, generator)
+    host = make_problem(chunk_tokens, history_tokens, page_tokens, q_heads, kv_heads, head_dim, generator, dtype)
     pool_shape = host["k_pool"].shape
     host["dk_pool0"] = (torch.randn(pool_shape, generator=generator) * 0.1).to(grad_dtype).float()
     host["dv_pool0"] = (torch.randn(pool_shape, generator=generator) * 0.1).to(grad_dtype).float()
@@ -201,8 +209,8 @@ def test_summary_and_select_match_cpu():
 
 def test_unsupported_shape_is_a_clear_error():
     generator = torch.Generator().manual_seed(1)
-    p = to_device(make_problem(64, 64, 64, 2, 2, 96, generator), DEVICE)
-    with pytest.raises(RuntimeError, match="head_dim 64 or 128"):
+    p = to_device(make_problem(64, 64, 64, 2, 2, 80, generator), DEVICE)
+    with pytest.raises(RuntimeError, match=r"support head_dim 64, 96, 128 or 256 \(got 80\)\."):
         ops.paged_attention_forward(p["q"], p["k"], p["v"], p["k_pool"], p["k_index"], p["v_pool"], p["v_index"],
                                     64, p["scale"], None, 128)
 

@@ -1,12 +1,12 @@
-"""Every compiled variant of the CUDA attention kernels (MEMBAR_ATTENTION_FORWARD_VARIANT /
-MEMBAR_ATTENTION_BACKWARD_VARIANT, Note [Forward variants] in kernels/cuda/attention_forward.cu)
-against the CPU ops: the truth is the CPU op in float64 on the same (bf16-rounded) inputs; a
-variant's error may be at most twice that of the CPU op run in bf16 (fp32 accumulation), plus a
-small slack for the bf16 rounding of P and dS that tensor cores need. Shapes cover what a variant
-may meet: dense and sparse histories with partial last pages, pages of 64 (where 128-key variants
-fall back to the default), no history, and a history block without the chunk (attend_chunk=False)."""
+"""Every layout of the CUDA attention kernels (torch.ops.membar.attention_cuda_layouts, Note [Layout
+choice] in kernels/include/membar/kernels/attention_cuda.h), asked for by name through the ops'
+`layout` argument, against the CPU ops: the truth is the CPU op in float64 on the same
+(bf16-rounded) inputs; a layout's error may be at most twice that of the CPU op run in bf16 (fp32
+accumulation), plus a small slack for the bf16 rounding of P and dS that tensor cores need. Shapes
+cover what a layout may meet: dense and sparse histories with partial last pages, pages of 64
+(where a layout that does not fit leaves the call to the chosen one), no history, and a history
+block without the chunk (attend_chunk=False)."""
 import math
-import os
 
 import pytest
 import torch
@@ -20,16 +20,11 @@ import membar  # noqa: E402  (loads the ops library)
 
 ops = torch.ops.membar
 
-if not hasattr(ops, "attention_cuda_variants"):
+if not hasattr(ops, "attention_cuda_layouts"):
     pytest.skip("the ops library was built without CUDA", allow_module_level=True)
 
-FORWARD_VARIANTS = ops.attention_cuda_variants("forward")[0]
-# Backward variants named wgmma* are not yet verified on a GPU (Note [Warpgroup backward] in
-# kernels/cuda/attention_backward_wgmma.cu): a wrong one could poison the CUDA context of every later
-# test in this process, so they run here only with MEMBAR_TEST_EXPERIMENTAL_VARIANTS=1
-# (tests/python/test_attention_wgmma_backward.py checks them in subprocesses).
-BACKWARD_VARIANTS = [name for name in ops.attention_cuda_variants("backward")[0]
-                     if not name.startswith("wgmma") or os.environ.get("MEMBAR_TEST_EXPERIMENTAL_VARIANTS") == "1"]
+FORWARD_LAYOUTS = ops.attention_cuda_layouts("forward")
+BACKWARD_LAYOUTS = ops.attention_cuda_layouts("backward")
 
 CASES = [
     # (chunk_tokens, history_tokens, page_tokens, q_heads, kv_heads, sparse tile or 0, top_k, attend_chunk)
@@ -41,8 +36,7 @@ CASES = [
     (250, 700, 128, 8, 2, 0, 0, False),
 ]
 # Keys whose scale grows along the history (and the chunk's larger still), so that the running
-# maximum of a row jumps by many powers of two across blocks: both paths of the lazy rescale
-# (Note [Lazy rescale] in kernels/cuda/attention_forward.cu) and of the ordinary one run.
+# maximum of a row jumps by many powers of two across blocks and every rescale path runs.
 GROWING_CASE = (260, 1500, 128, 8, 2, 0, 0, True)
 
 
@@ -80,8 +74,9 @@ def make_problem(case, seed):
     return p
 
 
-def run(p, device, dtype=None, deterministic=False):
-    """Forward and backward through the ops on `device`; floating inputs converted to `dtype`."""
+def run(p, device, dtype=None, deterministic=False, forward_layout="", backward_layout=""):
+    """Forward and backward through the ops on `device`; floating inputs converted to `dtype`;
+    the CUDA layouts asked for by name ("" for the chosen ones)."""
     def move(value):
         if not isinstance(value, torch.Tensor):
             return value
@@ -91,7 +86,8 @@ def run(p, device, dtype=None, deterministic=False):
     t = {name: move(value) for name, value in p.items()}
     grad_dtype = torch.float64 if dtype == torch.float64 else torch.float32
     out, lse = ops.paged_attention_forward(t["q"], t["k"], t["v"], t["k_pool"], t["k_index"], t["v_pool"], t["v_index"],
-                                           t["history_tokens"], t["scale"], t["selection"], t["tile"], t["attend_chunk"])
+                                           t["history_tokens"], t["scale"], t["selection"], t["tile"], t["attend_chunk"],
+                                           forward_layout)
     # The backward gets the truth's out and lse (a blocked caller passes the final merged ones).
     given_out = t["given_out"] if "given_out" in t else out
     given_lse = t["given_lse"].to(lse.dtype) if "given_lse" in t else lse
@@ -99,7 +95,7 @@ def run(p, device, dtype=None, deterministic=False):
     dq, dk, dv = ops.paged_attention_backward(t["q"], t["k"], t["v"], t["k_pool"], t["k_index"], t["v_pool"],
                                               t["v_index"], given_out, t["dout"], given_lse, dk_pool, t["dk_index"],
                                               dv_pool, t["dv_index"], t["history_tokens"], t["scale"], t["selection"],
-                                              t["tile"], deterministic, t["attend_chunk"])
+                                              t["tile"], deterministic, t["attend_chunk"], backward_layout)
     return {"out": out, "lse": lse, "dq": dq, "dk": dk, "dv": dv, "dk_pool": dk_pool, "dv_pool": dv_pool}
 
 
@@ -129,37 +125,28 @@ def problems():
     return prepared
 
 
-def check_variant(problems, variable, name, names, modes=(False,)):
-    """Every problem through the variant (each deterministic mode in `modes`) against the truth."""
-    os.environ[variable] = name
-    try:
-        for case, p, truth, plain in problems:
-            for deterministic in modes:
-                got = errors(run(p, "cuda", deterministic=deterministic), truth)
-                for tensor in names:
-                    slack = (1e-4 if tensor == "lse" else 4e-3) * max(1.0, truth[tensor].abs().max().item())
-                    assert got[tensor] <= 2 * plain[tensor] + slack, (
-                        name, case, deterministic, tensor, got[tensor], plain[tensor])
-    finally:
-        del os.environ[variable]
+def check_layout(problems, names, modes=(False,), **layout):
+    """Every problem through the layout (each deterministic mode in `modes`) against the truth."""
+    for case, p, truth, plain in problems:
+        for deterministic in modes:
+            got = errors(run(p, "cuda", deterministic=deterministic, **layout), truth)
+            for tensor in names:
+                slack = (1e-4 if tensor == "lse" else 4e-3) * max(1.0, truth[tensor].abs().max().item())
+                assert got[tensor] <= 2 * plain[tensor] + slack, (
+                    layout, case, deterministic, tensor, got[tensor], plain[tensor])
 
 
-@pytest.mark.parametrize("name", FORWARD_VARIANTS)
-def test_forward_variant_matches_cpu(problems, name):
-    check_variant(problems, "MEMBAR_ATTENTION_FORWARD_VARIANT", name, ("out", "lse"))
+@pytest.mark.parametrize("name", FORWARD_LAYOUTS)
+def test_forward_layout_matches_cpu(problems, name):
+    check_layout(problems, ("out", "lse"), forward_layout=name)
 
 
-@pytest.mark.parametrize("name", BACKWARD_VARIANTS)
-def test_backward_variant_matches_cpu(problems, name):
-    check_variant(problems, "MEMBAR_ATTENTION_BACKWARD_VARIANT", name, ("dq", "dk", "dv", "dk_pool", "dv_pool"),
-                  modes=(False, True))
+@pytest.mark.parametrize("name", BACKWARD_LAYOUTS)
+def test_backward_layout_matches_cpu(problems, name):
+    check_layout(problems, ("dq", "dk", "dv", "dk_pool", "dv_pool"), modes=(False, True), backward_layout=name)
 
 
-def test_unknown_variant_is_a_clear_error(problems):
+def test_unknown_layout_is_a_clear_error(problems):
     _, p, _, _ = problems[0]
-    os.environ["MEMBAR_ATTENTION_FORWARD_VARIANT"] = "no_such_variant"
-    try:
-        with pytest.raises(RuntimeError, match="names no compiled kernel variant"):
-            run(p, "cuda")
-    finally:
-        del os.environ["MEMBAR_ATTENTION_FORWARD_VARIANT"]
+    with pytest.raises(RuntimeError, match="names no layout of the CUDA kernels"):
+        run(p, "cuda", forward_layout="no_such_layout")

@@ -1,17 +1,17 @@
-"""The Hopper (wgmma) forward variants (Note [Warpgroup forward] in
-kernels/cuda/attention_forward_wgmma.cu) against the mma.sync forward and the float32 reference.
+"""The Hopper (wgmma) forward layouts (Note [Warpgroup forward] in
+kernels/cuda/attention_forward_wgmma.cuh) against the mma.sync forward and the float32 reference.
 
-Each variant runs in a subprocess (MEMBAR_ATTENTION_FORWARD_VARIANT=<name> for its calls), so that
+Each layout runs in a subprocess (asked for by name through the op's `layout` argument), so that
 an illegal memory access or a hang fails one test cleanly instead of poisoning the CUDA context of
 every later test. The child runs every case on fresh random inputs (several seeds) through the
-mma.sync variant BASELINE and the wgmma one and prints one JSON line per case with both errors against
-membar.attention.reference_chunk_attention in float32 (a history-only reference for
-attend_chunk=False); the parent asserts. A wgmma variant's error may be at most twice the
-BASELINE's, plus a small absolute slack for rounding-order noise. `-s` also prints a timing line
-(TFLOP/s of BASELINE, the wgmma one and SDPA flash at a 32K history, chunk 4096).
+mma.sync layout another GPU would run (baseline_layout) and the wgmma one and prints one JSON line
+per case with both errors against membar.attention.reference_chunk_attention in float32 (a
+history-only reference for attend_chunk=False); the parent asserts. A wgmma layout's error may be
+at most twice the baseline's, plus a small absolute slack for rounding-order noise. `-s` also
+prints a timing line (TFLOP/s of the baseline, the wgmma one and SDPA flash at a 32K history,
+chunk 4096).
 
-Run: MEMBAR_ATTENTION_FORWARD_VARIANT is set by the test itself; the whole file takes about a
-minute on an H200:
+Run (about a minute on an H200):
     python3 -m pytest -s -m gpu tests/python/test_attention_wgmma.py
 """
 import json
@@ -23,10 +23,14 @@ import sys
 import pytest
 import torch
 
-VARIABLE = "MEMBAR_ATTENTION_FORWARD_VARIANT"
-# What the wgmma variants are held against: the best mma.sync layout (the default forward before
-# the wgmma one; where it does not apply, e.g. sparse tiles of 64, the dispatch_rows layouts run).
-BASELINE = "w4r32_k64_s2_shift_2cta"
+
+def baseline_layout(case):
+    """The mma.sync layout a GPU without wgmma runs for this case (choose_forward_layout): 128-key
+    blocks for pages of 128, 64-key ones for pages of 64. Where a wgmma layout does not fit (sparse
+    tiles of 64 rows), both fall back to the same chosen layout."""
+    page_tokens = case[2]
+    return "w8r16_k128_s3_qreg_shift" if page_tokens % 128 == 0 else "w8r16_k64_s3_qreg_shift"
+
 
 # (chunk_tokens, history_tokens, page_tokens, q_heads, kv_heads, attend_chunk, sparse tile or 0, top_k)
 CASES = [
@@ -48,7 +52,7 @@ SEEDS = (1, 2)
 
 
 # ---------------------------------------------------------------------------------------------
-# Child: runs in its own process (python3 tests/python/test_attention_wgmma.py <mode> <variant>).
+# Child: runs in its own process (python3 tests/python/test_attention_wgmma.py <mode> <layout>).
 
 def make_problem(case, seed, device):
     chunk_tokens, history_tokens, page_tokens, q_heads, kv_heads, attend_chunk, tile, top_k = case
@@ -102,13 +106,14 @@ def reference(problem, case):
     return out, lse
 
 
-def forward(problem, case):
+def forward(problem, case, layout):
     import membar.attention as attention
 
     history_tokens, attend_chunk = case[1], case[5]
-    return attention.paged_attention_forward(
+    return torch.ops.membar.paged_attention_forward(
         problem["q"], problem["k"], problem["v"], problem["k_pool"], problem["k_index"], problem["v_pool"],
-        problem["v_index"], history_tokens, None, problem["selection"], problem["tile"], attend_chunk)
+        problem["v_index"], history_tokens, attention._scale(128, None), problem["selection"], problem["tile"],
+        attend_chunk, layout)
 
 
 def error(got, want):
@@ -120,17 +125,14 @@ def error(got, want):
     return (got[finite] - want[finite]).abs().max().item() if finite.any() else 0.0
 
 
-def child_check(variant):
+def child_check(layout):
     import membar  # noqa: F401  (loads the ops library)
 
     for case in CASES:
         for seed in SEEDS:
             problem = make_problem(case, seed, "cuda")
-            os.environ[VARIABLE] = BASELINE
-            default_out, default_lse = forward(problem, case)
-            os.environ[VARIABLE] = variant
-            out, lse = forward(problem, case)
-            os.environ.pop(VARIABLE, None)
+            default_out, default_lse = forward(problem, case, baseline_layout(case))
+            out, lse = forward(problem, case, layout)
             torch.cuda.synchronize()
             want_out, want_lse = reference(problem, case)
             no_key = ~torch.isfinite(want_lse)  # [Hq, Tc]
@@ -144,7 +146,7 @@ def child_check(variant):
             }), flush=True)
 
 
-def child_timing(variant):
+def child_timing(layout):
     import membar  # noqa: F401
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.nn.attention.bias import causal_lower_right
@@ -161,11 +163,8 @@ def child_timing(variant):
     def time_ms(function):
         return bench_time_ms(function, warmup=1)
 
-    os.environ[VARIABLE] = BASELINE
-    default_ms = time_ms(lambda: forward(problem, case))
-    os.environ[VARIABLE] = variant
-    variant_ms = time_ms(lambda: forward(problem, case))
-    os.environ.pop(VARIABLE, None)
+    default_ms = time_ms(lambda: forward(problem, case, baseline_layout(case)))
+    layout_ms = time_ms(lambda: forward(problem, case, layout))
     group = q_heads // kv_heads
     keys = torch.cat([problem["k_pool"][problem["k_index"].long()].reshape(-1, kv_heads, 128), problem["k"]])
     values = torch.cat([problem["v_pool"][problem["v_index"].long()].reshape(-1, kv_heads, 128), problem["v"]])
@@ -179,7 +178,7 @@ def child_timing(variant):
             torch.nn.functional.scaled_dot_product_attention(sq, sk, sv, attn_mask=mask)
 
     sdpa_ms = time_ms(sdpa)
-    print(json.dumps({"default_tflops": flops / default_ms / 1e9, "variant_tflops": flops / variant_ms / 1e9,
+    print(json.dumps({"default_tflops": flops / default_ms / 1e9, "layout_tflops": flops / layout_ms / 1e9,
                       "sdpa_tflops": flops / sdpa_ms / 1e9}), flush=True)
 
 
@@ -197,35 +196,37 @@ pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA device", allow_module_level=True)
 if torch.cuda.get_device_capability() != (9, 0):
-    pytest.skip("the wgmma variants need a Hopper (sm_90) GPU", allow_module_level=True)
+    pytest.skip("the wgmma layouts need a Hopper (sm_90) GPU", allow_module_level=True)
 
 import membar  # noqa: E402,F401  (loads the ops library)
 
-if not hasattr(torch.ops.membar, "attention_cuda_variants"):
+if not hasattr(torch.ops.membar, "attention_cuda_layouts"):
     pytest.skip("the ops library was built without CUDA", allow_module_level=True)
 
-WGMMA_VARIANTS = [name for name in torch.ops.membar.attention_cuda_variants("forward")[0] if name.startswith("wgmma")]
+WGMMA_LAYOUTS = [name for name in torch.ops.membar.attention_cuda_layouts("forward") if name.startswith("wgmma")]
 
 
-def run_child(mode, variant, timeout):
+def run_child(mode, layout, timeout):
     environment = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
-    environment.pop(VARIABLE, None)
-    finished = subprocess.run([sys.executable, os.path.abspath(__file__), mode, variant], capture_output=True,
+    finished = subprocess.run([sys.executable, os.path.abspath(__file__), mode, layout], capture_output=True,
                               text=True, timeout=timeout, env=environment)
-    assert finished.returncode == 0, (variant, finished.returncode, finished.stdout[-3000:], finished.stderr[-3000:])
+    assert finished.returncode == 0, (layout, finished.returncode, finished.stdout[-3000:], finished.stderr[-3000:])
     return [json.loads(line) for line in finished.stdout.splitlines() if line.startswith("{")]
 
 
-def test_wgmma_variants_are_compiled():
-    assert WGMMA_VARIANTS, "no forward variant named wgmma* in this build"
+def test_wgmma_layouts_are_compiled_and_chosen():
+    assert WGMMA_LAYOUTS, "no forward layout named wgmma* in this build"
+    # On Hopper the choice runs them for bf16, head_dim 128 (pages of 128 and 64).
+    assert torch.ops.membar.attention_cuda_layout("forward", torch.bfloat16, 128, 128) == "wgmma_w8r64_k128_s2"
+    assert torch.ops.membar.attention_cuda_layout("forward", torch.bfloat16, 128, 64) == "wgmma_w8r64_k64_s3"
 
 
-@pytest.mark.parametrize("variant", WGMMA_VARIANTS)
-def test_wgmma_forward_matches_reference(variant):
-    records = run_child("check", variant, timeout=400)
+@pytest.mark.parametrize("layout", WGMMA_LAYOUTS)
+def test_wgmma_forward_matches_reference(layout):
+    records = run_child("check", layout, timeout=400)
     assert len(records) == len(CASES) * len(SEEDS), records
     for record in records:
-        label = (variant, record["case"], record["seed"])
+        label = (layout, record["case"], record["seed"])
         assert record["out"] is not None and record["lse"] is not None, ("-inf pattern differs", label, record)
         assert record["default_out"] is not None and record["default_lse"] is not None, ("default", label, record)
         assert record["no_key_rows_zero"], ("a row without keys must get out 0", label)
@@ -234,10 +235,10 @@ def test_wgmma_forward_matches_reference(variant):
         assert record["lse"] <= 2 * record["default_lse"] + lse_slack, ("lse", label, record)
 
 
-@pytest.mark.parametrize("variant", WGMMA_VARIANTS)
-def test_wgmma_forward_timing(variant):
-    (record,) = run_child("timing", variant, timeout=300)
-    print(f"\n[wgmma timing] {variant}: {record['variant_tflops']:.0f} TFLOP/s; {BASELINE} "
+@pytest.mark.parametrize("layout", WGMMA_LAYOUTS)
+def test_wgmma_forward_timing(layout):
+    (record,) = run_child("timing", layout, timeout=300)
+    print(f"\n[wgmma timing] {layout}: {record['layout_tflops']:.0f} TFLOP/s; {baseline_layout((0, 0, 128))} "
           f"{record['default_tflops']:.0f}; SDPA flash {record['sdpa_tflops']:.0f} "
           f"(history 32768, chunk 4096, 28/4 heads, D 128)")
-    assert math.isfinite(record["variant_tflops"])
+    assert math.isfinite(record["layout_tflops"])

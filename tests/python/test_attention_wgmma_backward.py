@@ -1,16 +1,19 @@
-"""The Hopper (wgmma) backward variant wgmma_w8_k128 (Note [Warpgroup backward] in
-kernels/cuda/attention_backward_wgmma.cu) against the default backward and the float32 reference.
+"""The experimental Hopper (wgmma) backward layout wgmma_w8_k128 of the sweep target (Note [Warpgroup
+backward] in kernels/sweep/attention_backward_wgmma.cu) against the shipped backward and the
+float32 reference. It is not in the library users load, so it runs through the sweep module
+(torch.ops.membar_sweep, built by `cmake --build <build> --target membar_attention_sweep`); the
+tests skip when that module is not built.
 
-Each check runs in a subprocess (MEMBAR_ATTENTION_BACKWARD_VARIANT=wgmma_w8_k128 for its calls), so
-that an illegal memory access or a hang fails one test cleanly instead of poisoning the CUDA context
-of every later test. The child runs every case on fresh random inputs (several seeds; grad pages
-with random initial contents, so that the kernel must ADD into them) through the default backward
-and the wgmma one, in three modes (fp32 grad pages, bf16 grad pages, fp32 pages deterministic), and
-prints one JSON line per (case, seed, mode) with both errors against the float32 reference
-(membar.attention.reference_chunk_attention_backward; a history-only reference for
-attend_chunk=False); the parent asserts. The variant's error may be at most twice the default's,
-plus a small slack for rounding-order noise. `-s` also prints a timing line (backward TFLOP/s of
-the variant, the default and SDPA flash at a 32K history, chunk 4096, 28/4 heads).
+Each check runs in a subprocess, so that an illegal memory access or a hang fails one test cleanly
+instead of poisoning the CUDA context of every later test. The child runs every case on fresh
+random inputs (several seeds; grad pages with random initial contents, so that the kernel must ADD
+into them) through the shipped backward and the wgmma one, in three modes (fp32 grad pages, bf16
+grad pages, fp32 pages deterministic), and prints one JSON line per (case, seed, mode) with both
+errors against the float32 reference (membar.attention.reference_chunk_attention_backward; a
+history-only reference for attend_chunk=False); the parent asserts. The layout's error may be at
+most twice the shipped one's, plus a small slack for rounding-order noise. `-s` also prints a
+timing line (backward TFLOP/s of the layout, the shipped one and SDPA flash at a 32K history,
+chunk 4096, 28/4 heads).
 
 Run on an H200 (about a minute for the whole file):
     python3 -m pytest -s -m gpu tests/python/test_attention_wgmma_backward.py
@@ -24,8 +27,8 @@ import sys
 import pytest
 import torch
 
-VARIABLE = "MEMBAR_ATTENTION_BACKWARD_VARIANT"
-VARIANT = "wgmma_w8_k128"
+LAYOUT = "wgmma_w8_k128"
+BENCH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "bench")
 
 # (chunk_tokens, history_tokens, page_tokens, q_heads, kv_heads, attend_chunk, sparse tile or 0, top_k)
 CASES = [
@@ -37,7 +40,6 @@ CASES = [
     (512, 2000, 128, 8, 8, True, 128, 4),         # sparse, tiles of 128
     (300, 1100, 128, 28, 4, True, 128, 3),        # sparse, the last tile partial
     (300, 1100, 128, 8, 8, True, 64, 3),          # sparse tiles of 64
-    (300, 700, 64, 8, 8, True, 0, 0),             # pages of 64: the variant does not apply, the default runs
 ]
 SEEDS = (1, 2)
 # (grad page dtype, deterministic)
@@ -133,17 +135,33 @@ def reference(p, case):
     return out, lse.float(), truth
 
 
-def backward(p, case, out, lse, grad_dtype, deterministic):
+def backward(p, case, out, lse, grad_dtype, deterministic, layout=None):
+    """The backward through the library (layout None) or the sweep module's `layout`."""
     import membar.attention as attention
 
     history_tokens, attend_chunk = case[1], case[5]
     dtype = getattr(torch, grad_dtype)
     dk_pool, dv_pool = p["dk_pool0"].to(dtype).clone(), p["dv_pool0"].to(dtype).clone()
-    dq, dk, dv = attention.paged_attention_backward(
-        p["q"], p["k"], p["v"], p["k_pool"], p["k_index"], p["v_pool"], p["v_index"], out, p["dout"], lse, dk_pool,
-        p["dk_index"], dv_pool, p["dv_index"], history_tokens, None, p["selection"], p["tile"], deterministic,
-        attend_chunk)
+    arguments = (p["q"], p["k"], p["v"], p["k_pool"], p["k_index"], p["v_pool"], p["v_index"], out, p["dout"], lse,
+                 dk_pool, p["dk_index"], dv_pool, p["dv_index"], history_tokens, attention._scale(128, None),
+                 p["selection"], p["tile"], deterministic, attend_chunk)
+    if layout is None:
+        dq, dk, dv = torch.ops.membar.paged_attention_backward(*arguments)
+    else:
+        dq, dk, dv = torch.ops.membar_sweep.paged_attention_backward(layout, *arguments)
     return {"dq": dq, "dk": dk, "dv": dv, "dk_pool": dk_pool, "dv_pool": dv_pool}
+
+
+def load_sweep_module():
+    """Loads the sweep module into torch.ops.membar_sweep; False when it is not built."""
+    sys.path.insert(0, BENCH)
+    from attention_sweep import find_sweep_library
+
+    library = find_sweep_library()
+    if library is None:
+        return False
+    torch.ops.load_library(str(library))
+    return True
 
 
 def error(got, want):
@@ -157,16 +175,14 @@ def error(got, want):
 def child_check():
     import membar  # noqa: F401  (loads the ops library)
 
+    assert load_sweep_module(), "the sweep module is not built"
     for case in CASES:
         for seed in SEEDS:
             problem = make_problem(case, seed, "cuda")
             out, lse, truth = reference(problem, case)
             for grad_dtype, deterministic in MODES:
-                os.environ.pop(VARIABLE, None)
                 default = backward(problem, case, out, lse, grad_dtype, deterministic)
-                os.environ[VARIABLE] = VARIANT
-                got = backward(problem, case, out, lse, grad_dtype, deterministic)
-                os.environ.pop(VARIABLE, None)
+                got = backward(problem, case, out, lse, grad_dtype, deterministic, LAYOUT)
                 torch.cuda.synchronize()
                 record = {"case": list(case), "seed": seed, "grad_dtype": grad_dtype, "deterministic": deterministic}
                 for name in OUTPUTS:
@@ -179,24 +195,30 @@ def child_check():
 def child_timing():
     import membar  # noqa: F401
 
+    assert load_sweep_module(), "the sweep module is not built"
     # The bench's inputs, runners and median of CUDA-event timings (bench/attention_bench.py).
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "bench"))
     from attention_bench import CHUNK, forward_flops, make_inputs, membar_runner, sdpa_runner, time_ms
 
     history = 32768
     p = make_inputs(history)
     backward_flops = 2.5 * forward_flops(CHUNK, history)
-    forward, run_backward, _ = membar_runner(p)
+    forward, run_backward, state = membar_runner(p)
     forward()
-    os.environ.pop(VARIABLE, None)
     default_ms = time_ms(run_backward)
-    os.environ[VARIABLE] = VARIANT
-    variant_ms = time_ms(run_backward)
-    os.environ.pop(VARIABLE, None)
+    out, lse = state["out"], state["lse"]
+    dk_pool = torch.zeros(p["k_pool"].shape, device="cuda", dtype=torch.float32)
+    dv_pool = torch.zeros_like(dk_pool)
+
+    def run_layout():
+        torch.ops.membar_sweep.paged_attention_backward(
+            LAYOUT, p["q"], p["k"], p["v"], p["k_pool"], p["k_index"], p["v_pool"], p["v_index"], out, p["dout"], lse,
+            dk_pool, p["k_index"], dv_pool, p["v_index"], history, p["scale"], None, 128, False, True)
+
+    layout_ms = time_ms(run_layout)
     sdpa_forward, sdpa_forward_backward, _ = sdpa_runner(p)
     sdpa_ms = time_ms(sdpa_forward_backward) - time_ms(sdpa_forward)
     print(json.dumps({"default_tflops": backward_flops / default_ms / 1e9,
-                      "variant_tflops": backward_flops / variant_ms / 1e9,
+                      "layout_tflops": backward_flops / layout_ms / 1e9,
                       "sdpa_tflops": backward_flops / sdpa_ms / 1e9}), flush=True)
 
 
@@ -217,21 +239,26 @@ if torch.cuda.get_device_capability() != (9, 0):
 
 import membar  # noqa: E402,F401  (loads the ops library)
 
-if not hasattr(torch.ops.membar, "attention_cuda_variants"):
+if not hasattr(torch.ops.membar, "attention_cuda_layouts"):
     pytest.skip("the ops library was built without CUDA", allow_module_level=True)
+if not load_sweep_module():
+    pytest.skip("the sweep module is not built (cmake --build <build> --target membar_attention_sweep)",
+                allow_module_level=True)
 
 
 def run_child(mode, timeout):
     environment = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
-    environment.pop(VARIABLE, None)
     finished = subprocess.run([sys.executable, os.path.abspath(__file__), mode], capture_output=True, text=True,
                               timeout=timeout, env=environment)
     assert finished.returncode == 0, (finished.returncode, finished.stdout[-3000:], finished.stderr[-3000:])
     return [json.loads(line) for line in finished.stdout.splitlines() if line.startswith("{")]
 
 
-def test_wgmma_backward_is_compiled():
-    assert VARIANT in torch.ops.membar.attention_cuda_variants("backward")[0], "no wgmma_w8_k128 in this build"
+def test_wgmma_backward_is_in_the_sweep_as_experimental():
+    names, standings = torch.ops.membar_sweep.layouts("backward")
+    assert LAYOUT in names, "no wgmma_w8_k128 in the sweep module"
+    assert standings[names.index(LAYOUT)] == "experimental"
+    assert LAYOUT not in torch.ops.membar.attention_cuda_layouts("backward"), "an unverified layout is shipped"
 
 
 def test_wgmma_backward_matches_reference():
@@ -248,7 +275,7 @@ def test_wgmma_backward_matches_reference():
 
 def test_wgmma_backward_timing():
     (record,) = run_child("timing", timeout=300)
-    print(f"\n[wgmma backward timing] {VARIANT}: {record['variant_tflops']:.0f} TFLOP/s; default "
+    print(f"\n[wgmma backward timing] {LAYOUT}: {record['layout_tflops']:.0f} TFLOP/s; shipped "
           f"{record['default_tflops']:.0f}; SDPA flash {record['sdpa_tflops']:.0f} "
           f"(history 32768, chunk 4096, 28/4 heads, D 128)")
-    assert math.isfinite(record["variant_tflops"]) and record["variant_tflops"] > 0
+    assert math.isfinite(record["layout_tflops"]) and record["layout_tflops"] > 0

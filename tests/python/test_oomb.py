@@ -398,13 +398,13 @@ def test_layer_recompute_reuses_the_attention_output():
             calls["forward"] += 1
             return forward(*args, **kwargs)
 
-    import membar.oomb.kernels as kernel_module
+    import membar.attention as attention_module
 
-    original = kernel_module._ops
-    kernel_module._ops = lambda: type("Ops", (), {"paged_attention_forward": Counting(),
-                                                 "paged_attention_backward": torch.ops.membar.paged_attention_backward,
-                                                 "page_summary": torch.ops.membar.page_summary,
-                                                 "page_select": torch.ops.membar.page_select})()
+    original = attention_module._ops
+    attention_module._ops = type("Ops", (), {"paged_attention_forward": Counting(),
+                                             "paged_attention_backward": torch.ops.membar.paged_attention_backward,
+                                             "page_summary": torch.ops.membar.page_summary,
+                                             "page_select": torch.ops.membar.page_select})()
     try:
         counts = {}
         for checkpoint_layers in (False, True):
@@ -413,7 +413,7 @@ def test_layer_recompute_reuses_the_attention_output():
                        checkpoint_layers=checkpoint_layers)
             counts[checkpoint_layers] = calls["forward"]
     finally:
-        kernel_module._ops = original
+        attention_module._ops = original
     # 4 chunks x 2 layers, each attended in stage 1 and once in stage 2, checkpointed or not.
     assert counts[False] == counts[True] == 2 * 4 * 2
 

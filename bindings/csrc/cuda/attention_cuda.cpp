@@ -1,21 +1,19 @@
-// CUDA implementations of the paged-attention ops (schemas, meta functions and shared
-// validation in ../attention_ops.cpp): validate, fill the kernel's params, launch on the current
-// stream of q's device. The shape checks of prepare_* run first; then what the CUDA kernels
-// support on top (head_dim 64/128, page_tokens 64/128, bf16/fp16, query tiles of 64k rows); then
-// the page index values, read back in one small transfer, so that a bad index is an error and
-// never an out-of-bounds access.
+// CUDA implementations of the paged-attention ops (schemas and meta functions in
+// bindings/csrc/attention_ops.cpp, shared validation in attention_prepare.cpp): validate, fill the
+// kernel's params, launch on the current stream of q's device. The shape checks of prepare_* run
+// first; then what the CUDA kernels support on top (paged_attention_cuda_check of
+// membar/kernels/attention_cuda.h); then the page index values, read back in one small transfer,
+// so that a bad index is an error and never an out-of-bounds access.
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 
-#include <cstdlib>
 #include <string>
 #include <tuple>
 #include <vector>
 
 #include "attention_ops.h"
-// The CUDA kernels' own checks.
-#include "attention_cuda_internal.h"
+#include "membar/kernels/attention_cuda.h"
 
 namespace membar::bindings::attention {
 namespace {
@@ -81,39 +79,45 @@ void check_index_ranges(const std::vector<IndexRange>& indices, const char* op) 
   TORCH_CHECK(problem.empty(), op, ": ", problem);
 }
 
-// The kernel variants of one kind ("forward" or "backward"): their names, default first.
-std::vector<std::string> variant_names(bool forward) {
+// The names of the library's layouts of one kind ("forward" or "backward").
+std::vector<std::string> layout_names(const std::string& kind) {
+  TORCH_CHECK(kind == "forward" || kind == "backward", "attention_cuda_layouts: kind must be \"forward\" or \"backward\" (got \"",
+              kind, "\").");
   std::vector<std::string> names;
-  const int count = forward ? k::cuda::forward_variant_count() : k::cuda::backward_variant_count();
-  names.push_back(forward ? k::cuda::forward_default_variant() : k::cuda::backward_default_variant());
-  for (int i = 0; i < count; ++i) {
-    const char* name = forward ? k::cuda::forward_variant_name(i) : k::cuda::backward_variant_name(i);
-    if (names.front() != name) names.push_back(name);
+  if (kind == "forward") {
+    for (k::ForwardLayout layout : k::cuda::kForwardLayouts) names.push_back(k::cuda::forward_layout_name(layout));
+  } else {
+    for (k::BackwardLayout layout : k::cuda::kBackwardLayouts) names.push_back(k::cuda::backward_layout_name(layout));
   }
   return names;
 }
 
-// MEMBAR_ATTENTION_{FORWARD,BACKWARD}_VARIANT, when set, must name a compiled variant.
-void check_variant_environment(bool forward, const char* op) {
-  const char* variable = forward ? "MEMBAR_ATTENTION_FORWARD_VARIANT" : "MEMBAR_ATTENTION_BACKWARD_VARIANT";
-  const char* value = std::getenv(variable);
-  if (value == nullptr || value[0] == '\0') return;
-  const std::vector<std::string> names = variant_names(forward);
-  std::string known;
-  for (const std::string& name : names) {
-    if (name == value) return;
-    known += (known.empty() ? "" : ", ") + name;
-  }
-  TORCH_CHECK(false, op, ": ", variable, "=", value, " names no compiled kernel variant (known: ", known, ").");
+std::string joined(const std::vector<std::string>& names) {
+  std::string text;
+  for (const std::string& name : names) text += (text.empty() ? "" : ", ") + name;
+  return text;
 }
 
-// (names, default) of the compiled variants of `kernel` ("forward" or "backward").
-std::tuple<std::vector<std::string>, std::string> attention_cuda_variants(const std::string& kernel) {
-  TORCH_CHECK(kernel == "forward" || kernel == "backward",
-              "attention_cuda_variants: kernel must be \"forward\" or \"backward\" (got \"", kernel, "\").");
-  std::vector<std::string> names = variant_names(kernel == "forward");
-  std::string default_name = names.front();
-  return {names, default_name};
+// The op's `layout` argument as CudaOptions: "" or "auto" leave the choice to the kernels.
+k::CudaOptions layout_options(const std::string& layout, bool forward, const char* op) {
+  k::CudaOptions options;
+  const bool known = forward ? k::cuda::forward_layout_from_name(layout.c_str(), &options.forward_layout)
+                             : k::cuda::backward_layout_from_name(layout.c_str(), &options.backward_layout);
+  TORCH_CHECK(known, op, ": layout=\"", layout, "\" names no layout of the CUDA kernels (known: ",
+              joined(layout_names(forward ? "forward" : "backward")), ").");
+  return options;
+}
+
+// The name of the layout the CUDA kernels choose on the current device for a call of this kind,
+// dtype, head_dim, page_tokens and sparse tile size (0: dense).
+std::string attention_cuda_layout(const std::string& kind, at::ScalarType dtype, int64_t head_dim, int64_t page_tokens,
+                                  int64_t sparse_tile_tokens) {
+  layout_names(kind);  // checks `kind`
+  const k::cuda::LayoutQuery query{to_kernel_dtype(dtype, "dtype"), int32_t(head_dim), int32_t(page_tokens),
+                                   int32_t(sparse_tile_tokens)};
+  const k::cuda::CudaTarget target = k::cuda::current_cuda_target();
+  return kind == "forward" ? k::cuda::forward_layout_name(k::cuda::choose_forward_layout(target, query))
+                           : k::cuda::backward_layout_name(k::cuda::choose_backward_layout(target, query));
 }
 
 std::tuple<at::Tensor, at::Tensor> forward_cuda(const at::Tensor& q, const at::Tensor& k_chunk, const at::Tensor& v_chunk,
@@ -121,10 +125,10 @@ std::tuple<at::Tensor, at::Tensor> forward_cuda(const at::Tensor& q, const at::T
                                                 const at::Tensor& v_pool, const at::Tensor& v_page_index,
                                                 int64_t history_tokens, double softmax_scale,
                                                 const std::optional<at::Tensor>& selected_pages,
-                                                int64_t query_tile_tokens, bool attend_chunk) {
+                                                int64_t query_tile_tokens, bool attend_chunk, const std::string& layout) {
   constexpr const char* kOp = "paged_attention_forward";
   check_cuda(q, kOp);
-  check_variant_environment(/*forward=*/true, kOp);
+  const k::CudaOptions options = layout_options(layout, /*forward=*/true, kOp);
   const c10::cuda::CUDAGuard guard(q.device());
   ForwardCall call = prepare_forward(q, k_chunk, v_chunk, k_pool, k_page_index, v_pool, v_page_index, history_tokens,
                                      softmax_scale, selected_pages, query_tile_tokens, attend_chunk,
@@ -136,7 +140,7 @@ std::tuple<at::Tensor, at::Tensor> forward_cuda(const at::Tensor& q, const at::T
                 kOp);
   check_index_ranges({{&k_page_index, k_pool.size(0), "k_page_index"}, {&v_page_index, v_pool.size(0), "v_page_index"}},
                      kOp);
-  check_launch(k::cuda::paged_attention_forward(p, at::cuda::getCurrentCUDAStream().stream()), kOp);
+  check_launch(k::cuda::paged_attention_forward(p, at::cuda::getCurrentCUDAStream().stream(), options), kOp);
   return {call.out, call.lse};
 }
 
@@ -146,10 +150,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_cuda(
     const at::Tensor& dout, const at::Tensor& lse, at::Tensor& dk_pool, const at::Tensor& dk_page_index,
     at::Tensor& dv_pool, const at::Tensor& dv_page_index, int64_t history_tokens, double softmax_scale,
     const std::optional<at::Tensor>& selected_pages, int64_t query_tile_tokens, bool deterministic,
-    bool attend_chunk) {
+    bool attend_chunk, const std::string& layout) {
   constexpr const char* kOp = "paged_attention_backward";
   check_cuda(q, kOp);
-  check_variant_environment(/*forward=*/false, kOp);
+  const k::CudaOptions options = layout_options(layout, /*forward=*/false, kOp);
   const c10::cuda::CUDAGuard guard(q.device());
   BackwardCall call = prepare_backward(q, k_chunk, v_chunk, k_pool, k_page_index, v_pool, v_page_index, out, dout, lse,
                                        dk_pool, dk_page_index, dv_pool, dv_page_index, history_tokens, softmax_scale,
@@ -172,7 +176,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_cuda(
                       {&dk_page_index, dk_pool.size(0), "dk_page_index"},
                       {&dv_page_index, dv_pool.size(0), "dv_page_index"}},
                      kOp);
-  check_launch(k::cuda::paged_attention_backward(p, at::cuda::getCurrentCUDAStream().stream()), kOp);
+  check_launch(k::cuda::paged_attention_backward(p, at::cuda::getCurrentCUDAStream().stream(), options), kOp);
   return {call.dq, call.dk_chunk, call.dv_chunk};
 }
 
@@ -210,11 +214,15 @@ at::Tensor select_cuda(const at::Tensor& q, const at::Tensor& mean, const std::o
 }  // namespace
 }  // namespace membar::bindings::attention
 
-// Only CUDA builds have kernel variants (Note [Forward variants] in kernels/cuda/attention_forward.cu):
-// membar::attention_cuda_variants("forward" | "backward") -> (names, default name).
+// Only CUDA builds have kernel layouts (Note [Layout choice] in membar/kernels/attention_cuda.h):
+//   attention_cuda_layouts("forward" | "backward") -> the names of the library's layouts;
+//   attention_cuda_layout(kind, dtype, head_dim, page_tokens, sparse_tile_tokens) -> the one the
+//       current device runs for such a call.
 TORCH_LIBRARY_FRAGMENT(membar, m) {
-  m.def("attention_cuda_variants(str kernel) -> (str[] names, str default_name)",
-        &membar::bindings::attention::attention_cuda_variants);
+  m.def("attention_cuda_layouts(str kind) -> str[]", &membar::bindings::attention::layout_names);
+  m.def("attention_cuda_layout(str kind, ScalarType dtype, int head_dim, int page_tokens, int sparse_tile_tokens=0) "
+        "-> str",
+        &membar::bindings::attention::attention_cuda_layout);
 }
 
 TORCH_LIBRARY_IMPL(membar, CUDA, m) {

@@ -54,7 +54,7 @@ ops = torch.ops.membar
 def has_cuda_kernels() -> bool:
     """Whether the loaded library was built with membar's CUDA kernels (``make gpu-check``, or
     cmake -DMEMBAR_WITH_CUDA=ON); a CPU build runs everything on the CPU."""
-    return hasattr(torch.ops.membar, "attention_cuda_variants")
+    return hasattr(torch.ops.membar, "attention_cuda_layouts")
 
 
 __all__ = ["ops", "has_cuda_kernels", "__version__"]

@@ -1,4 +1,5 @@
-"""Paged attention for chunk-recurrent training (OOMB), from Python.
+"""Paged attention for chunk-recurrent training (OOMB), from Python: the one wrapper of the attention
+ops (the trainer's calls in membar.oomb go through it too).
 
 The ops live in ``torch.ops.membar`` (bindings/csrc/attention_ops.cpp; CPU kernels always, CUDA
 kernels when built with CUDA). Shapes::
@@ -16,13 +17,13 @@ dK/dV into the grad pools in place (float32 or bfloat16 pools) and returns the c
 
 Blocked history: with ``attend_chunk=False`` the queries attend only the given history pages, so
 that a caller can stream a long history through the GPU in blocks of pages; ``merge_attention``
-merges the blocks' (out, lse), and each block's backward takes the merged (final) out and lse
-(Note [Blocked history] in kernels/include/membar/kernels/attention.h).
+(or, one block at a time, ``merge_attention_into``) merges the blocks' (out, lse), and each
+block's backward takes the merged (final) out and lse (Note [Blocked history] in
+kernels/include/membar/kernels/attention.h).
 
-CUDA kernel variants: the bf16, head_dim 128 kernels exist in several compiled layouts;
-``MEMBAR_ATTENTION_FORWARD_VARIANT=<name>`` / ``MEMBAR_ATTENTION_BACKWARD_VARIANT=<name>`` pick
-one at run time (``torch.ops.membar.attention_cuda_variants("forward" | "backward")`` lists the
-names and the default, the fastest measured on an H200; bench/attention_sweep.py times them all).
+CUDA kernel layouts: every call runs one compiled layout, chosen by the device, dtype, head size
+and mode (Note [Layout choice] in kernels/include/membar/kernels/attention_cuda.h);
+``torch.ops.membar.attention_cuda_layout(kind, dtype, head_dim, page_tokens)`` names it.
 
 ``ChunkAttention`` is the autograd view: its forward takes the chunk's q, k, v (differentiable)
 and a ``PagedHistory`` (not differentiable); its backward returns the chunk's gradients and, as a
@@ -46,6 +47,7 @@ __all__ = [
     "paged_attention_forward",
     "paged_attention_backward",
     "merge_attention",
+    "merge_attention_into",
     "page_summary",
     "page_select",
     "reference_chunk_attention",
@@ -117,22 +119,38 @@ def paged_attention_backward(
         bool(attend_chunk))
 
 
+def merge_attention_into(total: torch.Tensor, total_lse: torch.Tensor, out: torch.Tensor,
+                         lse: torch.Tensor) -> torch.Tensor:
+    """Adds a partial attention result over other keys into a running one, in place, and returns
+    the merged lse: with m = logaddexp(total_lse, lse), total <- exp(total_lse - m) * total +
+    exp(lse - m) * out. total [Tc, Hq, D] float32 (float64 for float64 inputs) is the running out,
+    total_lse [Hq, Tc] its lse in the same dtype; out [Tc, Hq, D] (read in its own dtype), lse
+    [Hq, Tc]. A side whose lse is -inf for a row (no key there) weighs 0; a row with -inf on both
+    sides keeps out 0 and lse -inf."""
+    merged = torch.logaddexp(total_lse, lse.to(total_lse.dtype))
+    # Where both sides are -inf, -inf - -inf would be nan: weigh both 0 instead.
+    pivot = torch.where(torch.isfinite(merged), merged, 0.0)
+    total.mul_(torch.exp(total_lse - pivot).t().unsqueeze(-1))
+    total.addcmul_(out, torch.exp(lse.to(total_lse.dtype) - pivot).t().unsqueeze(-1))
+    return merged
+
+
 def merge_attention(parts) -> Tuple[torch.Tensor, torch.Tensor]:
     """Merges partial attention results over disjoint key sets: ``parts`` is a sequence of
-    (out [Tc, Hq, D], lse [Hq, Tc]); returns (out, lse) of the softmax over all their keys:
-    lse = logsumexp of the parts' lse, out = sum of exp(lse_part - lse) * out_part, computed in
-    float32 (float64 for float64 inputs) and returned in out's dtype. A part whose lse is -inf for
-    a row (no key there) weighs 0; a row with -inf everywhere gets out 0 and lse -inf."""
+    (out [Tc, Hq, D], lse [Hq, Tc]); returns (out, lse) of the softmax over all their keys
+    (merge_attention_into, part by part), computed in float32 (float64 for float64 inputs) and
+    returned in the first part's dtypes. A row that sees no key in any part (out 0, lse -inf
+    everywhere) gets out 0 and lse -inf."""
     parts = list(parts)
     if not parts:
         raise ValueError("merge_attention needs at least one (out, lse) part.")
-    compute = torch.float64 if parts[0][0].dtype == torch.float64 else torch.float32
-    lses = torch.stack([lse.to(compute) for _, lse in parts])          # [P, Hq, Tc]
-    lse = torch.logsumexp(lses, dim=0)                                  # [Hq, Tc]
-    finite = torch.isfinite(lse)
-    weights = torch.where(finite, torch.exp(lses - torch.where(finite, lse, 0.0)), 0.0)  # [P, Hq, Tc]
-    out = sum(w.transpose(0, 1).unsqueeze(-1) * o.to(compute) for w, (o, _) in zip(weights, parts))
-    return out.to(parts[0][0].dtype), lse.to(parts[0][1].dtype)
+    first_out, first_lse = parts[0]
+    compute = torch.float64 if first_out.dtype == torch.float64 else torch.float32
+    total = first_out.to(compute, copy=True)
+    lse = first_lse.to(compute)
+    for out, part_lse in parts[1:]:
+        lse = merge_attention_into(total, lse, out, part_lse)
+    return total.to(first_out.dtype), lse.to(first_lse.dtype)
 
 
 def page_summary(

@@ -37,6 +37,8 @@ import logging
 
 import torch
 
+from ..attention import merge_attention
+
 log = logging.getLogger("membar.oomb")
 
 _failed_shapes: dict = {}        # shape key -> why cuDNN failed there (Note [When cuDNN is not used])
@@ -135,11 +137,7 @@ def forward(q, k, v, history_k, history_v, scale: float, attend_chunk: bool = Tr
     if len(parts) == 1:
         out, lse = parts[0]
         return out.contiguous(), lse.float()
-    (out_a, lse_a), (out_b, lse_b) = parts
-    lse = torch.logaddexp(lse_a, lse_b)
-    merged = out_a.float().mul_(torch.exp(lse_a - lse).t().unsqueeze(-1))
-    merged.addcmul_(out_b, torch.exp(lse_b - lse).t().unsqueeze(-1))
-    return merged.to(q.dtype), lse
+    return merge_attention([(out, lse.float()) for out, lse in parts])
 
 
 def _placeholders(device: torch.device):

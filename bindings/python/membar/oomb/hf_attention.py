@@ -18,6 +18,7 @@ from typing import Sequence
 
 import torch
 
+from .. import attention
 from . import kernels, torch_attention
 from .config import OOMBConfig
 from .kv_store import Access, KVStore
@@ -224,17 +225,6 @@ def chunk_context(context: ChunkContext):
 #   is rounded per block before the float32 sum (bf16 on the GPU: a few ulps more than one call).
 
 
-def _merge_into(total: torch.Tensor, total_lse: torch.Tensor, out: torch.Tensor, lse: torch.Tensor):
-    """Adds a partial attention result over other keys into a running one, in place.
-    total float32 [Tc, Hq, D], total_lse float32 [Hq, Tc] (finite); out [Tc, Hq, D], lse [Hq, Tc]
-    (-inf where a row saw no key, whose out is then 0). Returns the new lse."""
-    merged = torch.logaddexp(total_lse, lse)
-    total.mul_(torch.exp(total_lse - merged).t().unsqueeze(-1))
-    # addcmul_ reads out in its own dtype: no float32 copy of it is written first.
-    total.addcmul_(out, torch.exp(lse - merged).t().unsqueeze(-1))
-    return merged
-
-
 def _attention_forward(context: ChunkContext, layer: int, q, k, v, history: kernels.HistoryView, scale: float,
                        selection, attend_chunk: bool = True):
     """One attention call of the layer: the paged kernels, or PyTorch for a layer whose window or
@@ -281,7 +271,7 @@ def _forward(context: ChunkContext, layer: int, phase: str, q, k, v, scale: floa
         history = _history(context, access)
         part, part_lse = _attention_forward(context, layer, q, k, v, history, scale, selection, attend_chunk=False)
         store.release(access, history)
-        lse = _merge_into(total, lse, part, part_lse)
+        lse = attention.merge_attention_into(total, lse, part, part_lse)
     return total.to(q.dtype), lse
 
 
@@ -416,7 +406,7 @@ def _select_pages(context: ChunkContext, layer: int, q) -> torch.Tensor | None:
     if context.history_pages <= context.top_k:
         return None
     mean = kernels.to_device(context.summaries[layer][: context.history_pages], q.device)
-    return kernels.page_select(q, mean, context.top_k, context.query_tile_tokens)
+    return attention.page_select(q, mean, top_k=context.top_k, query_tile_tokens=context.query_tile_tokens)
 
 
 def _summarise_chunk(context: ChunkContext, layer: int, k) -> None:
@@ -429,7 +419,7 @@ def _summarise_chunk(context: ChunkContext, layer: int, k) -> None:
     padded[:tokens] = k
     pool = padded.view(pages, page_tokens, heads, dim)
     index = torch.arange(pages, dtype=torch.int32, device=k.device)
-    mean = kernels.page_summary(pool, index, tokens)   # [pages, Hkv, D]
+    mean, _, _ = attention.page_summary(pool, index, tokens)   # [pages, Hkv, D]
     summaries = context.summaries.get(layer)
     if summaries is None:
         shape = (context.store.layout.num_pages, heads, dim)

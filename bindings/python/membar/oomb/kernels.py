@@ -1,9 +1,8 @@
-"""The attention ops the trainer calls, in one place.
-
-The ops themselves are ``torch.ops.membar.paged_attention_forward`` / ``paged_attention_backward`` /
-``page_summary`` / ``page_select`` (kernels/include/membar/kernels/attention.h holds the contract,
-bindings/csrc/attention_ops.cpp the schemas). This module only names the arguments, so that the
-rest of the trainer reads as keyword calls and a schema change touches one file.
+"""The trainer's attention calls: the store's pages as the kernels see them (HistoryView,
+GradView) and, per call, the choice between cuDNN's fused attention (Note [cuDNN for dense
+history]) and membar's paged kernels, which it reaches through membar.attention, the one wrapper
+of the attention ops (page summaries and selections too: membar.attention.page_summary and
+page_select).
 
 Shapes (one sequence, one layer, one chunk):
   q        [chunk_tokens, num_q_heads, head_dim]
@@ -18,14 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .. import attention
 from . import cudnn_attention
-
-
-def _ops():
-    # Importing membar loads the compiled library into torch.ops.membar.
-    import membar  # noqa: F401
-
-    return torch.ops.membar
 
 
 @dataclass
@@ -99,7 +92,7 @@ def attention_forward(q, k, v, history: HistoryView, softmax_scale: float,
     """Returns (out [Tc, Hq, D], lse [Hq, Tc] float32). Does not block on the GPU.
 
     attend_chunk=False: attend only the history's pages (one block of a streamed history; rows
-    that see no key get out 0, lse -inf); merge blocks with membar.attention.merge_attention.
+    that see no key get out 0, lse -inf); merge blocks with membar.attention.merge_attention_into.
     kernel="auto": dense calls on consecutive pages go through cuDNN where it applies
     (Note [cuDNN for dense history]); "membar": membar's paged kernels always."""
     if ((attend_chunk or history.history_tokens > 0)
@@ -109,10 +102,10 @@ def attention_forward(q, k, v, history: HistoryView, softmax_scale: float,
             q, k, v, history_k, history_v, softmax_scale, attend_chunk))
         if result is not None:
             return result
-    return _ops().paged_attention_forward(
-        q, k, v, history.k_pool, history.page_index, history.v_pool, history.v_index,
-        history.history_tokens, softmax_scale, history.remap_selection(selected), query_tile_tokens,
-        attend_chunk)
+    return attention.paged_attention_forward(
+        q, k, v, history.k_pool, history.page_index, history.v_pool, history.v_index, history.history_tokens,
+        softmax_scale=softmax_scale, selected_pages=history.remap_selection(selected),
+        query_tile_tokens=query_tile_tokens, attend_chunk=attend_chunk)
 
 
 def attention_backward(q, k, v, history: HistoryView, softmax_scale: float, out, dout, lse,
@@ -135,22 +128,11 @@ def attention_backward(q, k, v, history: HistoryView, softmax_scale: float, out,
             q, k, v, history_k, history_v, out, dout, lse, softmax_scale, dk_rows, dv_rows, attend_chunk))
         if result is not None:
             return result
-    return _ops().paged_attention_backward(
-        q, k, v, history.k_pool, history.page_index, history.v_pool, history.v_index,
-        out, dout, lse, grads.dk_pool, grads.page_index, grads.dv_pool, grads.dv_index,
-        history.history_tokens, softmax_scale, history.remap_selection(selected), query_tile_tokens, deterministic,
-        attend_chunk)
-
-
-def page_summary(k_pool, page_index, history_tokens: int) -> torch.Tensor:
-    """Mean key of each page per kv head: float32 [num_pages, Hkv, D]."""
-    mean, _, _ = _ops().page_summary(k_pool, page_index, history_tokens, False)
-    return mean
-
-
-def page_select(q, mean, top_k: int, query_tile_tokens: int) -> torch.Tensor:
-    """Top-k history pages per query tile: int32 [num_query_tiles, top_k], ascending, -1 padded."""
-    return _ops().page_select(q, mean, None, None, top_k, query_tile_tokens)
+    return attention.paged_attention_backward(
+        q, k, v, history.k_pool, history.page_index, history.v_pool, history.v_index, out, dout, lse,
+        grads.dk_pool, grads.page_index, grads.dv_pool, grads.dv_index, history.history_tokens,
+        softmax_scale=softmax_scale, selected_pages=history.remap_selection(selected),
+        query_tile_tokens=query_tile_tokens, deterministic=deterministic, attend_chunk=attend_chunk)
 
 
 def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:

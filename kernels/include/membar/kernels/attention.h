@@ -1,4 +1,4 @@
-// Paged attention for chunk-recurrent training (OOMB, ../docs/design.md "Attention").
+// Paged attention for chunk-recurrent training (OOMB; docs/design.md, section "Attention").
 //
 // One call handles one chunk of one sequence and one layer:
 //   queries   of the chunk           q        [chunk_tokens, num_q_heads,  head_dim]  (contiguous)
@@ -49,12 +49,13 @@
 // Launch functions return 0 (cudaSuccess / OK) or an error code; they never throw or exit.
 // CPU functions return kCpuInvalidArgument when their params fail the checks below, before any
 // output is written, and kCpuOutOfMemory when a work buffer cannot be allocated. CPU functions block: they run on
-// the calling thread plus short-lived worker threads (MEMBAR_CPU_THREADS caps their number,
-// default std::thread::hardware_concurrency()). The CPU backward owns every key block in one
+// the calling thread plus short-lived worker threads (CpuOptions::max_threads caps their number;
+// 0 means std::thread::hardware_concurrency()). The CPU backward owns every key block in one
 // task, so dK/dV are always the same bits on every run; with `deterministic` it computes dQ in a
 // second pass that owns every query block (same bits too, 40% more work), without it it sums
 // per-thread copies of dQ (dq may differ in its last bits between multi-threaded runs). CUDA
-// functions enqueue on `stream` and return without waiting.
+// functions enqueue on `stream` and return without waiting; what they support and which compiled
+// layout runs a call is in membar/kernels/attention_cuda.h.
 #pragma once
 
 #include <cstdint>
@@ -66,10 +67,10 @@ namespace membar::kernels {
 struct PagedAttentionShape {
   int32_t chunk_tokens = 0;    // Tc >= 1
   int32_t history_tokens = 0;  // >= 0
-  int32_t page_tokens = 0;     // 64 or 128 (the CPU reference accepts any >= 1)
+  int32_t page_tokens = 0;     // >= 1 (CUDA: membar/kernels/attention_cuda.h)
   int32_t num_q_heads = 0;     // Hq, a multiple of num_kv_heads
   int32_t num_kv_heads = 0;    // Hkv
-  int32_t head_dim = 0;        // 64, 128 (256 where supported)
+  int32_t head_dim = 0;        // 1 .. 256 (CUDA: membar/kernels/attention_cuda.h)
   float softmax_scale = 0.f;   // usually 1 / sqrt(head_dim)
   DType dtype = DType::kBFloat16;
   // false: attend only the history pages (Note [Blocked history]); k_chunk/v_chunk and
@@ -100,6 +101,43 @@ struct HistoryGradPages {
   const int32_t* dk_page_index = nullptr;    // [num_history_pages]
   void* dv_pool = nullptr;
   const int32_t* dv_page_index = nullptr;
+};
+
+// The compiled layouts of the CUDA kernels (Note [Layout choice] in membar/kernels/attention_cuda.h),
+// each named after the layout grammar of docs/kernels.md.
+enum class ForwardLayout : int32_t {
+  kAuto = 0,              // the layout choose_forward_layout picks
+  kWgmmaW8R64K128S2 = 1,  // "wgmma_w8r64_k128_s2": two warpgroups of 64 rows, 128-key blocks, 2 stages
+  kWgmmaW8R64K64S3 = 2,   // "wgmma_w8r64_k64_s3": two warpgroups of 64 rows, 64-key blocks, 3 stages
+  kMmaW8R16K128S3 = 3,    // "w8r16_k128_s3_qreg_shift": mma.sync, 8 warps of 16 rows, 128-key blocks
+  kMmaW8R16K64S3 = 4,     // "w8r16_k64_s3_qreg_shift": mma.sync, 8 warps of 16 rows, 64-key blocks
+  kMmaW4R16K64S3 = 5,     // "w4r16_k64_s3": mma.sync, 4 warps of 16 rows (sparse tiles of 64 rows)
+  kMmaW4R16K64S2 = 6,     // "w4r16_k64_s2_shift_pad": mma.sync, 4 warps of 16 rows, 2 stages (head_dim 256)
+  kMmaW4R16K128S1 = 7,    // "w4r16_k128_s1_qreg_shift_2cta": mma.sync, 4 warps of 16 rows, one K/V buffer
+};
+enum class BackwardLayout : int32_t {
+  kAuto = 0,              // the layout choose_backward_layout picks
+  kMmaSplitK128S2 = 1,    // "w8_k128_split_s2_pad": 8 warps per 128-key page, three warp layouts
+  kMmaW8K128 = 2,         // "w8_k128_dq64": 8 warps of 16 keys per 128-key page
+  kMmaW4K64 = 3,          // "w4_k64_dq128": 4 warps of 16 keys per 64-key page
+  kMmaW4K64Padded = 4,    // "w4_k64_dq128_pad": the same with padded tiles (no spills at head_dim 128)
+  kMmaW4K64S2Halves = 5,  // "w4_k64_dq32_pad_s2_d2": 64 keys a CTA (of a page of 64 or 128), 2 stages, dK/dV
+                          // in two passes of head_dim / 2 columns (head_dim 256)
+};
+
+// How a call runs, apart from what it computes (the params). Like ggml's compute plan (its thread
+// count), these stay out of the params: the CUDA kernels take their params by value, and a
+// forward params struct past 128 bytes makes the tuned mma.sync layout spill.
+struct CpuOptions {
+  // Worker threads at most, the calling thread included (0: std::thread::hardware_concurrency()).
+  int32_t max_threads = 0;
+};
+struct CudaOptions {
+  // kAuto: the layout the choice picks. Another value asks for that layout, which runs where it is
+  // compiled for the call's dtype and head_dim and fits the call (page size, sparse tiles,
+  // device); elsewhere the chosen one runs. The bindings expose this for tests.
+  ForwardLayout forward_layout = ForwardLayout::kAuto;
+  BackwardLayout backward_layout = BackwardLayout::kAuto;
 };
 
 struct PagedAttentionForwardParams {
@@ -171,8 +209,8 @@ inline constexpr int kCpuOutOfMemory = 2;      // the value of cudaErrorMemoryAl
 // wrong (used by the bindings and the launchers before any memory is touched). It checks what
 // every backend needs: positive sizes, num_q_heads a multiple of num_kv_heads, 1 <= head_dim <=
 // 256, a finite positive softmax_scale and sizes whose products fit the index types. Backends
-// with narrower support (the CUDA kernels: head_dim 64/128/256, page_tokens 64/128) check that
-// on top.
+// with narrower support (the CUDA kernels: paged_attention_cuda_check in
+// membar/kernels/attention_cuda.h) check that on top.
 const char* paged_attention_check_shape(const PagedAttentionShape& shape);
 
 // Validates a sparse selection held in HOST memory: selected_per_tile >= 1, query_tile_tokens >= 1,
@@ -187,18 +225,18 @@ inline int32_t num_query_tiles(int32_t chunk_tokens, int32_t query_tile_tokens) 
 }
 
 namespace cpu {
-int paged_attention_forward(const PagedAttentionForwardParams& params);
-int paged_attention_backward(const PagedAttentionBackwardParams& params);
-int page_summary(const PageSummaryParams& params);
-int page_select(const PageSelectParams& params);
+int paged_attention_forward(const PagedAttentionForwardParams& params, const CpuOptions& options = {});
+int paged_attention_backward(const PagedAttentionBackwardParams& params, const CpuOptions& options = {});
+int page_summary(const PageSummaryParams& params, const CpuOptions& options = {});
+int page_select(const PageSelectParams& params, const CpuOptions& options = {});
 }  // namespace cpu
 
 #if defined(MEMBAR_WITH_CUDA)
 namespace cuda {
 // Return cudaError_t values as int so that this header needs no CUDA include.
 size_t paged_attention_backward_workspace_bytes(const PagedAttentionShape& shape);
-int paged_attention_forward(const PagedAttentionForwardParams& params, void* stream);
-int paged_attention_backward(const PagedAttentionBackwardParams& params, void* stream);
+int paged_attention_forward(const PagedAttentionForwardParams& params, void* stream, const CudaOptions& options = {});
+int paged_attention_backward(const PagedAttentionBackwardParams& params, void* stream, const CudaOptions& options = {});
 int page_summary(const PageSummaryParams& params, void* stream);
 int page_select(const PageSelectParams& params, void* stream);
 }  // namespace cuda

@@ -1,4 +1,4 @@
-// LoGRA: low-rank gradient sketches (../shared/docs/seeds.md, section 2).
+// LoGRA: low-rank gradient sketches for RL post-training.
 //
 // For a frozen weight W [d, k] (d = out_features, k = in_features) and a rank r, the projection
 // A [r, k] has entries +-1/sqrt(r). A is never stored: every entry comes from a counter-based hash

@@ -1,10 +1,13 @@
-// Paged attention dK/dV backward for Hopper (sm_90a): warpgroup MMAs (wgmma) instead of mma.sync.
+// An experimental layout of the sweep target (Standing::kExperimental in attention_sweep.h): a
+// paged-attention dK/dV backward for Hopper (sm_90a) with warpgroup MMAs (wgmma) instead of
+// mma.sync. It stays out of the shipped library until it passes
+// tests/python/test_attention_wgmma_backward.py on a GPU and wins bench/attention_sweep.py.
 //
 // Note [Warpgroup backward]
-// Rationale: the mma.sync backward (Note [Backward split layout], attention_backward.cu) runs
-// 257-272 TFLOP/s on an H200 (0.82-0.85x SDPA flash) while cuDNN's Hopper backward reaches ~527:
-// Hopper's tensor cores reach their rate only through wgmma, as the forward showed (Note
-// [Warpgroup forward], attention_forward_wgmma.cu: 1.3-1.4x SDPA flash).
+// Rationale: the mma.sync backward (Note [Backward split layout], attention_backward_kernel.cuh)
+// stays below torch SDPA flash on an H200 and well below cuDNN's Hopper backward: Hopper's tensor
+// cores reach their rate only through wgmma, as the warpgroup forward showed (Note [Warpgroup
+// forward], attention_forward_wgmma.cuh; docs/kernels.md has the numbers).
 // Approach: the work list, workspace, dQ atomics and epilogue of the split kernel (one CTA of
 // two warpgroups, 256 threads, per (128-key page or chunk block, kv head); per item of 64 queries
 // of one q head), with the four key-side products as wgmma. Warpgroup w owns keys 64 w .. 64 w + 63
@@ -15,14 +18,14 @@
 //   P^T = exp2(S^T * scale log2e - lse log2e), masked (partial last page, causal diagonal of chunk
 //     blocks), dS^T = P^T o (dP^T - delta), in fp32: per warp the accumulator layout is that of
 //     mma.m16n8 over 16 keys x 64 queries, exactly the layout of the first kernel of
-//     attention_backward.cu (key row 16 warp + lane / 4), whose masking code this reuses;
+//     attention_backward_kernel.cuh (key row 16 warp + lane / 4), whose masking code this reuses;
 //   dV += P^T dO and dK += dS^T Q: four wgmma m64n128k16 each, P^T and dS^T as bf16 register A
 //     fragments (as P in the forward), dO and Q as B MN-major (dims contiguous: the transpose bit,
 //     as V in the forward, leading byte offset = one 64-dim half of the 64-row tile);
 //   dQ: dS^T goes to shared memory ([128 keys, 64 queries], padded rows), a barrier, and the split
 //     kernel's mma.sync phase 3 (warps 2 x 32 queries by 4 x 32 dims, K read by ldmatrix.trans
 //     from the swizzled wgmma tile) adds dQ by fp32 atomics into the workspace; skipped in
-//     deterministic mode (launch_backward_dq then runs, as for every variant).
+//     deterministic mode (launch_backward_dq then runs, as for every layout).
 // Why this split of the work: with M = 64 keys per warpgroup the dK/dV accumulators live in
 // registers (no shared-memory round trip of P^T for the key-side products, as the split kernel
 // needs), and S^T / dP^T come out per warp in the fragment layout the next products read.
@@ -33,12 +36,10 @@
 // Shared memory (bytes, base aligned to 1024 for the 128-byte swizzle, Note [Warpgroup shared
 // layout]): K, V [2][128][64] bf16 (32 KiB each); Q, dO [2 stages][2][64][64] (16 KiB each per
 // stage); dS^T [128][72] bf16 (TileLayout<64, true>); lse, delta [2 stages][64] fp32: 148 KiB.
-// Limitations: bf16, head_dim 128, pages of 128 keys, an sm_90 device with the sm_90a body built
-// (applies() is false elsewhere and the default backward runs). Every MMA batch is waited for in
-// full (only the P^T math overlaps the dP^T MMAs); dQ still goes through shared memory and mma.sync; at 255
-// registers a thread (0 spills, nvcc 13 for sm_90a) there is no room for deeper tiles. Not yet run
-// on a GPU: opt-in through MEMBAR_ATTENTION_BACKWARD_VARIANT=wgmma_w8_k128 (Note [Backward
-// variants]), checked by tests/python/test_attention_wgmma_backward.py.
+// Limitations: bf16, head_dim 128, pages of 128 keys, an sm_90 device with the sm_90a body built.
+// Every MMA batch is waited for in full (only the P^T math overlaps the dP^T MMAs); dQ still goes
+// through shared memory and mma.sync; at 255 registers a thread (0 spills, nvcc 13 for sm_90a)
+// there is no room for deeper tiles.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -46,12 +47,13 @@
 #include <cstdint>
 
 #include "attention_backward_common.cuh"
+#include "attention_backward_kernel.cuh"
 #include "attention_common.cuh"
 #include "attention_cuda_internal.h"
+#include "attention_sweep.h"
 #include "attention_wgmma.cuh"
-#include "attention_wgmma.h"
 
-namespace membar::kernels::cuda {
+namespace membar::kernels::cuda::sweep {
 namespace {
 
 using namespace detail;
@@ -355,30 +357,43 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
   }
 #else
-  // Built for a GPU without wgmma (an architecture list without sm_90a): applies() is false there,
-  // so reaching this is a bug; stop loudly rather than return a wrong result.
+  // Built for a GPU without wgmma (an architecture list without sm_90a): fits() is false there, so
+  // reaching this is a bug; stop loudly rather than return a wrong result.
   __trap();
 #endif  // MEMBAR_WGMMA_AVAILABLE
 }
 
-}  // namespace
-
-cudaError_t launch_backward_wgmma_w8_k128(const PagedAttentionBackwardParams& params,
-                                          const BackwardWorkspacePointers& workspace, cudaStream_t stream) {
+cudaError_t launch_kv(const PagedAttentionBackwardParams& params, const BackwardWorkspacePointers& workspace,
+                      cudaStream_t stream) {
   constexpr size_t kSharedBytes = wgmma_backward_shared_bytes();
   auto kernel = paged_attention_backward_wgmma_kernel;
   cudaError_t error = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kSharedBytes));
   if (error != cudaSuccess) return error;
-  const dim3 grid(workspace.num_chunk_blocks + history_page_count(params.shape), params.shape.num_kv_heads);
+  BackwardWorkspacePointers owners = workspace;
+  owners.num_chunk_blocks = chunk_owner_count<kKeys>(params.shape);
+  const dim3 grid(owner_count<kKeys>(params.shape, owners.num_chunk_blocks), params.shape.num_kv_heads);
   if (grid.x == 0) return cudaSuccess;  // no key at all (attend_chunk false, empty history)
-  kernel<<<grid, kThreads, kSharedBytes, stream>>>(params, workspace);
+  kernel<<<grid, kThreads, kSharedBytes, stream>>>(params, owners);
   return cudaGetLastError();
 }
 
-bool backward_wgmma_w8_k128_applies(const PagedAttentionBackwardParams& params) {
+}  // namespace
+
+bool backward_wgmma_w8_k128_fits(const PagedAttentionBackwardParams& params) {
   const PagedAttentionShape& shape = params.shape;
-  if (shape.dtype != DType::kBFloat16 || shape.head_dim != kHeadDim || shape.page_tokens != kKeys) return false;
-  return detail::device_is_sm90();
+  const CudaTarget target = current_cuda_target();
+  return shape.dtype == DType::kBFloat16 && shape.head_dim == kHeadDim && shape.page_tokens == kKeys &&
+         target.compute_capability == 90 && target.warpgroup_kernels;
 }
 
-}  // namespace membar::kernels::cuda
+int backward_wgmma_w8_k128_run(const PagedAttentionBackwardParams& params, void* stream) {
+  const int error = backward_params_check(params);
+  if (error != cudaSuccess) return error;
+  return detail::run_backward(params, &launch_kv, static_cast<cudaStream_t>(stream));
+}
+
+int backward_wgmma_w8_k128_resources(KernelResources* resources) {
+  return kernel_resources(reinterpret_cast<const void*>(&paged_attention_backward_wgmma_kernel), resources);
+}
+
+}  // namespace membar::kernels::cuda::sweep

@@ -1,14 +1,17 @@
-// Paged attention forward for Hopper (sm_90a): warpgroup MMAs (wgmma) instead of mma.sync.
+// The paged-attention forward for Hopper (sm_90a): warpgroup MMAs (wgmma) instead of mma.sync, as a
+// template over its layout (WarpgroupForwardTile). Internal to kernels/.
 //
 // Note [Warpgroup forward]
-// Rationale: the mma.sync forward (attention_forward.cu) peaks near 320 TFLOP/s on an H200, about
-// torch SDPA flash; Hopper's tensor cores reach their rate only through wgmma, whose operands are
-// read from shared memory by the tensor cores themselves (FlashAttention-3, cuDNN: 600+ TFLOP/s).
+// Rationale: the mma.sync forward (attention_forward_kernel.cuh) tops out near torch SDPA flash
+// on an H200; Hopper's tensor cores reach their rate only through wgmma, whose operands are read
+// from shared memory by the tensor cores themselves (FlashAttention-3, cuDNN; docs/kernels.md
+// has the numbers).
 // Approach: one CTA of two warpgroups (8 warps, 256 threads) per (128 query rows, q head); each
 // warpgroup owns 64 query rows and keeps their output accumulator (64 x 128 fp32, 64 registers a
 // thread) and online-softmax state in registers. The CTA walks the same key sequence as the
 // mma.sync kernel (KeySequence: history pages, or the selected ones, then with attend_chunk the
-// chunk's own keys up to its last query) in blocks of kKeys keys. Per block and warpgroup:
+// chunk's own keys up to its last query) in blocks of kKeys keys (keys_per_block). Per block and
+// warpgroup:
 //   S[64 x kKeys] = Q K^T: eight wgmma m64n<kKeys>k16, Q (A) and the K tile (B) both K-major in
 //     shared memory (rows of head_dim, dim contiguous);
 //   mask (partial last page, causal diagonal), online softmax in fp32 with exp2 (as in the
@@ -17,17 +20,15 @@
 //   O[64 x 128] += P V: kKeys / 16 wgmma m64n128k16, P converted to bf16 in registers as the A
 //     operand (the accumulator of S is, per warp, exactly the A fragment layout), the V tile as B
 //     from shared memory, MN-major (dim contiguous: the transpose bit).
-// K and V tiles are copied with cp.async by all 256 threads in kStages stages (one barrier per
-// block, as Note [Forward kernel] of the mma.sync kernel describes for two and three stages).
+// K and V tiles are copied with cp.async by all 256 threads in kStages (stages) stages (one
+// barrier per block, as Note [Forward kernel] of the mma.sync kernel describes for two and three
+// stages).
 // Each MMA batch is fenced (wgmma.fence), committed and waited for in full before its result is
-// read: this first version overlaps the tensor cores with the softmax only across warpgroups (and
-// CTAs), not within one (FlashAttention-3's intra-warpgroup pipelining is the next step).
-// A warpgroup skips the MMAs of a chunk block that lies entirely above its rows' diagonal.
-// Measured on the H200 (2026-11-30, bench/results/2026-11-30-h200-session4): right on its first
-// run (errors vs float32 within those of the mma.sync kernel), and with 128-key blocks in two
-// stages 430 / 439 / 434 TFLOP/s at 32K / 128K / 256K history (chunk 4096, 28/4 heads) against
-// 316 / 325 / 323 for the best mma.sync layout and 311 / 311 / 335 for SDPA flash: the default
-// forward wherever it applies (wgmma_w8r64_k64_s3: 347 / 354 / 354).
+// read: the tensor cores overlap the softmax only across warpgroups (and CTAs), not within one
+// (FlashAttention-3's intra-warpgroup pipelining would). A warpgroup skips the MMAs of a chunk
+// block that lies entirely above its rows' diagonal. Layouts (WarpgroupForwardTile): 128-key
+// blocks in two stages, or 64-key blocks in three for pages of 64 (docs/kernels.md has their
+// measurements against the mma.sync layouts).
 //
 // Note [Warpgroup shared layout]
 // wgmma reads shared memory through a 64-bit matrix descriptor: start address >> 4 (bits 0-13),
@@ -47,11 +48,14 @@
 // Shared memory written by cp.async (the generic proxy) is made visible to wgmma (the async proxy)
 // by fence.proxy.async before the barrier that publishes a stage.
 //
-// Support: bf16, head_dim 128, page_tokens 64 or 128 with kKeys <= page_tokens, sparse selections
-// whose query tiles hold whole CTAs (a multiple of 128 rows); an sm_90 device (elsewhere applies()
-// is false and the mma.sync kernel runs). The kernel body is compiled only for sm_90a; a build
-// whose architecture list lacks it (e.g. plain 90) gets a body that traps, and applies() is false
-// there (MEMBAR_WGMMA_BUILT, set by kernels/CMakeLists.txt).
+// Support: bf16, head_dim 128, page_tokens a multiple of keys_per_block, sparse selections whose
+// query tiles hold whole CTAs (a multiple of 128 rows); an sm_90 device (forward_layout_fits in
+// membar/kernels/attention_cuda.h). The kernel body is compiled only for sm_90a; a build whose
+// architecture list lacks it (e.g. plain 90) gets a body that traps, and current_cuda_target()
+// reports no warpgroup kernels there (MEMBAR_WGMMA_BUILT, set by kernels/CMakeLists.txt), so the
+// layout choice never picks it.
+#pragma once
+
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -61,34 +65,43 @@
 #include "attention_common.cuh"
 #include "attention_cuda_internal.h"
 #include "attention_wgmma.cuh"
-#include "attention_wgmma.h"
 
-namespace membar::kernels::cuda {
-namespace {
+namespace membar::kernels::cuda::detail::warpgroup {
 
-using namespace detail;
 using Element = __nv_bfloat16;
 
-constexpr int kHeadDim = 128;
-constexpr int kWarpgroupRows = 64;
-constexpr int kWarpgroups = 2;
-constexpr int kRows = kWarpgroupRows * kWarpgroups;  // query rows per CTA
-constexpr int kThreads = 128 * kWarpgroups;
+inline constexpr int kHeadDim = 128;
+inline constexpr int kWarpgroupRows = 64;
+inline constexpr int kWarpgroups = 2;
+inline constexpr int kRows = kWarpgroupRows * kWarpgroups;  // query rows per CTA
+inline constexpr int kThreads = 128 * kWarpgroups;
 
+// A layout of the warpgroup forward: named fields, bounds checked in the kernel. Layout names:
+// wgmma_w8r64_k<keys_per_block>_s<stages> (eight warps, 64 rows per warpgroup).
+struct WarpgroupForwardTile {
+  int keys_per_block = 128;  // keys per block (a block lies inside one page)
+  int stages = 2;            // K/V stages in shared memory
+  int ctas_per_sm = 1;       // CTAs per SM the registers are budgeted for
+};
 
-template <int kKeys, int kStages>
+template <typename Tiling>
 constexpr size_t wgmma_shared_bytes_fixed() {
+  constexpr WarpgroupForwardTile kTile = Tiling::kTile;
   // 1024 bytes of slack to align the base to a swizzle atom, Q [2][128][64], K and V
-  // [kStages][2][kKeys][64], and the selection count.
-  return 1024 + size_t(kRows) * kHeadDim * 2 + 2 * size_t(kStages) * kKeys * kHeadDim * 2 + 16;
+  // [stages][2][keys_per_block][64], and the selection count.
+  return 1024 + size_t(kRows) * kHeadDim * 2 + 2 * size_t(kTile.stages) * kTile.keys_per_block * kHeadDim * 2 + 16;
 }
 
-template <int kKeys, int kStages, int kMinBlocks>
-__global__ void __launch_bounds__(kThreads, kMinBlocks)
+template <typename Tiling>
+__global__ void __launch_bounds__(kThreads, Tiling::kTile.ctas_per_sm)
     paged_attention_forward_wgmma_kernel(const PagedAttentionForwardParams params) {
+  constexpr WarpgroupForwardTile kTile = Tiling::kTile;
+  constexpr int kKeys = kTile.keys_per_block;
+  constexpr int kStages = kTile.stages;
+  static_assert(kKeys == 64 || kKeys == 128, "a key block is 64 or 128 keys (the m64n64 or m64n128 wgmma shapes)");
+  static_assert(kStages == 2 || kStages == 3, "the barrier schemes take two or three K/V stages");
+  static_assert(kTile.ctas_per_sm == 1, "two CTAs per SM spill at the 128 registers a thread they leave");
 #if MEMBAR_WGMMA_AVAILABLE
-  static_assert(kKeys == 64 || kKeys == 128, "a key block is 64 or 128 keys (a page holds whole blocks)");
-  static_assert(kStages == 2 || kStages == 3, "two or three K/V stages");
   constexpr int kTileBytes = kKeys * kHeadDim * 2;  // one K or V stage
   extern __shared__ unsigned char shared_raw[];
   // Align to 1024 bytes (the swizzle atom; the descriptors' base offset is then 0).
@@ -281,18 +294,18 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
     }
   }
 #else
-  // Built for a GPU without wgmma (an architecture list without sm_90a): applies() lets this run
-  // on any sm_90 device, so stop loudly rather than return a wrong result.
+  // Built for a GPU without wgmma (an architecture list without sm_90a): the layout choice never
+  // picks this body there, so stop loudly rather than return a wrong result.
   __trap();
 #endif  // MEMBAR_WGMMA_AVAILABLE
 }
 
-template <int kKeys, int kStages, int kMinBlocks>
-cudaError_t launch_wgmma(const PagedAttentionForwardParams& params, cudaStream_t stream) {
+template <typename Tiling>
+cudaError_t launch_forward(const PagedAttentionForwardParams& params, cudaStream_t stream) {
   const PagedAttentionShape& shape = params.shape;
-  const size_t shared_bytes = wgmma_shared_bytes_fixed<kKeys, kStages>() +
+  const size_t shared_bytes = wgmma_shared_bytes_fixed<Tiling>() +
                               (params.selection.selected_pages != nullptr ? size_t(params.selection.selected_per_tile) * 4 : 0);
-  auto kernel = paged_attention_forward_wgmma_kernel<kKeys, kStages, kMinBlocks>;
+  auto kernel = paged_attention_forward_wgmma_kernel<Tiling>;
   cudaError_t error = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(shared_bytes));
   if (error != cudaSuccess) return error;
   error = cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout, int(cudaSharedmemCarveoutMaxShared));
@@ -302,24 +315,4 @@ cudaError_t launch_wgmma(const PagedAttentionForwardParams& params, cudaStream_t
   return cudaGetLastError();
 }
 
-template <int kKeys>
-bool wgmma_applies(const PagedAttentionForwardParams& params) {
-  const PagedAttentionShape& shape = params.shape;
-  if (shape.dtype != DType::kBFloat16 || shape.head_dim != kHeadDim) return false;
-  if (shape.page_tokens % kKeys != 0) return false;
-  if (params.selection.selected_pages != nullptr && params.selection.query_tile_tokens % kRows != 0) return false;
-  return device_is_sm90();
-}
-
-}  // namespace
-
-cudaError_t launch_forward_wgmma_k64_s3(const PagedAttentionForwardParams& params, cudaStream_t stream) {
-  return launch_wgmma<64, 3, 1>(params, stream);
-}
-cudaError_t launch_forward_wgmma_k128_s2(const PagedAttentionForwardParams& params, cudaStream_t stream) {
-  return launch_wgmma<128, 2, 1>(params, stream);
-}
-bool forward_wgmma_k64_applies(const PagedAttentionForwardParams& params) { return wgmma_applies<64>(params); }
-bool forward_wgmma_k128_applies(const PagedAttentionForwardParams& params) { return wgmma_applies<128>(params); }
-
-}  // namespace membar::kernels::cuda
+}  // namespace membar::kernels::cuda::detail::warpgroup
