@@ -6,27 +6,27 @@ Rationale: per update only d x r fp32 values per matrix and a key travel instead
 weights. Rollout processes come and go (late joiners, crashes); the trainer must never wait for
 them. bf16 rollout weights swallow deltas below |w| / 256, so a receiver that applied updates to
 bf16 weights directly would drift from the trainer.
-Approach: a single-writer ring of fixed-size slots plus a double-buffered snapshot area, both in
-shared memory: two channels of the membar runtime (``Runtime.create_channel``: memory made by the
-daemon, mapped read-only by subscribers, so a reader cannot corrupt what the trainer wrote) when
-the publisher and subscribers are given a Runtime, else two POSIX shared-memory segments. Each slot carries a sequence marker (odd while being written, 2 * s + 2 once
-message s is complete); a reader copies a slot and accepts it only if the marker was the
-expected one before and after the copy (a seqlock). The writer never looks at readers, so a
-slow or dead subscriber cannot stall or corrupt the trainer; a reader that fell more than a
-ring behind gets SyncOverrun and re-anchors from the newest snapshot (full fp32 weights and the
-number of updates they contain). Subscribers keep fp32 masters of the targeted weights, apply
-every update to the masters with the same fused kernel as the trainer, and copy the masters
-into the model's (bf16) weights, so they match the trainer's authoritative weights exactly when
-both run the same kernel and device type, and within bf16 rounding otherwise. A receiver without
-masters (keep_masters=False) applies updates to its bf16 weights with the trainer's stochastic
-rounding (same per-update seed, derived from the message): it stays bit-identical to a bf16-only
-trainer and unbiased against an fp32 one.
-Limitations: the seqlock relies on x86's store ordering (no explicit fences). Runtime channels
-live while the trainer's Runtime is connected: subscribers keep reading what they mapped, but a
-subscriber cannot join after the trainer's runtime went away. With an embedded runtime only
-subscribers in the trainer's own process find the channels. POSIX segments are unlinked by the
-publisher's close(); a trainer killed with SIGKILL leaves them in /dev/shm (channels go with the
-trainer's connection).
+Approach: membar's broadcast ring (Note [Broadcast ring] in include/membar/protocol/
+broadcast_ring.h, reached through torch.classes.membar.BroadcastRing): fixed-size message slots
+plus a double-buffered snapshot area, both in shared memory: two channels of the membar runtime
+(``Runtime.create_channel``: memory made by the daemon, mapped read-only by subscribers, so a
+reader cannot corrupt what the trainer wrote) when the publisher and subscribers are given a
+Runtime, else two POSIX shared-memory segments. Python maps the segments; the C++ ring writes and
+reads them under a seqlock per slot and per snapshot buffer. The writer never looks at readers, so
+a slow or dead subscriber cannot stall or corrupt the trainer; a reader that fell more than a ring
+behind gets SyncOverrun and re-anchors from the newest snapshot (full fp32 weights and the number
+of updates they contain). Subscribers keep fp32 masters of the targeted weights, apply every
+update to the masters with the same fused kernel as the trainer, and copy the masters into the
+model's (bf16) weights, so they match the trainer's authoritative weights exactly when both run
+the same kernel and device type, and within bf16 rounding otherwise. A receiver without masters
+(keep_masters=False) applies updates to its bf16 weights with the trainer's stochastic rounding
+(same per-update seed, derived from the message): it stays bit-identical to a bf16-only trainer
+and unbiased against an fp32 one.
+Limitations: runtime channels live while the trainer's Runtime is connected: subscribers keep
+reading what they mapped, but a subscriber cannot join after the trainer's runtime went away.
+With an embedded runtime only subscribers in the trainer's own process find the channels. POSIX
+segments are unlinked by the publisher's close(); a trainer killed with SIGKILL leaves them in
+/dev/shm (channels go with the trainer's connection).
 """
 from __future__ import annotations
 
@@ -41,13 +41,10 @@ import torch
 
 from membar.logra import ops
 
-_RING_MAGIC = 0x4C4F475241524E47  # "LOGRARNG"
-_SNAPSHOT_MAGIC = 0x4C4F475241534E50  # "LOGRASNP"
 _MESSAGE_MAGIC = 0x4C475231  # "LGR1"
 _VERSION = 1
-_HEADER_BYTES = 64
-_SLOT_HEADER_BYTES = 16
-_SNAPSHOT_HEADER_BYTES = 64
+# The broadcast ring (bindings/csrc/broadcast_ops.cpp); loading membar loads it.
+_BroadcastRing = torch.classes.membar.BroadcastRing
 
 
 class SyncOverrun(RuntimeError):
@@ -100,16 +97,31 @@ def _attach(name: str, create: bool, size: int = 0, runtime=None):
         raise
 
 
+# What BroadcastRing's reads report (membar::protocol::BroadcastReadOutcome).
+_COPIED, _NOT_WRITTEN, _OVERRUN, _OVERRUN_DURING_COPY, _BUSY = range(5)
+
+
+def _address(buffer: memoryview) -> int:
+    """The address of a mapping's first byte (read-only mappings included)."""
+    return int(np.frombuffer(buffer, dtype=np.uint8).ctypes.data)
+
+
+def _byte_tensor(payload: bytes) -> torch.Tensor:
+    if len(payload) == 0:
+        return torch.empty(0, dtype=torch.uint8)
+    return torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+
+
 class SharedMemoryRing:
     """One writer, any number of readers. The writer's calls never block on readers; readers'
     calls never block at all (they return None when nothing new is there). With ``runtime`` (a
     membar.runtime.Runtime) the memory comes from two runtime channels named ``<name>.ring`` and
     ``<name>.snap``; without, from POSIX shared memory ``<name>_ring`` and ``<name>_snap``.
 
-    Layout of the ring segment: header [magic, version, slot_count, slot_bytes, next_sequence]
-    then slot_count slots of [marker u64, length u64, payload slot_bytes]. The snapshot segment:
-    header [magic, capacity, latest buffer] then two buffers of [marker, sequence, length,
-    payload capacity]."""
+    The two segments hold membar's broadcast ring (``torch.classes.membar.BroadcastRing``, Note
+    [Broadcast ring] in include/membar/protocol/broadcast_ring.h): message slots in the first,
+    the double-buffered snapshot area in the second. This class maps them; the C++ ring writes and
+    reads them."""
 
     def __init__(self, name: str, create: bool, slot_count: int = 0, slot_bytes: int = 0, snapshot_bytes: int = 0,
                  runtime=None):
@@ -117,23 +129,22 @@ class SharedMemoryRing:
         self.owner = create
         self.transport = "posix" if runtime is None else "channel"
         separator = "_" if runtime is None else "."
+        self._native = None
         if create:
-            if slot_count < 2 or slot_bytes < 1:
-                raise ValueError(f"a ring needs at least 2 slots of at least 1 byte, got {slot_count} x {slot_bytes}")
-            slot_bytes = (slot_bytes + 7) // 8 * 8
-            self._ring = _attach(f"{name}{separator}ring", True,
-                                 _HEADER_BYTES + slot_count * (_SLOT_HEADER_BYTES + slot_bytes), runtime)
-            snapshot_bytes = max(8, (snapshot_bytes + 7) // 8 * 8)
+            ring_bytes, snapshot_segment_bytes = _BroadcastRing.segment_bytes(slot_count, slot_bytes, snapshot_bytes)
+            self._ring = _attach(f"{name}{separator}ring", True, ring_bytes, runtime)
             try:
-                self._snapshot = _attach(f"{name}{separator}snap", True,
-                                         _SNAPSHOT_HEADER_BYTES + 2 * (24 + snapshot_bytes), runtime)
+                self._snapshot = _attach(f"{name}{separator}snap", True, snapshot_segment_bytes, runtime)
             except BaseException:
                 self._ring.close()
                 raise
-            header = self._words(self._ring, 0, 5)
-            header[:] = [_RING_MAGIC, _VERSION, slot_count, slot_bytes, 0]
-            snapshot_header = self._words(self._snapshot, 0, 3)
-            snapshot_header[:] = [_SNAPSHOT_MAGIC, snapshot_bytes, 2]  # 2: no snapshot yet
+            try:
+                self._native = _BroadcastRing.create(_address(self._ring.buf), len(self._ring.buf),
+                                                     _address(self._snapshot.buf), len(self._snapshot.buf),
+                                                     slot_count, slot_bytes, snapshot_bytes)
+            except BaseException:
+                self.close()
+                raise
         else:
             try:
                 self._ring = _attach(f"{name}{separator}ring", False, runtime=runtime)
@@ -144,104 +155,60 @@ class SharedMemoryRing:
             except FileNotFoundError as error:
                 self._ring.close()
                 raise FileNotFoundError(f"no LoGRA policy channel named {name!r} (is the trainer publishing?)") from error
-            header = self._words(self._ring, 0, 5)
-            if int(header[0]) != _RING_MAGIC or int(header[1]) != _VERSION:
-                del header
+            try:
+                self._native = _BroadcastRing.open(_address(self._ring.buf), len(self._ring.buf),
+                                                   _address(self._snapshot.buf), len(self._snapshot.buf))
+            except ValueError as error:
                 self.close()
-                raise ValueError(f"shared memory {name!r} is not a version-{_VERSION} LoGRA ring")
-        header = self._words(self._ring, 0, 5)
-        self.slot_count = int(header[2])
-        self.slot_bytes = int(header[3])
-        self.snapshot_bytes = int(self._words(self._snapshot, 0, 3)[1])
-        self._header = header
-        self._snapshot_header = self._words(self._snapshot, 0, 3)
+                raise ValueError(f"shared memory {name!r} is not a LoGRA policy ring: {error}") from error
+        self.slot_count, self.slot_bytes, self.snapshot_bytes = (int(v) for v in self._native.geometry())
 
-    @staticmethod
-    def _words(segment, offset: int, count: int) -> np.ndarray:
-        return np.ndarray((count,), dtype=np.uint64, buffer=segment.buf, offset=offset)
-
-    def _slot_offset(self, sequence: int) -> int:
-        return _HEADER_BYTES + (sequence % self.slot_count) * (_SLOT_HEADER_BYTES + self.slot_bytes)
+    def _ring_end(self):
+        if self._native is None:
+            raise RuntimeError(f"the LoGRA policy ring {self.name!r} is closed")
+        return self._native
 
     # Writer side (the trainer). Never blocks.
     def write_message(self, payload: bytes) -> int:
-        if len(payload) > self.slot_bytes:
-            raise ValueError(f"a {len(payload)}-byte message does not fit a {self.slot_bytes}-byte slot")
-        sequence = int(self._header[4])
-        offset = self._slot_offset(sequence)
-        marker = self._words(self._ring, offset, 2)
-        marker[0] = 2 * sequence + 1
-        marker[1] = len(payload)
-        start = offset + _SLOT_HEADER_BYTES
-        self._ring.buf[start:start + len(payload)] = payload
-        marker[0] = 2 * sequence + 2
-        self._header[4] = sequence + 1
-        return sequence
+        return int(self._ring_end().write_message(_byte_tensor(payload)))
 
     def latest_sequence(self) -> int:
         """How many messages were ever written."""
-        return int(self._header[4])
+        return int(self._ring_end().message_count())
 
     # Reader side. Never blocks.
     def read_message(self, sequence: int) -> bytes | None:
         """Message `sequence`, None if not written yet; raises SyncOverrun if overwritten."""
-        if sequence >= self.latest_sequence():
+        outcome, payload = self._ring_end().read_message(sequence)
+        if outcome == _COPIED:
+            return payload.numpy().tobytes()
+        if outcome == _NOT_WRITTEN:
             return None
-        offset = self._slot_offset(sequence)
-        marker = self._words(self._ring, offset, 2)
-        expected = 2 * sequence + 2
-        before = int(marker[0])
-        if before != expected:
-            if before > expected:
-                raise SyncOverrun(f"message {sequence} was overwritten (the ring holds {self.slot_count})")
-            return None
-        length = int(marker[1])
-        start = offset + _SLOT_HEADER_BYTES
-        payload = bytes(self._ring.buf[start:start + length])
-        if int(marker[0]) != expected:
-            raise SyncOverrun(f"message {sequence} was overwritten while being read")
-        return payload
+        if outcome == _OVERRUN:
+            raise SyncOverrun(f"message {sequence} was overwritten (the ring holds {self.slot_count})")
+        raise SyncOverrun(f"message {sequence} was overwritten while being read")
 
     def write_snapshot(self, sequence: int, payload: bytes) -> None:
         """Publishes a snapshot that contains the effect of messages [0, sequence)."""
-        if len(payload) > self.snapshot_bytes:
-            raise ValueError(f"a {len(payload)}-byte snapshot does not fit {self.snapshot_bytes} bytes")
-        latest = int(self._snapshot_header[2])
-        buffer = 0 if latest != 0 else 1
-        offset = _SNAPSHOT_HEADER_BYTES + buffer * (24 + self.snapshot_bytes)
-        words = self._words(self._snapshot, offset, 3)
-        generation = int(words[0])
-        words[0] = generation + 1 if generation % 2 == 0 else generation + 2  # odd: being written
-        words[1] = sequence
-        words[2] = len(payload)
-        self._snapshot.buf[offset + 24:offset + 24 + len(payload)] = payload
-        words[0] = int(words[0]) + 1  # even: complete
-        self._snapshot_header[2] = buffer
+        self._ring_end().write_snapshot(sequence, _byte_tensor(payload))
 
     def read_snapshot(self, attempts: int = 100) -> tuple[int, bytes] | None:
         """(sequence, payload) of the newest complete snapshot, None if none was written."""
-        for _ in range(attempts):
-            latest = int(self._snapshot_header[2])
-            if latest == 2:
-                return None
-            offset = _SNAPSHOT_HEADER_BYTES + latest * (24 + self.snapshot_bytes)
-            words = self._words(self._snapshot, offset, 3)
-            generation = int(words[0])
-            if generation % 2 == 1:
-                time.sleep(0.0005)
-                continue
-            sequence, length = int(words[1]), int(words[2])
-            payload = bytes(self._snapshot.buf[offset + 24:offset + 24 + length])
-            if int(words[0]) == generation:
-                return sequence, payload
+        outcome, sequence, payload = self._ring_end().read_snapshot(attempts)
+        if outcome == _COPIED:
+            return int(sequence), payload.numpy().tobytes()
+        if outcome == _NOT_WRITTEN:
+            return None
         raise TimeoutError("could not read a stable snapshot (the writer keeps replacing it)")
 
     def close(self) -> None:
         """Detaches; the creating side also unlinks the segments (or drops the channels)."""
-        self._header = None
-        self._snapshot_header = None
+        # The C++ ring holds pointers into the mappings: it lets go of them first.
+        if self._native is not None:
+            self._native.close()
+            self._native = None
         for segment in (getattr(self, "_ring", None), getattr(self, "_snapshot", None)):
-            if segment is not None:
+            if segment is not None and segment.buf is not None:
                 segment.close()
 
 
