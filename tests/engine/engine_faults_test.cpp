@@ -98,7 +98,7 @@ TEST(EngineFaults, FailedCopiesSurfaceInWaitAndNothingStalls) {
     ASSERT_TRUE(acquired.ok());
     Status waited = engine->wait(client->id, acquired.value());
     outcomes.push_back(waited.code());
-    if (!waited.ok()) EXPECT_NE(waited.message().find("injected"), std::string::npos) << waited.to_string();
+    if (!waited.ok()) { EXPECT_NE(waited.message().find("injected"), std::string::npos) << waited.to_string(); }
     ASSERT_TRUE(engine->release(client->id, {space, 0, 2}, true).ok());
   }
   std::vector<StatusCode> expected(10, StatusCode::OK);

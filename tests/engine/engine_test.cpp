@@ -418,11 +418,11 @@ int stream_with_schedule(bool schedule_per_pass, ClientStats* stats_out) {
     for (int s = 0; s < 8 * passes; ++s) steps.push_back(ScheduleStep{{PageRange{space, uint32_t(s % 8) * 4, 4}}});
     return steps;
   };
-  if (!schedule_per_pass) EXPECT_TRUE(engine->set_schedule(client->id, pass_steps(kPasses)).ok());
+  if (!schedule_per_pass) { EXPECT_TRUE(engine->set_schedule(client->id, pass_steps(kPasses)).ok()); }
   int maps_after_first_pass = 0;
   for (int s = 0; s < 8 * kPasses; ++s) {
     if (s == 8) maps_after_first_pass = client->maps[0].load();
-    if (schedule_per_pass && s % 8 == 0) EXPECT_TRUE(engine->set_schedule(client->id, pass_steps(1)).ok());
+    if (schedule_per_pass && s % 8 == 0) { EXPECT_TRUE(engine->set_schedule(client->id, pass_steps(1)).ok()); }
     EXPECT_TRUE(engine->advance(client->id, uint32_t(schedule_per_pass ? s % 8 : s)).ok());
     uint32_t chunk = uint32_t(s % 8);
     char* pages = client->acquire({space, chunk * 4, 4}, kEngineAcquireWrite);

@@ -168,7 +168,7 @@ std::vector<std::set<int>> run_engine(const std::vector<int>& refs, int pages, i
   std::vector<std::set<int>> history;
   for (size_t i = 0; i < refs.size(); ++i) {
     PageRange range{spaces[refs[i]], 0, 1};
-    if (with_schedule) EXPECT_TRUE(engine->advance(client->id, uint32_t(i)).ok());
+    if (with_schedule) { EXPECT_TRUE(engine->advance(client->id, uint32_t(i)).ok()); }
     char* page = client->acquire(range, 0);
     EXPECT_TRUE(page != nullptr && check_pattern(page, 4096, seed + refs[i])) << "step " << i;
     EXPECT_TRUE(engine->release(client->id, range, false).ok());

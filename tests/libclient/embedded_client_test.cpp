@@ -172,7 +172,7 @@ struct Worker {
         case 1:
         case 2: {  // acquire on the "GPU", check, maybe write
           bool write = random() % 2 == 0;
-          uint32_t flags = write ? kAcquireWrite : 0;
+          uint32_t flags = write ? uint32_t(kAcquireWrite) : 0u;
           if (random() % 2) flags |= kAcquireZeroNew;
           auto acquired = client->acquire(range, flags);
           if (!acquired.ok()) {
@@ -202,7 +202,7 @@ struct Worker {
           auto ticket = client->offload(range);
           ASSERT_TRUE(ticket.ok() || ticket.status().code() == StatusCode::RESOURCE_EXHAUSTED)
               << ticket.status().to_string();
-          if (ticket.ok() && random() % 2) ASSERT_TRUE(client->wait(ticket.value()).ok());
+          if (ticket.ok() && random() % 2) { ASSERT_TRUE(client->wait(ticket.value()).ok()); }
           break;
         }
         case 4: {
@@ -279,7 +279,7 @@ TEST(EmbeddedClient, RandomCyclesFromFourThreadsLoseNothing) {
   std::vector<std::thread> threads;
   for (int t = 0; t < 4; ++t) threads.emplace_back([&workers, t] { workers[t].run(1000, 99 + t); });
   for (auto& thread : threads) thread.join();
-  uint64_t cycles = 0, corrupted = 0, exhausted = 0, checked = 0, zero_failures = 0, host_failures = 0;
+  uint64_t cycles = 0, corrupted = 0, exhausted = 0, checked = 0;
   for (Worker& worker : workers) {
     worker.audit();
     cycles += worker.cycles;
