@@ -55,7 +55,7 @@ for step in "$@"; do
       mkdir -p "$work/tests"
       ctest --test-dir build-gpu -L gpu --output-on-failure --timeout 300 > "$work/tests/gpu_ctest.log" 2>&1 || status=1
       tail -6 "$work/tests/gpu_ctest.log"
-      timeout 420 "$py" -m pytest -q -m gpu tests/python -p no:cacheprovider -x --durations=10 \
+      timeout ${PYTEST_TIMEOUT:-420} "$py" -m pytest -q -m gpu tests/python -p no:cacheprovider --durations=15 \
         > "$work/tests/gpu_pytest.log" 2>&1 || status=1
       tail -25 "$work/tests/gpu_pytest.log" ;;
     plain)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from membar.oomb import torch_attention
-from membar.oomb.hf_attention import _merge_into
+from membar.attention import merge_attention_into
 from membar.oomb.kernels import GradView, HistoryView
 
 
@@ -104,7 +104,7 @@ def test_history_blocks_without_the_chunk_merge_to_one_call():
         part, part_lse = torch_attention.forward(q, k, v, view, scale, block_positions, attend_chunk=False)
         if first == 0:
             assert torch.isinf(part_lse).all() and part.abs().max() == 0   # older than every window
-        lse = _merge_into(total, lse, part, part_lse)
+        lse = merge_attention_into(total, lse, part, part_lse)
         blocks.append((view, block_positions))
     assert torch.allclose(total, one_out, atol=1e-12) and torch.allclose(lse, one_lse, atol=1e-12)
 
