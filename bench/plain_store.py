@@ -33,7 +33,7 @@ class PlainKVStore(KVStore):
                           for _ in range(layout.num_layers)]
             self._page_numbers = torch.arange(layout.num_pages, dtype=torch.int32, device=self.device)
             self._capacity = layout
-            self.stats.device_pool_bytes = sum(pool.nbytes for pools in self.pools for pool in pools.values())
+            # (the pools are PyTorch allocations: its peak counts them, device_pool_bytes stays 0)
         self.layout = layout
         self._zeroed = [False] * layout.num_layers
         self.stats.pages_allocated(layout.num_pages)

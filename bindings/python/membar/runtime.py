@@ -299,6 +299,28 @@ class Runtime:
         hits / misses, evictions, stall time, and its spaces (each with the same counts)."""
         return json.loads(self._native.stats())
 
+    def wait_ready(self, timeout_s: float = 600.0, log=None) -> float:
+        """Blocks until no frame of the pools is being prepared (host slabs pinned and registered,
+        renewed GPU frames cleared); returns the seconds waited. Preparing memory can stall on a
+        busy GPU, so a trainer waits here, before its first step, not inside it. TimeoutError
+        after timeout_s."""
+        import time
+
+        started = time.monotonic()
+        said = False
+        while True:
+            preparing = sum(int(tier["frames_preparing"]) for tier in self.stats()["tiers"])
+            waited = time.monotonic() - started
+            if preparing == 0:
+                return waited
+            if waited > timeout_s:
+                raise TimeoutError(f"the runtime was still preparing {preparing * 2} MiB of its pools after "
+                                   f"{timeout_s:.0f} s")
+            if waited > 1.0 and not said and log is not None:
+                log(f"membar: waiting for the runtime to pin {preparing * 2 / 1024:.1f} GiB of its pools")
+                said = True
+            time.sleep(0.05)
+
     def gpu_bytes(self, peak: bool = True) -> int:
         """GPU memory this client's pages occupy (2 MiB frames), at its peak or now: memory outside
         PyTorch's allocator, to add to torch.cuda.max_memory_allocated()."""

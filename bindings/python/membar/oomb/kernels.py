@@ -52,8 +52,10 @@ class HistoryView:
         over this view must see it: pages outside the view's block dropped (-1), the rest numbered
         from the block's first page and, for a view of selected pages only, through page_map.
         Returned on the device of page_index (copied without blocking the host)."""
-        if selection is None or (self.page_map is None and self.block_pages is None):
-            return selection
+        if selection is None:
+            return None
+        if self.page_map is None and self.block_pages is None:
+            return to_device(selection, self.page_index.device)
         local = selection.long() - self.block_first_page
         if self.block_pages is not None:
             local = torch.where((local >= 0) & (local < self.block_pages), local, -1)

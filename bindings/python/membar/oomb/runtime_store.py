@@ -355,6 +355,8 @@ class RuntimeKVStore(KVStore):
     def reserve(self, layout: PageLayout) -> None:
         self.open_sequence(layout)
         self.close_sequence()
+        if not self._meta:   # pools pinned before the first step, not during it
+            self.runtime.wait_ready(log=lambda line: print(line, flush=True))
 
     def layout_page_bytes(self) -> int:
         """Bytes of one K/V page of the current (or last) sequence's layout; 0 before any."""
