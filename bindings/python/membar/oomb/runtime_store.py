@@ -22,6 +22,14 @@ Note [Runtime pages]
   stays resident by the runtime's choice.
   Limitations: with offload in sparse mode, each access names its selected pages, so the union of
   a selection must be known on the host (one wait for the GPU per layer and chunk in stage 1).
+  An embedded runtime on CUDA waits for an unfinished ticket on the host instead of on the stream:
+  its copies are enqueued by threads of this process, and CUDA's lazy module loading (the first
+  launch of a kernel, e.g. in the backward) can wait for the device to go idle while holding a
+  driver lock those threads need, so a stream waiting on the GPU for their copies deadlocked
+  (seen on the H200: the 7B shape at 32K with offload, autograd thread in cuKernelGetFunction, the
+  dispatcher in cuMemcpyAsync). Through membard the copies belong to another process and the
+  stream waits on the GPU; MEMBAR_STREAM_WAIT=1 asks for that embedded too. Host waits are counted
+  as stall time.
   Grad pages are counted as contents once a backward acquired them (zero-filled on first use).
   On the meta device (shapes without bits: how tests measure what a step keeps on the device at
   any length) the runtime runs on its host backend for the bookkeeping and the pools are meta
@@ -125,6 +133,7 @@ class RuntimeKVStore(KVStore):
         self._page_numbers: torch.Tensor | None = None
         self._step_of: dict = {}
         self._cuda = self.device.type == "cuda"
+        self._gpu_waits = True
         self._meta = self.device.type == "meta"
         self._own = StoreStats()
         self._baseline: dict | None = None
@@ -146,6 +155,8 @@ class RuntimeKVStore(KVStore):
                                            device=device, name=self.name)
         if self.runtime.device.type != ("cpu" if self._meta else self.device.type):
             raise ValueError(f"the runtime keeps pages on {self.runtime.device}, the model runs on {self.device}.")
+        self._gpu_waits = (not self.runtime.describe().startswith("embedded")
+                           or os.environ.get("MEMBAR_STREAM_WAIT") == "1")
 
     def use_config(self, config) -> None:
         if self.block_tokens is None:
@@ -238,7 +249,10 @@ class RuntimeKVStore(KVStore):
                 self._live[flat[i]][flat[i + 1]: flat[i + 1] + flat[i + 2]] = True
         if self._cuda:
             if native.completed_ticket() < ticket:
-                native.stream_wait(ticket, torch.cuda.current_stream(self.device).cuda_stream)
+                if self._gpu_waits:
+                    native.stream_wait(ticket, torch.cuda.current_stream(self.device).cuda_stream)
+                else:   # Note [Runtime pages], Limitations (the runtime counts the wait as stall time)
+                    native.wait(ticket)
         else:
             native.wait(ticket)
 
