@@ -245,20 +245,7 @@ class EngineImpl final : public Engine {
 
 template <typename R, typename Body>
 R EngineImpl::with_client(ClientId id, Body&& body) {
-  std::shared_ptr<ClientState> owner;
-  std::vector<std::shared_ptr<ClientState>> others;
-  R result = [&]() -> R {
-    std::lock_guard<std::mutex> lock(mutex_);
-    auto found = find_client_shared(id);
-    if (!found.ok()) return found.status();
-    owner = std::move(found).value();
-    R answer = body(*owner);
-    others.swap(deliveries_due_);
-    return answer;
-  }();
-  if (owner) deliver_events(owner);
-  for (const auto& other : others) deliver_events(other);
-  return result;
+  return with_client_waiting<R>(id, [&](ClientState& client, std::optional<FenceWait>&) { return body(client); });
 }
 
 template <typename R, typename Body>
@@ -278,7 +265,11 @@ R EngineImpl::with_client_waiting(ClientId id, Body&& body) {
     }();
     if (owner) deliver_events(owner);
     for (const auto& other : others) deliver_events(other);
-    if (!fence_wait.has_value() || attempt >= 64) return result;
+    if (!fence_wait.has_value()) return result;
+    if (attempt >= 64) {   // the body undid its work: a placeholder result must not pass for success
+      return Status(StatusCode::UNAVAILABLE, "client " + std::to_string(id) + " still waits for its stream to pass "
+                                                 "release marker " + std::to_string(fence_wait->marker) + "; retry");
+    }
     Status waited = wait_for_marker(owner, fence_wait->marker);
     if (!waited.ok()) return waited;
   }

@@ -23,3 +23,15 @@ def load_example():
         return module
 
     return load
+
+
+@pytest.fixture
+def one_thread():
+    """torch on one thread for the test: the models in these tests are tiny, so threads only add
+    overhead (and contention on a 2-core CI machine)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -23,11 +23,8 @@ TINY = ["--model", "tiny-qwen2", "--seq-len", "128", "--chunk", "64", "--page-to
 
 
 @pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+def _one_thread(one_thread):
     yield
-    torch.set_num_threads(threads)
 
 
 def refused(argv, capsys) -> str:

@@ -23,12 +23,8 @@ VOCAB = 97
 
 
 @pytest.fixture(autouse=True)
-def _one_thread():
-    # The models here are tiny: threads only add overhead (and contention on a 2-core CI box).
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+def _one_thread(one_thread):
     yield
-    torch.set_num_threads(threads)
 
 
 def tiny_model(kind: str, seed: int = 0, layers: int = 2):

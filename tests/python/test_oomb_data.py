@@ -10,11 +10,8 @@ from membar.train import main, run
 
 
 @pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+def _one_thread(one_thread):
     yield
-    torch.set_num_threads(threads)
 
 
 def test_every_file_type_gives_the_same_ids(tmp_path):

@@ -31,11 +31,8 @@ WINDOW = 700         # crosses page (128) and chunk (1024) boundaries
 
 
 @pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+def _one_thread(one_thread):
     yield
-    torch.set_num_threads(threads)
 
 
 def _small(**overrides):

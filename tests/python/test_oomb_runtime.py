@@ -14,11 +14,8 @@ _MIB = 1 << 20
 
 
 @pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+def _one_thread(one_thread):
     yield
-    torch.set_num_threads(threads)
 
 
 def model_for_runtime(kind: str, head_dim: int = 64, kv_heads: int = 2):
