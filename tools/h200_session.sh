@@ -6,6 +6,8 @@
 #
 #   build     CUDA build (tools/gpu_check.sh's build stage, sm_90a)
 #   tests     gpu-labelled C++ tests and gpu-marked Python tests
+#   probe     7B at 32K with offload through the embedded runtime, two steps (bench/probes/offload_probe.py:
+#             stacks after PROBE_LIMIT seconds, default 150, if it hangs)
 #   plain     7B shape: the runtime against plain tensors (bench/plain_store.py) in one run: dense
 #             32K and 128K, sparse 256K; dense-offload at 32K (GPU peak) and 128K
 #   offload   7B at 256K: dense-offload, the same with a LoGRA r=64 update (both methods, one runtime)
@@ -58,9 +60,14 @@ for step in "$@"; do
       timeout ${PYTEST_TIMEOUT:-420} "$py" -m pytest -q -m gpu tests/python -p no:cacheprovider --durations=15 \
         > "$work/tests/gpu_pytest.log" 2>&1 || status=1
       tail -25 "$work/tests/gpu_pytest.log" ;;
+    probe)
+      mkdir -p "$work/probe"
+      timeout 300 "$py" bench/probes/offload_probe.py qwen2.5-7b 32768 "${PROBE_LIMIT:-150}" \
+        > "$work/probe/offload_probe.txt" 2>&1 || status=1
+      grep -vE '^ +File|^  ' "$work/probe/offload_probe.txt" | tail -25 ;;
     plain)
-      bench plain --contexts 32K,128K,256K --time-budget 540 \
-        --variants "dense+plain:32K/128K,dense:32K/128K,dense-offload:32K/128K,sparse+plain:256K,sparse:256K" ;;
+      bench plain --contexts "${PLAIN_CONTEXTS:-32K,128K,256K}" --time-budget "${PLAIN_BUDGET:-540}" \
+        --variants "${PLAIN_VARIANTS:-dense+plain:32K/128K,dense:32K/128K,dense-offload:32K/128K,sparse+plain:256K,sparse:256K}" ;;
     offload)
       bench offload --contexts 256K --time-budget 540 --variants "dense-offload,dense-offload+logra" ;;
     daemon)
