@@ -73,10 +73,12 @@ for step in "$@"; do
     daemon)
       socket=/tmp/membar-session.sock
       start_daemon "$socket" --gpu-pool 24GiB --host-pool 40GiB || { status=1; continue; }
-      MEMBAR_SOCKET=$socket bench daemon --contexts 32K,128K --time-budget 300 --variants "dense:32K,dense-offload:128K"
+      MEMBAR_SOCKET=$socket bench daemon --contexts "${DAEMON_CONTEXTS:-32K,128K}" --time-budget "${DAEMON_BUDGET:-300}" \
+        --variants "${DAEMON_VARIANTS:-dense:32K,dense-offload:128K}"
       "$bin/membarctl" --socket "$socket" stats --json > "$work/daemon/membarctl_stats.json" 2>&1
       kill "$daemon"; wait "$daemon" 2>/dev/null
-      bench daemon-embedded --contexts 32K,128K --time-budget 240 --variants "dense:32K,dense-offload:128K" ;;
+      [ "${DAEMON_EMBEDDED:-1}" = 1 ] && bench daemon-embedded --contexts "${DAEMON_CONTEXTS:-32K,128K}" \
+        --time-budget 240 --variants "${DAEMON_VARIANTS:-dense:32K,dense-offload:128K}" ;;
     hostpool)
       mkdir -p "$work/hostpool"
       (
