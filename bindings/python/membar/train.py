@@ -5,9 +5,14 @@
     python -m membar.train --model /path/to/hf_checkpoint --data tokens.npy --seq-len 131072 --save out/
     python -m membar.train --model qwen2.5-7b --seq-len 1M --offload --gpu-resident-layers auto --steps 1
     python -m membar.train --demo          # small model recalls a key >= 16K tokens back, ~3 minutes
+    torchrun --nproc_per_node 4 -m membar.train --model ... --batch 1   # data parallel, 4 sequences a step
 
 Each step prints loss, tokens/s, peak GPU memory, host memory and pages moved; --json prints a
 JSON summary as the last line of stdout.
+
+Under torchrun (several ranks) each rank trains --batch sequences of the global batch (the ranks'
+batches in rank order: 2 ranks with --batch 1 train the sequences one process with --batch 2 would,
+and compute the same update; membar.oomb.distributed, Note [Data parallel steps]); rank 0 prints.
 """
 from __future__ import annotations
 
@@ -110,6 +115,8 @@ def _parse(argv):
                              "same runtime as the pages")
     parser.add_argument("--logra-rank", type=int, default=64, help="--optimizer logra: sketch rank")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--dist-timeout", type=float, default=600.0,
+                        help="under torchrun: seconds a collective may wait for the other ranks before failing")
     parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     parser.add_argument("--eval-every", type=int, default=0, help="passkey: accuracy every N steps (0: at the end)")
     parser.add_argument("--eval-sequences", type=int, default=16)
@@ -159,7 +166,7 @@ def _resident_layers(args, model, device) -> int:
     return plan.gpu_resident_layers
 
 
-def _make_trainer(args, model):
+def _make_trainer(args, model, group=None):
     from membar.oomb import OOMBConfig, OOMBTrainer
     from membar.oomb.runtime_store import RuntimeKVStore
 
@@ -180,7 +187,7 @@ def _make_trainer(args, model):
                            gpu_resident_layers=resident, block_tokens=args.history_block,
                            prefetch_depth=config.prefetch_depth, name=_client_name(args), extra_bytes=extra)
     args.store = "runtime"
-    return OOMBTrainer(model, config, store=store)
+    return OOMBTrainer(model, config, store=store, process_group=group)
 
 
 def _socket(args) -> str | None:
@@ -206,7 +213,8 @@ def _socket(args) -> str | None:
 def _client_name(args) -> str:
     """How membarctl shows this trainer: the model and the sequence length."""
     model = str(args.model).rstrip("/").split("/")[-1] or "model"
-    return f"membar-train {model} {args.seq_len // 1024}K"[:63]
+    rank = f" rank {args.rank}" if getattr(args, "world_size", 1) > 1 else ""
+    return f"membar-train {model} {args.seq_len // 1024}K{rank}"[:63]
 
 
 def _device(requested: str | None) -> torch.device:
@@ -291,6 +299,17 @@ def run(argv=None) -> dict:
     _check_arguments(args)
     torch.manual_seed(args.seed)
     device = _device(args.device)
+    from membar.oomb import distributed as _distributed
+
+    args.rank, args.world_size, group = 0, 1, None
+    if _distributed.launched_by_torchrun():
+        if args.demo:
+            raise ValueError("--demo runs in one process; start it without torchrun.")
+        device = _distributed.init_from_env(device, args.dist_timeout)
+        group = torch.distributed.group.WORLD
+        args.rank, args.world_size = _distributed.world(group)
+        if args.rank != 0:   # rank 0 prints; errors still reach every rank's stderr
+            sys.stdout = open(os.devnull, "w")
     if args.demo and device.type == "cuda":
         return _gpu_demo(args, device)
     dtype = _model_dtype(args, device)
@@ -303,7 +322,9 @@ def run(argv=None) -> dict:
     _check_memory(args, device, dtype)
     model = build_model(args.model, dtype=dtype, device=device, max_positions=args.seq_len, seed=args.seed)
     model.train()
-    trainer = _make_trainer(args, model)
+    if group is not None:   # one clear sentence on every rank, before any work
+        _distributed.check_same(model, _rank_settings(args), group)
+    trainer = _make_trainer(args, model, group)
     trainer.reserve(args.seq_len)   # page pools allocated once, not inside the first step
     tasks = _make_tasks(args, trainer.vocab_size, distance)
     next_batch = _batch_source(args, tasks, trainer.vocab_size)
@@ -312,11 +333,19 @@ def run(argv=None) -> dict:
     _train(args, trainer, model, optimizer, schedule, next_batch, tasks, summary)
     if tasks.task is not None:
         _final_accuracy(args, trainer, tasks, summary)
-    if args.save:
+    if args.save and args.rank == 0:
         _save(args, model, summary)
     if args.json:
         print(json.dumps(summary), flush=True)
+    if group is not None:
+        torch.distributed.destroy_process_group()
     return summary
+
+
+def _rank_settings(args) -> dict:
+    """The arguments every rank must share (not where it prints, saves or finds its daemon)."""
+    local = {"socket", "device", "json", "no_progress", "save", "rank", "dist_timeout"}
+    return {key: value for key, value in vars(args).items() if key not in local}
 
 
 def _check_arguments(args) -> None:
@@ -463,16 +492,20 @@ def _make_tasks(args, vocab: int, distance: int | None) -> _Tasks:
 
 
 def _batch_source(args, tasks: _Tasks, vocab: int):
-    """A function giving the next (input_ids, labels or None) of --batch sequences."""
+    """A function giving the next (input_ids, labels or None) of --batch sequences: this rank's rows
+    of the global batch (every rank draws the whole global batch from the same generators)."""
     generator = torch.Generator().manual_seed(args.seed + 2)
+    world_size = getattr(args, "world_size", 1)
+    rows = slice(getattr(args, "rank", 0) * args.batch, (getattr(args, "rank", 0) + 1) * args.batch)
+    total = args.batch * world_size
 
     def next_batch():
         if tasks.task is not None:
-            batch = tasks.task.batch(args.batch)
-            return batch.input_ids, batch.labels
+            batch = tasks.task.batch(total)
+            return batch.input_ids[rows], batch.labels[rows]
         if tasks.windows is not None:
-            return tasks.windows.batch(args.batch), None
-        return torch.randint(0, vocab, (args.batch, args.seq_len), generator=generator), None
+            return tasks.windows.batch(total)[rows], None
+        return torch.randint(0, vocab, (total, args.seq_len), generator=generator)[rows], None
 
     return next_batch
 
@@ -501,6 +534,8 @@ def _make_optimizer(args, model, trainer):
         # in the runtime that holds the pages (sized for both by _make_trainer).
         handle = logra.apply_logra(model, rank=args.logra_rank, seed=args.seed, runtime=trainer.store.runtime)
         optimizer = _LoGRAStep(logra.LoGRAOptimizer(handle, lr=args.lr, offload_moments=args.offload))
+        # Data parallel: the ranks sum their sketches (d x r per matrix), not dense gradients.
+        trainer.reduce_also(lambda: handle.states.flat("sketch") if handle.states.allocated("sketch") else None)
         print(f"optimizer: LoGRA rank {args.logra_rank} on {len(handle.layers)} projections "
               f"({sum(layer.out_features * layer.in_features for layer in handle.layers) / 1e6:.1f}M weights "
               f"updated, {sum(layer.out_features * layer.rank for layer in handle.layers) / 1e6:.1f}M trainable "
@@ -529,7 +564,8 @@ def _start(args, model, device, dtype, trainer, tasks: _Tasks) -> dict:
     summary = {"model": args.model, "device": str(device), "dtype": str(dtype), "seq_len": args.seq_len,
                "chunk": args.chunk, "page_tokens": args.page_tokens, "mode": args.mode, "offload": args.offload,
                "store": args.store, "data": args.data, "optimizer": args.optimizer,
-               "parameters": parameters, "steps": []}
+               "parameters": parameters, "world_size": args.world_size, "tensor_parallel": 1,
+               "global_batch": args.batch * args.world_size, "steps": []}
     if args.demo:
         print(f"task: recall one of {args.num_keys} keys, stated {args.key_tokens} times at the start, after "
               f"{tasks.distance} random filler tokens; {args.queries} questions at the end, answers never in the "
@@ -600,6 +636,8 @@ def _train(args, trainer, model, optimizer, schedule, next_batch, tasks: _Tasks,
                 schedule.step()
             step += 1
             stats = dict(trainer.stats)
+            # Under torchrun: the job's tokens per second (all ranks), and the global mean loss.
+            stats["tokens_per_second"] = stats.get("global_tokens_per_second", stats["tokens_per_second"])
             record = {"step": step, "loss": loss, "tokens_per_second": stats["tokens_per_second"],
                       "seconds": stats["seconds"],
                       # PyTorch's peak plus the runtime's GPU frames (pages, and LoGRA's states)
@@ -720,9 +758,27 @@ def main(argv=None) -> int:
     try:
         run(argv)
     except (ValueError, TypeError, OSError) as error:
-        print(f"membar-train: {error}", file=sys.stderr)
+        print(f"membar-train: {_rank_prefix()}{error}", file=sys.stderr)
         return 2
+    except RuntimeError as error:
+        if not _distributed_job():
+            raise
+        # A collective failed: another rank died, left or hung past --dist-timeout.
+        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        print(f"membar-train: {_rank_prefix()}the job's ranks lost each other (another rank died, left, or waited "
+              f"past --dist-timeout): {first}", file=sys.stderr)
+        return 3
     return 0
+
+
+def _distributed_job() -> bool:
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
+def _rank_prefix() -> str:
+    if not _distributed_job():
+        return ""
+    return f"rank {torch.distributed.get_rank()} of {torch.distributed.get_world_size()}: "
 
 
 if __name__ == "__main__":

@@ -74,7 +74,8 @@ class OOMBTrainer:
     """
 
     def __init__(self, model, config: OOMBConfig | None = None, store: KVStore | None = None, *,
-                 runtime=None, socket: str | None = None, name: str = "membar-trainer", **options):
+                 runtime=None, socket: str | None = None, name: str = "membar-trainer", process_group=None,
+                 **options):
         if config is None:
             config = OOMBConfig(**options)
         elif options:
@@ -112,11 +113,26 @@ class OOMBTrainer:
             name=name)
         self.store.use_config(config)
         self.stats: dict = {}
+        # Data parallel (Note [Data parallel steps] in distributed.py): None, or the group whose
+        # ranks each train their own sequences; None is a single process.
+        self.process_group = process_group
+        self._reduced_buffers: list = []
+        if process_group is not None:
+            from . import distributed
+
+            self.rank, self.world_size = distributed.world(process_group)
+        else:
+            self.rank, self.world_size = 0, 1
         # Sparse mode: the pages each (layer, chunk) attended in the last sequence, int32
         # [query_tiles, top_k] or None for "all history" (kept for inspection and tests).
         self.last_selections: dict = {}
 
     # -- public ---------------------------------------------------------------------------------
+
+    def reduce_also(self, buffer) -> None:
+        """With a process group: also sum, each step, what this step added to the tensor that
+        `buffer()` returns (e.g. LoGRA's flat sketch buffer, whose storage may move between steps)."""
+        self._reduced_buffers.append(buffer)
 
     def step(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None, *,
              stage2_chunks: int | None = None, loss_scale: float = 1.0) -> float:
@@ -137,8 +153,37 @@ class OOMBTrainer:
             raise ValueError(f"stage2_chunks must be >= 1 (or None for a whole step), got {stage2_chunks}.")
         input_ids, labels = self._check_inputs(input_ids, labels)
         predicted = int((labels[:, 1:] != IGNORE_INDEX).sum())   # host tensors: no wait for the GPU
-        if predicted == 0:
-            raise ValueError("no token has a target: every label after the first is -100.")
+        if self.process_group is None:
+            if predicted == 0:
+                raise ValueError("no token has a target: every label after the first is -100.")
+            return self._step(input_ids, labels, predicted, predicted, stage2_chunks, loss_scale)
+        from . import distributed
+
+        # Every rank weighs its tokens by the global count (Note [Data parallel steps]).
+        global_predicted = distributed.all_sum_int(predicted, self.process_group)
+        if global_predicted == 0:
+            raise ValueError("no token has a target on any rank: every label after the first is -100.")
+        with distributed.StepReduction(self.process_group, self.model.parameters(), self._reduced_buffers) as reduction:
+            total = self._step(input_ids, labels, predicted, global_predicted, stage2_chunks, loss_scale)
+            started = time.perf_counter()
+            reduction.finish()
+            sums = torch.tensor([total, float(input_ids.numel())], dtype=torch.float64,
+                                device=distributed._reduce_device(self.process_group))
+            torch.distributed.all_reduce(sums, group=self.process_group)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            reduce_seconds = time.perf_counter() - started
+        loss, global_tokens = (float(value) for value in sums.tolist())
+        self.stats.update({"loss": loss, "local_loss": total, "world_size": self.world_size,
+                           "global_tokens": int(global_tokens), "global_predicted_tokens": global_predicted,
+                           "reduce_seconds": reduce_seconds})
+        self.stats["seconds"] += reduce_seconds
+        self.stats["tokens_per_second"] = self.stats["tokens"] / self.stats["seconds"]
+        self.stats["global_tokens_per_second"] = global_tokens / self.stats["seconds"]
+        return loss
+
+    def _step(self, input_ids, labels, predicted: int, weight_count: int, stage2_chunks, loss_scale: float) -> float:
+        """One process's part of step(): gradients of loss_scale * (sum of token losses) / weight_count."""
         store_before = self.store.stats.as_dict()
         cudnn_before = cudnn_attention.calls["forward"] + cudnn_attention.calls["backward"]
         if self.device.type == "cuda":
@@ -150,7 +195,7 @@ class OOMBTrainer:
             timings["chunk_seconds"] = {"stage1": [], "stage2": [], "stage2_limit": stage2_chunks}
         total = torch.zeros((), dtype=torch.float64, device=self.device)   # summed on the device
         for row in range(input_ids.shape[0]):
-            self._sequence(input_ids[row], labels[row], loss_scale / predicted, timings, total)
+            self._sequence(input_ids[row], labels[row], loss_scale / weight_count, timings, total)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         # The one read of a GPU value in a step (a meta device, used to count memory, has none).

@@ -1,0 +1,55 @@
+"""One rank of the data-parallel tests (test_oomb_distributed.py): run as a process of its own with
+RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT set. Usage: dist_worker.py CASE OUT_DIR
+
+Rank r trains rows of the global batch from the same generator as the test's reference (gloo,
+float32, CPU) and saves what the test compares into OUT_DIR/rank{r}.pt."""
+from __future__ import annotations
+
+import datetime
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+torch.set_num_threads(1)
+sys.path.insert(0, os.path.dirname(__file__))
+from dist_common import TOKENS, global_batch, small_model  # noqa: E402
+
+from membar import logra  # noqa: E402
+from membar.oomb import OOMBConfig, OOMBTrainer  # noqa: E402
+
+
+def main() -> None:
+    case, out = sys.argv[1], sys.argv[2]
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = small_model()
+    trainer = OOMBTrainer(model, OOMBConfig(chunk_tokens=96, page_tokens=32), process_group=dist.group.WORLD)
+    result = {}
+    if case == "gradients":
+        batch = global_batch(world)
+        result["loss"] = trainer.step(batch[rank: rank + 1])
+        result["grads"] = {name: p.grad.clone() for name, p in model.named_parameters()}
+    elif case == "accumulate":   # two micro-batches of one sequence per rank, each half of the step
+        batch = global_batch(2 * world)
+        for micro in range(2):
+            trainer.step(batch[micro * world + rank: micro * world + rank + 1], loss_scale=0.5)
+        result["grads"] = {name: p.grad.clone() for name, p in model.named_parameters()}
+    elif case == "logra":
+        handle = logra.apply_logra(model, rank=8, seed=3, runtime=None)
+        trainer.reduce_also(lambda: handle.states.flat("sketch") if handle.states.allocated("sketch") else None)
+        batch = global_batch(world)
+        result["loss"] = trainer.step(batch[rank: rank + 1])
+        result["sketches"] = torch.cat([layer.sketch.flatten().clone() for layer in handle.layers])
+        before = [layer.weight.clone() for layer in handle.layers]
+        logra.LoGRAOptimizer(handle, lr=100.0, algorithm="sgd").step()
+        result["updates"] = [layer.weight - weight for layer, weight in zip(handle.layers, before)]
+    else:
+        raise SystemExit(f"unknown case {case}")
+    torch.save(result, os.path.join(out, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
