@@ -30,6 +30,7 @@ def main() -> None:
     if case == "gradients":
         batch = global_batch(world)
         result["loss"] = trainer.step(batch[rank: rank + 1])
+        result["reduced_bytes"] = trainer.stats["reduced_bytes"]
         result["grads"] = {name: p.grad.clone() for name, p in model.named_parameters()}
     elif case == "accumulate":   # two micro-batches of one sequence per rank, each half of the step
         batch = global_batch(2 * world)
@@ -41,6 +42,7 @@ def main() -> None:
         trainer.reduce_also(lambda: handle.states.flat("sketch") if handle.states.allocated("sketch") else None)
         batch = global_batch(world)
         result["loss"] = trainer.step(batch[rank: rank + 1])
+        result["reduced_bytes"] = trainer.stats["reduced_bytes"]
         result["sketches"] = torch.cat([layer.sketch.flatten().clone() for layer in handle.layers])
         before = [layer.weight.clone() for layer in handle.layers]
         logra.LoGRAOptimizer(handle, lr=100.0, algorithm="sgd").step()

@@ -60,13 +60,14 @@ def full_sequence_grads(batch: torch.Tensor) -> tuple[float, dict]:
     model = small_model()
     loss = model(batch, labels=batch).loss
     loss.backward()
-    return float(loss), {name: p.grad for name, p in model.named_parameters()}
+    return float(loss.detach()), {name: p.grad for name, p in model.named_parameters()}
 
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_data_parallel_gradients_equal_full_sequence_gradients(tmp_path, world):
     results = run_ranks("gradients", world, tmp_path)
     loss, reference = full_sequence_grads(global_batch(world))
+    assert results[0]["reduced_bytes"] == sum(g.numel() * 4 for g in reference.values())
     for rank, result in enumerate(results):
         assert result["loss"] == pytest.approx(loss, rel=1e-5), rank
         for name, grad in reference.items():
@@ -95,6 +96,9 @@ def test_logra_data_parallel_sums_sketches_and_matches_one_process(tmp_path):
     before = [layer.weight.clone() for layer in handle.layers]
     logra.LoGRAOptimizer(handle, lr=100.0, algorithm="sgd").step()
     updates = [layer.weight - weight for layer, weight in zip(handle.layers, before)]
+    # What a rank sends per update: the sketches (d x r fp32 per matrix), not d x k gradients.
+    assert results[0]["reduced_bytes"] == sketches.numel() * 4
+    assert results[0]["reduced_bytes"] < sum(layer.weight.numel() * 4 for layer in handle.layers)
     for result in results:
         assert relative_error(result["sketches"], sketches) <= 1e-4
         for got, want in zip(result["updates"], updates):

@@ -138,10 +138,12 @@ class StepReduction:
                 self._saved_extra.append(None)
         return self
 
-    def finish(self) -> None:
+    def finish(self) -> int:
+        """Sums the step's gradients and buffers over the group; returns the bytes each rank sent."""
         grads = [p.grad for p in self.parameters if p.grad is not None]
         buffers = [b for b in (get() for get in self.extra) if b is not None]
         all_sum_(grads + buffers, self.group)
+        return sum(t.numel() * t.element_size() for t in grads + buffers)
 
     def __exit__(self, *exc) -> None:
         for parameter, saved in zip(self.parameters, self._saved_grads):

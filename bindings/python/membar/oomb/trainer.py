@@ -166,7 +166,7 @@ class OOMBTrainer:
         with distributed.StepReduction(self.process_group, self.model.parameters(), self._reduced_buffers) as reduction:
             total = self._step(input_ids, labels, predicted, global_predicted, stage2_chunks, loss_scale)
             started = time.perf_counter()
-            reduction.finish()
+            reduced_bytes = reduction.finish()
             sums = torch.tensor([total, float(input_ids.numel())], dtype=torch.float64,
                                 device=distributed._reduce_device(self.process_group))
             torch.distributed.all_reduce(sums, group=self.process_group)
@@ -176,7 +176,7 @@ class OOMBTrainer:
         loss, global_tokens = (float(value) for value in sums.tolist())
         self.stats.update({"loss": loss, "local_loss": total, "world_size": self.world_size,
                            "global_tokens": int(global_tokens), "global_predicted_tokens": global_predicted,
-                           "reduce_seconds": reduce_seconds})
+                           "reduce_seconds": reduce_seconds, "reduced_bytes": reduced_bytes})
         self.stats["seconds"] += reduce_seconds
         self.stats["tokens_per_second"] = self.stats["tokens"] / self.stats["seconds"]
         self.stats["global_tokens_per_second"] = global_tokens / self.stats["seconds"]
