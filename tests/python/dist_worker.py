@@ -19,13 +19,16 @@ from dist_common import TOKENS, global_batch, small_model  # noqa: E402
 from membar import logra  # noqa: E402
 from membar.oomb import OOMBConfig, OOMBTrainer  # noqa: E402
 
+UPDATES = 3
+
 
 def main() -> None:
     case, out = sys.argv[1], sys.argv[2]
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     rank, world = dist.get_rank(), dist.get_world_size()
     model = small_model()
-    trainer = OOMBTrainer(model, OOMBConfig(chunk_tokens=96, page_tokens=32), process_group=dist.group.WORLD)
+    if case != "broadcast":
+        trainer = OOMBTrainer(model, OOMBConfig(chunk_tokens=96, page_tokens=32), process_group=dist.group.WORLD)
     result = {}
     if case == "gradients":
         batch = global_batch(world)
@@ -47,6 +50,27 @@ def main() -> None:
         before = [layer.weight.clone() for layer in handle.layers]
         logra.LoGRAOptimizer(handle, lr=100.0, algorithm="sgd").step()
         result["updates"] = [layer.weight - weight for layer, weight in zip(handle.layers, before)]
+    elif case == "broadcast":   # rank 0 trains with LoGRA and broadcasts; the others follow
+        from membar.logra.broadcast import BroadcastPublisher, BroadcastReceiver
+
+        if rank == 0:
+            handle = logra.apply_logra(model, rank=8, seed=3, runtime=None)
+            publisher = BroadcastPublisher(handle, max_in_flight=2)
+            optimizer = logra.LoGRAOptimizer(handle, lr=1e-2, publisher=publisher)
+            batch = global_batch(UPDATES)
+            for update in range(UPDATES):
+                model(batch[update: update + 1], labels=batch[update: update + 1]).loss.backward()
+                optimizer.step()
+            publisher.close()
+            result["weights"] = [w.detach().clone() for w in handle.authoritative_weights()]
+            result["payload_bytes"] = publisher.payload_bytes
+        else:
+            weights = logra.target_weights(model)
+            receiver = BroadcastReceiver(weights, rank=8)
+            while receiver.receive() is not None:
+                pass
+            result["applied"] = receiver.applied
+            result["weights"] = [weights[i].detach().clone() for i in sorted(weights)]
     else:
         raise SystemExit(f"unknown case {case}")
     torch.save(result, os.path.join(out, f"rank{rank}.pt"))

@@ -12,6 +12,8 @@ optimizer on S gives U, and W <- W - alpha * eta * U A is applied by one fused k
   predict_kl(...)                        q(D) from one forward-mode pass (Note [Predicted KL])
   PolicyPublisher / PolicySubscriber     seed-based policy sync over a shared-memory ring (runtime
                                          channels of membard, or POSIX shared memory)
+  BroadcastPublisher / BroadcastReceiver the same updates by torch.distributed broadcast, to rollout
+                                         ranks on other GPUs or nodes (membar.logra.broadcast)
   causal_lm_loss / chunked_linear_cross_entropy
                                          next-token loss without full-vocabulary logits, gradient
                                          computed in the forward (Note [Chunked linear cross-entropy])
@@ -30,9 +32,10 @@ from membar.logra.ops import ProjectionKey, fused_update_, generate, project, sk
 from membar.logra.optimizer import KLControl, LoGRAOptimizer, StepResult
 from membar.logra.state import LoGRAStates, allocate_state
 from membar.logra.sync import PolicyPublisher, PolicySubscriber, SharedMemoryRing, SyncOverrun
+from membar.logra.broadcast import BroadcastPublisher, BroadcastReceiver
 
 __all__ = [
-    "DEFAULT_TARGETS", "KLControl", "KLPrediction", "KeyState", "LoGRALinear", "LoGRAModel", "LoGRAOptimizer",
+    "BroadcastPublisher", "BroadcastReceiver", "DEFAULT_TARGETS", "KLControl", "KLPrediction", "KeyState", "LoGRALinear", "LoGRAModel", "LoGRAOptimizer",
     "LoGRAStates", "causal_lm_loss", "chunked_linear_cross_entropy",
     "PolicyPublisher", "PolicySubscriber", "ProjectionKey", "SharedMemoryRing", "StepResult", "SyncOverrun",
     "allocate_state", "apply_logra", "fused_update_", "generate", "measured_kl", "predict_kl", "project",

@@ -289,6 +289,27 @@ def decode_snapshot(payload: bytes) -> tuple[int, dict[int, torch.Tensor]]:
     return update_count, weights
 
 
+def apply_update(masters: dict[int, torch.Tensor], weights: dict[int, torch.Tensor], keep_masters: bool,
+                 update: PolicyUpdate) -> None:
+    """A receiver's side of one update: W <- W - U A on each master (the trainer's fused kernel),
+    then the model's weight from its master."""
+    with torch.no_grad():
+        for matrix_id, values in update.matrices:
+            if matrix_id not in masters:
+                continue
+            master = masters[matrix_id]
+            values = values.to(master.device)
+            # Without masters, a bf16 weight takes the trainer's stochastic rounding (same
+            # seed, same bits); with fp32 masters rounding does not arise.
+            rounding_seed = 0
+            if update.stochastic_rounding and master.dtype == torch.bfloat16:
+                rounding_seed = ops.rounding_seed_for(update.seed, update.update_index)
+            ops.fused_update_(master, values, 1.0, ops.ProjectionKey(update.seed, matrix_id, update.step),
+                              rounding_seed)
+            if keep_masters:
+                weights[matrix_id].copy_(master)
+
+
 class PolicyPublisher:
     """Trainer side. ``publish`` is called by LoGRAOptimizer.step(); it copies the update into the
     ring and returns without waiting for anyone. Every ``snapshot_every`` updates (0: never) it
@@ -372,21 +393,7 @@ class PolicySubscriber:
         self.reanchors += 1
 
     def _apply(self, update: PolicyUpdate) -> None:
-        with torch.no_grad():
-            for matrix_id, values in update.matrices:
-                if matrix_id not in self.masters:
-                    continue
-                master = self.masters[matrix_id]
-                values = values.to(master.device)
-                # Without masters, a bf16 weight takes the trainer's stochastic rounding (same
-                # seed, same bits); with fp32 masters rounding does not arise.
-                rounding_seed = 0
-                if update.stochastic_rounding and master.dtype == torch.bfloat16:
-                    rounding_seed = ops.rounding_seed_for(update.seed, update.update_index)
-                ops.fused_update_(master, values, 1.0, ops.ProjectionKey(update.seed, matrix_id, update.step),
-                                  rounding_seed)
-                if self.keep_masters:
-                    self.weights[matrix_id].copy_(master)
+        apply_update(self.masters, self.weights, self.keep_masters, update)
 
     def poll(self) -> int:
         count = 0
