@@ -25,7 +25,9 @@ Variants (pages live in membar's runtime: embedded, or the membard named by $MEM
 Suffixes: "+logra" / "+adamw" add a LoGRA (rank 64, states in the pages' runtime) / dense
 AdamW update to the timed step; "+membar" runs dense attention on membar's kernels instead of cuDNN's; "+plain" keeps
 the pages in plain PyTorch tensors instead of the runtime (bench/plain_store.py: the baseline
-the runtime must match); "@8K" sets the variant's history block.
+the runtime must match); "+dp" runs the trainer data-parallel in a torch.distributed group of
+world size 1 (NCCL on GPUs, gloo on CPUs), against the same variant without it (issue "A whole GPU
+node": <= 1% cost); "@8K" sets the variant's history block.
 Each step is forward + backward of one sequence (no optimizer step, like the full-sequence
 baseline), after a short warm-up sequence; OOMB variants recompute layer activations in backward
 (like the baseline's gradient checkpointing) unless --no-checkpoint-layers.
@@ -104,6 +106,22 @@ def resident_name(variant: str) -> str:
 
 
 LOGRA_RANK = 64
+
+
+def data_parallel_group(cuda: bool):
+    """A torch.distributed group of this process alone ("+dp"), made once per configuration child."""
+    import socket
+
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        kwargs = {"device_id": torch.device("cuda", torch.cuda.current_device())} if cuda else {}
+        dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0,
+                                world_size=1, **kwargs)
+    return dist.group.WORLD
 
 
 def optimizer_of(variant: str) -> str | None:
@@ -204,7 +222,8 @@ def run_one(model, spec: dict) -> dict:
             from plain_store import PlainKVStore
 
             store = PlainKVStore(device)
-        trainer = OOMBTrainer(model, config, store=store)
+        group = data_parallel_group(cuda) if "+dp" in result["variant"] else None
+        trainer = OOMBTrainer(model, config, store=store, process_group=group)
         optimizer_name = optimizer_of(result["variant"])
         if optimizer_name == "logra":   # LoGRA's states share the pages' runtime
             from membar import logra
@@ -434,6 +453,9 @@ def annotate(results: list[dict]) -> list[dict]:
         plain = ok.get((resident_name(r["variant"]) + "+plain", r["tokens"]))
         if plain and "+plain" not in r["variant"]:
             r["vs_plain"] = plain["step_seconds"] / r["step_seconds"]
+        single = ok.get((r["variant"].replace("+dp", ""), r["tokens"]))
+        if "+dp" in r["variant"] and single:   # data parallel at world size 1 against one process
+            r["vs_single_process"] = single["step_seconds"] / r["step_seconds"]
     return results
 
 
@@ -462,7 +484,8 @@ def format_row(r: dict) -> str:
                if "bytes_moved_gib" in r else "")
             + (f"  overhead {overhead:+.1%}" if overhead is not None else "")
             + (f"  stall {r['stall_seconds'] / r['step_seconds']:.2%}" if "stall_seconds" in r else "")
-            + (f"  {r['vs_plain']:.3f}x plain" if "vs_plain" in r else ""))
+            + (f"  {r['vs_plain']:.3f}x plain" if "vs_plain" in r else "")
+            + (f"  {r['vs_single_process']:.3f}x one process" if "vs_single_process" in r else ""))
 
 
 def summarise(results: list[dict]) -> dict:
@@ -505,6 +528,10 @@ def summarise(results: list[dict]) -> dict:
     ratios = {f"{v}@{human_tokens(t)}": r["vs_plain"] for (v, t), r in sorted(ok.items()) if "vs_plain" in r}
     if ratios:   # throughput through the runtime / through plain tensors (issue 11: >= 0.98)
         goals["runtime_vs_plain_tensors"] = ratios
+    single = {f"{v}@{human_tokens(t)}": r["vs_single_process"] for (v, t), r in sorted(ok.items())
+              if "vs_single_process" in r}
+    if single:   # data parallel with world size 1 / one process (issue "A whole GPU node": >= 0.99)
+        goals["data_parallel_world1_vs_single_process"] = single
     stalls = {f"{v}@{human_tokens(t)}": r["stall_seconds"] / r["step_seconds"] for (v, t), r in sorted(ok.items())
               if "stall_seconds" in r and "+plain" not in v}
     if stalls:

@@ -12,6 +12,7 @@
 #             32K and 128K, sparse 256K; dense-offload at 32K (GPU peak) and 128K
 #   offload   7B at 256K: dense-offload, the same with a LoGRA r=64 update (both methods, one runtime)
 #   daemon    through membard (CUDA backend): dense 32K and dense-offload 128K, embedded beside them
+#   dp        7B at 32K: one process against data parallel with world size 1 (NCCL), in one run
 #   hostpool  membard --gpu-pool 100GiB --host-pool 100GiB under ulimit -n 1024: time to serve,
 #             time until the host pool is pinned, open descriptors
 #
@@ -68,6 +69,8 @@ for step in "$@"; do
     plain)
       bench plain --contexts "${PLAIN_CONTEXTS:-32K,128K,256K}" --time-budget "${PLAIN_BUDGET:-540}" \
         --variants "${PLAIN_VARIANTS:-dense+plain:32K/128K,dense:32K/128K,dense-offload:32K/128K,sparse+plain:256K,sparse:256K}" ;;
+    dp)
+      bench dp --contexts 32K --time-budget 300 --variants "dense,dense+dp" ;;
     offload)
       bench offload --contexts 256K --time-budget 540 --variants "dense-offload,dense-offload+logra" ;;
     daemon)

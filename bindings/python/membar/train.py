@@ -759,7 +759,7 @@ def main(argv=None) -> int:
         run(argv)
     except (ValueError, TypeError, OSError) as error:
         print(f"membar-train: {_rank_prefix()}{error}", file=sys.stderr)
-        return 2
+        return _leave_job(2)
     except RuntimeError as error:
         if not _distributed_job():
             raise
@@ -767,8 +767,18 @@ def main(argv=None) -> int:
         first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         print(f"membar-train: {_rank_prefix()}the job's ranks lost each other (another rank died, left, or waited "
               f"past --dist-timeout): {first}", file=sys.stderr)
-        return 3
+        return _leave_job(3)
     return 0
+
+
+def _leave_job(code: int) -> int:
+    """A rank that failed ends its process at once: tearing the process group down at interpreter
+    exit can abort (its threads still joinable) or wait for peers that are gone."""
+    if not _distributed_job():
+        return code
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _distributed_job() -> bool:
