@@ -27,7 +27,8 @@ AdamW update to the timed step; "+membar" runs dense attention on membar's kerne
 the pages in plain PyTorch tensors instead of the runtime (bench/plain_store.py: the baseline
 the runtime must match); "+dp" runs the trainer data-parallel in a torch.distributed group of
 world size 1 (NCCL on GPUs, gloo on CPUs), against the same variant without it (issue "A whole GPU
-node": <= 1% cost); "@8K" sets the variant's history block.
+node": <= 1% cost); "+streamwait" lets the stream wait on the GPU for enqueued copies instead of
+the host waiting (Note [Runtime pages]); "@8K" sets the variant's history block.
 Each step is forward + backward of one sequence (no optimizer step, like the full-sequence
 baseline), after a short warm-up sequence; OOMB variants recompute layer activations in backward
 (like the baseline's gradient checkpointing) unless --no-checkpoint-layers.
@@ -224,6 +225,8 @@ def run_one(model, spec: dict) -> dict:
             store = PlainKVStore(device)
         group = data_parallel_group(cuda) if "+dp" in result["variant"] else None
         trainer = OOMBTrainer(model, config, store=store, process_group=group)
+        if "+streamwait" in result["variant"]:
+            trainer.store.stream_waits = True
         optimizer_name = optimizer_of(result["variant"])
         if optimizer_name == "logra":   # LoGRA's states share the pages' runtime
             from membar import logra

@@ -193,7 +193,8 @@ Ticket EngineImpl::finish_builder(Builder& builder) {
   seal(builder);
   ClientState& client = *builder.client;
   if (builder.ticket != 0) {
-    client.pending_tickets.push_back(PendingTicket{builder.ticket, uint32_t(builder.batches.size()), Status::Ok()});
+    uint32_t batches = uint32_t(builder.batches.size());
+    client.pending_tickets.push_back(PendingTicket{builder.ticket, batches, Status::Ok(), batches});
   }
   for (uint64_t id : builder.batches) {
     auto it = batches_.find(id);
@@ -202,7 +203,55 @@ Ticket EngineImpl::finish_builder(Builder& builder) {
     }
   }
   advance_completed(client);
+  advance_submitted(client);
   return builder.ticket;
+}
+
+// Note [Enqueued tickets]
+// Rationale: a CUDA stream of the client's process that waits on the GPU for a ticket must not
+// depend on a host thread of that process making progress: CUDA's lazy module loading can hold a
+// driver lock until the device is idle, and a copy not yet enqueued (the dispatcher blocked on that
+// lock) or a completion word not yet stored by the completion thread then never comes (seen on the
+// H200 with an embedded runtime: Note [Runtime pages] in runtime_store.py).
+// Approach: each pending ticket counts its batches not yet handed to the backend; `submitted` is
+// the highest ticket with none left (and none left in any earlier ticket). When it advances, the
+// engine stores it in the client's kSignalSubmitted word (host) and asks the backend to write it into
+// kSignalEnqueuedDone once every operation enqueued so far has completed (enqueue_signal: the
+// CUDA backend's signal stream waits for both copy streams, then cuStreamWriteValue64). A client
+// waits on the host until its ticket is submitted (wait_submitted: the time copies wait for their
+// frames, never for the copies themselves) and then lets its stream wait on the GPU for
+// kSignalEnqueuedDone: what that wait depends on is already enqueued.
+// If the backend cannot enqueue the signal, wait_submitted returns that error from then on and the
+// client waits on the host instead.
+// Limitations: a failed transfer still advances kSignalEnqueuedDone (as through a daemon, the
+// stream's wait does not carry the error: wait() does). Work of other clients enqueued before the
+// signal delays it too.
+void EngineImpl::note_submitted(const Batch& batch) {
+  if (batch.ticket == 0) return;
+  auto owner = clients_.find(batch.client);
+  if (owner == clients_.end()) return;
+  for (PendingTicket& pending : owner->second->pending_tickets) {
+    if (pending.ticket != batch.ticket) continue;
+    if (pending.unsubmitted_batches > 0) --pending.unsubmitted_batches;
+    break;
+  }
+  advance_submitted(*owner->second);
+}
+
+void EngineImpl::advance_submitted(ClientState& client) {
+  Ticket submitted = std::max(client.submitted, client.completed);
+  for (const PendingTicket& pending : client.pending_tickets) {
+    if (pending.unsubmitted_batches != 0) break;
+    submitted = std::max(submitted, pending.ticket);
+  }
+  if (submitted == client.submitted) return;
+  client.submitted = submitted;
+  if (client.signal_words != nullptr) {
+    __atomic_store_n(const_cast<uint64_t*>(client.signal_words + kSignalSubmitted), submitted, __ATOMIC_RELEASE);
+    Status status = backend_->enqueue_signal(client.signal_block, kSignalEnqueuedDone, submitted);
+    if (!status.ok() && client.signal_error.ok()) client.signal_error = status;   // wait_submitted reports it
+  }
+  ticket_done_.notify_all();
 }
 
 void EngineImpl::submit(uint64_t id) {
@@ -221,6 +270,7 @@ void EngineImpl::submit(uint64_t id) {
     batch.fence = 0;
   }
   batch.submitted = true;
+  note_submitted(batch);
   batch.outstanding_callbacks = uint32_t((batch.copies.empty() ? 0 : 1) + batch.zeros.size());
   uint32_t failed = 0;
   if (!batch.copies.empty()) {

@@ -887,6 +887,25 @@ Status EngineImpl::wait(ClientId id, Ticket ticket) {
   return Status::Ok();
 }
 
+Status EngineImpl::wait_submitted(ClientId id, Ticket ticket) {
+  std::unique_lock<std::mutex> lock(mutex_);
+  auto it = clients_.find(id);
+  if (it == clients_.end()) return not_found(no_client_text(id));
+  std::shared_ptr<ClientState> client = it->second;
+  if (ticket >= client->next_ticket) {
+    return invalid_argument("wait_submitted: ticket " + std::to_string(ticket) + " was never issued to client " +
+                            std::to_string(id) + " (the last is " + std::to_string(client->next_ticket - 1) + ")");
+  }
+  ticket_done_.wait(lock, [&] {
+    return client->closed || client->completed >= ticket || client->submitted >= ticket;
+  });
+  if (client->closed && client->completed < ticket && client->submitted < ticket) {
+    return unavailable("client " + std::to_string(id) + " was closed while waiting for ticket " + std::to_string(ticket));
+  }
+  if (client->completed < ticket && !client->signal_error.ok()) return client->signal_error;
+  return Status::Ok();
+}
+
 Result<Ticket> EngineImpl::completed_ticket(ClientId id) {
   std::lock_guard<std::mutex> lock(mutex_);
   MEMBAR_ASSIGN_OR_RETURN(ClientState * client, find_client(id));

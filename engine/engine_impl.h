@@ -84,6 +84,7 @@ class EngineImpl final : public Engine {
   Status add_stall_ns(ClientId id, uint64_t ns) override;
   Status wait(ClientId id, Ticket ticket) override;
   Result<Ticket> completed_ticket(ClientId id) override;
+  Status wait_submitted(ClientId id, Ticket ticket) override;
   Status reserve_channel_bytes(ClientId id, uint64_t bytes) override;
   Status release_channel_bytes(ClientId id, uint64_t bytes) override;
   Result<RuntimeStats> stats(ClientId id, uint32_t first_space, uint32_t max_spaces) override;
@@ -194,6 +195,8 @@ class EngineImpl final : public Engine {
   void complete_batch(uint64_t id);
   void drop_pending_batch(Tier tier, FrameIndex index, uint64_t batch_id);
   void advance_completed(ClientState& client);
+  void note_submitted(const Batch& batch);
+  void advance_submitted(ClientState& client);
   void request_fence_watch();
   void watch_fences();
   void dispatcher_loop();

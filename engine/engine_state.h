@@ -170,6 +170,7 @@ struct PendingTicket {
   Ticket ticket = 0;
   uint32_t remaining_batches = 0;
   Status status;
+  uint32_t unsubmitted_batches = 0;   // batches not yet handed to the backend (Note [Enqueued tickets])
 };
 
 // What the engine tells a client, queued under the engine mutex and delivered in order without
@@ -216,6 +217,8 @@ struct ClientState {
   bool awaiting_fence = false;          // held batches, or frames kept for a fence
   Ticket next_ticket = 1;
   Ticket completed = 0;
+  Ticket submitted = 0;   // every ticket <= submitted is enqueued (Note [Enqueued tickets])
+  Status signal_error;    // the backend could not enqueue a kSignalEnqueuedDone write
   std::deque<PendingTicket> pending_tickets;
   std::map<Ticket, Status> failed_tickets;
 

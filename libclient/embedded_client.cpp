@@ -232,14 +232,34 @@ class EmbeddedClient final : public Client {
     return status;
   }
 
+  Ticket submitted_ticket() const {
+    if (signal_words_ == nullptr) return 0;
+    return __atomic_load_n(const_cast<uint64_t*>(signal_words_ + runtimed::kSignalSubmitted), __ATOMIC_ACQUIRE);
+  }
+
   Ticket completed_ticket() const override {
     if (signal_words_ == nullptr) return 0;
     return __atomic_load_n(const_cast<uint64_t*>(signal_words_ + runtimed::kSignalCompleted), __ATOMIC_ACQUIRE);
   }
 
+  // The stream waits on the GPU only for copies already enqueued (Note [Enqueued tickets] in
+  // engine/batches.cpp): this process's own threads enqueue them, and a GPU wait on anything a
+  // host thread has yet to do can deadlock against CUDA's lazy module loading. The host waits
+  // until the ticket is enqueued (counted as stall time), never for the copies themselves.
   Status stream_wait(Ticket ticket, void* cuda_stream) override {
 #if defined(MEMBAR_WITH_CUDA)
-    if (stream_signals_) return stream_signals_->stream_wait(runtimed::kSignalCompleted, ticket, cuda_stream);
+    if (stream_signals_) {
+      if (completed_ticket() >= ticket) return Status::Ok();
+      if (submitted_ticket() < ticket) {
+        auto start = std::chrono::steady_clock::now();
+        Status status = engine_->wait_submitted(id_, ticket);
+        auto waited = std::chrono::steady_clock::now() - start;
+        (void)engine_->add_stall_ns(id_, uint64_t(std::chrono::duration_cast<std::chrono::nanoseconds>(waited).count()));
+        if (!status.ok()) return status.code() == StatusCode::NOT_FOUND ? status : wait(ticket);
+        if (completed_ticket() >= ticket) return Status::Ok();
+      }
+      return stream_signals_->stream_wait(runtimed::kSignalEnqueuedDone, ticket, cuda_stream);
+    }
 #endif
     return unimplemented("stream_wait needs the CUDA backend; this client runs on " + describe() + " (use wait(ticket))");
   }

@@ -12,9 +12,8 @@
 #             32K and 128K, sparse 256K; dense-offload at 32K (GPU peak) and 128K
 #   offload   7B at 256K: dense-offload, the same with a LoGRA r=64 update (both methods, one runtime)
 #   daemon    through membard (CUDA backend): dense 32K and dense-offload 128K, embedded beside them
-#   eager     7B dense-offload at 32K with GPU-side waits in the embedded runtime (MEMBAR_STREAM_WAIT=1)
-#             and CUDA_MODULE_LOADING=EAGER: does eager module loading remove the lazy-loading deadlock
-#             (Note [Runtime pages]), and what do GPU waits save against host waits (same run)?
+#   waits     7B dense-offload at 32K with host waits against GPU-side waits for enqueued copies
+#             (Note [Enqueued tickets]; "+streamwait"), beside plain tensors, in one run
 #   dp        7B at 32K: one process against data parallel with world size 1 (NCCL), in one run
 #   hostpool  membard --gpu-pool 100GiB --host-pool 100GiB under ulimit -n 1024: time to serve,
 #             time until the host pool is pinned, open descriptors
@@ -72,9 +71,9 @@ for step in "$@"; do
     plain)
       bench plain --contexts "${PLAIN_CONTEXTS:-32K,128K,256K}" --time-budget "${PLAIN_BUDGET:-540}" \
         --variants "${PLAIN_VARIANTS:-dense+plain:32K/128K,dense:32K/128K,dense-offload:32K/128K,sparse+plain:256K,sparse:256K}" ;;
-    eager)
-      CUDA_MODULE_LOADING=EAGER MEMBAR_STREAM_WAIT=1 bench eager --contexts 32K --time-budget 240 --time-limit 150 \
-        --variants "dense-offload,dense+plain" ;;
+    waits)
+      bench waits --contexts 32K --time-budget 400 --time-limit 150 \
+        --variants "dense+plain,dense-offload,dense-offload+streamwait" ;;
     dp)
       bench dp --contexts 32K --time-budget 300 --variants "dense,dense+dp" ;;
     offload)

@@ -5,6 +5,7 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <chrono>
 #include <set>
 #include <thread>
@@ -772,6 +773,53 @@ TEST(Engine, TicketsCompleteInOrderAndSetTheSignalWord) {
   ASSERT_FALSE(seen.empty());
   EXPECT_TRUE(std::is_sorted(seen.begin(), seen.end()));
   EXPECT_GE(seen.back(), final_ticket.value());
+}
+
+// Note [Enqueued tickets]: a ticket held behind a release marker is not submitted (wait_submitted
+// blocks, the host word stays below it); once the marker passes its copies are enqueued, and the
+// stream-ordered word reaches it after they are done.
+TEST(Engine, WaitSubmittedReturnsOnceTheTicketsCopiesAreEnqueued) {
+  auto engine = make_engine(2, 8);
+  ASSERT_TRUE(pools_settle(*engine, 2, 8));
+  auto client = MappedClient::open(*engine);
+  ClientId id = client->id;
+  ReleasedWord released(*engine, id);
+  auto* words = static_cast<volatile uint64_t*>(released.mapped);
+
+  SpaceId space = client->space("L00.k", k64K, 4);
+  char* pages = client->acquire({space, 0, 4}, kEngineAcquireWrite | kEngineAcquireZeroNew);
+  ASSERT_NE(pages, nullptr);
+  for (int i = 0; i < 4; ++i) fill_pattern(pages + i * k64K, k64K, 30 + i);
+  // A ticket without copies (pages already resident) is submitted at once.
+  auto resident = engine->acquire(id, {space, 0, 1}, 0);
+  ASSERT_TRUE(resident.ok());
+  EXPECT_TRUE(engine->wait_submitted(id, resident.value()).ok());
+  ASSERT_TRUE(engine->release(id, {space, 0, 1}, false).ok());
+  EXPECT_EQ(engine->wait_submitted(id, 1000).code(), StatusCode::INVALID_ARGUMENT);
+
+  ASSERT_TRUE(engine->release_after(id, {space, 0, 4}, true, 1).ok());
+  auto offloaded = engine->offload(id, {space, 0, 4});
+  ASSERT_TRUE(offloaded.ok()) << offloaded.status().to_string();
+  Ticket ticket = offloaded.value();
+  std::atomic<bool> returned{false};
+  std::thread waiter([&] {
+    EXPECT_TRUE(engine->wait_submitted(id, ticket).ok());
+    returned = true;
+  });
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  EXPECT_FALSE(returned.load()) << "the copies wait for the marker: the ticket is not enqueued";
+  EXPECT_LT(words[kSignalSubmitted], ticket);
+  EXPECT_LT(words[kSignalEnqueuedDone], ticket);
+  released.set(1);
+  waiter.join();
+  EXPECT_GE(words[kSignalSubmitted], ticket);
+  EXPECT_TRUE(eventually([&] { return words[kSignalEnqueuedDone] >= ticket; }));
+  ASSERT_TRUE(engine->wait(id, ticket).ok());
+  EXPECT_LE(words[kSignalEnqueuedDone], words[kSignalSubmitted]);
+  char* host = client->acquire_host({space, 0, 4});
+  ASSERT_NE(host, nullptr);
+  for (int i = 0; i < 4; ++i) EXPECT_TRUE(check_pattern(host + i * k64K, k64K, 30 + i)) << "page " << i;
+  ASSERT_TRUE(engine->release_host(id, {space, 0, 4}, false).ok());
 }
 
 // Note [Counters]: stats cost O(spaces reported), come in pages, and add up.

@@ -27,9 +27,12 @@ Note [Runtime pages]
   launch of a kernel, e.g. in the backward) can wait for the device to go idle while holding a
   driver lock those threads need, so a stream waiting on the GPU for their copies deadlocked
   (seen on the H200: the 7B shape at 32K with offload, autograd thread in cuKernelGetFunction, the
-  dispatcher in cuMemcpyAsync). Through membard the copies belong to another process and the
-  stream waits on the GPU; MEMBAR_STREAM_WAIT=1 asks for that embedded too. Host waits are counted
-  as stall time.
+  dispatcher in cuMemcpyAsync). Host waits cost offload 4-17% on the H200 (stall 19-30%). Through
+  membard the copies belong to another process and the stream waits on the GPU. MEMBAR_STREAM_WAIT=1
+  (or stream_waits=True) lets an embedded runtime's stream wait on the GPU too, only for copies
+  already enqueued (Note [Enqueued tickets] in engine/batches.cpp: the host waits until they are);
+  written to remove the deadlock, not yet run on a GPU, hence not the default. Host waits are
+  counted as stall time.
   Grad pages are counted as contents once a backward acquired them (zero-filled on first use).
   On the meta device (shapes without bits: how tests measure what a step keeps on the device at
   any length) the runtime runs on its host backend for the bookkeeping and the pools are meta
@@ -110,7 +113,8 @@ class RuntimeKVStore(KVStore):
     def __init__(self, device: torch.device | str, *, offload: bool = False, socket: str | None = None,
                  runtime=None, gpu_budget_bytes: int | None = None, gpu_resident_layers: int = 0,
                  block_tokens: int | None = None, chunk_tokens: int | None = None, prefetch_depth: int | None = None,
-                 name: str = "membar-trainer", extra_bytes: tuple[int, int] = (0, 0)):
+                 name: str = "membar-trainer", extra_bytes: tuple[int, int] = (0, 0),
+                 stream_waits: bool | None = None):
         self.device = torch.device(device)
         self.offload = offload
         env_socket = os.environ.get("MEMBAR_SOCKET") or None
@@ -124,6 +128,8 @@ class RuntimeKVStore(KVStore):
         self.prefetch_depth = prefetch_depth
         self.name = name
         self.extra_bytes = extra_bytes   # (GPU, host) room for other spaces in a runtime this store connects
+        # GPU-side waits for tickets (None: through membard, or with MEMBAR_STREAM_WAIT=1): Note [Runtime pages]
+        self.stream_waits = stream_waits
         self.layout: PageLayout | None = None
         self._capacity: PageLayout | None = None
         self._sizes = (0, 0)
@@ -155,7 +161,8 @@ class RuntimeKVStore(KVStore):
                                            device=device, name=self.name)
         if self.runtime.device.type != ("cpu" if self._meta else self.device.type):
             raise ValueError(f"the runtime keeps pages on {self.runtime.device}, the model runs on {self.device}.")
-        self._gpu_waits = (not self.runtime.describe().startswith("embedded")
+        self._gpu_waits = (self.stream_waits if self.stream_waits is not None
+                           else not self.runtime.describe().startswith("embedded")
                            or os.environ.get("MEMBAR_STREAM_WAIT") == "1")
 
     def use_config(self, config) -> None:

@@ -97,6 +97,12 @@ struct ClientGeometry {
 // Signal word indices inside a client's signal block.
 inline constexpr uint32_t kSignalCompleted = 0;  // highest ticket whose operations are done
 inline constexpr uint32_t kSignalReleased = 1;   // highest release marker the client's GPU passed
+// Note [Enqueued tickets] in batches.cpp: the highest ticket whose copies (and all earlier tickets')
+// are enqueued on the backend, written by the engine on the host; and the same ticket written by the
+// backend in stream order once those copies are done (a GPU may wait on it without depending on any
+// host thread making progress).
+inline constexpr uint32_t kSignalSubmitted = 2;
+inline constexpr uint32_t kSignalEnqueuedDone = 3;
 
 class Engine {
  public:
@@ -152,6 +158,10 @@ class Engine {
   virtual Status wait(ClientId client, Ticket ticket) = 0;
   // Non-blocking: the highest ticket whose operations (and all earlier tickets') are done.
   virtual Result<Ticket> completed_ticket(ClientId client) = 0;
+  // Blocks until every operation of `ticket` (and of all earlier tickets) has been enqueued on the
+  // backend, or has completed; then the kSignalEnqueuedDone word reaches `ticket` in stream order
+  // (Note [Enqueued tickets]). Errors as wait().
+  virtual Status wait_submitted(ClientId client, Ticket ticket) = 0;
 
   // Channels count against the client's host quota and the host pool (Note [Channels]).
   virtual Status reserve_channel_bytes(ClientId client, uint64_t bytes) = 0;
