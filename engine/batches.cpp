@@ -215,7 +215,8 @@ Ticket EngineImpl::finish_builder(Builder& builder) {
 // H200 with an embedded runtime: Note [Runtime pages] in runtime_store.py).
 // Approach: each pending ticket counts its batches not yet handed to the backend; `submitted` is
 // the highest ticket with none left (and none left in any earlier ticket). When it advances, the
-// engine stores it in the client's kSignalSubmitted word (host) and asks the backend to write it into
+// engine stores it in the client's kSignalSubmitted word (host) and, once the client has called
+// wait_submitted (other clients pay nothing), asks the backend to write it into
 // kSignalEnqueuedDone once every operation enqueued so far has completed (enqueue_signal: the
 // CUDA backend's signal stream waits for both copy streams, then cuStreamWriteValue64). A client
 // waits on the host until its ticket is submitted (wait_submitted: the time copies wait for their
@@ -248,10 +249,14 @@ void EngineImpl::advance_submitted(ClientState& client) {
   client.submitted = submitted;
   if (client.signal_words != nullptr) {
     __atomic_store_n(const_cast<uint64_t*>(client.signal_words + kSignalSubmitted), submitted, __ATOMIC_RELEASE);
-    Status status = backend_->enqueue_signal(client.signal_block, kSignalEnqueuedDone, submitted);
-    if (!status.ok() && client.signal_error.ok()) client.signal_error = status;   // wait_submitted reports it
+    if (client.enqueued_signal) enqueue_submitted_signal(client);
   }
   ticket_done_.notify_all();
+}
+
+void EngineImpl::enqueue_submitted_signal(ClientState& client) {
+  Status status = backend_->enqueue_signal(client.signal_block, kSignalEnqueuedDone, client.submitted);
+  if (!status.ok() && client.signal_error.ok()) client.signal_error = status;   // wait_submitted reports it
 }
 
 void EngineImpl::submit(uint64_t id) {

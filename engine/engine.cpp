@@ -896,6 +896,10 @@ Status EngineImpl::wait_submitted(ClientId id, Ticket ticket) {
     return invalid_argument("wait_submitted: ticket " + std::to_string(ticket) + " was never issued to client " +
                             std::to_string(id) + " (the last is " + std::to_string(client->next_ticket - 1) + ")");
   }
+  if (!client->enqueued_signal && client->signal_words != nullptr) {   // the first such wait
+    client->enqueued_signal = true;
+    enqueue_submitted_signal(*client);
+  }
   ticket_done_.wait(lock, [&] {
     return client->closed || client->completed >= ticket || client->submitted >= ticket;
   });

@@ -197,6 +197,7 @@ class EngineImpl final : public Engine {
   void advance_completed(ClientState& client);
   void note_submitted(const Batch& batch);
   void advance_submitted(ClientState& client);
+  void enqueue_submitted_signal(ClientState& client);
   void request_fence_watch();
   void watch_fences();
   void dispatcher_loop();

@@ -219,6 +219,7 @@ struct ClientState {
   Ticket completed = 0;
   Ticket submitted = 0;   // every ticket <= submitted is enqueued (Note [Enqueued tickets])
   Status signal_error;    // the backend could not enqueue a kSignalEnqueuedDone write
+  bool enqueued_signal = false;   // the client waits on kSignalEnqueuedDone (set by wait_submitted)
   std::deque<PendingTicket> pending_tickets;
   std::map<Ticket, Status> failed_tickets;
 

@@ -820,6 +820,16 @@ TEST(Engine, WaitSubmittedReturnsOnceTheTicketsCopiesAreEnqueued) {
   ASSERT_NE(host, nullptr);
   for (int i = 0; i < 4; ++i) EXPECT_TRUE(check_pattern(host + i * k64K, k64K, 30 + i)) << "page " << i;
   ASSERT_TRUE(engine->release_host(id, {space, 0, 4}, false).ok());
+  // A client that never asks for it gets no stream-ordered writes (its copies pay nothing).
+  auto other = MappedClient::open(*engine);
+  ReleasedWord other_words(*engine, other->id);
+  SpaceId other_space = other->space("o", k64K, 2);
+  ASSERT_NE(other->acquire({other_space, 0, 2}, kEngineAcquireWrite | kEngineAcquireZeroNew), nullptr);
+  ASSERT_TRUE(engine->release(other->id, {other_space, 0, 2}, true).ok());
+  other->finish(engine->offload(other->id, {other_space, 0, 2}));
+  auto* quiet = static_cast<volatile uint64_t*>(other_words.mapped);
+  EXPECT_GE(quiet[kSignalSubmitted], 1u);
+  EXPECT_EQ(quiet[kSignalEnqueuedDone], 0u);
 }
 
 // Note [Counters]: stats cost O(spaces reported), come in pages, and add up.
