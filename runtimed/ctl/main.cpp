@@ -117,9 +117,9 @@ int run(int argc, char** argv) {
   }
   if (command.empty()) return usage_error("no command given");
 
-  Result<std::unique_ptr<ctl::AdminConnection>> connection = ctl::AdminConnection::open(socket_path);
-  if (!connection.ok()) return fail(connection.status());
-  ctl::AdminConnection& admin = *connection.value();
+  Result<ctl::NodeAdmin> node = ctl::NodeAdmin::open(socket_path);
+  if (!node.ok()) return fail(node.status());
+  ctl::AdminConnection& admin = node.value().first();
 
   if (command == "ping") {
     Result<uint64_t> round_trip = admin.ping();
@@ -129,7 +129,7 @@ int run(int argc, char** argv) {
     return 0;
   }
   if (command == "stats") {
-    Result<RuntimeStats> stats = admin.stats();
+    Result<std::vector<DeviceRuntimeStats>> stats = node.value().stats();
     if (!stats.ok()) return fail(stats.status());
     std::string text = json ? ctl::format_stats_json(stats.value(), socket_path)
                             : ctl::format_stats_text(stats.value(), socket_path);
@@ -140,23 +140,21 @@ int run(int argc, char** argv) {
   bool terminal = ::isatty(STDOUT_FILENO) != 0;
   // On a terminal, 'q' quits: stdin without line buffering or echo while top runs.
   KeyboardMode keyboard(terminal && ::isatty(STDIN_FILENO) != 0);
-  RuntimeStats previous;
-  bool have_previous = false;
+  std::vector<DeviceRuntimeStats> previous;
   auto last = std::chrono::steady_clock::now();
   for (long long i = 0; iterations < 0 || i < iterations; ++i) {
     if (i > 0 && keyboard.wait_for_quit(static_cast<int>(interval_ms))) break;
-    Result<RuntimeStats> stats = admin.stats();
+    Result<std::vector<DeviceRuntimeStats>> stats = node.value().stats();
     if (!stats.ok()) return fail(stats.status());
     auto now = std::chrono::steady_clock::now();
     double interval_s = std::chrono::duration<double>(now - last).count();
     last = now;
-    std::string screen = ctl::format_top(stats.value(), have_previous ? &previous : nullptr, interval_s, socket_path);
+    std::string screen = ctl::format_top(stats.value(), previous, interval_s, socket_path);
     if (terminal) std::fputs("\033[H\033[2J", stdout);
     std::fputs(screen.c_str(), stdout);
     if (!terminal) std::fputs("\n", stdout);
     std::fflush(stdout);
     previous = std::move(stats).value();
-    have_previous = true;
   }
   return 0;
 }
