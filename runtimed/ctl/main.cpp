@@ -124,8 +124,12 @@ int run(int argc, char** argv) {
   if (command == "ping") {
     Result<uint64_t> round_trip = admin.ping();
     if (!round_trip.ok()) return fail(round_trip.status());
-    std::printf("membard at %s is alive (backend %s, protocol v2), round trip %s\n", socket_path.c_str(),
-                admin.backend().c_str(), ctl::human_duration_ns(round_trip.value()).c_str());
+    std::vector<int> devices = admin.daemon_devices();
+    std::string device_list;
+    for (int device : devices) device_list += (device_list.empty() ? "" : ", ") + std::to_string(device);
+    std::printf("membard at %s is alive (backend %s, device%s %s, protocol v2), round trip %s\n", socket_path.c_str(),
+                admin.backend().c_str(), devices.size() > 1 ? "s" : "", device_list.c_str(),
+                ctl::human_duration_ns(round_trip.value()).c_str());
     return 0;
   }
   if (command == "stats") {

@@ -100,11 +100,10 @@ Result<std::vector<int>> every_cuda_device() {
 #endif
 }
 
-// One device's backend and engine, pools sized from that device's free memory.
-Result<ServedDevice> make_device(const DaemonOptions& options, int device, const BackendConfig& pools,
-                                 EngineConfig engine_config) {
-  BackendConfig backend_config = pools;
-  backend_config.device = device;
+// One device's backend (its pools, `backend_config.device`) and engine.
+Result<ServedDevice> make_device(const DaemonOptions& options, const BackendConfig& backend_config,
+                                 const EngineConfig& engine_config) {
+  const int device = backend_config.device;
   Result<std::unique_ptr<DeviceBackend>> backend = unimplemented("no backend");
   if (options.backend == "host") {
     backend = make_host_backend(backend_config);
@@ -191,53 +190,54 @@ int run(int argc, char** argv) {
     }
     options.devices = std::move(every).value();
   }
-  // Pools and quotas are per device: each device gets --gpu-pool and --host-pool of its own
-  // (Note [Devices of one daemon] in membar/protocol/v2.h). A fraction of the GPU pool is of the
-  // first device's free memory, for all of them (the GPUs of a node are alike).
+  // Pools and quotas are per device: each device gets a --gpu-pool (a fraction is of that
+  // device's free memory) and a --host-pool of its own, and a client's share is of its device's
+  // pools (Note [Devices of one daemon] in membar/protocol/v2.h). Host memory is one for all: a
+  // fraction for --host-pool is of the available memory divided among the devices.
   const size_t device_count = options.devices.size();
-  BackendConfig backend_config;
-  uint64_t gpu_free = gpu_free_bytes(options, options.devices.front());
+  std::vector<BackendConfig> pools(device_count);
   uint64_t host_free = host_available_bytes();
-  backend_config.gpu_pool_bytes = resolve_size(options.gpu_pool, gpu_free);
-  // A fraction of host memory is shared out among the devices' host pools.
-  backend_config.host_pool_bytes = resolve_size(options.host_pool, host_free / device_count);
-  if (backend_config.gpu_pool_bytes == 0 || backend_config.host_pool_bytes == 0) {
-    spdlog::error("pools must hold at least one 2 MiB frame (gpu {}, host {})",
-                  human_bytes(backend_config.gpu_pool_bytes), human_bytes(backend_config.host_pool_bytes));
-    return 1;
+  uint64_t host_needed = 0;
+  for (size_t i = 0; i < device_count; ++i) {
+    pools[i].device = options.devices[i];
+    pools[i].gpu_pool_bytes = resolve_size(options.gpu_pool, gpu_free_bytes(options, options.devices[i]));
+    pools[i].host_pool_bytes = resolve_size(options.host_pool, host_free / device_count);
+    if (pools[i].gpu_pool_bytes == 0 || pools[i].host_pool_bytes == 0) {
+      spdlog::error("pools must hold at least one 2 MiB frame (device {}: gpu {}, host {})", pools[i].device,
+                    human_bytes(pools[i].gpu_pool_bytes), human_bytes(pools[i].host_pool_bytes));
+      return 1;
+    }
+    host_needed += pools[i].host_pool_bytes + (options.backend == "host" ? pools[i].gpu_pool_bytes : 0);
   }
   // The host pools are pinned: they must fit in memory with room to spare for everything else.
   uint64_t host_total = meminfo_bytes("MemTotal:");
-  uint64_t host_needed =
-      device_count * (backend_config.host_pool_bytes + (options.backend == "host" ? backend_config.gpu_pool_bytes : 0));
   if (host_total != 0 && host_needed > host_total / 10 * 9) {
-    spdlog::error("{} host pool{} of {}{} do not fit this machine's {} of memory (at most 90% of it can be pinned); "
+    spdlog::error("{} of host pool{}{} do not fit this machine's {} of memory (at most 90% of it can be pinned); "
                   "give a smaller --host-pool (or a fraction such as --host-pool 0.5)",
-                  device_count, device_count > 1 ? "s" : "", human_bytes(backend_config.host_pool_bytes),
+                  human_bytes(host_needed), device_count > 1 ? "s (one per device)" : "",
                   options.backend == "host" ? " plus the host backend's GPU pools" : "", human_bytes(host_total));
     return 1;
   }
-  std::string device_list;
-  for (int device : options.devices) device_list += (device_list.empty() ? "" : ", ") + std::to_string(device);
-  spdlog::info("backend {}, device{} {}: each has a gpu pool of {} ({} frames) and a host pool of {} ({} frames)",
-               options.backend, device_count > 1 ? "s" : "", device_list, human_bytes(backend_config.gpu_pool_bytes),
-               backend_config.gpu_pool_bytes / kFrameBytes, human_bytes(backend_config.host_pool_bytes),
-               backend_config.host_pool_bytes / kFrameBytes);
 
   EngineConfig engine_config;
-  engine_config.default_gpu_quota_bytes = resolve_size(options.default_gpu_quota, backend_config.gpu_pool_bytes);
-  engine_config.default_host_quota_bytes = resolve_size(options.default_host_quota, backend_config.host_pool_bytes);
   engine_config.max_spaces_per_client = options.max_spaces;
   engine_config.max_space_frames_per_client = options.max_client_space.bytes / kFrameBytes;
   engine_config.client_id_step = static_cast<uint32_t>(device_count);
-  spdlog::info("each client's share unless it asks for less: {} of the GPU pool, {} of the host pool{} "
-               "(--default-gpu-quota, --default-host-quota)",
-               human_bytes(engine_config.default_gpu_quota_bytes), human_bytes(engine_config.default_host_quota_bytes),
-               device_count > 1 ? " of its device" : "");
   std::vector<ServedDevice> devices;
   for (size_t i = 0; i < device_count; ++i) {
+    const BackendConfig& pool = pools[i];
+    std::string which = device_count > 1 ? "device " + std::to_string(pool.device) + ", " : std::string();
+    spdlog::info("{}backend {}: gpu pool {} ({} frames), host pool {} ({} frames)", which, options.backend,
+                 human_bytes(pool.gpu_pool_bytes), pool.gpu_pool_bytes / kFrameBytes, human_bytes(pool.host_pool_bytes),
+                 pool.host_pool_bytes / kFrameBytes);
+    engine_config.default_gpu_quota_bytes = resolve_size(options.default_gpu_quota, pool.gpu_pool_bytes);
+    engine_config.default_host_quota_bytes = resolve_size(options.default_host_quota, pool.host_pool_bytes);
+    spdlog::info("{}each client's share unless it asks for less: {} of the GPU pool, {} of the host pool "
+                 "(--default-gpu-quota, --default-host-quota)",
+                 which, human_bytes(engine_config.default_gpu_quota_bytes),
+                 human_bytes(engine_config.default_host_quota_bytes));
     engine_config.first_client_id = static_cast<ClientId>(i + 1);  // ids i+1, i+1+n, ...: unique node-wide
-    Result<ServedDevice> device = make_device(options, options.devices[i], backend_config, engine_config);
+    Result<ServedDevice> device = make_device(options, pool, engine_config);
     if (!device.ok()) {
       spdlog::error("{}", device.status().message());
       return 1;

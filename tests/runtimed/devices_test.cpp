@@ -205,6 +205,10 @@ TEST_F(DevicesTest, MembarctlAndPrometheusShowEveryDeviceAndWhereEachClientIs) {
   EXPECT_NE(top.find("dev 1  gpu"), std::string::npos) << top;
   EXPECT_NE(top.find("  1 trainer-one"), std::string::npos) << top;
 
+  std::string ping = ctl("ping", &code);
+  ASSERT_EQ(code, 0) << ping;
+  EXPECT_NE(ping.find("alive (backend host, devices 0, 1,"), std::string::npos) << ping;
+
   std::smatch match;
   std::string log = daemon_.output();
   ASSERT_TRUE(std::regex_search(log, match, std::regex("127\\.0\\.0\\.1:([0-9]+)/metrics"))) << log;

@@ -34,6 +34,12 @@ TEST(ResolveSize, RoundsDownToWholeFrames) {
   EXPECT_EQ(human_bytes(40ull << 30), "40 GiB");
 }
 
+size_t count_of(const std::string& text, const std::string& needle) {
+  size_t count = 0;
+  for (size_t at = text.find(needle); at != std::string::npos; at = text.find(needle, at + 1)) ++count;
+  return count;
+}
+
 Result<DaemonOptions> parse(std::vector<const char*> args) {
   args.insert(args.begin(), "membard");
   return parse_daemon_options(static_cast<int>(args.size()), args.data());
@@ -193,6 +199,39 @@ TEST(Prometheus, FormatsTiersClientsAndSpacesWithEscapedLabels) {
   EXPECT_NE(text.find("} 1.5\n"), std::string::npos) << text;
   EXPECT_NE(text.find("membar_space_bytes{client=\"4\",space=\"L07.k\",state=\"host\"} 983040\n"),
             std::string::npos) << text;
+}
+
+TEST(Prometheus, SeveralDevicesLabelEverySampleWithItsDevice) {
+  RuntimeStats zero;
+  zero.backend = "host";
+  zero.tiers = {{Tier::kGpu, 16, 0, 16, 0}, {Tier::kHost, 64, 0, 64, 0}};
+  RuntimeStats one = zero;
+  one.tiers[0].frames_used = 2;
+  ClientStats client;
+  client.client = 2;
+  client.pid = 7;
+  client.name = "on-one";
+  one.clients.push_back(client);
+  SpaceInfo space{1, "L00.k", 1 << 20, 4};
+  space.client = 2;
+  one.spaces.push_back(space);
+  std::string text = format_prometheus(std::vector<DeviceRuntimeStats>{{0, zero}, {1, one}});
+  EXPECT_EQ(count_of(text, "# TYPE membar_frames_used gauge"), 1u) << text;  // one family, every device in it
+  EXPECT_NE(text.find("membar_frames_used{device=\"0\",tier=\"gpu\"} 0\n"), std::string::npos) << text;
+  EXPECT_NE(text.find("membar_frames_used{device=\"1\",tier=\"gpu\"} 2\n"), std::string::npos) << text;
+  EXPECT_NE(text.find("membar_clients{device=\"0\"} 0\n"), std::string::npos) << text;
+  EXPECT_NE(text.find("membar_clients{device=\"1\"} 1\n"), std::string::npos) << text;
+  EXPECT_NE(text.find("membar_client_frames{device=\"1\",client=\"2\",name=\"on-one\",pid=\"7\",tier=\"gpu\"} 0\n"),
+            std::string::npos)
+      << text;
+  EXPECT_NE(text.find("membar_space_bytes{device=\"1\",client=\"2\",space=\"L00.k\",state=\"none\"} 0\n"),
+            std::string::npos)
+      << text;
+  // One device: no device label, the text of a daemon from before devices were added.
+  std::string single = format_prometheus(std::vector<DeviceRuntimeStats>{{3, one}});
+  EXPECT_EQ(single, format_prometheus(one));
+  EXPECT_EQ(single.find("device="), std::string::npos) << single;
+  EXPECT_NE(single.find("membar_clients 1\n"), std::string::npos) << single;
 }
 
 }  // namespace
