@@ -695,6 +695,10 @@ Status DaemonClient::handshake(const std::string& socket_path, const ConnectOpti
   if (socket_path.empty() || socket_path.size() >= sizeof(address.sun_path)) {
     return invalid_argument("socket path '" + socket_path + "' is empty or too long");
   }
+  if (options.device.has_value() && (*options.device < 0 || *options.device >= static_cast<int>(v2::kMaxDevices))) {
+    return invalid_argument("device " + std::to_string(*options.device) + " is not in 0.." +
+                            std::to_string(v2::kMaxDevices - 1));
+  }
   socket_.reset(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
   if (!socket_.valid()) return unavailable(std::string("cannot create a socket: ") + std::strerror(errno));
   address.sun_family = AF_UNIX;
@@ -703,10 +707,6 @@ Status DaemonClient::handshake(const std::string& socket_path, const ConnectOpti
     return unavailable("no membard answers at " + socket_path + ": " + std::strerror(errno));
   }
 
-  if (options.device.has_value() && (*options.device < 0 || *options.device >= static_cast<int>(v2::kMaxDevices))) {
-    return invalid_argument("device " + std::to_string(*options.device) + " is not in 0.." +
-                            std::to_string(v2::kMaxDevices - 1));
-  }
   v2::HelloV2 hello{};
   hello.role = static_cast<uint32_t>(v2::Role::kClient);
   // Note [Devices of one daemon]: 0 asks for the daemon's first device.

@@ -75,7 +75,7 @@ std::string daemon_usage() {
          "  --devices LIST|all         CUDA devices served, e.g. 0,1,3 (default 0); all: every CUDA device.\n"
          "                             Each device has its own pools and engine; a client names its device\n"
          "                             when it connects (the first one when it names none). With --backend\n"
-         "                             host the numbers are labels (no GPU), and 'all' is refused\n"
+         "                             host the numbers are labels (no GPU) and 'all' is refused\n"
          "  --device N                 the same as --devices N\n"
          "  --gpu-pool SIZE            GPU pool of each device (default 256MiB)\n"
          "  --host-pool SIZE           host pool of each device, pinned in the background after start-up\n"
@@ -100,7 +100,8 @@ std::string daemon_usage() {
          "  --daemonize                detach into the background once serving\n"
          "  --pid-file PATH            write the daemon's pid there (removed on exit)\n"
          "  --log-level L              trace|debug|info|warn|error|off (default info)\n"
-         "SIZE: 40GiB, 512MiB, or a fraction such as 0.8 (of free memory for pools, of the pool for quotas).\n";
+         "SIZE: 40GiB, 512MiB, or a fraction such as 0.8 (of free memory for pools: the device's for --gpu-pool,\n"
+         "the machine's shared among the devices for --host-pool; of the pool for quotas).\n";
 }
 
 Result<DaemonOptions> parse_daemon_options(int argc, const char* const* argv) {
