@@ -313,7 +313,10 @@ Result<HelloV2> decode_hello(std::span<const uint8_t> payload) {
   if (hello.role != static_cast<uint32_t>(Role::kClient) && hello.role != static_cast<uint32_t>(Role::kAdmin)) {
     return invalid_argument("hello names unknown role " + std::to_string(hello.role));
   }
-  if (hello.reserved != 0) return invalid_argument("hello reserved field is not zero");
+  if (hello.device_plus_one > kMaxDevices) {
+    return invalid_argument("hello names device " + std::to_string(hello.device_plus_one - 1) + " (devices are 0.." +
+                            std::to_string(kMaxDevices - 1) + ")");
+  }
   if (!text_has_nul(hello.client_name, sizeof(hello.client_name))) {
     return invalid_argument("hello client name is not NUL-terminated within 64 bytes");
   }

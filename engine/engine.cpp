@@ -62,7 +62,7 @@ std::string hex(uint64_t value) {
 }  // namespace
 
 EngineImpl::EngineImpl(std::unique_ptr<DeviceBackend> backend, const EngineConfig& config)
-    : backend_(std::move(backend)), config_(config) {
+    : backend_(std::move(backend)), config_(config), next_client_(config.first_client_id) {
   TierPoolState& gpu = pools_[0];
   gpu.frames.resize(backend_->frame_count(Tier::kGpu));
   for (uint64_t i = gpu.frames.size(); i > 0; --i) gpu.free_frames.push_back(FrameIndex(i - 1));
@@ -200,7 +200,8 @@ Status EngineImpl::wait_for_marker(const std::shared_ptr<ClientState>& client, u
 Result<ClientId> EngineImpl::client_open(const ClientConfig& config, ClientEvents events) {
   std::lock_guard<std::mutex> lock(mutex_);
   auto client = std::make_shared<ClientState>();
-  client->id = next_client_++;
+  client->id = next_client_;
+  next_client_ += config_.client_id_step;
   client->config = config;
   client->events = std::move(events);
   client->stats.client = client->id;

@@ -215,7 +215,7 @@ class EngineImpl final : public Engine {
   uint32_t slab_frames_ = 1;
   uint64_t channel_frames_ = 0;   // host pool frames taken by channels
   std::map<ClientId, std::shared_ptr<ClientState>> clients_;
-  ClientId next_client_ = 1;
+  ClientId next_client_;  // EngineConfig::first_client_id, then every client_id_step
   std::unordered_map<uint64_t, Batch> batches_;
   uint64_t next_batch_ = 1;
   uint64_t renewals_in_flight_ = 0;

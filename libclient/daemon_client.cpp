@@ -93,6 +93,7 @@ class DaemonClient final : public Client {
 
   std::string describe() const override { return "daemon:" + socket_path_; }
   BackendKind backend() const override { return backend_; }
+  int device() const override { return device_; }
 
   Result<SpaceId> create_space(const std::string& name, uint64_t page_bytes, uint32_t page_count) override {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -620,6 +621,7 @@ class DaemonClient final : public Client {
 
   std::string socket_path_;
   BackendKind backend_ = BackendKind::kHost;
+  int device_ = 0;  // the daemon's answer: the device this client's frames live on
   std::mutex mutex_;         // serialises calls (client.h: a Client may be used from several threads)
   std::mutex socket_mutex_;  // guards reading the socket and applying its events
   wire::UniqueFd socket_;
@@ -670,8 +672,12 @@ Result<wire::ReceivedMessage> read_reply(int socket_fd, wire::MessageAssembler& 
     ::poll(&p, 1, static_cast<int>((deadline - now) / 1000000) + 1);
     Result<bool> read = assembler.read_available(socket_fd);
     if (!read.ok()) {
-      // The daemon may have written its refusal and closed: parse what arrived first.
+      // The daemon may have written its refusal and closed: parse what arrived first (an error,
+      // or a hello reply that says why, as for a device it does not serve).
       MEMBAR_ASSIGN_OR_RETURN(std::optional<wire::ReceivedMessage> last, assembler.next());
+      if (last.has_value() && last->header.type == static_cast<uint16_t>(v2::MessageType::kHelloReply)) {
+        return std::move(*last);
+      }
       if (last.has_value() && last->header.type == static_cast<uint16_t>(v2::MessageType::kError)) {
         MEMBAR_ASSIGN_OR_RETURN(v2::ErrorV2 error, v2::decode_error(last->payload));
         return Status(static_cast<StatusCode>(error.status), std::string("membard refused the connection: ") + error.message);
@@ -689,6 +695,10 @@ Status DaemonClient::handshake(const std::string& socket_path, const ConnectOpti
   if (socket_path.empty() || socket_path.size() >= sizeof(address.sun_path)) {
     return invalid_argument("socket path '" + socket_path + "' is empty or too long");
   }
+  if (options.device.has_value() && (*options.device < 0 || *options.device >= static_cast<int>(v2::kMaxDevices))) {
+    return invalid_argument("device " + std::to_string(*options.device) + " is not in 0.." +
+                            std::to_string(v2::kMaxDevices - 1));
+  }
   socket_.reset(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
   if (!socket_.valid()) return unavailable(std::string("cannot create a socket: ") + std::strerror(errno));
   address.sun_family = AF_UNIX;
@@ -699,6 +709,8 @@ Status DaemonClient::handshake(const std::string& socket_path, const ConnectOpti
 
   v2::HelloV2 hello{};
   hello.role = static_cast<uint32_t>(v2::Role::kClient);
+  // Note [Devices of one daemon]: 0 asks for the daemon's first device.
+  hello.device_plus_one = options.device.has_value() ? static_cast<uint32_t>(*options.device + 1) : 0;
   hello.gpu_quota_bytes = options.gpu_quota_bytes;
   hello.host_quota_bytes = options.host_quota_bytes;
   std::string name = options.client_name.empty() ? "pid-" + std::to_string(::getpid()) : options.client_name;
@@ -720,6 +732,7 @@ Status DaemonClient::handshake(const std::string& socket_path, const ConnectOpti
   if (message.fds.size() != 2) return internal_error("membard's hello reply carried no signal block and segment");
   backend_ = reply.backend == static_cast<uint8_t>(v2::WireBackend::kCuda) ? BackendKind::kCuda : BackendKind::kHost;
   gpu_quota_frames_ = reply.gpu_quota_frames;
+  device_ = reply.device;
   host_slab_frames_ = reply.host_slab_frames;
 
   void* signal = ::mmap(nullptr, kSignalBlockBytes, PROT_READ | PROT_WRITE, MAP_SHARED, message.fds[0].get(), 0);

@@ -124,6 +124,7 @@ class EmbeddedClient final : public Client {
 
   std::string describe() const override { return kind_ == BackendKind::kCuda ? "embedded:cuda" : "embedded:host"; }
   BackendKind backend() const override { return kind_; }
+  int device() const override { return device_; }
 
   Result<SpaceId> create_space(const std::string& name, uint64_t page_bytes, uint32_t page_count) override {
     std::lock_guard<std::mutex> lock(mutex_);

@@ -168,7 +168,8 @@ class Runtime : public torch::CustomClassHolder {
  public:
   // socket: "" = connect()'s usual order ($MEMBAR_SOCKET, default socket, embedded);
   // "embedded" = always the embedded runtime; anything else = that daemon socket.
-  // backend: "auto", "host" or "cuda" (embedded mode).
+  // backend: "auto", "host" or "cuda" (embedded mode). device: -1 = the daemon's first device
+  // (embedded: 0); else the device asked of the daemon, or the embedded runtime's.
   static c10::intrusive_ptr<Runtime> connect(std::string socket, bool allow_embedded, std::string backend,
                                              int64_t gpu_pool_bytes, int64_t host_pool_bytes, int64_t device,
                                              std::string name, int64_t gpu_quota_bytes, int64_t host_quota_bytes) {
@@ -177,12 +178,13 @@ class Runtime : public torch::CustomClassHolder {
     options.client_name = std::move(name);
     TORCH_CHECK(gpu_pool_bytes >= 0 && host_pool_bytes >= 0 && gpu_quota_bytes >= 0 && host_quota_bytes >= 0,
                 "membar runtime connect: pool and quota sizes must not be negative.");
-    TORCH_CHECK(device >= 0, "membar runtime connect: device must not be negative, got ", device, ".");
+    TORCH_CHECK(device >= -1, "membar runtime connect: device must not be negative, got ", device, ".");
     options.gpu_quota_bytes = uint64_t(gpu_quota_bytes);
     options.host_quota_bytes = uint64_t(host_quota_bytes);
     options.embedded.gpu_pool_bytes = uint64_t(gpu_pool_bytes);
     options.embedded.host_pool_bytes = uint64_t(host_pool_bytes);
-    options.embedded.device = int(device);
+    options.embedded.device = device < 0 ? 0 : int(device);
+    if (device >= 0) options.device = int(device);
     if (backend == "auto") {
       options.embedded.backend = BackendKind::kAuto;
     } else if (backend == "host") {
@@ -193,18 +195,19 @@ class Runtime : public torch::CustomClassHolder {
       TORCH_CHECK(false, "membar runtime connect: backend must be 'auto', 'host' or 'cuda', not '", backend, "'.");
     }
     auto runtime = c10::make_intrusive<Runtime>();
-    runtime->device_ = int(device);
     if (socket == "embedded") {
       runtime->client_ = take(make_embedded_client(options.embedded), "connect (embedded)");
     } else {
       options.socket_path = socket;
       runtime->client_ = take(membar::connect(options), "connect");
     }
+    runtime->device_ = runtime->client_->device();  // the daemon's answer when device was -1
     return runtime;
   }
 
   std::string describe() const { return client_->describe(); }
   std::string backend() const { return client_->backend() == BackendKind::kCuda ? "cuda" : "host"; }
+  int64_t device() const { return device_; }
 
   int64_t create_space(std::string name, int64_t page_bytes, int64_t page_count) {
     TORCH_CHECK(page_bytes > 0, "membar runtime create_space: page_bytes must be positive, got ", page_bytes, ".");
@@ -371,6 +374,7 @@ TORCH_LIBRARY_FRAGMENT(membar, m) {
       .def_static("connect", &Runtime::connect)
       .def("describe", &Runtime::describe)
       .def("backend", &Runtime::backend)
+      .def("device", &Runtime::device)
       .def("create_space", &Runtime::create_space)
       .def("destroy_space", &Runtime::destroy_space)
       .def("acquire", &Runtime::acquire)

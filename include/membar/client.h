@@ -45,6 +45,10 @@ struct ConnectOptions {
   std::string client_name;             // shown by membarctl
   uint64_t gpu_quota_bytes = 0;        // 0: the daemon's default share
   uint64_t host_quota_bytes = 0;
+  // The daemon's device to work on (a membard may serve several: Note [Devices of one daemon] in
+  // membar/protocol/v2.h). Unset: the daemon's first device. A device it does not serve is its
+  // NOT_FOUND ("this membard serves devices 0, 1; not 2"). Embedded mode uses embedded.device.
+  std::optional<int> device;
 };
 
 inline constexpr const char* kDefaultSocketPath = "/run/membar/membard.sock";
@@ -87,6 +91,9 @@ class Client {
   // "embedded:host", "embedded:cuda", "daemon:/run/membar/membard.sock".
   virtual std::string describe() const = 0;
   virtual BackendKind backend() const = 0;
+  // The CUDA device of this client's GPU tier (the daemon's answer, or the embedded runtime's);
+  // a label on the host backend.
+  virtual int device() const = 0;
 
   // Spaces. Names are unique per client; pages may have any size from 1 byte to kMaxPageBytes.
   // Blocks (one round trip).

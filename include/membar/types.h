@@ -107,4 +107,11 @@ struct RuntimeStats {
   uint32_t spaces_total = 0;
 };
 
+// One device's stats in a daemon that serves several (Note [Devices of one daemon] in
+// membar/protocol/v2.h): its CUDA ordinal (a label on the host backend) and its engine's view.
+struct DeviceRuntimeStats {
+  int32_t device = 0;
+  RuntimeStats stats;
+};
+
 }  // namespace membar

@@ -14,7 +14,11 @@ namespace membar::ctl {
 
 namespace v2 = protocol::v2;
 
-Result<std::unique_ptr<AdminConnection>> AdminConnection::open(const std::string& socket_path, int timeout_ms) {
+Result<std::unique_ptr<AdminConnection>> AdminConnection::open(const std::string& socket_path, int device,
+                                                               int timeout_ms) {
+  if (device < -1 || device >= static_cast<int>(v2::kMaxDevices)) {
+    return invalid_argument("device " + std::to_string(device) + " is not in 0.." + std::to_string(v2::kMaxDevices - 1));
+  }
   std::unique_ptr<AdminConnection> connection(new AdminConnection());
   connection->socket_path_ = socket_path;
   connection->timeout_ms_ = timeout_ms;
@@ -30,6 +34,7 @@ Result<std::unique_ptr<AdminConnection>> AdminConnection::open(const std::string
   }
   v2::HelloV2 hello{};
   hello.role = static_cast<uint32_t>(v2::Role::kAdmin);
+  hello.device_plus_one = static_cast<uint32_t>(device + 1);
   v2::copy_text(hello.client_name, sizeof(hello.client_name), "membarctl");
   // A refusing daemon may close before the hello is sent: read its error either way.
   Status sent = wire::send_message(connection->socket_.get(), v2::encode_message(v2::MessageType::kHello, hello));
@@ -42,7 +47,42 @@ Result<std::unique_ptr<AdminConnection>> AdminConnection::open(const std::string
     return Status(static_cast<StatusCode>(reply.status), std::string("membard refused: ") + reply.message);
   }
   connection->backend_ = reply.backend == static_cast<uint8_t>(v2::WireBackend::kCuda) ? "cuda" : "host";
+  connection->device_ = reply.device;
+  connection->device_mask_ = reply.device_mask;
   return connection;
+}
+
+std::vector<int> AdminConnection::daemon_devices() const {
+  // A daemon that predates device_mask serves one device: this one.
+  if (device_mask_ == 0) return {device_};
+  std::vector<int> devices;
+  for (int device = 0; device < static_cast<int>(v2::kMaxDevices); ++device) {
+    if ((device_mask_ >> device) & 1u) devices.push_back(device);
+  }
+  return devices;
+}
+
+Result<NodeAdmin> NodeAdmin::open(const std::string& socket_path) {
+  NodeAdmin node;
+  MEMBAR_ASSIGN_OR_RETURN(std::unique_ptr<AdminConnection> first, AdminConnection::open(socket_path));
+  std::vector<int> devices = first->daemon_devices();
+  int first_device = first->device();
+  node.connections_.push_back(std::move(first));
+  for (int device : devices) {
+    if (device == first_device) continue;
+    MEMBAR_ASSIGN_OR_RETURN(std::unique_ptr<AdminConnection> other, AdminConnection::open(socket_path, device));
+    node.connections_.push_back(std::move(other));
+  }
+  return node;
+}
+
+Result<std::vector<DeviceRuntimeStats>> NodeAdmin::stats() {
+  std::vector<DeviceRuntimeStats> devices;
+  for (const std::unique_ptr<AdminConnection>& connection : connections_) {
+    MEMBAR_ASSIGN_OR_RETURN(RuntimeStats stats, connection->stats());
+    devices.push_back({connection->device(), std::move(stats)});
+  }
+  return devices;
 }
 
 Result<wire::ReceivedMessage> AdminConnection::read_message(uint16_t expected_type) {

@@ -46,6 +46,41 @@ std::string json_stat(const Stat& s) {
          ", \"allocated\": " + std::to_string(s.allocated) + ", \"freed\": " + std::to_string(s.freed) + "}";
 }
 
+std::string device_list(const std::vector<DeviceRuntimeStats>& devices) {
+  std::string text;
+  for (const DeviceRuntimeStats& d : devices) text += (text.empty() ? "" : ", ") + std::to_string(d.device);
+  return text;
+}
+
+size_t client_count(const std::vector<DeviceRuntimeStats>& devices) {
+  size_t count = 0;
+  for (const DeviceRuntimeStats& d : devices) count += d.stats.clients.size();
+  return count;
+}
+
+uint64_t spaces_total(const std::vector<DeviceRuntimeStats>& devices) {
+  uint64_t count = 0;
+  for (const DeviceRuntimeStats& d : devices) count += d.stats.spaces_total;
+  return count;
+}
+
+std::string backend_of(const std::vector<DeviceRuntimeStats>& devices) {
+  return devices.empty() ? std::string() : devices.front().stats.backend;
+}
+
+std::string json_tiers(const RuntimeStats& stats, const std::string& indent) {
+  std::ostringstream out;
+  out << "[";
+  for (size_t i = 0; i < stats.tiers.size(); ++i) {
+    const TierStats& t = stats.tiers[i];
+    out << (i ? "," : "") << "\n" << indent << "  {\"tier\": \"" << tier_name(t.tier) << "\", \"frames_total\": "
+        << t.frames_total << ", \"frames_used\": " << t.frames_used << ", \"frames_free\": " << t.frames_free
+        << ", \"frames_preparing\": " << t.frames_preparing << ", \"frame_bytes\": " << kFrameBytes << "}";
+  }
+  out << "\n" << indent << "]";
+  return out.str();
+}
+
 }  // namespace
 
 
@@ -58,163 +93,193 @@ std::string human_duration_ns(uint64_t ns) {
   return text;
 }
 
-std::string format_stats_text(const RuntimeStats& stats, const std::string& socket_path) {
+std::string format_stats_text(const std::vector<DeviceRuntimeStats>& devices, const std::string& socket_path) {
   std::ostringstream out;
   out << "# Server\n";
   out << "socket: " << socket_path << '\n';
-  out << "backend: " << stats.backend << '\n';
-  out << "clients: " << stats.clients.size() << '\n';
-  out << "spaces: " << stats.spaces_total << '\n';
-  for (const TierStats& t : stats.tiers) {
-    out << "\n# Tier " << tier_name(t.tier) << '\n';
-    out << "frames_total: " << frames_field(static_cast<int64_t>(t.frames_total)) << '\n';
-    out << "frames_used: " << frames_field(static_cast<int64_t>(t.frames_used)) << '\n';
-    out << "frames_free: " << frames_field(static_cast<int64_t>(t.frames_free)) << '\n';
-    out << "frames_preparing: " << frames_field(static_cast<int64_t>(t.frames_preparing)) << '\n';
-  }
-  for (const ClientStats& c : stats.clients) {
-    out << "\n# Client " << c.client << '\n';
-    out << "name: " << c.name << '\n';
-    out << "pid: " << c.pid << '\n';
-    out << "uid: " << c.uid << '\n';
-    out << "gpu_quota: " << bytes_field(c.gpu_quota_bytes) << '\n';
-    out << "host_quota: " << bytes_field(c.host_quota_bytes) << '\n';
-    out << "gpu_frames: " << frames_field(c.gpu_frames.current) << '\n';
-    out << "gpu_frames_peak: " << frames_field(c.gpu_frames.peak) << '\n';
-    out << "host_frames: " << frames_field(c.host_frames.current) << '\n';
-    out << "host_frames_peak: " << frames_field(c.host_frames.peak) << '\n';
-    out << "spaces: " << c.spaces << '\n';
-    out << "bytes_gpu: " << bytes_field(c.bytes_gpu) << '\n';
-    out << "bytes_host: " << bytes_field(c.bytes_host) << '\n';
-    out << "bytes_both: " << bytes_field(c.bytes_both) << '\n';
-    out << "bytes_none: " << bytes_field(c.bytes_none) << '\n';
-    out << "channel_bytes: " << bytes_field(c.channel_bytes) << '\n';
-    out << "bytes_host_to_gpu: " << bytes_field(c.bytes_host_to_gpu) << '\n';
-    out << "bytes_gpu_to_host: " << bytes_field(c.bytes_gpu_to_host) << '\n';
-    out << "prefetch_hits: " << c.prefetch_hits << '\n';
-    out << "prefetch_misses: " << c.prefetch_misses << '\n';
-    char rate[32];
-    std::snprintf(rate, sizeof(rate), "%.4f (%.1f%%)", hit_rate(c), 100.0 * hit_rate(c));
-    out << "prefetch_hit_rate: " << rate << '\n';
-    out << "evictions: " << c.evictions << '\n';
-    out << "stall_ns: " << c.stall_ns << " (" << human_duration_ns(c.stall_ns) << ")\n";
-  }
-  for (const SpaceInfo& s : stats.spaces) {
-    out << "\n# Space " << s.client << "." << s.id << '\n';
-    out << "name: " << s.name << '\n';
-    out << "client: " << s.client << '\n';
-    out << "page_bytes: " << bytes_field(s.page_bytes) << '\n';
-    out << "page_count: " << s.page_count << '\n';
-    out << "bytes: " << bytes_field(s.page_bytes * s.page_count) << '\n';
-    out << "bytes_gpu: " << bytes_field(s.bytes_gpu) << '\n';
-    out << "bytes_host: " << bytes_field(s.bytes_host) << '\n';
-    out << "bytes_both: " << bytes_field(s.bytes_both) << '\n';
-    out << "bytes_none: " << bytes_field(s.bytes_none) << '\n';
-    out << "bytes_dirty: " << bytes_field(s.bytes_dirty) << '\n';
-    out << "bytes_pinned: " << bytes_field(s.bytes_pinned) << '\n';
-    out << "bytes_host_to_gpu: " << bytes_field(s.bytes_host_to_gpu) << '\n';
-    out << "bytes_gpu_to_host: " << bytes_field(s.bytes_gpu_to_host) << '\n';
+  out << "backend: " << backend_of(devices) << '\n';
+  out << "devices: " << device_list(devices) << '\n';
+  out << "clients: " << client_count(devices) << '\n';
+  out << "spaces: " << spaces_total(devices) << '\n';
+  for (const DeviceRuntimeStats& d : devices) {
+    const RuntimeStats& stats = d.stats;
+    for (const TierStats& t : stats.tiers) {
+      out << "\n# Tier " << tier_name(t.tier) << " (device " << d.device << ")\n";
+      out << "device: " << d.device << '\n';
+      out << "frames_total: " << frames_field(static_cast<int64_t>(t.frames_total)) << '\n';
+      out << "frames_used: " << frames_field(static_cast<int64_t>(t.frames_used)) << '\n';
+      out << "frames_free: " << frames_field(static_cast<int64_t>(t.frames_free)) << '\n';
+      out << "frames_preparing: " << frames_field(static_cast<int64_t>(t.frames_preparing)) << '\n';
+    }
+    for (const ClientStats& c : stats.clients) {
+      out << "\n# Client " << c.client << '\n';
+      out << "device: " << d.device << '\n';
+      out << "name: " << c.name << '\n';
+      out << "pid: " << c.pid << '\n';
+      out << "uid: " << c.uid << '\n';
+      out << "gpu_quota: " << bytes_field(c.gpu_quota_bytes) << '\n';
+      out << "host_quota: " << bytes_field(c.host_quota_bytes) << '\n';
+      out << "gpu_frames: " << frames_field(c.gpu_frames.current) << '\n';
+      out << "gpu_frames_peak: " << frames_field(c.gpu_frames.peak) << '\n';
+      out << "host_frames: " << frames_field(c.host_frames.current) << '\n';
+      out << "host_frames_peak: " << frames_field(c.host_frames.peak) << '\n';
+      out << "spaces: " << c.spaces << '\n';
+      out << "bytes_gpu: " << bytes_field(c.bytes_gpu) << '\n';
+      out << "bytes_host: " << bytes_field(c.bytes_host) << '\n';
+      out << "bytes_both: " << bytes_field(c.bytes_both) << '\n';
+      out << "bytes_none: " << bytes_field(c.bytes_none) << '\n';
+      out << "channel_bytes: " << bytes_field(c.channel_bytes) << '\n';
+      out << "bytes_host_to_gpu: " << bytes_field(c.bytes_host_to_gpu) << '\n';
+      out << "bytes_gpu_to_host: " << bytes_field(c.bytes_gpu_to_host) << '\n';
+      out << "prefetch_hits: " << c.prefetch_hits << '\n';
+      out << "prefetch_misses: " << c.prefetch_misses << '\n';
+      char rate[32];
+      std::snprintf(rate, sizeof(rate), "%.4f (%.1f%%)", hit_rate(c), 100.0 * hit_rate(c));
+      out << "prefetch_hit_rate: " << rate << '\n';
+      out << "evictions: " << c.evictions << '\n';
+      out << "stall_ns: " << c.stall_ns << " (" << human_duration_ns(c.stall_ns) << ")\n";
+    }
+    for (const SpaceInfo& s : stats.spaces) {
+      out << "\n# Space " << s.client << "." << s.id << '\n';
+      out << "device: " << d.device << '\n';
+      out << "name: " << s.name << '\n';
+      out << "client: " << s.client << '\n';
+      out << "page_bytes: " << bytes_field(s.page_bytes) << '\n';
+      out << "page_count: " << s.page_count << '\n';
+      out << "bytes: " << bytes_field(s.page_bytes * s.page_count) << '\n';
+      out << "bytes_gpu: " << bytes_field(s.bytes_gpu) << '\n';
+      out << "bytes_host: " << bytes_field(s.bytes_host) << '\n';
+      out << "bytes_both: " << bytes_field(s.bytes_both) << '\n';
+      out << "bytes_none: " << bytes_field(s.bytes_none) << '\n';
+      out << "bytes_dirty: " << bytes_field(s.bytes_dirty) << '\n';
+      out << "bytes_pinned: " << bytes_field(s.bytes_pinned) << '\n';
+      out << "bytes_host_to_gpu: " << bytes_field(s.bytes_host_to_gpu) << '\n';
+      out << "bytes_gpu_to_host: " << bytes_field(s.bytes_gpu_to_host) << '\n';
+    }
   }
   return out.str();
 }
 
-std::string format_stats_json(const RuntimeStats& stats, const std::string& socket_path) {
+std::string format_stats_json(const std::vector<DeviceRuntimeStats>& devices, const std::string& socket_path) {
+  static const RuntimeStats kNone;
+  const RuntimeStats& first = devices.empty() ? kNone : devices.front().stats;
   std::ostringstream out;
-  out << "{\n  \"socket\": " << json_string(socket_path) << ",\n  \"backend\": " << json_string(stats.backend)
-      << ",\n  \"spaces_total\": " << stats.spaces_total << ",\n  \"tiers\": [";
-  for (size_t i = 0; i < stats.tiers.size(); ++i) {
-    const TierStats& t = stats.tiers[i];
-    out << (i ? "," : "") << "\n    {\"tier\": \"" << tier_name(t.tier) << "\", \"frames_total\": " << t.frames_total
-        << ", \"frames_used\": " << t.frames_used << ", \"frames_free\": " << t.frames_free
-        << ", \"frames_preparing\": " << t.frames_preparing << ", \"frame_bytes\": " << kFrameBytes << "}";
+  out << "{\n  \"socket\": " << json_string(socket_path) << ",\n  \"backend\": " << json_string(backend_of(devices))
+      << ",\n  \"spaces_total\": " << spaces_total(devices) << ",\n  \"tiers\": " << json_tiers(first, "  ");
+  out << ",\n  \"devices\": [";
+  for (size_t i = 0; i < devices.size(); ++i) {
+    const DeviceRuntimeStats& d = devices[i];
+    out << (i ? "," : "") << "\n    {\"device\": " << d.device << ", \"spaces_total\": " << d.stats.spaces_total
+        << ", \"clients\": [";
+    for (size_t c = 0; c < d.stats.clients.size(); ++c) out << (c ? ", " : "") << d.stats.clients[c].client;
+    out << "], \"tiers\": " << json_tiers(d.stats, "    ") << "}";
   }
   out << "\n  ],\n  \"clients\": [";
-  for (size_t i = 0; i < stats.clients.size(); ++i) {
-    const ClientStats& c = stats.clients[i];
-    out << (i ? "," : "") << "\n    {\"client\": " << c.client << ", \"name\": " << json_string(c.name)
-        << ", \"pid\": " << c.pid << ", \"uid\": " << c.uid << ", \"gpu_quota_bytes\": " << c.gpu_quota_bytes
-        << ", \"host_quota_bytes\": " << c.host_quota_bytes << ", \"gpu_frames\": " << json_stat(c.gpu_frames)
-        << ", \"host_frames\": " << json_stat(c.host_frames) << ", \"spaces\": " << c.spaces
-        << ", \"bytes_gpu\": " << c.bytes_gpu << ", \"bytes_host\": " << c.bytes_host << ", \"bytes_both\": " << c.bytes_both
-        << ", \"bytes_none\": " << c.bytes_none << ", \"channel_bytes\": " << c.channel_bytes
-        << ", \"bytes_host_to_gpu\": " << c.bytes_host_to_gpu << ", \"bytes_gpu_to_host\": " << c.bytes_gpu_to_host
-        << ", \"prefetch_hits\": " << c.prefetch_hits << ", \"prefetch_misses\": " << c.prefetch_misses
-        << ", \"prefetch_hit_rate\": " << hit_rate(c) << ", \"evictions\": " << c.evictions
-        << ", \"stall_ns\": " << c.stall_ns << "}";
+  bool first_entry = true;
+  for (const DeviceRuntimeStats& d : devices) {
+    for (const ClientStats& c : d.stats.clients) {
+      out << (first_entry ? "" : ",") << "\n    {\"client\": " << c.client << ", \"device\": " << d.device
+          << ", \"name\": " << json_string(c.name) << ", \"pid\": " << c.pid << ", \"uid\": " << c.uid
+          << ", \"gpu_quota_bytes\": " << c.gpu_quota_bytes << ", \"host_quota_bytes\": " << c.host_quota_bytes
+          << ", \"gpu_frames\": " << json_stat(c.gpu_frames) << ", \"host_frames\": " << json_stat(c.host_frames)
+          << ", \"spaces\": " << c.spaces << ", \"bytes_gpu\": " << c.bytes_gpu << ", \"bytes_host\": " << c.bytes_host
+          << ", \"bytes_both\": " << c.bytes_both << ", \"bytes_none\": " << c.bytes_none
+          << ", \"channel_bytes\": " << c.channel_bytes << ", \"bytes_host_to_gpu\": " << c.bytes_host_to_gpu
+          << ", \"bytes_gpu_to_host\": " << c.bytes_gpu_to_host << ", \"prefetch_hits\": " << c.prefetch_hits
+          << ", \"prefetch_misses\": " << c.prefetch_misses << ", \"prefetch_hit_rate\": " << hit_rate(c)
+          << ", \"evictions\": " << c.evictions << ", \"stall_ns\": " << c.stall_ns << "}";
+      first_entry = false;
+    }
   }
   out << "\n  ],\n  \"spaces\": [";
-  for (size_t i = 0; i < stats.spaces.size(); ++i) {
-    const SpaceInfo& s = stats.spaces[i];
-    out << (i ? "," : "") << "\n    {\"id\": " << s.id << ", \"name\": " << json_string(s.name)
-        << ", \"client\": " << s.client << ", \"page_bytes\": " << s.page_bytes << ", \"page_count\": " << s.page_count
-        << ", \"bytes_gpu\": " << s.bytes_gpu << ", \"bytes_host\": " << s.bytes_host << ", \"bytes_both\": " << s.bytes_both
-        << ", \"bytes_none\": " << s.bytes_none << ", \"bytes_dirty\": " << s.bytes_dirty
-        << ", \"bytes_pinned\": " << s.bytes_pinned << ", \"bytes_host_to_gpu\": " << s.bytes_host_to_gpu
-        << ", \"bytes_gpu_to_host\": " << s.bytes_gpu_to_host << "}";
+  first_entry = true;
+  for (const DeviceRuntimeStats& d : devices) {
+    for (const SpaceInfo& s : d.stats.spaces) {
+      out << (first_entry ? "" : ",") << "\n    {\"id\": " << s.id << ", \"name\": " << json_string(s.name)
+          << ", \"client\": " << s.client << ", \"device\": " << d.device << ", \"page_bytes\": " << s.page_bytes
+          << ", \"page_count\": " << s.page_count << ", \"bytes_gpu\": " << s.bytes_gpu << ", \"bytes_host\": "
+          << s.bytes_host << ", \"bytes_both\": " << s.bytes_both << ", \"bytes_none\": " << s.bytes_none
+          << ", \"bytes_dirty\": " << s.bytes_dirty << ", \"bytes_pinned\": " << s.bytes_pinned
+          << ", \"bytes_host_to_gpu\": " << s.bytes_host_to_gpu << ", \"bytes_gpu_to_host\": " << s.bytes_gpu_to_host
+          << "}";
+      first_entry = false;
+    }
   }
   out << "\n  ]\n}\n";
   return out.str();
 }
 
-std::string format_top(const RuntimeStats& stats, const RuntimeStats* previous, double interval_s,
-                       const std::string& socket_path) {
+std::string format_top(const std::vector<DeviceRuntimeStats>& devices, const std::vector<DeviceRuntimeStats>& previous,
+                       double interval_s, const std::string& socket_path) {
+  // Client ids are unique across a daemon's devices.
   std::map<ClientId, const ClientStats*> before;
   std::map<std::pair<ClientId, SpaceId>, const SpaceInfo*> spaces_before;
-  if (previous != nullptr) {
-    for (const ClientStats& c : previous->clients) before[c.client] = &c;
-    for (const SpaceInfo& s : previous->spaces) spaces_before[{s.client, s.id}] = &s;
+  for (const DeviceRuntimeStats& d : previous) {
+    for (const ClientStats& c : d.stats.clients) before[c.client] = &c;
+    for (const SpaceInfo& s : d.stats.spaces) spaces_before[{s.client, s.id}] = &s;
   }
   auto rate = [interval_s](uint64_t now, uint64_t then) {
     return interval_s > 0 && now >= then ? static_cast<double>(now - then) / interval_s : 0.0;
   };
   std::ostringstream out;
-  out << "membard " << socket_path << "  backend " << stats.backend << "  clients " << stats.clients.size()
-      << "  (q quits)\n";
-  for (const TierStats& t : stats.tiers) {
-    char line[200];
-    double used = t.frames_total ? 100.0 * static_cast<double>(t.frames_used) / static_cast<double>(t.frames_total) : 0;
-    std::snprintf(line, sizeof(line), "%-4s %9s used of %9s (%5.1f%%), %9s free, %9s being prepared\n",
-                  tier_name(t.tier), human_bytes(t.frames_used * kFrameBytes).c_str(),
-                  human_bytes(t.frames_total * kFrameBytes).c_str(), used, human_bytes(t.frames_free * kFrameBytes).c_str(),
-                  human_bytes(t.frames_preparing * kFrameBytes).c_str());
-    out << line;
+  out << "membard " << socket_path << "  backend " << backend_of(devices) << "  devices " << device_list(devices)
+      << "  clients " << client_count(devices) << "  (q quits)\n";
+  for (const DeviceRuntimeStats& d : devices) {
+    for (const TierStats& t : d.stats.tiers) {
+      char line[200];
+      double used =
+          t.frames_total ? 100.0 * static_cast<double>(t.frames_used) / static_cast<double>(t.frames_total) : 0;
+      std::snprintf(line, sizeof(line), "dev %-2d %-4s %9s used of %9s (%5.1f%%), %9s free, %9s being prepared\n",
+                    d.device, tier_name(t.tier), human_bytes(t.frames_used * kFrameBytes).c_str(),
+                    human_bytes(t.frames_total * kFrameBytes).c_str(), used,
+                    human_bytes(t.frames_free * kFrameBytes).c_str(),
+                    human_bytes(t.frames_preparing * kFrameBytes).c_str());
+      out << line;
+    }
   }
   char header[256];
-  std::snprintf(header, sizeof(header), "\n%6s %-20s %7s %9s %9s %10s %10s %6s %8s %7s\n", "CLIENT", "NAME", "PID",
-                "GPU", "HOST", "IN/s", "OUT/s", "HIT%", "EVICT/s", "STALL%");
+  std::snprintf(header, sizeof(header), "\n%6s %3s %-20s %7s %9s %9s %10s %10s %6s %8s %7s\n", "CLIENT", "DEV", "NAME",
+                "PID", "GPU", "HOST", "IN/s", "OUT/s", "HIT%", "EVICT/s", "STALL%");
   out << header;
-  for (const ClientStats& c : stats.clients) {
-    auto it = before.find(c.client);
-    double in = 0, back = 0, evictions = 0, stall = 0;
-    if (it != before.end()) {
-      in = rate(c.bytes_host_to_gpu, it->second->bytes_host_to_gpu);
-      back = rate(c.bytes_gpu_to_host, it->second->bytes_gpu_to_host);
-      evictions = rate(c.evictions, it->second->evictions);
-      stall = rate(c.stall_ns, it->second->stall_ns) / 1e9;  // seconds stalled per second
+  for (const DeviceRuntimeStats& d : devices) {
+    for (const ClientStats& c : d.stats.clients) {
+      auto it = before.find(c.client);
+      double in = 0, back = 0, evictions = 0, stall = 0;
+      if (it != before.end()) {
+        in = rate(c.bytes_host_to_gpu, it->second->bytes_host_to_gpu);
+        back = rate(c.bytes_gpu_to_host, it->second->bytes_gpu_to_host);
+        evictions = rate(c.evictions, it->second->evictions);
+        stall = rate(c.stall_ns, it->second->stall_ns) / 1e9;  // seconds stalled per second
+      }
+      char line[320];
+      std::snprintf(line, sizeof(line), "%6u %3d %-20.20s %7d %9s %9s %10s %10s %5.1f%% %8.0f %6.2f%%\n", c.client,
+                    d.device, c.name.c_str(), c.pid, human_bytes(c.gpu_frames.current * kFrameBytes).c_str(),
+                    human_bytes(c.host_frames.current * kFrameBytes).c_str(), human_bytes(uint64_t(in)).c_str(),
+                    human_bytes(uint64_t(back)).c_str(), 100.0 * hit_rate(c), evictions, 100.0 * stall);
+      out << line;
     }
-    char line[320];
-    std::snprintf(line, sizeof(line), "%6u %-20.20s %7d %9s %9s %10s %10s %5.1f%% %8.0f %6.2f%%\n", c.client,
-                  c.name.c_str(), c.pid, human_bytes(c.gpu_frames.current * kFrameBytes).c_str(),
-                  human_bytes(c.host_frames.current * kFrameBytes).c_str(), human_bytes(uint64_t(in)).c_str(),
-                  human_bytes(uint64_t(back)).c_str(), 100.0 * hit_rate(c), evictions, 100.0 * stall);
-    out << line;
   }
-  if (!stats.spaces.empty()) {
+  std::vector<std::pair<int, const SpaceInfo*>> spaces;
+  for (const DeviceRuntimeStats& d : devices) {
+    for (const SpaceInfo& s : d.stats.spaces) spaces.push_back({d.device, &s});
+  }
+  if (!spaces.empty()) {
     char space_header[200];
-    std::snprintf(space_header, sizeof(space_header), "\n%6s %-24s %10s %10s %10s %10s %10s\n", "CLIENT", "SPACE",
-                  "SIZE", "ON GPU", "ON HOST", "IN/s", "OUT/s");
+    std::snprintf(space_header, sizeof(space_header), "\n%6s %3s %-24s %10s %10s %10s %10s %10s\n", "CLIENT", "DEV",
+                  "SPACE", "SIZE", "ON GPU", "ON HOST", "IN/s", "OUT/s");
     out << space_header;
     size_t shown = 0;
-    for (const SpaceInfo& s : stats.spaces) {
+    for (auto [device, space] : spaces) {
+      const SpaceInfo& s = *space;
       if (++shown > 40) {
-        out << "  ... " << (stats.spaces.size() - 40) << " more spaces (membarctl stats lists them all)\n";
+        out << "  ... " << (spaces.size() - 40) << " more spaces (membarctl stats lists them all)\n";
         break;
       }
       auto it = spaces_before.find({s.client, s.id});
       double in = it == spaces_before.end() ? 0 : rate(s.bytes_host_to_gpu, it->second->bytes_host_to_gpu);
       double back = it == spaces_before.end() ? 0 : rate(s.bytes_gpu_to_host, it->second->bytes_gpu_to_host);
       char line[256];
-      std::snprintf(line, sizeof(line), "%6u %-24.24s %10s %10s %10s %10s %10s\n", s.client, s.name.c_str(),
+      std::snprintf(line, sizeof(line), "%6u %3d %-24.24s %10s %10s %10s %10s %10s\n", s.client, device, s.name.c_str(),
                     human_bytes(s.page_bytes * s.page_count).c_str(), human_bytes(s.bytes_gpu + s.bytes_both).c_str(),
                     human_bytes(s.bytes_host + s.bytes_both).c_str(), human_bytes(uint64_t(in)).c_str(),
                     human_bytes(uint64_t(back)).c_str());

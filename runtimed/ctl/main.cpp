@@ -117,19 +117,23 @@ int run(int argc, char** argv) {
   }
   if (command.empty()) return usage_error("no command given");
 
-  Result<std::unique_ptr<ctl::AdminConnection>> connection = ctl::AdminConnection::open(socket_path);
-  if (!connection.ok()) return fail(connection.status());
-  ctl::AdminConnection& admin = *connection.value();
+  Result<ctl::NodeAdmin> node = ctl::NodeAdmin::open(socket_path);
+  if (!node.ok()) return fail(node.status());
+  ctl::AdminConnection& admin = node.value().first();
 
   if (command == "ping") {
     Result<uint64_t> round_trip = admin.ping();
     if (!round_trip.ok()) return fail(round_trip.status());
-    std::printf("membard at %s is alive (backend %s, protocol v2), round trip %s\n", socket_path.c_str(),
-                admin.backend().c_str(), ctl::human_duration_ns(round_trip.value()).c_str());
+    std::vector<int> devices = admin.daemon_devices();
+    std::string device_list;
+    for (int device : devices) device_list += (device_list.empty() ? "" : ", ") + std::to_string(device);
+    std::printf("membard at %s is alive (backend %s, device%s %s, protocol v2), round trip %s\n", socket_path.c_str(),
+                admin.backend().c_str(), devices.size() > 1 ? "s" : "", device_list.c_str(),
+                ctl::human_duration_ns(round_trip.value()).c_str());
     return 0;
   }
   if (command == "stats") {
-    Result<RuntimeStats> stats = admin.stats();
+    Result<std::vector<DeviceRuntimeStats>> stats = node.value().stats();
     if (!stats.ok()) return fail(stats.status());
     std::string text = json ? ctl::format_stats_json(stats.value(), socket_path)
                             : ctl::format_stats_text(stats.value(), socket_path);
@@ -140,23 +144,21 @@ int run(int argc, char** argv) {
   bool terminal = ::isatty(STDOUT_FILENO) != 0;
   // On a terminal, 'q' quits: stdin without line buffering or echo while top runs.
   KeyboardMode keyboard(terminal && ::isatty(STDIN_FILENO) != 0);
-  RuntimeStats previous;
-  bool have_previous = false;
+  std::vector<DeviceRuntimeStats> previous;
   auto last = std::chrono::steady_clock::now();
   for (long long i = 0; iterations < 0 || i < iterations; ++i) {
     if (i > 0 && keyboard.wait_for_quit(static_cast<int>(interval_ms))) break;
-    Result<RuntimeStats> stats = admin.stats();
+    Result<std::vector<DeviceRuntimeStats>> stats = node.value().stats();
     if (!stats.ok()) return fail(stats.status());
     auto now = std::chrono::steady_clock::now();
     double interval_s = std::chrono::duration<double>(now - last).count();
     last = now;
-    std::string screen = ctl::format_top(stats.value(), have_previous ? &previous : nullptr, interval_s, socket_path);
+    std::string screen = ctl::format_top(stats.value(), previous, interval_s, socket_path);
     if (terminal) std::fputs("\033[H\033[2J", stdout);
     std::fputs(screen.c_str(), stdout);
     if (!terminal) std::fputs("\n", stdout);
     std::fflush(stdout);
     previous = std::move(stats).value();
-    have_previous = true;
   }
   return 0;
 }

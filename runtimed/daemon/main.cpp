@@ -19,6 +19,7 @@
 #include "membar/engine/backend.h"
 #include "membar/engine/engine.h"
 #include "membar/common/human_bytes.h"
+#include "membar/protocol/v2.h"
 #include "options.h"
 #include "server.h"
 #include "shared_segment.h"
@@ -61,18 +62,68 @@ struct PidFile {
   }
 };
 
-uint64_t gpu_free_bytes(const DaemonOptions& options) {
+uint64_t gpu_free_bytes(const DaemonOptions& options, int device) {
 #if defined(MEMBAR_WITH_CUDA)
   if (options.backend == "cuda") {
     size_t free_bytes = 0, total_bytes = 0;
-    if (cudaSetDevice(options.device) == cudaSuccess && cudaMemGetInfo(&free_bytes, &total_bytes) == cudaSuccess) {
+    if (cudaSetDevice(device) == cudaSuccess && cudaMemGetInfo(&free_bytes, &total_bytes) == cudaSuccess) {
       return free_bytes;
     }
     return 0;
   }
 #endif
+  (void)device;
   // The host backend's "GPU" frames are host memory too.
   return host_available_bytes();
+}
+
+// `--devices all`: every CUDA device this process sees (CUDA backend only; the options refuse it
+// on the host backend).
+Result<std::vector<int>> every_cuda_device() {
+#if defined(MEMBAR_WITH_CUDA)
+  int count = 0;
+  cudaError_t error = cudaGetDeviceCount(&count);
+  if (error != cudaSuccess) {
+    return unavailable(std::string("--devices all: cannot count CUDA devices: ") + cudaGetErrorString(error));
+  }
+  if (count == 0) return unavailable("--devices all: this machine has no CUDA device");
+  std::vector<int> devices;
+  for (int device = 0; device < count && device < static_cast<int>(protocol::v2::kMaxDevices); ++device) {
+    devices.push_back(device);
+  }
+  if (count > static_cast<int>(protocol::v2::kMaxDevices)) {
+    spdlog::warn("--devices all: serving the first {} of {} CUDA devices", protocol::v2::kMaxDevices, count);
+  }
+  return devices;
+#else
+  return unimplemented("--devices all: this membard was built without CUDA (-DMEMBAR_WITH_CUDA=ON)");
+#endif
+}
+
+// One device's backend (its pools, `backend_config.device`) and engine.
+Result<ServedDevice> make_device(const DaemonOptions& options, const BackendConfig& backend_config,
+                                 const EngineConfig& engine_config) {
+  const int device = backend_config.device;
+  Result<std::unique_ptr<DeviceBackend>> backend = unimplemented("no backend");
+  if (options.backend == "host") {
+    backend = make_host_backend(backend_config);
+  } else {
+#if defined(MEMBAR_WITH_CUDA)
+    backend = make_cuda_backend(backend_config);
+#else
+    backend = unimplemented("this membard was built without CUDA (-DMEMBAR_WITH_CUDA=ON); use --backend host");
+#endif
+  }
+  if (!backend.ok()) {
+    return Status(backend.status().code(), "cannot create the " + options.backend + " backend of device " +
+                                               std::to_string(device) + ": " + backend.status().to_string());
+  }
+  Result<std::unique_ptr<Engine>> engine = Engine::create(std::move(backend).value(), engine_config);
+  if (!engine.ok()) {
+    return Status(engine.status().code(),
+                  "cannot create the engine of device " + std::to_string(device) + ": " + engine.status().to_string());
+  }
+  return ServedDevice{device, std::move(engine).value()};
 }
 
 // With --daemonize: detach (fork + setsid); the parent exits once the child serves, with the
@@ -131,60 +182,69 @@ int run(int argc, char** argv) {
   }
   PidFile pid_file;
 
-  BackendConfig backend_config;
-  uint64_t gpu_free = gpu_free_bytes(options);
+  if (options.all_devices) {
+    Result<std::vector<int>> every = every_cuda_device();
+    if (!every.ok()) {
+      spdlog::error("{}", every.status().message());
+      return 1;
+    }
+    options.devices = std::move(every).value();
+  }
+  // Pools and quotas are per device: each device gets a --gpu-pool (a fraction is of that
+  // device's free memory) and a --host-pool of its own, and a client's share is of its device's
+  // pools (Note [Devices of one daemon] in membar/protocol/v2.h). Host memory is one for all: a
+  // fraction for --host-pool is of the available memory divided among the devices.
+  const size_t device_count = options.devices.size();
+  std::vector<BackendConfig> pools(device_count);
   uint64_t host_free = host_available_bytes();
-  backend_config.gpu_pool_bytes = resolve_size(options.gpu_pool, gpu_free);
-  backend_config.host_pool_bytes = resolve_size(options.host_pool, host_free);
-  backend_config.device = options.device;
-  if (backend_config.gpu_pool_bytes == 0 || backend_config.host_pool_bytes == 0) {
-    spdlog::error("pools must hold at least one 2 MiB frame (gpu {}, host {})",
-                  human_bytes(backend_config.gpu_pool_bytes), human_bytes(backend_config.host_pool_bytes));
-    return 1;
+  uint64_t host_needed = 0;
+  for (size_t i = 0; i < device_count; ++i) {
+    pools[i].device = options.devices[i];
+    pools[i].gpu_pool_bytes = resolve_size(options.gpu_pool, gpu_free_bytes(options, options.devices[i]));
+    pools[i].host_pool_bytes = resolve_size(options.host_pool, host_free / device_count);
+    if (pools[i].gpu_pool_bytes == 0 || pools[i].host_pool_bytes == 0) {
+      spdlog::error("pools must hold at least one 2 MiB frame (device {}: gpu {}, host {})", pools[i].device,
+                    human_bytes(pools[i].gpu_pool_bytes), human_bytes(pools[i].host_pool_bytes));
+      return 1;
+    }
+    host_needed += pools[i].host_pool_bytes + (options.backend == "host" ? pools[i].gpu_pool_bytes : 0);
   }
-  // The host pool is pinned: it must fit in memory with room to spare for everything else.
+  // The host pools are pinned: they must fit in memory with room to spare for everything else.
   uint64_t host_total = meminfo_bytes("MemTotal:");
-  uint64_t host_needed = backend_config.host_pool_bytes + (options.backend == "host" ? backend_config.gpu_pool_bytes : 0);
   if (host_total != 0 && host_needed > host_total / 10 * 9) {
-    spdlog::error("a {} host pool{} does not fit this machine's {} of memory (at most 90% of it can be pinned); "
+    spdlog::error("{} of host pool{}{} do not fit this machine's {} of memory (at most 90% of it can be pinned); "
                   "give a smaller --host-pool (or a fraction such as --host-pool 0.5)",
-                  human_bytes(backend_config.host_pool_bytes),
-                  options.backend == "host" ? " plus the host backend's GPU pool" : "", human_bytes(host_total));
+                  human_bytes(host_needed), device_count > 1 ? "s (one per device)" : "",
+                  options.backend == "host" ? " plus the host backend's GPU pools" : "", human_bytes(host_total));
     return 1;
   }
-  spdlog::info("backend {}: gpu pool {} ({} frames), host pool {} ({} frames)", options.backend,
-               human_bytes(backend_config.gpu_pool_bytes), backend_config.gpu_pool_bytes / kFrameBytes,
-               human_bytes(backend_config.host_pool_bytes), backend_config.host_pool_bytes / kFrameBytes);
 
-  Result<std::unique_ptr<DeviceBackend>> backend = unimplemented("no backend");
-  if (options.backend == "host") {
-    backend = make_host_backend(backend_config);
-  } else {
-#if defined(MEMBAR_WITH_CUDA)
-    backend = make_cuda_backend(backend_config);
-#else
-    backend = unimplemented("this membard was built without CUDA (-DMEMBAR_WITH_CUDA=ON); use --backend host");
-#endif
-  }
-  if (!backend.ok()) {
-    spdlog::error("cannot create the {} backend: {}", options.backend, backend.status().to_string());
-    return 1;
-  }
   EngineConfig engine_config;
-  engine_config.default_gpu_quota_bytes = resolve_size(options.default_gpu_quota, backend_config.gpu_pool_bytes);
-  engine_config.default_host_quota_bytes = resolve_size(options.default_host_quota, backend_config.host_pool_bytes);
   engine_config.max_spaces_per_client = options.max_spaces;
   engine_config.max_space_frames_per_client = options.max_client_space.bytes / kFrameBytes;
-  spdlog::info("each client's share unless it asks for less: {} of the GPU pool, {} of the host pool "
-               "(--default-gpu-quota, --default-host-quota)",
-               human_bytes(engine_config.default_gpu_quota_bytes), human_bytes(engine_config.default_host_quota_bytes));
-  Result<std::unique_ptr<Engine>> engine = Engine::create(std::move(backend).value(), engine_config);
-  if (!engine.ok()) {
-    spdlog::error("cannot create the engine: {}", engine.status().to_string());
-    return 1;
+  engine_config.client_id_step = static_cast<uint32_t>(device_count);
+  std::vector<ServedDevice> devices;
+  for (size_t i = 0; i < device_count; ++i) {
+    const BackendConfig& pool = pools[i];
+    std::string which = device_count > 1 ? "device " + std::to_string(pool.device) + ", " : std::string();
+    spdlog::info("{}backend {}: gpu pool {} ({} frames), host pool {} ({} frames)", which, options.backend,
+                 human_bytes(pool.gpu_pool_bytes), pool.gpu_pool_bytes / kFrameBytes, human_bytes(pool.host_pool_bytes),
+                 pool.host_pool_bytes / kFrameBytes);
+    engine_config.default_gpu_quota_bytes = resolve_size(options.default_gpu_quota, pool.gpu_pool_bytes);
+    engine_config.default_host_quota_bytes = resolve_size(options.default_host_quota, pool.host_pool_bytes);
+    spdlog::info("{}each client's share unless it asks for less: {} of the GPU pool, {} of the host pool "
+                 "(--default-gpu-quota, --default-host-quota)",
+                 which, human_bytes(engine_config.default_gpu_quota_bytes),
+                 human_bytes(engine_config.default_host_quota_bytes));
+    engine_config.first_client_id = static_cast<ClientId>(i + 1);  // ids i+1, i+1+n, ...: unique node-wide
+    Result<ServedDevice> device = make_device(options, pool, engine_config);
+    if (!device.ok()) {
+      spdlog::error("{}", device.status().message());
+      return 1;
+    }
+    devices.push_back(std::move(device).value());
   }
-  options.server.device = options.device;
-  Result<std::unique_ptr<Server>> server = Server::create(options.server, std::move(engine).value());
+  Result<std::unique_ptr<Server>> server = Server::create(options.server, std::move(devices));
   if (!server.ok()) {
     spdlog::error("cannot start: {}", server.status().to_string());
     return 1;

@@ -5,6 +5,7 @@
 #include <cstdlib>
 
 #include "membar/client.h"
+#include "membar/protocol/v2.h"
 
 namespace membar::runtimed {
 
@@ -40,6 +41,28 @@ uint64_t resolve_size(const SizeSpec& spec, uint64_t free_bytes) {
   return bytes / kFrameBytes * kFrameBytes;
 }
 
+Result<std::vector<int>> parse_device_list(const std::string& text) {
+  std::vector<int> devices;
+  size_t start = 0;
+  for (;;) {
+    size_t comma = text.find(',', start);
+    std::string item = text.substr(start, comma == std::string::npos ? std::string::npos : comma - start);
+    char* end = nullptr;
+    long number = std::strtol(item.c_str(), &end, 10);
+    if (item.empty() || *end != 0 || item[0] == '-' || item[0] == '+' || number < 0 ||
+        number >= static_cast<long>(protocol::v2::kMaxDevices)) {
+      return invalid_argument("'" + item + "' is not a device (0.." + std::to_string(protocol::v2::kMaxDevices - 1) +
+                              ", or 'all')");
+    }
+    for (int seen : devices) {
+      if (seen == number) return invalid_argument("device " + item + " is listed twice");
+    }
+    devices.push_back(static_cast<int>(number));
+    if (comma == std::string::npos) break;
+    start = comma + 1;
+  }
+  return devices;
+}
 
 std::string daemon_usage() {
   return "usage: membard [options]\n"
@@ -49,11 +72,17 @@ std::string daemon_usage() {
          "\n"
          "Memory:\n"
          "  --backend cuda|host        cuda: GPU frames (default when built with CUDA); host: no GPU (tests)\n"
-         "  --gpu-pool SIZE            GPU pool (default 256MiB)\n"
-         "  --host-pool SIZE           host pool, pinned in the background after start-up (default 1GiB)\n"
-         "  --default-gpu-quota SIZE   each client's share when it asks for none (default 1.0: the whole pool)\n"
-         "  --default-host-quota SIZE  likewise for the host pool\n"
-         "  --device N                 CUDA device of the GPU pool (default 0)\n"
+         "  --devices LIST|all         CUDA devices served, e.g. 0,1,3 (default 0); all: every CUDA device.\n"
+         "                             Each device has its own pools and engine; a client names its device\n"
+         "                             when it connects (the first one when it names none). With --backend\n"
+         "                             host the numbers are labels (no GPU) and 'all' is refused\n"
+         "  --device N                 the same as --devices N\n"
+         "  --gpu-pool SIZE            GPU pool of each device (default 256MiB)\n"
+         "  --host-pool SIZE           host pool of each device, pinned in the background after start-up\n"
+         "                             (default 1GiB)\n"
+         "  --default-gpu-quota SIZE   each client's share of its device's GPU pool when it asks for none\n"
+         "                             (default 1.0: the whole pool)\n"
+         "  --default-host-quota SIZE  likewise for its device's host pool\n"
          "Access:\n"
          "  --socket PATH              control socket (default /run/membar/membard.sock)\n"
          "  --allow-uid UID[,UID...]   admit these uids besides the daemon's own and root; the socket is then\n"
@@ -71,7 +100,8 @@ std::string daemon_usage() {
          "  --daemonize                detach into the background once serving\n"
          "  --pid-file PATH            write the daemon's pid there (removed on exit)\n"
          "  --log-level L              trace|debug|info|warn|error|off (default info)\n"
-         "SIZE: 40GiB, 512MiB, or a fraction such as 0.8 (of free memory for pools, of the pool for quotas).\n";
+         "SIZE: 40GiB, 512MiB, or a fraction such as 0.8 (of free memory for pools: the device's for --gpu-pool,\n"
+         "the machine's shared among the devices for --host-pool; of the pool for quotas).\n";
 }
 
 Result<DaemonOptions> parse_daemon_options(int argc, const char* const* argv) {
@@ -131,9 +161,17 @@ Result<DaemonOptions> parse_daemon_options(int argc, const char* const* argv) {
       if (options.default_host_quota.fraction == 0 && options.default_host_quota.bytes < kFrameBytes) {
         return invalid_argument("--default-host-quota must be at least one 2MiB frame (or a fraction of the pool)");
       }
-    } else if (flag == "--device") {
-      MEMBAR_ASSIGN_OR_RETURN(int64_t device, take_int(0, 1023));
-      options.device = static_cast<int>(device);
+    } else if (flag == "--devices" || flag == "--device") {
+      MEMBAR_ASSIGN_OR_RETURN(std::string list, take());
+      options.all_devices = flag == "--devices" && list == "all";
+      if (!options.all_devices) {
+        Result<std::vector<int>> devices = parse_device_list(list);
+        if (!devices.ok()) return invalid_argument(flag + ": " + devices.status().message());
+        if (flag == "--device" && devices.value().size() != 1) {
+          return invalid_argument("--device takes one device; use --devices " + list);
+        }
+        options.devices = std::move(devices).value();
+      }
     } else if (flag == "--allow-uid") {
       MEMBAR_ASSIGN_OR_RETURN(std::string list, take());
       size_t start = 0;
@@ -195,6 +233,10 @@ Result<DaemonOptions> parse_daemon_options(int argc, const char* const* argv) {
     } else {
       return invalid_argument("unknown flag '" + flag + "'");
     }
+  }
+  if (options.all_devices && options.backend == "host") {
+    return invalid_argument("--devices all counts CUDA devices and --backend host has none: list the device "
+                            "labels instead (e.g. --devices 0,1)");
   }
   return options;
 }

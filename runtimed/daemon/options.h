@@ -33,7 +33,13 @@ struct DaemonOptions {
   SizeSpec host_pool{1ull << 30, 0};
   SizeSpec default_gpu_quota{0, 1.0};  // a fraction of the pool: the whole pool by default
   SizeSpec default_host_quota{0, 1.0};
-  int device = 0;
+  // The devices served, one engine and pool each (Note [Devices of one daemon] in
+  // membar/protocol/v2.h): CUDA ordinals in the order given, no repeats, each below
+  // kMaxDevices. With --backend host they are labels only (no GPU is touched).
+  std::vector<int> devices{0};
+  // `--devices all`: every CUDA device (main resolves it, CUDA backend only; on the host
+  // backend it is refused while parsing, as there is nothing to count).
+  bool all_devices = false;
   uint32_t max_spaces = 65536;
   SizeSpec max_client_space{32ull << 40, 0};
   bool daemonize = false;
@@ -41,6 +47,9 @@ struct DaemonOptions {
   std::string log_level = "info";
   bool show_help = false;
 };
+
+// "0,1,3": CUDA ordinals 0..kMaxDevices-1, no repeats (INVALID_ARGUMENT naming the bad item).
+Result<std::vector<int>> parse_device_list(const std::string& text);
 
 // Parses argv (without exiting or printing): INVALID_ARGUMENT naming the bad flag.
 Result<DaemonOptions> parse_daemon_options(int argc, const char* const* argv);

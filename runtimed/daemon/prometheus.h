@@ -2,12 +2,17 @@
 #pragma once
 
 #include <string>
+#include <vector>
 
 #include "membar/types.h"
 
 namespace membar::runtimed {
 
-// `# HELP` / `# TYPE` lines and one sample per tier, client and counter.
+// `# HELP` / `# TYPE` lines and one sample per tier, client and counter of every device. A daemon
+// of several devices labels each sample with device="N" (tiers, clients and spaces are per
+// device); one of a single device writes no device label, as before devices were added.
+std::string format_prometheus(const std::vector<DeviceRuntimeStats>& devices);
+// One device (no device label).
 std::string format_prometheus(const RuntimeStats& stats);
 
 }  // namespace membar::runtimed

@@ -88,6 +88,7 @@ struct Connection {
   uint32_t uid = 0;
   int32_t pid = 0;
   bool client_open = false;
+  ServedDevice* device = nullptr;  // chosen by the hello; its engine holds `client`
   ClientId client = 0;
   std::string client_name;
   std::shared_ptr<SharedSegment> segment;
@@ -110,8 +111,8 @@ struct HttpConnection {
 
 class ServerImpl final : public Server {
  public:
-  ServerImpl(const ServerConfig& config, std::unique_ptr<Engine> engine)
-      : config_(config), engine_(std::move(engine)) {}
+  ServerImpl(const ServerConfig& config, std::vector<ServedDevice> devices)
+      : config_(config), devices_(std::move(devices)) {}
   ~ServerImpl() override;
 
   Status start();
@@ -136,6 +137,9 @@ class ServerImpl final : public Server {
   void attention(uint64_t id);
   void handle_message(Connection& connection, wire::ReceivedMessage& message);
   void handle_hello(Connection& connection, const v2::HelloV2& hello);
+  // The device a hello names (device_plus_one; 0: the first), or NOT_FOUND saying which are served.
+  Result<ServedDevice*> device_for(uint32_t device_plus_one);
+  std::string devices_text() const;
   void fail_connection(Connection& connection, const Status& status);
   void close_connection(Connection& connection, const std::string& reason);
   void shutdown(const std::string& reason);
@@ -143,8 +147,11 @@ class ServerImpl final : public Server {
   void close_handle(uv_handle_t* handle);
 
   ServerConfig config_;
-  std::unique_ptr<Engine> engine_;
-  ChannelRegistry channels_;  // Note [Channels]
+  std::vector<ServedDevice> devices_;  // never resized after create: connections point into it
+  uint32_t device_mask_ = 0;           // bit d: device d is served (the hello reply's device_mask)
+  // One registry for every device: a trainer on one GPU publishes to readers on the others
+  // (client ids are unique across the engines). Note [Channels]
+  ChannelRegistry channels_;
   uv_loop_t loop_{};
   uv_pipe_t listener_{};
   uv_async_t wakeup_{};
@@ -184,7 +191,33 @@ void ServerImpl::close_handle(uv_handle_t* handle) {
   if (!uv_is_closing(handle)) uv_close(handle, nullptr);
 }
 
+Result<ServedDevice*> ServerImpl::device_for(uint32_t device_plus_one) {
+  if (device_plus_one == 0) return &devices_.front();
+  for (ServedDevice& served : devices_) {
+    if (uint32_t(served.device) + 1 == device_plus_one) return &served;
+  }
+  return not_found("this membard serves device" + std::string(devices_.size() > 1 ? "s " : " ") + devices_text() +
+                   "; not " + std::to_string(device_plus_one - 1));
+}
+
+std::string ServerImpl::devices_text() const {
+  std::string text;
+  for (const ServedDevice& served : devices_) text += (text.empty() ? "" : ", ") + std::to_string(served.device);
+  return text;
+}
+
 Status ServerImpl::start() {
+  if (devices_.empty()) return invalid_argument("membard needs at least one device");
+  for (const ServedDevice& served : devices_) {
+    if (!served.engine) return invalid_argument("device " + std::to_string(served.device) + " has no engine");
+    if (served.device < 0 || served.device >= static_cast<int>(v2::kMaxDevices)) {
+      return invalid_argument("device " + std::to_string(served.device) + " is not in 0.." +
+                              std::to_string(v2::kMaxDevices - 1));
+    }
+    uint32_t bit = 1u << served.device;
+    if ((device_mask_ & bit) != 0) return invalid_argument("device " + std::to_string(served.device) + " is given twice");
+    device_mask_ |= bit;
+  }
   int rc = uv_loop_init(&loop_);
   if (rc != 0) return internal_error("uv_loop_init failed: " + uv_error_text(rc));
   loop_ready_ = true;
@@ -267,14 +300,16 @@ Status ServerImpl::start() {
     spdlog::info("prometheus metrics on http://127.0.0.1:{}/metrics", bound_prometheus_port_);
   }
   if (config_.allowed_uids.empty()) {
-    spdlog::info("membard serving {} (backend {}, socket mode {:o}: the daemon's user and root)", config_.socket_path,
-                 engine_->backend().name(), mode);
+    spdlog::info("membard serving {} (backend {}, device{} {}, socket mode {:o}: the daemon's user and root)",
+                 config_.socket_path, devices_.front().engine->backend().name(), devices_.size() > 1 ? "s" : "",
+                 devices_text(), mode);
   } else {
     std::string uids;
     for (uint32_t uid : config_.allowed_uids) uids += (uids.empty() ? "" : ",") + std::to_string(uid);
-    spdlog::info("membard serving {} (backend {}, socket mode 0666: the daemon's user, root and uids {}; others are "
-                 "refused by their credentials)",
-                 config_.socket_path, engine_->backend().name(), uids);
+    spdlog::info("membard serving {} (backend {}, device{} {}, socket mode 0666: the daemon's user, root and uids {}; "
+                 "others are refused by their credentials)",
+                 config_.socket_path, devices_.front().engine->backend().name(), devices_.size() > 1 ? "s" : "",
+                 devices_text(), uids);
   }
   spdlog::info("limits: {} connections, hello within {} ms, admin idle {} ms, {} queued bytes and {} descriptors per peer",
                config_.max_connections, config_.handshake_timeout_ms, config_.admin_idle_timeout_ms,
@@ -289,7 +324,7 @@ Status ServerImpl::run() {
   uv_run(&loop_, UV_RUN_DEFAULT);
   uv_loop_close(&loop_);
   loop_ready_ = false;
-  engine_->backend().drain();
+  for (ServedDevice& served : devices_) served.engine->backend().drain();
   spdlog::info("membard stopped");
   return Status::Ok();
 }
@@ -524,7 +559,9 @@ void ServerImpl::handle_message(Connection& connection, wire::ReceivedMessage& m
       fail_connection(connection, request.status());
       return;
     }
-    Result<RuntimeStats> stats = engine_->stats(0, request.value().first_space, request.value().max_spaces);
+    // An admin connection reports the device its hello named (Note [Devices of one daemon]).
+    Result<RuntimeStats> stats = connection.device->engine->stats(0, request.value().first_space,
+                                                                  request.value().max_spaces);
     if (!stats.ok()) {
       fail_connection(connection, stats.status());
       return;
@@ -539,8 +576,23 @@ void ServerImpl::handle_message(Connection& connection, wire::ReceivedMessage& m
 
 void ServerImpl::handle_hello(Connection& connection, const v2::HelloV2& hello) {
   v2::HelloReplyV2 reply{};
-  reply.backend = static_cast<uint8_t>(engine_->backend().name() == "cuda" ? v2::WireBackend::kCuda
-                                                                           : v2::WireBackend::kHost);
+  reply.device_mask = device_mask_;
+  Result<ServedDevice*> device = device_for(hello.device_plus_one);
+  if (!device.ok()) {
+    // Answered in the hello reply (the client library reports its status and sentence), then closed.
+    dropped_log_.warn("refused pid {} uid {}: {}", connection.pid, connection.uid, device.status().message());
+    reply.status = static_cast<int32_t>(device.status().code());
+    v2::copy_text(reply.message, sizeof(reply.message), device.status().message());
+    (void)connection.channel->send(v2::MessageType::kHelloReply, reply);
+    (void)connection.channel->flush();
+    close_connection(connection, device.status().message());
+    return;
+  }
+  connection.device = device.value();
+  Engine& engine = *connection.device->engine;
+  reply.device = connection.device->device;
+  reply.backend = static_cast<uint8_t>(engine.backend().name() == "cuda" ? v2::WireBackend::kCuda
+                                                                         : v2::WireBackend::kHost);
   if (hello.role == static_cast<uint32_t>(v2::Role::kAdmin)) {
     connection.state = Connection::State::kAdmin;
     reply.status = 0;
@@ -585,7 +637,7 @@ void ServerImpl::handle_hello(Connection& connection, const v2::HelloV2& hello) 
   };
   events.tickets_completed = [channel](Ticket completed) { channel->publish_completed(completed); };
 
-  Result<ClientId> client = engine_->client_open(client_config, events);
+  Result<ClientId> client = engine.client_open(client_config, events);
   if (!client.ok()) {
     fail_connection(connection, client.status());
     return;
@@ -602,9 +654,9 @@ void ServerImpl::handle_hello(Connection& connection, const v2::HelloV2& hello) 
   connection.segment = std::move(segment).value();
   channel->set_segment(connection.segment);
 
-  Result<ClientGeometry> geometry = engine_->client_geometry(connection.client);
+  Result<ClientGeometry> geometry = engine.client_geometry(connection.client);
   if (!geometry.ok()) return fail(geometry.status());
-  Result<int> signal_fd = engine_->client_signal_fd(connection.client);
+  Result<int> signal_fd = engine.client_signal_fd(connection.client);
   if (!signal_fd.ok()) return fail(signal_fd.status());
   UniqueFd signal(signal_fd.value());
   Result<int> segment_fd = connection.segment->export_fd();
@@ -619,14 +671,13 @@ void ServerImpl::handle_hello(Connection& connection, const v2::HelloV2& hello) 
   reply.host_quota_frames = geometry.value().host_quota_frames;
   reply.host_slab_frames = geometry.value().host_slab_frames;
   reply.signal_words = 8;
-  reply.device = config_.device;
 
   // Start serving before the reply so the client's first request finds a thread.
   ClientId id = connection.client;
   uint64_t connection_id = connection.id;
   Connection* raw = &connection;
   connection.ring = std::make_unique<RingServer>(
-      *engine_, id, connection.segment, channel, RingServerConfig{config_.ring_spin_us, &channels_, connection.uid},
+      engine, id, connection.segment, channel, RingServerConfig{config_.ring_spin_us, &channels_, connection.uid},
       [this, raw, connection_id](std::string why) {
         {
           std::lock_guard<std::mutex> lock(raw->violation_mutex);
@@ -643,8 +694,9 @@ void ServerImpl::handle_hello(Connection& connection, const v2::HelloV2& hello) 
     close_connection(connection, "cannot send hello reply: " + sent.to_string());
     return;
   }
-  spdlog::info("client {} '{}' connected (pid {}, uid {}, quota {} GPU / {} host frames)", id, client_config.name,
-               connection.pid, connection.uid, reply.gpu_quota_frames, reply.host_quota_frames);
+  spdlog::info("client {} '{}' connected (pid {}, uid {}, device {}, quota {} GPU / {} host frames)", id,
+               client_config.name, connection.pid, connection.uid, reply.device, reply.gpu_quota_frames,
+               reply.host_quota_frames);
 }
 
 void ServerImpl::fail_connection(Connection& connection, const Status& status) {
@@ -673,7 +725,7 @@ void ServerImpl::close_connection(Connection& connection, const std::string& rea
   if (connection.client_open) {
     channels_.close_all(connection.client);
     uint64_t start = protocol::monotonic_ns();
-    Status closed = engine_->client_close(connection.client);
+    Status closed = connection.device->engine->client_close(connection.client);
     if (!closed.ok()) spdlog::error("client {}: close failed: {}", connection.client, closed.to_string());
     spdlog::info("client {} '{}' closed ({}), its memory reclaimed in {:.1f} ms", connection.client,
                  connection.client_name, reason, (protocol::monotonic_ns() - start) * 1e-6);
@@ -785,12 +837,21 @@ void ServerImpl::respond_http(HttpConnection& http) {
     status_line = "HTTP/1.0 404 Not Found";
     body = "membard serves GET /metrics\n";
   } else {
-    Result<RuntimeStats> stats = engine_->stats(0, 0, v2::kMaxStatsSpaces);
-    if (stats.ok()) {
-      body = format_prometheus(stats.value());
+    std::vector<DeviceRuntimeStats> node;
+    Status failed;
+    for (ServedDevice& served : devices_) {
+      Result<RuntimeStats> stats = served.engine->stats(0, 0, v2::kMaxStatsSpaces);
+      if (!stats.ok()) {
+        failed = stats.status();
+        break;
+      }
+      node.push_back({served.device, std::move(stats).value()});
+    }
+    if (failed.ok()) {
+      body = format_prometheus(node);
     } else {
       status_line = "HTTP/1.0 500 Internal Server Error";
-      body = stats.status().to_string() + "\n";
+      body = failed.to_string() + "\n";
     }
   }
   http.response = status_line + "\r\nContent-Type: text/plain; version=0.0.4\r\nContent-Length: " +
@@ -806,9 +867,8 @@ void ServerImpl::respond_http(HttpConnection& http) {
 
 }  // namespace
 
-Result<std::unique_ptr<Server>> Server::create(const ServerConfig& config, std::unique_ptr<Engine> engine) {
-  if (!engine) return invalid_argument("Server::create needs an engine");
-  auto server = std::make_unique<ServerImpl>(config, std::move(engine));
+Result<std::unique_ptr<Server>> Server::create(const ServerConfig& config, std::vector<ServedDevice> devices) {
+  auto server = std::make_unique<ServerImpl>(config, std::move(devices));
   MEMBAR_RETURN_IF_ERROR(server->start());
   return std::unique_ptr<Server>(std::move(server));
 }

@@ -34,8 +34,6 @@ struct ServerConfig {
   uint32_t ring_spin_us = 50;
   // Install SIGTERM / SIGINT handlers that shut the server down.
   bool handle_signals = true;
-  // CUDA device of the GPU tier, told to clients so they map frames on the same device.
-  int device = 0;
   // Connections at once (trainers and membarctl); more are refused with an error.
   uint32_t max_connections = 256;
   // A peer must say hello within this; an admin connection may stay idle this long.
@@ -46,10 +44,20 @@ struct ServerConfig {
   OutboundLimits outbound;
 };
 
+// One device the daemon serves: its CUDA ordinal (told to its clients, so they map frames on the
+// same device; a label on the host backend) and the engine of its pools. Engines of different
+// devices share nothing but the channel registry (Note [Devices of one daemon] in
+// membar/protocol/v2.h); their client ids must not overlap (EngineConfig::first_client_id).
+struct ServedDevice {
+  int device = 0;
+  std::unique_ptr<Engine> engine;
+};
+
 class Server {
  public:
-  // Binds the socket (and the Prometheus port). Does not serve until run().
-  static Result<std::unique_ptr<Server>> create(const ServerConfig& config, std::unique_ptr<Engine> engine);
+  // Binds the socket (and the Prometheus port). Does not serve until run(). `devices`: at least
+  // one, distinct ordinals below protocol::v2::kMaxDevices; the first serves peers that name none.
+  static Result<std::unique_ptr<Server>> create(const ServerConfig& config, std::vector<ServedDevice> devices);
   virtual ~Server() = default;
 
   // Serves until a signal or request_stop; then tells every client, closes them and returns.

@@ -128,16 +128,20 @@ TEST(MessageHeader, RejectsEveryMalformedField) {
   EXPECT_EQ(decode_message_header(bytes_of(huge)).status().code(), StatusCode::INVALID_ARGUMENT);
 }
 
-TEST(Hello, RejectsBadRoleReservedAndNames) {
+TEST(Hello, RejectsBadRoleDeviceAndNames) {
   HelloV2 hello{};
   copy_text(hello.client_name, sizeof(hello.client_name), "ok");
   ASSERT_TRUE(decode_hello(bytes_of(hello)).ok());
   HelloV2 bad = hello;
   bad.role = 2;
   EXPECT_FALSE(decode_hello(bytes_of(bad)).ok());
+  // Devices 0..31 (device_plus_one 1..32) are names the daemon then checks; past that, malformed.
+  HelloV2 device = hello;
+  device.device_plus_one = kMaxDevices;
+  EXPECT_TRUE(decode_hello(bytes_of(device)).ok());
   bad = hello;
-  bad.reserved = 1;
-  EXPECT_FALSE(decode_hello(bytes_of(bad)).ok());
+  bad.device_plus_one = kMaxDevices + 1;
+  EXPECT_EQ(decode_hello(bytes_of(bad)).status().code(), StatusCode::INVALID_ARGUMENT);
   bad = hello;
   std::memset(bad.client_name, 'x', sizeof(bad.client_name));
   EXPECT_FALSE(decode_hello(bytes_of(bad)).ok());

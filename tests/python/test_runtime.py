@@ -215,6 +215,49 @@ def test_same_api_through_a_daemon(tmp_path):
         daemon.wait(timeout=10)
 
 
+@pytest.mark.skipif(_membard() is None, reason="membard is not built (set MEMBAR_BUILD_DIR)")
+def test_a_daemon_of_two_devices_keeps_each_devices_pages(tmp_path):
+    import json
+    import subprocess
+    import time
+
+    socket = tmp_path / "membard.sock"
+    daemon = subprocess.Popen([str(_membard()), "--backend", "host", "--devices", "0,1", "--socket", str(socket),
+                               "--gpu-pool", "16MiB", "--host-pool", "64MiB", "--log-level", "warn"])
+    try:
+        for _ in range(200):
+            if socket.exists():
+                break
+            time.sleep(0.02)
+        first = Runtime.connect(socket=str(socket), embedded=False, name="unnamed")
+        second = Runtime.connect(socket=str(socket), embedded=False, name="on-one", device=1)
+        assert (first.device_index, second.device_index) == (0, 1)
+        generator = torch.Generator().manual_seed(5)
+        written = {}
+        for rt in (first, second):
+            space = rt.space("L00.k", page_bytes=256 * 1024, pages=8)  # the same name on each device
+            data = torch.randint(0, 255, (8, 256 * 1024), dtype=torch.uint8, generator=generator)
+            space.acquire(0, 8, write=True, wait=True)
+            space.pool()[:] = data  # [pages, page_bytes] of uint8
+            space.release(0, 8, dirty=True)
+            rt.wait(space.offload(0, 8))
+            written[rt.device_index] = (space, data)
+        for device, (space, data) in written.items():
+            space.acquire(0, 8, wait=True)
+            assert torch.equal(space.pool(), data), device
+            space.release(0, 8)
+        with pytest.raises(RuntimeError, match="this membard serves devices 0, 1; not 2"):
+            Runtime.connect(socket=str(socket), embedded=False, device=2)
+        ctl = _membard().parent / "membarctl"
+        stats = json.loads(subprocess.run([str(ctl), "--socket", str(socket), "stats", "--json"], check=True,
+                                          capture_output=True, text=True).stdout)
+        assert [d["device"] for d in stats["devices"]] == [0, 1]
+        assert {c["name"]: c["device"] for c in stats["clients"]} == {"unnamed": 0, "on-one": 1}
+    finally:
+        daemon.terminate()
+        daemon.wait(timeout=10)
+
+
 def test_channels_in_one_process_embedded():
     import numpy as np
     writer = embedded()

@@ -34,9 +34,60 @@ TEST(ResolveSize, RoundsDownToWholeFrames) {
   EXPECT_EQ(human_bytes(40ull << 30), "40 GiB");
 }
 
+size_t count_of(const std::string& text, const std::string& needle) {
+  size_t count = 0;
+  for (size_t at = text.find(needle); at != std::string::npos; at = text.find(needle, at + 1)) ++count;
+  return count;
+}
+
 Result<DaemonOptions> parse(std::vector<const char*> args) {
   args.insert(args.begin(), "membard");
   return parse_daemon_options(static_cast<int>(args.size()), args.data());
+}
+
+TEST(DaemonOptions, DevicesTakeAListAndDeviceIsItsAlias) {
+  auto defaults = parse({});
+  ASSERT_TRUE(defaults.ok());
+  EXPECT_EQ(defaults.value().devices, (std::vector<int>{0}));
+  EXPECT_FALSE(defaults.value().all_devices);
+  auto listed = parse({"--backend", "host", "--devices", "0,1,3"});
+  ASSERT_TRUE(listed.ok()) << listed.status().to_string();
+  EXPECT_EQ(listed.value().devices, (std::vector<int>{0, 1, 3}));
+  auto order_kept = parse({"--devices=3,0"});
+  ASSERT_TRUE(order_kept.ok());
+  EXPECT_EQ(order_kept.value().devices, (std::vector<int>{3, 0}));  // the first given is the default
+  auto alias = parse({"--device", "2"});
+  ASSERT_TRUE(alias.ok());
+  EXPECT_EQ(alias.value().devices, (std::vector<int>{2}));
+  EXPECT_EQ(parse({"--devices", "5"}).value().devices, parse({"--device", "5"}).value().devices);
+}
+
+TEST(DaemonOptions, BadDeviceListsAreClearErrors) {
+  for (std::vector<const char*> bad : {std::vector<const char*>{"--devices", ""}, {"--devices", "0,"}, {"--devices", ",1"},
+                                       {"--devices", "0,,1"}, {"--devices", "a"}, {"--devices", "-1"},
+                                       {"--devices", "32"}, {"--devices", "1,1"}, {"--devices", "0x1"},
+                                       {"--device", "0,1"}, {"--device", "all"}, {"--devices"}}) {
+    auto parsed = parse(bad);
+    EXPECT_EQ(parsed.status().code(), StatusCode::INVALID_ARGUMENT) << bad.back();
+  }
+  EXPECT_NE(parse({"--devices", "1,1"}).status().message().find("listed twice"), std::string::npos);
+  EXPECT_NE(parse({"--device", "0,1"}).status().message().find("use --devices 0,1"), std::string::npos);
+}
+
+// `--devices all` counts CUDA devices; the host backend has none, so it is refused (not read as
+// device 0): a CI script asking for "all" on the host backend learns at once that it tests one.
+TEST(DaemonOptions, DevicesAllIsForTheCudaBackend) {
+  for (std::vector<const char*> args : {std::vector<const char*>{"--backend", "host", "--devices", "all"},
+                                        {"--devices", "all", "--backend", "host"}}) {
+    auto parsed = parse(args);
+    ASSERT_EQ(parsed.status().code(), StatusCode::INVALID_ARGUMENT);
+    EXPECT_NE(parsed.status().message().find("--devices all"), std::string::npos) << parsed.status().message();
+  }
+  auto cuda = parse({"--backend", "cuda", "--devices", "all"});
+  ASSERT_TRUE(cuda.ok()) << cuda.status().to_string();
+  EXPECT_TRUE(cuda.value().all_devices);
+  EXPECT_NE(daemon_usage().find("--devices LIST|all"), std::string::npos);
+  EXPECT_NE(daemon_usage().find("GPU pool of each device"), std::string::npos);
 }
 
 TEST(DaemonOptions, ParsesEveryFlag) {
@@ -60,7 +111,7 @@ TEST(DaemonOptions, ParsesEveryFlag) {
   EXPECT_TRUE(o.daemonize);
   EXPECT_EQ(o.pid_file, "/tmp/membard.pid");
   EXPECT_EQ(o.log_level, "debug");
-  EXPECT_EQ(o.device, 1);
+  EXPECT_EQ(o.devices, (std::vector<int>{1}));
   EXPECT_EQ(o.server.max_connections, 10000u);
   EXPECT_EQ(o.server.handshake_timeout_ms, 250u);
   EXPECT_EQ(o.max_spaces, 100u);
@@ -148,6 +199,39 @@ TEST(Prometheus, FormatsTiersClientsAndSpacesWithEscapedLabels) {
   EXPECT_NE(text.find("} 1.5\n"), std::string::npos) << text;
   EXPECT_NE(text.find("membar_space_bytes{client=\"4\",space=\"L07.k\",state=\"host\"} 983040\n"),
             std::string::npos) << text;
+}
+
+TEST(Prometheus, SeveralDevicesLabelEverySampleWithItsDevice) {
+  RuntimeStats zero;
+  zero.backend = "host";
+  zero.tiers = {{Tier::kGpu, 16, 0, 16, 0}, {Tier::kHost, 64, 0, 64, 0}};
+  RuntimeStats one = zero;
+  one.tiers[0].frames_used = 2;
+  ClientStats client;
+  client.client = 2;
+  client.pid = 7;
+  client.name = "on-one";
+  one.clients.push_back(client);
+  SpaceInfo space{1, "L00.k", 1 << 20, 4};
+  space.client = 2;
+  one.spaces.push_back(space);
+  std::string text = format_prometheus(std::vector<DeviceRuntimeStats>{{0, zero}, {1, one}});
+  EXPECT_EQ(count_of(text, "# TYPE membar_frames_used gauge"), 1u) << text;  // one family, every device in it
+  EXPECT_NE(text.find("membar_frames_used{device=\"0\",tier=\"gpu\"} 0\n"), std::string::npos) << text;
+  EXPECT_NE(text.find("membar_frames_used{device=\"1\",tier=\"gpu\"} 2\n"), std::string::npos) << text;
+  EXPECT_NE(text.find("membar_clients{device=\"0\"} 0\n"), std::string::npos) << text;
+  EXPECT_NE(text.find("membar_clients{device=\"1\"} 1\n"), std::string::npos) << text;
+  EXPECT_NE(text.find("membar_client_frames{device=\"1\",client=\"2\",name=\"on-one\",pid=\"7\",tier=\"gpu\"} 0\n"),
+            std::string::npos)
+      << text;
+  EXPECT_NE(text.find("membar_space_bytes{device=\"1\",client=\"2\",space=\"L00.k\",state=\"none\"} 0\n"),
+            std::string::npos)
+      << text;
+  // One device: no device label, the text of a daemon from before devices were added.
+  std::string single = format_prometheus(std::vector<DeviceRuntimeStats>{{3, one}});
+  EXPECT_EQ(single, format_prometheus(one));
+  EXPECT_EQ(single.find("device="), std::string::npos) << single;
+  EXPECT_NE(single.find("membar_clients 1\n"), std::string::npos) << single;
 }
 
 }  // namespace

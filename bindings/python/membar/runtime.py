@@ -209,13 +209,13 @@ class Space:
 class Runtime:
     """One client of the membar runtime (see the module docstring)."""
 
-    def __init__(self, native, device: int = 0):
+    def __init__(self, native):
         self._native = native
-        self._device_index = device
+        self._device_index = int(native.device())
 
     @classmethod
     def connect(cls, socket: Optional[str] = None, embedded: Optional[bool] = None, *, backend: str = "auto",
-                gpu_pool_bytes: int = 256 * _MIB, host_pool_bytes: int = 1024 * _MIB, device: int = 0,
+                gpu_pool_bytes: int = 256 * _MIB, host_pool_bytes: int = 1024 * _MIB, device: Optional[int] = None,
                 name: str = "", gpu_quota_bytes: int = 0, host_quota_bytes: int = 0) -> "Runtime":
         """Connects to a runtime.
 
@@ -224,14 +224,19 @@ class Runtime:
         only (``socket``, else ``$MEMBAR_SOCKET``, else the default socket) or an error.
         ``embedded=None`` (default): the daemon when one answers, else embedded.
         Quotas of 0 take the daemon's default share (embedded: the whole pool).
+        ``device``: the CUDA device to work on. A daemon may serve several (``membard --devices
+        0,1``); ``None`` takes its first device (embedded: device 0), and a device it does not
+        serve is an error naming the ones it does. ``Runtime.device`` says which one it is.
         """
+        if device is not None and int(device) < 0:
+            raise ValueError(f"Runtime.connect: device must not be negative, got {device}")
         if embedded and socket:
             raise ValueError("Runtime.connect: give a socket or embedded=True, not both")
         target = "embedded" if embedded else (socket or "")
         native = _runtime_class().connect(target, embedded is not False, backend, int(gpu_pool_bytes),
-                                          int(host_pool_bytes), int(device), name, int(gpu_quota_bytes),
-                                          int(host_quota_bytes))
-        return cls(native, int(device))
+                                          int(host_pool_bytes), -1 if device is None else int(device), name,
+                                          int(gpu_quota_bytes), int(host_quota_bytes))
+        return cls(native)
 
     def describe(self) -> str:
         """"embedded:host", "embedded:cuda" or "daemon:<socket>"."""
@@ -246,6 +251,12 @@ class Runtime:
     def device(self) -> torch.device:
         """Where pool tensors live."""
         return torch.device("cuda", self._device_index) if self.backend == "cuda" else torch.device("cpu")
+
+    @property
+    def device_index(self) -> int:
+        """The device this runtime serves: the one the daemon answered for (its first device when
+        ``connect`` named none), or the embedded runtime's. A label on the host backend."""
+        return self._device_index
 
     def space(self, name: str, page_bytes: Optional[int] = None, pages: int = 1, *,
               page_shape: Optional[Sequence[int]] = None, dtype: Optional[torch.dtype] = None) -> Space:

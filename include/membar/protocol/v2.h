@@ -99,9 +99,23 @@ enum class Role : uint32_t {
   kAdmin = 1,   // membarctl: socket requests only (stats, ping), owns nothing
 };
 
+// Note [Devices of one daemon]
+// One membard may serve several GPUs of its node (`membard --devices 0,1,3`): one engine and one
+// pool per device, each independent (frames, quotas, eviction), behind one socket. A peer names
+// the device it works on in its hello: `device_plus_one` = CUDA ordinal + 1, and 0 means the
+// daemon's first device, so a peer that predates this field (it sent zero) keeps working. A
+// device the daemon does not serve is answered by a hello reply with status NOT_FOUND and the
+// sentence "this membard serves devices 0, 1; not 2", then the connection is closed. Everything
+// on a connection concerns its device: a trainer's frames, and an admin's stats replies (membarctl
+// opens one admin connection per device). The reply's `device` is the device served, and
+// `device_mask` lists every device of the daemon (bit d: CUDA device d), so an admin learns
+// where to look; a daemon that predates the mask sends 0 (read it as "only `device`"). Ordinals
+// are at most kMaxDevices - 1. Client ids are unique across the daemon's devices.
+inline constexpr uint32_t kMaxDevices = 32;
+
 struct HelloV2 {
   uint32_t role;              // Role
-  uint32_t reserved;          // zero
+  uint32_t device_plus_one;   // CUDA device + 1; 0: the daemon's first (Note [Devices of one daemon])
   uint64_t gpu_quota_bytes;   // 0: the daemon's default
   uint64_t host_quota_bytes;  // 0: the daemon's default
   char client_name[kNameBytes];  // NUL-terminated, printable ASCII
@@ -122,8 +136,8 @@ struct HelloReplyV2 {
   uint32_t host_quota_frames;
   uint32_t host_slab_frames;    // host window frame w lies in slab w / host_slab_frames
   uint32_t signal_words;        // 64-bit words in the signal block (first descriptor)
-  int32_t device;               // CUDA device ordinal of the daemon's GPU tier
-  uint32_t reserved2;
+  int32_t device;               // CUDA device ordinal of this connection's GPU tier
+  uint32_t device_mask;         // bit d: the daemon serves device d (0 from an older daemon)
   char message[kMessageBytes];  // why, when status is not OK
 };
 static_assert(sizeof(HelloReplyV2) == 48 + kMessageBytes, "fixed wire size");

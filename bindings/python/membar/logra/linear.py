@@ -279,7 +279,8 @@ def _connect_runtime_for_states(shapes, device: torch.device):
     backend = "cuda" if device.type == "cuda" else "host"
     pool_bytes = _state_pool_bytes(shapes)
     try:
-        runtime = Runtime.connect(embedded=False, name="logra", device=device.index or 0)
+        runtime = Runtime.connect(embedded=False, name="logra",
+                                  device=(device.index or 0) if device.type == "cuda" else None)
         if runtime.device.type == device.type:
             return runtime
     except RuntimeError as error:

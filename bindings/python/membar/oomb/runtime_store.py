@@ -152,7 +152,8 @@ class RuntimeKVStore(KVStore):
         gpu = _round_up(max(gpu_bytes, _FRAME) + _SLACK + self.extra_bytes[0], _FRAME)
         host = _round_up(max(host_bytes, _FRAME) + _SLACK + self.extra_bytes[1], _FRAME)
         backend = "cuda" if self._cuda else "host"
-        device = self.device.index or 0
+        # A CUDA model asks the daemon for its GPU; a CPU one takes the daemon's first device.
+        device = (self.device.index or 0) if self._cuda else None
         if self.socket:
             self.runtime = Runtime.connect(socket=self.socket, embedded=False, device=device, name=self.name,
                                            gpu_quota_bytes=gpu, host_quota_bytes=host)

@@ -56,6 +56,11 @@ struct EngineConfig {
   uint64_t max_space_frames_per_client = 1ull << 24;
   // (space frame, step) uses of a schedule.
   uint64_t max_schedule_uses = 1ull << 26;
+  // Client ids are first_client_id, + client_id_step, ...: a daemon with one engine per device
+  // gives engine i of n the ids i + 1, i + 1 + n, ..., so an id names one client node-wide (its
+  // channels, the admin view, the logs).
+  ClientId first_client_id = 1;
+  uint32_t client_id_step = 1;
 };
 
 struct ClientConfig {
