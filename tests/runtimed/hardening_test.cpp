@@ -431,48 +431,83 @@ TEST_F(DaemonTest, ChannelBytesCountInQuotasPoolsAndStats) {
 // ---- (4) Stats never walk pages -------------------------------------------------------------
 
 // One client with a huge space (2^25 pages of 64 KiB: 2 TiB, a million space frames) creating it,
-// polling stats in a loop and destroying it does not cut another client's op rate.
+// polling stats in a loop and destroying it does not hold the engine. The yardstick is another
+// client's op rate in adjacent windows: while a peer hammers the daemon with cheap requests
+// (pings, stats of a small space) and while it polls the huge space's stats and the admin stats.
+// Stats that walked pages (tens of ms a poll) would cut the rate by far more than 3x; adjacent
+// windows keep other load on a 2-core CI machine (tests run two at a time) out of the ratio, and a
+// noisy pair is measured again, up to three times.
 TEST_F(DaemonTest, AHugeSpaceAndStatsPollingDoNotSlowOtherClients) {
   start_daemon();
   auto worker = connect_client("worker");
   ASSERT_TRUE(worker);
   auto space = worker->create_space("s", 64 << 10, 4);
   ASSERT_TRUE(space.ok());
-  double alone = op_rate(*worker, space.value(), 1.5);
 
-  RawPeer huge;
+  RawPeer huge, small;
   ASSERT_TRUE(huge.handshake(socket_path_, "huge"));
-  std::atomic<bool> stop{false};
-  std::atomic<uint64_t> polls{0};
+  ASSERT_TRUE(small.handshake(socket_path_, "small"));
+  ASSERT_EQ(small.create_space("few", 64 << 10, 4).code, StatusCode::OK);
+  enum Phase : int { kCreate, kCheap, kStats, kStop };
+  std::atomic<int> phase{kCreate};
+  std::atomic<bool> created{false};
+  std::atomic<uint64_t> cheap_polls{0}, stats_polls{0};
   double create_ms = 0, destroy_ms = 0;
-  double worst_during_create = 0;
   std::thread poller([&] {
     auto created_at = Clock::now();
-    auto created = huge.create_space("history", 64 << 10, 1u << 25);
+    auto made = huge.create_space("history", 64 << 10, 1u << 25);
     create_ms = seconds_since(created_at) * 1000;
-    EXPECT_EQ(created.code, StatusCode::OK) << created.message;
+    EXPECT_EQ(made.code, StatusCode::OK) << made.message;
+    created = true;
     AdminPeer admin;
     EXPECT_TRUE(admin.open(socket_path_));
-    while (!stop.load()) {
-      EXPECT_EQ(huge.call(RawPeer::make(v2::Opcode::kStats)).code, StatusCode::OK);
-      EXPECT_TRUE(admin.stats_page(0, v2::kMaxStatsSpaces).ok());
-      polls += 2;
+    for (int now = phase.load(); now != kStop; now = phase.load()) {
+      if (now == kCheap) {
+        EXPECT_EQ(small.call(RawPeer::make(v2::Opcode::kStats)).code, StatusCode::OK);
+        EXPECT_GE(admin.ping(), 0.0);
+        cheap_polls += 2;
+      } else if (now == kStats) {
+        EXPECT_EQ(huge.call(RawPeer::make(v2::Opcode::kStats)).code, StatusCode::OK);
+        EXPECT_TRUE(admin.stats_page(0, v2::kMaxStatsSpaces).ok());
+        stats_polls += 2;
+      } else {
+        std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      }
     }
     auto destroy_at = Clock::now();
-    EXPECT_EQ(huge.call(RawPeer::make(v2::Opcode::kDestroySpace, SpaceId(created.value)), "", 30).code, StatusCode::OK);
+    EXPECT_EQ(huge.call(RawPeer::make(v2::Opcode::kDestroySpace, SpaceId(made.value)), "", 30).code, StatusCode::OK);
     destroy_ms = seconds_since(destroy_at) * 1000;
   });
-  double busy = op_rate(*worker, space.value(), 1.5, &worst_during_create);
-  stop = true;
+  double worst_during_create = 0;
+  while (!created.load()) {
+    double worst = 0;
+    op_rate(*worker, space.value(), 0.1, &worst);
+    worst_during_create = std::max(worst_during_create, worst);
+  }
+  double cheap = 0, busy = 0, worst_while_polling = 0;
+  for (int attempt = 1; attempt <= 3; ++attempt) {
+    phase = kCheap;
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    cheap = op_rate(*worker, space.value(), 0.75);
+    phase = kStats;
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    double worst = 0;
+    busy = op_rate(*worker, space.value(), 0.75, &worst);
+    worst_while_polling = std::max(worst_while_polling, worst);
+    std::printf("attempt %d: other client's ops %.0f/s beside cheap requests, %.0f/s beside stats of a 2 TiB "
+                "space\n", attempt, cheap, busy);
+    if (busy >= cheap / 3) break;
+  }
+  phase = kStop;
   double worst_during_destroy = 0;
   double after = op_rate(*worker, space.value(), 0.5, &worst_during_destroy);
   poller.join();
-  std::printf("other client's ops: %.0f/s alone, %.0f/s while a 2 TiB space polled stats (%llu polls), worst op "
-              "%.1f ms; create %.0f ms, destroy %.0f ms (worst op meanwhile %.1f ms, %.0f ops/s)\n",
-              alone, busy, (unsigned long long)polls.load(), worst_during_create, create_ms, destroy_ms,
-              worst_during_destroy, after);
-  EXPECT_GT(polls.load(), 20u);
-  EXPECT_GE(busy, alone / 4) << "stats polling cut another client's op rate";
+  std::printf("%llu cheap polls, %llu stats polls, worst op %.1f ms; create %.0f ms (worst op meanwhile %.1f ms), "
+              "destroy %.0f ms (worst op meanwhile %.1f ms, %.0f ops/s)\n",
+              (unsigned long long)cheap_polls.load(), (unsigned long long)stats_polls.load(), worst_while_polling,
+              create_ms, worst_during_create, destroy_ms, worst_during_destroy, after);
+  EXPECT_GT(stats_polls.load(), 20u);
+  EXPECT_GE(busy, cheap / 3) << "stats of a huge space cut another client's op rate";
   EXPECT_LT(worst_during_create, 500.0);
   EXPECT_LT(worst_during_destroy, 250.0) << "destroying a huge space held the engine for its whole walk";
 }
