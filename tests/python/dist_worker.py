@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 torch.set_num_threads(1)
 sys.path.insert(0, os.path.dirname(__file__))
-from dist_common import TOKENS, global_batch, small_model  # noqa: E402
+from dist_common import TOKENS, global_batch, small_model, split_model  # noqa: E402
 
 from membar import logra  # noqa: E402
 from membar.oomb import OOMBConfig, OOMBTrainer  # noqa: E402
@@ -26,6 +26,9 @@ def main() -> None:
     case, out = sys.argv[1], sys.argv[2]
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     rank, world = dist.get_rank(), dist.get_world_size()
+    if case == "tensor":   # dist_worker.py tensor OUT T FAMILY: T-way head parallel, world / T data parallel
+        tensor_parallel(out, rank, world, int(sys.argv[3]), sys.argv[4])
+        return
     model = small_model()
     if case != "broadcast":
         trainer = OOMBTrainer(model, OOMBConfig(chunk_tokens=96, page_tokens=32), process_group=dist.group.WORLD)
@@ -73,6 +76,28 @@ def main() -> None:
             result["weights"] = [weights[i].detach().clone() for i in sorted(weights)]
     else:
         raise SystemExit(f"unknown case {case}")
+    torch.save(result, os.path.join(out, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+def tensor_parallel(out: str, rank: int, world: int, size: int, family: str) -> None:
+    from membar.oomb import tensor_parallel as tp
+
+    model = split_model(family)
+    dp_group, tp_group = tp.make_groups(size)
+    trainer = OOMBTrainer(model, OOMBConfig(chunk_tokens=96, page_tokens=32), process_group=dp_group,
+                          tensor_parallel_group=tp_group)
+    replicas = world // size
+    batch = global_batch(replicas)
+    row = rank // size
+    result = {"loss": trainer.step(batch[row: row + 1]), "kv_heads": trainer.num_kv_heads,
+              "q_rows": model.model.layers[0].self_attn.q_proj.weight.shape[0],
+              "down_columns": model.model.layers[0].mlp.down_proj.weight.shape[1]}
+    result["grads"] = tp.full_gradients(model)
+    result["norm"] = float(tp.clip_grad_norm_(model, 1e-3))
+    result["clipped"] = tp.full_gradients(model)
+    result["state"] = tp.full_state_dict(model)
+    result["logits"] = trainer.predict(batch[0], [5, TOKENS - 1])
     torch.save(result, os.path.join(out, f"rank{rank}.pt"))
     dist.destroy_process_group()
 

@@ -75,7 +75,7 @@ class OOMBTrainer:
 
     def __init__(self, model, config: OOMBConfig | None = None, store: KVStore | None = None, *,
                  runtime=None, socket: str | None = None, name: str = "membar-trainer", process_group=None,
-                 **options):
+                 tensor_parallel_group=None, **options):
         if config is None:
             config = OOMBConfig(**options)
         elif options:
@@ -88,6 +88,17 @@ class OOMBTrainer:
             model.config._attn_implementation = ATTENTION_NAME
         if model.config._attn_implementation != ATTENTION_NAME:
             raise ValueError("could not switch the model's attention to membar's paged attention.")
+        # Head parallel (Note [Head parallel layers] in tensor_parallel.py): split the model's heads
+        # and MLPs over the group before the probe, so that everything after sees this rank's part.
+        self.tensor_parallel_group = tensor_parallel_group
+        self.tensor_parallel = 1
+        if tensor_parallel_group is not None:
+            from . import tensor_parallel
+
+            if config.mode == "sparse":
+                raise ValueError("sparse mode with tensor parallel is not supported: its page selection sums scores "
+                                 "over all heads, which are split over the ranks; use mode='dense'.")
+            self.tensor_parallel = tensor_parallel.shard_model(model, tensor_parallel_group).size
         if config.checkpoint_layers:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.model = model
@@ -156,7 +167,7 @@ class OOMBTrainer:
         if self.process_group is None:
             if predicted == 0:
                 raise ValueError("no token has a target: every label after the first is -100.")
-            return self._step(input_ids, labels, predicted, predicted, stage2_chunks, loss_scale)
+            return self._split_step(input_ids, labels, predicted, predicted, stage2_chunks, loss_scale)
         from . import distributed
 
         # Every rank weighs its tokens by the global count (Note [Data parallel steps]).
@@ -164,7 +175,7 @@ class OOMBTrainer:
         if global_predicted == 0:
             raise ValueError("no token has a target on any rank: every label after the first is -100.")
         with distributed.StepReduction(self.process_group, self.model.parameters(), self._reduced_buffers) as reduction:
-            total = self._step(input_ids, labels, predicted, global_predicted, stage2_chunks, loss_scale)
+            total = self._split_step(input_ids, labels, predicted, global_predicted, stage2_chunks, loss_scale)
             started = time.perf_counter()
             reduced_bytes = reduction.finish()
             sums = torch.tensor([total, float(input_ids.numel())], dtype=torch.float64,
@@ -181,6 +192,25 @@ class OOMBTrainer:
         self.stats["tokens_per_second"] = self.stats["tokens"] / self.stats["seconds"]
         self.stats["global_tokens_per_second"] = global_tokens / self.stats["seconds"]
         return loss
+
+    def _split_step(self, input_ids, labels, predicted: int, weight_count: int, stage2_chunks,
+                    loss_scale: float) -> float:
+        """_step, then (head parallel) the sum over the tensor-parallel group of the gradients that
+        unsplit parameters inside split blocks got from this rank's heads alone."""
+        if self.tensor_parallel_group is None:
+            return self._step(input_ids, labels, predicted, weight_count, stage2_chunks, loss_scale)
+        from . import distributed, tensor_parallel
+
+        partial = tensor_parallel.info(self.model).partial
+        with distributed.StepReduction(self.tensor_parallel_group, partial, []) as reduction:
+            total = self._step(input_ids, labels, predicted, weight_count, stage2_chunks, loss_scale)
+            started = time.perf_counter()
+            reduction.finish()
+            seconds = time.perf_counter() - started
+        self.stats["seconds"] += seconds
+        self.stats["tokens_per_second"] = self.stats["tokens"] / self.stats["seconds"]
+        self.stats["tensor_parallel"] = self.tensor_parallel
+        return total
 
     def _step(self, input_ids, labels, predicted: int, weight_count: int, stage2_chunks, loss_scale: float) -> float:
         """One process's part of step(): gradients of loss_scale * (sum of token losses) / weight_count."""

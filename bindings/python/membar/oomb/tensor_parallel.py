@@ -1,0 +1,307 @@
+"""Head (tensor) parallel chunk-recurrent training over torch.distributed.
+
+Note [Head parallel layers]
+  Rationale: one sequence's pages (K/V and dK/dV of every layer) and its attention compute grow
+  with its length; splitting a layer's attention heads over T ranks divides both by T, so the
+  longest context and the step time scale with the GPUs of a node. membar rides on
+  torch.distributed (NCCL on GPUs, gloo on CPUs); it has no transport of its own.
+  Approach: shard_model(model, group) splits each decoder layer in place, Megatron style. The
+  q/k/v projections keep the rows of this rank's query and key/value heads (rank r of T holds
+  heads r*H/T .. (r+1)*H/T - 1 of each), o_proj keeps the matching columns; gate/up keep rows r of
+  T of the intermediate size, down_proj the matching columns. The input of the attention block
+  and of the MLP goes through copy_to_group (identity forward; the gradient, of which each rank's
+  projections give only a part, is summed over the group backward), and o_proj/down_proj become
+  RowParallelLinear (the partial products are summed over the group forward, the bias added once
+  after). That is one all-reduce per sublayer in each direction. The attention itself needs
+  nothing: the trainer's probe sees this rank's heads, its pages hold only them, and the paged
+  attention works head by head. Everything outside the split blocks (embeddings, norms, lm_head,
+  the loss, MoE blocks) is replicated: it computes the same on every rank, so its gradients agree
+  without communication. Parameters inside a split block that are not split (Qwen3's and Gemma 3's
+  q_norm/k_norm, applied per head) see only this rank's heads: their gradients are summed over the
+  group after each step (`TensorParallel.partial`). Parameter objects are kept (their .data is
+  replaced by the shard), so an optimizer made before sharding still holds them; full_state_dict
+  gathers the shards for saving, clip_grad_norm_ counts each shard once and each replicated
+  parameter once.
+  Limitations: attention blocks need separate q_proj/k_proj/v_proj/o_proj linears (a fused qkv_proj,
+  as in Phi-3, is refused with a sentence); MoE blocks (and any MLP without gate/up/down linears)
+  stay whole on every rank; embeddings and lm_head are not split over the vocabulary; the query
+  and key/value head counts and the intermediate size must divide by T; sparse mode is refused
+  (its page selection sums scores over all heads, which no rank holds); LoGRA is not split.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+log = logging.getLogger("membar.oomb")
+
+_ATTENTION_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj")
+_MLP_LINEARS = ("gate_proj", "up_proj", "down_proj")
+
+
+def _dist():
+    import torch.distributed as dist
+
+    if not dist.is_available():
+        raise ValueError("this PyTorch build has no torch.distributed.")
+    return dist
+
+
+class _CopyToGroup(torch.autograd.Function):
+    """Identity forward; the gradient summed over the group backward."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous().clone()
+        _dist().all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class _ReduceFromGroup(torch.autograd.Function):
+    """Sum over the group forward; identity backward (every rank holds the whole gradient)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        out = x.contiguous().clone()
+        _dist().all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+def copy_to_group(x: torch.Tensor, group) -> torch.Tensor:
+    return _CopyToGroup.apply(x, group)
+
+
+def reduce_from_group(x: torch.Tensor, group) -> torch.Tensor:
+    return _ReduceFromGroup.apply(x, group)
+
+
+class RowParallelLinear(torch.nn.Module):
+    """A linear layer holding columns of its weight: its partial products are summed over the
+    group, then the (whole) bias is added. Keeps the Parameter objects of the layer it replaces."""
+
+    def __init__(self, weight: torch.nn.Parameter, bias: torch.nn.Parameter | None, group):
+        super().__init__()
+        self.weight = weight
+        self.bias = bias
+        self.group = group
+        self.in_features, self.out_features = weight.shape[1], weight.shape[0]
+
+    def forward(self, x):
+        out = reduce_from_group(F.linear(x, self.weight), self.group)
+        return out if self.bias is None else out + self.bias
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features} (this rank's columns), out_features={self.out_features}"
+
+
+@dataclass
+class TensorParallel:
+    """What shard_model did to a model (kept as model._membar_tensor_parallel)."""
+
+    group: object
+    rank: int
+    size: int
+    # parameter -> the dimension it was split along (0: rows, 1: columns) and into how many blocks
+    # of equal size per part (q/k/v and gate/up are split as one block each; see _shard_rows).
+    sharded: dict = field(default_factory=dict)
+    partial: list = field(default_factory=list)   # unsplit parameters that see only this rank's heads
+    split_layers: int = 0
+    whole_mlps: list = field(default_factory=list)   # layers whose MLP stays whole on every rank
+
+
+def info(model) -> TensorParallel | None:
+    return getattr(model, "_membar_tensor_parallel", None)
+
+
+def _take(parameter: torch.nn.Parameter | None, dim: int, rank: int, size: int) -> None:
+    if parameter is None:
+        return
+    block = parameter.shape[dim] // size
+    with torch.no_grad():
+        parameter.data = parameter.data.narrow(dim, rank * block, block).clone()
+    if parameter.grad is not None:
+        parameter.grad = parameter.grad.narrow(dim, rank * block, block).clone()
+
+
+def _shard_rows(linear: torch.nn.Linear, rank: int, size: int, tp: TensorParallel) -> None:
+    _take(linear.weight, 0, rank, size)
+    _take(linear.bias, 0, rank, size)
+    linear.out_features = linear.weight.shape[0]
+    tp.sharded[linear.weight] = 0
+    if linear.bias is not None:
+        tp.sharded[linear.bias] = 0
+
+
+def _row_parallel(linear: torch.nn.Linear, rank: int, size: int, tp: TensorParallel) -> RowParallelLinear:
+    _take(linear.weight, 1, rank, size)
+    tp.sharded[linear.weight] = 1
+    return RowParallelLinear(linear.weight, linear.bias, tp.group)
+
+
+def _copy_input_hook(group):
+    def hook(module, args, kwargs):
+        if "hidden_states" in kwargs:
+            return args, dict(kwargs, hidden_states=copy_to_group(kwargs["hidden_states"], group))
+        return (copy_to_group(args[0], group), *args[1:]), kwargs
+    return hook
+
+
+def _divides(what: str, count: int, size: int) -> None:
+    if count % size:
+        raise ValueError(f"--tensor-parallel {size} splits {what} over {size} ranks, but there are {count}: "
+                         f"choose a tensor-parallel size that divides {count}.")
+
+
+def shard_model(model, group) -> TensorParallel:
+    """Splits the model's attention heads and MLPs over `group` in place (Note [Head parallel
+    layers]); every rank must call it with the same, unsplit weights. Returns what it did."""
+    dist = _dist()
+    existing = info(model)
+    if existing is not None:
+        if existing.group is not group:
+            raise ValueError("the model is already split over another tensor-parallel group.")
+        return existing
+    rank, size = dist.get_rank(group), dist.get_world_size(group)
+    tp = TensorParallel(group=group, rank=rank, size=size)
+    decoder = model.get_decoder()
+    layers = getattr(decoder, "layers", None)
+    if layers is None:
+        raise ValueError(f"{type(decoder).__name__} has no .layers: tensor parallel splits decoder layers.")
+    for index, layer in enumerate(layers):
+        attention = getattr(layer, "self_attn", None)
+        missing = [name for name in _ATTENTION_LINEARS
+                   if not isinstance(getattr(attention, name, None), torch.nn.Linear)]
+        if attention is None or missing:
+            raise ValueError(f"tensor parallel splits attention blocks with separate q_proj, k_proj, v_proj and o_proj "
+                             f"linears; layer {index}'s {type(attention).__name__} has no {', '.join(missing)} "
+                             f"(a fused projection such as Phi-3's qkv_proj is not split).")
+        head_dim = attention.head_dim
+        q_heads = attention.q_proj.out_features // head_dim
+        kv_heads = attention.k_proj.out_features // head_dim
+        _divides("the query heads", q_heads, size)
+        _divides("the key/value heads", kv_heads, size)
+        kept = {id(getattr(attention, name).weight) for name in _ATTENTION_LINEARS}
+        kept |= {id(getattr(attention, name).bias) for name in _ATTENTION_LINEARS if getattr(attention, name).bias is not None}
+        for name in ("q_proj", "k_proj", "v_proj"):
+            _shard_rows(getattr(attention, name), rank, size, tp)
+        attention.o_proj = _row_parallel(attention.o_proj, rank, size, tp)
+        tp.partial += [p for p in attention.parameters() if id(p) not in kept]
+        attention.register_forward_pre_hook(_copy_input_hook(group), with_kwargs=True)
+        mlp = getattr(layer, "mlp", None)
+        if mlp is not None and all(isinstance(getattr(mlp, name, None), torch.nn.Linear) for name in _MLP_LINEARS):
+            _divides("the MLP's intermediate size", mlp.gate_proj.out_features, size)
+            kept = {id(getattr(mlp, name).weight) for name in _MLP_LINEARS}
+            kept |= {id(getattr(mlp, name).bias) for name in _MLP_LINEARS if getattr(mlp, name).bias is not None}
+            _shard_rows(mlp.gate_proj, rank, size, tp)
+            _shard_rows(mlp.up_proj, rank, size, tp)
+            mlp.down_proj = _row_parallel(mlp.down_proj, rank, size, tp)
+            tp.partial += [p for p in mlp.parameters() if id(p) not in kept]
+            mlp.register_forward_pre_hook(_copy_input_hook(group), with_kwargs=True)
+        else:
+            tp.whole_mlps.append(index)
+        tp.split_layers += 1
+    if tp.whole_mlps:
+        log.warning("tensor parallel: the MLPs of %d layer(s) (%s) have no gate/up/down linears (MoE blocks) and stay "
+                    "whole on every rank.", len(tp.whole_mlps), type(getattr(layers[tp.whole_mlps[0]], "mlp", None)).__name__)
+    model._membar_tensor_parallel = tp
+    return tp
+
+
+def full_state_dict(model) -> dict:
+    """The unsplit state dict, on every rank of the group (a collective: every rank calls it)."""
+    tp = info(model)
+    state = model.state_dict()
+    if tp is None:
+        return state
+    dist = _dist()
+    by_id = {id(p): dim for p, dim in tp.sharded.items()}
+    named = dict(model.named_parameters(remove_duplicate=False))
+    full = {}
+    for name, tensor in state.items():
+        parameter = named.get(name)
+        dim = by_id.get(id(parameter)) if parameter is not None else None
+        if dim is None:
+            full[name] = tensor
+            continue
+        parts = [torch.empty_like(tensor) for _ in range(tp.size)]
+        dist.all_gather(parts, tensor.contiguous(), group=tp.group)
+        full[name] = torch.cat(parts, dim=dim)
+    return full
+
+
+def full_gradients(model) -> dict:
+    """A copy of every parameter's .grad, unsplit (a collective; None stays None). For checks."""
+    tp = info(model)
+    grads = {}
+    dist = _dist() if tp is not None else None
+    for name, parameter in model.named_parameters():
+        grad = parameter.grad
+        dim = tp.sharded.get(parameter) if tp is not None else None
+        if grad is None or dim is None:
+            grads[name] = None if grad is None else grad.detach().clone()
+            continue
+        parts = [torch.empty_like(grad) for _ in range(tp.size)]
+        dist.all_gather(parts, grad.contiguous(), group=tp.group)
+        grads[name] = torch.cat(parts, dim=dim)
+    return grads
+
+
+def clip_grad_norm_(model, max_norm: float) -> torch.Tensor:
+    """torch.nn.utils.clip_grad_norm_ for a split model: the norm of the whole model's gradient
+    (each shard once, each replicated parameter once), the same scale on every rank."""
+    tp = info(model)
+    parameters = [p for p in model.parameters() if p.grad is not None]
+    if tp is None:
+        return torch.nn.utils.clip_grad_norm_(parameters, max_norm)
+    if not parameters:
+        return torch.zeros(())
+    device = parameters[0].grad.device
+    sharded = torch.zeros((), dtype=torch.float64, device=device)
+    replicated = torch.zeros((), dtype=torch.float64, device=device)
+    for parameter in parameters:
+        square = parameter.grad.detach().double().pow(2).sum()
+        if parameter in tp.sharded:
+            sharded += square
+        else:
+            replicated += square
+    _dist().all_reduce(sharded, group=tp.group)
+    norm = (sharded + replicated).sqrt()
+    scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+    for parameter in parameters:
+        parameter.grad.detach().mul_(scale.to(parameter.grad.dtype))
+    return norm.float()
+
+
+def make_groups(tensor_parallel: int):
+    """(data-parallel group, tensor-parallel group) of this rank for a job of the default group's
+    ranks: ranks k*T .. k*T + T - 1 split one model (T = tensor_parallel), ranks with the same
+    rank mod T train different sequences. Every rank creates every group, in the same order."""
+    dist = _dist()
+    world = dist.get_world_size()
+    if tensor_parallel < 1 or world % tensor_parallel:
+        raise ValueError(f"--tensor-parallel {tensor_parallel} must divide the job's {world} ranks.")
+    rank = dist.get_rank()
+    tp_group = dp_group = None
+    for first in range(0, world, tensor_parallel):
+        ranks = list(range(first, first + tensor_parallel))
+        group = dist.new_group(ranks) if tensor_parallel > 1 else None
+        if rank in ranks:
+            tp_group = group
+    for offset in range(tensor_parallel):
+        ranks = list(range(offset, world, tensor_parallel))
+        group = dist.new_group(ranks) if world > tensor_parallel else None
+        if rank in ranks:
+            dp_group = group
+    return dp_group, tp_group

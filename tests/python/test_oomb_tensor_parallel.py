@@ -1,0 +1,73 @@
+"""Head (tensor) parallel chunk-recurrent training over torch.distributed (gloo on the CPU): the
+ranks' split gradients, gathered, equal one process's full-sequence gradients, alone and beside data
+parallel (Note [Head parallel layers] in membar/oomb/tensor_parallel.py); membar-train's
+--tensor-parallel computes the update of one process."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from test_oomb_distributed import (TRAIN, free_port, rank_env, relative_error, run_ranks,  # noqa: F401
+                                   train_ranks)
+
+from dist_common import TOKENS, global_batch, split_model
+
+
+@pytest.fixture(autouse=True)
+def _one_thread(one_thread):
+    yield
+
+
+def reference(family: str, rows: int):
+    model = split_model(family)
+    batch = global_batch(rows)
+    loss = model(batch, labels=batch).loss
+    loss.backward()
+    grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+    with torch.no_grad():
+        logits = model(batch[:1]).logits[0, [5, TOKENS - 1]].float()
+    norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3))
+    clipped = {name: p.grad for name, p in model.named_parameters()}
+    return float(loss.detach()), grads, norm, clipped, model.state_dict(), logits
+
+
+@pytest.mark.parametrize("family,world,size", [("qwen2", 2, 2), ("qwen3", 4, 4), ("qwen3", 4, 2)],
+                         ids=["qwen2-tp2", "qwen3-tp4", "qwen3-tp2-dp2"])
+def test_split_heads_give_full_sequence_gradients(tmp_path, family, world, size):
+    results = run_ranks_tp(tmp_path, world, size, family)
+    loss, grads, norm, clipped, state, logits = reference(family, world // size)
+    full = split_model(family).model.layers[0]
+    for rank, result in enumerate(results):
+        # Each rank holds its share of the heads and of the MLP, and only its pages.
+        assert result["kv_heads"] == full.self_attn.k_proj.out_features // full.self_attn.head_dim // size
+        assert result["q_rows"] == full.self_attn.q_proj.out_features // size
+        assert result["down_columns"] == full.mlp.down_proj.in_features // size
+        assert result["loss"] == pytest.approx(loss, rel=1e-5), rank
+        for name, grad in grads.items():
+            assert relative_error(result["grads"][name], grad) <= 1e-4, (rank, name)
+        assert result["norm"] == pytest.approx(norm, rel=1e-5)
+        for name, grad in clipped.items():
+            assert relative_error(result["clipped"][name], grad) <= 1e-4, (rank, name)
+        assert result["state"].keys() == state.keys()
+        for name, tensor in state.items():
+            assert torch.equal(result["state"][name], tensor), name
+        assert relative_error(result["logits"], logits) <= 1e-4
+
+
+def run_ranks_tp(tmp_path, world: int, size: int, family: str) -> list[dict]:
+    import os
+    from pathlib import Path
+
+    here = Path(__file__).resolve().parent
+    port = free_port()
+    ranks = [subprocess.Popen([sys.executable, str(here / "dist_worker.py"), "tensor", str(tmp_path), str(size), family],
+                              env=rank_env(rank, world, port), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True) for rank in range(world)]
+    outputs = [rank.communicate(timeout=240)[0] for rank in ranks]
+    for rank, (process, output) in enumerate(zip(ranks, outputs)):
+        assert process.returncode == 0, f"rank {rank}:\n{output}"
+    return [torch.load(tmp_path / f"rank{rank}.pt") for rank in range(world)]
