@@ -15,6 +15,9 @@
 #   waits     7B dense-offload at 32K with host waits against GPU-side waits for enqueued copies
 #             (Note [Enqueued tickets]; "+streamwait"), beside plain tensors, in one run
 #   dp        7B at 32K: one process against data parallel with world size 1 (NCCL), in one run
+#   tp        several GPUs: membar-train, 7B shape, one GPU against the heads split over every GPU
+#             (--tensor-parallel N under torch.distributed.run, NCCL) at TP_SEQ (default 128K), then
+#             the split run at N x TP_SEQ tokens
 #   hostpool  membard --gpu-pool 100GiB --host-pool 100GiB under ulimit -n 1024: time to serve,
 #             time until the host pool is pinned, open descriptors
 #
@@ -76,6 +79,20 @@ for step in "$@"; do
         --variants "dense+plain,dense-offload,dense-offload+streamwait" ;;
     dp)
       bench dp --contexts 32K --time-budget 300 --variants "dense,dense+dp" ;;
+    tp)
+      mkdir -p "$work/tp"
+      gpus=$(nvidia-smi -L | wc -l)
+      seq=${TP_SEQ:-128K}
+      train="-m membar.train --model qwen2.5-7b --chunk 4096 --steps 2 --no-progress --json"
+      timeout 560 "$py" $train --seq-len "$seq" > "$work/tp/one_gpu.log" 2>&1 || status=1
+      tail -3 "$work/tp/one_gpu.log"
+      timeout 560 "$py" -m torch.distributed.run --standalone --nproc_per_node "$gpus" $train --seq-len "$seq" \
+        --tensor-parallel "$gpus" > "$work/tp/split_${gpus}.log" 2>&1 || status=1
+      tail -3 "$work/tp/split_${gpus}.log"
+      long=$("$py" -c "from membar.train import _tokens; print(_tokens('$seq') * $gpus)")
+      timeout 560 "$py" -m torch.distributed.run --standalone --nproc_per_node "$gpus" $train --seq-len "$long" \
+        --tensor-parallel "$gpus" --steps 1 > "$work/tp/split_${gpus}_long.log" 2>&1 || status=1
+      tail -3 "$work/tp/split_${gpus}_long.log" ;;
     offload)
       bench offload --contexts 256K --time-budget 540 --variants "dense-offload,dense-offload+logra" ;;
     daemon)

@@ -71,3 +71,38 @@ def run_ranks_tp(tmp_path, world: int, size: int, family: str) -> list[dict]:
     for rank, (process, output) in enumerate(zip(ranks, outputs)):
         assert process.returncode == 0, f"rank {rank}:\n{output}"
     return [torch.load(tmp_path / f"rank{rank}.pt") for rank in range(world)]
+
+
+def test_membar_train_split_over_two_ranks_computes_the_update_of_one_process(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    single = subprocess.run([sys.executable, "-m", "membar.train", *TRAIN, "--steps", "3", "--save", str(tmp_path / "one")],
+                            env=rank_env(0, 1, free_port()), capture_output=True, text=True, timeout=300)
+    assert single.returncode == 0, single.stderr
+    ranks = train_ranks(2, [[*TRAIN, "--steps", "3", "--tensor-parallel", "2", "--save", str(tmp_path / "two")]] * 2)
+    for rank, done in enumerate(ranks):
+        assert done.returncode == 0, f"rank {rank}: {done.stderr}"
+    one, two = json.loads(single.stdout.splitlines()[-1]), json.loads(ranks[0].stdout.splitlines()[-1])
+    assert (two["world_size"], two["tensor_parallel"], two["global_batch"]) == (2, 2, 1)
+    assert [s["loss"] for s in two["steps"]] == pytest.approx([s["loss"] for s in one["steps"]], rel=1e-5)
+    a = dict(AutoModelForCausalLM.from_pretrained(tmp_path / "one").named_parameters())
+    b = dict(AutoModelForCausalLM.from_pretrained(tmp_path / "two").named_parameters())
+    assert a.keys() == b.keys()
+    for name, parameter in a.items():
+        assert b[name].shape == parameter.shape, name   # the saved model is whole
+        # Adam divides by the gradient's RMS: an element with a tiny gradient keeps its rounding
+        # difference (split products are summed in another order), up to a few thousandths of lr.
+        assert torch.allclose(b[name], parameter, rtol=1e-4, atol=1e-5), name
+
+
+def test_tensor_parallel_needs_ranks_and_dividing_heads(tmp_path):
+    alone = subprocess.run([sys.executable, "-m", "membar.train", *TRAIN, "--steps", "1", "--tensor-parallel", "2"],
+                           env=rank_env(0, 1, free_port()), capture_output=True, text=True, timeout=120)
+    assert alone.returncode == 2
+    assert alone.stderr.strip().splitlines()[-1] == (
+        "membar-train: --tensor-parallel 2 splits the model over 2 ranks: start under torchrun --nproc_per_node 2 "
+        "(or a multiple).")
+    ranks = train_ranks(3, [[*TRAIN, "--steps", "1", "--tensor-parallel", "3"]] * 3)
+    for rank, done in enumerate(ranks):
+        assert done.returncode == 2, f"rank {rank}: {done.stderr}"
+        assert "--tensor-parallel 3 splits the query heads over 3 ranks, but there are 4" in done.stderr, done.stderr

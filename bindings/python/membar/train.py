@@ -6,6 +6,7 @@
     python -m membar.train --model qwen2.5-7b --seq-len 1M --offload --gpu-resident-layers auto --steps 1
     python -m membar.train --demo          # small model recalls a key >= 16K tokens back, ~3 minutes
     torchrun --nproc_per_node 4 -m membar.train --model ... --batch 1   # data parallel, 4 sequences a step
+    torchrun --nproc_per_node 4 -m membar.train --model ... --tensor-parallel 4   # heads split over 4 ranks
 
 Each step prints loss, tokens/s, peak GPU memory, host memory and pages moved; --json prints a
 JSON summary as the last line of stdout.
@@ -13,6 +14,8 @@ JSON summary as the last line of stdout.
 Under torchrun (several ranks) each rank trains --batch sequences of the global batch (the ranks'
 batches in rank order: 2 ranks with --batch 1 train the sequences one process with --batch 2 would,
 and compute the same update; membar.oomb.distributed, Note [Data parallel steps]); rank 0 prints.
+--tensor-parallel T splits each model over T consecutive ranks, which train the same sequences
+(membar.oomb.tensor_parallel, Note [Head parallel layers]).
 """
 from __future__ import annotations
 
@@ -115,6 +118,9 @@ def _parse(argv):
                              "same runtime as the pages")
     parser.add_argument("--logra-rank", type=int, default=64, help="--optimizer logra: sketch rank")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--tensor-parallel", type=int, default=1, metavar="T",
+                        help="under torchrun: split each layer's attention heads and MLP over T ranks (ranks "
+                             "k*T .. k*T+T-1 train one sequence together; the groups are data parallel)")
     parser.add_argument("--dist-timeout", type=float, default=600.0,
                         help="under torchrun: seconds a collective may wait for the other ranks before failing")
     parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
@@ -166,7 +172,7 @@ def _resident_layers(args, model, device) -> int:
     return plan.gpu_resident_layers
 
 
-def _make_trainer(args, model, group=None):
+def _make_trainer(args, model, group=None, split_group=None):
     from membar.oomb import OOMBConfig, OOMBTrainer
     from membar.oomb.runtime_store import RuntimeKVStore
 
@@ -187,7 +193,7 @@ def _make_trainer(args, model, group=None):
                            gpu_resident_layers=resident, block_tokens=args.history_block,
                            prefetch_depth=config.prefetch_depth, name=_client_name(args), extra_bytes=extra)
     args.store = "runtime"
-    return OOMBTrainer(model, config, store=store, process_group=group)
+    return OOMBTrainer(model, config, store=store, process_group=group, tensor_parallel_group=split_group)
 
 
 def _socket(args) -> str | None:
@@ -301,15 +307,26 @@ def run(argv=None) -> dict:
     device = _device(args.device)
     from membar.oomb import distributed as _distributed
 
-    args.rank, args.world_size, group = 0, 1, None
+    args.rank, args.world_size, group, split_group = 0, 1, None, None
     if _distributed.launched_by_torchrun():
         if args.demo:
             raise ValueError("--demo runs in one process; start it without torchrun.")
         device = _distributed.init_from_env(device, args.dist_timeout)
-        group = torch.distributed.group.WORLD
-        args.rank, args.world_size = _distributed.world(group)
+        world_group = torch.distributed.group.WORLD
+        args.rank, args.world_size = _distributed.world(world_group)
         if args.rank != 0:   # rank 0 prints; errors still reach every rank's stderr
             sys.stdout = open(os.devnull, "w")
+        if args.tensor_parallel > 1:
+            from membar.oomb.tensor_parallel import make_groups
+
+            group, split_group = make_groups(args.tensor_parallel)
+        else:
+            group = world_group
+    elif args.tensor_parallel > 1:
+        raise ValueError(f"--tensor-parallel {args.tensor_parallel} splits the model over {args.tensor_parallel} "
+                         f"ranks: start under torchrun --nproc_per_node {args.tensor_parallel} (or a multiple).")
+    # Data-parallel place of this rank: its model replica and how many replicas train.
+    args.replica, args.replicas = args.rank // args.tensor_parallel, args.world_size // args.tensor_parallel
     if args.demo and device.type == "cuda":
         return _gpu_demo(args, device)
     dtype = _model_dtype(args, device)
@@ -322,9 +339,9 @@ def run(argv=None) -> dict:
     _check_memory(args, device, dtype)
     model = build_model(args.model, dtype=dtype, device=device, max_positions=args.seq_len, seed=args.seed)
     model.train()
-    if group is not None:   # one clear sentence on every rank, before any work
-        _distributed.check_same(model, _rank_settings(args), group)
-    trainer = _make_trainer(args, model, group)
+    if args.world_size > 1:   # one clear sentence on every rank, before any work
+        _distributed.check_same(model, _rank_settings(args), torch.distributed.group.WORLD)
+    trainer = _make_trainer(args, model, group, split_group)
     trainer.reserve(args.seq_len)   # page pools allocated once, not inside the first step
     tasks = _make_tasks(args, trainer.vocab_size, distance)
     next_batch = _batch_source(args, tasks, trainer.vocab_size)
@@ -333,18 +350,18 @@ def run(argv=None) -> dict:
     _train(args, trainer, model, optimizer, schedule, next_batch, tasks, summary)
     if tasks.task is not None:
         _final_accuracy(args, trainer, tasks, summary)
-    if args.save and args.rank == 0:
+    if args.save:
         _save(args, model, summary)
     if args.json:
         print(json.dumps(summary), flush=True)
-    if group is not None:
+    if args.world_size > 1:
         torch.distributed.destroy_process_group()
     return summary
 
 
 def _rank_settings(args) -> dict:
     """The arguments every rank must share (not where it prints, saves or finds its daemon)."""
-    local = {"socket", "device", "json", "no_progress", "save", "rank", "dist_timeout"}
+    local = {"socket", "device", "json", "no_progress", "save", "rank", "replica", "dist_timeout"}
     return {key: value for key, value in vars(args).items() if key not in local}
 
 
@@ -366,6 +383,14 @@ def _check_arguments(args) -> None:
         raise ValueError(f"--demo-minutes must be positive, got {args.demo_minutes}.")
     if args.save is not None:
         _check_save_target(args.save)
+    if args.tensor_parallel < 1:
+        raise ValueError(f"--tensor-parallel must be at least 1 (ranks per model), got {args.tensor_parallel}.")
+    if args.tensor_parallel > 1 and args.optimizer == "logra":
+        raise ValueError("--optimizer logra with --tensor-parallel is not supported: LoGRA's sketches of split "
+                         "projections are not split; use data parallel (torchrun without --tensor-parallel).")
+    if args.tensor_parallel > 1 and args.mode == "sparse":
+        raise ValueError("--mode sparse with --tensor-parallel is not supported: page selection sums scores over "
+                         "all heads, which are split over the ranks; use --mode dense.")
 
 
 def _check_save_target(path: str) -> None:
@@ -435,6 +460,7 @@ def _check_memory(args, device: torch.device, dtype: torch.dtype) -> None:
 
     need = training_memory(_model_config(args.model), dtype, args.seq_len, args.page_tokens,
                            _GRAD_PAGE_DTYPES[args.grad_dtype])
+    need["page_bytes"] //= args.tensor_parallel   # a split model's ranks each hold their heads' pages
     # LoGRA: the weights (frozen but for its merged updates) and states of a few percent of them.
     state = need["model_state_bytes"] if args.optimizer == "adamw" else need["weight_bytes"]
     if device.type == "cpu":
@@ -493,11 +519,12 @@ def _make_tasks(args, vocab: int, distance: int | None) -> _Tasks:
 
 def _batch_source(args, tasks: _Tasks, vocab: int):
     """A function giving the next (input_ids, labels or None) of --batch sequences: this rank's rows
-    of the global batch (every rank draws the whole global batch from the same generators)."""
+    of the global batch (every rank draws the whole global batch from the same generators; the ranks
+    of one tensor-parallel group take the same rows)."""
     generator = torch.Generator().manual_seed(args.seed + 2)
-    world_size = getattr(args, "world_size", 1)
-    rows = slice(getattr(args, "rank", 0) * args.batch, (getattr(args, "rank", 0) + 1) * args.batch)
-    total = args.batch * world_size
+    replica, replicas = getattr(args, "replica", 0), getattr(args, "replicas", 1)
+    rows = slice(replica * args.batch, (replica + 1) * args.batch)
+    total = args.batch * replicas
 
     def next_batch():
         if tasks.task is not None:
@@ -564,8 +591,8 @@ def _start(args, model, device, dtype, trainer, tasks: _Tasks) -> dict:
     summary = {"model": args.model, "device": str(device), "dtype": str(dtype), "seq_len": args.seq_len,
                "chunk": args.chunk, "page_tokens": args.page_tokens, "mode": args.mode, "offload": args.offload,
                "store": args.store, "data": args.data, "optimizer": args.optimizer,
-               "parameters": parameters, "world_size": args.world_size, "tensor_parallel": 1,
-               "global_batch": args.batch * args.world_size, "steps": []}
+               "parameters": parameters, "world_size": args.world_size, "tensor_parallel": args.tensor_parallel,
+               "global_batch": args.batch * args.replicas, "steps": []}
     if args.demo:
         print(f"task: recall one of {args.num_keys} keys, stated {args.key_tokens} times at the start, after "
               f"{tasks.distance} random filler tokens; {args.queries} questions at the end, answers never in the "
@@ -617,6 +644,7 @@ class _Progress:
 
 def _train(args, trainer, model, optimizer, schedule, next_batch, tasks: _Tasks, summary: dict) -> None:
     """The training steps (until --steps, or --demo-minutes for the demo); fills summary."""
+    from membar.oomb import tensor_parallel
     from membar.oomb.tasks import passkey_accuracy
     from membar.oomb.trainer import host_memory
 
@@ -629,7 +657,8 @@ def _train(args, trainer, model, optimizer, schedule, next_batch, tasks: _Tasks,
             input_ids, labels = next_batch()
             loss = trainer.step(input_ids, labels)
             if args.optimizer == "adamw":
-                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                # Split models: the whole model's norm, each shard and replicated parameter once.
+                tensor_parallel.clip_grad_norm_(model, 1.0)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             if schedule is not None:
@@ -729,10 +758,16 @@ def _final_accuracy(args, trainer, tasks: _Tasks, summary: dict) -> None:
 
 
 def _save(args, model, summary: dict) -> None:
-    """save_pretrained into --save, with the checkpoint's tokenizer when --model has one; verifies
-    that the files are there (save_pretrained only logs when it cannot write)."""
+    """save_pretrained into --save (rank 0), with the checkpoint's tokenizer when --model has one;
+    verifies that the files are there (save_pretrained only logs when it cannot write). A split
+    model's shards are gathered first (every rank takes part)."""
+    from membar.oomb import tensor_parallel
+
+    state = tensor_parallel.full_state_dict(model) if tensor_parallel.info(model) is not None else None
+    if args.rank != 0:
+        return
     os.makedirs(args.save, exist_ok=True)
-    model.save_pretrained(args.save)
+    model.save_pretrained(args.save, state_dict=state)
     names = set(os.listdir(args.save))
     weights = {"model.safetensors", "model.safetensors.index.json", "pytorch_model.bin"}
     if "config.json" not in names or not names & weights:

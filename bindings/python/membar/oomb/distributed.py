@@ -15,7 +15,8 @@ Note [Data parallel steps]
   Limitations: the all-reduce runs after the backward, not overlapped with stage 2's chunks. Each
   rank's model must start from the same weights (same seed or checkpoint): check_same compares a
   fingerprint (config, parameter count and a weight checksum) across ranks before any work.
-  Tensor (head) parallelism is not implemented.
+  Head parallelism is tensor_parallel.py's (Note [Head parallel layers]); both together pass the
+  data-parallel group here and the head-parallel group there.
 """
 from __future__ import annotations
 

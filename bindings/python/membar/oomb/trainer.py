@@ -71,6 +71,11 @@ class OOMBTrainer:
     given, else the membard daemon at `socket` (default $MEMBAR_SOCKET), else one embedded in this
     process; with config.offload they live in host memory and stream through a GPU budget. `store`
     replaces it with another KVStore. step() blocks until the step's GPU work is done.
+
+    Several processes (torch.distributed): process_group makes the step data parallel (Note [Data
+    parallel steps] in distributed.py); tensor_parallel_group splits the model's heads, pages and
+    MLPs over that group (Note [Head parallel layers] in tensor_parallel.py; the model is split in
+    place when the trainer is made). Both may be given.
     """
 
     def __init__(self, model, config: OOMBConfig | None = None, store: KVStore | None = None, *,
