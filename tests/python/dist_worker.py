@@ -37,6 +37,7 @@ def main() -> None:
         batch = global_batch(world)
         result["loss"] = trainer.step(batch[rank: rank + 1])
         result["reduced_bytes"] = trainer.stats["reduced_bytes"]
+        result["overlapped_bytes"] = trainer.stats["overlapped_bytes"]
         result["grads"] = {name: p.grad.clone() for name, p in model.named_parameters()}
     elif case == "accumulate":   # two micro-batches of one sequence per rank, each half of the step
         batch = global_batch(2 * world)

@@ -9,14 +9,29 @@ Note [Data parallel steps]
   predicted tokens, so every rank weighs its tokens by 1 / (the global count), as one process
   would; after the step's backward, the gradients this step produced (and any buffer registered
   with reduce_also, e.g. LoGRA's flat sketch buffer, which is what LoGRA sends instead of dense
-  gradients) are summed over the group in flat buckets of BUCKET_BYTES, and the returned loss is the
-  global mean. Gradients accumulated before the step (gradient accumulation) are set aside while
+  gradients) are summed over the group, and the returned loss is the global mean (Note [Overlapped
+  reduction] says when each sum starts). Gradients accumulated before the step (gradient accumulation) are set aside while
   it runs and added back afterwards, so they are not summed twice.
-  Limitations: the all-reduce runs after the backward, not overlapped with stage 2's chunks. Each
-  rank's model must start from the same weights (same seed or checkpoint): check_same compares a
+  Limitations: each rank's model must start from the same weights (same seed or checkpoint): check_same compares a
   fingerprint (config, parameter count and a weight checksum) across ranks before any work.
   Head parallelism is tensor_parallel.py's (Note [Head parallel layers]); both together pass the
   data-parallel group here and the head-parallel group there.
+
+Note [Overlapped reduction]
+  Rationale: after stage 2's last backward every rank would otherwise wait for all of its
+  gradients (15 GB for a 7B model in bf16) to be summed before the optimizer can run.
+  Approach: a parameter's gradient is final once the step's last backward (chunk 0 of the last
+  sequence) has accumulated it. StepReduction.arm() registers post-accumulate-grad hooks for that
+  backward; each rank walks its parameters in one fixed order (reversed registration order, about
+  the order backward finishes them) and starts an asynchronous in-place all-reduce of each as soon
+  as it and every parameter before it are ready, so the sums run beside the rest of the backward.
+  finish() starts the ones the backward did not reach in the same order (so every rank issues the
+  same collectives in the same order, as NCCL needs, even when ranks' graphs differ, e.g. MoE
+  experts that one rank's tokens never chose: their gradients become zeros), waits for all, then
+  sums in buckets what arm() excluded and the extra buffers (LoGRA's sketches).
+  Limitations: one collective per parameter (no flat buckets: a bucket would need a copy of the
+  gradients); only the last backward overlaps, since earlier chunks' backwards still add to every
+  gradient; partial steps (stage2_chunks) reduce after the backward.
 """
 from __future__ import annotations
 
@@ -115,7 +130,10 @@ def all_sum_(tensors: list[torch.Tensor], group) -> None:
 
 class StepReduction:
     """What one data-parallel step sums: the gradients of `parameters` it produced and the buffers
-    `extra` returns (Note [Data parallel steps])."""
+    `extra` returns (Note [Data parallel steps]).
+
+    arm() before the step's last backward starts each parameter's all-reduce as soon as that
+    backward has finished its gradient (Note [Overlapped reduction]); finish() reduces the rest."""
 
     def __init__(self, group, parameters: Iterable[torch.nn.Parameter], extra: list[Callable[[], torch.Tensor | None]]):
         self.group = group
@@ -123,6 +141,13 @@ class StepReduction:
         self.extra = extra
         self._saved_grads: list = []
         self._saved_extra: list = []
+        self._order: list = []      # parameters reduced one by one, in this order on every rank
+        self._later: list = []      # parameters reduced in finish() only (excluded from arm)
+        self._ready: set = set()
+        self._next = 0
+        self._works: list = []
+        self._hooks: list = []
+        self.overlapped_bytes = 0
 
     def __enter__(self) -> "StepReduction":
         self._saved_grads = []
@@ -137,16 +162,57 @@ class StepReduction:
                 buffer.zero_()
             else:
                 self._saved_extra.append(None)
+        # Backward finishes the last layers' gradients first.
+        self._order, self._later = list(reversed(self.parameters)), []
+        self._ready, self._next, self._works, self.overlapped_bytes = set(), 0, [], 0
         return self
+
+    def arm(self, exclude: Iterable[torch.nn.Parameter] = ()) -> None:
+        """Call right before the step's last backward: from then on a parameter's gradient is final
+        once that backward has accumulated it. `exclude`: parameters whose gradients something else
+        still changes after the backward (head parallel's partial ones); finish() reduces them."""
+        excluded = {id(p) for p in exclude}
+        self._later = [p for p in self._order if id(p) in excluded]
+        self._order = [p for p in self._order if id(p) not in excluded]
+        for parameter in self._order:
+            self._hooks.append(parameter.register_post_accumulate_grad_hook(self._on_ready))
+
+    def _on_ready(self, parameter) -> None:
+        self._ready.add(id(parameter))
+        dist = _dist()
+        while self._next < len(self._order) and id(self._order[self._next]) in self._ready:
+            grad = self._order[self._next].grad
+            self._works.append(dist.all_reduce(grad, group=self.group, async_op=True))
+            self.overlapped_bytes += grad.numel() * grad.element_size()
+            self._next += 1
 
     def finish(self) -> int:
         """Sums the step's gradients and buffers over the group; returns the bytes each rank sent."""
-        grads = [p.grad for p in self.parameters if p.grad is not None]
+        dist = _dist()
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+        for parameter in self.parameters:
+            if parameter.grad is None:   # unused here (e.g. an expert no token of this rank chose)
+                parameter.grad = torch.zeros_like(parameter)
+        # Every rank issues one all-reduce per parameter of _order in the same order, wherever the
+        # backward left off (ranks may differ there); then the rest in buckets.
+        for parameter in self._order[self._next:]:
+            self._works.append(dist.all_reduce(parameter.grad, group=self.group, async_op=True))
+        self._next = len(self._order)
+        for work in self._works:
+            work.wait()
+        self._works = []
+        later = [p.grad for p in self._later]
         buffers = [b for b in (get() for get in self.extra) if b is not None]
-        all_sum_(grads + buffers, self.group)
-        return sum(t.numel() * t.element_size() for t in grads + buffers)
+        all_sum_(later + buffers, self.group)
+        everything = [p.grad for p in self.parameters] + buffers
+        return sum(t.numel() * t.element_size() for t in everything)
 
     def __exit__(self, *exc) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
         for parameter, saved in zip(self.parameters, self._saved_grads):
             if saved is None:
                 continue

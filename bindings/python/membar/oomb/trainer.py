@@ -133,6 +133,7 @@ class OOMBTrainer:
         # ranks each train their own sequences; None is a single process.
         self.process_group = process_group
         self._reduced_buffers: list = []
+        self._before_last_backward = None
         if process_group is not None:
             from . import distributed
 
@@ -180,7 +181,14 @@ class OOMBTrainer:
         if global_predicted == 0:
             raise ValueError("no token has a target on any rank: every label after the first is -100.")
         with distributed.StepReduction(self.process_group, self.model.parameters(), self._reduced_buffers) as reduction:
-            total = self._split_step(input_ids, labels, predicted, global_predicted, stage2_chunks, loss_scale)
+            # Note [Overlapped reduction]: sums start during the step's last backward; gradients
+            # that head parallel still sums afterwards wait for finish().
+            partial = self._split_partial()
+            self._before_last_backward = lambda: reduction.arm(exclude=partial)
+            try:
+                total = self._split_step(input_ids, labels, predicted, global_predicted, stage2_chunks, loss_scale)
+            finally:
+                self._before_last_backward = None
             started = time.perf_counter()
             reduced_bytes = reduction.finish()
             sums = torch.tensor([total, float(input_ids.numel())], dtype=torch.float64,
@@ -192,7 +200,8 @@ class OOMBTrainer:
         loss, global_tokens = (float(value) for value in sums.tolist())
         self.stats.update({"loss": loss, "local_loss": total, "world_size": self.world_size,
                            "global_tokens": int(global_tokens), "global_predicted_tokens": global_predicted,
-                           "reduce_seconds": reduce_seconds, "reduced_bytes": reduced_bytes})
+                           "reduce_seconds": reduce_seconds, "reduced_bytes": reduced_bytes,
+                           "overlapped_bytes": reduction.overlapped_bytes})
         self.stats["seconds"] += reduce_seconds
         self.stats["tokens_per_second"] = self.stats["tokens"] / self.stats["seconds"]
         self.stats["global_tokens_per_second"] = global_tokens / self.stats["seconds"]
@@ -204,9 +213,9 @@ class OOMBTrainer:
         unsplit parameters inside split blocks got from this rank's heads alone."""
         if self.tensor_parallel_group is None:
             return self._step(input_ids, labels, predicted, weight_count, stage2_chunks, loss_scale)
-        from . import distributed, tensor_parallel
+        from . import distributed
 
-        partial = tensor_parallel.info(self.model).partial
+        partial = self._split_partial()
         with distributed.StepReduction(self.tensor_parallel_group, partial, []) as reduction:
             total = self._step(input_ids, labels, predicted, weight_count, stage2_chunks, loss_scale)
             started = time.perf_counter()
@@ -216,6 +225,14 @@ class OOMBTrainer:
         self.stats["tokens_per_second"] = self.stats["tokens"] / self.stats["seconds"]
         self.stats["tensor_parallel"] = self.tensor_parallel
         return total
+
+    def _split_partial(self) -> list:
+        """Head parallel: unsplit parameters whose gradients are summed over the tensor-parallel group."""
+        if self.tensor_parallel_group is None:
+            return []
+        from . import tensor_parallel
+
+        return tensor_parallel.info(self.model).partial
 
     def _step(self, input_ids, labels, predicted: int, weight_count: int, stage2_chunks, loss_scale: float) -> float:
         """One process's part of step(): gradients of loss_scale * (sum of token losses) / weight_count."""
@@ -229,8 +246,10 @@ class OOMBTrainer:
         if stage2_chunks is not None:
             timings["chunk_seconds"] = {"stage1": [], "stage2": [], "stage2_limit": stage2_chunks}
         total = torch.zeros((), dtype=torch.float64, device=self.device)   # summed on the device
-        for row in range(input_ids.shape[0]):
-            self._sequence(input_ids[row], labels[row], loss_scale / weight_count, timings, total)
+        rows = input_ids.shape[0]
+        for row in range(rows):
+            self._sequence(input_ids[row], labels[row], loss_scale / weight_count, timings, total,
+                           last_sequence=row == rows - 1)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         # The one read of a GPU value in a step (a meta device, used to count memory, has none).
@@ -416,7 +435,8 @@ class OOMBTrainer:
             total = part if total is None else total + part
         return total
 
-    def _sequence(self, input_ids, labels, scale: float, timings: dict, total: torch.Tensor) -> None:
+    def _sequence(self, input_ids, labels, scale: float, timings: dict, total: torch.Tensor,
+                  last_sequence: bool = True) -> None:
         """Forward + backward of one sequence (host tensors [tokens]); adds its scaled loss to total."""
         tokens = input_ids.shape[0]
         chunks = self._chunks(tokens)
@@ -460,6 +480,8 @@ class OOMBTrainer:
                         # Later chunks left gradient in this chunk's K/V pages; carry it through
                         # with a zero loss that keeps the graph.
                         loss = hidden.sum() * 0.0
+                    if chunk == 0 and last_sequence and self._before_last_backward is not None:
+                        self._before_last_backward()   # the step's last backward
                     (loss * scale).backward()
                     total += loss.detach().double() * scale
                 self.store.free_pages(first // page_tokens, -(-(end - first) // page_tokens))
