@@ -226,8 +226,14 @@ class EmbeddedClient final : public Client {
   // Not under the client mutex: waiting must not block other threads' calls.
   Status wait(Ticket ticket) override {
     if (completed_ticket() >= ticket) return Status::Ok();
+    return stalled([&] { return engine_->wait(id_, ticket); });
+  }
+
+  // Runs a host wait and counts its time as this client's stall time.
+  template <typename Wait>
+  Status stalled(Wait&& host_wait) {
     auto start = std::chrono::steady_clock::now();
-    Status status = engine_->wait(id_, ticket);
+    Status status = host_wait();
     auto waited = std::chrono::steady_clock::now() - start;
     (void)engine_->add_stall_ns(id_, uint64_t(std::chrono::duration_cast<std::chrono::nanoseconds>(waited).count()));
     return status;
@@ -252,10 +258,7 @@ class EmbeddedClient final : public Client {
     if (stream_signals_) {
       if (completed_ticket() >= ticket) return Status::Ok();
       if (submitted_ticket() < ticket) {
-        auto start = std::chrono::steady_clock::now();
-        Status status = engine_->wait_submitted(id_, ticket);
-        auto waited = std::chrono::steady_clock::now() - start;
-        (void)engine_->add_stall_ns(id_, uint64_t(std::chrono::duration_cast<std::chrono::nanoseconds>(waited).count()));
+        Status status = stalled([&] { return engine_->wait_submitted(id_, ticket); });
         if (!status.ok()) return status.code() == StatusCode::NOT_FOUND ? status : wait(ticket);
         if (completed_ticket() >= ticket) return Status::Ok();
       }

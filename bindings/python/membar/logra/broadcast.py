@@ -25,18 +25,11 @@ from collections import deque
 
 import torch
 
+from membar.collectives import device_for as _comm_device
 from membar.logra.sync import PolicyUpdate, apply_update
 
 _FLAG_STOCHASTIC_ROUNDING = 1
 _STOP = -1
-
-
-def _comm_device(group) -> torch.device:
-    import torch.distributed as dist
-
-    if dist.get_backend(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 class BroadcastPublisher:

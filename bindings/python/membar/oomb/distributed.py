@@ -43,15 +43,10 @@ from typing import Callable, Iterable
 
 import torch
 
+from membar.collectives import device_for as _reduce_device
+from membar.collectives import dist as _dist
+
 BUCKET_BYTES = 64 << 20
-
-
-def _dist():
-    import torch.distributed as dist
-
-    if not dist.is_available():
-        raise ValueError("this PyTorch build has no torch.distributed.")
-    return dist
 
 
 def world(group=None) -> tuple[int, int]:
@@ -86,12 +81,6 @@ def init_from_env(device: torch.device, timeout_s: float) -> torch.device:
         kwargs = {"device_id": device} if backend == "nccl" else {}
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
     return device
-
-
-def _reduce_device(group) -> torch.device:
-    dist = _dist()
-    backend = dist.get_backend(group)
-    return torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
 
 
 def all_sum_int(value: int, group) -> int:

@@ -36,19 +36,12 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from membar.collectives import dist as _dist
+
 log = logging.getLogger("membar.oomb")
 
 _ATTENTION_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj")
 _MLP_LINEARS = ("gate_proj", "up_proj", "down_proj")
-
-
-def _dist():
-    import torch.distributed as dist
-
-    if not dist.is_available():
-        raise ValueError("this PyTorch build has no torch.distributed.")
-    return dist
-
 
 class _CopyToGroup(torch.autograd.Function):
     """Identity forward; the gradient summed over the group backward."""
