@@ -26,6 +26,9 @@ def main() -> None:
     case, out = sys.argv[1], sys.argv[2]
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     rank, world = dist.get_rank(), dist.get_world_size()
+    if case == "fsdp":   # dist_worker.py fsdp OUT DTYPE MASTERS: LoGRA with frozen weights sharded by FSDP2
+        sharded_logra(out, rank, world, sys.argv[3], sys.argv[4] == "masters")
+        return
     if case == "tensor":   # dist_worker.py tensor OUT T FAMILY: T-way head parallel, world / T data parallel
         tensor_parallel(out, rank, world, int(sys.argv[3]), sys.argv[4])
         return
@@ -99,6 +102,39 @@ def tensor_parallel(out: str, rank: int, world: int, size: int, family: str) -> 
     result["clipped"] = tp.full_gradients(model)
     result["state"] = tp.full_state_dict(model)
     result["logits"] = trainer.predict(batch[0], [5, TOKENS - 1])
+    torch.save(result, os.path.join(out, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+def sharded_logra(out: str, rank: int, world: int, dtype: str, masters: bool) -> None:
+    from membar.logra.sync import PolicyUpdate, apply_update
+
+    model = small_model().to(getattr(torch, dtype))
+    handle = logra.apply_logra(model, rank=8, seed=3, runtime=None, master_weights=masters)
+    # A receiver's copy: whole weights (and fp32 masters when the trainer keeps them).
+    whole = {layer.matrix_id: layer.weight.detach().clone() for layer in handle.layers}
+    whole_masters = {i: w.float() for i, w in whole.items()} if masters else whole
+    wrapped = logra.shard_weights(handle)
+
+    class Receiver:   # stands in for a rollout process: applies each published update to whole weights
+        snapshot_every = 0
+
+        def publish(self, update_index, seed, step, matrices, stochastic_rounding):
+            update = PolicyUpdate(update_index=update_index, seed=seed, step=step, stochastic_rounding=stochastic_rounding,
+                                  matrices=[(i, u.clone()) for i, u in matrices])
+            apply_update(whole_masters, whole, masters, update)
+
+    optimizer = logra.LoGRAOptimizer(handle, lr=1e-2 if masters else 10.0, algorithm="sgd", publisher=Receiver(),
+                                     process_group=torch.distributed.group.WORLD)
+    batch = global_batch(world * UPDATES)
+    for update in range(UPDATES):
+        rows = batch[update * world + rank: update * world + rank + 1]
+        model(rows, labels=rows).loss.backward()
+        optimizer.step()
+    layer = handle.layers[0]
+    result = {"wrapped": wrapped, "local_rows": layer.weight.to_local().shape[0], "rows": layer.weight.shape[0],
+              "weights": [w.clone() for w in logra.full_weights(handle)],
+              "receiver": [whole[layer.matrix_id] for layer in handle.layers]}
     torch.save(result, os.path.join(out, f"rank{rank}.pt"))
     dist.destroy_process_group()
 

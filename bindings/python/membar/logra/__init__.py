@@ -14,6 +14,8 @@ optimizer on S gives U, and W <- W - alpha * eta * U A is applied by one fused k
                                          channels of membard, or POSIX shared memory)
   BroadcastPublisher / BroadcastReceiver the same updates by torch.distributed broadcast, to rollout
                                          ranks on other GPUs or nodes (membar.logra.broadcast)
+  shard_weights(logra, group)            the frozen weights sharded over data-parallel ranks with
+                                         FSDP2 (Note [Sharded frozen weights], membar.logra.sharding)
   causal_lm_loss / chunked_linear_cross_entropy
                                          next-token loss without full-vocabulary logits, gradient
                                          computed in the forward (Note [Chunked linear cross-entropy])
@@ -33,11 +35,12 @@ from membar.logra.optimizer import KLControl, LoGRAOptimizer, StepResult
 from membar.logra.state import LoGRAStates, allocate_state
 from membar.logra.sync import PolicyPublisher, PolicySubscriber, SharedMemoryRing, SyncOverrun
 from membar.logra.broadcast import BroadcastPublisher, BroadcastReceiver
+from membar.logra.sharding import full_weights, shard_weights
 
 __all__ = [
     "BroadcastPublisher", "BroadcastReceiver", "DEFAULT_TARGETS", "KLControl", "KLPrediction", "KeyState", "LoGRALinear", "LoGRAModel", "LoGRAOptimizer",
     "LoGRAStates", "causal_lm_loss", "chunked_linear_cross_entropy",
     "PolicyPublisher", "PolicySubscriber", "ProjectionKey", "SharedMemoryRing", "StepResult", "SyncOverrun",
-    "allocate_state", "apply_logra", "fused_update_", "generate", "measured_kl", "predict_kl", "project",
+    "allocate_state", "apply_logra", "full_weights", "shard_weights", "fused_update_", "generate", "measured_kl", "predict_kl", "project",
     "sketch_accumulate_", "softmax_fisher_quadratic", "state_pool_bytes", "step_scale", "target_linears", "target_weights",
 ]

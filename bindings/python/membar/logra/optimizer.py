@@ -29,7 +29,7 @@ from typing import Callable
 import torch
 
 from membar.logra import kl as kl_module
-from membar.logra import ops
+from membar.logra import ops, sharding
 from membar.logra.linear import LoGRAModel
 
 MOMENT_POLICIES = ("reset_first", "reset_both", "keep")
@@ -75,6 +75,7 @@ class LoGRAOptimizer:
         stochastic_rounding: bool = True,
         offload_moments: bool = False,
         exact_update: bool = False,
+        process_group=None,
     ):
         if algorithm not in ("adam", "sgd"):
             raise ValueError(f"algorithm must be 'adam' or 'sgd', got {algorithm!r}")
@@ -110,6 +111,13 @@ class LoGRAOptimizer:
         # tensor-core one (Note [LoGRA tensor-core update]). Receivers must use the same choice
         # to stay bit-identical.
         self.exact_update = exact_update
+        # Data parallel (Note [Sharded frozen weights] in sharding.py): the ranks' sketches and
+        # predicted KLs are averaged before each update, so every rank applies the same U.
+        self.process_group = process_group
+        if publisher is not None and getattr(publisher, "snapshot_every", 0) and any(
+                sharding.is_sharded(layer.weight) for layer in logra.layers):
+            raise ValueError("a PolicyPublisher with snapshots (snapshot_every > 0) needs whole weights, and these are "
+                             "sharded: publish updates only (snapshot_every=0) or use BroadcastPublisher.")
         self.update_index = 0
         self._first_count = 0   # updates folded into the first moments since their last reset
         self._second_count = 0  # the same for the second moments
@@ -149,11 +157,15 @@ class LoGRAOptimizer:
             raise ValueError("this optimizer has KL control: pass kl_probe to step()")
         alpha = 1.0
         predicted = None
+        if self.process_group is not None:
+            self._average_sketches()
         directions = self._directions()
         updates = self.states.views("sketch")  # per layer [d, r] views of `directions`
         if self.kl_control is not None:
             prediction = kl_module.predict_kl(self.logra.model, layers, updates, self.lr, kl_probe)
             predicted = prediction.predicted_kl
+            if self.process_group is not None:
+                predicted = self._average(predicted)
             alpha = kl_module.step_scale(predicted, self.kl_control.delta, self.kl_control.alpha_max)
         # The scaled update is what travels to rollout processes; the trainer applies the very
         # same tensor with coefficient 1 so both sides compute the same bits.
@@ -176,14 +188,46 @@ class LoGRAOptimizer:
                                 prefetch_on_sketch_use=True)
         return result
 
+    def _average_sketches(self) -> None:
+        from membar.collectives import dist
+
+        if not self.states.allocated("sketch"):
+            return
+        sketch = self.states.flat("sketch")
+        dist().all_reduce(sketch, group=self.process_group)
+        sketch.div_(dist().get_world_size(self.process_group))
+
+    def _average(self, value: float) -> float:
+        from membar.collectives import device_for, dist
+
+        tensor = torch.tensor([value], dtype=torch.float64, device=device_for(self.process_group))
+        dist().all_reduce(tensor, group=self.process_group)
+        return float(tensor.item()) / dist().get_world_size(self.process_group)
+
     @torch.no_grad()
     def _apply(self, layer, scaled_update: torch.Tensor, rounding_seed: int) -> None:
         """W -= scaled_update A (into the fp32 master when kept, then copied to W)."""
+        if sharding.is_sharded(layer.weight):
+            self._apply_rows(layer, scaled_update, rounding_seed)
+            return
         target = layer.master if layer.master is not None else layer.weight
         ops.fused_update_(target, scaled_update, 1.0, layer.current_key(),
                           rounding_seed if target.dtype == torch.bfloat16 else 0, exact=self.exact_update)
         if layer.master is not None:
             layer.weight.copy_(layer.master)
+
+    def _apply_rows(self, layer, scaled_update: torch.Tensor, rounding_seed: int) -> None:
+        """This rank's rows of W -= scaled_update A (Note [Sharded frozen weights])."""
+        weight, first = sharding.local_rows(layer.weight)
+        rows = weight.shape[0]
+        if rows == 0:
+            return
+        target = layer.master if layer.master is not None else weight
+        seed = rounding_seed if target.dtype == torch.bfloat16 else 0
+        ops.fused_update_(target, scaled_update[first: first + rows].contiguous(), 1.0, layer.current_key(), seed,
+                          exact=self.exact_update, first_element=first * layer.in_features)
+        if layer.master is not None:
+            weight.copy_(layer.master)
 
     def _redraw(self) -> None:
         self.logra.key_state.step += 1
