@@ -33,7 +33,7 @@ def main() -> None:
         tensor_parallel(out, rank, world, int(sys.argv[3]), sys.argv[4])
         return
     model = small_model()
-    if case != "broadcast":
+    if case not in ("broadcast", "relay"):
         trainer = OOMBTrainer(model, OOMBConfig(chunk_tokens=96, page_tokens=32), process_group=dist.group.WORLD)
     result = {}
     if case == "gradients":
@@ -57,7 +57,7 @@ def main() -> None:
         before = [layer.weight.clone() for layer in handle.layers]
         logra.LoGRAOptimizer(handle, lr=100.0, algorithm="sgd").step()
         result["updates"] = [layer.weight - weight for layer, weight in zip(handle.layers, before)]
-    elif case == "broadcast":   # rank 0 trains with LoGRA and broadcasts; the others follow
+    elif case in ("broadcast", "relay"):   # rank 0 trains with LoGRA and broadcasts; the others follow
         from membar.logra.broadcast import BroadcastPublisher, BroadcastReceiver
 
         if rank == 0:
@@ -74,10 +74,26 @@ def main() -> None:
         else:
             weights = logra.target_weights(model)
             receiver = BroadcastReceiver(weights, rank=8)
+            if case == "relay":   # and into this node's ring, for the node's other rollout processes
+                from membar.logra.sync import PolicySubscriber
+
+                ring = f"membar-relay-{os.environ['MASTER_PORT']}-{rank}"
+                receiver.relay(ring, slots=8, snapshot_every=2)
+                early = logra.target_weights(small_model())
+                follower = PolicySubscriber(ring, early)
             while receiver.receive() is not None:
-                pass
+                if case == "relay":
+                    follower.poll()
             result["applied"] = receiver.applied
             result["weights"] = [weights[i].detach().clone() for i in sorted(weights)]
+            if case == "relay":
+                late_weights = logra.target_weights(small_model())
+                late = PolicySubscriber(ring, late_weights, join="snapshot")
+                late.poll()
+                result["follower"] = [early[i].detach().clone() for i in sorted(early)]
+                result["late"] = [late_weights[i].detach().clone() for i in sorted(late_weights)]
+                result["late_reanchors"], result["late_applied"] = late.reanchors, late.applied
+                follower.close(), late.close(), receiver.relayed_to.close()
     else:
         raise SystemExit(f"unknown case {case}")
     torch.save(result, os.path.join(out, f"rank{rank}.pt"))

@@ -189,3 +189,16 @@ def test_a_rank_that_dies_makes_the_others_fail_with_one_line(tmp_path):
         for rank in ranks:
             if rank.poll() is None:
                 rank.kill()
+
+
+def test_a_receiver_relays_broadcast_updates_into_its_nodes_ring(tmp_path):
+    results = run_ranks("relay", 2, tmp_path)
+    trainer, receiver = results
+    assert receiver["applied"] == 3
+    # A rollout process on the receiver's node, following through the ring from the start, and a
+    # late one, joining from the relay's snapshot after update 2, both hold the trainer's bits.
+    for got, want in zip(receiver["follower"], trainer["weights"]):
+        assert torch.equal(got, want)
+    assert (receiver["late_reanchors"], receiver["late_applied"]) == (1, 3)
+    for got, want in zip(receiver["late"], trainer["weights"]):
+        assert torch.equal(got, want)

@@ -18,6 +18,10 @@ Note [Policy sync by broadcast]
   order, and a receiver that stops receiving eventually stalls the trainer (at `max_in_flight`);
   there are no snapshots for late joiners (the node-local ring has them). Use a group of the
   trainer and its receivers only (torch.distributed.new_group).
+  Across nodes, then within one: a receiver may relay every update it applies into its node's ring
+  (BroadcastReceiver.relay: a PolicyPublisher over the receiver's masters, on membard channels or
+  POSIX shared memory), so one rank per node joins the broadcast and the node's other rollout
+  processes follow through PolicySubscriber, late joiners through the relay's snapshots.
 """
 from __future__ import annotations
 
@@ -26,7 +30,7 @@ from collections import deque
 import torch
 
 from membar.collectives import device_for as _comm_device
-from membar.logra.sync import PolicyUpdate, apply_update
+from membar.logra.sync import PolicyPublisher, PolicyUpdate, apply_update
 
 _FLAG_STOCHASTIC_ROUNDING = 1
 _STOP = -1
@@ -96,6 +100,17 @@ class BroadcastReceiver:
         self.shapes = [(matrix_id, weights[matrix_id].shape[0], ranks[matrix_id]) for matrix_id in sorted(weights)]
         self.values = sum(rows * r for _, rows, r in self.shapes)
         self.applied = 0
+        self.relayed_to: PolicyPublisher | None = None
+
+    def relay(self, name: str, slots: int = 64, snapshot_every: int = 16, runtime=None) -> PolicyPublisher:
+        """Publishes every update this receiver applies into a node-local ring `name` (Note [Policy
+        sync by broadcast]); call it before the first receive(). Returns the ring's publisher."""
+        if self.applied:
+            raise ValueError(f"relay() must come before the first update (this receiver applied {self.applied}): the "
+                             f"ring numbers its messages from update 0.")
+        self.relayed_to = PolicyPublisher(name, _ReceivedModel(self), slots=slots, snapshot_every=snapshot_every,
+                                          runtime=runtime)
+        return self.relayed_to
 
     def receive(self) -> PolicyUpdate | None:
         import torch.distributed as dist
@@ -119,4 +134,27 @@ class BroadcastReceiver:
         update = PolicyUpdate(update_index, seed, step, matrices, bool(flags & _FLAG_STOCHASTIC_ROUNDING))
         apply_update(self.masters, self.weights, self.keep_masters, update)
         self.applied += 1
+        if self.relayed_to is not None:
+            self.relayed_to.publish(update.update_index, update.seed, update.step, update.matrices,
+                                    stochastic_rounding=update.stochastic_rounding)
         return update
+
+
+class _ReceivedMatrix:
+    """What PolicyPublisher reads of a LoGRA layer, for one matrix a receiver follows."""
+
+    def __init__(self, matrix_id: int, weight: torch.Tensor, rank: int):
+        self.matrix_id, self.weight, self.rank = matrix_id, weight, rank
+        self.out_features, self.in_features = weight.shape
+
+
+class _ReceivedModel:
+    """A receiver seen as the LoGRA model PolicyPublisher expects: its matrices in matrix-id order,
+    its masters as the authoritative weights (what its snapshots carry)."""
+
+    def __init__(self, receiver: BroadcastReceiver):
+        self.receiver = receiver
+        self.layers = [_ReceivedMatrix(matrix_id, receiver.weights[matrix_id], r) for matrix_id, _, r in receiver.shapes]
+
+    def authoritative_weights(self) -> list[torch.Tensor]:
+        return [self.receiver.masters[layer.matrix_id] for layer in self.layers]
