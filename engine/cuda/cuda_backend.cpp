@@ -52,6 +52,7 @@
 
 #include "membar/engine/backend.h"
 #include "membar/engine/copy_plan.h"
+#include "membar/engine/numa.h"
 #include "membar/common/cuda/driver_api.h"
 #include "membar/common/cuda/resources.h"
 
@@ -245,6 +246,8 @@ class CudaVmmBackend final : public DeviceBackend {
   ~CudaVmmBackend() override;
 
   std::string name() const override { return "cuda"; }
+  int host_numa_node() const override { return numa_node_; }
+  std::string host_numa_note() const override { return numa_note_; }
   uint64_t frame_count(Tier tier) const override {
     return tier == Tier::kGpu ? gpu_frames_.size() : host_frame_count_;
   }
@@ -313,6 +316,8 @@ class CudaVmmBackend final : public DeviceBackend {
   std::mutex slab_mutex_;                  // guards slab_fds_ (the renewal thread replaces them)
   std::vector<ScopedFd> slab_fds_;
   std::vector<HostRegistration> slab_registrations_;
+  int numa_node_ = numa::kNoPlacement;   // Note [Host pools near their GPU]
+  std::string numa_note_;
   // Renewals: queue 0 for GPU frames, 1 for host slabs, each with its own thread.
   struct RenewalJob {
     uint32_t index;
@@ -376,6 +381,12 @@ Status CudaVmmBackend::initialize() {
   }
   (void)host_count;
   MEMBAR_RETURN_IF_ERROR(create_gpu_frames(gpu_count));
+  // The host pool goes on the NUMA node nearest this GPU (Note [Host pools near their GPU]).
+  int nearest = -1;
+  if (api_->cuDeviceGetAttribute(&nearest, CU_DEVICE_ATTRIBUTE_HOST_NUMA_ID, context_.device()) != CUDA_SUCCESS) {
+    nearest = -1;   // an older driver: it does not know the attribute
+  }
+  MEMBAR_ASSIGN_OR_RETURN(numa_node_, numa::resolve_node(config_.host_numa_node, nearest, &numa_note_));
   MEMBAR_RETURN_IF_ERROR(reserve_host_pool());
   return start();
 }
@@ -528,8 +539,10 @@ Status CudaVmmBackend::renew_slab_now(uint32_t slab) {
   char* address = static_cast<char*>(host_reservation_.get()) + uint64_t(slab) * bytes;
   slab_registrations_[slab].reset();
   MEMBAR_ASSIGN_OR_RETURN(ScopedFd fd, create_sealed_memfd("membar-host-slab", bytes));
-  void* mapped = mmap(address, bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED | MAP_POPULATE, fd.get(), 0);
+  void* mapped = mmap(address, bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED, fd.get(), 0);
   if (mapped == MAP_FAILED) return errno_status("mmap of a host slab");
+  // Bound to the pool's NUMA node (if any) before any page is touched, then faulted in.
+  MEMBAR_RETURN_IF_ERROR(numa::place(address, bytes, numa_node_));
   MEMBAR_RETURN_IF_ERROR(driver_status(api_.get(), api_->cuMemHostRegister(address, bytes, CU_MEMHOSTREGISTER_PORTABLE),
                                        "cuMemHostRegister of a " + std::to_string(bytes >> 20) + " MiB host slab"));
   slab_registrations_[slab] = HostRegistration(api_.get(), address);

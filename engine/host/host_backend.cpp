@@ -23,6 +23,7 @@
 
 #include "membar/common/fd.h"
 #include "membar/engine/backend.h"
+#include "membar/engine/numa.h"
 
 namespace membar::runtimed {
 namespace {
@@ -129,6 +130,8 @@ class HostBackend final : public DeviceBackend {
   }
 
   Status init() {
+    // No GPU to be near: only a node named explicitly places the pool.
+    MEMBAR_ASSIGN_OR_RETURN(numa_node_, numa::resolve_node(config_.host_numa_node, numa::kNoPlacement, &numa_note_));
     slab_frames_ = config_.host_slab_frames != 0 ? config_.host_slab_frames
                                                   : host_slab_frames_for(config_.host_pool_bytes);
     uint64_t host_frames = config_.host_pool_bytes / kFrameBytes / slab_frames_ * slab_frames_;
@@ -141,6 +144,8 @@ class HostBackend final : public DeviceBackend {
   }
 
   std::string name() const override { return "host"; }
+  int host_numa_node() const override { return numa_node_; }
+  std::string host_numa_note() const override { return numa_note_; }
 
   uint64_t frame_count(Tier tier) const override { return pool(tier).frame_count; }
   uint32_t host_slab_frames() const override { return slab_frames_; }
@@ -186,6 +191,7 @@ class HostBackend final : public DeviceBackend {
       void* at = ::mmap(host_.base() + uint64_t(index) * bytes, bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED,
                         fd.get(), 0);
       if (at == MAP_FAILED) return resource_exhausted("mapping a host slab failed: " + errno_text(errno));
+      if (numa_node_ >= 0) MEMBAR_RETURN_IF_ERROR(numa::place(at, bytes, numa_node_));
       std::lock_guard<std::mutex> lock(mutex_);
       slab_fds_[index] = std::move(fd);
       return Status::Ok();
@@ -408,6 +414,8 @@ class HostBackend final : public DeviceBackend {
   TierPool host_;
   uint32_t slab_frames_ = 1;
   std::vector<UniqueFd> slab_fds_;  // guarded by mutex_; valid once a slab is prepared
+  int numa_node_ = numa::kNoPlacement;   // Note [Host pools near their GPU]
+  std::string numa_note_;
 
   std::mutex mutex_;
   std::condition_variable work_ready_;

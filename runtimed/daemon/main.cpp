@@ -118,6 +118,16 @@ Result<ServedDevice> make_device(const DaemonOptions& options, const BackendConf
     return Status(backend.status().code(), "cannot create the " + options.backend + " backend of device " +
                                                std::to_string(device) + ": " + backend.status().to_string());
   }
+  // Where its host pool lives (Note [Host pools near their GPU] in engine/numa.cpp).
+  std::string which = options.devices.size() > 1 ? "device " + std::to_string(device) + ": " : std::string();
+  int node = backend.value()->host_numa_node();
+  std::string note = backend.value()->host_numa_note();
+  if (node >= 0) {
+    spdlog::info("{}host pool on NUMA node {}{}", which, node,
+                 backend_config.host_numa_node == -2 ? " (nearest the GPU)" : "");
+  } else if (!note.empty()) {
+    spdlog::warn("{}host pool placed by the kernel: {}", which, note);
+  }
   Result<std::unique_ptr<Engine>> engine = Engine::create(std::move(backend).value(), engine_config);
   if (!engine.ok()) {
     return Status(engine.status().code(),
@@ -200,6 +210,7 @@ int run(int argc, char** argv) {
   uint64_t host_needed = 0;
   for (size_t i = 0; i < device_count; ++i) {
     pools[i].device = options.devices[i];
+    pools[i].host_numa_node = options.host_numa_node;
     pools[i].gpu_pool_bytes = resolve_size(options.gpu_pool, gpu_free_bytes(options, options.devices[i]));
     pools[i].host_pool_bytes = resolve_size(options.host_pool, host_free / device_count);
     if (pools[i].gpu_pool_bytes == 0 || pools[i].host_pool_bytes == 0) {

@@ -80,6 +80,10 @@ std::string daemon_usage() {
          "  --gpu-pool SIZE            GPU pool of each device (default 256MiB)\n"
          "  --host-pool SIZE           host pool of each device, pinned in the background after start-up\n"
          "                             (default 1GiB)\n"
+         "  --host-numa-node auto|none|N\n"
+         "                             where host pools live on machines with several NUMA nodes (sockets):\n"
+         "                             auto (default) puts each device's pool on the node nearest its GPU,\n"
+         "                             N on node N, none leaves it to the kernel\n"
          "  --default-gpu-quota SIZE   each client's share of its device's GPU pool when it asks for none\n"
          "                             (default 1.0: the whole pool)\n"
          "  --default-host-quota SIZE  likewise for its device's host pool\n"
@@ -151,6 +155,19 @@ Result<DaemonOptions> parse_daemon_options(int argc, const char* const* argv) {
       MEMBAR_RETURN_IF_ERROR(take_size(options.gpu_pool));
     } else if (flag == "--host-pool") {
       MEMBAR_RETURN_IF_ERROR(take_size(options.host_pool));
+    } else if (flag == "--host-numa-node") {
+      MEMBAR_ASSIGN_OR_RETURN(std::string text, take());
+      char* end = nullptr;
+      long node = std::strtol(text.c_str(), &end, 10);
+      if (text == "auto") {
+        options.host_numa_node = -2;
+      } else if (text == "none") {
+        options.host_numa_node = -1;
+      } else if (!text.empty() && *end == 0 && node >= 0 && node < 1024) {
+        options.host_numa_node = static_cast<int>(node);
+      } else {
+        return invalid_argument("--host-numa-node takes auto, none or a node number, got '" + text + "'");
+      }
     } else if (flag == "--default-gpu-quota") {
       MEMBAR_RETURN_IF_ERROR(take_size(options.default_gpu_quota));
       if (options.default_gpu_quota.fraction == 0 && options.default_gpu_quota.bytes < kFrameBytes) {

@@ -40,6 +40,9 @@ struct DaemonOptions {
   // `--devices all`: every CUDA device (main resolves it, CUDA backend only; on the host
   // backend it is refused while parsing, as there is nothing to count).
   bool all_devices = false;
+  // --host-numa-node: a node number, -2 ("auto": each device's pool on the node nearest its GPU,
+  // on machines with several nodes) or -1 ("none"). Note [Host pools near their GPU].
+  int host_numa_node = -2;
   uint32_t max_spaces = 65536;
   SizeSpec max_client_space{32ull << 40, 0};
   bool daemonize = false;

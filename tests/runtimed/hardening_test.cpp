@@ -673,6 +673,27 @@ TEST_F(DaemonTest, WarningsForBadConnectionsAreRateLimited) {
   EXPECT_LE(lines, 2u) << "one warning per bad connection:\n" << log;
 }
 
+// --host-numa-node: the node is said at start; one that is not online stops the daemon with a
+// sentence naming the nodes there are (Note [Host pools near their GPU]).
+TEST_F(DaemonTest, TheHostPoolsNumaNodeIsSaidAndAMissingOneRefused) {
+  start_daemon({"--host-numa-node", "0"});
+  std::string log = daemon_.output();
+  bool placed = log.find("host pool on NUMA node 0") != std::string::npos;
+  bool unavailable = log.find("host pool placed by the kernel: NUMA placement is not available here") != std::string::npos;
+  EXPECT_TRUE(placed || unavailable) << log;
+  auto client = connect_client("numa");
+  ASSERT_TRUE(client);
+  auto space = client->create_space("s", k2M, 2);
+  ASSERT_TRUE(space.ok());
+  EXPECT_TRUE(client->acquire_host({space.value(), 0, 2}).ok());
+  int code = -1;
+  std::string out = run_command(std::string(MEMBARD_PATH) + " --backend host --socket " + directory_ +
+                                    "/numa.sock --host-numa-node 1000",
+                                &code);
+  EXPECT_EQ(code, 1) << out;
+  EXPECT_NE(out.find("NUMA node 1000 is not online on this machine (nodes 0"), std::string::npos) << out;
+}
+
 TEST_F(DaemonTest, TheDefaultShareIsPrintedAtStart) {
   start_daemon({"--default-gpu-quota", "0.25"});
   std::string log = daemon_.output();

@@ -62,6 +62,20 @@ TEST(DaemonOptions, DevicesTakeAListAndDeviceIsItsAlias) {
   EXPECT_EQ(parse({"--devices", "5"}).value().devices, parse({"--device", "5"}).value().devices);
 }
 
+// --host-numa-node: auto (the default), none, or a node (Note [Host pools near their GPU]).
+TEST(DaemonOptions, HostNumaNodeTakesAutoNoneOrANumber) {
+  EXPECT_EQ(parse({}).value().host_numa_node, -2);
+  EXPECT_EQ(parse({"--host-numa-node", "auto"}).value().host_numa_node, -2);
+  EXPECT_EQ(parse({"--host-numa-node", "none"}).value().host_numa_node, -1);
+  EXPECT_EQ(parse({"--host-numa-node=1"}).value().host_numa_node, 1);
+  for (const char* bad : {"-1", "x", "", "1x", "1024"}) {
+    auto parsed = parse({"--host-numa-node", bad});
+    ASSERT_FALSE(parsed.ok()) << bad;
+    EXPECT_NE(parsed.status().message().find("--host-numa-node takes auto, none or a node number"), std::string::npos)
+        << parsed.status().to_string();
+  }
+}
+
 TEST(DaemonOptions, BadDeviceListsAreClearErrors) {
   for (std::vector<const char*> bad : {std::vector<const char*>{"--devices", ""}, {"--devices", "0,"}, {"--devices", ",1"},
                                        {"--devices", "0,,1"}, {"--devices", "a"}, {"--devices", "-1"},

@@ -32,6 +32,10 @@ struct BackendConfig {
   int device = 0;
   // 0: chosen from the host pool size (host_slab_frames_for).
   uint32_t host_slab_frames = 0;
+  // NUMA node of the host pool (Note [Host pools near their GPU] in engine/numa.cpp): a node
+  // number, numa::kNearestDevice (the node nearest the GPU on CUDA machines with several nodes)
+  // or numa::kNoPlacement.
+  int host_numa_node = -2;
   // Fault injection for tests: creating the Nth GPU frame at start-up (1-based) fails with
   // RESOURCE_EXHAUSTED. 0 = never.
   uint64_t fail_frame_create_after = 0;
@@ -113,6 +117,11 @@ class DeviceBackend {
   virtual Status enqueue_signal(uint32_t block, uint32_t index, uint64_t value) = 0;
 
   virtual BackendCounters counters() const { return {}; }
+
+  // The NUMA node the host pool's pages are placed on, or -1 (placement left to the kernel);
+  // host_numa_note() says why there is none when one was asked for.
+  virtual int host_numa_node() const { return -1; }
+  virtual std::string host_numa_note() const { return {}; }
 };
 
 // Creates the GPU frames up front (host slabs are prepared by the engine's renewals).
