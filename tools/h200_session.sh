@@ -15,6 +15,8 @@
 #   waits     7B dense-offload at 32K with host waits against GPU-side waits for enqueued copies
 #             (Note [Enqueued tickets]; "+streamwait"), beside plain tensors, in one run
 #   dp        7B at 32K: one process against data parallel with world size 1 (NCCL), in one run
+#   cli       membar-train as a user runs it, 7B at CLI_SEQ (default 32K), 3 steps: embedded and
+#             through membard (--socket), dense and --offload, in one call (steps 2-3 compared)
 #   tp        several GPUs: membar-train, 7B shape, one GPU against the heads split over every GPU
 #             (--tensor-parallel N under torch.distributed.run, NCCL) at TP_SEQ (default 128K), then
 #             the split run at N x TP_SEQ tokens
@@ -79,6 +81,19 @@ for step in "$@"; do
         --variants "dense+plain,dense-offload,dense-offload+streamwait" ;;
     dp)
       bench dp --contexts 32K --time-budget 300 --variants "dense,dense+dp" ;;
+    cli)
+      mkdir -p "$work/cli"
+      socket=/tmp/membar-cli.sock
+      train="-m membar.train --model qwen2.5-7b --seq-len ${CLI_SEQ:-32K} --chunk 4096 --steps 3 --no-progress --json"
+      for mode in dense offload; do
+        extra=""; [ $mode = offload ] && extra="--offload"
+        timeout 240 "$py" $train $extra > "$work/cli/embedded-$mode.log" 2>&1 || status=1
+        start_daemon "$socket" --gpu-pool 16GiB --host-pool 32GiB || { status=1; continue; }
+        timeout 240 "$py" $train $extra --socket "$socket" > "$work/cli/membard-$mode.log" 2>&1 || status=1
+        "$bin/membarctl" --socket "$socket" stats --json > "$work/cli/membarctl-$mode.json" 2>&1
+        kill "$daemon"; wait "$daemon" 2>/dev/null
+      done
+      "$py" tools/cli_summary.py "$work/cli" | tee "$work/cli/summary.txt" ;;
     tp)
       mkdir -p "$work/tp"
       gpus=$(nvidia-smi -L | wc -l)

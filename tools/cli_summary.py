@@ -1,0 +1,34 @@
+"""Summarises the membar-train logs of `tools/h200_session.sh cli`: tokens/s of steps 2-3 and peak
+GPU memory of each run (the last --json line of each log), and membard / embedded per mode.
+
+    python tools/cli_summary.py FOLDER
+"""
+from __future__ import annotations
+
+import json
+import pathlib
+import sys
+
+
+def main(folder: str) -> int:
+    rates = {}
+    for log in sorted(pathlib.Path(folder).glob("*.log")):
+        lines = [line for line in log.read_text().splitlines() if line.startswith("{")]
+        if not lines:
+            print(f"{log.stem}: no summary (see {log.name})")
+            continue
+        steps = json.loads(lines[-1])["steps"][1:]
+        if not steps:
+            print(f"{log.stem}: fewer than 2 steps")
+            continue
+        rates[log.stem] = sum(step["tokens_per_second"] for step in steps) / len(steps)
+        peak = max(step["peak_gpu_bytes"] for step in steps) / 2**30
+        print(f"{log.stem}: {rates[log.stem]:,.0f} tok/s (steps 2-{len(steps) + 1}), peak GPU {peak:.1f} GiB")
+    for mode in ("dense", "offload"):
+        if f"membard-{mode}" in rates and f"embedded-{mode}" in rates:
+            print(f"{mode}: membard / embedded = {rates[f'membard-{mode}'] / rates[f'embedded-{mode}']:.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1]))
