@@ -17,9 +17,9 @@
 #   dp        7B at 32K: one process against data parallel with world size 1 (NCCL), in one run
 #   cli       membar-train as a user runs it, 7B at CLI_SEQ (default 32K), 3 steps: embedded and
 #             through membard (--socket), dense and --offload, in one call (steps 2-3 compared)
-#   tp        several GPUs: membar-train, 7B shape, one GPU against the heads split over every GPU
-#             (--tensor-parallel N under torch.distributed.run, NCCL) at TP_SEQ (default 128K), then
-#             the split run at N x TP_SEQ tokens
+#   tp        several GPUs: membar-train, 7B shape at TP_SEQ (default 128K): one GPU, the heads split
+#             over every GPU (--tensor-parallel N under torch.distributed.run, NCCL), data parallel
+#             over every GPU; TP_LONG=1 adds the split run at N x TP_SEQ tokens with offload
 #   hostpool  membard --gpu-pool 100GiB --host-pool 100GiB under ulimit -n 1024: time to serve,
 #             time until the host pool is pinned, open descriptors
 #
@@ -99,15 +99,16 @@ for step in "$@"; do
       gpus=$(nvidia-smi -L | wc -l)
       seq=${TP_SEQ:-128K}
       train="-m membar.train --model qwen2.5-7b --chunk 4096 --steps 2 --no-progress --json"
-      timeout 560 "$py" $train --seq-len "$seq" > "$work/tp/one_gpu.log" 2>&1 || status=1
-      tail -3 "$work/tp/one_gpu.log"
-      timeout 560 "$py" -m torch.distributed.run --standalone --nproc_per_node "$gpus" $train --seq-len "$seq" \
-        --tensor-parallel "$gpus" > "$work/tp/split_${gpus}.log" 2>&1 || status=1
-      tail -3 "$work/tp/split_${gpus}.log"
-      long=$("$py" -c "from membar.train import _tokens; print(_tokens('$seq') * $gpus)")
-      timeout 560 "$py" -m torch.distributed.run --standalone --nproc_per_node "$gpus" $train --seq-len "$long" \
-        --tensor-parallel "$gpus" --steps 1 > "$work/tp/split_${gpus}_long.log" 2>&1 || status=1
-      tail -3 "$work/tp/split_${gpus}_long.log" ;;
+      run="$py -m torch.distributed.run --standalone --nproc_per_node $gpus"
+      timeout 200 "$py" $train --seq-len "$seq" > "$work/tp/one_gpu.log" 2>&1 || status=1
+      timeout 200 $run $train --seq-len "$seq" --tensor-parallel "$gpus" > "$work/tp/heads_split_${gpus}.log" 2>&1 || status=1
+      timeout 200 $run $train --seq-len "$seq" > "$work/tp/data_parallel_${gpus}.log" 2>&1 || status=1
+      if [ "${TP_LONG:-0}" = 1 ]; then   # the context that only the split fits: gpus x seq
+        long=$("$py" -c "from membar.train import _tokens; print(_tokens('$seq') * $gpus)")
+        timeout 560 $run $train --seq-len "$long" --tensor-parallel "$gpus" --steps 1 --offload \
+          > "$work/tp/heads_split_${gpus}_long.log" 2>&1 || status=1
+      fi
+      "$py" tools/cli_summary.py "$work/tp" | tee "$work/tp/summary.txt" ;;
     offload)
       bench offload --contexts 256K --time-budget 540 --variants "dense-offload,dense-offload+logra" ;;
     daemon)
