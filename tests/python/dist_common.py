@@ -21,10 +21,26 @@ def global_batch(size: int) -> torch.Tensor:
 
 def split_model(family: str):
     """Models for the head-parallel tests: qwen2 (GQA 4/2, q/k/v biases) splits 2 ways; qwen3
-    (GQA 8/4, q_norm/k_norm applied per head) splits 2 or 4 ways."""
+    (GQA 8/4, q_norm/k_norm applied per head) splits 2 or 4 ways; gemma2 (a sliding-window layer,
+    attention and final logit soft-caps) and qwen3_moe (MoE blocks, which stay whole) 2 ways."""
     torch.manual_seed(0)
     if family == "qwen2":
         return small_model()
+    if family == "gemma2":   # eager attention: the reference must apply the soft-cap (SDPA ignores it)
+        from transformers import AutoModelForCausalLM, Gemma2Config
+
+        config = Gemma2Config(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                              head_dim=16, intermediate_size=96, vocab_size=VOCAB, sliding_window=64,
+                              query_pre_attn_scalar=24, attn_logit_softcapping=2.0, final_logit_softcapping=3.0,
+                              layer_types=["sliding_attention", "full_attention"])
+        return AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    if family == "qwen3_moe":
+        from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+        return Qwen3MoeForCausalLM(Qwen3MoeConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                                  num_key_value_heads=2, head_dim=16, intermediate_size=96,
+                                                  vocab_size=VOCAB, num_experts=4, num_experts_per_tok=2,
+                                                  moe_intermediate_size=32, norm_topk_prob=True))
     if family == "qwen3":
         return Qwen3ForCausalLM(Qwen3Config(hidden_size=64, num_hidden_layers=2, num_attention_heads=8,
                                             num_key_value_heads=4, head_dim=16, intermediate_size=96,

@@ -112,7 +112,10 @@ def tensor_parallel(out: str, rank: int, world: int, size: int, family: str) -> 
     row = rank // size
     result = {"loss": trainer.step(batch[row: row + 1]), "kv_heads": trainer.num_kv_heads,
               "q_rows": model.model.layers[0].self_attn.q_proj.weight.shape[0],
-              "down_columns": model.model.layers[0].mlp.down_proj.weight.shape[1]}
+              "whole_mlps": tp.info(model).whole_mlps}
+    down = getattr(model.model.layers[0].mlp, "down_proj", None)
+    if isinstance(getattr(down, "weight", None), torch.Tensor) and down.weight.dim() == 2:
+        result["down_columns"] = down.weight.shape[1]
     result["grads"] = tp.full_gradients(model)
     result["norm"] = float(tp.clip_grad_norm_(model, 1e-3))
     result["clipped"] = tp.full_gradients(model)
