@@ -463,6 +463,10 @@ def _check_memory(args, device: torch.device, dtype: torch.dtype) -> None:
     need["page_bytes"] //= args.tensor_parallel   # a split model's ranks each hold their heads' pages
     # LoGRA: the weights (frozen but for its merged updates) and states of a few percent of them.
     state = need["model_state_bytes"] if args.optimizer == "adamw" else need["weight_bytes"]
+    if args.tensor_parallel > 1:
+        # Each rank loads the whole model, then keeps its share of the split layers (most of the
+        # weights) with their gradients and moments.
+        state = max(need["weight_bytes"], state // args.tensor_parallel)
     if device.type == "cpu":
         where, available, needed = "host memory", host_available_bytes(), state + need["page_bytes"]
     elif device.type == "cuda":
