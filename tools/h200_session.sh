@@ -14,6 +14,8 @@
 #   daemon    through membard (CUDA backend): dense 32K and dense-offload 128K, embedded beside them
 #   waits     7B dense-offload at 32K with host waits against GPU-side waits for enqueued copies
 #             (Note [Enqueued tickets]; "+streamwait"), beside plain tensors, in one run
+#   waits-eager  the same GPU-side waits with CUDA_MODULE_LOADING=EAGER (no lazy module loading, the
+#             cause of the deadlock Note [Enqueued tickets] works around), beside host waits
 #   dp        7B at 32K: one process against data parallel with world size 1 (NCCL), in one run
 #   cli       membar-train as a user runs it, 7B at CLI_SEQ (default 32K), 3 steps: embedded and
 #             through membard (--socket), dense and --offload, in one call (steps 2-3 compared)
@@ -79,6 +81,9 @@ for step in "$@"; do
     waits)
       bench waits --contexts 32K --time-budget 400 --time-limit 150 \
         --variants "dense+plain,dense-offload,dense-offload+streamwait" ;;
+    waits-eager)
+      CUDA_MODULE_LOADING=EAGER bench waits-eager --contexts 32K --time-budget 400 --time-limit 150 \
+        --variants "dense-offload,dense-offload+streamwait" ;;
     dp)
       bench dp --contexts 32K --time-budget 300 --variants "dense,dense+dp" ;;
     cli)
