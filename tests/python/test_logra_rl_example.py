@@ -73,3 +73,33 @@ def test_example_syncs_through_a_daemon(tmp_path):
     assert logra_run["sync_transport"] == "channel"
     assert logra_run["states"].startswith("runtime pages (daemon:")
     assert len(logra_run["reward"]) == 3
+
+
+def test_distributed_example_keeps_rollout_ranks_on_the_trainers_bits(tmp_path):
+    """examples/logra_rl/train_distributed.py with 2 trainer ranks (frozen weights sharded by FSDP2)
+    and 1 rollout rank (updates by broadcast), gloo: the rollout rank ends with the trainers' weights
+    bit for bit, each trainer held half of the frozen weights, and every update was applied."""
+    import socket
+
+    import torch
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    root = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, WORLD_SIZE="3", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join([str(root / "bindings" / "python"), os.environ.get("PYTHONPATH", "")]))
+    command = [sys.executable, str(EXAMPLE / "train_distributed.py"), "--trainers", "2", "--sft-steps", "4",
+               "--rl-steps", "3", "--prompts", "4", "--group", "4", "--rank", "8", "--out", str(tmp_path)]
+    ranks = [subprocess.Popen(command, env=dict(env, RANK=str(rank), LOCAL_RANK=str(rank)), stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for rank in range(3)]
+    outputs = [rank.communicate(timeout=240)[0] for rank in ranks]
+    for rank, (process, output) in enumerate(zip(ranks, outputs)):
+        assert process.returncode == 0, f"rank {rank}:\n{output}"
+    summary = json.loads((tmp_path / "rewards.json").read_text())
+    assert summary["rollout"]["applied"] == 3 and len(summary["trainer"]["reward"]) == 3
+    assert summary["trainer"]["frozen_weight_bytes_on_this_rank"] * 2 == summary["trainer"]["frozen_weight_bytes"]
+    assert summary["trainer"]["sync_bytes_per_update"] < summary["trainer"]["frozen_weight_bytes"] / 4
+    weights = [torch.load(tmp_path / f"weights_rank{rank}.pt") for rank in range(3)]
+    for other in weights[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(weights[0], other))
