@@ -6,6 +6,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCau
 
 TOKENS = 300   # not a multiple of the chunk (96) or the page (32): partial chunks and pages
 VOCAB = 97
+SPLIT_VOCAB = 100   # tokens are drawn below VOCAB; a vocabulary that 2 and 4 ranks split
 
 
 def small_model() -> Qwen2ForCausalLM:
@@ -21,7 +22,7 @@ def global_batch(size: int) -> torch.Tensor:
 
 def split_model(family: str):
     """Models for the head-parallel tests: qwen2 (GQA 4/2, q/k/v biases) splits 2 ways; qwen3
-    (GQA 8/4, q_norm/k_norm applied per head) splits 2 or 4 ways; gemma2 (a sliding-window layer,
+    (GQA 8/4, q_norm/k_norm applied per head, tied embeddings) splits 2 or 4 ways; gemma2 (a sliding-window layer,
     attention and final logit soft-caps) and qwen3_moe (MoE blocks, which stay whole) 2 ways."""
     torch.manual_seed(0)
     if family == "qwen2":
@@ -30,7 +31,7 @@ def split_model(family: str):
         from transformers import AutoModelForCausalLM, Gemma2Config
 
         config = Gemma2Config(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                              head_dim=16, intermediate_size=96, vocab_size=VOCAB, sliding_window=64,
+                              head_dim=16, intermediate_size=96, vocab_size=SPLIT_VOCAB, sliding_window=64,
                               query_pre_attn_scalar=24, attn_logit_softcapping=2.0, final_logit_softcapping=3.0,
                               layer_types=["sliding_attention", "full_attention"])
         return AutoModelForCausalLM.from_config(config, attn_implementation="eager")
@@ -42,7 +43,8 @@ def split_model(family: str):
                                                   vocab_size=VOCAB, num_experts=4, num_experts_per_tok=2,
                                                   moe_intermediate_size=32, norm_topk_prob=True))
     if family == "qwen3":
+        # A vocabulary of 100 splits 2 and 4 ways (Note [Vocabulary split]); tied embeddings.
         return Qwen3ForCausalLM(Qwen3Config(hidden_size=64, num_hidden_layers=2, num_attention_heads=8,
                                             num_key_value_heads=4, head_dim=16, intermediate_size=96,
-                                            vocab_size=VOCAB, attention_bias=True))
+                                            vocab_size=SPLIT_VOCAB, attention_bias=True, tie_word_embeddings=True))
     raise ValueError(family)

@@ -50,6 +50,10 @@ def test_split_heads_give_full_sequence_gradients(tmp_path, family, world, size)
             assert result["down_columns"] == full.mlp.down_proj.in_features // size
         else:
             assert result["whole_mlps"] == [0, 1]   # MoE blocks stay whole on every rank
+        # The vocabulary splits where the ranks divide it (Note [Vocabulary split]).
+        vocab = split_model(family).get_input_embeddings().weight.shape[0]
+        assert result["vocab_split"] == (vocab % size == 0)
+        assert result["embedding_rows"] == (vocab // size if vocab % size == 0 else vocab)
         assert result["loss"] == pytest.approx(loss, rel=1e-5), rank
         for name, grad in grads.items():
             assert relative_error(result["grads"][name], grad) <= 1e-4, (rank, name)

@@ -14,9 +14,10 @@ Note [Head parallel layers]
   RowParallelLinear (the partial products are summed over the group forward, the bias added once
   after). That is one all-reduce per sublayer in each direction. The attention itself needs
   nothing: the trainer's probe sees this rank's heads, its pages hold only them, and the paged
-  attention works head by head. Everything outside the split blocks (embeddings, norms, lm_head,
-  the loss, MoE blocks) is replicated: it computes the same on every rank, so its gradients agree
-  without communication. Parameters inside a split block that are not split (Qwen3's and Gemma 3's
+  attention works head by head. The input embeddings and lm_head are split over the vocabulary
+  when T divides it (Note [Vocabulary split]). Everything else outside the split blocks (norms,
+  MoE blocks) is replicated: it computes the same on every rank, so its gradients agree without
+  communication. Parameters inside a split block that are not split (Qwen3's and Gemma 3's
   q_norm/k_norm, applied per head) see only this rank's heads: their gradients are summed over the
   group after each step (`TensorParallel.partial`). Parameter objects are kept (their .data is
   replaced by the shard), so an optimizer made before sharding still holds them; full_state_dict
@@ -24,8 +25,8 @@ Note [Head parallel layers]
   parameter once.
   Limitations: attention blocks need separate q_proj/k_proj/v_proj/o_proj linears (a fused qkv_proj,
   as in Phi-3, is refused with a sentence); MoE blocks (and any MLP without gate/up/down linears)
-  stay whole on every rank; embeddings and lm_head are not split over the vocabulary; the query
-  and key/value head counts and the intermediate size must divide by T; sparse mode is refused
+  stay whole on every rank; the query and key/value head counts and the intermediate size must
+  divide by T (a vocabulary that T does not divide stays whole, with a log line); sparse mode is refused
   (its page selection sums scores over all heads, which no rank holds); LoGRA is not split.
 """
 from __future__ import annotations
@@ -112,6 +113,9 @@ class TensorParallel:
     partial: list = field(default_factory=list)   # unsplit parameters that see only this rank's heads
     split_layers: int = 0
     whole_mlps: list = field(default_factory=list)   # layers whose MLP stays whole on every rank
+    vocab_split: bool = False   # Note [Vocabulary split]
+    vocab_first: int = 0
+    vocab_rows: int = 0
 
 
 def info(model) -> TensorParallel | None:
@@ -205,6 +209,7 @@ def shard_model(model, group) -> TensorParallel:
         else:
             tp.whole_mlps.append(index)
         tp.split_layers += 1
+    tp.vocab_split = _split_vocabulary(model, tp)
     if tp.whole_mlps:
         log.warning("tensor parallel: the MLPs of %d layer(s) (%s) have no gate/up/down linears (MoE blocks) and stay "
                     "whole on every rank.", len(tp.whole_mlps), type(getattr(layers[tp.whole_mlps[0]], "mlp", None)).__name__)
@@ -275,6 +280,135 @@ def clip_grad_norm_(model, max_norm: float) -> torch.Tensor:
     for parameter in parameters:
         parameter.grad.detach().mul_(scale.to(parameter.grad.dtype))
     return norm.float()
+
+
+# Note [Vocabulary split]
+#   Rationale: a model's input embeddings and lm_head are vocabulary x hidden each (1.1B of a 7B
+#   Qwen2.5's 7.6B parameters); kept whole they and their gradients and Adam moments would sit on
+#   every rank of a head-parallel group, and the logits of a loss piece are vocabulary wide.
+#   Approach: rank r keeps vocabulary rows [r*V/T, (r+1)*V/T) of both (once when they are tied).
+#   The embedding looks up the ids of its rows (the others give zeros) and the rows are summed over
+#   the group. lm_head computes this rank's columns of the logits from its input through
+#   copy_to_group (the input's gradient is summed backward); called as a module (the model's own
+#   forward, predict()) it gathers the full logits, while the trainer's loss uses
+#   vocab_parallel_cross_entropy on the local columns: the row maximum, the sum of exponentials and
+#   the target's logit are summed (max-reduced) over the group, and the backward is softmax minus
+#   the one-hot target on this rank's columns, so no rank forms vocabulary-wide logits. Gemma's
+#   final soft-cap is elementwise and applies to the local columns.
+#   Limitations: T must divide the vocabulary; otherwise both stay whole on every rank.
+class _GatherFromGroup(torch.autograd.Function):
+    """Concatenates the group's last-dimension parts forward; this rank's part of the gradient back."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        dist = _dist()
+        ctx.group, ctx.rank, ctx.width = group, dist.get_rank(group), x.shape[-1]
+        parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        return torch.cat(parts, dim=-1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.narrow(-1, ctx.rank * ctx.width, ctx.width).contiguous(), None
+
+
+class _MaxOverGroup(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        out = x.clone()
+        _dist().all_reduce(out, op=_dist().ReduceOp.MAX, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        return None, None
+
+
+def vocab_parallel_cross_entropy(local_logits: torch.Tensor, targets: torch.Tensor, first: int, group,
+                                 ignore_index: int = -100) -> torch.Tensor:
+    """Summed cross-entropy of logits split over the group by vocabulary columns: `local_logits`
+    [tokens, V/T] are columns first .. first + V/T of the full logits (Note [Vocabulary split])."""
+    width = local_logits.shape[-1]
+    # The maximum only shifts the exponentials (no gradient needed through it).
+    maximum = _MaxOverGroup.apply(local_logits.detach().max(dim=-1).values, group)
+    shifted = local_logits - maximum.unsqueeze(-1)
+    total = reduce_from_group(shifted.exp().sum(dim=-1), group)
+    local_target = targets - first
+    here = (local_target >= 0) & (local_target < width)
+    picked = shifted.gather(-1, local_target.clamp(0, width - 1).unsqueeze(-1)).squeeze(-1) * here
+    target_logit = reduce_from_group(picked, group)
+    valid = targets != ignore_index
+    return ((total.log() - target_logit) * valid).sum()
+
+
+def _vocab_rows(module, rank: int, size: int, tp) -> None:
+    _take(module.weight, 0, rank, size)
+    tp.sharded[module.weight] = 0
+    bias = getattr(module, "bias", None)
+    if bias is not None:
+        _take(bias, 0, rank, size)
+        tp.sharded[bias] = 0
+
+
+def _split_vocabulary(model, tp) -> bool:
+    embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
+    vocab = embedding.weight.shape[0]
+    if vocab % tp.size or head is None or head.weight.shape[0] != vocab:
+        log.warning("tensor parallel: the vocabulary (%d) does not split over %d ranks: the embeddings and lm_head stay "
+                    "whole on every rank.", vocab, tp.size)
+        return False
+    block = vocab // tp.size
+    first = tp.rank * block
+    tied = head.weight is embedding.weight
+    _vocab_rows(embedding, tp.rank, tp.size, tp)
+    if not tied:
+        _vocab_rows(head, tp.rank, tp.size, tp)
+    padding = getattr(embedding, "padding_idx", None)
+    if padding is not None:
+        embedding.padding_idx = padding - first if first <= padding < first + block else None
+    group = tp.group
+
+    def lookup(module, args, kwargs):
+        ids = args[0] if args else kwargs["input"]
+        local = ids - first
+        here = (local >= 0) & (local < block)
+        module._membar_rows_here = here
+        local = torch.where(here, local, torch.zeros_like(local))
+        return ((local, *args[1:]), kwargs) if args else (args, dict(kwargs, input=local))
+
+    def combine(module, args, kwargs, output):
+        here = module._membar_rows_here
+        module._membar_rows_here = None
+        return reduce_from_group(output * here.unsqueeze(-1).to(output.dtype), group)
+
+    embedding.register_forward_pre_hook(lookup, with_kwargs=True)
+    embedding.register_forward_hook(combine, with_kwargs=True)
+
+    def head_input(module, args):
+        return (copy_to_group(args[0], group), *args[1:])
+
+    def head_output(module, args, output):
+        return _GatherFromGroup.apply(output, group)
+
+    head.register_forward_pre_hook(head_input)
+    head.register_forward_hook(head_output)
+    head._membar_vocab_split = (first, group)
+    tp.vocab_first, tp.vocab_rows = first, block
+    return True
+
+
+def split_head_loss(lm_head, hidden: torch.Tensor, targets: torch.Tensor, logit_softcap: float | None,
+                    ignore_index: int = -100) -> torch.Tensor | None:
+    """The summed cross-entropy of hidden [tokens, hidden] through a vocabulary-split lm_head
+    without vocabulary-wide logits; None when lm_head is not split."""
+    split = getattr(lm_head, "_membar_vocab_split", None)
+    if split is None:
+        return None
+    first, group = split
+    logits = F.linear(copy_to_group(hidden, group), lm_head.weight, getattr(lm_head, "bias", None)).float()
+    if logit_softcap is not None:
+        logits = torch.tanh(logits / logit_softcap) * logit_softcap
+    return vocab_parallel_cross_entropy(logits, targets, first, group, ignore_index)
 
 
 def make_groups(tensor_parallel: int):

@@ -53,6 +53,11 @@ def host_memory() -> dict:
 def _piece_loss(lm_head, hidden, targets, logit_softcap: float | None = None):
     # hidden [tokens, hidden_size], targets [tokens]: summed cross-entropy in float32. Gemma's
     # final_logit_softcapping (models.final_logit_softcap) maps logits to cap * tanh(logits / cap).
+    from . import tensor_parallel
+
+    split = tensor_parallel.split_head_loss(lm_head, hidden, targets, logit_softcap, IGNORE_INDEX)
+    if split is not None:   # Note [Vocabulary split]: no vocabulary-wide logits
+        return split
     logits = lm_head(hidden).float()
     if logit_softcap is not None:
         logits = torch.tanh(logits / logit_softcap) * logit_softcap
