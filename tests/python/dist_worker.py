@@ -114,6 +114,9 @@ def tensor_parallel(out: str, rank: int, world: int, size: int, family: str) -> 
               "q_rows": model.model.layers[0].self_attn.q_proj.weight.shape[0],
               "whole_mlps": tp.info(model).whole_mlps, "vocab_split": tp.info(model).vocab_split,
               "embedding_rows": model.get_input_embeddings().weight.shape[0]}
+    experts = getattr(model.model.layers[0].mlp, "experts", None)
+    if experts is not None:
+        result["expert_columns"] = experts.down_proj.shape[2]
     down = getattr(model.model.layers[0].mlp, "down_proj", None)
     if isinstance(getattr(down, "weight", None), torch.Tensor) and down.weight.dim() == 2:
         result["down_columns"] = down.weight.shape[1]

@@ -48,8 +48,9 @@ def test_split_heads_give_full_sequence_gradients(tmp_path, family, world, size)
         assert result["q_rows"] == full.self_attn.q_proj.out_features // size
         if hasattr(full.mlp, "down_proj") and isinstance(full.mlp.down_proj, torch.nn.Linear):
             assert result["down_columns"] == full.mlp.down_proj.in_features // size
-        else:
-            assert result["whole_mlps"] == [0, 1]   # MoE blocks stay whole on every rank
+        else:   # MoE: every expert's intermediate size splits (Note [Split experts])
+            assert result["whole_mlps"] == []
+            assert result["expert_columns"] == full.mlp.experts.down_proj.shape[2] // size
         # The vocabulary splits where the ranks divide it (Note [Vocabulary split]).
         vocab = split_model(family).get_input_embeddings().weight.shape[0]
         assert result["vocab_split"] == (vocab % size == 0)

@@ -23,9 +23,9 @@ Note [Head parallel layers]
   replaced by the shard), so an optimizer made before sharding still holds them; full_state_dict
   gathers the shards for saving, clip_grad_norm_ counts each shard once and each replicated
   parameter once.
+  MoE experts kept as transformers' fused 3-D parameters split the same way (Note [Split experts]).
   Limitations: attention blocks need separate q_proj/k_proj/v_proj/o_proj linears (a fused qkv_proj,
-  as in Phi-3, is refused with a sentence); MoE blocks (and any MLP without gate/up/down linears)
-  stay whole on every rank; the query and key/value head counts and the intermediate size must
+  as in Phi-3, is refused with a sentence); MLPs of another layout stay whole on every rank; the query and key/value head counts and the intermediate size must
   divide by T (a vocabulary that T does not divide stays whole, with a log line); sparse mode is refused
   (its page selection sums scores over all heads, which no rank holds); LoGRA is not split.
 """
@@ -197,7 +197,10 @@ def shard_model(model, group) -> TensorParallel:
         tp.partial += [p for p in attention.parameters() if id(p) not in kept]
         attention.register_forward_pre_hook(_copy_input_hook(group), with_kwargs=True)
         mlp = getattr(layer, "mlp", None)
-        if mlp is not None and all(isinstance(getattr(mlp, name, None), torch.nn.Linear) for name in _MLP_LINEARS):
+        experts = getattr(mlp, "experts", None)
+        if experts is not None and _fused_experts(experts):
+            _split_experts(experts, rank, size, tp)
+        elif mlp is not None and all(isinstance(getattr(mlp, name, None), torch.nn.Linear) for name in _MLP_LINEARS):
             _divides("the MLP's intermediate size", mlp.gate_proj.out_features, size)
             kept = {id(getattr(mlp, name).weight) for name in _MLP_LINEARS}
             kept |= {id(getattr(mlp, name).bias) for name in _MLP_LINEARS if getattr(mlp, name).bias is not None}
@@ -217,13 +220,62 @@ def shard_model(model, group) -> TensorParallel:
     return tp
 
 
+# Note [Split experts]
+#   transformers keeps a MoE block's experts as two 3-D parameters (Qwen3-MoE, Mixtral, ...):
+#   gate_up_proj [E, 2I, H] (gate rows, then up rows; the forward chunks the product in two) and
+#   down_proj [E, H, I], applied per routed token, after a router that stays whole. Like a dense
+#   MLP, each rank keeps block r of T of every expert's intermediate size: rows r of the gate half
+#   and of the up half, columns r of down_proj. The experts' output is a partial sum, summed over
+#   the group; their inputs (the tokens and the routing weights) go through copy_to_group, so the
+#   gradients of the routing weights, of which each rank's block gives a part, are summed backward
+#   and the router trains as one process's would.
+def _fused_experts(module) -> bool:
+    import inspect
+
+    gate_up, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
+    if not (isinstance(gate_up, torch.nn.Parameter) and isinstance(down, torch.nn.Parameter)):
+        return False
+    if gate_up.dim() != 3 or down.dim() != 3 or gate_up.shape[1] != 2 * down.shape[2]:
+        return False
+    names = list(inspect.signature(module.forward).parameters)
+    return names[:3] == ["hidden_states", "top_k_index", "top_k_weights"]
+
+
+def _split_experts(experts, rank: int, size: int, tp) -> None:
+    intermediate = experts.down_proj.shape[2]
+    _divides("the experts' intermediate size", intermediate, size)
+    block = intermediate // size
+    with torch.no_grad():
+        gate_up = experts.gate_up_proj.data
+        experts.gate_up_proj.data = torch.cat([gate_up[:, rank * block:(rank + 1) * block],
+                                               gate_up[:, intermediate + rank * block: intermediate + (rank + 1) * block]],
+                                              dim=1).contiguous()
+    tp.sharded[experts.gate_up_proj] = ("halves", 1)
+    _take(experts.down_proj, 2, rank, size)
+    tp.sharded[experts.down_proj] = 2
+    if hasattr(experts, "intermediate_dim"):
+        experts.intermediate_dim = block
+    group = tp.group
+
+    def inputs(module, args, kwargs):
+        args, kwargs = list(args), dict(kwargs)
+        for position, name in ((0, "hidden_states"), (2, "top_k_weights")):
+            if name in kwargs:
+                kwargs[name] = copy_to_group(kwargs[name], group)
+            elif len(args) > position:
+                args[position] = copy_to_group(args[position], group)
+        return tuple(args), kwargs
+
+    experts.register_forward_pre_hook(inputs, with_kwargs=True)
+    experts.register_forward_hook(lambda module, args, output: reduce_from_group(output, group))
+
+
 def full_state_dict(model) -> dict:
     """The unsplit state dict, on every rank of the group (a collective: every rank calls it)."""
     tp = info(model)
     state = model.state_dict()
     if tp is None:
         return state
-    dist = _dist()
     by_id = {id(p): dim for p, dim in tp.sharded.items()}
     named = dict(model.named_parameters(remove_duplicate=False))
     full = {}
@@ -233,26 +285,35 @@ def full_state_dict(model) -> dict:
         if dim is None:
             full[name] = tensor
             continue
-        parts = [torch.empty_like(tensor) for _ in range(tp.size)]
-        dist.all_gather(parts, tensor.contiguous(), group=tp.group)
-        full[name] = torch.cat(parts, dim=dim)
+        full[name] = _gather(tensor, dim, tp)
     return full
+
+
+def _gather(tensor: torch.Tensor, how, tp) -> torch.Tensor:
+    """The whole tensor from the group's shards: `how` is the dimension of equal blocks in rank
+    order, or ("halves", dim) for gate/up pairs (each rank holds its block of both halves)."""
+    parts = [torch.empty_like(tensor) for _ in range(tp.size)]
+    _dist().all_gather(parts, tensor.contiguous(), group=tp.group)
+    if isinstance(how, tuple):
+        _, dim = how
+        half = tensor.shape[dim] // 2
+        firsts = [part.narrow(dim, 0, half) for part in parts]
+        seconds = [part.narrow(dim, half, half) for part in parts]
+        return torch.cat(firsts + seconds, dim=dim)
+    return torch.cat(parts, dim=how)
 
 
 def full_gradients(model) -> dict:
     """A copy of every parameter's .grad, unsplit (a collective; None stays None). For checks."""
     tp = info(model)
     grads = {}
-    dist = _dist() if tp is not None else None
     for name, parameter in model.named_parameters():
         grad = parameter.grad
         dim = tp.sharded.get(parameter) if tp is not None else None
         if grad is None or dim is None:
             grads[name] = None if grad is None else grad.detach().clone()
             continue
-        parts = [torch.empty_like(grad) for _ in range(tp.size)]
-        dist.all_gather(parts, grad.contiguous(), group=tp.group)
-        grads[name] = torch.cat(parts, dim=dim)
+        grads[name] = _gather(grad, dim, tp)
     return grads
 
 
