@@ -35,6 +35,12 @@ def split_model(family: str):
                               query_pre_attn_scalar=24, attn_logit_softcapping=2.0, final_logit_softcapping=3.0,
                               layer_types=["sliding_attention", "full_attention"])
         return AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    if family == "phi3":   # fused qkv_proj and gate_up_proj
+        from transformers import Phi3Config, Phi3ForCausalLM
+
+        return Phi3ForCausalLM(Phi3Config(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                          num_key_value_heads=2, intermediate_size=96, vocab_size=SPLIT_VOCAB,
+                                          pad_token_id=0))
     if family == "qwen3_moe":
         from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 

@@ -111,7 +111,8 @@ def tensor_parallel(out: str, rank: int, world: int, size: int, family: str) -> 
     batch = global_batch(replicas)
     row = rank // size
     result = {"loss": trainer.step(batch[row: row + 1]), "kv_heads": trainer.num_kv_heads,
-              "q_rows": model.model.layers[0].self_attn.q_proj.weight.shape[0],
+              "q_rows": getattr(model.model.layers[0].self_attn, "q_proj",
+                                getattr(model.model.layers[0].self_attn, "qkv_proj", None)).weight.shape[0],
               "whole_mlps": tp.info(model).whole_mlps, "vocab_split": tp.info(model).vocab_split,
               "embedding_rows": model.get_input_embeddings().weight.shape[0]}
     experts = getattr(model.model.layers[0].mlp, "experts", None)

@@ -36,17 +36,21 @@ def reference(family: str, rows: int):
 
 
 @pytest.mark.parametrize("family,world,size", [("qwen2", 2, 2), ("qwen3", 4, 4), ("qwen3", 4, 2), ("gemma2", 2, 2),
-                                                ("qwen3_moe", 2, 2)],
-                         ids=["qwen2-tp2", "qwen3-tp4", "qwen3-tp2-dp2", "gemma2-tp2", "qwen3_moe-tp2"])
+                                                ("qwen3_moe", 2, 2), ("phi3", 2, 2)],
+                         ids=["qwen2-tp2", "qwen3-tp4", "qwen3-tp2-dp2", "gemma2-tp2", "qwen3_moe-tp2", "phi3-tp2"])
 def test_split_heads_give_full_sequence_gradients(tmp_path, family, world, size):
     results = run_ranks_tp(tmp_path, world, size, family)
     loss, grads, norm, clipped, state, logits = reference(family, world // size)
     full = split_model(family).model.layers[0]
     for rank, result in enumerate(results):
         # Each rank holds its share of the heads and of the MLP, and only its pages.
-        assert result["kv_heads"] == full.self_attn.k_proj.out_features // full.self_attn.head_dim // size
-        assert result["q_rows"] == full.self_attn.q_proj.out_features // size
-        if hasattr(full.mlp, "down_proj") and isinstance(full.mlp.down_proj, torch.nn.Linear):
+        if hasattr(full.self_attn, "qkv_proj"):   # Phi-3: its block of each of q, k and v
+            assert result["kv_heads"] == full.self_attn.num_key_value_heads // size
+            assert result["q_rows"] == full.self_attn.qkv_proj.out_features // size
+        else:
+            assert result["kv_heads"] == full.self_attn.k_proj.out_features // full.self_attn.head_dim // size
+            assert result["q_rows"] == full.self_attn.q_proj.out_features // size
+        if isinstance(getattr(full.mlp, "down_proj", None), torch.nn.Linear):
             assert result["down_columns"] == full.mlp.down_proj.in_features // size
         else:   # MoE: every expert's intermediate size splits (Note [Split experts])
             assert result["whole_mlps"] == []

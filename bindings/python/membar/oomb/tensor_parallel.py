@@ -23,9 +23,11 @@ Note [Head parallel layers]
   replaced by the shard), so an optimizer made before sharding still holds them; full_state_dict
   gathers the shards for saving, clip_grad_norm_ counts each shard once and each replicated
   parameter once.
-  MoE experts kept as transformers' fused 3-D parameters split the same way (Note [Split experts]).
-  Limitations: attention blocks need separate q_proj/k_proj/v_proj/o_proj linears (a fused qkv_proj,
-  as in Phi-3, is refused with a sentence); MLPs of another layout stay whole on every rank; the query and key/value head counts and the intermediate size must
+  MoE experts kept as transformers' fused 3-D parameters split the same way (Note [Split experts]),
+  and so do fused projections (Phi-3's qkv_proj and gate_up_proj: each rank keeps its block of
+  every section, and its attention module gets a config copy with its own head counts).
+  Limitations: attention blocks need q_proj/k_proj/v_proj/o_proj linears or Phi-3's qkv_proj (any
+  other layout is refused with a sentence); MLPs of another layout stay whole on every rank; the query and key/value head counts and the intermediate size must
   divide by T (a vocabulary that T does not divide stays whole, with a log line); sparse mode is refused
   (its page selection sums scores over all heads, which no rank holds); LoGRA is not split.
 """
@@ -132,6 +134,26 @@ def _take(parameter: torch.nn.Parameter | None, dim: int, rank: int, size: int) 
         parameter.grad = parameter.grad.narrow(dim, rank * block, block).clone()
 
 
+def _take_sections(parameter: torch.nn.Parameter, dim: int, sizes, rank: int, size: int) -> None:
+    """Keeps block `rank` of `size` of each consecutive section (sizes along dim) of a fused weight."""
+    pieces, offset = [], 0
+    with torch.no_grad():
+        for section in sizes:
+            block = section // size
+            pieces.append(parameter.data.narrow(dim, offset + rank * block, block))
+            offset += section
+        parameter.data = torch.cat(pieces, dim=dim).contiguous()
+
+
+def _shard_sections(linear: torch.nn.Linear, sizes, rank: int, size: int, tp: TensorParallel) -> None:
+    _take_sections(linear.weight, 0, sizes, rank, size)
+    tp.sharded[linear.weight] = ("sections", 0, tuple(sizes))
+    if linear.bias is not None:
+        _take_sections(linear.bias, 0, sizes, rank, size)
+        tp.sharded[linear.bias] = ("sections", 0, tuple(sizes))
+    linear.out_features = linear.weight.shape[0]
+
+
 def _shard_rows(linear: torch.nn.Linear, rank: int, size: int, tp: TensorParallel) -> None:
     _take(linear.weight, 0, rank, size)
     _take(linear.bias, 0, rank, size)
@@ -180,22 +202,14 @@ def shard_model(model, group) -> TensorParallel:
         attention = getattr(layer, "self_attn", None)
         missing = [name for name in _ATTENTION_LINEARS
                    if not isinstance(getattr(attention, name, None), torch.nn.Linear)]
-        if attention is None or missing:
+        if attention is not None and missing and _fused_qkv(attention):
+            _split_fused_attention(attention, rank, size, tp)
+        elif attention is None or missing:
             raise ValueError(f"tensor parallel splits attention blocks with separate q_proj, k_proj, v_proj and o_proj "
                              f"linears; layer {index}'s {type(attention).__name__} has no {', '.join(missing)} "
-                             f"(a fused projection such as Phi-3's qkv_proj is not split).")
-        head_dim = attention.head_dim
-        q_heads = attention.q_proj.out_features // head_dim
-        kv_heads = attention.k_proj.out_features // head_dim
-        _divides("the query heads", q_heads, size)
-        _divides("the key/value heads", kv_heads, size)
-        kept = {id(getattr(attention, name).weight) for name in _ATTENTION_LINEARS}
-        kept |= {id(getattr(attention, name).bias) for name in _ATTENTION_LINEARS if getattr(attention, name).bias is not None}
-        for name in ("q_proj", "k_proj", "v_proj"):
-            _shard_rows(getattr(attention, name), rank, size, tp)
-        attention.o_proj = _row_parallel(attention.o_proj, rank, size, tp)
-        tp.partial += [p for p in attention.parameters() if id(p) not in kept]
-        attention.register_forward_pre_hook(_copy_input_hook(group), with_kwargs=True)
+                             f"(or a fused qkv_proj with num_key_value_heads, as in Phi-3).")
+        else:
+            _split_attention(attention, rank, size, tp)
         mlp = getattr(layer, "mlp", None)
         experts = getattr(mlp, "experts", None)
         if experts is not None and _fused_experts(experts):
@@ -209,15 +223,71 @@ def shard_model(model, group) -> TensorParallel:
             mlp.down_proj = _row_parallel(mlp.down_proj, rank, size, tp)
             tp.partial += [p for p in mlp.parameters() if id(p) not in kept]
             mlp.register_forward_pre_hook(_copy_input_hook(group), with_kwargs=True)
+        elif mlp is not None and all(isinstance(getattr(mlp, name, None), torch.nn.Linear)
+                                     for name in ("gate_up_proj", "down_proj")):
+            # Phi-3: gate and up fused in one linear whose output the forward chunks in two.
+            intermediate = mlp.down_proj.in_features
+            _divides("the MLP's intermediate size", intermediate, size)
+            kept = {id(mlp.gate_up_proj.weight), id(mlp.down_proj.weight)}
+            kept |= {id(l.bias) for l in (mlp.gate_up_proj, mlp.down_proj) if l.bias is not None}
+            _shard_sections(mlp.gate_up_proj, (intermediate, intermediate), rank, size, tp)
+            mlp.down_proj = _row_parallel(mlp.down_proj, rank, size, tp)
+            tp.partial += [p for p in mlp.parameters() if id(p) not in kept]
+            mlp.register_forward_pre_hook(_copy_input_hook(group), with_kwargs=True)
         else:
             tp.whole_mlps.append(index)
         tp.split_layers += 1
     tp.vocab_split = _split_vocabulary(model, tp)
     if tp.whole_mlps:
-        log.warning("tensor parallel: the MLPs of %d layer(s) (%s) have no gate/up/down linears (MoE blocks) and stay "
-                    "whole on every rank.", len(tp.whole_mlps), type(getattr(layers[tp.whole_mlps[0]], "mlp", None)).__name__)
+        log.warning("tensor parallel: the MLPs of %d layer(s) (%s) have no gate/up/down linears or fused experts and "
+                    "stay whole on every rank.", len(tp.whole_mlps),
+                    type(getattr(layers[tp.whole_mlps[0]], "mlp", None)).__name__)
     model._membar_tensor_parallel = tp
     return tp
+
+
+def _split_attention(attention, rank: int, size: int, tp: TensorParallel) -> None:
+    """q/k/v keep this rank's heads, o_proj their columns (Note [Head parallel layers])."""
+    head_dim = attention.head_dim
+    _divides("the query heads", attention.q_proj.out_features // head_dim, size)
+    _divides("the key/value heads", attention.k_proj.out_features // head_dim, size)
+    kept = {id(getattr(attention, name).weight) for name in _ATTENTION_LINEARS}
+    kept |= {id(getattr(attention, name).bias) for name in _ATTENTION_LINEARS if getattr(attention, name).bias is not None}
+    for name in ("q_proj", "k_proj", "v_proj"):
+        _shard_rows(getattr(attention, name), rank, size, tp)
+    attention.o_proj = _row_parallel(attention.o_proj, rank, size, tp)
+    tp.partial += [p for p in attention.parameters() if id(p) not in kept]
+    attention.register_forward_pre_hook(_copy_input_hook(tp.group), with_kwargs=True)
+
+
+def _fused_qkv(attention) -> bool:
+    return (isinstance(getattr(attention, "qkv_proj", None), torch.nn.Linear)
+            and isinstance(getattr(attention, "o_proj", None), torch.nn.Linear)
+            and hasattr(attention, "num_key_value_heads") and hasattr(attention, "config"))
+
+
+def _split_fused_attention(attention, rank: int, size: int, tp: TensorParallel) -> None:
+    """Phi-3: one qkv_proj whose rows are the query heads, then the key heads, then the value
+    heads; the forward cuts its output at config.num_attention_heads * head_dim and at
+    num_key_value_heads * head_dim. Each rank keeps its block of each section and sees a copy of
+    the config with its own head counts."""
+    import copy
+
+    head_dim = attention.head_dim
+    kv_heads = attention.num_key_value_heads
+    q_heads = attention.qkv_proj.out_features // head_dim - 2 * kv_heads
+    _divides("the query heads", q_heads, size)
+    _divides("the key/value heads", kv_heads, size)
+    kept = {id(attention.qkv_proj.weight), id(attention.o_proj.weight)}
+    kept |= {id(l.bias) for l in (attention.qkv_proj, attention.o_proj) if l.bias is not None}
+    _shard_sections(attention.qkv_proj, (q_heads * head_dim, kv_heads * head_dim, kv_heads * head_dim), rank, size, tp)
+    attention.o_proj = _row_parallel(attention.o_proj, rank, size, tp)
+    attention.config = copy.copy(attention.config)
+    attention.config.num_attention_heads = q_heads // size
+    attention.config.num_key_value_heads = kv_heads // size
+    attention.num_key_value_heads = kv_heads // size
+    tp.partial += [p for p in attention.parameters() if id(p) not in kept]
+    attention.register_forward_pre_hook(_copy_input_hook(tp.group), with_kwargs=True)
 
 
 # Note [Split experts]
@@ -245,12 +315,8 @@ def _split_experts(experts, rank: int, size: int, tp) -> None:
     intermediate = experts.down_proj.shape[2]
     _divides("the experts' intermediate size", intermediate, size)
     block = intermediate // size
-    with torch.no_grad():
-        gate_up = experts.gate_up_proj.data
-        experts.gate_up_proj.data = torch.cat([gate_up[:, rank * block:(rank + 1) * block],
-                                               gate_up[:, intermediate + rank * block: intermediate + (rank + 1) * block]],
-                                              dim=1).contiguous()
-    tp.sharded[experts.gate_up_proj] = ("halves", 1)
+    _take_sections(experts.gate_up_proj, 1, (intermediate, intermediate), rank, size)
+    tp.sharded[experts.gate_up_proj] = ("sections", 1, (intermediate, intermediate))
     _take(experts.down_proj, 2, rank, size)
     tp.sharded[experts.down_proj] = 2
     if hasattr(experts, "intermediate_dim"):
@@ -291,15 +357,18 @@ def full_state_dict(model) -> dict:
 
 def _gather(tensor: torch.Tensor, how, tp) -> torch.Tensor:
     """The whole tensor from the group's shards: `how` is the dimension of equal blocks in rank
-    order, or ("halves", dim) for gate/up pairs (each rank holds its block of both halves)."""
+    order, or ("sections", dim, sizes) for fused projections (q/k/v, gate/up) where each rank
+    holds its block of every section."""
     parts = [torch.empty_like(tensor) for _ in range(tp.size)]
     _dist().all_gather(parts, tensor.contiguous(), group=tp.group)
-    if isinstance(how, tuple):
-        _, dim = how
-        half = tensor.shape[dim] // 2
-        firsts = [part.narrow(dim, 0, half) for part in parts]
-        seconds = [part.narrow(dim, half, half) for part in parts]
-        return torch.cat(firsts + seconds, dim=dim)
+    if isinstance(how, tuple):   # ("sections", dim, full sizes): block r of each section
+        _, dim, sizes = how
+        pieces, offset = [], 0
+        for size in sizes:
+            block = size // tp.size
+            pieces += [part.narrow(dim, offset, block) for part in parts]
+            offset += block
+        return torch.cat(pieces, dim=dim)
     return torch.cat(parts, dim=how)
 
 
