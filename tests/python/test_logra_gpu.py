@@ -181,3 +181,25 @@ def test_states_as_cuda_runtime_pages_with_offloaded_moments_match_plain_tensors
         results.append([layer.weight.detach().cpu() for layer in handle.layers])
     for plain, paged in zip(*results):
         assert torch.equal(plain, paged)
+
+
+@pytest.mark.parametrize("exact", [True, False], ids=["exact-kernel", "tensor-core"])
+def test_a_shard_of_a_bf16_weight_rounds_as_its_rows_of_the_whole_matrix_on_gpu(exact):
+    """Note [Sharded frozen weights]: the shifted rounding seed gives a row shard the bits those
+    rows get in the whole matrix, with both CUDA update kernels."""
+    torch.manual_seed(5)
+    rows, columns, rank = 96, 512, 32
+    weight = (torch.randn(rows, columns) * 0.05).to(torch.bfloat16).cuda()
+    update = (torch.randn(rows, rank) * 1e-3).cuda()
+    key = ops.ProjectionKey(11, 2, 0)
+    seed = ops.rounding_seed_for(11, 3)
+    whole = weight.clone()
+    ops.fused_update_(whole, update, 1.0, key, seed, exact=exact)
+    parts = []
+    for first, count in [(0, 40), (40, 8), (48, 48)]:
+        part = weight[first: first + count].clone()
+        ops.fused_update_(part, update[first: first + count].contiguous(), 1.0, key, seed, exact=exact,
+                          first_element=first * columns)
+        parts.append(part)
+    assert int((whole != weight).sum()) > 0
+    assert torch.equal(torch.cat(parts), whole)
