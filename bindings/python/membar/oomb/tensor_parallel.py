@@ -291,14 +291,18 @@ def _split_fused_attention(attention, rank: int, size: int, tp: TensorParallel) 
 
 
 # Note [Split experts]
-#   transformers keeps a MoE block's experts as two 3-D parameters (Qwen3-MoE, Mixtral, ...):
-#   gate_up_proj [E, 2I, H] (gate rows, then up rows; the forward chunks the product in two) and
-#   down_proj [E, H, I], applied per routed token, after a router that stays whole. Like a dense
+#   Rationale: a MoE model's experts are most of its weights; kept whole, head parallel would
+#   divide little of its memory.
+#   Approach: transformers keeps a MoE block's experts as two 3-D parameters (Qwen3-MoE, Mixtral,
+#   ...): gate_up_proj [E, 2I, H] (gate rows, then up rows; the forward chunks the product in two)
+#   and down_proj [E, H, I], applied per routed token after a router that stays whole. Like a dense
 #   MLP, each rank keeps block r of T of every expert's intermediate size: rows r of the gate half
 #   and of the up half, columns r of down_proj. The experts' output is a partial sum, summed over
 #   the group; their inputs (the tokens and the routing weights) go through copy_to_group, so the
 #   gradients of the routing weights, of which each rank's block gives a part, are summed backward
 #   and the router trains as one process's would.
+#   Limitations: every rank runs every routed token through its block of every expert (this is
+#   not expert parallelism, which would place whole experts on ranks and exchange tokens).
 def _fused_experts(module) -> bool:
     import inspect
 
