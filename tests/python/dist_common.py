@@ -20,6 +20,15 @@ def global_batch(size: int) -> torch.Tensor:
     return torch.randint(0, VOCAB, (size, TOKENS), generator=torch.Generator().manual_seed(7))
 
 
+def split_config(mode: str = "dense"):
+    """The head-parallel tests' trainer settings; sparse keeps 2 of up to 9 history pages."""
+    from membar.oomb import OOMBConfig
+
+    if mode == "sparse":
+        return OOMBConfig(chunk_tokens=96, page_tokens=32, mode="sparse", top_k=2, query_tile_tokens=32)
+    return OOMBConfig(chunk_tokens=96, page_tokens=32)
+
+
 def split_model(family: str):
     """Models for the head-parallel tests: qwen2 (GQA 4/2, q/k/v biases) splits 2 ways; qwen3
     (GQA 8/4, q_norm/k_norm applied per head, tied embeddings) splits 2 or 4 ways; gemma2 (a sliding-window layer,

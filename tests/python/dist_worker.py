@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 torch.set_num_threads(1)
 sys.path.insert(0, os.path.dirname(__file__))
-from dist_common import TOKENS, global_batch, small_model, split_model  # noqa: E402
+from dist_common import TOKENS, global_batch, small_model, split_config, split_model  # noqa: E402
 
 from membar import logra  # noqa: E402
 from membar.oomb import OOMBConfig, OOMBTrainer  # noqa: E402
@@ -30,7 +30,7 @@ def main() -> None:
         sharded_logra(out, rank, world, sys.argv[3], sys.argv[4] == "masters")
         return
     if case == "tensor":   # dist_worker.py tensor OUT T FAMILY: T-way head parallel, world / T data parallel
-        tensor_parallel(out, rank, world, int(sys.argv[3]), sys.argv[4])
+        tensor_parallel(out, rank, world, int(sys.argv[3]), sys.argv[4], sys.argv[5] if len(sys.argv) > 5 else "dense")
         return
     model = small_model()
     if case not in ("broadcast", "relay"):
@@ -100,13 +100,12 @@ def main() -> None:
     dist.destroy_process_group()
 
 
-def tensor_parallel(out: str, rank: int, world: int, size: int, family: str) -> None:
+def tensor_parallel(out: str, rank: int, world: int, size: int, family: str, mode: str = "dense") -> None:
     from membar.oomb import tensor_parallel as tp
 
     model = split_model(family)
     dp_group, tp_group = tp.make_groups(size)
-    trainer = OOMBTrainer(model, OOMBConfig(chunk_tokens=96, page_tokens=32), process_group=dp_group,
-                          tensor_parallel_group=tp_group)
+    trainer = OOMBTrainer(model, split_config(mode), process_group=dp_group, tensor_parallel_group=tp_group)
     replicas = world // size
     batch = global_batch(replicas)
     row = rank // size
@@ -126,6 +125,8 @@ def tensor_parallel(out: str, rank: int, world: int, size: int, family: str) -> 
     result["clipped"] = tp.full_gradients(model)
     result["state"] = tp.full_state_dict(model)
     result["logits"] = trainer.predict(batch[0], [5, TOKENS - 1])
+    result["selections"] = {key: (None if value is None else value.cpu())
+                            for key, value in trainer.last_selections.items()}
     torch.save(result, os.path.join(out, f"rank{rank}.pt"))
     dist.destroy_process_group()
 

@@ -14,7 +14,7 @@ import torch
 from test_oomb_distributed import (TRAIN, free_port, rank_env, relative_error, run_ranks,  # noqa: F401
                                    train_ranks)
 
-from dist_common import TOKENS, global_batch, split_model
+from dist_common import TOKENS, global_batch, split_config, split_model
 
 
 @pytest.fixture(autouse=True)
@@ -71,13 +71,14 @@ def test_split_heads_give_full_sequence_gradients(tmp_path, family, world, size)
         assert relative_error(result["logits"], logits) <= 1e-4
 
 
-def run_ranks_tp(tmp_path, world: int, size: int, family: str) -> list[dict]:
+def run_ranks_tp(tmp_path, world: int, size: int, family: str, mode: str = "dense") -> list[dict]:
     import os
     from pathlib import Path
 
     here = Path(__file__).resolve().parent
     port = free_port()
-    ranks = [subprocess.Popen([sys.executable, str(here / "dist_worker.py"), "tensor", str(tmp_path), str(size), family],
+    ranks = [subprocess.Popen([sys.executable, str(here / "dist_worker.py"), "tensor", str(tmp_path), str(size), family,
+                               mode],
                               env=rank_env(rank, world, port), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                               text=True) for rank in range(world)]
     outputs = [rank.communicate(timeout=240)[0] for rank in ranks]
@@ -119,3 +120,25 @@ def test_tensor_parallel_needs_ranks_and_dividing_heads(tmp_path):
     for rank, done in enumerate(ranks):
         assert done.returncode == 2, f"rank {rank}: {done.stderr}"
         assert "--tensor-parallel 3 splits the query heads over 3 ranks, but there are 4" in done.stderr, done.stderr
+
+
+@pytest.mark.parametrize("size", [2, 4])
+def test_split_heads_in_sparse_mode_select_the_pages_of_one_process(tmp_path, size):
+    """Note [Page selection over split heads]: every rank selects the pages one process selects
+    from all heads, so the gradients equal one process's sparse gradients."""
+    from membar.oomb import OOMBTrainer
+
+    results = run_ranks_tp(tmp_path, size, size, "qwen3", "sparse")
+    model = split_model("qwen3")
+    trainer = OOMBTrainer(model, split_config("sparse"))
+    batch = global_batch(1)
+    loss = trainer.step(batch)
+    grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+    chosen = {key: value for key, value in trainer.last_selections.items() if value is not None}
+    assert chosen, "the sequence is long enough for top-2 of its history pages to be a choice"
+    for result in results:
+        for key, selection in chosen.items():
+            assert torch.equal(result["selections"][key].cpu(), selection.cpu()), key
+        assert result["loss"] == pytest.approx(loss, rel=1e-5)
+        for name, grad in grads.items():
+            assert relative_error(result["grads"][name], grad) <= 1e-4, name

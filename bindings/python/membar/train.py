@@ -388,9 +388,6 @@ def _check_arguments(args) -> None:
     if args.tensor_parallel > 1 and args.optimizer == "logra":
         raise ValueError("--optimizer logra with --tensor-parallel is not supported: LoGRA's sketches of split "
                          "projections are not split; use data parallel (torchrun without --tensor-parallel).")
-    if args.tensor_parallel > 1 and args.mode == "sparse":
-        raise ValueError("--mode sparse with --tensor-parallel is not supported: page selection sums scores over "
-                         "all heads, which are split over the ranks; use --mode dense.")
 
 
 def _check_save_target(path: str) -> None:

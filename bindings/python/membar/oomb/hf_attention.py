@@ -69,6 +69,9 @@ class ChunkContext:
     # Stage 2, this chunk only: layer -> (out, lse) of the first forward (see keep_attention_outputs).
     attention_outputs: dict = field(default_factory=dict)
     attended_layers: set = field(default_factory=set)
+    # Head parallel: the group this rank's heads are split over (sparse selection sums its scores
+    # over the group: Note [Page selection over split heads] in tensor_parallel.py), else None.
+    split_group: object = None
 
     # -- the config, as the attention function reads it ------------------------------------------
 
@@ -406,6 +409,10 @@ def _select_pages(context: ChunkContext, layer: int, q) -> torch.Tensor | None:
     if context.history_pages <= context.top_k:
         return None
     mean = kernels.to_device(context.summaries[layer][: context.history_pages], q.device)
+    if context.split_group is not None:
+        from .tensor_parallel import split_page_select
+
+        return split_page_select(q, mean, context.top_k, context.query_tile_tokens, context.split_group)
     return attention.page_select(q, mean, top_k=context.top_k, query_tile_tokens=context.query_tile_tokens)
 
 

@@ -28,8 +28,9 @@ Note [Head parallel layers]
   every section, and its attention module gets a config copy with its own head counts).
   Limitations: attention blocks need q_proj/k_proj/v_proj/o_proj linears or Phi-3's qkv_proj (any
   other layout is refused with a sentence); MLPs of another layout stay whole on every rank; the query and key/value head counts and the intermediate size must
-  divide by T (a vocabulary that T does not divide stays whole, with a log line); sparse mode is refused
-  (its page selection sums scores over all heads, which no rank holds); LoGRA is not split.
+  divide by T (a vocabulary that T does not divide stays whole, with a log line); sparse mode
+  selects pages from scores summed over the group (Note [Page selection over split heads]); LoGRA
+  is not split.
 """
 from __future__ import annotations
 
@@ -543,6 +544,41 @@ def split_head_loss(lm_head, hidden: torch.Tensor, targets: torch.Tensor, logit_
     if logit_softcap is not None:
         logits = torch.tanh(logits / logit_softcap) * logit_softcap
     return vocab_parallel_cross_entropy(logits, targets, first, group, ignore_index)
+
+
+# Note [Page selection over split heads]
+#   Rationale: sparse mode picks each query tile's top-k history pages by a score summed over all
+#   query heads (the mean query of the tile against each page's mean key, kernels' page_select);
+#   each rank of a head-parallel group holds only its heads, so its own top-k would differ from
+#   one process's, and the ranks would attend to different pages.
+#   Approach: the score is a sum over heads, so each rank computes its heads' part (in float64, as
+#   the CPU kernel does), the parts are summed over the group, and every rank takes the same top-k
+#   (highest score first, the lower page on a tie, listed in ascending order, -1 padded: the
+#   kernel's output format).
+#   Limitations: the min/max-bound scores (use_bounds) are not offered here; scores within float64
+#   rounding of each other may order differently from the kernel's.
+def split_page_select(q: torch.Tensor, mean: torch.Tensor, top_k: int, query_tile_tokens: int, group) -> torch.Tensor:
+    """int32 [tiles, top_k] history pages per query tile, scores summed over the group's heads.
+    q [tokens, Hq_local, D]; mean [pages, Hkv_local, D] float32 (page mean keys)."""
+    tokens, q_heads, dim = q.shape
+    pages, kv_heads, _ = mean.shape
+    tiles = -(-tokens // query_tile_tokens)
+    padded = q.new_zeros((tiles * query_tile_tokens, q_heads, dim), dtype=torch.float64)
+    padded[:tokens] = q.double()
+    counts = torch.full((tiles,), float(query_tile_tokens), dtype=torch.float64, device=q.device)
+    counts[-1] = tokens - (tiles - 1) * query_tile_tokens
+    tile_means = padded.view(tiles, query_tile_tokens, q_heads, dim).sum(1) / counts.view(tiles, 1, 1)
+    # Query heads that share a key/value head meet the same page mean: sum them first.
+    grouped = tile_means.view(tiles, kv_heads, q_heads // kv_heads, dim).sum(2)
+    scores = torch.einsum("thd,phd->tp", grouped, mean.double())
+    _dist().all_reduce(scores, group=group)
+    scores = torch.nan_to_num(scores, nan=float("-inf"))
+    keep = min(top_k, pages)
+    order = torch.sort(-scores, dim=1, stable=True).indices[:, :keep]   # ties: the lower page first
+    selected = torch.sort(order, dim=1).values.to(torch.int32)
+    if keep < top_k:
+        selected = torch.cat([selected, selected.new_full((tiles, top_k - keep), -1)], dim=1)
+    return selected
 
 
 def make_groups(tensor_parallel: int):

@@ -105,9 +105,6 @@ class OOMBTrainer:
         if tensor_parallel_group is not None:
             from . import tensor_parallel
 
-            if config.mode == "sparse":
-                raise ValueError("sparse mode with tensor parallel is not supported: its page selection sums scores "
-                                 "over all heads, which are split over the ranks; use mode='dense'.")
             self.tensor_parallel = tensor_parallel.shard_model(model, tensor_parallel_group).size
         if config.checkpoint_layers:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -389,7 +386,7 @@ class OOMBTrainer:
             store=self.store, config=self.config, layers=self.layers, stage=stage, chunk=chunk, first_token=first,
             chunk_tokens=end - first, sequence_tokens=chunks[-1][1],
             summaries=shared["summaries"], selections=shared["selections"],
-            selection_unions=shared.setdefault("unions", {}))
+            selection_unions=shared.setdefault("unions", {}), split_group=self.tensor_parallel_group)
 
     def _stage1_plan(self, chunks, shared) -> list[Access]:
         plan = []
