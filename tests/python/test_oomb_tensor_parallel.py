@@ -90,10 +90,12 @@ def run_ranks_tp(tmp_path, world: int, size: int, family: str, mode: str = "dens
 def test_membar_train_split_over_two_ranks_computes_the_update_of_one_process(tmp_path):
     from transformers import AutoModelForCausalLM
 
-    single = subprocess.run([sys.executable, "-m", "membar.train", *TRAIN, "--steps", "3", "--save", str(tmp_path / "one")],
+    # Offloaded pages and recomputed layers too: neither changes the update.
+    options = ["--steps", "3", "--offload", "--checkpoint-layers"]
+    single = subprocess.run([sys.executable, "-m", "membar.train", *TRAIN, *options, "--save", str(tmp_path / "one")],
                             env=rank_env(0, 1, free_port()), capture_output=True, text=True, timeout=300)
     assert single.returncode == 0, single.stderr
-    ranks = train_ranks(2, [[*TRAIN, "--steps", "3", "--tensor-parallel", "2", "--save", str(tmp_path / "two")]] * 2)
+    ranks = train_ranks(2, [[*TRAIN, *options, "--tensor-parallel", "2", "--save", str(tmp_path / "two")]] * 2)
     for rank, done in enumerate(ranks):
         assert done.returncode == 0, f"rank {rank}: {done.stderr}"
     one, two = json.loads(single.stdout.splitlines()[-1]), json.loads(ranks[0].stdout.splitlines()[-1])
