@@ -53,7 +53,7 @@ def one_process(world: int, dtype: str, masters: bool) -> list[torch.Tensor]:
     return [layer.weight.detach().clone() for layer in handle.layers]
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [3])   # 3 ranks: uneven shards (rows that 3 does not divide)
 def test_sharded_frozen_weights_train_as_one_process(tmp_path, world):
     results = run_ranks(tmp_path, world, "float32", masters=False)
     reference = one_process(world, "float32", masters=False)
