@@ -144,3 +144,25 @@ def test_split_heads_in_sparse_mode_select_the_pages_of_one_process(tmp_path, si
         assert result["loss"] == pytest.approx(loss, rel=1e-5)
         for name, grad in grads.items():
             assert relative_error(result["grads"][name], grad) <= 1e-4, name
+
+
+@pytest.mark.parametrize("tokens,pages,top_k", [(96, 9, 2), (100, 5, 8), (33, 40, 7)])
+def test_split_page_select_of_one_rank_is_the_kernels_selection(tokens, pages, top_k):
+    """With the whole group in one process, the summed scores are the kernel's own: the same
+    pages per tile, in the same format (ascending, -1 padded when top_k exceeds the pages)."""
+    import torch.distributed as dist
+
+    from membar import attention
+    from membar.oomb.tensor_parallel import split_page_select
+
+    store = dist.HashStore()
+    group = dist.ProcessGroupGloo(store, 0, 1) if hasattr(dist, "ProcessGroupGloo") else None
+    if group is None:
+        pytest.skip("this PyTorch has no gloo")
+    generator = torch.Generator().manual_seed(tokens + pages)
+    q = torch.randn(tokens, 8, 16, generator=generator)
+    mean = torch.randn(pages, 4, 16, generator=generator)
+    for tile in (32, 128):
+        want = attention.page_select(q, mean, top_k=top_k, query_tile_tokens=tile)
+        got = split_page_select(q, mean, top_k, tile, group)
+        assert torch.equal(got, want), (tile, got, want)
