@@ -49,7 +49,7 @@ def split_model(family: str):
 
         return Phi3ForCausalLM(Phi3Config(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                                           num_key_value_heads=2, intermediate_size=96, vocab_size=SPLIT_VOCAB,
-                                          pad_token_id=0))
+                                          pad_token_id=0, bos_token_id=1, eos_token_id=2))
     if family == "qwen3_moe":
         from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 

@@ -163,9 +163,12 @@ def _resident_layers(args, model, device) -> int:
         # AdamW's two moments, each the size of the trained parameters.
         later = 3 * sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
         free = max(0, torch.cuda.mem_get_info(device)[0] - later)
+    # The ranks of this node share its host memory; a split model's ranks each hold their heads' pages.
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if getattr(args, "world_size", 1) > 1 else 1
     plan = plan_gpu_resident_layers(args.seq_len, model.config, args.page_tokens, model.dtype,
                                     _GRAD_PAGE_DTYPES[args.grad_dtype], free, int(args.gpu_reserve_gib * 2**30),
-                                    host_available_bytes())
+                                    host_available_bytes() // max(local_ranks, 1),
+                                    tensor_parallel=getattr(args, "tensor_parallel", 1))
     layers = model.config.num_hidden_layers
     print(f"pages: {plan.gpu_resident_layers} of {layers} layers on the GPU, {layers - plan.gpu_resident_layers} in "
           f"host memory ({plan.host_bytes / 2**30:.1f} GiB; {plan.layer_bytes / 2**30:.2f} GiB per layer)", flush=True)
@@ -177,6 +180,10 @@ def _make_trainer(args, model, group=None, split_group=None):
     from membar.oomb.runtime_store import RuntimeKVStore
 
     device = next(model.parameters()).device
+    if split_group is not None:   # split first: what is left on the GPU is what the plan may use
+        from membar.oomb.tensor_parallel import shard_model
+
+        shard_model(model, split_group)
     resident = _resident_layers(args, model, device)
     config = OOMBConfig(chunk_tokens=args.chunk, page_tokens=args.page_tokens, mode=args.mode, top_k=args.top_k,
                         query_tile_tokens=args.query_tile, offload=args.offload, grad_page_dtype=args.grad_dtype,

@@ -125,17 +125,19 @@ class ResidencyPlan:
 
 def plan_gpu_resident_layers(tokens: int, model_config, page_tokens: int, dtype: torch.dtype,
                              grad_page_dtype: torch.dtype, device_free_bytes: int, reserve_bytes: int,
-                             host_available_bytes: int, host_margin: float = 0.92) -> ResidencyPlan:
+                             host_available_bytes: int, host_margin: float = 0.92,
+                             tensor_parallel: int = 1) -> ResidencyPlan:
     """How many layers' pages fit beside `reserve_bytes` of GPU memory left for activations, the
     others going to host memory: what an offloading run of a sequence too long for either memory
     alone needs (1M tokens of a 7B model: 28 layers x 6 GiB of K, V, dK, dV pages with fp32
     gradients). Raises ValueError when the host cannot hold the rest (more than `host_margin` of
-    what it has available), naming the numbers, rather than letting pinned allocations fail later."""
+    what it has available), naming the numbers, rather than letting pinned allocations fail later.
+    tensor_parallel: the ranks the key/value heads are split over (each rank's pages hold its share)."""
     text = getattr(model_config, "text_config", None) or model_config
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
     layers = text.num_hidden_layers
-    layer_bytes = pool_bytes_per_layer(tokens, page_tokens, text.num_key_value_heads, head_dim, dtype,
-                                       grad_page_dtype)
+    layer_bytes = pool_bytes_per_layer(tokens, page_tokens, text.num_key_value_heads // max(tensor_parallel, 1),
+                                       head_dim, dtype, grad_page_dtype)
     resident = int(max(0, min(layers, (device_free_bytes - reserve_bytes) // layer_bytes)))
     host_bytes = (layers - resident) * layer_bytes
     if host_bytes > host_margin * host_available_bytes:

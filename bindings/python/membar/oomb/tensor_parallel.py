@@ -267,13 +267,34 @@ def _fused_qkv(attention) -> bool:
             and hasattr(attention, "num_key_value_heads") and hasattr(attention, "config"))
 
 
+class _LocalHeads:
+    """A model config seen with this rank's head counts; everything else (read or written, e.g.
+    the attention implementation chosen later) is the model's own config."""
+
+    _LOCAL = ("num_attention_heads", "num_key_value_heads")
+
+    def __init__(self, config, q_heads: int, kv_heads: int):
+        object.__setattr__(self, "_config", config)
+        object.__setattr__(self, "_heads", {"num_attention_heads": q_heads, "num_key_value_heads": kv_heads})
+
+    def __getattr__(self, name):
+        heads = object.__getattribute__(self, "_heads")
+        if name in heads:
+            return heads[name]
+        return getattr(object.__getattribute__(self, "_config"), name)
+
+    def __setattr__(self, name, value):
+        if name in self._LOCAL:
+            self._heads[name] = value
+        else:
+            setattr(self._config, name, value)
+
+
 def _split_fused_attention(attention, rank: int, size: int, tp: TensorParallel) -> None:
     """Phi-3: one qkv_proj whose rows are the query heads, then the key heads, then the value
     heads; the forward cuts its output at config.num_attention_heads * head_dim and at
-    num_key_value_heads * head_dim. Each rank keeps its block of each section and sees a copy of
-    the config with its own head counts."""
-    import copy
-
+    num_key_value_heads * head_dim. Each rank keeps its block of each section and sees the config
+    through a view with its own head counts."""
     head_dim = attention.head_dim
     kv_heads = attention.num_key_value_heads
     q_heads = attention.qkv_proj.out_features // head_dim - 2 * kv_heads
@@ -283,9 +304,7 @@ def _split_fused_attention(attention, rank: int, size: int, tp: TensorParallel) 
     kept |= {id(l.bias) for l in (attention.qkv_proj, attention.o_proj) if l.bias is not None}
     _shard_sections(attention.qkv_proj, (q_heads * head_dim, kv_heads * head_dim, kv_heads * head_dim), rank, size, tp)
     attention.o_proj = _row_parallel(attention.o_proj, rank, size, tp)
-    attention.config = copy.copy(attention.config)
-    attention.config.num_attention_heads = q_heads // size
-    attention.config.num_key_value_heads = kv_heads // size
+    attention.config = _LocalHeads(attention.config, q_heads // size, kv_heads // size)
     attention.num_key_value_heads = kv_heads // size
     tp.partial += [p for p in attention.parameters() if id(p) not in kept]
     attention.register_forward_pre_hook(_copy_input_hook(tp.group), with_kwargs=True)
