@@ -16,7 +16,7 @@ Note [Head parallel layers]
   nothing: the trainer's probe sees this rank's heads, its pages hold only them, and the paged
   attention works head by head. The input embeddings and lm_head are split over the vocabulary
   when T divides it (Note [Vocabulary split]). Everything else outside the split blocks (norms,
-  MoE blocks) is replicated: it computes the same on every rank, so its gradients agree without
+  MoE routers) is replicated: it computes the same on every rank, so its gradients agree without
   communication. Parameters inside a split block that are not split (Qwen3's and Gemma 3's
   q_norm/k_norm, applied per head) see only this rank's heads: their gradients are summed over the
   group after each step (`TensorParallel.partial`). Parameter objects are kept (their .data is
@@ -25,12 +25,14 @@ Note [Head parallel layers]
   parameter once.
   MoE experts kept as transformers' fused 3-D parameters split the same way (Note [Split experts]),
   and so do fused projections (Phi-3's qkv_proj and gate_up_proj: each rank keeps its block of
-  every section, and its attention module gets a config copy with its own head counts).
+  every section, and its attention module reads the config through a view with its own head
+  counts). Sparse mode selects pages from scores summed over the group (Note [Page selection over
+  split heads]).
   Limitations: attention blocks need q_proj/k_proj/v_proj/o_proj linears or Phi-3's qkv_proj (any
-  other layout is refused with a sentence); MLPs of another layout stay whole on every rank; the query and key/value head counts and the intermediate size must
-  divide by T (a vocabulary that T does not divide stays whole, with a log line); sparse mode
-  selects pages from scores summed over the group (Note [Page selection over split heads]); LoGRA
-  is not split.
+  other layout is refused with a sentence); MLPs of another layout stay whole on every rank; the
+  query and key/value head counts and the intermediate sizes must divide by T (a vocabulary that T
+  does not divide stays whole, with a log line); LoGRA is not split (membar-train refuses
+  --optimizer logra with --tensor-parallel).
 """
 from __future__ import annotations
 
@@ -46,6 +48,7 @@ log = logging.getLogger("membar.oomb")
 
 _ATTENTION_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj")
 _MLP_LINEARS = ("gate_proj", "up_proj", "down_proj")
+
 
 class _CopyToGroup(torch.autograd.Function):
     """Identity forward; the gradient summed over the group backward."""
@@ -110,8 +113,9 @@ class TensorParallel:
     group: object
     rank: int
     size: int
-    # parameter -> the dimension it was split along (0: rows, 1: columns) and into how many blocks
-    # of equal size per part (q/k/v and gate/up are split as one block each; see _shard_rows).
+    # parameter -> how it was split: the dimension of its equal blocks in rank order (0: rows,
+    # 1: columns, 2: an expert's columns), or ("sections", dim, sizes) for fused projections
+    # whose every section is split (_take_sections; full_state_dict undoes both).
     sharded: dict = field(default_factory=dict)
     partial: list = field(default_factory=list)   # unsplit parameters that see only this rank's heads
     split_layers: int = 0
