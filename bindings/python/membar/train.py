@@ -596,6 +596,15 @@ def _start(args, model, device, dtype, trainer, tasks: _Tasks) -> dict:
           f"{f' top-{args.top_k}' if args.mode == 'sparse' else ''}, offload {'on' if args.offload else 'off'}, "
           f"pages in the runtime ({trainer.store.runtime.describe() if trainer.store.runtime else 'not connected'})",
           flush=True)
+    if args.world_size > 1:
+        from membar.oomb import tensor_parallel
+
+        layout = tensor_parallel.info(model)
+        split = (f"{args.replicas} group(s) of {args.tensor_parallel} rank(s), each splitting the model's heads, "
+                 f"MLPs{' and vocabulary' if layout is not None and layout.vocab_split else ''}"
+                 if args.tensor_parallel > 1 else f"{args.replicas} data-parallel rank(s)")
+        print(f"ranks: {args.world_size} ({split}); global batch {args.batch * args.replicas} sequence(s) per step; "
+              f"this rank holds {parameters / 1e6:.1f}M parameters", flush=True)
     summary = {"model": args.model, "device": str(device), "dtype": str(dtype), "seq_len": args.seq_len,
                "chunk": args.chunk, "page_tokens": args.page_tokens, "mode": args.mode, "offload": args.offload,
                "store": args.store, "data": args.data, "optimizer": args.optimizer,
