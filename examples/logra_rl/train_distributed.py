@@ -200,9 +200,17 @@ def main(argv=None) -> dict:
               f"{history['frozen_weight_bytes_on_this_rank'] / 2**10:.0f} of {history['frozen_weight_bytes'] / 2**10:.0f} "
               f"KiB; sync per update {history['sync_bytes_per_update'] / 2**10:.0f} KiB; wrote {out / 'rewards.json'}",
               flush=True)
+    # No rank tears its connections down while another still uses them (the subgroups too).
+    dist.barrier()
     dist.destroy_process_group()
     return summaries[0]
 
 
 if __name__ == "__main__":
     main()
+    # Everything is written and the process group is torn down; leave without the interpreter's
+    # finalisation, where a collective library's leftover thread objects have aborted a rank once
+    # in CI ("terminate called without an active exception") after a successful run.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
