@@ -4,8 +4,6 @@ receiver applying the published updates to whole weights gets the trainer's bits
 bf16 weight is rounded exactly as those rows of the whole matrix."""
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -18,7 +16,7 @@ from membar.logra import ops
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from dist_common import global_batch, small_model  # noqa: E402
-from test_oomb_distributed import free_port, rank_env, relative_error  # noqa: E402
+from test_oomb_distributed import relative_error, run_ranks  # noqa: E402
 
 UPDATES = 3
 
@@ -26,17 +24,6 @@ UPDATES = 3
 @pytest.fixture(autouse=True)
 def _one_thread(one_thread):
     yield
-
-
-def run_ranks(tmp_path, world: int, dtype: str, masters: bool) -> list[dict]:
-    port = free_port()
-    ranks = [subprocess.Popen([sys.executable, str(HERE / "dist_worker.py"), "fsdp", str(tmp_path), dtype,
-                               "masters" if masters else "plain"], env=rank_env(rank, world, port),
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for rank in range(world)]
-    outputs = [rank.communicate(timeout=240)[0] for rank in ranks]
-    for rank, (process, output) in enumerate(zip(ranks, outputs)):
-        assert process.returncode == 0, f"rank {rank}:\n{output}"
-    return [torch.load(tmp_path / f"rank{rank}.pt") for rank in range(world)]
 
 
 def one_process(world: int, dtype: str, masters: bool) -> list[torch.Tensor]:
@@ -55,7 +42,7 @@ def one_process(world: int, dtype: str, masters: bool) -> list[torch.Tensor]:
 
 @pytest.mark.parametrize("world", [3])   # 3 ranks: uneven shards (rows that 3 does not divide)
 def test_sharded_frozen_weights_train_as_one_process(tmp_path, world):
-    results = run_ranks(tmp_path, world, "float32", masters=False)
+    results = run_ranks("fsdp", world, tmp_path, "float32", "plain")
     reference = one_process(world, "float32", masters=False)
     initial = [layer.weight.detach() for layer in logra.apply_logra(small_model(), rank=8, seed=3, runtime=None).layers]
     for rank, result in enumerate(results):
@@ -72,7 +59,7 @@ def test_sharded_frozen_weights_train_as_one_process(tmp_path, world):
 
 @pytest.mark.parametrize("masters", [False, True], ids=["stochastic-rounding", "fp32-masters"])
 def test_bf16_shards_round_as_the_whole_matrix(tmp_path, masters):
-    results = run_ranks(tmp_path, 2, "bfloat16", masters=masters)
+    results = run_ranks("fsdp", 2, tmp_path, "bfloat16", "masters" if masters else "plain")
     for result in results:
         moved = sum(int((w != r).sum()) for w, r in zip(result["weights"], result["receiver"]))
         assert moved == 0, "the sharded trainer's bf16 weights differ from a receiver's whole-matrix update"

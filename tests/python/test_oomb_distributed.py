@@ -41,9 +41,10 @@ def rank_env(rank: int, world: int, port: int) -> dict:
     return env
 
 
-def run_ranks(case: str, world: int, out: Path) -> list[dict]:
+def run_ranks(case: str, world: int, out: Path, *args: str) -> list[dict]:
+    """Runs `world` ranks of dist_worker.py CASE OUT ARGS... and returns what each saved."""
     port = free_port()
-    ranks = [subprocess.Popen([sys.executable, str(HERE / "dist_worker.py"), case, str(out)],
+    ranks = [subprocess.Popen([sys.executable, str(HERE / "dist_worker.py"), case, str(out), *args],
                               env=rank_env(rank, world, port), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                               text=True) for rank in range(world)]
     outputs = [rank.communicate(timeout=240)[0] for rank in ranks]

@@ -39,7 +39,7 @@ def reference(family: str, rows: int):
                                                 ("qwen3_moe", 2, 2), ("phi3", 2, 2)],
                          ids=["qwen2-tp2", "qwen3-tp4", "qwen3-tp2-dp2", "gemma2-tp2", "qwen3_moe-tp2", "phi3-tp2"])
 def test_split_heads_give_full_sequence_gradients(tmp_path, family, world, size):
-    results = run_ranks_tp(tmp_path, world, size, family)
+    results = run_ranks("tensor", world, tmp_path, str(size), family, "dense")
     loss, grads, norm, clipped, state, logits = reference(family, world // size)
     full = split_model(family).model.layers[0]
     for rank, result in enumerate(results):
@@ -69,22 +69,6 @@ def test_split_heads_give_full_sequence_gradients(tmp_path, family, world, size)
         for name, tensor in state.items():
             assert torch.equal(result["state"][name], tensor), name
         assert relative_error(result["logits"], logits) <= 1e-4
-
-
-def run_ranks_tp(tmp_path, world: int, size: int, family: str, mode: str = "dense") -> list[dict]:
-    import os
-    from pathlib import Path
-
-    here = Path(__file__).resolve().parent
-    port = free_port()
-    ranks = [subprocess.Popen([sys.executable, str(here / "dist_worker.py"), "tensor", str(tmp_path), str(size), family,
-                               mode],
-                              env=rank_env(rank, world, port), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              text=True) for rank in range(world)]
-    outputs = [rank.communicate(timeout=240)[0] for rank in ranks]
-    for rank, (process, output) in enumerate(zip(ranks, outputs)):
-        assert process.returncode == 0, f"rank {rank}:\n{output}"
-    return [torch.load(tmp_path / f"rank{rank}.pt") for rank in range(world)]
 
 
 def test_membar_train_split_over_two_ranks_computes_the_update_of_one_process(tmp_path):
@@ -130,7 +114,7 @@ def test_split_heads_in_sparse_mode_select_the_pages_of_one_process(tmp_path, si
     from all heads, so the gradients equal one process's sparse gradients."""
     from membar.oomb import OOMBTrainer
 
-    results = run_ranks_tp(tmp_path, size, size, "qwen3", "sparse")
+    results = run_ranks("tensor", size, tmp_path, str(size), "qwen3", "sparse")
     model = split_model("qwen3")
     trainer = OOMBTrainer(model, split_config("sparse"))
     batch = global_batch(1)

@@ -29,7 +29,7 @@ from torch.utils.checkpoint import checkpoint
 
 from .config import OOMBConfig
 from .hf_attention import ATTENTION_NAME, NO_MASK, ChunkContext, chunk_context, current_context, register
-from . import cudnn_attention, kernels, models
+from . import cudnn_attention, kernels, models, tensor_parallel
 from .kv_store import Access, KVStore, PageLayout
 from .runtime_store import RuntimeKVStore
 
@@ -53,8 +53,6 @@ def host_memory() -> dict:
 def _piece_loss(lm_head, hidden, targets, logit_softcap: float | None = None):
     # hidden [tokens, hidden_size], targets [tokens]: summed cross-entropy in float32. Gemma's
     # final_logit_softcapping (models.final_logit_softcap) maps logits to cap * tanh(logits / cap).
-    from . import tensor_parallel
-
     split = tensor_parallel.split_head_loss(lm_head, hidden, targets, logit_softcap, IGNORE_INDEX)
     if split is not None:   # Note [Vocabulary split]: no vocabulary-wide logits
         return split
