@@ -27,6 +27,12 @@ def main(folder: str) -> int:
     for mode in ("dense", "offload"):
         if f"membard-{mode}" in rates and f"embedded-{mode}" in rates:
             print(f"{mode}: membard / embedded = {rates[f'membard-{mode}'] / rates[f'embedded-{mode}']:.3f}")
+    if "embedded-offload-streamwait" in rates and "embedded-offload" in rates:
+        print(f"offload: embedded GPU-side waits / host waits = "
+              f"{rates['embedded-offload-streamwait'] / rates['embedded-offload']:.3f}")
+    for store in ("embedded", "membard"):
+        if f"{store}-offload" in rates and f"{store}-dense" in rates:
+            print(f"{store}: offload / dense = {rates[f'{store}-offload'] / rates[f'{store}-dense']:.3f}")
     return 0
 
 

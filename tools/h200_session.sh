@@ -18,7 +18,9 @@
 #             cause of the deadlock Note [Enqueued tickets] works around), beside host waits
 #   dp        7B at 32K: one process against data parallel with world size 1 (NCCL), in one run
 #   cli       membar-train as a user runs it, 7B at CLI_SEQ (default 32K), 3 steps: embedded and
-#             through membard (--socket), dense and --offload, in one call (steps 2-3 compared)
+#             through membard (--socket), dense and --offload, in one call (steps 2-3 compared);
+#             CLI_MODES="dense offload offload-streamwait" adds the embedded runtime with --offload
+#             and MEMBAR_STREAM_WAIT=1 (its stream waits on the GPU for enqueued copies)
 #   tp        several GPUs: membar-train, 7B shape at TP_SEQ (default 128K): one GPU, the heads split
 #             over every GPU (--tensor-parallel N under torch.distributed.run, NCCL), data parallel
 #             over every GPU; TP_LONG=1 adds the split run at N x TP_SEQ tokens with offload
@@ -90,8 +92,12 @@ for step in "$@"; do
       mkdir -p "$work/cli"
       socket=/tmp/membar-cli.sock
       train="-m membar.train --model qwen2.5-7b --seq-len ${CLI_SEQ:-32K} --chunk 4096 --steps 3 --no-progress --json"
-      for mode in dense offload; do
-        extra=""; [ $mode = offload ] && extra="--offload"
+      for mode in ${CLI_MODES:-dense offload}; do
+        extra=""; [ $mode != dense ] && extra="--offload"
+        if [ $mode = offload-streamwait ]; then   # embedded only: its stream waits on the GPU (Note [Enqueued tickets])
+          MEMBAR_STREAM_WAIT=1 timeout 240 "$py" $train $extra > "$work/cli/embedded-$mode.log" 2>&1 || status=1
+          continue
+        fi
         timeout 240 "$py" $train $extra > "$work/cli/embedded-$mode.log" 2>&1 || status=1
         start_daemon "$socket" --gpu-pool 16GiB --host-pool 32GiB || { status=1; continue; }
         timeout 240 "$py" $train $extra --socket "$socket" > "$work/cli/membard-$mode.log" 2>&1 || status=1
