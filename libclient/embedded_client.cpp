@@ -253,15 +253,17 @@ class EmbeddedClient final : public Client {
   // engine/batches.cpp): this process's own threads enqueue them, and a GPU wait on anything a
   // host thread has yet to do can deadlock against CUDA's lazy module loading. The host waits
   // until the ticket is enqueued (counted as stall time), never for the copies themselves.
+  // wait_submitted runs even for a ticket already enqueued: the first call is what turns on the
+  // engine's writes of kSignalEnqueuedDone (without it a stream whose first ticket was enqueued
+  // before it asked would wait for a word nobody writes: seen on the H200, 2026-12-01).
   Status stream_wait(Ticket ticket, void* cuda_stream) override {
 #if defined(MEMBAR_WITH_CUDA)
     if (stream_signals_) {
       if (completed_ticket() >= ticket) return Status::Ok();
-      if (submitted_ticket() < ticket) {
-        Status status = stalled([&] { return engine_->wait_submitted(id_, ticket); });
-        if (!status.ok()) return status.code() == StatusCode::NOT_FOUND ? status : wait(ticket);
-        if (completed_ticket() >= ticket) return Status::Ok();
-      }
+      Status status = submitted_ticket() < ticket ? stalled([&] { return engine_->wait_submitted(id_, ticket); })
+                                                  : engine_->wait_submitted(id_, ticket);
+      if (!status.ok()) return status.code() == StatusCode::NOT_FOUND ? status : wait(ticket);
+      if (completed_ticket() >= ticket) return Status::Ok();
       return stream_signals_->stream_wait(runtimed::kSignalEnqueuedDone, ticket, cuda_stream);
     }
 #endif
