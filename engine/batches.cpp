@@ -214,7 +214,9 @@ Ticket EngineImpl::finish_builder(Builder& builder) {
 // lock) or a completion word not yet stored by the completion thread then never comes (seen on the
 // H200 with an embedded runtime: Note [Runtime pages] in runtime_store.py).
 // Approach: each pending ticket counts its batches not yet handed to the backend; `submitted` is
-// the highest ticket with none left (and none left in any earlier ticket). When it advances, the
+// the highest ticket with none left (and none left in any earlier ticket). A batch counts as
+// handed over once its copies and zero fills are enqueued, so the signal below is enqueued behind
+// them. When it advances, the
 // engine stores it in the client's kSignalSubmitted word (host) and, once the client has called
 // wait_submitted (other clients pay nothing), asks the backend to write it into
 // kSignalEnqueuedDone once every operation enqueued so far has completed (enqueue_signal: the
@@ -275,7 +277,6 @@ void EngineImpl::submit(uint64_t id) {
     batch.fence = 0;
   }
   batch.submitted = true;
-  note_submitted(batch);
   batch.outstanding_callbacks = uint32_t((batch.copies.empty() ? 0 : 1) + batch.zeros.size());
   uint32_t failed = 0;
   if (!batch.copies.empty()) {
@@ -293,6 +294,9 @@ void EngineImpl::submit(uint64_t id) {
     }
   }
   batch.outstanding_callbacks -= failed;
+  // Only now, behind the batch's own copies, may the stream-ordered word move past its ticket
+  // (Note [Enqueued tickets]).
+  note_submitted(batch);
   if (batch.outstanding_callbacks == 0) complete_batch(id);
 }
 

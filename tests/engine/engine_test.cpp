@@ -832,6 +832,39 @@ TEST(Engine, WaitSubmittedReturnsOnceTheTicketsCopiesAreEnqueued) {
   EXPECT_EQ(quiet[kSignalEnqueuedDone], 0u);
 }
 
+// Note [Enqueued tickets]: the stream-ordered word says a ticket's copies are done, so it may reach
+// a ticket only after them. 24 MiB of offload take milliseconds to copy; the word is watched from
+// the moment the ticket is submitted, and the host copy read the instant the word reaches it
+// (the engine once enqueued the word before the batch's own copies: a GPU stream then read pages
+// not yet there, seen on the H200 in CudaClientIntegrity.EmbeddedCuda).
+TEST(Engine, EnqueuedDoneWordFollowsTheTicketsCopies) {
+  constexpr uint32_t kPages = 12;
+  auto engine = make_engine(kPages + 2, kPages + 4);
+  ASSERT_TRUE(pools_settle(*engine, kPages + 2, kPages + 4));
+  auto client = MappedClient::open(*engine);
+  ClientId id = client->id;
+  ReleasedWord released(*engine, id);
+  auto* words = static_cast<volatile uint64_t*>(released.mapped);
+  SpaceId space = client->space("L00.k", k2M, kPages);
+  for (int round = 0; round < 3; ++round) {
+    char* pages = client->acquire({space, 0, kPages}, kEngineAcquireWrite | kEngineAcquireZeroNew);
+    ASSERT_NE(pages, nullptr);
+    for (uint32_t i = 0; i < kPages; ++i) fill_pattern(pages + uint64_t(i) * k2M, k2M, 100 * round + i);
+    ASSERT_TRUE(engine->release(id, {space, 0, kPages}, true).ok());
+    auto offloaded = engine->offload(id, {space, 0, kPages});
+    ASSERT_TRUE(offloaded.ok()) << offloaded.status().to_string();
+    Ticket ticket = offloaded.value();
+    ASSERT_TRUE(engine->wait_submitted(id, ticket).ok());
+    while (__atomic_load_n(const_cast<uint64_t*>(words + kSignalEnqueuedDone), __ATOMIC_ACQUIRE) < ticket) {
+    }
+    for (uint32_t i = 0; i < kPages; ++i) {
+      EXPECT_TRUE(check_pattern(client->page(Tier::kHost, space, i), k2M, 100 * round + i))
+          << "round " << round << ": page " << i << " was not yet copied when the word reached its ticket";
+    }
+    ASSERT_TRUE(engine->wait(id, ticket).ok());
+  }
+}
+
 // Note [Counters]: stats cost O(spaces reported), come in pages, and add up.
 TEST(Engine, StatsArePagedAndAddUp) {
   auto engine = make_engine(4, 8);
