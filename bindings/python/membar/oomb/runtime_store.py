@@ -27,12 +27,13 @@ Note [Runtime pages]
   launch of a kernel, e.g. in the backward) can wait for the device to go idle while holding a
   driver lock those threads need, so a stream waiting on the GPU for their copies deadlocked
   (seen on the H200: the 7B shape at 32K with offload, autograd thread in cuKernelGetFunction, the
-  dispatcher in cuMemcpyAsync). Host waits cost offload 4-17% on the H200 (stall 19-30%). Through
-  membard the copies belong to another process and the stream waits on the GPU. MEMBAR_STREAM_WAIT=1
-  (or stream_waits=True) lets an embedded runtime's stream wait on the GPU too, only for copies
-  already enqueued (Note [Enqueued tickets] in engine/batches.cpp: the host waits until they are);
-  written to remove the deadlock, not yet run on a GPU, hence not the default. Host waits are
-  counted as stall time.
+  dispatcher in cuMemcpyAsync). Host waits cost offload 4-17% on the H200 (stall 19-33%). Through
+  membard the copies belong to another process and the stream waits on the GPU (0.985x of dense at
+  32K, 1.16x the embedded speed at 128K on the H200). MEMBAR_STREAM_WAIT=1 (or stream_waits=True)
+  lets an embedded runtime's stream wait on the GPU too, only for copies already enqueued (Note
+  [Enqueued tickets] in engine/batches.cpp: the host waits until they are); correct on the H200
+  but no faster (the wait until the copies are enqueued is the one that costs), hence not the
+  default. Host waits are counted as stall time.
   Grad pages are counted as contents once a backward acquired them (zero-filled on first use).
   On the meta device (shapes without bits: how tests measure what a step keeps on the device at
   any length) the runtime runs on its host backend for the bookkeeping and the pools are meta
