@@ -28,7 +28,8 @@ the pages in plain PyTorch tensors instead of the runtime (bench/plain_store.py:
 the runtime must match); "+dp" runs the trainer data-parallel in a torch.distributed group of
 world size 1 (NCCL on GPUs, gloo on CPUs), against the same variant without it (issue "A whole GPU
 node": <= 1% cost); "+streamwait" lets the stream wait on the GPU for enqueued copies instead of
-the host waiting (Note [Runtime pages]); "@8K" sets the variant's history block.
+the host waiting (Note [Runtime pages]); "+depth4" copies pages in 4 accesses ahead (default 2)
+and grows the default GPU budget with it; "@8K" sets the variant's history block.
 Each step is forward + backward of one sequence (no optimizer step, like the full-sequence
 baseline), after a short warm-up sequence; OOMB variants recompute layer activations in backward
 (like the baseline's gradient checkpointing) unless --no-checkpoint-layers.
@@ -45,6 +46,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import selectors
 import subprocess
 import sys
@@ -104,6 +106,13 @@ def resident_name(variant: str) -> str:
     base = base_variant(variant)
     base = base[: -len("-offload")] if base.endswith("-offload") else base
     return base + ("+membar" if "+membar" in variant else "")
+
+
+def prefetch_depth_of(variant: str) -> int:
+    """"+depth4": the store copies pages in 4 accesses ahead, and its default GPU budget grows with
+    it (store_sizes); 2 (OOMBConfig's default) otherwise."""
+    match = re.search(r"\+depth(\d+)", variant)
+    return int(match.group(1)) if match else 2
 
 
 LOGRA_RANK = 64
@@ -212,9 +221,12 @@ def run_one(model, spec: dict) -> dict:
                             offload=offload,
                             gpu_resident_layers=int(resident), loss_piece_tokens=4096,
                             gpu_budget_bytes=spec.get("gpu_budget_bytes") or None,
+                            prefetch_depth=prefetch_depth_of(result["variant"]),
                             checkpoint_layers=spec.get("checkpoint_layers", True),
                             history_block_tokens=spec["history_block_tokens"],
                             dense_kernel=dense_kernel_of(result["variant"]))
+        if offload:
+            result.update(prefetch_depth=config.prefetch_depth)
         store = None
         if "+plain" in result["variant"]:   # the baseline: pages in plain PyTorch tensors (bench/plain_store.py)
             if offload:

@@ -16,6 +16,9 @@
 #             (Note [Enqueued tickets]; "+streamwait"), beside plain tensors, in one run
 #   waits-eager  the same GPU-side waits with CUDA_MODULE_LOADING=EAGER (no lazy module loading, the
 #             cause of the deadlock Note [Enqueued tickets] works around), beside host waits
+#   depth     7B dense-offload at DEPTH_CONTEXT (default 128K) in the embedded runtime, pages copied in
+#             2 (default), 4 and 8 accesses ahead with the GPU budget grown to match: does a deeper
+#             pipeline take away the host's wait for frames that releases free? (one run)
 #   dp        7B at 32K: one process against data parallel with world size 1 (NCCL), in one run
 #   cli       membar-train as a user runs it, 7B at CLI_SEQ (default 32K), 3 steps: embedded and
 #             through membard (--socket), dense and --offload, in one call (steps 2-3 compared);
@@ -86,6 +89,9 @@ for step in "$@"; do
     waits-eager)
       CUDA_MODULE_LOADING=EAGER bench waits-eager --contexts 32K --time-budget 400 --time-limit 150 \
         --variants "dense-offload,dense-offload+streamwait" ;;
+    depth)
+      bench depth --contexts "${DEPTH_CONTEXT:-128K}" --time-budget 540 \
+        --variants "dense-offload,dense-offload+depth4,dense-offload+depth8" ;;
     dp)
       bench dp --contexts 32K --time-budget 300 --variants "dense,dense+dp" ;;
     cli)
