@@ -82,3 +82,13 @@ def test_cli_bad_sequence_length_gets_a_sentence(capsys):
     with pytest.raises(SystemExit):
         main(["--model", "tiny-qwen2", "--seq-len", "lots"])
     assert "not a token count" in capsys.readouterr().err
+
+
+def test_offload_hint_names_membard_only_for_embedded_offload_on_a_gpu():
+    from membar.train import offload_hint
+
+    hint = offload_hint(True, "cuda:0", "embedded:cuda")
+    assert "membard" in hint and "--socket" in hint
+    assert offload_hint(False, "cuda:0", "embedded:cuda") == ""
+    assert offload_hint(True, "cuda:0", "daemon:/run/membar/membard.sock") == ""
+    assert offload_hint(True, "cpu", "embedded:host") == ""

@@ -586,6 +586,17 @@ def _make_optimizer(args, model, trainer):
     return optimizer, schedule
 
 
+def offload_hint(offload: bool, device, runtime: str) -> str:
+    """A line for --offload on a GPU through the embedded runtime: membard is faster there (its
+    copies run in another process, so the trainer's stream waits on the GPU and the host never
+    does; Note [Runtime pages]). Empty otherwise."""
+    if not offload or torch.device(device).type != "cuda" or not runtime.startswith("embedded"):
+        return ""
+    return ("hint: offload runs faster through membard (on an H200: 1.04x at 32K, 1.16x at 128K): in-process the "
+            "host waits for each page's copies to be enqueued. Start it with `membard --backend cuda` and pass "
+            "--socket (docs/service.md).")
+
+
 def _start(args, model, device, dtype, trainer, tasks: _Tasks) -> dict:
     """Prints what runs and the accuracy before training; returns the summary to fill."""
     from membar.oomb.tasks import passkey_accuracy
@@ -596,6 +607,9 @@ def _start(args, model, device, dtype, trainer, tasks: _Tasks) -> dict:
           f"{f' top-{args.top_k}' if args.mode == 'sparse' else ''}, offload {'on' if args.offload else 'off'}, "
           f"pages in the runtime ({trainer.store.runtime.describe() if trainer.store.runtime else 'not connected'})",
           flush=True)
+    hint = offload_hint(args.offload, device, trainer.store.runtime.describe() if trainer.store.runtime else "")
+    if hint:
+        print(hint, flush=True)
     if args.world_size > 1:
         from membar.oomb import tensor_parallel
 
