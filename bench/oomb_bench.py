@@ -29,7 +29,8 @@ the runtime must match); "+dp" runs the trainer data-parallel in a torch.distrib
 world size 1 (NCCL on GPUs, gloo on CPUs), against the same variant without it (issue "A whole GPU
 node": <= 1% cost); "+streamwait" lets the stream wait on the GPU for enqueued copies instead of
 the host waiting (Note [Runtime pages]); "+depth4" copies pages in 4 accesses ahead (default 2)
-and grows the default GPU budget with it; "@8K" sets the variant's history block.
+and grows the default GPU budget with it; "+piece1024" computes the loss 1024 tokens at a time
+(default 4096); "@8K" sets the variant's history block.
 Each step is forward + backward of one sequence (no optimizer step, like the full-sequence
 baseline), after a short warm-up sequence; OOMB variants recompute layer activations in backward
 (like the baseline's gradient checkpointing) unless --no-checkpoint-layers.
@@ -113,6 +114,12 @@ def prefetch_depth_of(variant: str) -> int:
     it (store_sizes); 2 (OOMBConfig's default) otherwise."""
     match = re.search(r"\+depth(\d+)", variant)
     return int(match.group(1)) if match else 2
+
+
+def loss_piece_tokens_of(variant: str) -> int:
+    """"+piece1024": the loss (full-vocabulary logits) is computed 1024 tokens at a time; 4096 otherwise."""
+    match = re.search(r"\+piece(\d+)", variant)
+    return int(match.group(1)) if match else 4096
 
 
 LOGRA_RANK = 64
@@ -219,12 +226,13 @@ def run_one(model, spec: dict) -> dict:
         config = OOMBConfig(chunk_tokens=spec["chunk"], page_tokens=spec["page_tokens"], mode=mode,
                             top_k=spec["top_k"], query_tile_tokens=spec.get("query_tile_tokens") or spec["page_tokens"],
                             offload=offload,
-                            gpu_resident_layers=int(resident), loss_piece_tokens=4096,
+                            gpu_resident_layers=int(resident), loss_piece_tokens=loss_piece_tokens_of(result["variant"]),
                             gpu_budget_bytes=spec.get("gpu_budget_bytes") or None,
                             prefetch_depth=prefetch_depth_of(result["variant"]),
                             checkpoint_layers=spec.get("checkpoint_layers", True),
                             history_block_tokens=spec["history_block_tokens"],
                             dense_kernel=dense_kernel_of(result["variant"]))
+        result.update(loss_piece_tokens=config.loss_piece_tokens)
         if offload:
             result.update(prefetch_depth=config.prefetch_depth)
         store = None

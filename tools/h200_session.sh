@@ -19,6 +19,8 @@
 #   depth     7B dense-offload at DEPTH_CONTEXT (default 128K) in the embedded runtime, pages copied in
 #             2 (default), 4 and 8 accesses ahead with the GPU budget grown to match: does a deeper
 #             pipeline take away the host's wait for frames that releases free? (one run)
+#   peak      7B dense-offload at 32K with the loss computed 4096 (default), 1024 and 512 tokens at a
+#             time: GPU peak against the goal (<= 33.2 GiB) and the time it costs (one run)
 #   dp        7B at 32K: one process against data parallel with world size 1 (NCCL), in one run
 #   cli       membar-train as a user runs it, 7B at CLI_SEQ (default 32K), 3 steps: embedded and
 #             through membard (--socket), dense and --offload, in one call (steps 2-3 compared);
@@ -92,6 +94,8 @@ for step in "$@"; do
     depth)
       bench depth --contexts "${DEPTH_CONTEXT:-128K}" --time-budget 540 \
         --variants "dense-offload,dense-offload+depth4,dense-offload+depth8" ;;
+    peak)
+      bench peak --contexts 32K --time-budget 300 --variants "dense-offload,dense-offload+piece1024,dense-offload+piece512" ;;
     dp)
       bench dp --contexts 32K --time-budget 300 --variants "dense,dense+dp" ;;
     cli)

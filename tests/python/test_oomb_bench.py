@@ -78,16 +78,18 @@ def test_sweep_runs_on_the_cpu_and_writes_results(tmp_path):
     environment = dict(os.environ, MEMBAR_RESULTS_DIR=str(tmp_path),
                        PYTHONPATH=str(REPO / "bindings" / "python"), OMP_NUM_THREADS="1")
     command = [sys.executable, str(REPO / "bench" / "oomb_bench.py"), "--device", "cpu", "--model", "tiny-qwen2",
-               "--contexts", "256,512", "--variants", "dense,dense+plain,dense+dp,dense-offload,dense-offload+depth4,dense-hybrid", "--chunk", "64", "--page-tokens", "16",
+               "--contexts", "256,512", "--variants", "dense,dense+plain,dense+dp,dense-offload,dense-offload+depth4+piece32,dense-hybrid", "--chunk", "64", "--page-tokens", "16",
                "--history-block-tokens", "128", "--gpu-budget", "20MiB", "--time-budget", "120", "--time-limit", "100"]
     finished = subprocess.run(command, capture_output=True, text=True, timeout=200, env=environment)
     assert finished.returncode == 0, finished.stderr[-2000:]
     report = json.loads((tmp_path / "oomb_bench.json").read_text())
     rows = {(r["variant"], r["tokens"]): r for r in report["results"]}
-    assert set(rows) == {(v, t) for v in ("dense", "dense+plain", "dense+dp", "dense-offload", "dense-offload+depth4",
+    assert set(rows) == {(v, t) for v in ("dense", "dense+plain", "dense+dp", "dense-offload", "dense-offload+depth4+piece32",
                                           "dense-hybrid") for t in (256, 512)}
     assert rows[("dense-offload", 512)]["prefetch_depth"] == 2
-    assert rows[("dense-offload+depth4", 512)]["prefetch_depth"] == 4
+    assert rows[("dense-offload+depth4+piece32", 512)]["prefetch_depth"] == 4
+    assert rows[("dense-offload+depth4+piece32", 512)]["loss_piece_tokens"] == 32
+    assert rows[("dense-offload", 512)]["loss_piece_tokens"] == 4096
     assert rows[("dense", 512)]["vs_plain"] > 0 and rows[("dense-offload", 512)]["vs_plain"] > 0
     assert rows[("dense+dp", 512)]["vs_single_process"] > 0   # data parallel, world size 1, gloo
     assert "data_parallel_world1_vs_single_process" in report["goals"]
