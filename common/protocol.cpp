@@ -679,7 +679,9 @@ Result<std::vector<PageRange>> decode_ranges(std::span<const uint8_t> payload) {
 // Stats: string backend; u32 first_space, u32 spaces_total;
 // u32 tiers {u8 tier, u64 total, used, free, preparing};
 // u32 clients {u32 client, i32 pid, u32 uid, string name, u64 quotas x2, Stat x2, u32 spaces, u64 x11};
-// u32 spaces {u32 id, string name, u64 page_bytes, u32 page_count, u32 client, u64 x8}.
+// u32 spaces {u32 id, string name, u64 page_bytes, u32 page_count, u32 client, u64 x8};
+// then {i32 numa_node} per tier, in the tiers' order (absent from daemons before 2026-12-02: the
+// decoder reads -1 then, so a new membarctl still reads an older membard).
 std::vector<uint8_t> encode_stats(const RuntimeStats& stats) {
   Writer w;
   w.write_string(stats.backend, kMaxStatsString);
@@ -718,6 +720,7 @@ std::vector<uint8_t> encode_stats(const RuntimeStats& stats) {
       w.write<uint64_t>(v);
     }
   }
+  for (const TierStats& tier : stats.tiers) w.write<int32_t>(tier.numa_node);
   return w.take();
 }
 
@@ -777,6 +780,10 @@ Result<RuntimeStats> decode_stats(std::span<const uint8_t> payload) {
       *v = r.read<uint64_t>();
     }
     stats.spaces.push_back(std::move(s));
+  }
+  if (!r.ok()) return invalid_argument("stats payload: space entry truncated");
+  if (!r.at_end()) {   // the tiers' NUMA nodes (an older daemon ends before them)
+    for (TierStats& tier : stats.tiers) tier.numa_node = r.read<int32_t>();
   }
   if (!r.at_end()) return invalid_argument("stats payload is truncated or has trailing bytes");
   return stats;

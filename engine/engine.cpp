@@ -974,6 +974,7 @@ Result<RuntimeStats> EngineImpl::stats(ClientId id, uint32_t first_space, uint32
         if (slab.state == Slab::State::kPreparing) tier_stats.frames_preparing += slab.frames;
       }
       tier_stats.frames_free -= std::min(tier_stats.frames_free, channel_frames_);
+      tier_stats.numa_node = backend_->host_numa_node();
     }
     tier_stats.frames_used = tier_stats.frames_total - tier_stats.frames_free - tier_stats.frames_preparing;
     answer.tiers.push_back(tier_stats);

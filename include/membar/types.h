@@ -94,6 +94,9 @@ struct TierStats {
   uint64_t frames_used = 0;       // held by clients
   uint64_t frames_free = 0;       // ready to hand out
   uint64_t frames_preparing = 0;  // being cleared or pinned before they can be handed out
+  // The host tier: the NUMA node its memory is bound to (membard --host-numa-node; Note [Host pools
+  // near their GPU]); -1 when the kernel places it, and always for the GPU tier.
+  int32_t numa_node = -1;
 };
 
 struct RuntimeStats {

@@ -75,7 +75,8 @@ std::string json_tiers(const RuntimeStats& stats, const std::string& indent) {
     const TierStats& t = stats.tiers[i];
     out << (i ? "," : "") << "\n" << indent << "  {\"tier\": \"" << tier_name(t.tier) << "\", \"frames_total\": "
         << t.frames_total << ", \"frames_used\": " << t.frames_used << ", \"frames_free\": " << t.frames_free
-        << ", \"frames_preparing\": " << t.frames_preparing << ", \"frame_bytes\": " << kFrameBytes << "}";
+        << ", \"frames_preparing\": " << t.frames_preparing << ", \"frame_bytes\": " << kFrameBytes
+        << ", \"numa_node\": " << (t.numa_node >= 0 ? std::to_string(t.numa_node) : std::string("null")) << "}";
   }
   out << "\n" << indent << "]";
   return out.str();
@@ -110,6 +111,10 @@ std::string format_stats_text(const std::vector<DeviceRuntimeStats>& devices, co
       out << "frames_used: " << frames_field(static_cast<int64_t>(t.frames_used)) << '\n';
       out << "frames_free: " << frames_field(static_cast<int64_t>(t.frames_free)) << '\n';
       out << "frames_preparing: " << frames_field(static_cast<int64_t>(t.frames_preparing)) << '\n';
+      if (t.tier == Tier::kHost) {
+        out << "numa_node: " << (t.numa_node >= 0 ? std::to_string(t.numa_node) : std::string("none (placed by the kernel)"))
+            << '\n';
+      }
     }
     for (const ClientStats& c : stats.clients) {
       out << "\n# Client " << c.client << '\n';

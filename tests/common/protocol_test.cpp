@@ -508,6 +508,7 @@ RuntimeStats random_stats() {
   stats.backend = "host";
   stats.tiers = {{Tier::kGpu, random_u32(1, 100), random_u32(0, 50), random_u32(0, 50), random_u32(0, 9)},
                  {Tier::kHost, random_u32(1, 100), random_u32(0, 50), random_u32(0, 50), random_u32(0, 9)}};
+  stats.tiers[1].numa_node = static_cast<int32_t>(random_u32(0, 8)) - 1;
   for (uint32_t c = 0; c < random_u32(0, 5); ++c) {
     ClientStats client;
     client.client = c + 1;
@@ -549,6 +550,8 @@ TEST(Stats, RoundTripsAndRejectsEveryTruncation) {
     ASSERT_EQ(decoded.value().tiers.size(), 2u);
     EXPECT_EQ(decoded.value().tiers[1].frames_total, stats.tiers[1].frames_total);
     EXPECT_EQ(decoded.value().tiers[0].frames_preparing, stats.tiers[0].frames_preparing);
+    EXPECT_EQ(decoded.value().tiers[0].numa_node, -1);
+    EXPECT_EQ(decoded.value().tiers[1].numa_node, stats.tiers[1].numa_node);
     ASSERT_EQ(decoded.value().clients.size(), stats.clients.size());
     for (size_t c = 0; c < stats.clients.size(); ++c) {
       EXPECT_EQ(decoded.value().clients[c].name, stats.clients[c].name);
@@ -570,10 +573,19 @@ TEST(Stats, RoundTripsAndRejectsEveryTruncation) {
       EXPECT_EQ(decoded.value().spaces[s].bytes_pinned, stats.spaces[s].bytes_pinned);
       EXPECT_EQ(decoded.value().spaces[s].bytes_gpu_to_host, stats.spaces[s].bytes_gpu_to_host);
     }
-    // The encoding is canonical, and every truncation (and a trailing byte) is refused.
+    // The encoding is canonical, and every truncation (and a trailing byte) is refused, except the
+    // one that ends where a daemon before the tiers' NUMA nodes ended: that reads as no node.
     EXPECT_EQ(encode_stats(decoded.value()), bytes);
+    size_t older = bytes.size() - 4 * stats.tiers.size();
     for (size_t n = 0; n < bytes.size(); ++n) {
-      EXPECT_FALSE(decode_stats(std::span<const uint8_t>(bytes.data(), n)).ok()) << "length " << n;
+      auto cut = decode_stats(std::span<const uint8_t>(bytes.data(), n));
+      if (n != older) {
+        EXPECT_FALSE(cut.ok()) << "length " << n;
+        continue;
+      }
+      ASSERT_TRUE(cut.ok()) << cut.status().to_string();
+      EXPECT_EQ(cut.value().tiers[1].numa_node, -1);
+      EXPECT_EQ(cut.value().spaces.size(), stats.spaces.size());
     }
     bytes.push_back(0);
     EXPECT_FALSE(decode_stats(bytes).ok());

@@ -202,6 +202,9 @@ def test_same_api_through_a_daemon(tmp_path):
         stats = rt.stats()
         assert stats["backend"] == "host"
         assert stats["clients"][0]["name"] == "pytest"
+        # The GPU tier has no NUMA node; the host tier's is a node or -1 (placed by the kernel).
+        assert [tier["tier"] for tier in stats["tiers"]] == ["gpu", "host"]
+        assert stats["tiers"][0]["numa_node"] == -1 and stats["tiers"][1]["numa_node"] >= -1
         # Pages move in the 2 MiB frames of the space: offloading pages [0, 8) and then [8, 16)
         # copies frame 0 twice (dirty again in between), 2+2+2+2+1 MiB in all (the last frame is half).
         assert stats["clients"][0]["bytes_gpu_to_host"] == 9 * MIB

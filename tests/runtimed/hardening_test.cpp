@@ -686,6 +686,16 @@ TEST_F(DaemonTest, TheHostPoolsNumaNodeIsSaidAndAMissingOneRefused) {
   auto space = client->create_space("s", k2M, 2);
   ASSERT_TRUE(space.ok());
   EXPECT_TRUE(client->acquire_host({space.value(), 0, 2}).ok());
+  // Stats say where the host pool is, through the wire and in membarctl's text and JSON.
+  auto stats = client->stats();
+  ASSERT_TRUE(stats.ok());
+  ASSERT_EQ(stats.value().tiers.size(), 2u);
+  EXPECT_EQ(stats.value().tiers[0].numa_node, -1) << "the GPU tier has no NUMA node";
+  EXPECT_EQ(stats.value().tiers[1].numa_node, placed ? 0 : -1);
+  std::string text = run_command(std::string(MEMBARCTL_PATH) + " --socket " + socket_path_ + " stats");
+  EXPECT_NE(text.find(placed ? "numa_node: 0\n" : "numa_node: none (placed by the kernel)"), std::string::npos) << text;
+  std::string json = run_command(std::string(MEMBARCTL_PATH) + " --socket " + socket_path_ + " stats --json");
+  EXPECT_NE(json.find(placed ? "\"numa_node\": 0}" : "\"numa_node\": null}"), std::string::npos) << json;
   int code = -1;
   std::string out = run_command(std::string(MEMBARD_PATH) + " --backend host --socket " + directory_ +
                                     "/numa.sock --host-numa-node 1000",
