@@ -1,5 +1,6 @@
-"""Summarises the membar-train logs of `tools/h200_session.sh cli`: tokens/s of steps 2-3 and peak
-GPU memory of each run (the last --json line of each log), and membard / embedded per mode.
+"""Summarises the membar-train logs of `tools/h200_session.sh cli` (and `share`, `tp`): tokens/s of
+steps 2-3, peak GPU memory and the losses of each run (the last --json line of each log), and
+membard / embedded per mode.
 
     python tools/cli_summary.py FOLDER
 """
@@ -23,7 +24,9 @@ def main(folder: str) -> int:
             continue
         rates[log.stem] = sum(step["tokens_per_second"] for step in steps) / len(steps)
         peak = max(step["peak_gpu_bytes"] for step in steps) / 2**30
-        print(f"{log.stem}: {rates[log.stem]:,.0f} tok/s (steps 2-{len(steps) + 1}), peak GPU {peak:.1f} GiB")
+        losses = " ".join(f"{step['loss']:.4f}" for step in json.loads(lines[-1])["steps"])
+        print(f"{log.stem}: {rates[log.stem]:,.0f} tok/s (steps 2-{len(steps) + 1}), peak GPU {peak:.1f} GiB, "
+              f"losses {losses}")
     for mode in ("dense", "offload"):
         if f"membard-{mode}" in rates and f"embedded-{mode}" in rates:
             print(f"{mode}: membard / embedded = {rates[f'membard-{mode}'] / rates[f'embedded-{mode}']:.3f}")

@@ -26,6 +26,8 @@
 #             through membard (--socket), dense and --offload, in one call (steps 2-3 compared);
 #             CLI_MODES="dense offload offload-streamwait" adds the embedded runtime with --offload
 #             and MEMBAR_STREAM_WAIT=1 (its stream waits on the GPU for enqueued copies)
+#   share     two membar-train processes (1.5B shape, 32K, --offload) on one GPU through one membard
+#             at once, beside one alone: each gets its share and the losses of the one alone
 #   tp        several GPUs: membar-train, 7B shape at TP_SEQ (default 128K): one GPU, the heads split
 #             over every GPU (--tensor-parallel N under torch.distributed.run, NCCL), data parallel
 #             over every GPU; TP_LONG=1 adds the split run at N x TP_SEQ tokens with offload
@@ -115,6 +117,22 @@ for step in "$@"; do
         kill "$daemon"; wait "$daemon" 2>/dev/null
       done
       "$py" tools/cli_summary.py "$work/cli" | tee "$work/cli/summary.txt" ;;
+    share)
+      mkdir -p "$work/share"
+      socket=/tmp/membar-share.sock
+      train="-m membar.train --model qwen2.5-1.5b --seq-len 32K --chunk 4096 --steps 3 --offload --no-progress --json"
+      timeout 200 "$py" $train > "$work/share/alone.log" 2>&1 || status=1
+      start_daemon "$socket" --gpu-pool 24GiB --host-pool 48GiB || { status=1; continue; }
+      trainers=""
+      for i in 1 2; do
+        timeout 300 "$py" $train --socket "$socket" > "$work/share/shared-$i.log" 2>&1 &
+        trainers="$trainers $!"
+      done
+      sleep 40; "$bin/membarctl" --socket "$socket" stats > "$work/share/membarctl_during.txt" 2>&1
+      for pid in $trainers; do wait "$pid" || status=1; done
+      "$bin/membarctl" --socket "$socket" stats --json > "$work/share/membarctl_after.json" 2>&1
+      kill "$daemon"; wait "$daemon" 2>/dev/null
+      "$py" tools/cli_summary.py "$work/share" | tee "$work/share/summary.txt" ;;
     tp)
       mkdir -p "$work/tp"
       gpus=$(nvidia-smi -L | wc -l)
