@@ -35,3 +35,41 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+def membard_binary() -> Path | None:
+    """build/bin/membard (or $MEMBAR_BUILD_DIR/bin/membard) when it is built."""
+    import os
+
+    binary = Path(os.environ.get("MEMBAR_BUILD_DIR", REPO / "build")) / "bin" / "membard"
+    return binary if binary.exists() else None
+
+
+@pytest.fixture
+def membard(tmp_path):
+    """membard(*arguments, gpu_pool="16MiB", host_pool="64MiB") starts a membard on the host backend
+    in the foreground at a socket of its own and returns the socket's path once it answers; every
+    daemon started is stopped after the test. Skips the test when membard is not built."""
+    import subprocess
+    import time
+
+    binary = membard_binary()
+    if binary is None:
+        pytest.skip("membard is not built (set MEMBAR_BUILD_DIR)")
+    daemons = []
+
+    def start(*arguments: str, gpu_pool: str = "16MiB", host_pool: str = "64MiB") -> str:
+        socket = tmp_path / f"membard-{len(daemons)}.sock"
+        daemons.append(subprocess.Popen([str(binary), "--backend", "host", "--socket", str(socket), "--gpu-pool",
+                                         gpu_pool, "--host-pool", host_pool, "--foreground", "--log-level", "warn",
+                                         *arguments]))
+        for _ in range(500):
+            if socket.exists():
+                return str(socket)
+            time.sleep(0.02)
+        raise AssertionError("membard did not start")
+
+    yield start
+    for daemon in daemons:
+        daemon.terminate()
+        daemon.wait(timeout=10)

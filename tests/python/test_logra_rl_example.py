@@ -5,7 +5,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -14,12 +13,6 @@ pytest.importorskip("matplotlib")
 pytest.importorskip("transformers")
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "logra_rl"
-
-
-def _membard():
-    build = Path(os.environ.get("MEMBAR_BUILD_DIR", Path(__file__).resolve().parents[2] / "build"))
-    binary = build / "bin" / "membard"
-    return binary if binary.exists() else None
 
 
 def _run_example(tmp_path, extra=()):
@@ -55,20 +48,8 @@ def test_example_runs_end_to_end(tmp_path, monkeypatch):
     assert logra_run["sync_transport"] == "posix"
 
 
-@pytest.mark.skipif(_membard() is None, reason="membard is not built (set MEMBAR_BUILD_DIR)")
-def test_example_syncs_through_a_daemon(tmp_path):
-    socket = tmp_path / "membard.sock"
-    daemon = subprocess.Popen([str(_membard()), "--backend", "host", "--socket", str(socket), "--gpu-pool", "16MiB",
-                               "--host-pool", "64MiB", "--foreground", "--log-level", "warn"])
-    try:
-        for _ in range(500):
-            if socket.exists():
-                break
-            time.sleep(0.02)
-        summary = _run_example(tmp_path, ["--socket", str(socket)])
-    finally:
-        daemon.terminate()
-        daemon.wait(timeout=10)
+def test_example_syncs_through_a_daemon(tmp_path, membard):
+    summary = _run_example(tmp_path, ["--socket", membard()])
     logra_run = next(run for name, run in summary["runs"].items() if name.startswith("LoGRA"))
     assert logra_run["sync_transport"] == "channel"
     assert logra_run["states"].startswith("runtime pages (daemon:")

@@ -1,10 +1,5 @@
 """LoGRA sketches and Adam moments as pages of membar.runtime.Runtime: embedded (host backend)
 and through a real membard, with and without offloading the moments between updates."""
-import os
-import subprocess
-import time
-from pathlib import Path
-
 import pytest
 import torch
 import torch.nn as nn
@@ -89,33 +84,16 @@ def test_runtime_on_another_device_type_is_refused():
         logra.apply_logra(model, rank=2, targets=("0",), runtime=runtime)
 
 
-def _membard():
-    build = Path(os.environ.get("MEMBAR_BUILD_DIR", Path(__file__).resolve().parents[2] / "build"))
-    binary = build / "bin" / "membard"
-    return binary if binary.exists() else None
-
-
-@pytest.mark.skipif(_membard() is None, reason="membard is not built (set MEMBAR_BUILD_DIR)")
-def test_states_as_pages_of_a_daemon_with_offloaded_moments(tmp_path, monkeypatch):
-    socket = tmp_path / "membard.sock"
-    daemon = subprocess.Popen([str(_membard()), "--backend", "host", "--socket", str(socket), "--gpu-pool", "16MiB",
-                               "--host-pool", "64MiB", "--foreground", "--log-level", "warn"])
-    try:
-        for _ in range(500):
-            if socket.exists():
-                break
-            time.sleep(0.02)
-        runtime = Runtime.connect(socket=str(socket), embedded=False, name="logra-states")
-        assert runtime.describe().startswith("daemon:")
-        _check_runtime_states(runtime)
-        # runtime="auto" takes the daemon when one answers.
-        monkeypatch.setenv("MEMBAR_SOCKET", str(socket))
-        handle = logra.apply_logra(nn.Sequential(nn.Linear(16, 16)), rank=4, targets=("0",), runtime="auto")
-        assert handle.states.storage.describe().startswith("runtime pages (daemon:")
-        handle.states.close()
-    finally:
-        daemon.terminate()
-        daemon.wait(timeout=10)
+def test_states_as_pages_of_a_daemon_with_offloaded_moments(membard, monkeypatch):
+    socket = membard()
+    runtime = Runtime.connect(socket=socket, embedded=False, name="logra-states")
+    assert runtime.describe().startswith("daemon:")
+    _check_runtime_states(runtime)
+    # runtime="auto" takes the daemon when one answers.
+    monkeypatch.setenv("MEMBAR_SOCKET", socket)
+    handle = logra.apply_logra(nn.Sequential(nn.Linear(16, 16)), rank=4, targets=("0",), runtime="auto")
+    assert handle.states.storage.describe().startswith("runtime pages (daemon:")
+    handle.states.close()
 
 
 def test_auto_runtime_falls_back_to_an_embedded_one_sized_for_the_states(monkeypatch, tmp_path):

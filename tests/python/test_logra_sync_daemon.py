@@ -3,9 +3,7 @@ subscriber processes connected to the same daemon follow it; one dies, one joins
 import multiprocessing
 import os
 import signal
-import subprocess
 import time
-from pathlib import Path
 
 import pytest
 import torch
@@ -15,30 +13,9 @@ from membar.runtime import Runtime
 from test_logra_sync import TARGETS, Trainer, make_model, subscriber_weights
 
 
-def _membard():
-    build = Path(os.environ.get("MEMBAR_BUILD_DIR", Path(__file__).resolve().parents[2] / "build"))
-    binary = build / "bin" / "membard"
-    return binary if binary.exists() else None
-
-
-pytestmark = pytest.mark.skipif(_membard() is None, reason="membard is not built (set MEMBAR_BUILD_DIR)")
-
-
 @pytest.fixture
-def daemon_socket(tmp_path):
-    socket = tmp_path / "membard.sock"
-    daemon = subprocess.Popen([str(_membard()), "--backend", "host", "--socket", str(socket), "--gpu-pool", "16MiB",
-                               "--host-pool", "64MiB", "--foreground", "--log-level", "warn"])
-    try:
-        for _ in range(500):
-            if socket.exists():
-                break
-            time.sleep(0.02)
-        assert socket.exists(), "membard did not start"
-        yield str(socket)
-    finally:
-        daemon.terminate()
-        daemon.wait(timeout=10)
+def daemon_socket(membard):
+    return membard()
 
 
 def _subscriber_process(socket, name, updates, join, result_queue, announce_queue):

@@ -119,3 +119,52 @@ def test_runtime_pages_streamed_in_blocks(mode):
     if mode == "dense":
         assert trainer.stats["prefetch_hits"] > 0
     assert store.stats.pages_live["current"] == 0
+
+
+def test_training_through_membard_changes_no_gradient_bit(membard):
+    """The same step with pages in a membard daemon (offloaded through a small budget) as in an
+    embedded runtime: the same bits, and full-sequence gradients."""
+    membard_socket = membard(gpu_pool="64MiB", host_pool="256MiB")
+    model = model_for_runtime("qwen2", head_dim=256, kv_heads=4)
+    input_ids = torch.randint(0, 97, (1, 1100), generator=torch.Generator().manual_seed(1))
+    options = dict(chunk_tokens=128, history_block_tokens=256)
+    loss, embedded, _ = grads_after(model, input_ids, RuntimeKVStore("cpu", offload=True, gpu_budget_bytes=24 * _MIB),
+                                    **options)
+    store = RuntimeKVStore("cpu", offload=True, gpu_budget_bytes=24 * _MIB, socket=membard_socket, name="pytest-oomb")
+    daemon_loss, through_daemon, trainer = grads_after(model, input_ids, store, **options)
+    assert trainer.store.runtime.describe().startswith("daemon:")
+    stats = trainer.store.runtime.stats()
+    client = [c for c in stats["clients"] if c["name"] == "pytest-oomb"][0]
+    assert client["bytes_gpu_to_host"] > 0 and client["bytes_host_to_gpu"] > 0, "pages should have moved"
+    assert float(daemon_loss) == float(loss)
+    for name, grad in embedded.items():
+        assert torch.equal(through_daemon[name], grad), name
+    assert max_relative_error(through_daemon, full_sequence_grads(model, input_ids)) < 1e-4
+
+
+def test_two_trainer_processes_share_one_membard(membard):
+    """Two membar-train processes through one daemon at once (host backend): each trains the
+    losses that one embedded process trains alone."""
+    membard_socket = membard(gpu_pool="64MiB", host_pool="256MiB")
+    import json
+    import os
+    import subprocess
+    import sys
+
+    command = [sys.executable, "-m", "membar.train", "--model", "tiny-qwen2", "--device", "cpu", "--seq-len", "1K",
+               "--chunk", "256", "--page-tokens", "64", "--steps", "2", "--offload", "--no-progress", "--json"]
+    environment = dict(os.environ, OMP_NUM_THREADS="1")
+    environment.pop("MEMBAR_SOCKET", None)
+
+    def losses(output: str) -> list[float]:
+        return [step["loss"] for step in json.loads(output.strip().splitlines()[-1])["steps"]]
+
+    alone = subprocess.run(command, capture_output=True, text=True, timeout=300, env=environment)
+    assert alone.returncode == 0, alone.stderr[-2000:]
+    shared = [subprocess.Popen(command + ["--socket", membard_socket], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True, env=environment) for _ in range(2)]
+    outputs = [process.communicate(timeout=300) for process in shared]
+    for process, (out, err) in zip(shared, outputs):
+        assert process.returncode == 0, err[-2000:]
+        assert "pages in the runtime (daemon:" in out
+        assert losses(out) == losses(alone.stdout)

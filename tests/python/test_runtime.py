@@ -163,102 +163,70 @@ def test_daemon_only_without_a_daemon_is_an_error(tmp_path):
         Runtime.connect(socket=str(tmp_path / "absent.sock"), embedded=False)
 
 
-def _membard():
-    import os
-    from pathlib import Path
-    build = Path(os.environ.get("MEMBAR_BUILD_DIR", Path(__file__).resolve().parents[2] / "build"))
-    binary = build / "bin" / "membard"
-    return binary if binary.exists() else None
+def test_same_api_through_a_daemon(membard):
+    socket = membard()
+    rt = Runtime.connect(socket=str(socket), embedded=False, name="pytest")
+    assert rt.describe().startswith("daemon:")
+    space = rt.space("L00.v", page_shape=(64, 4, 128), dtype=torch.float32, pages=40)  # 128 KiB pages
+    pool = space.pool()
+    generator = torch.Generator().manual_seed(3)
+    data = torch.randn(40, 64, 4, 128, generator=generator)
+    for first in range(0, 40, 8):
+        space.acquire(first, 8, write=True, wait=True)
+        pool[first:first + 8] = data[first:first + 8]
+        space.release(first, 8, dirty=True)
+        rt.wait(space.offload(first, 8))
+    for first in range(0, 40, 8):
+        space.acquire(first, 8, wait=True)
+        assert torch.equal(pool[first:first + 8], data[first:first + 8])
+        space.release(first, 8)
+    stats = rt.stats()
+    assert stats["backend"] == "host"
+    assert stats["clients"][0]["name"] == "pytest"
+    # The GPU tier has no NUMA node; the host tier's is a node or -1 (placed by the kernel).
+    assert [tier["tier"] for tier in stats["tiers"]] == ["gpu", "host"]
+    assert stats["tiers"][0]["numa_node"] == -1 and stats["tiers"][1]["numa_node"] >= -1
+    # Pages move in the 2 MiB frames of the space: offloading pages [0, 8) and then [8, 16)
+    # copies frame 0 twice (dirty again in between), 2+2+2+2+1 MiB in all (the last frame is half).
+    assert stats["clients"][0]["bytes_gpu_to_host"] == 9 * MIB
+    # Per-space residency: every page was offloaded, then acquired back (clean on both tiers).
+    (entry,) = [s for s in stats["spaces"] if s["name"] == "L00.v"]
+    assert entry["client"] == stats["clients"][0]["client"]
+    assert entry["bytes_both"] + entry["bytes_host"] == 40 * space.page_bytes and entry["bytes_dirty"] == 0
+    assert entry["bytes_gpu_to_host"] == 9 * MIB
 
 
-@pytest.mark.skipif(_membard() is None, reason="membard is not built (set MEMBAR_BUILD_DIR)")
-def test_same_api_through_a_daemon(tmp_path):
-    import subprocess
-    import time
-
-    socket = tmp_path / "membard.sock"
-    daemon = subprocess.Popen([str(_membard()), "--backend", "host", "--socket", str(socket), "--gpu-pool", "16MiB",
-                               "--host-pool", "64MiB", "--foreground", "--log-level", "warn"])
-    try:
-        for _ in range(200):
-            if socket.exists():
-                break
-            time.sleep(0.02)
-        rt = Runtime.connect(socket=str(socket), embedded=False, name="pytest")
-        assert rt.describe().startswith("daemon:")
-        space = rt.space("L00.v", page_shape=(64, 4, 128), dtype=torch.float32, pages=40)  # 128 KiB pages
-        pool = space.pool()
-        generator = torch.Generator().manual_seed(3)
-        data = torch.randn(40, 64, 4, 128, generator=generator)
-        for first in range(0, 40, 8):
-            space.acquire(first, 8, write=True, wait=True)
-            pool[first:first + 8] = data[first:first + 8]
-            space.release(first, 8, dirty=True)
-            rt.wait(space.offload(first, 8))
-        for first in range(0, 40, 8):
-            space.acquire(first, 8, wait=True)
-            assert torch.equal(pool[first:first + 8], data[first:first + 8])
-            space.release(first, 8)
-        stats = rt.stats()
-        assert stats["backend"] == "host"
-        assert stats["clients"][0]["name"] == "pytest"
-        # The GPU tier has no NUMA node; the host tier's is a node or -1 (placed by the kernel).
-        assert [tier["tier"] for tier in stats["tiers"]] == ["gpu", "host"]
-        assert stats["tiers"][0]["numa_node"] == -1 and stats["tiers"][1]["numa_node"] >= -1
-        # Pages move in the 2 MiB frames of the space: offloading pages [0, 8) and then [8, 16)
-        # copies frame 0 twice (dirty again in between), 2+2+2+2+1 MiB in all (the last frame is half).
-        assert stats["clients"][0]["bytes_gpu_to_host"] == 9 * MIB
-        # Per-space residency: every page was offloaded, then acquired back (clean on both tiers).
-        (entry,) = [s for s in stats["spaces"] if s["name"] == "L00.v"]
-        assert entry["client"] == stats["clients"][0]["client"]
-        assert entry["bytes_both"] + entry["bytes_host"] == 40 * space.page_bytes and entry["bytes_dirty"] == 0
-        assert entry["bytes_gpu_to_host"] == 9 * MIB
-    finally:
-        daemon.terminate()
-        daemon.wait(timeout=10)
-
-
-@pytest.mark.skipif(_membard() is None, reason="membard is not built (set MEMBAR_BUILD_DIR)")
-def test_a_daemon_of_two_devices_keeps_each_devices_pages(tmp_path):
+def test_a_daemon_of_two_devices_keeps_each_devices_pages(membard):
     import json
     import subprocess
-    import time
 
-    socket = tmp_path / "membard.sock"
-    daemon = subprocess.Popen([str(_membard()), "--backend", "host", "--devices", "0,1", "--socket", str(socket),
-                               "--gpu-pool", "16MiB", "--host-pool", "64MiB", "--log-level", "warn"])
-    try:
-        for _ in range(200):
-            if socket.exists():
-                break
-            time.sleep(0.02)
-        first = Runtime.connect(socket=str(socket), embedded=False, name="unnamed")
-        second = Runtime.connect(socket=str(socket), embedded=False, name="on-one", device=1)
-        assert (first.device_index, second.device_index) == (0, 1)
-        generator = torch.Generator().manual_seed(5)
-        written = {}
-        for rt in (first, second):
-            space = rt.space("L00.k", page_bytes=256 * 1024, pages=8)  # the same name on each device
-            data = torch.randint(0, 255, (8, 256 * 1024), dtype=torch.uint8, generator=generator)
-            space.acquire(0, 8, write=True, wait=True)
-            space.pool()[:] = data  # [pages, page_bytes] of uint8
-            space.release(0, 8, dirty=True)
-            rt.wait(space.offload(0, 8))
-            written[rt.device_index] = (space, data)
-        for device, (space, data) in written.items():
-            space.acquire(0, 8, wait=True)
-            assert torch.equal(space.pool(), data), device
-            space.release(0, 8)
-        with pytest.raises(RuntimeError, match="this membard serves devices 0, 1; not 2"):
-            Runtime.connect(socket=str(socket), embedded=False, device=2)
-        ctl = _membard().parent / "membarctl"
-        stats = json.loads(subprocess.run([str(ctl), "--socket", str(socket), "stats", "--json"], check=True,
-                                          capture_output=True, text=True).stdout)
-        assert [d["device"] for d in stats["devices"]] == [0, 1]
-        assert {c["name"]: c["device"] for c in stats["clients"]} == {"unnamed": 0, "on-one": 1}
-    finally:
-        daemon.terminate()
-        daemon.wait(timeout=10)
+    from conftest import membard_binary
+
+    socket = membard("--devices", "0,1")
+    first = Runtime.connect(socket=str(socket), embedded=False, name="unnamed")
+    second = Runtime.connect(socket=str(socket), embedded=False, name="on-one", device=1)
+    assert (first.device_index, second.device_index) == (0, 1)
+    generator = torch.Generator().manual_seed(5)
+    written = {}
+    for rt in (first, second):
+        space = rt.space("L00.k", page_bytes=256 * 1024, pages=8)  # the same name on each device
+        data = torch.randint(0, 255, (8, 256 * 1024), dtype=torch.uint8, generator=generator)
+        space.acquire(0, 8, write=True, wait=True)
+        space.pool()[:] = data  # [pages, page_bytes] of uint8
+        space.release(0, 8, dirty=True)
+        rt.wait(space.offload(0, 8))
+        written[rt.device_index] = (space, data)
+    for device, (space, data) in written.items():
+        space.acquire(0, 8, wait=True)
+        assert torch.equal(space.pool(), data), device
+        space.release(0, 8)
+    with pytest.raises(RuntimeError, match="this membard serves devices 0, 1; not 2"):
+        Runtime.connect(socket=str(socket), embedded=False, device=2)
+    ctl = membard_binary().parent / "membarctl"
+    stats = json.loads(subprocess.run([str(ctl), "--socket", str(socket), "stats", "--json"], check=True,
+                                      capture_output=True, text=True).stdout)
+    assert [d["device"] for d in stats["devices"]] == [0, 1]
+    assert {c["name"]: c["device"] for c in stats["clients"]} == {"unnamed": 0, "on-one": 1}
 
 
 def test_channels_in_one_process_embedded():
@@ -298,30 +266,18 @@ print("match" if np.array_equal(words, expected) else "differ", channel.writable
 """
 
 
-@pytest.mark.skipif(_membard() is None, reason="membard is not built (set MEMBAR_BUILD_DIR)")
-def test_channels_reach_another_process_through_a_daemon(tmp_path):
+def test_channels_reach_another_process_through_a_daemon(membard):
     import subprocess
     import sys
-    import time
     import numpy as np
 
-    socket = tmp_path / "membard.sock"
-    daemon = subprocess.Popen([str(_membard()), "--backend", "host", "--socket", str(socket), "--gpu-pool", "16MiB",
-                               "--host-pool", "64MiB", "--foreground", "--log-level", "warn"])
-    try:
-        for _ in range(200):
-            if socket.exists():
-                break
-            time.sleep(0.02)
-        rt = Runtime.connect(socket=str(socket), embedded=False, name="writer")
-        channel = rt.create_channel("pytest.daemon", 1 << 20)
-        words = np.frombuffer(channel.buffer, dtype=np.uint64)
-        words[:] = np.arange(words.size, dtype=np.uint64) * np.uint64(2654435761)
-        answer = subprocess.run([sys.executable, "-c", _CHANNEL_READER, str(socket)], capture_output=True, text=True,
-                                timeout=60)
-        assert answer.stdout.split() == ["match", "False"], answer.stderr
-        del words
-        channel.close()
-    finally:
-        daemon.terminate()
-        daemon.wait(timeout=10)
+    socket = membard()
+    rt = Runtime.connect(socket=str(socket), embedded=False, name="writer")
+    channel = rt.create_channel("pytest.daemon", 1 << 20)
+    words = np.frombuffer(channel.buffer, dtype=np.uint64)
+    words[:] = np.arange(words.size, dtype=np.uint64) * np.uint64(2654435761)
+    answer = subprocess.run([sys.executable, "-c", _CHANNEL_READER, str(socket)], capture_output=True, text=True,
+                            timeout=60)
+    assert answer.stdout.split() == ["match", "False"], answer.stderr
+    del words
+    channel.close()
