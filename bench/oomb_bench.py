@@ -22,6 +22,7 @@ Variants (pages live in membar's runtime: embedded, or the membard named by $MEM
   dense-hybrid    OOMB, as many layers' pages on the GPU as fit, the rest in host memory
   sparse          OOMB, top-k pages per query tile (selection from stage 1 reused in stage 2)
   sparse-offload  the same with offload
+  sparse-hybrid   sparse, as many layers' pages on the GPU as fit, the rest in host memory
 Suffixes: "+logra" / "+adamw" add a LoGRA (rank 64, states in the pages' runtime) / dense
 AdamW update to the timed step; "+membar" runs dense attention on membar's kernels instead of cuDNN's; "+plain" keeps
 the pages in plain PyTorch tensors instead of the runtime (bench/plain_store.py: the baseline
@@ -57,7 +58,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "bindings" / "python"))
 
-VARIANTS = ["full", "dense", "dense-offload", "sparse", "sparse-offload", "dense-hybrid"]
+VARIANTS = ["full", "dense", "dense-offload", "sparse", "sparse-offload", "dense-hybrid", "sparse-hybrid"]
 K = 1024
 
 # Step seconds measured on the H200 at the Qwen2.5-7B shape (bench/results/2026-11-30-h200*).

@@ -78,14 +78,14 @@ def test_sweep_runs_on_the_cpu_and_writes_results(tmp_path):
     environment = dict(os.environ, MEMBAR_RESULTS_DIR=str(tmp_path),
                        PYTHONPATH=str(REPO / "bindings" / "python"), OMP_NUM_THREADS="1")
     command = [sys.executable, str(REPO / "bench" / "oomb_bench.py"), "--device", "cpu", "--model", "tiny-qwen2",
-               "--contexts", "256,512", "--variants", "dense,dense+plain,dense+dp,dense-offload,dense-offload+depth4+piece32,dense-hybrid", "--chunk", "64", "--page-tokens", "16",
+               "--contexts", "256,512", "--variants", "dense,dense+plain,dense+dp,dense-offload,dense-offload+depth4+piece32,dense-hybrid,sparse-hybrid", "--chunk", "64", "--page-tokens", "16",
                "--history-block-tokens", "128", "--gpu-budget", "20MiB", "--time-budget", "120", "--time-limit", "100"]
     finished = subprocess.run(command, capture_output=True, text=True, timeout=200, env=environment)
     assert finished.returncode == 0, finished.stderr[-2000:]
     report = json.loads((tmp_path / "oomb_bench.json").read_text())
     rows = {(r["variant"], r["tokens"]): r for r in report["results"]}
     assert set(rows) == {(v, t) for v in ("dense", "dense+plain", "dense+dp", "dense-offload", "dense-offload+depth4+piece32",
-                                          "dense-hybrid") for t in (256, 512)}
+                                          "dense-hybrid", "sparse-hybrid") for t in (256, 512)}
     assert rows[("dense-offload", 512)]["prefetch_depth"] == 2
     assert rows[("dense-offload+depth4+piece32", 512)]["prefetch_depth"] == 4
     assert rows[("dense-offload+depth4+piece32", 512)]["loss_piece_tokens"] == 32
@@ -98,6 +98,7 @@ def test_sweep_runs_on_the_cpu_and_writes_results(tmp_path):
     # On the CPU the "GPU" is host memory less the 30 GiB reserve: no layer is planned to stay.
     # (This shape's pages fit in a few 2 MiB frames, under any budget: test_oomb_runtime.py moves pages.)
     assert rows[("dense-hybrid", 512)]["gpu_resident_layers"] == 0
+    assert rows[("sparse-hybrid", 512)]["gpu_resident_layers"] == 0 and rows[("sparse-hybrid", 512)]["bytes_moved_gib"] >= 0
     offloaded = rows[("dense-offload", 512)]
     assert offloaded["bytes_moved_gib"] >= 0 and offloaded["device_pool_gib"] <= 20 / 1024
     assert "offload_overhead" in offloaded and "gpu_growth_mib_per_10k" in offloaded
