@@ -186,6 +186,7 @@ def run_one(model, spec: dict) -> dict:
     import torch
 
     from membar.oomb import OOMBConfig, OOMBTrainer, plan_gpu_resident_layers
+    from membar.oomb.config import pool_bytes_per_layer
     from membar.oomb.config import host_available_bytes
     from membar.oomb.baseline import full_sequence_step
     from membar.oomb.trainer import host_memory
@@ -213,12 +214,26 @@ def run_one(model, spec: dict) -> dict:
         offload = variant.endswith("offload") or variant.endswith("hybrid")
         resident = 0
         if variant.endswith("hybrid"):
-            # GPU memory is the whole device less the weights (the step's own allocations come later).
+            # GPU memory is the whole device less the weights (the step's own allocations come later);
+            # through membard it is what the daemon's pools have left (they are allocated already).
             device_bytes = (torch.cuda.mem_get_info()[1] if cuda else host_available_bytes()) - weights_bytes
+            reserve, host_bytes = int(spec["gpu_reserve_gib"] * 2**30), host_available_bytes()
+            socket = os.environ.get("MEMBAR_SOCKET")
+            if socket and socket != "embedded":
+                from membar.runtime import Runtime
+
+                pools = Runtime.connect(socket=socket, embedded=False, name="oomb-bench plan",
+                                        device=(device.index or 0) if cuda else None)
+                device_bytes, host_bytes = pools.pool_bytes_left()
+                del pools
+                text = model.config
+                reserve = 5 * pool_bytes_per_layer(min(spec["history_block_tokens"] or tokens, tokens), spec["page_tokens"],
+                                                   text.num_key_value_heads, text.hidden_size // text.num_attention_heads,
+                                                   torch.bfloat16, torch.float32)   # the streamed history blocks
+                result.update(planned_against="membard")
             try:
                 plan = plan_gpu_resident_layers(tokens, model.config, spec["page_tokens"], torch.bfloat16,
-                                                torch.float32, device_bytes, int(spec["gpu_reserve_gib"] * 2**30),
-                                                host_available_bytes())
+                                                torch.float32, device_bytes, reserve, host_bytes)
             except ValueError as error:
                 result.update(error=str(error))
                 return result

@@ -28,7 +28,7 @@
 #             and MEMBAR_STREAM_WAIT=1 (its stream waits on the GPU for enqueued copies)
 #   sparse1m  one whole sparse step (top-64, one selection per chunk) at SPARSE_CONTEXT (1M) of the 7B
 #             shape through membard, layers' pages on the GPU as far as they fit, the rest in its host
-#             pool (SPARSE_GPU_POOL, SPARSE_HOST_POOL: 90GiB each): the issue's first whole 1M step
+#             pool (SPARSE_GPU_POOL 90GiB, SPARSE_HOST_POOL 96GiB): the issue's first whole 1M step
 #   share     two membar-train processes (1.5B shape, 32K, --offload) on one GPU through one membard
 #             at once, beside one alone: each gets its share and the losses of the one alone
 #   tp        several GPUs: membar-train, 7B shape at TP_SEQ (default 128K): one GPU, the heads split
@@ -122,13 +122,14 @@ for step in "$@"; do
       "$py" tools/cli_summary.py "$work/cli" | tee "$work/cli/summary.txt" ;;
     sparse1m)
       # One whole sparse step at SPARSE_CONTEXT (default 1M) through membard: top-64 pages, one
-      # selection per chunk, as many layers' pages on the GPU as fit beside a 40 GiB reserve, the
-      # rest in membard's host pool. Takes most of a call: run it alone after a build.
+      # selection per chunk, as many layers' pages in membard's GPU pool as fit beside the streamed
+      # blocks (90 GiB: 14 of 28 layers at 1M), the rest in its host pool (96 GiB). Takes most of a
+      # call: run it alone after a build.
       socket=/tmp/membar-sparse.sock
-      start_daemon "$socket" --gpu-pool "${SPARSE_GPU_POOL:-90GiB}" --host-pool "${SPARSE_HOST_POOL:-90GiB}" \
+      start_daemon "$socket" --gpu-pool "${SPARSE_GPU_POOL:-90GiB}" --host-pool "${SPARSE_HOST_POOL:-96GiB}" \
         || { status=1; continue; }
       MEMBAR_SOCKET=$socket bench sparse1m --contexts "${SPARSE_CONTEXT:-1M}" --variants sparse-hybrid \
-        --query-tile 4096 --gpu-reserve-gib 40 --time-limit 560
+        --query-tile 4096 --time-limit 560
       "$bin/membarctl" --socket "$socket" stats --json > "$work/sparse1m/membarctl_stats.json" 2>&1
       kill "$daemon"; wait "$daemon" 2>/dev/null ;;
     share)

@@ -159,3 +159,18 @@ def test_the_plain_baseline_gives_the_runtime_s_gradient_bits():
         OOMBTrainer(model, OOMBConfig(chunk_tokens=64, page_tokens=16, deterministic=True), store=store).step(input_ids)
         grads.append([parameter.grad.clone() for parameter in model.parameters()])
     assert all(torch.equal(a, b) for a, b in zip(*grads))
+
+
+def test_hybrid_through_membard_plans_against_the_daemons_pools(tmp_path, membard):
+    """With $MEMBAR_SOCKET the hybrid variants plan their GPU-resident layers from what membard's
+    pools have left (host backend: its "GPU" tier holds both of the tiny model's layers)."""
+    environment = dict(os.environ, MEMBAR_RESULTS_DIR=str(tmp_path), MEMBAR_SOCKET=membard(gpu_pool="64MiB"),
+                       PYTHONPATH=str(REPO / "bindings" / "python"), OMP_NUM_THREADS="1")
+    command = [sys.executable, str(REPO / "bench" / "oomb_bench.py"), "--device", "cpu", "--model", "tiny-qwen2",
+               "--contexts", "512", "--variants", "sparse-hybrid", "--chunk", "64", "--page-tokens", "16",
+               "--history-block-tokens", "128", "--time-limit", "100"]
+    finished = subprocess.run(command, capture_output=True, text=True, timeout=200, env=environment)
+    assert finished.returncode == 0, finished.stderr[-2000:]
+    (row,) = json.loads((tmp_path / "oomb_bench.json").read_text())["results"]
+    assert row.get("error") is None, row
+    assert row["planned_against"] == "membard" and row["gpu_resident_layers"] == 2

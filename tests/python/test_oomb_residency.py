@@ -92,3 +92,21 @@ def test_offload_hint_names_membard_only_for_embedded_offload_on_a_gpu():
     assert offload_hint(False, "cuda:0", "embedded:cuda") == ""
     assert offload_hint(True, "cuda:0", "daemon:/run/membar/membard.sock") == ""
     assert offload_hint(True, "cpu", "embedded:host") == ""
+
+
+def test_cli_auto_residency_through_membard_plans_against_its_pools(membard, capsys):
+    """Through membard the pages' memory is the daemon's pools, not this process's free memory:
+    the plan asks the daemon (host backend here: its "GPU" tier holds both layers), and a host
+    pool too small for the rest is one sentence naming it."""
+    torch.set_num_threads(1)
+    socket = membard(gpu_pool="64MiB", host_pool="64MiB")
+    common = ["--model", "tiny-qwen2", "--chunk", "256", "--page-tokens", "64", "--offload",
+              "--gpu-resident-layers", "auto", "--no-progress", "--device", "cpu", "--socket", socket]
+    summary = run(common + ["--seq-len", "1K", "--steps", "1"])
+    assert len(summary["steps"]) == 1
+    out = capsys.readouterr().out
+    assert "pages: 2 of 2 layers on the GPU, 0 in host memory" in out
+    assert "planned against membard's pools (0.1 GiB GPU, 0.1 GiB host left)" in out
+    with pytest.raises(ValueError, match="planned against membard at .*: its pools have .* start it with a larger "
+                                         "--host-pool"):
+        run(common + ["--seq-len", "256K", "--steps", "1"])

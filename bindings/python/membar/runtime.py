@@ -332,6 +332,13 @@ class Runtime:
                 said = True
             time.sleep(0.05)
 
+    def pool_bytes_left(self) -> tuple[int, int]:
+        """(GPU, host) bytes of the runtime's pools that no client holds: free frames and frames
+        still being prepared (a daemon pins its host pool in the background after it starts)."""
+        left = {tier["tier"]: (int(tier["frames_free"]) + int(tier["frames_preparing"])) * (2 << 20)
+                for tier in self.stats()["tiers"]}
+        return left.get("gpu", 0), left.get("host", 0)
+
     def gpu_bytes(self, peak: bool = True) -> int:
         """GPU memory this client's pages occupy (2 MiB frames), at its peak or now: memory outside
         PyTorch's allocator, to add to torch.cuda.max_memory_allocated()."""

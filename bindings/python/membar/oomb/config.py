@@ -126,13 +126,14 @@ class ResidencyPlan:
 def plan_gpu_resident_layers(tokens: int, model_config, page_tokens: int, dtype: torch.dtype,
                              grad_page_dtype: torch.dtype, device_free_bytes: int, reserve_bytes: int,
                              host_available_bytes: int, host_margin: float = 0.92,
-                             tensor_parallel: int = 1) -> ResidencyPlan:
+                             tensor_parallel: int = 1, reserve_for: str = "activations") -> ResidencyPlan:
     """How many layers' pages fit beside `reserve_bytes` of GPU memory left for activations, the
     others going to host memory: what an offloading run of a sequence too long for either memory
     alone needs (1M tokens of a 7B model: 28 layers x 6 GiB of K, V, dK, dV pages with fp32
     gradients). Raises ValueError when the host cannot hold the rest (more than `host_margin` of
     what it has available), naming the numbers, rather than letting pinned allocations fail later.
-    tensor_parallel: the ranks the key/value heads are split over (each rank's pages hold its share)."""
+    tensor_parallel: the ranks the key/value heads are split over (each rank's pages hold its share).
+    reserve_for: what the reserve is kept for, in the error's sentence."""
     text = getattr(model_config, "text_config", None) or model_config
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
     layers = text.num_hidden_layers
@@ -144,7 +145,7 @@ def plan_gpu_resident_layers(tokens: int, model_config, page_tokens: int, dtype:
         raise ValueError(
             f"the K/V/dK/dV pages of {tokens:,} tokens need {layers * layer_bytes / 2**30:.1f} GiB "
             f"({layer_bytes / 2**30:.2f} GiB per layer): {resident} layers fit on the GPU beside "
-            f"{reserve_bytes / 2**30:.0f} GiB kept for activations, and the other {layers - resident} need "
+            f"{reserve_bytes / 2**30:.1f} GiB kept for {reserve_for}, and the other {layers - resident} need "
             f"{host_bytes / 2**30:.1f} GiB of host memory, more than {host_margin:.0%} of the "
             f"{host_available_bytes / 2**30:.1f} GiB available. Shorten the sequence, use bfloat16 gradient "
             f"pages, or lower the GPU reserve.")
