@@ -227,9 +227,10 @@ def run_one(model, spec: dict) -> dict:
                 device_bytes, host_bytes = pools.pool_bytes_left()
                 del pools
                 text = model.config
+                head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
                 reserve = 5 * pool_bytes_per_layer(min(spec["history_block_tokens"] or tokens, tokens), spec["page_tokens"],
-                                                   text.num_key_value_heads, text.hidden_size // text.num_attention_heads,
-                                                   torch.bfloat16, torch.float32)   # the streamed history blocks
+                                                   text.num_key_value_heads, head_dim, torch.bfloat16,
+                                                   torch.float32)   # the streamed history blocks
                 result.update(planned_against="membard")
             try:
                 plan = plan_gpu_resident_layers(tokens, model.config, spec["page_tokens"], torch.bfloat16,
