@@ -511,7 +511,10 @@ def _check_memory(args, device: torch.device, dtype: torch.dtype) -> None:
         # weights) with their gradients and moments.
         state = max(need["weight_bytes"], state // args.tensor_parallel)
     if device.type == "cpu":
-        where, available, needed = "host memory", host_available_bytes(), state + need["page_bytes"]
+        # Through membard the pages live in the daemon's pools (allocated already; it refuses a
+        # quota they cannot hold), not in this process's share of MemAvailable.
+        pages_here = 0 if _socket(args) else need["page_bytes"]
+        where, available, needed = "host memory", host_available_bytes(), state + pages_here
     elif device.type == "cuda":
         where, available = f"GPU memory of {device}", torch.cuda.mem_get_info(device)[1]
         needed = state + (0 if args.offload else need["page_bytes"])
