@@ -29,6 +29,8 @@
 #   sparse1m  one whole sparse step (top-64, one selection per chunk) at SPARSE_CONTEXT (1M) of the 7B
 #             shape through membard, layers' pages on the GPU as far as they fit, the rest in its host
 #             pool (SPARSE_GPU_POOL 90GiB, SPARSE_HOST_POOL 96GiB): the issue's first whole 1M step
+#   dense1m   the 1M dense partial step (stage 1 + the two longest stage-2 chunks) of the 7B shape
+#             through membard (DENSE_GPU_POOL 90GiB, DENSE_HOST_POOL 96GiB), hybrid residency
 #   share     two membar-train processes (1.5B shape, 32K, --offload) on one GPU through one membard
 #             at once, beside one alone: each gets its share and the losses of the one alone
 #   tp        several GPUs: membar-train, 7B shape at TP_SEQ (default 128K): one GPU, the heads split
@@ -131,6 +133,15 @@ for step in "$@"; do
       MEMBAR_SOCKET=$socket bench sparse1m --contexts "${SPARSE_CONTEXT:-1M}" --variants sparse-hybrid \
         --query-tile 4096 --time-limit 560
       "$bin/membarctl" --socket "$socket" stats --json > "$work/sparse1m/membarctl_stats.json" 2>&1
+      kill "$daemon"; wait "$daemon" 2>/dev/null ;;
+    dense1m)
+      # The 1M dense partial step (stage 1 and the two longest stage-2 chunks; Note [Partial steps])
+      # through membard, against session 4's 415.5 s + 24.2 s with tensor pools (issue: within 5%).
+      socket=/tmp/membar-dense.sock
+      start_daemon "$socket" --gpu-pool "${DENSE_GPU_POOL:-90GiB}" --host-pool "${DENSE_HOST_POOL:-96GiB}" \
+        || { status=1; continue; }
+      MEMBAR_SOCKET=$socket bench dense1m --contexts 1M --variants dense-hybrid --stage2-chunks 2 --time-limit 560
+      "$bin/membarctl" --socket "$socket" stats --json > "$work/dense1m/membarctl_stats.json" 2>&1
       kill "$daemon"; wait "$daemon" 2>/dev/null ;;
     share)
       mkdir -p "$work/share"
