@@ -71,11 +71,11 @@ def test_split_heads_give_full_sequence_gradients(tmp_path, family, world, size)
         assert relative_error(result["logits"], logits) <= 1e-4
 
 
-def test_membar_train_split_over_two_ranks_computes_the_update_of_one_process(tmp_path):
+def _one_process_and_two_ranks(tmp_path, options: list[str]):
+    """membar-train alone and with --tensor-parallel 2: (one's summary, rank 0's summary, one's saved
+    parameters, the two ranks' saved parameters), after checking that the losses agree."""
     from transformers import AutoModelForCausalLM
 
-    # Offloaded pages and recomputed layers too: neither changes the update.
-    options = ["--steps", "3", "--offload", "--checkpoint-layers"]
     single = subprocess.run([sys.executable, "-m", "membar.train", *TRAIN, *options, "--save", str(tmp_path / "one")],
                             env=rank_env(0, 1, free_port()), capture_output=True, text=True, timeout=300)
     assert single.returncode == 0, single.stderr
@@ -90,6 +90,13 @@ def test_membar_train_split_over_two_ranks_computes_the_update_of_one_process(tm
     assert a.keys() == b.keys()
     for name, parameter in a.items():
         assert b[name].shape == parameter.shape, name   # the saved model is whole
+    return one, two, a, b
+
+
+def test_membar_train_split_over_two_ranks_computes_the_update_of_one_process(tmp_path):
+    # Offloaded pages and recomputed layers too: neither changes the update.
+    _, _, a, b = _one_process_and_two_ranks(tmp_path, ["--steps", "3", "--offload", "--checkpoint-layers"])
+    for name, parameter in a.items():
         # Adam divides by the gradient's RMS: an element with a tiny gradient keeps its rounding
         # difference (split products are summed in another order), up to a few thousandths of lr.
         assert torch.allclose(b[name], parameter, rtol=1e-4, atol=1e-5), name
@@ -150,3 +157,84 @@ def test_split_page_select_of_one_rank_is_the_kernels_selection(tokens, pages, t
         want = attention.page_select(q, mean, top_k=top_k, query_tile_tokens=tile)
         got = split_page_select(q, mean, top_k, tile, group)
         assert torch.equal(got, want), (tile, got, want)
+
+
+def test_membar_train_logra_split_over_two_ranks_updates_as_one_process(tmp_path):
+    """--optimizer logra with --tensor-parallel 2 (Note [LoGRA over split heads]): the same losses and
+    saved weights as one process (float32; bf16 rounding is checked bit for bit in
+    test_split_logra_updates_round_as_the_whole_matrix). q/k/v and gate/up keep rows, o_proj and
+    down_proj columns (their P summed over the group)."""
+    options = ["--steps", "3", "--optimizer", "logra", "--logra-rank", "4", "--lr", "1e-2", "--dtype", "float32"]
+    one, two, a, b = _one_process_and_two_ranks(tmp_path, options)
+    assert two["optimizer"] == one["optimizer"] == "logra"
+    for name, parameter in a.items():
+        assert torch.allclose(b[name], parameter, rtol=1e-5, atol=1e-6), name
+
+
+def _split_layer(weight: torch.Tensor, split, seed_state):
+    """A LoGRA layer over `weight` marked with `split` (as shard_model marks a rank's part)."""
+    from membar import logra
+    from membar.collectives import mark_split
+
+    linear = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False)
+    linear.weight = torch.nn.Parameter(weight.clone(), requires_grad=False)
+    mark_split(linear.weight, split)
+    if split.dim == 1:
+        linear.reduce = lambda partial: partial
+    return logra.LoGRALinear(linear, 4, 7, seed_state)
+
+
+@pytest.mark.parametrize("sections", [(), (16, 8, 8)], ids=["rows", "sections"])
+def test_split_logra_updates_round_as_the_whole_matrix(sections):
+    """Note [LoGRA over split heads]: a rank's rows (or its block of each section) of a bf16 weight
+    get exactly the bits those rows of the whole matrix get from the same stochastically rounded
+    update; a rank's columns get the whole update's columns (in fp32 masters)."""
+    from membar import logra
+    from membar.collectives import WeightSplit
+    from membar.logra.linear import KeyState
+    from membar.logra import ops
+
+    generator = torch.Generator().manual_seed(5)
+    whole = (torch.randn(32, 24, generator=generator) * 0.1).to(torch.bfloat16)
+    update = torch.randn(32, 4, generator=generator) * 1e-2
+    key_state = KeyState(seed=3)
+    reference = whole.clone()
+    seed = ops.rounding_seed_for(3, 0)
+    ops.fused_update_(reference, update, 1.0, key_state.key(7), seed)
+    size = 2
+    for rank in range(size):
+        split = WeightSplit(None, rank, size, 0, sections)
+        if sections:
+            rows = [r for offset, total in zip((0, 16, 24), sections)
+                    for r in range(offset + rank * total // size, offset + (rank + 1) * total // size)]
+        else:
+            rows = list(range(rank * 16, rank * 16 + 16))
+        layer = _split_layer(whole[rows], split, key_state)
+        handle = logra.LoGRAModel(model=layer, layers=[layer], key_state=key_state)
+        optimizer = logra.LoGRAOptimizer(handle, lr=1.0, algorithm="sgd")
+        optimizer._apply_split(layer, update[rows].contiguous(), seed)
+        assert torch.equal(layer.weight, reference[rows]), rank
+    # Columns: fp32 masters (made for a bf16 weight), W_cols -= U A_cols.
+    exact = whole.float().clone()
+    ops.fused_update_(exact, update, 1.0, key_state.key(7))
+    for rank in range(size):
+        layer = _split_layer(whole[:, rank * 12: rank * 12 + 12], WeightSplit(None, rank, size, 1), key_state)
+        assert layer.master is not None and layer.whole_in_features == 24
+        handle = logra.LoGRAModel(model=layer, layers=[layer], key_state=key_state)
+        logra.LoGRAOptimizer(handle, lr=1.0, algorithm="sgd")._apply_split(layer, update, seed)
+        assert torch.allclose(layer.master, exact[:, rank * 12: rank * 12 + 12], rtol=1e-5, atol=1e-7), rank
+        assert torch.equal(layer.weight, layer.master.to(torch.bfloat16))
+
+
+def test_split_logra_refuses_what_it_cannot_do_exactly():
+    from membar import logra
+    from membar.collectives import WeightSplit
+    from membar.logra.linear import KeyState
+
+    key_state = KeyState(seed=3)
+    layer = _split_layer(torch.zeros(8, 8), WeightSplit(None, 0, 2, 1), key_state)
+    handle = logra.LoGRAModel(model=layer, layers=[layer], key_state=key_state)
+    with pytest.raises(ValueError, match="predicted-KL step control is not supported on a head-parallel"):
+        logra.LoGRAOptimizer(handle, lr=1.0, kl_control=logra.KLControl())
+    with pytest.raises(ValueError, match="publishing updates from a head-parallel"):
+        logra.LoGRAOptimizer(handle, lr=1.0, publisher=object())

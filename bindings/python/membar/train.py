@@ -431,9 +431,6 @@ def _check_arguments(args) -> None:
         _check_save_target(args.save)
     if args.tensor_parallel < 1:
         raise ValueError(f"--tensor-parallel must be at least 1 (ranks per model), got {args.tensor_parallel}.")
-    if args.tensor_parallel > 1 and args.optimizer == "logra":
-        raise ValueError("--optimizer logra with --tensor-parallel is not supported: LoGRA's sketches of split "
-                         "projections are not split; use data parallel (torchrun without --tensor-parallel).")
 
 
 def _check_save_target(path: str) -> None:

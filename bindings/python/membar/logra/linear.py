@@ -18,6 +18,22 @@ model has gradient checkpointing enabled (HF's ``is_gradient_checkpointing``) an
 otherwise; :meth:`LoGRAModel.set_projection` changes it later.
 Limitations: without checkpointing, "backward" keeps every layer's input alive until its
 backward, which is the dense-activation memory LoGRA exists to avoid.
+
+Note [LoGRA over split heads]
+Rationale: a head-parallel model (membar.oomb.tensor_parallel) keeps rows of q/k/v and gate/up
+(blocks of each section of Phi-3's fused projections) and columns of o_proj and down_proj on each
+rank; LoGRA must sketch and update exactly the single-process W while each rank holds its part.
+Approach: the split is read from the weight (membar.collectives.weight_split), so LoGRA does not
+depend on how the model was split. Rows: the sketch dY^T P of this rank's rows is the rows of the
+whole sketch (x and A are whole on every rank), and the update W -= U A of those rows is rounded as
+those rows of the whole matrix (first_element, per contiguous run of rows). Columns: x holds this
+rank's columns, so P = x A^T is summed over the group from x_local A_cols^T (A's columns of this
+rank, generated once per draw); dY is whole on every rank, so the sketch dY^T P [d, r] is the
+same everywhere; the update W_cols -= U A_cols is a matmul in fp32 (a bf16 weight gets fp32
+masters for those layers); the partial outputs are summed by the layer's own reduce().
+Limitations: predicted-KL control and publishing updates are refused on split models (the
+forward-mode pass does not cross the group's all-reduces; receivers of whole weights would round
+column blocks differently); split MoE experts are not LoGRA targets (fused 3-D weights).
 """
 from __future__ import annotations
 
@@ -29,6 +45,7 @@ import torch.autograd.forward_ad as forward_ad
 import torch.nn as nn
 import torch.nn.functional as F
 
+from membar.collectives import WeightSplit, weight_split
 from membar.logra import ops
 from membar.logra.state import LoGRAStates, allocate_state
 
@@ -69,7 +86,7 @@ class _LoGRAFunction(torch.autograd.Function):
             ctx.save_for_backward(x)  # [..., k], projected in backward (Note [LoGRA projection under checkpointing])
         else:
             with torch.no_grad():
-                projected = ops.project(x, key, layer.rank)  # [..., r]
+                projected = layer.project(x, key)  # [..., r]
             ctx.save_for_backward(projected)
         ctx.layer = layer
         ctx.key = key
@@ -88,7 +105,7 @@ class _LoGRAFunction(torch.autograd.Function):
             )
         if ctx.projected_in_backward:
             with torch.no_grad():
-                projected = ops.project(saved, ctx.key, layer.rank)  # [..., r]
+                projected = layer.project(saved, ctx.key)  # [..., r]
         else:
             projected = saved
         if projected.dtype != grad_output.dtype:
@@ -113,7 +130,7 @@ class LoGRALinear(nn.Module):
       master  [d, k] fp32, optional: the authoritative weights when ``weight`` is bf16.
     """
 
-    def __init__(self, base: nn.Linear, rank: int, matrix_id: int, key_state: KeyState, master_weights: bool = False,
+    def __init__(self, base: nn.Module, rank: int, matrix_id: int, key_state: KeyState, master_weights: bool = False,
                  states: LoGRAStates | None = None, state_index: int = 0, projection: str = "forward"):
         super().__init__()
         if rank < 1:
@@ -123,6 +140,10 @@ class LoGRALinear(nn.Module):
         self.in_features = base.in_features
         self.out_features = base.out_features
         self.weight = base.weight
+        # Head parallel (Note [LoGRA over split heads]): rows or columns of a split weight.
+        self.split: WeightSplit | None = weight_split(base.weight)
+        self._reduce = base.reduce if self.split is not None and self.split.dim == 1 else None
+        self._columns: tuple | None = None   # (key, A's columns of this rank [r, k_local] fp32)
         self.weight.requires_grad_(False)
         self.bias = base.bias
         if self.bias is not None:
@@ -137,6 +158,8 @@ class LoGRALinear(nn.Module):
         self.states = states
         self.state_index = int(state_index)
         self.master: torch.Tensor | None = None
+        if self._reduce is not None and self.weight.dtype != torch.float32:
+            master_weights = True   # a column block is updated by a matmul, in fp32 (Note [LoGRA over split heads])
         if master_weights:
             self.master = allocate_state(self.weight.shape, self.weight.device, "master")
             self.master.copy_(self.weight.detach())
@@ -148,6 +171,32 @@ class LoGRALinear(nn.Module):
 
     def current_key(self) -> ops.ProjectionKey:
         return self.key_state.key(self.matrix_id)
+
+    @property
+    def whole_in_features(self) -> int:
+        """Columns of the whole weight (this rank holds in_features of them when split by columns)."""
+        return self.in_features * (self.split.size if self._reduce is not None else 1)
+
+    def columns_of_a(self, key: ops.ProjectionKey) -> torch.Tensor:
+        """This rank's columns of A [r, k_local] fp32, for a weight split by columns (generated once
+        per draw)."""
+        if self._columns is None or self._columns[0] != key:
+            # Generated on the CPU (the op has no CUDA kernel; the CUDA kernels regenerate the same A).
+            whole = ops.generate(key, self.rank, self.whole_in_features, "cpu")
+            first = self.split.rank * self.in_features
+            self._columns = (key, whole[:, first: first + self.in_features].to(self.weight.device).contiguous())
+        return self._columns[1]
+
+    def project(self, x: torch.Tensor, key: ops.ProjectionKey) -> torch.Tensor:
+        """P = x A^T [..., r] in x's dtype; for a weight split by columns, x holds this rank's columns
+        and the partial products are summed over the group (every rank gets the whole P)."""
+        if self._reduce is None:
+            return ops.project(x, key, self.rank)
+        from membar.collectives import dist
+
+        projected = torch.matmul(x.float(), self.columns_of_a(key).t()).contiguous()
+        dist().all_reduce(projected, group=self.split.group)
+        return projected.to(x.dtype)
 
     @property
     def sketch(self) -> torch.Tensor | None:
@@ -162,6 +211,12 @@ class LoGRALinear(nn.Module):
         forming W's gradient (and, during predicted KL, the output carries the update's tangent)."""
         if self._tangent_update is not None:
             return self._forward_with_tangent(x)
+        if self._reduce is not None:   # this rank's columns: partial products summed, then the bias
+            if torch.is_grad_enabled():
+                out = self._reduce(_LoGRAFunction.apply(x, self.weight, None, self._anchor, self))
+            else:
+                out = self._reduce(F.linear(x, self.weight))
+            return out if self.bias is None else out + self.bias
         if not torch.is_grad_enabled():
             return F.linear(x, self.weight, self.bias)
         return _LoGRAFunction.apply(x, self.weight, self.bias, self._anchor, self)
@@ -208,6 +263,16 @@ class LoGRAModel:
         return [layer.master if layer.master is not None else layer.weight for layer in self.layers]
 
 
+def _wrappable(module) -> bool:
+    """An nn.Linear, a LoGRA layer, or the column-split linear of a head-parallel model (a module
+    whose weight is marked split by columns and whose reduce() sums partial products over the group:
+    membar.oomb.tensor_parallel.RowParallelLinear)."""
+    if isinstance(module, (nn.Linear, LoGRALinear)):
+        return True
+    split = weight_split(getattr(module, "weight", None))
+    return split is not None and split.dim == 1 and callable(getattr(module, "reduce", None))
+
+
 def target_linears(model: nn.Module, targets: Iterable[str] = DEFAULT_TARGETS) -> list[tuple[str, nn.Module, str, nn.Linear]]:
     """(parent name, parent, attribute, linear) of every ``nn.Linear`` named in ``targets``, in
     ``named_modules`` order: index i is matrix id i. Rollout processes use it to find the weights
@@ -216,7 +281,7 @@ def target_linears(model: nn.Module, targets: Iterable[str] = DEFAULT_TARGETS) -
     found = []
     for parent_name, parent in model.named_modules():
         for child_name, child in parent.named_children():
-            if child_name in targets and isinstance(child, (nn.Linear, LoGRALinear)):
+            if child_name in targets and _wrappable(child):
                 found.append((parent_name, parent, child_name, child))
     return found
 
@@ -239,11 +304,11 @@ def unsupported_targets(model: nn.Module, targets: Iterable[str] = DEFAULT_TARGE
     targets = tuple(targets)
     found = []
     for parent_name, parent in model.named_modules():
-        if isinstance(parent, (nn.Linear, LoGRALinear)):
+        if _wrappable(parent):
             continue
         prefix = f"{parent_name}." if parent_name else ""
         for child_name, child in parent.named_children():
-            if child_name in targets and not isinstance(child, (nn.Linear, LoGRALinear)):
+            if child_name in targets and not _wrappable(child):
                 found.append(f"{prefix}{child_name} ({type(child).__name__})")
         for parameter_name, parameter in parent.named_parameters(recurse=False):
             if parameter_name in targets:

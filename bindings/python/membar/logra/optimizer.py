@@ -114,6 +114,16 @@ class LoGRAOptimizer:
         # Data parallel (Note [Sharded frozen weights] in sharding.py): the ranks' sketches and
         # predicted KLs are averaged before each update, so every rank applies the same U.
         self.process_group = process_group
+        if any(layer.split is not None for layer in logra.layers):
+            # Note [LoGRA over split heads]: what is not split yet.
+            if kl_control is not None:
+                raise ValueError("predicted-KL step control is not supported on a head-parallel (tensor-parallel) "
+                                 "model: its forward-mode pass does not cross the split layers' all-reduces; use "
+                                 "kl_control=None or data parallel.")
+            if publisher is not None:
+                raise ValueError("publishing updates from a head-parallel (tensor-parallel) model is not supported: "
+                                 "receivers apply (seed, U) to whole weights, whose column blocks this rank updates "
+                                 "in another order; publish from a data-parallel run.")
         if publisher is not None and getattr(publisher, "snapshot_every", 0) and any(
                 sharding.is_sharded(layer.weight) for layer in logra.layers):
             raise ValueError("a PolicyPublisher with snapshots (snapshot_every > 0) needs whole weights, and these are "
@@ -210,6 +220,9 @@ class LoGRAOptimizer:
         if sharding.is_sharded(layer.weight):
             self._apply_rows(layer, scaled_update, rounding_seed)
             return
+        if layer.split is not None:
+            self._apply_split(layer, scaled_update, rounding_seed)
+            return
         target = layer.master if layer.master is not None else layer.weight
         ops.fused_update_(target, scaled_update, 1.0, layer.current_key(),
                           rounding_seed if target.dtype == torch.bfloat16 else 0, exact=self.exact_update)
@@ -228,6 +241,21 @@ class LoGRAOptimizer:
                           exact=self.exact_update, first_element=first * layer.in_features)
         if layer.master is not None:
             weight.copy_(layer.master)
+
+    def _apply_split(self, layer, scaled_update: torch.Tensor, rounding_seed: int) -> None:
+        """A head-parallel layer's part of W -= scaled_update A (Note [LoGRA over split heads])."""
+        target = layer.master if layer.master is not None else layer.weight
+        key = layer.current_key()
+        if layer.split.dim == 1:   # this rank's columns: U [d, r] times A's columns, in fp32
+            target.sub_(torch.matmul(scaled_update, layer.columns_of_a(key)).to(target.dtype))
+        else:   # this rank's rows, in runs contiguous in the whole matrix, rounded as its rows
+            seed = rounding_seed if target.dtype == torch.bfloat16 else 0
+            for local, whole, rows in layer.split.row_ranges(target.shape[0]):
+                ops.fused_update_(target[local: local + rows], scaled_update[local: local + rows].contiguous(), 1.0,
+                                  key, seed, exact=self.exact_update,
+                                  first_element=whole * layer.in_features if seed else 0)
+        if layer.master is not None:
+            layer.weight.copy_(layer.master)
 
     def _redraw(self) -> None:
         self.logra.key_state.step += 1

@@ -31,8 +31,8 @@ Note [Head parallel layers]
   Limitations: attention blocks need q_proj/k_proj/v_proj/o_proj linears or Phi-3's qkv_proj (any
   other layout is refused with a sentence); MLPs of another layout stay whole on every rank; the
   query and key/value head counts and the intermediate sizes must divide by T (a vocabulary that T
-  does not divide stays whole, with a log line); LoGRA is not split (membar-train refuses
-  --optimizer logra with --tensor-parallel).
+  does not divide stays whole, with a log line). LoGRA reads each weight's split (Note [LoGRA over
+  split heads] in membar/logra/linear.py).
 """
 from __future__ import annotations
 
@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from membar.collectives import WeightSplit, mark_split
 from membar.collectives import dist as _dist
 
 log = logging.getLogger("membar.oomb")
@@ -99,8 +100,13 @@ class RowParallelLinear(torch.nn.Module):
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
 
     def forward(self, x):
-        out = reduce_from_group(F.linear(x, self.weight), self.group)
+        out = self.reduce(F.linear(x, self.weight))
         return out if self.bias is None else out + self.bias
+
+    def reduce(self, partial: torch.Tensor) -> torch.Tensor:
+        """The whole output from this rank's partial product (summed over the group), bias not added:
+        what a module that replaces this layer's product (LoGRA) applies after its own."""
+        return reduce_from_group(partial, self.group)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features} (this rank's columns), out_features={self.out_features}"
@@ -153,6 +159,7 @@ def _take_sections(parameter: torch.nn.Parameter, dim: int, sizes, rank: int, si
 def _shard_sections(linear: torch.nn.Linear, sizes, rank: int, size: int, tp: TensorParallel) -> None:
     _take_sections(linear.weight, 0, sizes, rank, size)
     tp.sharded[linear.weight] = ("sections", 0, tuple(sizes))
+    mark_split(linear.weight, WeightSplit(tp.group, rank, size, 0, tuple(sizes)))
     if linear.bias is not None:
         _take_sections(linear.bias, 0, sizes, rank, size)
         tp.sharded[linear.bias] = ("sections", 0, tuple(sizes))
@@ -164,6 +171,7 @@ def _shard_rows(linear: torch.nn.Linear, rank: int, size: int, tp: TensorParalle
     _take(linear.bias, 0, rank, size)
     linear.out_features = linear.weight.shape[0]
     tp.sharded[linear.weight] = 0
+    mark_split(linear.weight, WeightSplit(tp.group, rank, size, 0))
     if linear.bias is not None:
         tp.sharded[linear.bias] = 0
 
@@ -171,6 +179,7 @@ def _shard_rows(linear: torch.nn.Linear, rank: int, size: int, tp: TensorParalle
 def _row_parallel(linear: torch.nn.Linear, rank: int, size: int, tp: TensorParallel) -> RowParallelLinear:
     _take(linear.weight, 1, rank, size)
     tp.sharded[linear.weight] = 1
+    mark_split(linear.weight, WeightSplit(tp.group, rank, size, 1))
     return RowParallelLinear(linear.weight, linear.bias, tp.group)
 
 
