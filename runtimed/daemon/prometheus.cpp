@@ -65,6 +65,14 @@ std::string format_prometheus(const std::vector<DeviceRuntimeStats>& devices) {
     }
   }
 
+  family(out, "membar_host_pool_numa_node", "gauge",
+         "NUMA node the host pool is bound to (--host-numa-node); -1: placed by the kernel.");
+  for (const DeviceRuntimeStats& d : devices) {
+    for (const TierStats& t : d.stats.tiers) {
+      if (t.tier == Tier::kHost) out << "membar_host_pool_numa_node" << only_device(d) << ' ' << t.numa_node << '\n';
+    }
+  }
+
   family(out, "membar_clients", "gauge", "Connected clients.");
   for (const DeviceRuntimeStats& d : devices) out << "membar_clients" << only_device(d) << ' ' << d.stats.clients.size() << '\n';
 

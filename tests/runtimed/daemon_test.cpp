@@ -545,6 +545,7 @@ TEST_F(DaemonTest, MembarctlAndPrometheusReportFramesClientsAndSpaces) {
   ::close(http);
   EXPECT_NE(response.find("200 OK"), std::string::npos) << response;
   EXPECT_NE(response.find("membar_frames_total{tier=\"gpu\"} 16"), std::string::npos) << response;
+  EXPECT_TRUE(std::regex_search(response, std::regex("\nmembar_host_pool_numa_node (-1|[0-9]+)\n"))) << response;
   EXPECT_NE(response.find("name=\"trainer-a\""), std::string::npos) << response;
   EXPECT_NE(response.find("membar_client_transferred_bytes_total"), std::string::npos) << response;
   EXPECT_NE(response.find("membar_space_bytes{client=\"1\",space=\"L07.k\",state=\"host\"} 2097152"),
