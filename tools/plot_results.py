@@ -130,12 +130,58 @@ def plot_oomb(path: Path) -> Path | None:
     return out
 
 
+def _cli_rate(log: Path) -> float | None:
+    """Mean tokens/s of steps 2.. of one `membar-train --json` log (tools/cli_summary.py's rule)."""
+    lines = [line for line in log.read_text().splitlines() if line.startswith("{")]
+    steps = json.loads(lines[-1])["steps"][1:] if lines else []
+    return sum(s["tokens_per_second"] for s in steps) / len(steps) if steps else None
+
+
+def plot_store_paths(folder: Path) -> Path | None:
+    """membar-train embedded vs through membard (tools/h200_session.sh cli), dense and --offload;
+    beside it the 128K offload step of both from the same session, when there."""
+    rates = {log.stem: _cli_rate(log) for log in folder.glob("*.log")}
+    bars = [(name, rates.get(name)) for name in ("embedded-dense", "membard-dense", "embedded-offload", "membard-offload")]
+    bars = [(name, rate) for name, rate in bars if rate]
+    if not bars:
+        return None
+    long = {}
+    for store, pattern in (("embedded", "oomb_bench_embedded_128k-*.json"), ("membard", "oomb_bench_daemon_128k-*.json")):
+        files = sorted(folder.parent.glob(pattern))
+        rows = json.loads(files[-1].read_text())["results"] if files else []
+        long.update({store: r["step_seconds"] for r in rows if r.get("step_seconds")})
+    fig, axes = plt.subplots(1, 2 if long else 1, figsize=(11 if long else 6, 4), squeeze=False)
+    colors = ["#729fcf" if name.startswith("embedded") else "#3465a4" for name, _ in bars]
+    ax = axes[0][0]
+    ax.bar(range(len(bars)), [rate for _, rate in bars], color=colors)
+    ax.set_xticks(range(len(bars)), [name.replace("-", "\n") for name, _ in bars])
+    for i, (_, rate) in enumerate(bars):
+        ax.text(i, rate, f"{rate:,.0f}", ha="center", va="bottom", fontsize=8)
+    ax.set_ylabel("tokens/s (membar-train, steps 2-3)")
+    ax.set_title("7B shape, 32K tokens: embedded runtime vs membard")
+    if long:
+        ax = axes[0][1]
+        names = [name for name in ("embedded", "membard") if name in long]
+        ax.bar(range(len(names)), [long[name] for name in names], color=["#729fcf", "#3465a4"][: len(names)])
+        ax.set_xticks(range(len(names)), names)
+        for i, name in enumerate(names):
+            ax.text(i, long[name], f"{long[name]:.1f} s", ha="center", va="bottom", fontsize=8)
+        ax.set_ylabel("seconds per step (fwd + bwd)")
+        ax.set_title("7B shape, 128K tokens, pages offloaded")
+    fig.suptitle("Pages in membar's runtime on an H200: in-process or through the daemon")
+    fig.tight_layout()
+    out = IMG / "runtime_paths.png"
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
 def main() -> int:
     IMG.mkdir(parents=True, exist_ok=True)
     made = []
     for pattern, plot in (("runtime_bench.json", plot_runtime), ("*attention*.json", plot_attention),
                           ("logra_bench.json", plot_logra),
-                          ("oomb_bench.json", plot_oomb)):
+                          ("oomb_bench.json", plot_oomb), ("cli-*", plot_store_paths)):
         path = newest(pattern)
         if path is None:
             continue
