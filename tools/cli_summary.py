@@ -33,6 +33,8 @@ def main(folder: str) -> int:
     if "embedded-offload-streamwait" in rates and "embedded-offload" in rates:
         print(f"offload: embedded GPU-side waits / host waits = "
               f"{rates['embedded-offload-streamwait'] / rates['embedded-offload']:.3f}")
+    if "private-offload" in rates and "embedded-offload" in rates:
+        print(f"offload: private membard / embedded = {rates['private-offload'] / rates['embedded-offload']:.3f}")
     for store in ("embedded", "membard"):
         if f"{store}-offload" in rates and f"{store}-dense" in rates:
             print(f"{store}: offload / dense = {rates[f'{store}-offload'] / rates[f'{store}-dense']:.3f}")

@@ -25,7 +25,8 @@
 #   cli       membar-train as a user runs it, 7B at CLI_SEQ (default 32K), 3 steps: embedded and
 #             through membard (--socket), dense and --offload, in one call (steps 2-3 compared);
 #             CLI_MODES="dense offload offload-streamwait" adds the embedded runtime with --offload
-#             and MEMBAR_STREAM_WAIT=1 (its stream waits on the GPU for enqueued copies)
+#             and MEMBAR_STREAM_WAIT=1 (its stream waits on the GPU for enqueued copies);
+#             "offload-private" adds --offload --socket private (the run starts its own membard)
 #   sparse1m  one whole sparse step (top-64, one selection per chunk) at SPARSE_CONTEXT (1M) of the 7B
 #             shape through membard, layers' pages on the GPU as far as they fit, the rest in its host
 #             pool (SPARSE_GPU_POOL 90GiB, SPARSE_HOST_POOL 96GiB): the issue's first whole 1M step
@@ -113,6 +114,10 @@ for step in "$@"; do
         extra=""; [ $mode != dense ] && extra="--offload"
         if [ $mode = offload-streamwait ]; then   # embedded only: its stream waits on the GPU (Note [Enqueued tickets])
           MEMBAR_STREAM_WAIT=1 timeout 240 "$py" $train $extra > "$work/cli/embedded-$mode.log" 2>&1 || status=1
+          continue
+        fi
+        if [ $mode = offload-private ]; then   # a membard of the run's own (--socket private)
+          timeout 240 "$py" $train $extra --socket private > "$work/cli/private-offload.log" 2>&1 || status=1
           continue
         fi
         timeout 240 "$py" $train $extra > "$work/cli/embedded-$mode.log" 2>&1 || status=1

@@ -34,7 +34,7 @@ import torch
 
 from . import ops as _ops  # noqa: F401  (loads the compiled library, which registers the class)
 
-__all__ = ["Runtime", "Space", "Acquired", "Channel"]
+__all__ = ["Runtime", "Space", "Acquired", "Channel", "PrivateDaemon"]
 
 _KIB = 1 << 10
 _MIB = 1 << 20
@@ -355,3 +355,90 @@ class Runtime:
 
     def __repr__(self) -> str:
         return f"Runtime({self.describe()})"
+
+
+def membard_binary() -> str:
+    """The membard to start for a private daemon: $MEMBAR_MEMBARD, else the one built beside this
+    _C.so (named in _C.build.json: the same CUDA choice), else `membard` on the PATH (a pip
+    install puts it there). ValueError with a sentence when there is none."""
+    import os
+    import shutil
+    from pathlib import Path
+
+    explicit = os.environ.get("MEMBAR_MEMBARD")
+    if explicit:
+        if not os.access(explicit, os.X_OK):
+            raise ValueError(f"$MEMBAR_MEMBARD names {explicit}, which is not an executable membard.")
+        return explicit
+    info = Path(__file__).with_name("_C.build.json")
+    try:
+        built = json.loads(info.read_text()).get("membard")
+    except (OSError, ValueError):
+        built = None
+    if built and os.access(built, os.X_OK):
+        return built
+    found = shutil.which("membard")
+    if found:
+        return found
+    raise ValueError("no membard to start: build it (`make build`), install membar with pip (it installs membard), "
+                     "or set $MEMBAR_MEMBARD to its path.")
+
+
+def _die_with_parent() -> None:   # runs in the child before exec: SIGTERM when the trainer dies
+    import signal
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(1, signal.SIGTERM)   # PR_SET_PDEATHSIG
+
+
+class PrivateDaemon:
+    """A membard of this process's own (``--socket private`` in membar-train): started in the
+    foreground on a socket in a private temporary folder, with pools of the given sizes on one
+    device, and stopped by close(), at this process's exit, or by the kernel when this process
+    dies. It gives one trainer the daemon's copy path (its copies run in another process, so the
+    trainer's stream waits on the GPU and the host never does: Note [Runtime pages] in
+    membar/oomb/runtime_store.py) without an administrator's daemon. The kernel's signal follows
+    the thread that started it: start it from a thread that lives as long as the training (the
+    main thread)."""
+
+    def __init__(self, backend: str, gpu_pool_bytes: int, host_pool_bytes: int, device: int | None = None,
+                 timeout_s: float = 60.0):
+        import atexit
+        import subprocess
+        import tempfile
+        import time
+        from pathlib import Path
+
+        self.directory = tempfile.mkdtemp(prefix="membard-")
+        self.socket = str(Path(self.directory) / "membard.sock")
+        self.log_path = str(Path(self.directory) / "membard.log")
+        command = [membard_binary(), "--backend", backend, "--socket", self.socket, "--foreground",
+                   "--gpu-pool", f"{math.ceil(gpu_pool_bytes / _MIB)}MiB",
+                   "--host-pool", f"{math.ceil(host_pool_bytes / _MIB)}MiB", "--log-level", "warn"]
+        if device is not None and backend == "cuda":
+            command += ["--devices", str(int(device))]
+        with open(self.log_path, "wb") as log:
+            self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                            preexec_fn=_die_with_parent)
+        atexit.register(self.close)
+        deadline = time.monotonic() + timeout_s
+        while not Path(self.socket).exists():
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                said = Path(self.log_path).read_text(errors="replace").strip().splitlines()[-3:]
+                self.close()
+                raise RuntimeError(f"the private membard did not start ({' / '.join(said) or 'no output'}).")
+            time.sleep(0.02)
+
+    def close(self) -> None:
+        import shutil
+
+        process = getattr(self, "process", None)
+        if process is not None and process.poll() is None:
+            process.terminate()
+            try:
+                process.wait(timeout=20)
+            except Exception:   # noqa: BLE001 - a daemon that does not stop is killed
+                process.kill()
+                process.wait()
+        self.process = None
+        shutil.rmtree(getattr(self, "directory", ""), ignore_errors=True)

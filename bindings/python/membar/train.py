@@ -100,7 +100,9 @@ def _parse(argv):
                              "(0: all at once)")
     parser.add_argument("--socket", default=None,
                         help="keep pages in the membard daemon at this socket (default: $MEMBAR_SOCKET; without "
-                             "either, the runtime is embedded in this process; 'embedded' forces that)")
+                             "either, the runtime is embedded in this process; 'embedded' forces that; 'private' "
+                             "starts a membard of this run's own, sized for it, and stops it at the end: with "
+                             "--offload on a GPU the fastest path when no daemon runs)")
     parser.add_argument("--grad-dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
                         help="model dtype (default: bfloat16 on GPU, float32 on CPU)")
@@ -160,7 +162,7 @@ def _resident_layers(args, model, device) -> int:
     # The ranks of this node share its host memory; a split model's ranks each hold their heads' pages.
     local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if getattr(args, "world_size", 1) > 1 else 1
     socket = _socket(args)
-    if socket is not None:
+    if socket not in (None, "private"):   # a private daemon is sized to the plan, like an embedded runtime
         return _resident_layers_in_daemon(args, model, device, socket)
     free = 0
     if device.type == "cuda":
@@ -250,6 +252,8 @@ def _socket(args) -> str | None:
     socket = args.socket if args.socket is not None else os.environ.get("MEMBAR_SOCKET") or None
     if socket in (None, "", "embedded"):
         return None
+    if socket == "private":   # a membard of this run's own (membar.runtime.PrivateDaemon)
+        return socket
     import stat
 
     origin = "--socket" if args.socket is not None else "$MEMBAR_SOCKET"
@@ -510,7 +514,7 @@ def _check_memory(args, device: torch.device, dtype: torch.dtype) -> None:
     if device.type == "cpu":
         # Through membard the pages live in the daemon's pools (allocated already; it refuses a
         # quota they cannot hold), not in this process's share of MemAvailable.
-        pages_here = 0 if _socket(args) else need["page_bytes"]
+        pages_here = 0 if _socket(args) not in (None, "private") else need["page_bytes"]
         where, available, needed = "host memory", host_available_bytes(), state + pages_here
     elif device.type == "cuda":
         where, available = f"GPU memory of {device}", torch.cuda.mem_get_info(device)[1]
@@ -632,8 +636,8 @@ def offload_hint(offload: bool, device, runtime: str) -> str:
     if not offload or torch.device(device).type != "cuda" or not runtime.startswith("embedded"):
         return ""
     return ("hint: offload runs faster through membard (on an H200: 1.04x at 32K, 1.16x at 128K): in-process the "
-            "host waits for each page's copies to be enqueued. Start it with `membard --backend cuda` and pass "
-            "--socket (docs/service.md).")
+            "host waits for each page's copies to be enqueued. Pass --socket private (this run starts its own "
+            "membard) or --socket PATH of a running one (docs/service.md).")
 
 
 def _start(args, model, device, dtype, trainer, tasks: _Tasks) -> dict:

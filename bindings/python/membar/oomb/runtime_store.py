@@ -105,7 +105,9 @@ class RuntimeKVStore(KVStore):
     """Pages in membar's runtime (Note [Runtime pages]).
 
     runtime: an already connected membar.runtime.Runtime (optional); socket: reach the membard
-    daemon there instead of embedding a runtime (default: $MEMBAR_SOCKET when set, else embedded);
+    daemon there instead of embedding a runtime (default: $MEMBAR_SOCKET when set, else embedded),
+    or "private": start a membard of the store's own, sized as an embedded runtime would be
+    (membar.runtime.PrivateDaemon: the daemon's copy path without an administrator's daemon);
     offload: pages live in host memory and stream through a GPU budget (gpu_budget_bytes, default
     a few history blocks plus gpu_resident_layers whole layers); name: how membarctl shows this
     trainer; extra_bytes: (GPU, host) bytes the runtime this store connects holds beyond the pages,
@@ -122,6 +124,7 @@ class RuntimeKVStore(KVStore):
         self.socket = socket if socket is not None else (env_socket if env_socket != "embedded" else None)
         self.runtime = runtime
         self._own_runtime = runtime is None
+        self._private = None   # the PrivateDaemon of socket="private"
         self.gpu_budget_bytes = gpu_budget_bytes
         self.gpu_resident_layers = gpu_resident_layers
         self.block_tokens = block_tokens
@@ -155,7 +158,15 @@ class RuntimeKVStore(KVStore):
         backend = "cuda" if self._cuda else "host"
         # A CUDA model asks the daemon for its GPU; a CPU one takes the daemon's first device.
         device = (self.device.index or 0) if self._cuda else None
-        if self.socket:
+        if self.socket == "private":   # a membard of this store's own, sized like an embedded runtime
+            from membar.runtime import PrivateDaemon
+
+            if self._private is not None:
+                self._private.close()
+            self._private = PrivateDaemon(backend, gpu, host, device=device)
+            self.runtime = Runtime.connect(socket=self._private.socket, embedded=False, device=device,
+                                           name=self.name, gpu_quota_bytes=gpu, host_quota_bytes=host)
+        elif self.socket:
             self.runtime = Runtime.connect(socket=self.socket, embedded=False, device=device, name=self.name,
                                            gpu_quota_bytes=gpu, host_quota_bytes=host)
         else:
@@ -194,7 +205,7 @@ class RuntimeKVStore(KVStore):
                     self._free_live(space)
                     space.destroy()
             self.spaces, self.pools, self._live = [], [], {}
-            if self.runtime is None or (self._own_runtime and not self.socket
+            if self.runtime is None or (self._own_runtime and self.socket in (None, "private")
                                         and (sizes[0] > self._sizes[0] or sizes[1] > self._sizes[1])):
                 self.runtime = None
                 self._connect(*sizes)
