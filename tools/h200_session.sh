@@ -36,7 +36,8 @@
 #             at once, beside one alone: each gets its share and the losses of the one alone
 #   tp        several GPUs: membar-train, 7B shape at TP_SEQ (default 128K): one GPU, the heads split
 #             over every GPU (--tensor-parallel N under torch.distributed.run, NCCL), data parallel
-#             over every GPU; TP_LONG=1 adds the split run at N x TP_SEQ tokens with offload
+#             over every GPU, LoGRA on one GPU and over the split heads; TP_LONG=1 adds the split run
+#             at N x TP_SEQ tokens with offload
 #   hostpool  membard --gpu-pool 100GiB --host-pool 100GiB under ulimit -n 1024: time to serve,
 #             time until the host pool is pinned, open descriptors
 #
@@ -173,6 +174,10 @@ for step in "$@"; do
       timeout 200 "$py" $train --seq-len "$seq" > "$work/tp/one_gpu.log" 2>&1 || status=1
       timeout 200 $run $train --seq-len "$seq" --tensor-parallel "$gpus" > "$work/tp/heads_split_${gpus}.log" 2>&1 || status=1
       timeout 200 $run $train --seq-len "$seq" > "$work/tp/data_parallel_${gpus}.log" 2>&1 || status=1
+      # LoGRA over split heads (Note [LoGRA over split heads]) beside one GPU's LoGRA step.
+      timeout 200 "$py" $train --seq-len "$seq" --optimizer logra > "$work/tp/one_gpu_logra.log" 2>&1 || status=1
+      timeout 200 $run $train --seq-len "$seq" --tensor-parallel "$gpus" --optimizer logra \
+        > "$work/tp/heads_split_${gpus}_logra.log" 2>&1 || status=1
       if [ "${TP_LONG:-0}" = 1 ]; then   # the context that only the split fits: gpus x seq
         long=$("$py" -c "from membar.train import _tokens; print(_tokens('$seq') * $gpus)")
         timeout 560 $run $train --seq-len "$long" --tensor-parallel "$gpus" --steps 1 --offload \
