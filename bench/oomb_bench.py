@@ -186,9 +186,9 @@ def run_one(model, spec: dict) -> dict:
     import torch
 
     from membar.oomb import OOMBConfig, OOMBTrainer, plan_gpu_resident_layers
-    from membar.oomb.config import pool_bytes_per_layer
     from membar.oomb.config import host_available_bytes
     from membar.oomb.baseline import full_sequence_step
+    from membar.oomb.runtime_store import plan_in_daemon
     from membar.oomb.trainer import host_memory
 
     tokens, variant = spec["tokens"], spec["variant"]
@@ -216,25 +216,17 @@ def run_one(model, spec: dict) -> dict:
         if variant.endswith("hybrid"):
             # GPU memory is the whole device less the weights (the step's own allocations come later);
             # through membard it is what the daemon's pools have left (they are allocated already).
-            device_bytes = (torch.cuda.mem_get_info()[1] if cuda else host_available_bytes()) - weights_bytes
-            reserve, host_bytes = int(spec["gpu_reserve_gib"] * 2**30), host_available_bytes()
             socket = os.environ.get("MEMBAR_SOCKET")
-            if socket and socket != "embedded":
-                from membar.runtime import Runtime
-
-                pools = Runtime.connect(socket=socket, embedded=False, name="oomb-bench plan",
-                                        device=(device.index or 0) if cuda else None)
-                device_bytes, host_bytes = pools.pool_bytes_left()
-                del pools
-                text = model.config
-                head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-                reserve = 5 * pool_bytes_per_layer(min(spec["history_block_tokens"] or tokens, tokens), spec["page_tokens"],
-                                                   text.num_key_value_heads, head_dim, torch.bfloat16,
-                                                   torch.float32)   # the streamed history blocks
-                result.update(planned_against="membard")
             try:
-                plan = plan_gpu_resident_layers(tokens, model.config, spec["page_tokens"], torch.bfloat16,
-                                                torch.float32, device_bytes, reserve, host_bytes)
+                if socket and socket != "embedded":
+                    plan = plan_in_daemon(socket, device, tokens, model.config, spec["page_tokens"], torch.bfloat16,
+                                          torch.float32, spec["history_block_tokens"])[0]
+                    result.update(planned_against="membard")
+                else:
+                    device_bytes = (torch.cuda.mem_get_info()[1] if cuda else host_available_bytes()) - weights_bytes
+                    plan = plan_gpu_resident_layers(tokens, model.config, spec["page_tokens"], torch.bfloat16,
+                                                    torch.float32, device_bytes, int(spec["gpu_reserve_gib"] * 2**30),
+                                                    host_available_bytes())
             except ValueError as error:
                 result.update(error=str(error))
                 return result

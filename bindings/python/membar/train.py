@@ -185,29 +185,12 @@ def _resident_layers_in_daemon(args, model, device, socket: str) -> int:
     pools (already allocated, so free GPU memory and MemAvailable here do not count them), so the
     plan asks the daemon what its pools have left for this device, keeping room in its GPU pool
     for the streamed history blocks."""
-    from membar.oomb.config import (_GRAD_PAGE_DTYPES, OOMBConfig, plan_gpu_resident_layers,
-                                    pool_bytes_per_layer)
-    from membar.runtime import Runtime
+    from membar.oomb.config import _GRAD_PAGE_DTYPES, OOMBConfig
+    from membar.oomb.runtime_store import plan_in_daemon
 
-    runtime = Runtime.connect(socket=socket, embedded=False, name="membar-train plan",
-                              device=(device.index or 0) if device.type == "cuda" else None)
-    gpu_left, host_left = runtime.pool_bytes_left()
-    del runtime
-    text = getattr(model.config, "text_config", None) or model.config
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-    kv_heads = text.num_key_value_heads // max(getattr(args, "tensor_parallel", 1), 1)
-    block = min(args.history_block or args.seq_len, args.seq_len)
-    streamed = (OOMBConfig.prefetch_depth + 3) * pool_bytes_per_layer(block, args.page_tokens, kv_heads, head_dim,
-                                                                      model.dtype, _GRAD_PAGE_DTYPES[args.grad_dtype])
-    try:
-        plan = plan_gpu_resident_layers(args.seq_len, model.config, args.page_tokens, model.dtype,
-                                        _GRAD_PAGE_DTYPES[args.grad_dtype], gpu_left, streamed, host_left,
-                                        tensor_parallel=getattr(args, "tensor_parallel", 1),
-                                        reserve_for="the streamed history blocks")
-    except ValueError as error:
-        raise ValueError(f"{error} (planned against membard at {socket}: its pools have {gpu_left / 2**30:.1f} GiB "
-                         f"of GPU and {host_left / 2**30:.1f} GiB of host memory left; start it with a larger "
-                         f"--host-pool.)") from None
+    plan, gpu_left, host_left = plan_in_daemon(socket, device, args.seq_len, model.config, args.page_tokens,
+                                               model.dtype, _GRAD_PAGE_DTYPES[args.grad_dtype], args.history_block,
+                                               OOMBConfig.prefetch_depth, getattr(args, "tensor_parallel", 1))
     layers = model.config.num_hidden_layers
     print(f"pages: {plan.gpu_resident_layers} of {layers} layers on the GPU, {layers - plan.gpu_resident_layers} in "
           f"host memory ({plan.host_bytes / 2**30:.1f} GiB; {plan.layer_bytes / 2**30:.2f} GiB per layer), planned "

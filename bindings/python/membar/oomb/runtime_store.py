@@ -101,6 +101,37 @@ def store_sizes(layout: PageLayout, offload: bool, block_pages: int, prefetch_de
     return budget, total
 
 
+def plan_in_daemon(socket: str, device, tokens: int, model_config, page_tokens: int, dtype, grad_page_dtype,
+                   block_tokens: int, prefetch_depth: int = 2, tensor_parallel: int = 1):
+    """plan_gpu_resident_layers against what membard's pools at `socket` have left for `device`
+    (they are allocated already, so this process's free memory does not count them), keeping room
+    in its GPU pool for the streamed history blocks (prefetch_depth + 3 accesses of a block, as
+    store_sizes). Returns (plan, GPU bytes left, host bytes left); the plan's ValueError names the
+    daemon's pools."""
+    from membar.oomb.config import plan_gpu_resident_layers, pool_bytes_per_layer
+    from membar.runtime import Runtime
+
+    device = torch.device(device)
+    runtime = Runtime.connect(socket=socket, embedded=False, name="membar plan",
+                              device=(device.index or 0) if device.type == "cuda" else None)
+    gpu_left, host_left = runtime.pool_bytes_left()
+    del runtime
+    text = getattr(model_config, "text_config", None) or model_config
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    block = min(block_tokens or tokens, tokens)
+    streamed = (prefetch_depth + 3) * pool_bytes_per_layer(block, page_tokens, text.num_key_value_heads // tensor_parallel,
+                                                           head_dim, dtype, grad_page_dtype)
+    try:
+        plan = plan_gpu_resident_layers(tokens, model_config, page_tokens, dtype, grad_page_dtype, gpu_left, streamed,
+                                        host_left, tensor_parallel=tensor_parallel,
+                                        reserve_for="the streamed history blocks")
+    except ValueError as error:
+        raise ValueError(f"{error} (planned against membard at {socket}: its pools have {gpu_left / 2**30:.1f} GiB "
+                         f"of GPU and {host_left / 2**30:.1f} GiB of host memory left; start it with a larger "
+                         f"--host-pool.)") from None
+    return plan, gpu_left, host_left
+
+
 class RuntimeKVStore(KVStore):
     """Pages in membar's runtime (Note [Runtime pages]).
 
