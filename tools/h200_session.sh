@@ -21,6 +21,10 @@
 #             pipeline take away the host's wait for frames that releases free? (one run)
 #   peak      7B dense-offload at 32K with the loss computed 4096 (default), 1024 and 512 tokens at a
 #             time: GPU peak against the goal (<= 33.2 GiB) and the time it costs (one run)
+#   gap       the in-process offload gap in one run: plain tensors, embedded dense-offload, prefetch
+#             depth 4 and 8, loss pieces of 1024 and 512 tokens (GPU peak), at 32K and 128K
+#   heads     attention kernels at every head size (64, 96, 128, 256) in bf16 and fp16 against SDPA
+#             flash, 32K history (bench/attention_bench.py; model-coverage issue: fwd >= 1.0x, bwd >= 0.8x)
 #   dp        7B at 32K: one process against data parallel with world size 1 (NCCL), in one run
 #   cli       membar-train as a user runs it, 7B at CLI_SEQ (default 32K), 3 steps: embedded and
 #             through membard (--socket), dense and --offload, in one call (steps 2-3 compared);
@@ -105,6 +109,14 @@ for step in "$@"; do
         --variants "dense-offload,dense-offload+depth4,dense-offload+depth8" ;;
     peak)
       bench peak --contexts 32K --time-budget 300 --variants "dense-offload,dense-offload+piece1024,dense-offload+piece512" ;;
+    gap)
+      bench gap --contexts 32K,128K --time-budget "${GAP_BUDGET:-420}" \
+        --variants "dense+plain:32K/128K,dense-offload:32K/128K,dense-offload+depth4:32K/128K,dense-offload+depth8:32K,dense-offload+piece1024:32K,dense-offload+piece512:32K" ;;
+    heads)
+      mkdir -p "$work/heads"
+      MEMBAR_RESULTS_DIR=$work/heads timeout 300 "$py" bench/attention_bench.py --histories "" \
+        --head-dims 64,96,128,256 --head-dim-dtypes bfloat16,float16 > "$work/heads/bench.log" 2>&1 || status=1
+      tail -12 "$work/heads/attention.txt" 2>/dev/null || tail -20 "$work/heads/bench.log" ;;
     dp)
       bench dp --contexts 32K --time-budget 300 --variants "dense,dense+dp" ;;
     cli)
