@@ -29,7 +29,8 @@ the pages in plain PyTorch tensors instead of the runtime (bench/plain_store.py:
 the runtime must match); "+dp" runs the trainer data-parallel in a torch.distributed group of
 world size 1 (NCCL on GPUs, gloo on CPUs), against the same variant without it (issue "A whole GPU
 node": <= 1% cost); "+streamwait" lets the stream wait on the GPU for enqueued copies instead of
-the host waiting (Note [Runtime pages]); "+depth4" copies pages in 4 accesses ahead (default 2)
+the host waiting (Note [Runtime pages]); "+hostorder" has the embedded engine order its copies on the
+host (MEMBAR_DEVICE_ORDER=0: the host waits, as before Note [Device-ordered copies]); "+depth4" copies pages in 4 accesses ahead (default 2)
 and grows the default GPU budget with it; "+piece1024" computes the loss 1024 tokens at a time
 (default 4096); "@8K" sets the variant's history block.
 Each step is forward + backward of one sequence (no optimizer step, like the full-sequence
@@ -253,6 +254,12 @@ def run_one(model, spec: dict) -> dict:
 
             store = PlainKVStore(device)
         group = data_parallel_group(cuda) if "+dp" in result["variant"] else None
+        # "+hostorder": the embedded engine orders its copies on the host, as before device order
+        # (Note [Device-ordered copies] in engine/batches.cpp), and the trainer waits on the host.
+        if "+hostorder" in result["variant"]:
+            os.environ["MEMBAR_DEVICE_ORDER"] = "0"
+        else:
+            os.environ.pop("MEMBAR_DEVICE_ORDER", None)
         trainer = OOMBTrainer(model, config, store=store, process_group=group)
         if "+streamwait" in result["variant"]:
             trainer.store.stream_waits = True

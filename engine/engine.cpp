@@ -62,7 +62,10 @@ std::string hex(uint64_t value) {
 }  // namespace
 
 EngineImpl::EngineImpl(std::unique_ptr<DeviceBackend> backend, const EngineConfig& config)
-    : backend_(std::move(backend)), config_(config), next_client_(config.first_client_id) {
+    : backend_(std::move(backend)),
+      config_(config),
+      order_on_device_(config.order_on_device && backend_->orders_on_device()),
+      next_client_(config.first_client_id) {
   TierPoolState& gpu = pools_[0];
   gpu.frames.resize(backend_->frame_count(Tier::kGpu));
   for (uint64_t i = gpu.frames.size(); i > 0; --i) gpu.free_frames.push_back(FrameIndex(i - 1));
@@ -240,6 +243,7 @@ Result<ClientId> EngineImpl::client_open(const ClientConfig& config, ClientEvent
 Status EngineImpl::client_close(ClientId id) {
   std::shared_ptr<ClientState> client;
   std::map<SpaceId, std::unique_ptr<Space>> doomed_spaces;
+  std::optional<uint32_t> doomed_block;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     auto it = clients_.find(id);
@@ -264,9 +268,20 @@ Status EngineImpl::client_close(ClientId id) {
     return_client_memory(*client);
     // The page tables are freed below, with no lock held (a huge space takes a while).
     doomed_spaces.swap(client->spaces);
-    (void)backend_->destroy_signal_block(client->signal_block);
+    if (order_on_device_ && client->signal_words != nullptr) {
+      // Copies enqueued to wait on the device for this client's markers need not wait any more;
+      // they read the block until they have run (Note [Device-ordered copies]).
+      __atomic_store_n(const_cast<uint64_t*>(client->signal_words + kSignalReleased), UINT64_MAX, __ATOMIC_RELEASE);
+      doomed_block = client->signal_block;
+    } else {
+      (void)backend_->destroy_signal_block(client->signal_block);
+    }
     client->signal_words = nullptr;
     clients_.erase(it);
+  }
+  if (doomed_block) {
+    backend_->drain();
+    (void)backend_->destroy_signal_block(*doomed_block);
   }
   ticket_done_.notify_all();
   doomed_spaces.clear();

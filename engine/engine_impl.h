@@ -191,6 +191,9 @@ class EngineImpl final : public Engine {
   void add_zero_bytes(Builder& builder, Tier tier, FrameIndex frame, uint64_t offset, uint64_t bytes);
   Ticket finish_builder(Builder& builder);
   void submit(uint64_t id);
+  // Hands one batch to the backend; adds dependents it made ready to `ready` (device order).
+  void submit_one(uint64_t id, std::vector<uint64_t>& ready);
+  bool submittable(const Batch& batch) const;
   std::function<void(Status)> completion_callback(uint64_t id);
   void complete_batch(uint64_t id);
   void drop_pending_batch(Tier tier, FrameIndex index, uint64_t batch_id);
@@ -207,6 +210,7 @@ class EngineImpl final : public Engine {
 
   std::unique_ptr<DeviceBackend> backend_;
   EngineConfig config_;
+  bool order_on_device_ = false;   // Note [Device-ordered copies]
 
   std::mutex mutex_;  // guards everything below except the completion queue
   std::condition_variable ticket_done_;

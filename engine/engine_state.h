@@ -156,6 +156,10 @@ struct Batch {
   std::vector<std::pair<Tier, FrameIndex>> frames;  // distinct frames touched
   uint32_t unmet_dependencies = 0;
   std::vector<uint64_t> dependents;
+  // Note [Device-ordered copies]: dependencies not yet handed to the backend, and the dependents
+  // that count this batch among theirs.
+  uint32_t unsubmitted_dependencies = 0;
+  std::vector<uint64_t> submission_dependents;
   bool sealed = false;
   bool submitted = false;
   uint64_t fence = 0;   // the client's release marker the copies wait for (0: none)

@@ -92,6 +92,8 @@ class DaemonClient final : public Client {
   static Result<std::unique_ptr<Client>> create(const std::string& socket_path, const ConnectOptions& options);
 
   std::string describe() const override { return "daemon:" + socket_path_; }
+  // The daemon's threads, not this process's, finish what the stream waits for.
+  bool stream_waits_preferred() const override { return backend_ == BackendKind::kCuda; }
   BackendKind backend() const override { return backend_; }
   int device() const override { return device_; }
 

@@ -8,6 +8,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <cstdlib>
 #include <cstring>
 #include <map>
 #include <mutex>
@@ -80,10 +81,15 @@ class EmbeddedClient final : public Client {
       MEMBAR_ASSIGN_OR_RETURN(backend, runtimed::make_host_backend(backend_config));
     }
     uint32_t slab_frames = backend->host_slab_frames();
-    MEMBAR_ASSIGN_OR_RETURN(std::unique_ptr<Engine> engine, Engine::create(std::move(backend), {}));
+    runtimed::EngineConfig engine_config;
+    const char* order_env = std::getenv("MEMBAR_DEVICE_ORDER");
+    engine_config.order_on_device = config.order_on_device && !(order_env != nullptr && std::string(order_env) == "0");
+    bool ordered = engine_config.order_on_device && backend->orders_on_device();
+    MEMBAR_ASSIGN_OR_RETURN(std::unique_ptr<Engine> engine, Engine::create(std::move(backend), engine_config));
 
     auto client = std::unique_ptr<EmbeddedClient>(new EmbeddedClient());
     client->kind_ = kind;
+    client->ordered_ = ordered;
     client->device_ = config.device;
     std::unique_ptr<FrameMapper> gpu_mapper;
 #if defined(MEMBAR_WITH_CUDA)
@@ -123,6 +129,7 @@ class EmbeddedClient final : public Client {
   }
 
   std::string describe() const override { return kind_ == BackendKind::kCuda ? "embedded:cuda" : "embedded:host"; }
+  bool stream_waits_preferred() const override { return kind_ == BackendKind::kCuda && ordered_; }
   BackendKind backend() const override { return kind_; }
   int device() const override { return device_; }
 
@@ -367,6 +374,7 @@ class EmbeddedClient final : public Client {
   std::unique_ptr<ClientMemory> memory_;
   ClientId id_ = 0;
   BackendKind kind_ = BackendKind::kHost;
+  bool ordered_ = false;   // the engine orders copies on the device (EmbeddedConfig::order_on_device)
   int device_ = 0;
   volatile uint64_t* signal_words_ = nullptr;
   uint64_t signal_bytes_ = 0;

@@ -23,6 +23,9 @@
 #             time: GPU peak against the goal (<= 33.2 GiB) and the time it costs (one run)
 #   gap       the in-process offload gap in one run: plain tensors, embedded dense-offload, prefetch
 #             depth 4 and 8, loss pieces of 1024 and 512 tokens (GPU peak), at 32K and 128K
+#   order     Note [Device-ordered copies]: gpu ctest, the runtime/OOMB gpu pytests, then embedded
+#             dense-offload (copies ordered on the device, stream waits) against plain tensors and
+#             against host order ("+hostorder", MEMBAR_DEVICE_ORDER=0) at 32K, and at 128K
 #   heads     attention kernels at every head size (64, 96, 128, 256) in bf16 and fp16 against SDPA
 #             flash, 32K history (bench/attention_bench.py; model-coverage issue: fwd >= 1.0x, bwd >= 0.8x)
 #   dp        7B at 32K: one process against data parallel with world size 1 (NCCL), in one run
@@ -112,6 +115,15 @@ for step in "$@"; do
     gap)
       bench gap --contexts 32K,128K --time-budget "${GAP_BUDGET:-420}" \
         --variants "dense+plain:32K/128K,dense-offload:32K/128K,dense-offload+depth4:32K/128K,dense-offload+depth8:32K,dense-offload+piece1024:32K,dense-offload+piece512:32K" ;;
+    order)
+      mkdir -p "$work/order"
+      ctest --test-dir build-gpu -L gpu --output-on-failure --timeout 120 > "$work/order/gpu_ctest.log" 2>&1 || status=1
+      tail -4 "$work/order/gpu_ctest.log"; grep -E "Failed|\*\*\*" "$work/order/gpu_ctest.log" | head -10
+      timeout 200 "$py" -m pytest -q -x -m gpu tests/python/test_oomb.py tests/python/test_runtime_gpu.py -p no:cacheprovider \
+        > "$work/order/gpu_pytest.log" 2>&1 || status=1
+      tail -4 "$work/order/gpu_pytest.log"
+      bench order --contexts 32K,128K --time-budget "${ORDER_BUDGET:-330}" \
+        --variants "dense+plain:32K/128K,dense-offload:32K/128K,dense-offload+hostorder:32K" ;;
     heads)
       mkdir -p "$work/heads"
       MEMBAR_RESULTS_DIR=$work/heads timeout 300 "$py" bench/attention_bench.py --histories "" \

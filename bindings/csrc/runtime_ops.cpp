@@ -208,6 +208,7 @@ class Runtime : public torch::CustomClassHolder {
   }
 
   std::string describe() const { return client_->describe(); }
+  bool stream_waits_preferred() const { return client_->stream_waits_preferred(); }
   std::string backend() const { return client_->backend() == BackendKind::kCuda ? "cuda" : "host"; }
   int64_t device() const { return device_; }
 
@@ -375,6 +376,7 @@ TORCH_LIBRARY_FRAGMENT(membar, m) {
   m.class_<Runtime>("Runtime")
       .def_static("connect", &Runtime::connect)
       .def("describe", &Runtime::describe)
+      .def("stream_waits_preferred", &Runtime::stream_waits_preferred)
       .def("backend", &Runtime::backend)
       .def("device", &Runtime::device)
       .def("create_space", &Runtime::create_space)

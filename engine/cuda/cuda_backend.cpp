@@ -257,9 +257,11 @@ class CudaVmmBackend final : public DeviceBackend {
   Status renew(Tier tier, uint32_t index, std::function<void(Status)> done) override;
   BackendCounters counters() const override { return {0, 0, 0, 0, renewals_.load()}; }
   void* frame_pointer(Tier tier, FrameIndex frame) override;
-  Status enqueue_copies(std::vector<CopyOp> ops, std::function<void(Status)> done) override;
-  Status enqueue_zero(Tier tier, FrameIndex frame, uint64_t offset, uint64_t bytes,
-                      std::function<void(Status)> done) override;
+  Status enqueue_copies(std::vector<CopyOp> ops, std::function<void(Status)> done,
+                        const DeviceOrder& order) override;
+  Status enqueue_zero(Tier tier, FrameIndex frame, uint64_t offset, uint64_t bytes, std::function<void(Status)> done,
+                      const DeviceOrder& order) override;
+  bool orders_on_device() const override { return true; }
   void drain() override;
   Result<uint32_t> create_signal_block(uint32_t words) override;
   Status destroy_signal_block(uint32_t block) override;
@@ -292,6 +294,8 @@ class CudaVmmBackend final : public DeviceBackend {
   Status bind_device() const;
   char* pointer(Tier tier, FrameIndex frame) const;
   Status check_range(Tier tier, FrameIndex frame, uint64_t offset, uint64_t bytes, const char* what) const;
+  // Makes copy stream `stream` wait on the device for what `order` names (caller holds mutex_).
+  Status apply_order(int stream, const DeviceOrder& order);
   // Records an event on each stream in `streams`, queues one part per stream and counts the
   // batch as outstanding. Called with mutex_ held, after the batch's work is enqueued.
   Status finish_enqueue(const std::vector<int>& streams, std::function<void(Status)> done);
@@ -344,6 +348,7 @@ class CudaVmmBackend final : public DeviceBackend {
   CudaStream copy_streams_[kCopyStreamCount];
   CudaStream signal_stream_;
   CudaEvent signal_after_[kCopyStreamCount];  // re-recorded for every signal
+  CudaEvent order_after_[kCopyStreamCount];   // re-recorded for every after_enqueued order
   std::vector<CudaEvent> events_;             // every event made, destroyed at the end
   std::vector<cudaEvent_t> free_events_;
   std::map<uint32_t, std::unique_ptr<SignalBlock>> signal_blocks_;
@@ -559,6 +564,9 @@ Status CudaVmmBackend::start() {
   for (auto& event : signal_after_) {
     MEMBAR_ASSIGN_OR_RETURN(event, CudaEvent::create());
   }
+  for (auto& event : order_after_) {
+    MEMBAR_ASSIGN_OR_RETURN(event, CudaEvent::create());
+  }
   MEMBAR_ASSIGN_OR_RETURN(zero_source_, DeviceBuffer::create(kFrameBytes));
   MEMBAR_RETURN_IF_ERROR(runtime_status(cudaMemset(zero_source_.get(), 0, kFrameBytes), "cudaMemset"));
   MEMBAR_RETURN_IF_ERROR(runtime_status(cudaDeviceSynchronize(), "cudaDeviceSynchronize"));
@@ -686,7 +694,38 @@ Status CudaVmmBackend::finish_enqueue(const std::vector<int>& streams, std::func
   return Status::Ok();
 }
 
-Status CudaVmmBackend::enqueue_copies(std::vector<CopyOp> ops, std::function<void(Status)> done) {
+// Note [Device-ordered copies] in engine/batches.cpp: a stream waits for the other copy stream's
+// work so far through an event, and for a client's release marker with cuStreamWaitValue64 on
+// the word's device mapping; neither takes a host thread once enqueued.
+Status CudaVmmBackend::apply_order(int stream, const DeviceOrder& order) {
+  if (order.after_enqueued) {
+    for (int other = 0; other < kCopyStreamCount; ++other) {
+      if (other == stream) continue;   // a stream runs its own work in order
+      MEMBAR_RETURN_IF_ERROR(runtime_status(cudaEventRecord(order_after_[other].get(), copy_streams_[other].get()),
+                                            "cudaEventRecord for an ordered batch"));
+      MEMBAR_RETURN_IF_ERROR(runtime_status(
+          cudaStreamWaitEvent(copy_streams_[stream].get(), order_after_[other].get(), 0),
+          "cudaStreamWaitEvent for an ordered batch"));
+    }
+  }
+  if (order.wait_value != 0) {
+    auto found = signal_blocks_.find(order.wait_block);
+    if (found == signal_blocks_.end()) return not_found("signal block " + std::to_string(order.wait_block) + " does not exist");
+    if (order.wait_index >= found->second->words) {
+      return out_of_range("signal word " + std::to_string(order.wait_index) + " is past the block's " +
+                          std::to_string(found->second->words) + " words");
+    }
+    CUdeviceptr word = found->second->device_words + static_cast<CUdeviceptr>(order.wait_index) * sizeof(uint64_t);
+    MEMBAR_RETURN_IF_ERROR(driver_status(api_.get(),
+                                         api_->cuStreamWaitValue64(copy_streams_[stream].get(), word, order.wait_value,
+                                                                   CU_STREAM_WAIT_VALUE_GEQ),
+                                         "cuStreamWaitValue64 on a release marker"));
+  }
+  return Status::Ok();
+}
+
+Status CudaVmmBackend::enqueue_copies(std::vector<CopyOp> ops, std::function<void(Status)> done,
+                                      const DeviceOrder& order) {
   if (!done) return invalid_argument("enqueue_copies needs a completion callback");
   std::vector<Transfer> by_stream[kCopyStreamCount];
   for (const CopyOp& op : ops) {
@@ -711,6 +750,7 @@ Status CudaVmmBackend::enqueue_copies(std::vector<CopyOp> ops, std::function<voi
   std::lock_guard<std::mutex> lock(mutex_);
   std::vector<int> streams;
   for (int stream = 0; stream < kCopyStreamCount; ++stream) {
+    if (!by_stream[stream].empty()) MEMBAR_RETURN_IF_ERROR(apply_order(stream, order));
     for (const Transfer& transfer : by_stream[stream]) {
       MEMBAR_RETURN_IF_ERROR(runtime_status(cudaMemcpyAsync(transfer.destination, transfer.source, transfer.bytes,
                                                             cudaMemcpyDefault, copy_streams_[stream].get()),
@@ -724,12 +764,13 @@ Status CudaVmmBackend::enqueue_copies(std::vector<CopyOp> ops, std::function<voi
 }
 
 Status CudaVmmBackend::enqueue_zero(Tier tier, FrameIndex frame, uint64_t offset, uint64_t bytes,
-                                    std::function<void(Status)> done) {
+                                    std::function<void(Status)> done, const DeviceOrder& order) {
   if (!done) return invalid_argument("enqueue_zero needs a completion callback");
   MEMBAR_RETURN_IF_ERROR(check_range(tier, frame, offset, bytes, "zero fill"));
   MEMBAR_RETURN_IF_ERROR(bind_device());
   char* target = pointer(tier, frame) + offset;
   std::lock_guard<std::mutex> lock(mutex_);
+  MEMBAR_RETURN_IF_ERROR(apply_order(tier == Tier::kGpu ? kHostToDevice : kDeviceToHost, order));
   if (tier == Tier::kGpu) {
     // GPU frames fill on the GPU, on the stream that brings pages in.
     MEMBAR_RETURN_IF_ERROR(runtime_status(cudaMemsetAsync(target, 0, bytes, copy_streams_[kHostToDevice].get()),

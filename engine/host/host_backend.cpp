@@ -11,6 +11,7 @@
 #include <fcntl.h>
 
 #include <algorithm>
+#include <chrono>
 #include <atomic>
 #include <cerrno>
 #include <condition_variable>
@@ -106,6 +107,7 @@ struct Job {
   // A renewal instead of transfers (Note [Frames, slabs and renewal]).
   std::function<Status()> renew;
   std::function<void(Status)> done;
+  DeviceOrder order;   // Note [Device-ordered copies]: what the job waits for before it runs
 };
 
 struct PendingSignal {
@@ -206,7 +208,14 @@ class HostBackend final : public DeviceBackend {
     return pool(tier).base() + uint64_t(frame) * kFrameBytes;
   }
 
-  Status enqueue_copies(std::vector<CopyOp> ops, std::function<void(Status)> done) override {
+  // Jobs run on two workers in any order unless a DeviceOrder says otherwise: after_enqueued
+  // waits for every earlier job, wait_value polls the signal word (the stand-in for a stream's
+  // release marker on a machine without a GPU).
+  bool orders_on_device() const override { return true; }
+
+  Status enqueue_copies(std::vector<CopyOp> ops, std::function<void(Status)> done,
+                        const DeviceOrder& order) override {
+    MEMBAR_RETURN_IF_ERROR(check_order(order));
     for (const CopyOp& op : ops) {
       MEMBAR_RETURN_IF_ERROR(check_range(op.src_tier, op.src_frame, op.src_offset, op.bytes));
       MEMBAR_RETURN_IF_ERROR(check_range(op.dst_tier, op.dst_frame, op.dst_offset, op.bytes));
@@ -223,6 +232,7 @@ class HostBackend final : public DeviceBackend {
     });
     Job job;
     job.done = std::move(done);
+    job.order = order;
     uint64_t bytes = 0;
     for (const CopyOp& op : ops) {
       if (op.bytes == 0) continue;
@@ -245,12 +255,14 @@ class HostBackend final : public DeviceBackend {
     return Status::Ok();
   }
 
-  Status enqueue_zero(Tier tier, FrameIndex frame, uint64_t offset, uint64_t bytes,
-                      std::function<void(Status)> done) override {
+  Status enqueue_zero(Tier tier, FrameIndex frame, uint64_t offset, uint64_t bytes, std::function<void(Status)> done,
+                      const DeviceOrder& order) override {
     MEMBAR_RETURN_IF_ERROR(check_range(tier, frame, offset, bytes));
+    MEMBAR_RETURN_IF_ERROR(check_order(order));
     Job job;
     job.zero = true;
     job.done = std::move(done);
+    job.order = order;
     job.transfers.push_back({nullptr, pool(tier).base() + uint64_t(frame) * kFrameBytes + offset, bytes});
     counters_zero_fills_ += 1;
     submit(std::move(job));
@@ -343,6 +355,18 @@ class HostBackend final : public DeviceBackend {
     return Status::Ok();
   }
 
+  Status check_order(const DeviceOrder& order) {
+    if (order.wait_value == 0) return Status::Ok();
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto it = signal_blocks_.find(order.wait_block);
+    if (it == signal_blocks_.end()) return not_found("signal block " + std::to_string(order.wait_block) + " does not exist");
+    if (order.wait_index >= it->second.words) {
+      return out_of_range("signal word " + std::to_string(order.wait_index) + " is outside a block of " +
+                          std::to_string(it->second.words) + " words");
+    }
+    return Status::Ok();
+  }
+
   Status check_range(Tier tier, FrameIndex frame, uint64_t offset, uint64_t bytes) const {
     if (frame >= frame_count(tier)) {
       return out_of_range("frame " + std::to_string(frame) + " is outside the " + tier_name(tier) +
@@ -368,14 +392,31 @@ class HostBackend final : public DeviceBackend {
   void worker_loop() {
     for (;;) {
       Job job;
+      volatile uint64_t* word = nullptr;
       {
         std::unique_lock<std::mutex> lock(mutex_);
         work_ready_.wait(lock, [this] { return stopping_ || !queue_.empty(); });
         if (queue_.empty()) return;
         job = std::move(queue_.front());
         queue_.pop_front();
+        // Every earlier job was taken by a worker before this one, so this wait ends.
+        if (job.order.after_enqueued) {
+          progress_.wait(lock, [&] { return *outstanding_.begin() == job.sequence; });
+        }
+        if (job.order.wait_value != 0) {
+          auto it = signal_blocks_.find(job.order.wait_block);
+          if (it != signal_blocks_.end()) word = reinterpret_cast<volatile uint64_t*>(it->second.mapping.get()) + job.order.wait_index;
+        }
       }
       Status status = job.renew ? job.renew() : Status::Ok();
+      if (job.order.wait_value != 0 && word == nullptr) {
+        status = failed_precondition("the signal block a copy waits on is gone");
+        job.transfers.clear();
+      }
+      // A signal block outlives the jobs that wait on it (the engine drains them first).
+      while (word != nullptr && __atomic_load_n(const_cast<uint64_t*>(word), __ATOMIC_ACQUIRE) < job.order.wait_value) {
+        std::this_thread::sleep_for(std::chrono::microseconds(20));
+      }
       for (const Job::Transfer& transfer : job.transfers) {
         if (job.zero) {
           std::memset(transfer.destination, 0, transfer.bytes);
@@ -388,6 +429,7 @@ class HostBackend final : public DeviceBackend {
         std::lock_guard<std::mutex> lock(mutex_);
         outstanding_.erase(job.sequence);
         fire_ready_signals_locked();
+        progress_.notify_all();
         if (queue_.empty() && outstanding_.empty()) idle_.notify_all();
       }
     }
@@ -420,6 +462,7 @@ class HostBackend final : public DeviceBackend {
   std::mutex mutex_;
   std::condition_variable work_ready_;
   std::condition_variable idle_;
+  std::condition_variable progress_;   // a job completed (after_enqueued waits)
   std::deque<Job> queue_;
   std::set<uint64_t> outstanding_;  // sequences of queued or running jobs
   std::vector<PendingSignal> pending_signals_;

@@ -36,6 +36,10 @@ struct EmbeddedConfig {
   uint64_t gpu_pool_bytes = 256ull << 20;    // frames made at start-up
   uint64_t host_pool_bytes = 1ull << 30;     // slabs prepared in the background
   int device = 0;
+  // Copies wait for each other and for the stream's release markers on the device (Note
+  // [Device-ordered copies] in engine/batches.cpp), so stream_wait needs no host wait.
+  // MEMBAR_DEVICE_ORDER=0 in the environment turns it off (host order, as a daemon).
+  bool order_on_device = true;
 };
 
 struct ConnectOptions {
@@ -139,10 +143,14 @@ class Client {
   // issued); stream_wait enqueues a wait on a CUDA stream (cudaStream_t passed as void*;
   // UNIMPLEMENTED on the host backend) so no CPU round trip is needed (an embedded client first
   // waits on the host until the ticket's copies are enqueued: Note [Enqueued tickets] in
-  // engine/batches.cpp); stream_release enqueues "the GPU is done with these pages" on the stream.
+  // engine/batches.cpp, at once when they are ordered on the device); stream_release enqueues "the GPU is done with these pages" on the stream.
   virtual Status wait(Ticket ticket) = 0;
   virtual Ticket completed_ticket() const = 0;
   virtual Status stream_wait(Ticket ticket, void* cuda_stream) = 0;
+  // True when stream_wait never leaves the stream waiting for a host thread of this process:
+  // through a daemon, or embedded with copies ordered on the device. A trainer then waits on its
+  // stream; otherwise with wait() on the host (Note [Runtime pages] in membar/oomb/runtime_store.py).
+  virtual bool stream_waits_preferred() const = 0;
   virtual Status stream_release(PageRange range, bool dirty, void* cuda_stream) = 0;
   virtual Status stream_release_ranges(const std::vector<PageRange>& ranges, bool dirty, void* cuda_stream) = 0;
 

@@ -44,20 +44,22 @@ class FailingBackend final : public DeviceBackend {
     return inner_->renew(tier, index, std::move(done));
   }
   void* frame_pointer(Tier tier, FrameIndex frame) override { return inner_->frame_pointer(tier, frame); }
-  Status enqueue_copies(std::vector<CopyOp> ops, std::function<void(Status)> done) override {
+  Status enqueue_copies(std::vector<CopyOp> ops, std::function<void(Status)> done,
+                        const DeviceOrder& order) override {
     int call = ++calls_;
     if (call == fail_enqueue_at_) return internal_error("injected enqueue failure");
     if (call == fail_completion_at_) {
-      return inner_->enqueue_copies(std::move(ops), [done = std::move(done)](Status) {
-        done(internal_error("injected completion failure"));
-      });
+      return inner_->enqueue_copies(
+          std::move(ops), [done = std::move(done)](Status) { done(internal_error("injected completion failure")); },
+          order);
     }
-    return inner_->enqueue_copies(std::move(ops), std::move(done));
+    return inner_->enqueue_copies(std::move(ops), std::move(done), order);
   }
-  Status enqueue_zero(Tier tier, FrameIndex frame, uint64_t offset, uint64_t bytes,
-                      std::function<void(Status)> done) override {
-    return inner_->enqueue_zero(tier, frame, offset, bytes, std::move(done));
+  Status enqueue_zero(Tier tier, FrameIndex frame, uint64_t offset, uint64_t bytes, std::function<void(Status)> done,
+                      const DeviceOrder& order) override {
+    return inner_->enqueue_zero(tier, frame, offset, bytes, std::move(done), order);
   }
+  bool orders_on_device() const override { return inner_->orders_on_device(); }
   void drain() override { inner_->drain(); }
   Result<uint32_t> create_signal_block(uint32_t words) override { return inner_->create_signal_block(words); }
   Status destroy_signal_block(uint32_t block) override { return inner_->destroy_signal_block(block); }
@@ -192,6 +194,24 @@ TEST(EngineFaults, ClientsComingAndGoingKeepTheirOwnData) {
   EXPECT_TRUE(membar::testing::pools_settle(*engine, 8, 64));
   std::printf("checked %llu pages, corrupted %llu, exhausted answers %llu\n", (unsigned long long)checked.load(),
               (unsigned long long)corrupted.load(), (unsigned long long)exhausted.load());
+}
+
+// The same with copies ordered on the device (Note [Device-ordered copies]): a copy into a frame
+// is enqueued behind the writeback it depends on, not after it completed; clients closing drain
+// first.
+TEST(EngineFaults, ClientsComingAndGoingKeepTheirOwnDataOrderedOnDevice) {
+  runtimed::EngineConfig config;
+  config.order_on_device = true;
+  auto engine = membar::testing::make_engine(8, 64, config);
+  std::atomic<uint64_t> corrupted{0}, checked{0}, exhausted{0};
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 3; ++t) {
+    threads.emplace_back([&, t] { client_lives(*engine, t, 4, 150, corrupted, checked, exhausted); });
+  }
+  for (auto& thread : threads) thread.join();
+  EXPECT_EQ(corrupted.load(), 0u);
+  EXPECT_GT(checked.load(), 300u);
+  EXPECT_TRUE(membar::testing::pools_settle(*engine, 8, 64));
 }
 
 // A GPU frame whose renewal fails never returns to the pool: the next client is told the pool is

@@ -7,6 +7,8 @@
 
 #include <atomic>
 #include <chrono>
+#include <functional>
+#include <future>
 #include <set>
 #include <thread>
 
@@ -863,6 +865,101 @@ TEST(Engine, EnqueuedDoneWordFollowsTheTicketsCopies) {
     }
     ASSERT_TRUE(engine->wait(id, ticket).ok());
   }
+}
+
+// Note [Device-ordered copies]: with order_on_device, a ticket whose copies wait for a release
+// marker is enqueued at once (wait_submitted returns without the marker), its copies wait on the
+// "device" (the host backend's worker polls the word) and run once the marker passes.
+// Whether wait_submitted returns within 2 s; if not, `unblock` lets it return (then false).
+bool submitted_at_once(Engine& engine, ClientId id, Ticket ticket, const std::function<void()>& unblock) {
+  auto waited = std::async(std::launch::async, [&] { return engine.wait_submitted(id, ticket); });
+  if (waited.wait_for(std::chrono::seconds(2)) == std::future_status::ready) return waited.get().ok();
+  unblock();
+  waited.wait();
+  return false;
+}
+
+bool word_reaches(volatile uint64_t* words, uint32_t index, uint64_t value) {
+  return eventually([&] { return __atomic_load_n(const_cast<uint64_t*>(words + index), __ATOMIC_ACQUIRE) >= value; });
+}
+
+TEST(Engine, DeviceOrderedFencedCopiesAreEnqueuedAtOnceAndWaitForTheMarker) {
+  EngineConfig config;
+  config.order_on_device = true;
+  auto engine = make_engine(4, 8, config);
+  ASSERT_TRUE(pools_settle(*engine, 4, 8));
+  auto client = MappedClient::open(*engine);
+  ClientId id = client->id;
+  ReleasedWord released(*engine, id);
+  auto* words = static_cast<volatile uint64_t*>(released.mapped);
+  SpaceId space = client->space("L00.k", k2M, 3);
+  char* pages = client->acquire({space, 0, 3}, kEngineAcquireWrite | kEngineAcquireZeroNew);
+  ASSERT_NE(pages, nullptr);
+  for (uint32_t i = 0; i < 3; ++i) fill_pattern(pages + i * k2M, k2M, 70 + i);
+  ASSERT_TRUE(engine->release_after(id, {space, 0, 3}, true, 1).ok());   // the "kernels" still run
+  auto offloaded = engine->offload(id, {space, 0, 3});
+  ASSERT_TRUE(offloaded.ok()) << offloaded.status().to_string();
+  Ticket ticket = offloaded.value();
+  bool at_once = submitted_at_once(*engine, id, ticket, [&] { released.set(1); });
+  ASSERT_TRUE(at_once) << "the fenced copies were held on the host, not enqueued behind the marker";
+  EXPECT_GE(words[kSignalSubmitted], ticket);
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  EXPECT_LT(words[kSignalEnqueuedDone], ticket) << "the copies ran before the stream passed the marker";
+  EXPECT_LT(engine->completed_ticket(id).value(), ticket);
+  released.set(1);
+  ASSERT_TRUE(word_reaches(words, kSignalEnqueuedDone, ticket));
+  ASSERT_TRUE(engine->wait(id, ticket).ok());
+  char* host = client->acquire_host({space, 0, 3});
+  ASSERT_NE(host, nullptr);
+  for (uint32_t i = 0; i < 3; ++i) EXPECT_TRUE(check_pattern(host + i * k2M, k2M, 70 + i)) << "page " << i;
+  ASSERT_TRUE(engine->release_host(id, {space, 0, 3}, false).ok());
+}
+
+// A trainer's loop with no host wait: pages stream through two GPU frames; the "stream" passes
+// the marker of page p-2 only after page p was asked for, so every placement evicts a frame
+// whose writeback waits for a marker (and the copy into it for the writeback). Each ticket must
+// be enqueued at once, and every page keeps its bytes over rounds of writes.
+TEST(Engine, DeviceOrderedStreamingThroughTwoFramesKeepsEveryPage) {
+  EngineConfig config;
+  config.order_on_device = true;
+  auto engine = make_engine(2, 24, config);
+  ASSERT_TRUE(pools_settle(*engine, 2, 24));
+  ClientConfig client_config;
+  client_config.gpu_quota_bytes = 2 * kFrameBytes;
+  auto client = MappedClient::open(*engine, client_config);
+  ClientId id = client->id;
+  ReleasedWord released(*engine, id);
+  auto* words = static_cast<volatile uint64_t*>(released.mapped);
+  constexpr uint32_t kPages = 10;
+  SpaceId space = client->space("L00.k", k2M, kPages);
+  uint64_t marker = 0;
+  std::vector<uint64_t> markers;   // markers[n]: the n-th release
+  for (int round = 0; round < 3; ++round) {
+    for (uint32_t p = 0; p < kPages; ++p) {
+      auto ticket = retrying([&] { return engine->acquire(id, {space, p, 1}, kEngineAcquireWrite | kEngineAcquireZeroNew); });
+      ASSERT_TRUE(ticket.ok()) << ticket.status().to_string();
+      bool at_once = submitted_at_once(*engine, id, ticket.value(), [&] { released.set(marker); });
+      ASSERT_TRUE(at_once) << "round " << round << " page " << p << ": the ticket waited on the host";
+      // The stream now passes the release of two accesses ago, then waits for this ticket.
+      if (markers.size() >= 2) released.set(markers[markers.size() - 2]);
+      ASSERT_TRUE(word_reaches(words, kSignalEnqueuedDone, ticket.value())) << "round " << round << " page " << p;
+      char* page = client->page(Tier::kGpu, space, p);
+      if (round == 0) {
+        EXPECT_TRUE(is_zero(page, k2M)) << "page " << p;
+      } else {
+        EXPECT_TRUE(check_pattern(page, k2M, 1000 * (round - 1) + p)) << "round " << round << " page " << p;
+      }
+      fill_pattern(page, k2M, 1000 * round + p);
+      ASSERT_TRUE(engine->release_after(id, {space, p, 1}, true, ++marker).ok());
+      markers.push_back(marker);
+    }
+  }
+  released.set(marker);
+  char* host = client->acquire_host({space, 0, kPages});
+  ASSERT_NE(host, nullptr);
+  for (uint32_t p = 0; p < kPages; ++p) EXPECT_TRUE(check_pattern(host + p * k2M, k2M, 2000 + p)) << "page " << p;
+  ASSERT_TRUE(engine->release_host(id, {space, 0, kPages}, false).ok());
+  EXPECT_GT(client->stats().bytes_gpu_to_host, 20 * k2M);
 }
 
 // Note [Counters]: stats cost O(spaces reported), come in pages, and add up.

@@ -92,6 +92,8 @@ def test_offload_hint_names_membard_only_for_embedded_offload_on_a_gpu():
     assert offload_hint(False, "cuda:0", "embedded:cuda") == ""
     assert offload_hint(True, "cuda:0", "daemon:/run/membar/membard.sock") == ""
     assert offload_hint(True, "cpu", "embedded:host") == ""
+    # Copies ordered on the device: the stream waits on the GPU in-process too (no hint).
+    assert offload_hint(True, "cuda:0", "embedded:cuda", host_waits=False) == ""
 
 
 def test_cli_auto_residency_through_membard_plans_against_its_pools(membard, capsys):

@@ -243,6 +243,13 @@ class Runtime:
         return self._native.describe()
 
     @property
+    def stream_waits_preferred(self) -> bool:
+        """Whether a CUDA stream should wait for tickets on the GPU (stream_wait) rather than the host
+        (wait): through membard, or embedded with copies ordered on the device (Note [Device-ordered
+        copies] in engine/batches.cpp; MEMBAR_DEVICE_ORDER=0 turns that off)."""
+        return bool(self._native.stream_waits_preferred())
+
+    @property
     def backend(self) -> str:
         """"cuda" or "host"."""
         return self._native.backend()

@@ -612,11 +612,13 @@ def _make_optimizer(args, model, trainer):
     return optimizer, schedule
 
 
-def offload_hint(offload: bool, device, runtime: str) -> str:
-    """A line for --offload on a GPU through the embedded runtime: membard is faster there (its
+def offload_hint(offload: bool, device, runtime: str, host_waits: bool = True) -> str:
+    """A line for --offload on a GPU through an embedded runtime whose trainer waits for pages on
+    the host (copies ordered on the host: MEMBAR_DEVICE_ORDER=0): membard is faster there (its
     copies run in another process, so the trainer's stream waits on the GPU and the host never
     does; Note [Runtime pages]). Empty otherwise."""
-    if not offload or torch.device(device).type != "cuda" or not runtime.startswith("embedded"):
+    if (not offload or torch.device(device).type != "cuda" or not runtime.startswith("embedded")
+            or not host_waits):
         return ""
     return ("hint: offload runs faster through membard (on an H200: 1.04x at 32K, 1.16x at 128K): in-process the "
             "host waits for each page's copies to be enqueued. Pass --socket private (this run starts its own "
@@ -633,7 +635,9 @@ def _start(args, model, device, dtype, trainer, tasks: _Tasks) -> dict:
           f"{f' top-{args.top_k}' if args.mode == 'sparse' else ''}, offload {'on' if args.offload else 'off'}, "
           f"pages in the runtime ({trainer.store.runtime.describe() if trainer.store.runtime else 'not connected'})",
           flush=True)
-    hint = offload_hint(args.offload, device, trainer.store.runtime.describe() if trainer.store.runtime else "")
+    store = trainer.store
+    hint = offload_hint(args.offload, device, store.runtime.describe() if store.runtime else "",
+                        host_waits=not getattr(store, "_gpu_waits", False))
     if hint:
         print(hint, flush=True)
     if args.world_size > 1:

@@ -22,18 +22,18 @@ Note [Runtime pages]
   stays resident by the runtime's choice.
   Limitations: with offload in sparse mode, each access names its selected pages, so the union of
   a selection must be known on the host (one wait for the GPU per layer and chunk in stage 1).
-  An embedded runtime on CUDA waits for an unfinished ticket on the host instead of on the stream:
-  its copies are enqueued by threads of this process, and CUDA's lazy module loading (the first
-  launch of a kernel, e.g. in the backward) can wait for the device to go idle while holding a
-  driver lock those threads need, so a stream waiting on the GPU for their copies deadlocked
-  (seen on the H200: the 7B shape at 32K with offload, autograd thread in cuKernelGetFunction, the
-  dispatcher in cuMemcpyAsync). Host waits cost offload 4-17% on the H200 (stall 19-33%). Through
-  membard the copies belong to another process and the stream waits on the GPU (0.985x of dense at
-  32K, 1.16x the embedded speed at 128K on the H200). MEMBAR_STREAM_WAIT=1 (or stream_waits=True)
-  lets an embedded runtime's stream wait on the GPU too, only for copies already enqueued (Note
-  [Enqueued tickets] in engine/batches.cpp: the host waits until they are); correct on the H200
-  but no faster (the wait until the copies are enqueued is the one that costs), hence not the
-  default. Host waits are counted as stall time.
+  The stream waits on the GPU wherever that needs no host thread of this process
+  (Runtime.stream_waits_preferred): through membard (its threads enqueue the copies), and embedded
+  on CUDA, whose engine orders copies on the device (Note [Device-ordered copies] in
+  engine/batches.cpp: a ticket's copies are enqueued, behind the stream's release markers, the
+  moment it is issued). An embedded engine that orders copies on the host (MEMBAR_DEVICE_ORDER=0)
+  waits on the host instead: its copies are enqueued by threads of this process only once the
+  stream passes a marker, and CUDA's lazy module loading can wait for the device to go idle while
+  holding a driver lock those threads need, so a stream waiting on the GPU for them deadlocked
+  (seen on the H200: autograd thread in cuKernelGetFunction, the dispatcher in cuMemcpyAsync), and
+  waiting on the host for them cost offload 4-17% on the H200 (stall 19-33%).
+  MEMBAR_STREAM_WAIT=1 / 0 (or stream_waits=) forces stream / host waits. Host waits (and a stream
+  wait's wait until the copies are enqueued) are counted as stall time.
   Grad pages are counted as contents once a backward acquired them (zero-filled on first use).
   On the meta device (shapes without bits: how tests measure what a step keeps on the device at
   any length) the runtime runs on its host backend for the bookkeeping and the pools are meta
@@ -205,9 +205,10 @@ class RuntimeKVStore(KVStore):
                                            device=device, name=self.name)
         if self.runtime.device.type != ("cpu" if self._meta else self.device.type):
             raise ValueError(f"the runtime keeps pages on {self.runtime.device}, the model runs on {self.device}.")
+        wait_env = os.environ.get("MEMBAR_STREAM_WAIT")
         self._gpu_waits = (self.stream_waits if self.stream_waits is not None
-                           else not self.runtime.describe().startswith("embedded")
-                           or os.environ.get("MEMBAR_STREAM_WAIT") == "1")
+                           else wait_env == "1" if wait_env in ("0", "1")
+                           else self.runtime.stream_waits_preferred)
 
     def use_config(self, config) -> None:
         if self.block_tokens is None:

@@ -57,6 +57,19 @@ struct CopyOp {
   uint64_t bytes = 0;
 };
 
+// What a batch's operations wait for on the device before they run (Note [Device-ordered copies]
+// in engine/batches.cpp). Default: nothing (the engine orders them by completion on the host).
+struct DeviceOrder {
+  // After every operation already enqueued on the backend (on CUDA: the streams this batch uses
+  // wait for the other copy stream's work so far; each stream runs its own in order).
+  bool after_enqueued = false;
+  // Until word `wait_index` of signal block `wait_block` is >= wait_value (0: no wait): a client
+  // stream's release marker (cuStreamWaitValue64 on CUDA; a backend worker polls on the host).
+  uint32_t wait_block = 0;
+  uint32_t wait_index = 0;
+  uint64_t wait_value = 0;
+};
+
 // Counters of what a backend actually issued (for stats and tests of batching).
 struct BackendCounters {
   uint64_t copy_ops = 0;         // CopyOps received
@@ -68,7 +81,8 @@ struct BackendCounters {
 
 // Threading: every method may be called from any thread. Batches may run concurrently and
 // complete in any order: the engine orders dependent copies itself (it never enqueues a copy
-// that touches a frame another pending batch touches). `done` callbacks are never called from
+// that touches a frame another pending batch touches, unless the batch's DeviceOrder says
+// after_enqueued). `done` callbacks are never called from
 // inside enqueue_* / renew, may run concurrently on several backend threads, and must not block.
 class DeviceBackend {
  public:
@@ -96,10 +110,14 @@ class DeviceBackend {
   // Enqueues a batch of copies (adjacent ops may be merged into larger transfers) and calls
   // `done` exactly once, from a backend thread, when all have finished (or with the error that
   // stopped them). Returns an error (and never calls `done`) if the batch cannot be enqueued.
-  virtual Status enqueue_copies(std::vector<CopyOp> ops, std::function<void(Status)> done) = 0;
+  // `order`: what the batch waits for on the device first (only where orders_on_device()).
+  virtual Status enqueue_copies(std::vector<CopyOp> ops, std::function<void(Status)> done,
+                                const DeviceOrder& order = {}) = 0;
   // Fills byte ranges with zeros; same completion contract.
   virtual Status enqueue_zero(Tier tier, FrameIndex frame, uint64_t offset, uint64_t bytes,
-                              std::function<void(Status)> done) = 0;
+                              std::function<void(Status)> done, const DeviceOrder& order = {}) = 0;
+  // Whether enqueue_* honour a DeviceOrder (Note [Device-ordered copies]).
+  virtual bool orders_on_device() const { return false; }
   // Blocks until every enqueued operation has completed (shutdown, tests).
   virtual void drain() = 0;
 

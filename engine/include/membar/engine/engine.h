@@ -61,6 +61,11 @@ struct EngineConfig {
   // channels, the admin view, the logs).
   ClientId first_client_id = 1;
   uint32_t client_id_step = 1;
+  // Copies wait for each other and for clients' release markers on the device instead of the
+  // engine holding them on the host (Note [Device-ordered copies] in engine/batches.cpp), where
+  // the backend can. For an engine of one client (embedded in a trainer): a client's stream that
+  // never reaches its marker would hold up every client's copies.
+  bool order_on_device = false;
 };
 
 struct ClientConfig {
