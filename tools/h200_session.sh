@@ -26,6 +26,8 @@
 #   order     Note [Device-ordered copies]: gpu ctest, the runtime/OOMB gpu pytests, then embedded
 #             dense-offload (copies ordered on the device, stream waits) against plain tensors and
 #             against host order ("+hostorder", MEMBAR_DEVICE_ORDER=0) at 32K, and at 128K
+#   order256  the same at 256K: embedded dense-offload against plain tensors (offload overhead goal
+#             <= 3%), then sparse through the runtime against plain tensors as time allows
 #   heads     attention kernels at every head size (64, 96, 128, 256) in bf16 and fp16 against SDPA
 #             flash, 32K history (bench/attention_bench.py; model-coverage issue: fwd >= 1.0x, bwd >= 0.8x)
 #   dp        7B at 32K: one process against data parallel with world size 1 (NCCL), in one run
@@ -124,6 +126,9 @@ for step in "$@"; do
       tail -4 "$work/order/gpu_pytest.log"
       bench order --contexts 32K,128K --time-budget "${ORDER_BUDGET:-330}" \
         --variants "dense+plain:32K/128K,dense-offload:32K/128K,dense-offload+hostorder:32K" ;;
+    order256)
+      bench order256 --contexts 256K --time-budget "${ORDER_BUDGET:-420}" \
+        --variants "dense+plain,dense-offload,sparse+plain,sparse" ;;
     heads)
       mkdir -p "$work/heads"
       MEMBAR_RESULTS_DIR=$work/heads timeout 300 "$py" bench/attention_bench.py --histories "" \
