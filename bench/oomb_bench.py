@@ -131,6 +131,7 @@ def data_parallel_group(cuda: bool):
     """A torch.distributed group of this process alone ("+dp"), made once per configuration child."""
     import socket
 
+    import torch
     import torch.distributed as dist
 
     if not dist.is_initialized():
