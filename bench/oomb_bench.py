@@ -31,8 +31,8 @@ world size 1 (NCCL on GPUs, gloo on CPUs), against the same variant without it (
 node": <= 1% cost); "+streamwait" lets the stream wait on the GPU for enqueued copies instead of
 the host waiting (Note [Runtime pages]); "+hostorder" has the embedded engine order its copies on the
 host (MEMBAR_DEVICE_ORDER=0: the host waits, as before Note [Device-ordered copies]); "+depth4" copies pages in 4 accesses ahead (default 2)
-and grows the default GPU budget with it; "+piece1024" computes the loss 1024 tokens at a time
-(default 4096); "@8K" sets the variant's history block.
+and grows the default GPU budget with it; "+piece4096" computes the loss 4096 tokens at a time
+(default 1024); "@8K" sets the variant's history block.
 Each step is forward + backward of one sequence (no optimizer step, like the full-sequence
 baseline), after a short warm-up sequence; OOMB variants recompute layer activations in backward
 (like the baseline's gradient checkpointing) unless --no-checkpoint-layers.
@@ -119,9 +119,12 @@ def prefetch_depth_of(variant: str) -> int:
 
 
 def loss_piece_tokens_of(variant: str) -> int:
-    """"+piece1024": the loss (full-vocabulary logits) is computed 1024 tokens at a time; 4096 otherwise."""
+    """"+piece4096": the loss (full-vocabulary logits) is computed 4096 tokens at a time; OOMBConfig's
+    default (1024) otherwise."""
+    from membar.oomb import OOMBConfig
+
     match = re.search(r"\+piece(\d+)", variant)
-    return int(match.group(1)) if match else 4096
+    return int(match.group(1)) if match else OOMBConfig.loss_piece_tokens
 
 
 LOGRA_RANK = 64

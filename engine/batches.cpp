@@ -315,7 +315,8 @@ void EngineImpl::submit_one(uint64_t id, std::vector<uint64_t>& ready) {
     order.after_enqueued = batch.unmet_dependencies > 0;
     if (batch.fence != 0) {
       auto owner = clients_.find(batch.client);
-      if (owner != clients_.end() && owner->second->signal_words != nullptr && !fence_met(*owner->second, batch.fence)) {
+      if (owner != clients_.end() && owner->second->signal_words != nullptr &&
+          !fence_met(*owner->second, batch.fence)) {
         order.wait_block = owner->second->signal_block;
         order.wait_index = kSignalReleased;
         order.wait_value = batch.fence;
@@ -336,9 +337,15 @@ void EngineImpl::submit_one(uint64_t id, std::vector<uint64_t>& ready) {
     batch.fence = 0;
   }
   batch.submitted = true;
-  batch.outstanding_callbacks = uint32_t((batch.copies.empty() ? 0 : 1) + batch.zeros.size());
+  // A batch with nothing to copy that still waits for something (an acquire of a page a prefetch
+  // is filling: depend_on_frame) goes to the backend all the same, empty, so that it completes
+  // only after what it waits for (device order); on the host it was submitted only after that.
+  bool empty_but_ordered =
+      batch.copies.empty() && batch.zeros.empty() && (order.after_enqueued || order.wait_value != 0);
+  batch.outstanding_callbacks =
+      uint32_t((batch.copies.empty() && !empty_but_ordered ? 0 : 1) + batch.zeros.size());
   uint32_t failed = 0;
-  if (!batch.copies.empty()) {
+  if (!batch.copies.empty() || empty_but_ordered) {
     Status status = backend_->enqueue_copies(batch.copies, completion_callback(id), order);
     if (!status.ok()) {
       batch.status = status;

@@ -19,7 +19,7 @@
 #   depth     7B dense-offload at DEPTH_CONTEXT (default 128K) in the embedded runtime, pages copied in
 #             2 (default), 4 and 8 accesses ahead with the GPU budget grown to match: does a deeper
 #             pipeline take away the host's wait for frames that releases free? (one run)
-#   peak      7B dense-offload at 32K with the loss computed 4096 (default), 1024 and 512 tokens at a
+#   peak      7B dense-offload at 32K with the loss computed 4096, 1024 (default) and 512 tokens at a
 #             time: GPU peak against the goal (<= 33.2 GiB) and the time it costs (one run)
 #   gap       the in-process offload gap in one run: plain tensors, embedded dense-offload, prefetch
 #             depth 4 and 8, loss pieces of 1024 and 512 tokens (GPU peak), at 32K and 128K
@@ -113,7 +113,7 @@ for step in "$@"; do
       bench depth --contexts "${DEPTH_CONTEXT:-128K}" --time-budget 540 \
         --variants "dense-offload,dense-offload+depth4,dense-offload+depth8" ;;
     peak)
-      bench peak --contexts 32K --time-budget 300 --variants "dense-offload,dense-offload+piece1024,dense-offload+piece512" ;;
+      bench peak --contexts 32K --time-budget 300 --variants "dense-offload+piece4096,dense-offload,dense-offload+piece512" ;;
     gap)
       bench gap --contexts 32K,128K --time-budget "${GAP_BUDGET:-420}" \
         --variants "dense+plain:32K/128K,dense-offload:32K/128K,dense-offload+depth4:32K/128K,dense-offload+depth8:32K,dense-offload+piece1024:32K,dense-offload+piece512:32K" ;;

@@ -176,12 +176,58 @@ def plot_store_paths(folder: Path) -> Path | None:
     return out
 
 
+def plot_device_order(order_json: Path) -> Path | None:
+    """Embedded offload against plain tensors before and after Note [Device-ordered copies], from one
+    session's h200_session steps (any of its calls): `gap` (host order was the default), `order` (device order, and
+    "+hostorder" beside it), `order256`. Each ratio is against plain tensors of the same run."""
+    session = order_json.parents[2]   # bench/results/<date>-<machine>-<session>/<call>/order/
+    ratios: dict[str, dict[int, float]] = {"copies ordered on the host (trainer waits on the host)": {},
+                                           "copies ordered on the GPU (Note [Device-ordered copies])": {}}
+    host, device = list(ratios)
+    for step, default_order in (("gap", host), ("order", device), ("order256", device)):
+        path = next(iter(sorted(session.rglob(f"{step}/oomb_bench.json"))), None)
+        if path is None:
+            continue
+        rows = [r for r in json.loads(path.read_text())["results"] if r.get("step_seconds")]
+        plain = {r["tokens"]: r["step_seconds"] for r in rows if r["variant"] == "dense+plain"}
+        for r in rows:
+            if r["tokens"] not in plain:
+                continue
+            order = {"dense-offload": default_order, "dense-offload+hostorder": host}.get(r["variant"])
+            if order is not None:
+                ratios[order][r["tokens"]] = plain[r["tokens"]] / r["step_seconds"]
+    contexts = sorted({t for by_context in ratios.values() for t in by_context})
+    if not ratios[device]:
+        return None
+    fig, ax = plt.subplots(figsize=(8, 4))
+    width = 0.38
+    for k, (name, by_context) in enumerate(ratios.items()):
+        xs = [i + (k - 0.5) * width for i, t in enumerate(contexts) if t in by_context]
+        ys = [by_context[t] for t in contexts if t in by_context]
+        ax.bar(xs, ys, width, label=name, color=["#729fcf", "#3465a4"][k])
+        for x, y in zip(xs, ys):
+            ax.text(x, y, f"{y:.3f}", ha="center", va="bottom", fontsize=8)
+    ax.axhline(0.98, color="k", linestyle=":", linewidth=1, label="goal 0.98x")
+    ax.set_xticks(range(len(contexts)), [f"{t // 1024}K" for t in contexts])
+    ax.set_ylim(0.7, 1.05)
+    ax.set_xlabel("context (tokens), 7B shape, pages offloaded to host memory")
+    ax.set_ylabel("throughput vs pages in plain GPU tensors")
+    ax.set_title("Embedded runtime with offload on an H200 (same-run ratios)")
+    ax.legend(fontsize=7, loc="lower left")
+    fig.tight_layout()
+    out = IMG / "device_order.png"
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
 def main() -> int:
     IMG.mkdir(parents=True, exist_ok=True)
     made = []
     for pattern, plot in (("runtime_bench.json", plot_runtime), ("*attention*.json", plot_attention),
                           ("logra_bench.json", plot_logra),
-                          ("oomb_bench.json", plot_oomb), ("cli-*", plot_store_paths)):
+                          ("oomb_bench.json", plot_oomb), ("cli-*", plot_store_paths),
+                          ("order/oomb_bench.json", plot_device_order)):
         path = newest(pattern)
         if path is None:
             continue

@@ -710,7 +710,9 @@ Status CudaVmmBackend::apply_order(int stream, const DeviceOrder& order) {
   }
   if (order.wait_value != 0) {
     auto found = signal_blocks_.find(order.wait_block);
-    if (found == signal_blocks_.end()) return not_found("signal block " + std::to_string(order.wait_block) + " does not exist");
+    if (found == signal_blocks_.end()) {
+      return not_found("signal block " + std::to_string(order.wait_block) + " does not exist");
+    }
     if (order.wait_index >= found->second->words) {
       return out_of_range("signal word " + std::to_string(order.wait_index) + " is past the block's " +
                           std::to_string(found->second->words) + " words");
@@ -758,8 +760,12 @@ Status CudaVmmBackend::enqueue_copies(std::vector<CopyOp> ops, std::function<voi
     }
     if (!by_stream[stream].empty()) streams.push_back(stream);
   }
-  // An empty batch still completes once, from a backend thread, in stream order.
-  if (streams.empty()) streams.push_back(kHostToDevice);
+  // An empty batch still completes once, from a backend thread, in stream order (after what its
+  // order names).
+  if (streams.empty()) {
+    MEMBAR_RETURN_IF_ERROR(apply_order(kHostToDevice, order));
+    streams.push_back(kHostToDevice);
+  }
   return finish_enqueue(streams, std::move(done));
 }
 

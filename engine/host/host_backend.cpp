@@ -359,7 +359,9 @@ class HostBackend final : public DeviceBackend {
     if (order.wait_value == 0) return Status::Ok();
     std::lock_guard<std::mutex> lock(mutex_);
     auto it = signal_blocks_.find(order.wait_block);
-    if (it == signal_blocks_.end()) return not_found("signal block " + std::to_string(order.wait_block) + " does not exist");
+    if (it == signal_blocks_.end()) {
+      return not_found("signal block " + std::to_string(order.wait_block) + " does not exist");
+    }
     if (order.wait_index >= it->second.words) {
       return out_of_range("signal word " + std::to_string(order.wait_index) + " is outside a block of " +
                           std::to_string(it->second.words) + " words");
@@ -405,7 +407,9 @@ class HostBackend final : public DeviceBackend {
         }
         if (job.order.wait_value != 0) {
           auto it = signal_blocks_.find(job.order.wait_block);
-          if (it != signal_blocks_.end()) word = reinterpret_cast<volatile uint64_t*>(it->second.mapping.get()) + job.order.wait_index;
+          if (it != signal_blocks_.end()) {
+            word = reinterpret_cast<volatile uint64_t*>(it->second.mapping.get()) + job.order.wait_index;
+          }
         }
       }
       Status status = job.renew ? job.renew() : Status::Ok();

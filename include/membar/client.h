@@ -143,7 +143,8 @@ class Client {
   // issued); stream_wait enqueues a wait on a CUDA stream (cudaStream_t passed as void*;
   // UNIMPLEMENTED on the host backend) so no CPU round trip is needed (an embedded client first
   // waits on the host until the ticket's copies are enqueued: Note [Enqueued tickets] in
-  // engine/batches.cpp, at once when they are ordered on the device); stream_release enqueues "the GPU is done with these pages" on the stream.
+  // engine/batches.cpp, at once when they are ordered on the device); stream_release enqueues
+  // "the GPU is done with these pages" on the stream.
   virtual Status wait(Ticket ticket) = 0;
   virtual Ticket completed_ticket() const = 0;
   virtual Status stream_wait(Ticket ticket, void* cuda_stream) = 0;

@@ -734,6 +734,47 @@ TEST(Engine, AcquireDoesNotWaitForTheLookaheadOfLaterSteps) {
   EXPECT_TRUE(check_pattern(host, k2M, 10));
 }
 
+// Note [Device-ordered copies]: an acquire of a page the lookahead is still bringing in has no
+// copy of its own, only the prefetch to wait for; ordered on the device, its (empty) batch must
+// still complete after that prefetch, which here waits for a release marker. (It once completed at
+// once: a host wait returned before the bytes were there; caught by test_oomb.py on the CPU.)
+TEST(Engine, DeviceOrderedAcquireOfAPageBeingPrefetchedWaitsForThePrefetch) {
+  EngineConfig engine_config;
+  engine_config.order_on_device = true;
+  auto engine = make_engine(4, 8, engine_config);
+  ClientConfig config;
+  config.gpu_quota_bytes = 2 * kFrameBytes;
+  auto client = MappedClient::open(*engine, config);
+  ClientId id = client->id;
+  ReleasedWord released(*engine, id);
+  SpaceId space = client->space("L00.k", k2M, 3);
+  for (uint32_t p = 0; p < 3; ++p) {
+    char* page = client->acquire({space, p, 1}, kEngineAcquireWrite | kEngineAcquireZeroNew);
+    fill_pattern(page, k2M, 20 + p);
+    ASSERT_TRUE(engine->release(id, {space, p, 1}, true).ok());
+    client->finish(engine->offload(id, {space, p, 1}));
+  }
+  ASSERT_TRUE(engine->set_schedule(id, {ScheduleStep{{PageRange{space, 0, 1}}}, ScheduleStep{{PageRange{space, 1, 1}}},
+                                        ScheduleStep{{PageRange{space, 2, 1}}}}).ok());
+  ASSERT_TRUE(engine->advance(id, 0).ok());
+  char* page0 = client->acquire({space, 0, 1}, kEngineAcquireWrite);
+  ASSERT_NE(page0, nullptr);
+  ASSERT_TRUE(engine->release_after(id, {space, 0, 1}, true, 1).ok());   // the "kernel" still runs
+  ASSERT_TRUE(engine->advance(id, 1).ok());   // page 2 comes into page 0's frame after marker 1
+  auto acquired = engine->acquire(id, {space, 2, 1}, 0);
+  ASSERT_TRUE(acquired.ok()) << acquired.status().to_string();
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  EXPECT_LT(engine->completed_ticket(id).value(), acquired.value())
+      << "the acquire completed while the prefetch it waits for still waited for the marker";
+  released.set(1);
+  ASSERT_TRUE(engine->wait(id, acquired.value()).ok());
+  EXPECT_TRUE(check_pattern(client->page(Tier::kGpu, space, 2), k2M, 22));
+  ASSERT_TRUE(engine->release(id, {space, 2, 1}, false).ok());
+  char* host = client->acquire_host({space, 0, 1});
+  ASSERT_NE(host, nullptr);
+  EXPECT_TRUE(check_pattern(host, k2M, 20));
+}
+
 TEST(Engine, TicketsCompleteInOrderAndSetTheSignalWord) {
   auto engine = make_engine(4, 16);
   std::vector<Ticket> seen;
@@ -936,7 +977,8 @@ TEST(Engine, DeviceOrderedStreamingThroughTwoFramesKeepsEveryPage) {
   std::vector<uint64_t> markers;   // markers[n]: the n-th release
   for (int round = 0; round < 3; ++round) {
     for (uint32_t p = 0; p < kPages; ++p) {
-      auto ticket = retrying([&] { return engine->acquire(id, {space, p, 1}, kEngineAcquireWrite | kEngineAcquireZeroNew); });
+      auto ticket =
+          retrying([&] { return engine->acquire(id, {space, p, 1}, kEngineAcquireWrite | kEngineAcquireZeroNew); });
       ASSERT_TRUE(ticket.ok()) << ticket.status().to_string();
       bool at_once = submitted_at_once(*engine, id, ticket.value(), [&] { released.set(marker); });
       ASSERT_TRUE(at_once) << "round " << round << " page " << p << ": the ticket waited on the host";
