@@ -189,7 +189,14 @@ for step in "$@"; do
         timeout 300 "$py" $train --socket "$socket" > "$work/share/shared-$i.log" 2>&1 &
         trainers="$trainers $!"
       done
-      sleep 40; "$bin/membarctl" --socket "$socket" stats > "$work/share/membarctl_during.txt" 2>&1
+      # Snapshot while both are attached (their quotas and spaces), not after they finished.
+      for _ in $(seq 240); do
+        attached=$("$bin/membarctl" --socket "$socket" stats --json 2>/dev/null \
+          | "$py" -c 'import json,sys; print(len(json.load(sys.stdin).get("clients", [])))' 2>/dev/null)
+        [ "${attached:-0}" -ge 2 ] && break
+        sleep 0.25
+      done
+      sleep 5; "$bin/membarctl" --socket "$socket" stats > "$work/share/membarctl_during.txt" 2>&1
       for pid in $trainers; do wait "$pid" || status=1; done
       "$bin/membarctl" --socket "$socket" stats --json > "$work/share/membarctl_after.json" 2>&1
       kill "$daemon"; wait "$daemon" 2>/dev/null

@@ -152,12 +152,15 @@ def sharded_logra(out: str, rank: int, world: int, dtype: str, masters: bool) ->
     optimizer = logra.LoGRAOptimizer(handle, lr=1e-2 if masters else 10.0, algorithm="sgd", publisher=Receiver(),
                                      process_group=torch.distributed.group.WORLD)
     batch = global_batch(world * UPDATES)
+    reduced = []
     for update in range(UPDATES):
         rows = batch[update * world + rank: update * world + rank + 1]
         model(rows, labels=rows).loss.backward()
-        optimizer.step()
+        step = optimizer.step()
+        reduced.append((step.reduced_bytes, step.reduce_seconds))
     layer = handle.layers[0]
-    result = {"wrapped": wrapped, "local_rows": layer.weight.to_local().shape[0], "rows": layer.weight.shape[0],
+    result = {"wrapped": wrapped, "reduced": reduced,
+              "sketch_bytes": 4 * sum(layer.out_features * layer.rank for layer in handle.layers), "local_rows": layer.weight.to_local().shape[0], "rows": layer.weight.shape[0],
               "weights": [w.clone() for w in logra.full_weights(handle)],
               "receiver": [whole[layer.matrix_id] for layer in handle.layers]}
     torch.save(result, os.path.join(out, f"rank{rank}.pt"))

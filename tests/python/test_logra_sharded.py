@@ -55,6 +55,9 @@ def test_sharded_frozen_weights_train_as_one_process(tmp_path, world):
         # A receiver applying the published updates to whole weights holds the trainer's weights.
         for got, want in zip(result["receiver"], result["weights"]):
             assert torch.equal(got, want)
+        # Each update sums the sketches (d x r per matrix), not the gradients, and times it.
+        for sent, seconds in result["reduced"]:
+            assert sent == result["sketch_bytes"] and seconds > 0
 
 
 @pytest.mark.parametrize("masters", [False, True], ids=["stochastic-rounding", "fp32-masters"])

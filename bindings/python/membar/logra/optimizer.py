@@ -23,6 +23,7 @@ buffer (the sketches are consumed by the update), so no [d, r] tensor is allocat
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Callable
 
@@ -49,6 +50,10 @@ class StepResult:
     alpha: float             # the step scale used
     predicted_kl: float | None  # q(D) of the full (alpha = 1) step, when KL control ran
     key_step: int            # the draw of A the update used
+    # With a process group: what this rank sent to average the sketches (d x r per matrix, fp32,
+    # never the d x k gradients) and how long the all-reduce took (0 without one).
+    reduced_bytes: int = 0
+    reduce_seconds: float = 0.0
 
 
 class LoGRAOptimizer:
@@ -167,8 +172,9 @@ class LoGRAOptimizer:
             raise ValueError("this optimizer has KL control: pass kl_probe to step()")
         alpha = 1.0
         predicted = None
+        reduced_bytes, reduce_seconds = 0, 0.0
         if self.process_group is not None:
-            self._average_sketches()
+            reduced_bytes, reduce_seconds = self._average_sketches()
         directions = self._directions()
         updates = self.states.views("sketch")  # per layer [d, r] views of `directions`
         if self.kl_control is not None:
@@ -189,7 +195,8 @@ class LoGRAOptimizer:
         self._first_count += 1
         self._second_count += 1
         self.logra.zero_sketches()
-        result = StepResult(update_index=self.update_index, alpha=alpha, predicted_kl=predicted, key_step=key_step)
+        result = StepResult(update_index=self.update_index, alpha=alpha, predicted_kl=predicted, key_step=key_step,
+                            reduced_bytes=reduced_bytes, reduce_seconds=reduce_seconds)
         self.update_index += 1
         if self.update_index % self.redraw_every == 0:
             self._redraw()
@@ -198,14 +205,19 @@ class LoGRAOptimizer:
                                 prefetch_on_sketch_use=True)
         return result
 
-    def _average_sketches(self) -> None:
+    def _average_sketches(self) -> tuple[int, float]:
+        """Averages the sketches over the process group; returns (bytes sent, seconds)."""
         from membar.collectives import dist
 
         if not self.states.allocated("sketch"):
-            return
+            return 0, 0.0
         sketch = self.states.flat("sketch")
+        started = time.perf_counter()
         dist().all_reduce(sketch, group=self.process_group)
         sketch.div_(dist().get_world_size(self.process_group))
+        if sketch.is_cuda:
+            torch.cuda.current_stream(sketch.device).synchronize()
+        return sketch.numel() * sketch.element_size(), time.perf_counter() - started
 
     def _average(self, value: float) -> float:
         from membar.collectives import device_for, dist
