@@ -48,7 +48,7 @@ def shapes() -> dict:
     from logra_bench import SHAPES as LOGRA_SHAPES
 
     merged = dict(SHAPES)
-    merged.update({name: shape for name, shape in LOGRA_SHAPES.items() if name != "tiny"})
+    merged.update(LOGRA_SHAPES)
     return merged
 
 
