@@ -620,9 +620,10 @@ def offload_hint(offload: bool, device, runtime: str, host_waits: bool = True) -
     if (not offload or torch.device(device).type != "cuda" or not runtime.startswith("embedded")
             or not host_waits):
         return ""
-    return ("hint: offload runs faster through membard (on an H200: 1.04x at 32K, 1.16x at 128K): in-process the "
-            "host waits for each page's copies to be enqueued. Pass --socket private (this run starts its own "
-            "membard) or --socket PATH of a running one (docs/service.md).")
+    return ("hint: with copies ordered on the host (MEMBAR_DEVICE_ORDER=0 or MEMBAR_STREAM_WAIT=0) the trainer "
+            "waits for each page's copies on the host; offload runs faster without that setting, or through "
+            "membard: --socket private (this run starts its own) or --socket PATH of a running one "
+            "(docs/service.md).")
 
 
 def _start(args, model, device, dtype, trainer, tasks: _Tasks) -> dict:
