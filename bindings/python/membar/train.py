@@ -785,7 +785,9 @@ def _runtime_report(trainer) -> dict:
         f"to the GPU tier and {human_bytes(report['bytes_gpu_to_host'])} to host memory"
         + (f" ({moved // page_bytes:,} pages)" if page_bytes else "")
         + (f"; prefetch hit rate {hits / (hits + misses):.1%}" if hits + misses else "")
-        + f"; the stream waited {report['stall_seconds']:.2f} s for pages; GPU tier peak "
+        + f"; the host waited {report['stall_seconds']:.2f} s for pages"
+        + (" (the stream waits for them on the GPU, untimed)" if getattr(trainer.store, "_gpu_waits", False) else "")
+        + "; GPU tier peak "
         f"{human_bytes(report['gpu_frames_peak'] * (2 << 20))}")
     return report
 
