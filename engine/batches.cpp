@@ -294,9 +294,9 @@ bool EngineImpl::submittable(const Batch& batch) const {
 // later work on its copy stream until that client's stream passes the marker, so a client that
 // stops short of its marker would stall everyone's copies of that direction; a daemon keeps host
 // order. after_enqueued orders behind all of the other stream's work, not just the dependency's.
-// A failed dependency no longer stops its dependents' copies (they already run); their tickets
-// still report its error. Closing a client sets its released word past every marker and drains
-// the backend before its signal block goes.
+// A failed dependency's error still reaches its dependents' tickets (their copies run either way,
+// as in host order). Closing a client sets its released word past every marker and drains the
+// backend before its signal block goes.
 void EngineImpl::submit(uint64_t id) {
   std::vector<uint64_t> ready{id};
   while (!ready.empty()) {
