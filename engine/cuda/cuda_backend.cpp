@@ -261,7 +261,9 @@ class CudaVmmBackend final : public DeviceBackend {
                         const DeviceOrder& order) override;
   Status enqueue_zero(Tier tier, FrameIndex frame, uint64_t offset, uint64_t bytes, std::function<void(Status)> done,
                       const DeviceOrder& order) override;
-  bool orders_on_device() const override { return true; }
+  // Needs 64-bit stream memory operations (cuStreamWaitValue64 on the copy streams); without them
+  // the engine keeps host order.
+  bool orders_on_device() const override { return stream_mem_ops_; }
   void drain() override;
   Result<uint32_t> create_signal_block(uint32_t words) override;
   Status destroy_signal_block(uint32_t block) override;
@@ -349,6 +351,7 @@ class CudaVmmBackend final : public DeviceBackend {
   CudaStream signal_stream_;
   CudaEvent signal_after_[kCopyStreamCount];  // re-recorded for every signal
   CudaEvent order_after_[kCopyStreamCount];   // re-recorded for every after_enqueued order
+  bool stream_mem_ops_ = false;               // CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS
   std::vector<CudaEvent> events_;             // every event made, destroyed at the end
   std::vector<cudaEvent_t> free_events_;
   std::map<uint32_t, std::unique_ptr<SignalBlock>> signal_blocks_;
@@ -567,6 +570,10 @@ Status CudaVmmBackend::start() {
   for (auto& event : order_after_) {
     MEMBAR_ASSIGN_OR_RETURN(event, CudaEvent::create());
   }
+  int mem_ops = 0;
+  stream_mem_ops_ = api_->cuDeviceGetAttribute(&mem_ops, CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS,
+                                               context_.device()) == CUDA_SUCCESS &&
+                    mem_ops != 0;
   MEMBAR_ASSIGN_OR_RETURN(zero_source_, DeviceBuffer::create(kFrameBytes));
   MEMBAR_RETURN_IF_ERROR(runtime_status(cudaMemset(zero_source_.get(), 0, kFrameBytes), "cudaMemset"));
   MEMBAR_RETURN_IF_ERROR(runtime_status(cudaDeviceSynchronize(), "cudaDeviceSynchronize"));

@@ -620,9 +620,9 @@ def offload_hint(offload: bool, device, runtime: str, host_waits: bool = True) -
     if (not offload or torch.device(device).type != "cuda" or not runtime.startswith("embedded")
             or not host_waits):
         return ""
-    return ("hint: with copies ordered on the host (MEMBAR_DEVICE_ORDER=0 or MEMBAR_STREAM_WAIT=0) the trainer "
-            "waits for each page's copies on the host; offload runs faster without that setting, or through "
-            "membard: --socket private (this run starts its own) or --socket PATH of a running one "
+    return ("hint: this run waits for each page's copies on the host (MEMBAR_DEVICE_ORDER=0 or MEMBAR_STREAM_WAIT=0 "
+            "is set, or the GPU lacks 64-bit stream memory operations); offload runs faster without that, or "
+            "through membard: --socket private (this run starts its own) or --socket PATH of a running one "
             "(docs/service.md).")
 
 
