@@ -30,7 +30,9 @@ the runtime must match); "+dp" runs the trainer data-parallel in a torch.distrib
 world size 1 (NCCL on GPUs, gloo on CPUs), against the same variant without it (issue "A whole GPU
 node": <= 1% cost); "+streamwait" lets the stream wait on the GPU for enqueued copies instead of
 the host waiting (Note [Runtime pages]); "+hostorder" has the embedded engine order its copies on the
-host (MEMBAR_DEVICE_ORDER=0: the host waits, as before Note [Device-ordered copies]); "+depth4" copies pages in 4 accesses ahead (default 2)
+host (MEMBAR_DEVICE_ORDER=0: the host waits, as before Note [Device-ordered copies]); "+timewaits" times
+the stream's GPU-side waits for pages with CUDA events (MEMBAR_TIME_STREAM_WAITS=1: the "gpu wait"
+column); "+depth4" copies pages in 4 accesses ahead (default 2)
 and grows the default GPU budget with it; "+piece4096" computes the loss 4096 tokens at a time
 (default 1024); "@8K" sets the variant's history block.
 Each step is forward + backward of one sequence (no optimizer step, like the full-sequence
@@ -264,6 +266,11 @@ def run_one(model, spec: dict) -> dict:
             os.environ["MEMBAR_DEVICE_ORDER"] = "0"
         else:
             os.environ.pop("MEMBAR_DEVICE_ORDER", None)
+        # "+timewaits": CUDA events around each GPU-side wait for pages (MEMBAR_TIME_STREAM_WAITS=1).
+        if "+timewaits" in result["variant"]:
+            os.environ["MEMBAR_TIME_STREAM_WAITS"] = "1"
+        else:
+            os.environ.pop("MEMBAR_TIME_STREAM_WAITS", None)
         trainer = OOMBTrainer(model, config, store=store, process_group=group)
         if "+streamwait" in result["variant"]:
             trainer.store.stream_waits = True
@@ -315,6 +322,8 @@ def run_one(model, spec: dict) -> dict:
         if cuda:   # PyTorch's peak plus the runtime's GPU frames (not in PyTorch's allocator)
             result.update(peak_gpu_total_gib=stats["peak_gpu_bytes_total"] / 2**30)
         result.update(stall_seconds=stats["stall_seconds"])
+        if "stream_wait_seconds" in stats:   # "+timewaits": the stream's GPU-side waits, timed
+            result.update(stream_wait_seconds=stats["stream_wait_seconds"])
         result.update(pages_moved=stats["pages_moved"], bytes_moved_gib=stats["bytes_moved"] / 2**30,
                       host_pool_gib=stats["host_pool_bytes"] / 2**30,
                       device_pool_gib=stats["device_pool_bytes"] / 2**30,
@@ -527,6 +536,7 @@ def format_row(r: dict) -> str:
                if "bytes_moved_gib" in r else "")
             + (f"  overhead {overhead:+.1%}" if overhead is not None else "")
             + (f"  stall {r['stall_seconds'] / r['step_seconds']:.2%}" if "stall_seconds" in r else "")
+            + (f"  gpu wait {r['stream_wait_seconds'] / r['step_seconds']:.2%}" if "stream_wait_seconds" in r else "")
             + (f"  {r['vs_plain']:.3f}x plain" if "vs_plain" in r else "")
             + (f"  {r['vs_single_process']:.3f}x one process" if "vs_single_process" in r else ""))
 
@@ -579,6 +589,10 @@ def summarise(results: list[dict]) -> dict:
               if "stall_seconds" in r and "+plain" not in v}
     if stalls:
         goals["stall_fraction"] = stalls
+    waits = {f"{v}@{human_tokens(t)}": r["stream_wait_seconds"] / r["step_seconds"] for (v, t), r in sorted(ok.items())
+             if "stream_wait_seconds" in r}
+    if waits:
+        goals["stream_wait_fraction"] = waits
     for t in sorted({t for (v, t) in ok}, reverse=True):
         dense = [v for (v, u) in ok if u == t and base_variant(v) in ("dense", "dense-offload")]
         sparse = [v for (v, u) in ok if u == t and base_variant(v) in ("sparse", "sparse-offload")]

@@ -28,6 +28,9 @@
 #             against host order ("+hostorder", MEMBAR_DEVICE_ORDER=0) at 32K, and at 128K
 #   order256  the same at 256K: embedded dense-offload against plain tensors (offload overhead goal
 #             <= 3%), then sparse through the runtime against plain tensors as time allows
+#   gpuwait   the stream's own wait for pages, timed with CUDA events ("+timewaits", MEMBAR_TIME_STREAM_WAITS=1),
+#             embedded dense-offload at 32K and 128K beside plain tensors and the untimed run (the
+#             issue's stall goal: <= 1% of the step)
 #   heads     attention kernels at every head size (64, 96, 128, 256) in bf16 and fp16 against SDPA
 #             flash, 32K history (bench/attention_bench.py; model-coverage issue: fwd >= 1.0x, bwd >= 0.8x)
 #   dp        7B at 32K: one process against data parallel with world size 1 (NCCL), in one run
@@ -129,6 +132,9 @@ for step in "$@"; do
     order256)
       bench order256 --contexts 256K --time-budget "${ORDER_BUDGET:-420}" \
         --variants "dense+plain,dense-offload,sparse+plain,sparse" ;;
+    gpuwait)
+      bench gpuwait --contexts 32K,128K --time-budget "${GPUWAIT_BUDGET:-400}" \
+        --variants "dense+plain:32K/128K,dense-offload+timewaits:32K/128K,dense-offload:32K" ;;
     heads)
       mkdir -p "$work/heads"
       MEMBAR_RESULTS_DIR=$work/heads timeout 300 "$py" bench/attention_bench.py --histories "" \

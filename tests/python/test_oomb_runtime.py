@@ -245,3 +245,33 @@ def test_membar_train_with_a_private_membard_and_nothing_left_behind(tmp_path):
     else:
         os.kill(daemon_pid, signal.SIGKILL)
         raise AssertionError("the private membard outlived its trainer")
+
+
+def test_timed_stream_waits_count_only_finished_waits(monkeypatch):
+    """MEMBAR_TIME_STREAM_WAITS=1 (the bench's "+timewaits"): the store sums the event pairs around
+    its GPU-side waits whose second event has completed, keeps the rest for later, and reports -1
+    when it does not time them. (The events themselves are CUDA's: here stand-ins.)"""
+    class Event:
+        def __init__(self, done=True, ms=0.0):
+            self.done, self.ms = done, ms
+
+        def query(self):
+            return self.done
+
+        def elapsed_time(self, other):
+            return other.ms
+
+    model = model_for_runtime("qwen2")
+    input_ids = torch.randint(0, 97, (1, 64), generator=torch.Generator().manual_seed(2))
+    untimed = RuntimeKVStore("cpu")
+    grads_after(model, input_ids, untimed, chunk_tokens=32, page_tokens=16)
+    assert untimed.stats.stream_wait_ns == -1
+    monkeypatch.setenv("MEMBAR_TIME_STREAM_WAITS", "1")
+    store = RuntimeKVStore("cpu")
+    grads_after(model, input_ids, store, chunk_tokens=32, page_tokens=16)
+    assert store.stats.stream_wait_ns == 0   # on the CPU nothing waits on a stream
+    store._wait_events = [(Event(), Event(ms=1.5)), (Event(), Event(done=False, ms=9.0)), (Event(), Event(ms=0.25))]
+    assert store.stats.stream_wait_ns == 1_750_000
+    assert len(store._wait_events) == 1
+    store._wait_events[0][1].done = True
+    assert store.stats.stream_wait_ns == 10_750_000 and not store._wait_events

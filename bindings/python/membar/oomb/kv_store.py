@@ -99,6 +99,7 @@ class StoreStats:
     host_pool_bytes: int = 0
     device_pool_bytes: int = 0
     stall_ns: int = 0
+    stream_wait_ns: int = -1     # time a CUDA stream waited on the GPU for pages; -1: not timed
     pages_read: int = 0          # history pages the attention acquired (K and V each counted)
     pages_live: dict = field(default_factory=lambda: {"current": 0, "peak": 0, "allocated": 0, "freed": 0})
 
@@ -119,7 +120,7 @@ class StoreStats:
             "bytes_to_device": self.bytes_to_device, "bytes_to_host": self.bytes_to_host,
             "prefetch_hits": self.prefetch_hits, "prefetch_misses": self.prefetch_misses,
             "host_pool_bytes": self.host_pool_bytes, "device_pool_bytes": self.device_pool_bytes,
-            "stall_ns": self.stall_ns, "pages_read": self.pages_read,
+            "stall_ns": self.stall_ns, "stream_wait_ns": self.stream_wait_ns, "pages_read": self.pages_read,
             "pages_live": dict(self.pages_live),
         }
 

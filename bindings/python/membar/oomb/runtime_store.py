@@ -33,7 +33,9 @@ Note [Runtime pages]
   (seen on the H200: autograd thread in cuKernelGetFunction, the dispatcher in cuMemcpyAsync), and
   waiting on the host for them cost offload 4-17% on the H200 (stall 19-33%).
   MEMBAR_STREAM_WAIT=1 / 0 (or stream_waits=) forces stream / host waits. Host waits (and a stream
-  wait's wait until the copies are enqueued) are counted as stall time.
+  wait's wait until the copies are enqueued) are counted as stall time; the stream's own wait on
+  the GPU is not, unless MEMBAR_TIME_STREAM_WAITS=1 puts a pair of CUDA events around each one
+  (StoreStats.stream_wait_ns, the trainer's stream_wait_seconds; not yet run on a GPU).
   Grad pages are counted as contents once a backward acquired them (zero-filled on first use).
   On the meta device (shapes without bits: how tests measure what a step keeps on the device at
   any length) the runtime runs on its host backend for the bookkeeping and the pools are meta
@@ -165,6 +167,11 @@ class RuntimeKVStore(KVStore):
         self.extra_bytes = extra_bytes   # (GPU, host) room for other spaces in a runtime this store connects
         # GPU-side waits for tickets (None: through membard, or with MEMBAR_STREAM_WAIT=1): Note [Runtime pages]
         self.stream_waits = stream_waits
+        # MEMBAR_TIME_STREAM_WAITS=1: time each GPU-side wait with a pair of CUDA events around it
+        # (the stream's own stall; opt-in: two event records per access).
+        self._time_waits = os.environ.get("MEMBAR_TIME_STREAM_WAITS") == "1"
+        self._wait_events: list = []
+        self._stream_wait_ns = 0
         self.layout: PageLayout | None = None
         self._capacity: PageLayout | None = None
         self._sizes = (0, 0)
@@ -302,7 +309,14 @@ class RuntimeKVStore(KVStore):
         if self._cuda:
             if native.completed_ticket() < ticket:
                 if self._gpu_waits:
-                    native.stream_wait(ticket, torch.cuda.current_stream(self.device).cuda_stream)
+                    stream = torch.cuda.current_stream(self.device)
+                    if self._time_waits:
+                        before, after = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                        before.record(stream)
+                    native.stream_wait(ticket, stream.cuda_stream)
+                    if self._time_waits:
+                        after.record(stream)
+                        self._wait_events.append((before, after))
                 else:   # Note [Runtime pages], Limitations (the runtime counts the wait as stall time)
                     native.wait(ticket)
         else:
@@ -447,4 +461,13 @@ class RuntimeKVStore(KVStore):
         stats.host_pool_bytes = int(client["host_frames"]["peak"]) * _FRAME
         stats.device_pool_bytes = int(client["gpu_frames"]["peak"]) * _FRAME
         stats.stall_ns = int(client.get("stall_ns", 0))
+        # Timed GPU-side waits whose events have completed (MEMBAR_TIME_STREAM_WAITS=1).
+        pending = []
+        for before, after in self._wait_events:
+            if after.query():
+                self._stream_wait_ns += int(before.elapsed_time(after) * 1e6)
+            else:
+                pending.append((before, after))
+        self._wait_events = pending
+        stats.stream_wait_ns = self._stream_wait_ns if self._time_waits else -1
         return stats

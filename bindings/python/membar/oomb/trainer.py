@@ -272,6 +272,8 @@ class OOMBTrainer:
             "host_pool_bytes": store_after["host_pool_bytes"],
             "device_pool_bytes": store_after["device_pool_bytes"],
             "stall_seconds": (store_after["stall_ns"] - store_before["stall_ns"]) * 1e-9,
+            **({"stream_wait_seconds": (store_after["stream_wait_ns"] - store_before["stream_wait_ns"]) * 1e-9}
+               if store_after.get("stream_wait_ns", -1) >= 0 else {}),
             **host_memory(),
         }
         self.stats["pages_moved"] = self.stats["pages_to_device"] + self.stats["pages_to_host"]
