@@ -178,23 +178,25 @@ void client_lives(Engine& engine, int thread, int lives, int operations, std::at
   }
 }
 
-TEST(EngineFaults, ClientsComingAndGoingKeepTheirOwnData) {
-  // Three clients of 3 GPU frames each share 8, so the pool may run dry (RESOURCE_EXHAUSTED is
-  // then an answer, not a failure: a client with no frame yet has nothing to evict), and every
-  // close hands frames to the next client.
-  auto engine = membar::testing::make_engine(8, 64);
+// Three clients of 3 GPU frames each share 8, so the pool may run dry (RESOURCE_EXHAUSTED is then
+// an answer, not a failure: a client with no frame yet has nothing to evict), and every close hands
+// frames to the next client. Each thread lives `lives` times; no page may come back corrupted.
+void three_clients_coming_and_going(const runtimed::EngineConfig& config, int lives, uint64_t min_checked) {
+  auto engine = membar::testing::make_engine(8, 64, config);
   std::atomic<uint64_t> corrupted{0}, checked{0}, exhausted{0};
   std::vector<std::thread> threads;
   for (int t = 0; t < 3; ++t) {
-    threads.emplace_back([&, t] { client_lives(*engine, t, 6, 150, corrupted, checked, exhausted); });
+    threads.emplace_back([&, t] { client_lives(*engine, t, lives, 150, corrupted, checked, exhausted); });
   }
   for (auto& thread : threads) thread.join();
   EXPECT_EQ(corrupted.load(), 0u);
-  EXPECT_GT(checked.load(), 500u);
+  EXPECT_GT(checked.load(), min_checked);
   EXPECT_TRUE(membar::testing::pools_settle(*engine, 8, 64));
   std::printf("checked %llu pages, corrupted %llu, exhausted answers %llu\n", (unsigned long long)checked.load(),
               (unsigned long long)corrupted.load(), (unsigned long long)exhausted.load());
 }
+
+TEST(EngineFaults, ClientsComingAndGoingKeepTheirOwnData) { three_clients_coming_and_going({}, 6, 500); }
 
 // The same with copies ordered on the device (Note [Device-ordered copies]): a copy into a frame
 // is enqueued behind the writeback it depends on, not after it completed; clients closing drain
@@ -202,16 +204,7 @@ TEST(EngineFaults, ClientsComingAndGoingKeepTheirOwnData) {
 TEST(EngineFaults, ClientsComingAndGoingKeepTheirOwnDataOrderedOnDevice) {
   runtimed::EngineConfig config;
   config.order_on_device = true;
-  auto engine = membar::testing::make_engine(8, 64, config);
-  std::atomic<uint64_t> corrupted{0}, checked{0}, exhausted{0};
-  std::vector<std::thread> threads;
-  for (int t = 0; t < 3; ++t) {
-    threads.emplace_back([&, t] { client_lives(*engine, t, 4, 150, corrupted, checked, exhausted); });
-  }
-  for (auto& thread : threads) thread.join();
-  EXPECT_EQ(corrupted.load(), 0u);
-  EXPECT_GT(checked.load(), 300u);
-  EXPECT_TRUE(membar::testing::pools_settle(*engine, 8, 64));
+  three_clients_coming_and_going(config, 4, 300);
 }
 
 // A GPU frame whose renewal fails never returns to the pool: the next client is told the pool is
