@@ -31,6 +31,9 @@
 #   gpuwait   the stream's own wait for pages, timed with CUDA events ("+timewaits", MEMBAR_TIME_STREAM_WAITS=1),
 #             embedded dense-offload at 32K and 128K beside plain tensors and the untimed run (the
 #             issue's stall goal: <= 1% of the step)
+#   trainer   examples/hf_trainer_oomb/train.py on the GPU (ecosystem issue: the same code at 64K+):
+#             Hugging Face Trainer and TRL's SFTTrainer, the 1.5B shape (random init), 64K tokens,
+#             chunks of 4096, bf16, --offload, 4 optimizer steps each
 #   heads     attention kernels at every head size (64, 96, 128, 256) in bf16 and fp16 against SDPA
 #             flash, 32K history (bench/attention_bench.py; model-coverage issue: fwd >= 1.0x, bwd >= 0.8x)
 #   dp        7B at 32K: one process against data parallel with world size 1 (NCCL), in one run
@@ -135,6 +138,20 @@ for step in "$@"; do
     gpuwait)
       bench gpuwait --contexts 32K,128K --time-budget "${GPUWAIT_BUDGET:-400}" \
         --variants "dense+plain:32K/128K,dense-offload+timewaits:32K/128K,dense-offload:32K" ;;
+    trainer)
+      mkdir -p "$work/trainer"
+      # The device has no network: transformers' Trainer needs accelerate, carried as a wheel in
+      # .deps/wheels (tools/make_gpu_deps.sh); SFTTrainer needs TRL and datasets (too large to carry:
+      # skipped when missing).
+      "$py" -c "import accelerate" 2>/dev/null || "$py" -m pip install -q --no-index --no-deps \
+        --find-links .deps/wheels accelerate > "$work/trainer/pip.log" 2>&1
+      kinds=hf; "$py" -c "import trl, datasets" 2>/dev/null && kinds="hf sft"
+      for kind in $kinds; do
+        MEMBAR_RESULTS_DIR=$work/trainer timeout 280 "$py" examples/hf_trainer_oomb/train.py --trainer $kind \
+          --model "${TRAINER_MODEL:-qwen2.5-1.5b}" --seq-len "${TRAINER_SEQ:-65536}" --chunk 4096 --dtype bfloat16 \
+          --steps 4 --offload --out "$work/trainer/$kind" > "$work/trainer/$kind.log" 2>&1 || status=1
+        tail -5 "$work/trainer/$kind.log"
+      done ;;
     heads)
       mkdir -p "$work/heads"
       MEMBAR_RESULTS_DIR=$work/heads timeout 300 "$py" bench/attention_bench.py --histories "" \

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Makes .deps/: what the GPU machine (no network, no Debian dev packages) needs to build membar:
 # the Boost.Interprocess/lockfree headers (extracted with bcp), spdlog + fmt headers (used
-# header-only there), and the sources of libuv and GoogleTest (built there by tools/gpu_check.sh).
+# header-only there), the sources of libuv and GoogleTest (built there by tools/gpu_check.sh), and
+# an accelerate wheel (transformers' Trainer needs it; h200_session.sh's trainer step installs it).
 # Run here (needs apt-get); then carry `.deps` (one compressed bundle.tgz) with the device call.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -28,4 +29,7 @@ cp "$work"/libuv1_*.orig.tar.gz "$stage/src/"
 rm -rf "$work" .deps && mkdir -p .deps
 tar czf .deps/bundle.tgz -C "$stage" include src
 rm -rf "$stage"
+# transformers' Trainer needs accelerate (pure Python); the device has none and no network.
+mkdir -p .deps/wheels
+python3 -m pip download --no-deps -q -d .deps/wheels "accelerate==$(sed -n 's/^ACCELERATE_VERSION=//p' tools/setup.sh)"
 ls -la .deps/bundle.tgz
