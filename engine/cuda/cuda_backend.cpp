@@ -298,6 +298,8 @@ class CudaVmmBackend final : public DeviceBackend {
   Status check_range(Tier tier, FrameIndex frame, uint64_t offset, uint64_t bytes, const char* what) const;
   // Makes copy stream `stream` wait on the device for what `order` names (caller holds mutex_).
   Status apply_order(int stream, const DeviceOrder& order);
+  // The device address of word `index` of signal block `block` (caller holds mutex_).
+  Result<CUdeviceptr> signal_word_address(uint32_t block, uint32_t index) const;
   // Records an event on each stream in `streams`, queues one part per stream and counts the
   // batch as outstanding. Called with mutex_ held, after the batch's work is enqueued.
   Status finish_enqueue(const std::vector<int>& streams, std::function<void(Status)> done);
@@ -716,15 +718,7 @@ Status CudaVmmBackend::apply_order(int stream, const DeviceOrder& order) {
     }
   }
   if (order.wait_value != 0) {
-    auto found = signal_blocks_.find(order.wait_block);
-    if (found == signal_blocks_.end()) {
-      return not_found("signal block " + std::to_string(order.wait_block) + " does not exist");
-    }
-    if (order.wait_index >= found->second->words) {
-      return out_of_range("signal word " + std::to_string(order.wait_index) + " is past the block's " +
-                          std::to_string(found->second->words) + " words");
-    }
-    CUdeviceptr word = found->second->device_words + static_cast<CUdeviceptr>(order.wait_index) * sizeof(uint64_t);
+    MEMBAR_ASSIGN_OR_RETURN(CUdeviceptr word, signal_word_address(order.wait_block, order.wait_index));
     MEMBAR_RETURN_IF_ERROR(driver_status(api_.get(),
                                          api_->cuStreamWaitValue64(copy_streams_[stream].get(), word, order.wait_value,
                                                                    CU_STREAM_WAIT_VALUE_GEQ),
@@ -913,24 +907,28 @@ volatile uint64_t* CudaVmmBackend::signal_words(uint32_t block) {
   return static_cast<volatile uint64_t*>(found->second->memory.mapping.get());
 }
 
-Status CudaVmmBackend::enqueue_signal(uint32_t block, uint32_t index, uint64_t value) {
-  MEMBAR_RETURN_IF_ERROR(bind_device());
-  std::lock_guard<std::mutex> lock(mutex_);
+Result<CUdeviceptr> CudaVmmBackend::signal_word_address(uint32_t block, uint32_t index) const {
   auto found = signal_blocks_.find(block);
   if (found == signal_blocks_.end()) return not_found("signal block " + std::to_string(block) + " does not exist");
   if (index >= found->second->words) {
     return out_of_range("signal word " + std::to_string(index) + " is past the block's " +
                         std::to_string(found->second->words) + " words");
   }
+  return found->second->device_words + static_cast<CUdeviceptr>(index) * sizeof(uint64_t);
+}
+
+Status CudaVmmBackend::enqueue_signal(uint32_t block, uint32_t index, uint64_t value) {
+  MEMBAR_RETURN_IF_ERROR(bind_device());
+  std::lock_guard<std::mutex> lock(mutex_);
+  MEMBAR_ASSIGN_OR_RETURN(CUdeviceptr word, signal_word_address(block, index));
   // The signal stream waits for everything enqueued so far on both copy streams, then writes:
-  // the copy streams themselves never wait for each other.
+  // a signal never makes a copy stream wait.
   for (int stream = 0; stream < kCopyStreamCount; ++stream) {
     MEMBAR_RETURN_IF_ERROR(runtime_status(cudaEventRecord(signal_after_[stream].get(), copy_streams_[stream].get()),
                                           "cudaEventRecord before a signal"));
     MEMBAR_RETURN_IF_ERROR(runtime_status(cudaStreamWaitEvent(signal_stream_.get(), signal_after_[stream].get(), 0),
                                           "cudaStreamWaitEvent before a signal"));
   }
-  CUdeviceptr word = found->second->device_words + static_cast<CUdeviceptr>(index) * sizeof(uint64_t);
   return driver_status(api_.get(),
                        api_->cuStreamWriteValue64(signal_stream_.get(), word, value, CU_STREAM_WRITE_VALUE_DEFAULT),
                        "cuStreamWriteValue64 of a signal word");

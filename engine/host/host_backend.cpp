@@ -315,12 +315,7 @@ class HostBackend final : public DeviceBackend {
 
   Status enqueue_signal(uint32_t block, uint32_t index, uint64_t value) override {
     std::lock_guard<std::mutex> lock(mutex_);
-    auto it = signal_blocks_.find(block);
-    if (it == signal_blocks_.end()) return not_found("signal block " + std::to_string(block) + " does not exist");
-    if (index >= it->second.words) {
-      return out_of_range("signal word " + std::to_string(index) + " is outside a block of " +
-                          std::to_string(it->second.words) + " words");
-    }
+    MEMBAR_RETURN_IF_ERROR(signal_word_locked(block, index).status());
     pending_signals_.push_back({next_sequence_, block, index, value});
     fire_ready_signals_locked();
     return Status::Ok();
@@ -355,18 +350,21 @@ class HostBackend final : public DeviceBackend {
     return Status::Ok();
   }
 
+  // Word `index` of signal block `block` (caller holds mutex_).
+  Result<uint64_t*> signal_word_locked(uint32_t block, uint32_t index) {
+    auto it = signal_blocks_.find(block);
+    if (it == signal_blocks_.end()) return not_found("signal block " + std::to_string(block) + " does not exist");
+    if (index >= it->second.words) {
+      return out_of_range("signal word " + std::to_string(index) + " is outside a block of " +
+                          std::to_string(it->second.words) + " words");
+    }
+    return reinterpret_cast<uint64_t*>(it->second.mapping.get()) + index;
+  }
+
   Status check_order(const DeviceOrder& order) {
     if (order.wait_value == 0) return Status::Ok();
     std::lock_guard<std::mutex> lock(mutex_);
-    auto it = signal_blocks_.find(order.wait_block);
-    if (it == signal_blocks_.end()) {
-      return not_found("signal block " + std::to_string(order.wait_block) + " does not exist");
-    }
-    if (order.wait_index >= it->second.words) {
-      return out_of_range("signal word " + std::to_string(order.wait_index) + " is outside a block of " +
-                          std::to_string(it->second.words) + " words");
-    }
-    return Status::Ok();
+    return signal_word_locked(order.wait_block, order.wait_index).status();
   }
 
   Status check_range(Tier tier, FrameIndex frame, uint64_t offset, uint64_t bytes) const {
@@ -394,7 +392,7 @@ class HostBackend final : public DeviceBackend {
   void worker_loop() {
     for (;;) {
       Job job;
-      volatile uint64_t* word = nullptr;
+      uint64_t* word = nullptr;
       {
         std::unique_lock<std::mutex> lock(mutex_);
         work_ready_.wait(lock, [this] { return stopping_ || !queue_.empty(); });
@@ -406,10 +404,8 @@ class HostBackend final : public DeviceBackend {
           progress_.wait(lock, [&] { return *outstanding_.begin() == job.sequence; });
         }
         if (job.order.wait_value != 0) {
-          auto it = signal_blocks_.find(job.order.wait_block);
-          if (it != signal_blocks_.end()) {
-            word = reinterpret_cast<volatile uint64_t*>(it->second.mapping.get()) + job.order.wait_index;
-          }
+          Result<uint64_t*> found = signal_word_locked(job.order.wait_block, job.order.wait_index);
+          if (found.ok()) word = found.value();
         }
       }
       Status status = job.renew ? job.renew() : Status::Ok();
@@ -418,7 +414,7 @@ class HostBackend final : public DeviceBackend {
         job.transfers.clear();
       }
       // A signal block outlives the jobs that wait on it (the engine drains them first).
-      while (word != nullptr && __atomic_load_n(const_cast<uint64_t*>(word), __ATOMIC_ACQUIRE) < job.order.wait_value) {
+      while (word != nullptr && __atomic_load_n(word, __ATOMIC_ACQUIRE) < job.order.wait_value) {
         std::this_thread::sleep_for(std::chrono::microseconds(20));
       }
       for (const Job::Transfer& transfer : job.transfers) {
