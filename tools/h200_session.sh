@@ -149,8 +149,10 @@ for step in "$@"; do
       for kind in $kinds; do
         MEMBAR_RESULTS_DIR=$work/trainer timeout 280 "$py" examples/hf_trainer_oomb/train.py --trainer $kind \
           --model "${TRAINER_MODEL:-qwen2.5-1.5b}" --seq-len "${TRAINER_SEQ:-65536}" --chunk 4096 --dtype bfloat16 \
-          --steps 4 --offload --out "$work/trainer/$kind" > "$work/trainer/$kind.log" 2>&1 || status=1
+          --steps 4 --offload --out "/tmp/membar-trainer-$kind" > "$work/trainer/$kind.log" 2>&1 || status=1
         tail -5 "$work/trainer/$kind.log"
+        # The saved model stays on the device (GBs; the device returns small files only): list it.
+        ls -la "/tmp/membar-trainer-$kind" > "$work/trainer/$kind-saved.txt" 2>&1
       done ;;
     heads)
       mkdir -p "$work/heads"
@@ -189,7 +191,7 @@ for step in "$@"; do
       start_daemon "$socket" --gpu-pool "${SPARSE_GPU_POOL:-90GiB}" --host-pool "${SPARSE_HOST_POOL:-96GiB}" \
         || { status=1; continue; }
       MEMBAR_SOCKET=$socket bench sparse1m --contexts "${SPARSE_CONTEXT:-1M}" --variants sparse-hybrid \
-        --query-tile 4096 --time-limit 560
+        --query-tile 4096 --time-limit "${SPARSE_LIMIT:-470}"
       "$bin/membarctl" --socket "$socket" stats --json > "$work/sparse1m/membarctl_stats.json" 2>&1
       kill "$daemon"; wait "$daemon" 2>/dev/null ;;
     dense1m)
@@ -284,6 +286,6 @@ EOF
 done
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader > "$work/machine.txt" 2>&1
 echo "commit: ${MEMBAR_COMMIT:-unknown}" >> "$work/machine.txt"
-tar czf "$out/session-$(IFS=-; echo "$*").tgz" -C "$work" --exclude='*.so' . 2>/dev/null
+tar czf "$out/session-$(IFS=-; echo "$*").tgz" -C "$work" --exclude='*.so' --exclude='*.safetensors' --exclude='*.bin' . 2>/dev/null
 log "done (status $status)"
 exit $status
