@@ -200,10 +200,34 @@ class DaemonClient final : public Client {
     return call(request).status();
   }
 
+  // A schedule larger than the payload area goes in parts (Note [A schedule in parts] in
+  // runtimed/daemon/session.cpp): each part as many whole steps as fit.
   Status set_schedule(std::vector<ScheduleStep> steps) override {
     std::lock_guard<std::mutex> lock(mutex_);
-    std::vector<uint8_t> payload = v2::encode_schedule(steps);
-    return call(make_request(v2::Opcode::kSetSchedule), payload).status();
+    const uint64_t capacity = layout_.request_payload_bytes;
+    size_t first = 0;
+    do {
+      uint64_t bytes = sizeof(uint32_t);
+      size_t end = first;
+      for (; end < steps.size(); ++end) {
+        uint64_t step_bytes = sizeof(uint32_t) + 3 * sizeof(uint32_t) * uint64_t{steps[end].ranges.size()};
+        if (bytes + step_bytes > capacity) break;
+        bytes += step_bytes;
+      }
+      if (end == first && end < steps.size()) {
+        return invalid_argument("set_schedule: step " + std::to_string(end) + " names " +
+                                std::to_string(steps[end].ranges.size()) + " page ranges; at most " +
+                                std::to_string((capacity - 2 * sizeof(uint32_t)) / (3 * sizeof(uint32_t))) +
+                                " fit one request");
+      }
+      std::vector<ScheduleStep> part(std::make_move_iterator(steps.begin() + first),
+                                     std::make_move_iterator(steps.begin() + end));
+      v2::RequestV2 request = make_request(v2::Opcode::kSetSchedule);
+      if (end < steps.size()) request.flags = v2::kScheduleMoreFlag;
+      MEMBAR_RETURN_IF_ERROR(call(request, v2::encode_schedule(part)).status());
+      first = end;
+    } while (first < steps.size());
+    return Status::Ok();
   }
 
   Status advance(uint32_t step) override {

@@ -360,9 +360,43 @@ Status RingServer::handle_ReleaseHost(const v2::RequestV2& request, Answer&) {
   return engine_.release_host(client_, range_of(request), (request.flags & v2::kReleaseDirty) != 0);
 }
 
-Status RingServer::handle_SetSchedule(const v2::RequestV2&, Answer&) {
-  MEMBAR_ASSIGN_OR_RETURN(std::vector<ScheduleStep> steps, v2::decode_schedule(request_payload_));
-  return engine_.set_schedule(client_, std::move(steps));
+// Note [A schedule in parts]
+// Rationale: a schedule grows with the square of the context (each chunk names its history):
+// at 1M tokens the sparse step's is ~30 MB, while a request's payload area is 1 MiB.
+// Approach: the client library splits a schedule that does not fit into parts at step
+// boundaries; every part but the last carries kScheduleMoreFlag. The ring server appends each
+// part's steps and hands the whole schedule to the engine with the last part, so the engine sees
+// one set_schedule as in the embedded runtime. A failed part (bad encoding, or more than
+// kMaxScheduleBytes buffered, which bounds what one client can make the daemon hold) drops the
+// parts so far and fails; the client's previous schedule stays installed until a whole new one
+// arrives.
+// Limitations: a single step larger than the payload area cannot be sent (the client says so).
+Status RingServer::handle_SetSchedule(const v2::RequestV2& request, Answer&) {
+  Result<std::vector<ScheduleStep>> part = v2::decode_schedule(request_payload_);
+  if (!part.ok()) {
+    schedule_parts_.clear();
+    schedule_part_bytes_ = 0;
+    return part.status();
+  }
+  schedule_part_bytes_ += request_payload_.size();
+  if (schedule_part_bytes_ > v2::kMaxScheduleBytes) {
+    schedule_parts_.clear();
+    schedule_part_bytes_ = 0;
+    return resource_exhausted("set_schedule: a schedule may take at most " + std::to_string(v2::kMaxScheduleBytes) +
+                              " encoded bytes");
+  }
+  std::vector<ScheduleStep>& steps = part.value();
+  if (schedule_parts_.empty()) {
+    schedule_parts_ = std::move(steps);
+  } else {
+    schedule_parts_.insert(schedule_parts_.end(), std::make_move_iterator(steps.begin()),
+                           std::make_move_iterator(steps.end()));
+  }
+  if ((request.flags & v2::kScheduleMoreFlag) != 0) return Status::Ok();
+  std::vector<ScheduleStep> whole = std::move(schedule_parts_);
+  schedule_parts_.clear();
+  schedule_part_bytes_ = 0;
+  return engine_.set_schedule(client_, std::move(whole));
 }
 
 Status RingServer::handle_Advance(const v2::RequestV2& request, Answer&) {

@@ -165,6 +165,9 @@ class RingServer {
   protocol::RingEnd<protocol::v2::RequestV2> requests_;
   protocol::RingEnd<protocol::v2::CompletionV2> completions_;
   std::vector<uint8_t> request_payload_;  // the request's payload, copied out of the segment
+  // A schedule arriving in parts (Note [A schedule in parts]): the steps so far and their bytes.
+  std::vector<ScheduleStep> schedule_parts_;
+  uint64_t schedule_part_bytes_ = 0;
   std::atomic<bool> stopping_{false};
   std::thread thread_;
 };

@@ -484,6 +484,59 @@ TEST_F(DaemonTest, MalformedRingRequestsGetErrorCompletionsAndACorruptRingDropsO
   EXPECT_TRUE(bystander->release_host({kept.value(), 0, 4}, false).ok());
 }
 
+// Note [A schedule in parts]: a schedule larger than the request payload area (a 1M-token
+// sparse step's is ~30 MB) arrives in parts and is installed whole; a failed schedule keeps the
+// installed one.
+TEST_F(DaemonTest, AScheduleLargerThanThePayloadAreaArrivesInPartsAndIsInstalledWhole) {
+  start_daemon();
+  auto client = connect_client("long-context");
+  ASSERT_TRUE(client);
+  auto space = client->create_space("L00.k", 64 << 10, 64);
+  ASSERT_TRUE(space.ok());
+  // 200,000 steps of 2 ranges each: 5.6 MB encoded, several times the 1 MiB payload area.
+  constexpr uint32_t kSteps = 200000;
+  std::vector<ScheduleStep> steps(kSteps);
+  for (uint32_t s = 0; s < kSteps; ++s) {
+    steps[s].ranges = {{space.value(), s % 60, 2}, {space.value(), 62, 1 + s % 2}};
+  }
+  Status set = client->set_schedule(steps);
+  ASSERT_TRUE(set.ok()) << set.to_string();
+  // Every part arrived: the last step exists, the one after it does not.
+  EXPECT_TRUE(client->advance(kSteps - 1).ok());
+  Status past = client->advance(kSteps);
+  EXPECT_EQ(past.code(), StatusCode::OUT_OF_RANGE) << past.to_string();
+  EXPECT_NE(past.message().find("schedule of 200000 steps"), std::string::npos) << past.to_string();
+  // The schedule drives the pages: acquire and release along it.
+  auto acquired = client->acquire({space.value(), 0, 64}, kAcquireWrite | kAcquireZeroNew);
+  ASSERT_TRUE(acquired.ok()) << acquired.status().to_string();
+  ASSERT_TRUE(client->wait(acquired.value().ticket).ok());
+  write_pattern(acquired.value().pointer, 64, 64 << 10, 7);
+  ASSERT_TRUE(client->release({space.value(), 0, 64}, true).ok());
+
+  // A long schedule whose last part names a page outside the space: refused as a whole, and the
+  // installed schedule stays.
+  std::vector<ScheduleStep> bad(kSteps);
+  for (uint32_t s = 0; s < kSteps; ++s) bad[s].ranges = {{space.value(), s % 64, 1}, {space.value(), 0, 1}};
+  bad.back().ranges = {{space.value(), 63, 2}};
+  Status refused = client->set_schedule(bad);
+  EXPECT_EQ(refused.code(), StatusCode::OUT_OF_RANGE) << refused.to_string();
+  EXPECT_NE(refused.message().find("schedule step 199999"), std::string::npos) << refused.to_string();
+  EXPECT_TRUE(client->advance(kSteps - 1).ok()) << "the schedule installed before stays";
+
+  // One step that alone exceeds a request: a clear error from the client library.
+  std::vector<ScheduleStep> wide(1);
+  wide[0].ranges.assign(100000, PageRange{space.value(), 0, 1});
+  Status too_wide = client->set_schedule(wide);
+  EXPECT_EQ(too_wide.code(), StatusCode::INVALID_ARGUMENT) << too_wide.to_string();
+  EXPECT_NE(too_wide.message().find("step 0 names 100000 page ranges"), std::string::npos) << too_wide.to_string();
+
+  // Still served, bytes intact.
+  auto host = client->acquire_host({space.value(), 0, 64});
+  ASSERT_TRUE(host.ok()) << host.status().to_string();
+  EXPECT_TRUE(pattern_intact(host.value(), 64, 64 << 10, 7));
+  EXPECT_TRUE(client->release_host({space.value(), 0, 64}, false).ok());
+}
+
 TEST_F(DaemonTest, MembarctlAndPrometheusReportFramesClientsAndSpaces) {
   start_daemon({"--prometheus-port", "0"});
   auto client = connect_client("trainer-a");

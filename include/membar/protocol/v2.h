@@ -290,6 +290,11 @@ inline constexpr uint32_t kReleaseDirty = 1u << 0;
 // Stream-ordered release: the pages stay in use until the client's stream writes `argument`
 // (>= 1) into its released signal word (Note [Stream-ordered release] in engine/engine.cpp).
 inline constexpr uint32_t kReleaseAfterMarker = 1u << 1;
+// set_schedule: more parts follow (Note [A schedule in parts] in runtimed/daemon/session.cpp): the
+// daemon keeps this part's steps and installs the whole schedule with the first part without it.
+inline constexpr uint32_t kScheduleMoreFlag = 1u << 0;
+// The most encoded schedule bytes the daemon buffers for one client across parts.
+inline constexpr uint64_t kMaxScheduleBytes = 256ull << 20;
 
 // What each opcode's request must name (validate_request checks it; unused fields must be zero).
 enum class RangeRule : uint8_t {
@@ -333,7 +338,7 @@ enum class ArgumentRule : uint8_t {
   X(FreePages, 8, "free_pages", kPages, 0u, kNone, kZero)                                               \
   X(AcquireHost, 9, "acquire_host", kPages, 0u, kNone, kZero)                                           \
   X(ReleaseHost, 10, "release_host", kPages, kReleaseDirty, kNone, kZero)                               \
-  X(SetSchedule, 11, "set_schedule", kNone, 0u, kSchedule, kZero)                                       \
+  X(SetSchedule, 11, "set_schedule", kNone, kScheduleMoreFlag, kSchedule, kZero)                       \
   X(Advance, 12, "advance", kNone, 0u, kNone, kStep)                                                    \
   X(Stats, 13, "stats", kNone, 0u, kNone, kZero)                                                        \
   X(CreateChannel, 14, "create_channel", kNone, 0u, kName, kBytes)                                      \
