@@ -200,6 +200,12 @@ class DaemonClient final : public Client {
     return call(request).status();
   }
 
+  Status add_stall_ns(uint64_t ns) override {
+    if (dead_.load(std::memory_order_acquire)) return dead_status();
+    pending_stall_ns_.fetch_add(ns, std::memory_order_relaxed);
+    return Status::Ok();
+  }
+
   // A schedule larger than the payload area goes in parts (Note [A schedule in parts] in
   // runtimed/daemon/session.cpp): each part as many whole steps as fit.
   Status set_schedule(std::vector<ScheduleStep> steps) override {

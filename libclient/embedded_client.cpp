@@ -219,6 +219,8 @@ class EmbeddedClient final : public Client {
     return memory_->take_error();
   }
 
+  Status add_stall_ns(uint64_t ns) override { return engine_->add_stall_ns(id_, ns); }
+
   Status set_schedule(std::vector<ScheduleStep> steps) override {
     std::lock_guard<std::mutex> lock(mutex_);
     return engine_->set_schedule(id_, std::move(steps));

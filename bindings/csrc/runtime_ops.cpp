@@ -290,6 +290,11 @@ class Runtime : public torch::CustomClassHolder {
     check_ok(client_->set_schedule(std::move(schedule)), "set_schedule");
   }
 
+  void add_stall_ns(int64_t ns) {
+    TORCH_CHECK(ns >= 0, "membar runtime add_stall_ns: a wait must not be negative, got ", ns, ".");
+    check_ok(client_->add_stall_ns(uint64_t(ns)), "add_stall_ns");
+  }
+
   void advance(int64_t step) { check_ok(client_->advance(to_u32(step, "step")), "advance"); }
 
   void wait(int64_t ticket) {
@@ -392,6 +397,7 @@ TORCH_LIBRARY_FRAGMENT(membar, m) {
       .def("acquire_host", &Runtime::acquire_host)
       .def("release_host", &Runtime::release_host)
       .def("set_schedule", &Runtime::set_schedule)
+      .def("add_stall_ns", &Runtime::add_stall_ns)
       .def("advance", &Runtime::advance)
       .def("wait", &Runtime::wait)
       .def("completed_ticket", &Runtime::completed_ticket)

@@ -154,6 +154,11 @@ class Client {
   virtual bool stream_waits_preferred() const = 0;
   virtual Status stream_release(PageRange range, bool dirty, void* cuda_stream) = 0;
   virtual Status stream_release_ranges(const std::vector<PageRange>& ranges, bool dirty, void* cuda_stream) = 0;
+  // Time this client waited for pages that the library cannot see, measured by the caller (a
+  // CUDA stream's wait after stream_wait, timed with events): added to the client's stall time,
+  // which wait() already counts, so that operators (membarctl stats / top) see every wait.
+  // Through a daemon it travels with the next request.
+  virtual Status add_stall_ns(uint64_t ns) = 0;
 
   // This client's stats: tiers, its counters, its spaces (the first kMaxStatsSpaces of them).
   virtual Result<RuntimeStats> stats() = 0;

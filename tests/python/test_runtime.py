@@ -229,6 +229,33 @@ def test_a_daemon_of_two_devices_keeps_each_devices_pages(membard):
     assert {c["name"]: c["device"] for c in stats["clients"]} == {"unnamed": 0, "on-one": 1}
 
 
+def test_waits_measured_by_the_caller_reach_membarctl(membard):
+    """A CUDA stream's wait for pages happens on the GPU, where the runtime cannot see it: a trainer
+    that times it reports it (Runtime.add_stall_ns), and operators see it in the client's stall
+    time beside the host's own waits, through membard and embedded alike."""
+    import json
+    import subprocess
+
+    from conftest import membard_binary
+
+    socket = membard()
+    rt = Runtime.connect(socket=str(socket), embedded=False, name="timed-trainer")
+    before = rt.stats()["clients"][0]["stall_ns"]
+    rt.add_stall_ns(250_000_000)
+    rt.add_stall_ns(5_000)
+    assert rt.stats()["clients"][0]["stall_ns"] == before + 250_005_000   # travels with the next request
+    ctl = membard_binary().parent / "membarctl"
+    stats = json.loads(subprocess.run([str(ctl), "--socket", str(socket), "stats", "--json"], check=True,
+                                      capture_output=True, text=True).stdout)
+    (client,) = [c for c in stats["clients"] if c["name"] == "timed-trainer"]
+    assert client["stall_ns"] >= 250_005_000
+    with pytest.raises(RuntimeError, match="must not be negative"):
+        rt.add_stall_ns(-1)
+    embedded = Runtime.connect(embedded=True, backend="host", gpu_pool_bytes=4 * MIB, host_pool_bytes=8 * MIB)
+    embedded.add_stall_ns(7_000)
+    assert embedded.stats()["clients"][0]["stall_ns"] == 7_000
+
+
 def test_channels_in_one_process_embedded():
     import numpy as np
     writer = embedded()

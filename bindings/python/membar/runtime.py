@@ -295,6 +295,13 @@ class Runtime:
             flat.append(numbers)
         self._native.set_schedule(flat)
 
+    def add_stall_ns(self, ns: int) -> None:
+        """Adds ``ns`` nanoseconds the caller measured waiting for pages where the runtime cannot see
+        it (a CUDA stream's wait after :meth:`stream_wait`, timed with events) to this client's
+        stall time, which ``membarctl stats`` / ``top`` show; host waits are counted already.
+        Through ``membard`` it travels with the next request."""
+        self._native.add_stall_ns(int(ns))
+
     def advance(self, step: int) -> None:
         """Step ``step`` of the schedule is about to run: prefetch ahead within the GPU quota."""
         self._native.advance(int(step))

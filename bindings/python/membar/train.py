@@ -771,13 +771,18 @@ def _runtime_report(trainer) -> dict:
     runtime = getattr(trainer.store, "runtime", None)
     if runtime is None:
         return {}
+    # Timed stream waits (MEMBAR_TIME_STREAM_WAITS=1) reach the runtime's stall time when the store's
+    # stats collect them (first, so the runtime's counters below hold them); the host's are the rest.
+    stream_ns = trainer.store.stats.stream_wait_ns if hasattr(trainer.store, "stats") else -1
     stats = runtime.stats()
     client = stats["clients"][0]
     page_bytes = trainer.store.layout_page_bytes() if hasattr(trainer.store, "layout_page_bytes") else 0
     hits, misses = int(client.get("prefetch_hits", 0)), int(client.get("prefetch_misses", 0))
     report = {"runtime": runtime.describe(), "spaces": int(client["spaces"]),
               "bytes_host_to_gpu": int(client["bytes_host_to_gpu"]), "bytes_gpu_to_host": int(client["bytes_gpu_to_host"]),
-              "prefetch_hits": hits, "prefetch_misses": misses, "stall_seconds": int(client.get("stall_ns", 0)) * 1e-9,
+              "prefetch_hits": hits, "prefetch_misses": misses,
+              "stall_seconds": max(0, int(client.get("stall_ns", 0)) - max(stream_ns, 0)) * 1e-9,
+              **({"stream_wait_seconds": stream_ns * 1e-9} if stream_ns >= 0 else {}),
               "gpu_frames_peak": int(client["gpu_frames"]["peak"]), "host_frames_peak": int(client["host_frames"]["peak"])}
     moved = report["bytes_host_to_gpu"] + report["bytes_gpu_to_host"]
     report["line"] = (
@@ -786,7 +791,9 @@ def _runtime_report(trainer) -> dict:
         + (f" ({moved // page_bytes:,} pages)" if page_bytes else "")
         + (f"; prefetch hit rate {hits / (hits + misses):.1%}" if hits + misses else "")
         + f"; the host waited {report['stall_seconds']:.2f} s for pages"
-        + (" (the stream waits for them on the GPU, untimed)" if getattr(trainer.store, "_gpu_waits", False) else "")
+        + ("" if not getattr(trainer.store, "_gpu_waits", False)
+           else f" and the stream {report['stream_wait_seconds']:.2f} s (timed on the GPU)" if stream_ns >= 0
+           else " (the stream waits for them on the GPU, untimed)")
         + "; GPU tier peak "
         f"{human_bytes(report['gpu_frames_peak'] * (2 << 20))}")
     return report

@@ -35,7 +35,9 @@ Note [Runtime pages]
   MEMBAR_STREAM_WAIT=1 / 0 (or stream_waits=) forces stream / host waits. Host waits (and a stream
   wait's wait until the copies are enqueued) are counted as stall time; the stream's own wait on
   the GPU is not, unless MEMBAR_TIME_STREAM_WAITS=1 puts a pair of CUDA events around each one
-  (StoreStats.stream_wait_ns, the trainer's stream_wait_seconds; not yet run on a GPU).
+  (StoreStats.stream_wait_ns, the trainer's stream_wait_seconds; not yet run on a GPU). Timed
+  stream waits are reported to the runtime (Runtime.add_stall_ns) as they finish, read at each
+  `stats`, so the runtime's stall time (membarctl) holds both; StoreStats.stall_ns stays the host's.
   Grad pages are counted as contents once a backward acquired them (zero-filled on first use).
   On the meta device (shapes without bits: how tests measure what a step keeps on the device at
   any length) the runtime runs on its host backend for the bookkeeping and the pools are meta
@@ -438,6 +440,21 @@ class RuntimeKVStore(KVStore):
         if not self._meta:   # pools pinned before the first step, not during it
             self.runtime.wait_ready(log=lambda line: print(line, flush=True))
 
+    def _collect_stream_waits(self) -> None:
+        """Sums the timed GPU-side waits (MEMBAR_TIME_STREAM_WAITS=1) whose events have completed and
+        reports them to the runtime as stall time (Runtime.add_stall_ns), so that `membarctl stats`
+        and `top` show the stream's waits beside the host's; unfinished ones wait for a later call."""
+        pending, finished = [], 0
+        for before, after in self._wait_events:
+            if after.query():
+                finished += int(before.elapsed_time(after) * 1e6)
+            else:
+                pending.append((before, after))
+        self._wait_events = pending
+        if finished:
+            self._stream_wait_ns += finished
+            self.runtime.add_stall_ns(finished)
+
     def layout_page_bytes(self) -> int:
         """Bytes of one K/V page of the current (or last) sequence's layout; 0 before any."""
         layout = self._capacity
@@ -449,6 +466,7 @@ class RuntimeKVStore(KVStore):
         stats = StoreStats(pages_live=self._own.pages_live, pages_read=self._own.pages_read)
         if self.runtime is None or self._capacity is None:
             return stats
+        self._collect_stream_waits()   # first: they reach the runtime's stall counter with this stats call
         client = self.runtime.stats()["clients"][0]
         layout = self._capacity
         page = layout.page_bytes(layout.dtype)
@@ -460,14 +478,7 @@ class RuntimeKVStore(KVStore):
         stats.prefetch_misses = int(client.get("prefetch_misses", 0))
         stats.host_pool_bytes = int(client["host_frames"]["peak"]) * _FRAME
         stats.device_pool_bytes = int(client["gpu_frames"]["peak"]) * _FRAME
-        stats.stall_ns = int(client.get("stall_ns", 0))
-        # Timed GPU-side waits whose events have completed (MEMBAR_TIME_STREAM_WAITS=1).
-        pending = []
-        for before, after in self._wait_events:
-            if after.query():
-                self._stream_wait_ns += int(before.elapsed_time(after) * 1e6)
-            else:
-                pending.append((before, after))
-        self._wait_events = pending
+        # The runtime's stall time holds the host's waits and the stream waits reported to it.
+        stats.stall_ns = max(0, int(client.get("stall_ns", 0)) - self._stream_wait_ns)
         stats.stream_wait_ns = self._stream_wait_ns if self._time_waits else -1
         return stats
