@@ -64,6 +64,9 @@ root=$PWD
 py=${PYTHON:-python3}
 out=${OUT:-$root/bench/results/latest}
 work=/tmp/membar-session
+# A fresh folder per call: a warm machine keeps /tmp between calls, and an earlier call's files
+# (a saved checkpoint) once made every later archive too large to come back.
+rm -rf "$work"
 mkdir -p "$work" "$out"
 export PYTHONPATH=$root/bindings/python PYTHONUNBUFFERED=1
 log() { printf '[h200 %s] %s\n' "$(date +%H:%M:%S)" "$*"; }
@@ -286,6 +289,8 @@ EOF
 done
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader > "$work/machine.txt" 2>&1
 echo "commit: ${MEMBAR_COMMIT:-unknown}" >> "$work/machine.txt"
-tar czf "$out/session-$(IFS=-; echo "$*").tgz" -C "$work" --exclude='*.so' --exclude='*.safetensors' --exclude='*.bin' . 2>/dev/null
+# Files under 50 MB only (the device returns small files): logs, JSON, tables.
+(cd "$work" && find . -type f -size -50M ! -name '*.so' -print0 \
+  | tar czf "$out/session-$(IFS=-; echo "$*").tgz" --null -T - 2>/dev/null)
 log "done (status $status)"
 exit $status
