@@ -135,19 +135,23 @@ Result<Space*> EngineImpl::find_space(ClientState& client, SpaceId space_id) {
 
 Result<EngineImpl::FrameSpan> EngineImpl::check_range(ClientState& client, const PageRange& range) {
   MEMBAR_ASSIGN_OR_RETURN(Space * space, find_space(client, range.space));
+  MEMBAR_ASSIGN_OR_RETURN(FrameSpan span, span_in(space->info, range));
+  span.space = space;
+  return span;
+}
+
+Result<EngineImpl::FrameSpan> EngineImpl::span_in(const SpaceInfo& info, const PageRange& range) {
   if (range.page_count == 0) {
-    return invalid_argument("an empty page range of space '" + space->info.name + "' (page_count is 0)");
+    return invalid_argument("an empty page range of space '" + info.name + "' (page_count is 0)");
   }
   uint64_t end = uint64_t(range.first_page) + range.page_count;
-  if (end > space->info.page_count) {
+  if (end > info.page_count) {
     return out_of_range("pages [" + std::to_string(range.first_page) + ", " + std::to_string(end) +
-                        ") are outside space '" + space->info.name + "' of " +
-                        std::to_string(space->info.page_count) + " pages");
+                        ") are outside space '" + info.name + "' of " + std::to_string(info.page_count) + " pages");
   }
-  uint64_t first_byte = uint64_t(range.first_page) * space->info.page_bytes;
-  uint64_t end_byte = end * space->info.page_bytes;
+  uint64_t first_byte = uint64_t(range.first_page) * info.page_bytes;
+  uint64_t end_byte = end * info.page_bytes;
   FrameSpan span;
-  span.space = space;
   span.first = uint32_t(first_byte / kFrameBytes);
   span.end = uint32_t((end_byte + kFrameBytes - 1) / kFrameBytes);
   span.first_page = range.first_page;

@@ -106,6 +106,8 @@ class EngineImpl final : public Engine {
     uint32_t page_count = 0;
   };
   Result<FrameSpan> check_range(ClientState& client, const PageRange& range);
+  // The same checks on a space's geometry alone (no lock needed on a copy of it); span.space null.
+  static Result<FrameSpan> span_in(const SpaceInfo& info, const PageRange& range);
   static std::string frame_text(const Space& space, uint32_t g);
   // Runs `body` under mutex_ for the open client `id`, then delivers the client's events with no
   // lock held (the one lock-then-deliver helper, Note [Event delivery]).

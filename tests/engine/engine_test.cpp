@@ -105,6 +105,20 @@ TEST(Engine, BadInputGetsClearErrors) {
   // Schedules and tickets: a ticket never issued is refused at once.
   EXPECT_EQ(engine->advance(id, 0).code(), StatusCode::OUT_OF_RANGE);
   EXPECT_EQ(engine->set_schedule(id, {ScheduleStep{{PageRange{space, 6, 4}}}}).code(), StatusCode::OUT_OF_RANGE);
+  // The first bad range in step order is the one reported, whatever is wrong with it (the ranges
+  // are checked outside the engine's lock against the named spaces' geometry).
+  std::vector<ScheduleStep> bad_steps = {ScheduleStep{{PageRange{space, 0, 8}}}, ScheduleStep{{PageRange{space, 0, 1}}},
+                                         ScheduleStep{{PageRange{space, 7, 2}}}, ScheduleStep{{PageRange{space + 50, 0, 1}}}};
+  Status bad_range = engine->set_schedule(id, bad_steps);
+  EXPECT_EQ(bad_range.code(), StatusCode::OUT_OF_RANGE) << bad_range.to_string();
+  EXPECT_TRUE(contains(bad_range, "schedule step 2: pages [7, 9)")) << bad_range.to_string();
+  std::swap(bad_steps[1], bad_steps[3]);
+  Status bad_space = engine->set_schedule(id, bad_steps);
+  EXPECT_EQ(bad_space.code(), StatusCode::NOT_FOUND) << bad_space.to_string();
+  EXPECT_TRUE(contains(bad_space, "schedule step 1:")) << bad_space.to_string();
+  bad_steps[1].ranges[0].page_count = 0;
+  bad_steps[1].ranges[0].space = space;
+  EXPECT_EQ(engine->set_schedule(id, bad_steps).code(), StatusCode::INVALID_ARGUMENT);
   auto start = std::chrono::steady_clock::now();
   EXPECT_EQ(engine->wait(id, 1000).code(), StatusCode::INVALID_ARGUMENT);
   EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::milliseconds(100));
