@@ -28,6 +28,8 @@
 #             against host order ("+hostorder", MEMBAR_DEVICE_ORDER=0) at 32K, and at 128K
 #   order256  the same at 256K: embedded dense-offload against plain tensors (offload overhead goal
 #             <= 3%), then sparse through the runtime against plain tensors as time allows
+#   blocks256 7B at 256K: dense-offload with history blocks of 64K (default), 128K and 256K tokens
+#             beside plain tensors, stream waits timed: do fewer, larger blocks take away the +4.5%?
 #   gpuwait   the stream's own wait for pages, timed with CUDA events ("+timewaits", MEMBAR_TIME_STREAM_WAITS=1),
 #             embedded dense-offload at 32K and 128K beside plain tensors and the untimed run (the
 #             issue's stall goal: <= 1% of the step)
@@ -138,6 +140,9 @@ for step in "$@"; do
     order256)
       bench order256 --contexts 256K --time-budget "${ORDER_BUDGET:-420}" \
         --variants "dense+plain,dense-offload,sparse+plain,sparse" ;;
+    blocks256)
+      bench blocks256 --contexts 256K --time-budget "${BLOCKS_BUDGET:-560}" --time-limit 240 \
+        --variants "dense+plain,dense-offload+timewaits,dense-offload+timewaits@128K,dense-offload+timewaits@256K" ;;
     gpuwait)
       bench gpuwait --contexts 32K,128K --time-budget "${GPUWAIT_BUDGET:-400}" \
         --variants "dense+plain:32K/128K,dense-offload+timewaits:32K/128K,dense-offload:32K" ;;
