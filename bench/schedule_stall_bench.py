@@ -44,7 +44,7 @@ def probe(socket: str, seconds: float) -> None:
                       "p999_ms": latencies[int(len(latencies) * 0.999)] * 1e3, "worst_ms": latencies[-1] * 1e3}))
 
 
-def install(socket: str, chunks: int, layers: int, top_k: int, repeats: int) -> dict:
+def install(socket: str, chunks: int, layers: int, top_k: int, repeats: int, jumps: int) -> dict:
     """The long-context client: spaces of a sparse step's shape and its schedule, set `repeats` times."""
     from membar.runtime import Runtime
 
@@ -65,7 +65,13 @@ def install(socket: str, chunks: int, layers: int, top_k: int, repeats: int) -> 
         start = time.perf_counter()
         rt.set_schedule(steps)
         seconds.append(time.perf_counter() - start)
-    return {"steps": len(steps), "ranges": sum(len(step) for step in steps), "set_schedule_seconds": seconds}
+    start = time.perf_counter()
+    for _ in range(jumps):
+        rt.advance(len(steps) - 1)
+        rt.advance(0)
+    jump_seconds = (time.perf_counter() - start) / max(1, 2 * jumps)
+    return {"steps": len(steps), "ranges": sum(len(step) for step in steps), "set_schedule_seconds": seconds,
+            "jumps": jumps, "advance_seconds_per_jump": jump_seconds}
 
 
 def main() -> None:
@@ -76,6 +82,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=28)
     parser.add_argument("--top-k", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--jumps", type=int, default=20, help="advance() from the first step to the last and back")
     parser.add_argument("--probe", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.probe:
@@ -93,7 +100,7 @@ def main() -> None:
             other = subprocess.Popen([sys.executable, __file__, "--probe", socket, "--seconds", str(args.seconds)],
                                      stdout=subprocess.PIPE, text=True)
             time.sleep(0.5)
-            result = install(socket, args.chunks, args.layers, args.top_k, args.repeats)
+            result = install(socket, args.chunks, args.layers, args.top_k, args.repeats, args.jumps)
             result["other_client"] = json.loads(other.communicate()[0])
         finally:
             daemon.terminate()
@@ -101,6 +108,7 @@ def main() -> None:
     text = (f"schedule of {result['steps']:,} steps, {result['ranges']:,} ranges, set "
             f"{len(result['set_schedule_seconds'])} times: "
             + ", ".join(f"{s:.2f} s" for s in result["set_schedule_seconds"])
+            + f"; advance over the whole schedule {result['advance_seconds_per_jump'] * 1e3:.1f} ms"
             + f"; the other client's acquire+release meanwhile: {result['other_client']['calls']:,} calls, "
             f"p50 {result['other_client']['p50_ms']:.2f} ms, p99.9 {result['other_client']['p999_ms']:.2f} ms, "
             f"worst {result['other_client']['worst_ms']:.1f} ms")

@@ -228,6 +228,9 @@ struct ClientState {
   std::map<Ticket, Status> failed_tickets;
 
   std::vector<ScheduleStep> schedule;
+  // schedule_uses[s]: the space frames named by steps [0, s), counted per range (s = 0..steps):
+  // what advance() would re-key walking from one step to another (Note [Eviction order]).
+  std::vector<uint64_t> schedule_uses;
   uint32_t current_step = 0;
   uint64_t clock = 0;
   std::set<EvictionKey, EvictionOrder> eviction_set;

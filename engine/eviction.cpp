@@ -11,7 +11,10 @@
 // set of its GPU-resident unpinned space frames keyed by (next use at or after the current step,
 // descending; last use, ascending): the first element is the victim. advance(step) moves the
 // current step and re-keys only the frames named by the steps it passed (their next use changed),
-// so its cost is the size of those steps, not of the spaces. Without a schedule every next use is
+// so its cost is the size of those steps, not of the spaces; a jump over steps that name more
+// frames than the client has resident re-keys the resident frames instead, so no advance costs
+// more than that under the engine's lock (nor does the lookahead: a step may name at most
+// max_step_uses frames). Without a schedule every next use is
 // "never" and the order is LRU (but see the reuse of mapped frames below); frames the schedule
 // never names are evicted before any it does name. Schedule-driven prefetch (advance's lookahead)
 // evicts a frame only when its next use is strictly later than that of the frame being brought
@@ -90,6 +93,7 @@ void EngineImpl::rekey_all(ClientState& client) {
 
 void EngineImpl::clear_schedule(ClientState& client) {
   client.schedule.clear();
+  client.schedule_uses.clear();
   client.current_step = 0;
   for (auto& [space_id, space] : client.spaces) space->uses.clear();
   rekey_all(client);
@@ -154,6 +158,7 @@ Status EngineImpl::set_schedule(ClientId id, std::vector<ScheduleStep> steps) {
     SpaceInfo info;
   };
   std::map<SpaceId, Geometry> geometry;
+  std::vector<uint64_t> prefix_uses(steps.size() + 1, 0);  // ClientState::schedule_uses
   {
     std::vector<SpaceId> named;
     for (const ScheduleStep& step : steps) {
@@ -196,6 +201,12 @@ Status EngineImpl::set_schedule(ClientId id, std::vector<ScheduleStep> steps) {
         }
         return Status(status.code(), "schedule step " + std::to_string(s) + ": " + status.message());
       }
+      prefix_uses[s + 1] = uses;
+      if (uses - prefix_uses[s] > config_.max_step_uses) {
+        return resource_exhausted("schedule step " + std::to_string(s) + " names " +
+                                  std::to_string(uses - prefix_uses[s]) + " space frames; a step may name at most " +
+                                  std::to_string(config_.max_step_uses));
+      }
     }
     if (uses > config_.max_schedule_uses) {
       return resource_exhausted("a schedule may name at most " + std::to_string(config_.max_schedule_uses) +
@@ -228,6 +239,7 @@ Status EngineImpl::set_schedule(ClientId id, std::vector<ScheduleStep> steps) {
     clear_schedule(client);
     for (auto& [space_id, list] : uses) client.spaces.at(space_id)->uses = std::move(list);
     client.schedule = std::move(steps);
+    client.schedule_uses = std::move(prefix_uses);
     client.current_step = 0;
     rekey_all(client);
     return Status::Ok();
@@ -245,7 +257,10 @@ Status EngineImpl::advance_locked(ClientState& client, uint32_t step) {
   }
   uint32_t previous = client.current_step;
   client.current_step = step;
-  if (step < previous) {
+  // Re-key the frames the passed steps name, or every frame in the eviction set where that is
+  // less work (a jump over many steps: the cost stays bounded by the client's resident frames).
+  if (step < previous ||
+      client.schedule_uses[step] - client.schedule_uses[previous] > client.eviction_set.size()) {
     rekey_all(client);
   } else {
     for (uint32_t s = previous; s < step; ++s) {

@@ -54,7 +54,9 @@ struct ReleasedWord {
 };
 
 TEST(Engine, BadInputGetsClearErrors) {
+  constexpr uint64_t kMaxStepUsesInTest = 32;
   EngineConfig config;
+  config.max_step_uses = kMaxStepUsesInTest;
   config.max_spaces_per_client = 4;
   config.max_space_frames_per_client = 64;
   auto engine = make_engine(4, 8, config);
@@ -119,6 +121,14 @@ TEST(Engine, BadInputGetsClearErrors) {
   bad_steps[1].ranges[0].page_count = 0;
   bad_steps[1].ranges[0].space = space;
   EXPECT_EQ(engine->set_schedule(id, bad_steps).code(), StatusCode::INVALID_ARGUMENT);
+  // One step may name at most max_step_uses space frames (the lookahead walks steps under the lock).
+  std::vector<ScheduleStep> wide_steps(3, ScheduleStep{{PageRange{space, 0, 1}}});
+  wide_steps[1].ranges.assign(kMaxStepUsesInTest + 1, PageRange{space, 0, 1});
+  Status wide = engine->set_schedule(id, wide_steps);
+  EXPECT_EQ(wide.code(), StatusCode::RESOURCE_EXHAUSTED) << wide.to_string();
+  EXPECT_TRUE(contains(wide, "schedule step 1 names 33 space frames; a step may name at most 32")) << wide.to_string();
+  wide_steps[1].ranges.pop_back();
+  EXPECT_TRUE(engine->set_schedule(id, wide_steps).ok());
   auto start = std::chrono::steady_clock::now();
   EXPECT_EQ(engine->wait(id, 1000).code(), StatusCode::INVALID_ARGUMENT);
   EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::milliseconds(100));

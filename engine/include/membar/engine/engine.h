@@ -54,8 +54,10 @@ struct EngineConfig {
   uint32_t max_spaces_per_client = 65536;
   // Space frames (2 MiB each) of all a client's spaces: ~100 bytes of page table each.
   uint64_t max_space_frames_per_client = 1ull << 24;
-  // (space frame, step) uses of a schedule.
+  // (space frame, step) uses of a schedule, and of one step (the lookahead prefetch walks a few
+  // steps' frames under the engine's lock: this bounds how long).
   uint64_t max_schedule_uses = 1ull << 26;
+  uint64_t max_step_uses = 1ull << 20;
   // Client ids are first_client_id, + client_id_step, ...: a daemon with one engine per device
   // gives engine i of n the ids i + 1, i + 1 + n, ..., so an id names one client node-wide (its
   // channels, the admin view, the logs).
