@@ -228,13 +228,21 @@ Status EngineImpl::set_schedule(ClientId id, std::vector<ScheduleStep> steps) {
       }
     }
   }
-  // Phase 3 (locked): install, if the spaces are still the ones checked.
-  return with_client<Status>(id, [&](ClientState& client) -> Status {
+  // Phase 3 (locked): install, if the spaces are still the ones checked. The schedule it replaces
+  // is swapped out and freed after the lock is released (freeing millions of ranges and use lists
+  // took most of the time this phase held the lock).
+  std::vector<ScheduleStep> old_schedule;
+  std::vector<std::vector<std::vector<uint32_t>>> old_uses;
+  Status installed = with_client<Status>(id, [&](ClientState& client) -> Status {
     for (auto& [space_id, geo] : geometry) {
       auto it = client.spaces.find(space_id);
       if (it == client.spaces.end() || it->second.get() != geo.space) {
         return aborted("set_schedule: space " + std::to_string(space_id) + " was destroyed meanwhile");
       }
+    }
+    old_schedule.swap(client.schedule);
+    for (auto& [space_id, space] : client.spaces) {
+      if (!space->uses.empty()) old_uses.push_back(std::move(space->uses));
     }
     clear_schedule(client);
     for (auto& [space_id, list] : uses) client.spaces.at(space_id)->uses = std::move(list);
@@ -244,6 +252,7 @@ Status EngineImpl::set_schedule(ClientId id, std::vector<ScheduleStep> steps) {
     rekey_all(client);
     return Status::Ok();
   });
+  return installed;
 }
 
 Status EngineImpl::advance(ClientId id, uint32_t step) {
