@@ -38,6 +38,10 @@
 #             chunks of 4096, bf16, --offload, 4 optimizer steps each
 #   heads     attention kernels at every head size (64, 96, 128, 256) in bf16 and fp16 against SDPA
 #             flash, 32K history (bench/attention_bench.py; model-coverage issue: fwd >= 1.0x, bwd >= 0.8x)
+#   models    the model-coverage table (bench/model_coverage_bench.py, issue "Train the models people
+#             actually use"): COVERAGE_MODELS (default qwen3-8b; one model per call) at 32K and 128K
+#             beside full-sequence training, and its bf16 gradient errors; COVERAGE_QUICK=1 runs the
+#             four shapes' quick table instead (4 layers, 32K, < 5 minutes)
 #   dp        7B at 32K: one process against data parallel with world size 1 (NCCL), in one run
 #   cli       membar-train as a user runs it, 7B at CLI_SEQ (default 32K), 3 steps: embedded and
 #             through membard (--socket), dense and --offload, in one call (steps 2-3 compared);
@@ -167,6 +171,12 @@ for step in "$@"; do
       MEMBAR_RESULTS_DIR=$work/heads timeout 300 "$py" bench/attention_bench.py --histories "" \
         --head-dims 64,96,128,256 --head-dim-dtypes bfloat16,float16 > "$work/heads/bench.log" 2>&1 || status=1
       tail -12 "$work/heads/attention.txt" 2>/dev/null || tail -20 "$work/heads/bench.log" ;;
+    models)
+      mkdir -p "$work/models"
+      if [ "${COVERAGE_QUICK:-0}" = 1 ]; then coverage="--quick"; else coverage="--models ${COVERAGE_MODELS:-qwen3-8b}"; fi
+      MEMBAR_RESULTS_DIR=$work/models timeout 560 "$py" bench/model_coverage_bench.py $coverage --time-budget 500 \
+        > "$work/models/bench.log" 2>&1 || status=1
+      tail -15 "$work/models/model_coverage.md" 2>/dev/null || tail -20 "$work/models/bench.log" ;;
     dp)
       bench dp --contexts 32K --time-budget 300 --variants "dense,dense+dp" ;;
     cli)
