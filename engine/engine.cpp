@@ -270,6 +270,7 @@ Status EngineImpl::client_close(ClientId id) {
       batches_.erase(batch_id);
     }
     return_client_memory(*client);
+    space_frames_all_ -= client->space_frames_total;
     // The page tables are freed below, with no lock held (a huge space takes a while).
     doomed_spaces.swap(client->spaces);
     if (order_on_device_ && client->signal_words != nullptr) {
@@ -329,7 +330,37 @@ Result<SpaceId> EngineImpl::create_space(ClientId id, const std::string& name, u
                             human_bytes(kMaxSpaceBytes) + ")");
   }
   uint64_t frames = (bytes + kFrameBytes - 1) / kFrameBytes;
-  // The page table is made outside the lock: a large space must not stall other clients.
+  // The page table's frames are reserved under the lock first, then the table is made outside it
+  // (a large space must not stall other clients, and a flood of large spaces must not make the
+  // engine allocate what its limits would refuse).
+  auto check = [&](ClientState& client, uint64_t reserved) -> Status {
+    if (client.spaces.size() >= config_.max_spaces_per_client) {
+      return resource_exhausted("client " + std::to_string(id) + " has " + std::to_string(client.spaces.size()) +
+                                " spaces, the most one client may have (--max-spaces)");
+    }
+    if (client.space_frames_total - reserved + frames > config_.max_space_frames_per_client) {
+      return resource_exhausted("space '" + name + "' of " + human_bytes(bytes) + " would bring client " +
+                                std::to_string(id) + "'s spaces to " +
+                                human_bytes((client.space_frames_total - reserved + frames) * kFrameBytes) +
+                                ", over its limit of " + human_bytes(config_.max_space_frames_per_client * kFrameBytes));
+    }
+    if (space_frames_all_ - reserved + frames > config_.max_space_frames_total) {
+      return resource_exhausted("space '" + name + "' of " + human_bytes(bytes) + " would bring all clients' spaces to " +
+                                human_bytes((space_frames_all_ - reserved + frames) * kFrameBytes) +
+                                ", over the limit of " + human_bytes(config_.max_space_frames_total * kFrameBytes) +
+                                " for their page tables (--max-total-space)");
+    }
+    if (client.space_names.count(name) != 0) {
+      return already_exists("client " + std::to_string(id) + " already has a space named '" + name + "'");
+    }
+    return Status::Ok();
+  };
+  MEMBAR_RETURN_IF_ERROR(with_client<Status>(id, [&](ClientState& client) -> Status {
+    MEMBAR_RETURN_IF_ERROR(check(client, 0));
+    client.space_frames_total += frames;
+    space_frames_all_ += frames;
+    return Status::Ok();
+  }));
   auto space = std::make_unique<Space>();
   space->info.name = name;
   space->info.page_bytes = page_bytes;
@@ -338,24 +369,17 @@ Result<SpaceId> EngineImpl::create_space(ClientId id, const std::string& name, u
   space->frames.resize(frames);
   space->counters.bytes[kClassNone] = bytes;
   return with_client<Result<SpaceId>>(id, [&](ClientState& client) -> Result<SpaceId> {
-    if (client.spaces.size() >= config_.max_spaces_per_client) {
-      return resource_exhausted("client " + std::to_string(id) + " has " + std::to_string(client.spaces.size()) +
-                                " spaces, the most one client may have (--max-spaces)");
-    }
-    if (client.space_frames_total + frames > config_.max_space_frames_per_client) {
-      return resource_exhausted("space '" + name + "' of " + human_bytes(bytes) + " would bring client " +
-                                std::to_string(id) + "'s spaces to " +
-                                human_bytes((client.space_frames_total + frames) * kFrameBytes) + ", over its limit of " +
-                                human_bytes(config_.max_space_frames_per_client * kFrameBytes));
-    }
-    if (client.space_names.count(name) != 0) {
-      return already_exists("client " + std::to_string(id) + " already has a space named '" + name + "'");
+    // Checked again (another call of this client may have come in between): the reservation is
+    // returned when it fails. A client closed meanwhile took its reservations with it.
+    if (Status again = check(client, frames); !again.ok()) {
+      client.space_frames_total -= frames;
+      space_frames_all_ -= frames;
+      return again;
     }
     SpaceId space_id = client.next_space++;
     space->info.id = space_id;
     space->info.client = id;
     client.space_names[name] = space_id;
-    client.space_frames_total += frames;
     client.stats.bytes_none += bytes;
     client.stats.spaces = uint32_t(client.spaces.size() + 1);
     client.spaces.emplace(space_id, std::move(space));
@@ -427,6 +451,7 @@ Status EngineImpl::destroy_space(ClientId id, SpaceId space_id) {
     Space& space = *it->second;
     client.space_names.erase(space.info.name);
     client.space_frames_total -= space.frames.size();
+    space_frames_all_ -= space.frames.size();
     client.stats.bytes_none -= space.counters.bytes[kClassNone];
     doomed = std::move(it->second);
     client.spaces.erase(it);

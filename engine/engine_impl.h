@@ -220,6 +220,7 @@ class EngineImpl final : public Engine {
   std::vector<Slab> slabs_;
   uint32_t slab_frames_ = 1;
   uint64_t channel_frames_ = 0;   // host pool frames taken by channels
+  uint64_t space_frames_all_ = 0; // space frames of every client's spaces (and reservations)
   std::map<ClientId, std::shared_ptr<ClientState>> clients_;
   ClientId next_client_;  // EngineConfig::first_client_id, then every client_id_step
   std::unordered_map<uint64_t, Batch> batches_;

@@ -233,6 +233,7 @@ int run(int argc, char** argv) {
   EngineConfig engine_config;
   engine_config.max_spaces_per_client = options.max_spaces;
   engine_config.max_space_frames_per_client = options.max_client_space.bytes / kFrameBytes;
+  engine_config.max_space_frames_total = options.max_total_space.bytes / kFrameBytes;
   engine_config.client_id_step = static_cast<uint32_t>(device_count);
   std::vector<ServedDevice> devices;
   for (size_t i = 0; i < device_count; ++i) {

@@ -97,6 +97,8 @@ std::string daemon_usage() {
          "  --handshake-timeout MS     a peer must say hello within this (default 5000)\n"
          "  --max-spaces N             spaces per client (default 65536)\n"
          "  --max-client-space SIZE    bytes of all of a client's spaces (page tables; default 32TiB)\n"
+         "  --max-total-space SIZE     bytes of all clients' spaces together, per device (default 32TiB:\n"
+         "                             ~1.3GiB of page tables in the daemon)\n"
          "  --queue-limit SIZE         bytes queued for a peer that does not read its socket (default 16MiB)\n"
          "Other:\n"
          "  --prometheus-port N        serve http://127.0.0.1:N/metrics (loopback only; 0 picks a free port)\n"
@@ -235,6 +237,11 @@ Result<DaemonOptions> parse_daemon_options(int argc, const char* const* argv) {
       MEMBAR_RETURN_IF_ERROR(take_size(options.max_client_space));
       if (options.max_client_space.fraction > 0 || options.max_client_space.bytes < kFrameBytes) {
         return invalid_argument("--max-client-space must be a size of at least 2MiB");
+      }
+    } else if (flag == "--max-total-space") {
+      MEMBAR_RETURN_IF_ERROR(take_size(options.max_total_space));
+      if (options.max_total_space.fraction > 0 || options.max_total_space.bytes < kFrameBytes) {
+        return invalid_argument("--max-total-space must be a size of at least 2MiB");
       }
     } else if (flag == "--queue-limit") {
       SizeSpec queue;

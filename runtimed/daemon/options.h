@@ -45,6 +45,7 @@ struct DaemonOptions {
   int host_numa_node = -2;
   uint32_t max_spaces = 65536;
   SizeSpec max_client_space{32ull << 40, 0};
+  SizeSpec max_total_space{32ull << 40, 0};  // all clients' spaces of one device's engine
   bool daemonize = false;
   std::string pid_file;
   std::string log_level = "info";

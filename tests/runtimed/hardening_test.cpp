@@ -396,6 +396,36 @@ TEST_F(DaemonTest, SpaceLimitsAndQuotasUnderOneFrameAreClearErrors) {
   EXPECT_NE(out.find("--default-gpu-quota must be at least one 2MiB frame"), std::string::npos) << out;
 }
 
+// All clients' spaces together are bounded too (their page tables are the daemon's memory): many
+// clients cannot exhaust it between them; what one frees, another may take; a client that leaves
+// returns its share.
+TEST_F(DaemonTest, AllClientsSpacesTogetherAreBoundedAndFreedSpaceServesOthers) {
+  start_daemon({"--max-client-space", "80MiB", "--max-total-space", "96MiB"});
+  auto first = connect_client("first");
+  auto second = connect_client("second");
+  ASSERT_TRUE(first && second);
+  auto a = first->create_space("a", 1 << 20, 60);  // 60 MiB
+  ASSERT_TRUE(a.ok()) << a.status().to_string();
+  auto b = second->create_space("b", 1 << 20, 40);  // 60 + 40 > 96
+  ASSERT_FALSE(b.ok());
+  EXPECT_EQ(b.status().code(), StatusCode::RESOURCE_EXHAUSTED);
+  EXPECT_NE(b.status().message().find("--max-total-space"), std::string::npos) << b.status().to_string();
+  EXPECT_TRUE(second->create_space("small", 1 << 20, 30).ok());  // 90 of 96
+  ASSERT_TRUE(first->destroy_space(a.value()).ok());
+  EXPECT_TRUE(second->create_space("b", 1 << 20, 40).ok()) << "freed space serves another client";
+  // A client that leaves returns its spaces' share.
+  auto third = connect_client("third");
+  ASSERT_TRUE(third);
+  EXPECT_FALSE(third->create_space("c", 1 << 20, 30).ok());  // 70 + 30 > 96
+  second.reset();
+  bool served = false;
+  for (int i = 0; i < 100 && !served; ++i) {  // the daemon drops the client asynchronously
+    served = third->create_space("c", 1 << 20, 30).ok();
+    if (!served) std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  EXPECT_TRUE(served) << "the spaces of a client that left still count";
+}
+
 // Channel memory counts against the creator's host quota and the host pool, and stats show it.
 TEST_F(DaemonTest, ChannelBytesCountInQuotasPoolsAndStats) {
   start_daemon({}, "8MiB", "32MiB");  // 16 host frames

@@ -109,7 +109,7 @@ TEST(DaemonOptions, ParsesEveryFlag) {
                         "--default-gpu-quota", "2GiB", "--allow-uid", "1000,1001", "--socket-mode", "0660",
                         "--prometheus-port", "9464", "--ring-capacity", "128", "--daemonize", "--pid-file",
                         "/tmp/membard.pid", "--log-level", "debug", "--device", "1", "--max-connections", "10000",
-                        "--handshake-timeout", "250", "--max-spaces", "100", "--max-client-space", "1TiB",
+                        "--handshake-timeout", "250", "--max-spaces", "100", "--max-client-space", "1TiB", "--max-total-space", "2TiB",
                         "--queue-limit", "1MiB", "--default-host-quota", "0.25"});
   ASSERT_TRUE(options.ok()) << options.status().to_string();
   const DaemonOptions& o = options.value();
@@ -130,6 +130,7 @@ TEST(DaemonOptions, ParsesEveryFlag) {
   EXPECT_EQ(o.server.handshake_timeout_ms, 250u);
   EXPECT_EQ(o.max_spaces, 100u);
   EXPECT_EQ(o.max_client_space.bytes, 1ull << 40);
+  EXPECT_EQ(o.max_total_space.bytes, 2ull << 40);
   EXPECT_EQ(o.server.outbound.max_bytes, 1ull << 20);
   EXPECT_DOUBLE_EQ(o.default_host_quota.fraction, 0.25);
   // Defaults: in the foreground, and the limits docs/service.md lists.
@@ -149,6 +150,7 @@ TEST(DaemonOptions, ParsesEveryFlag) {
   EXPECT_EQ(d.server.ring_capacity, 64u);
   EXPECT_EQ(d.max_spaces, 65536u);
   EXPECT_EQ(d.max_client_space.bytes, 32ull << 40);
+  EXPECT_EQ(d.max_total_space.bytes, 32ull << 40);
   EXPECT_EQ(d.gpu_pool.bytes, 256ull << 20);
   EXPECT_EQ(d.host_pool.bytes, 1ull << 30);
   EXPECT_DOUBLE_EQ(d.default_gpu_quota.fraction, 1.0);
@@ -170,7 +172,8 @@ TEST(DaemonOptions, RejectsBadFlagsWithTheirName) {
       {{"--socket"}, "--socket"},
       {{"--max-connections", "0"}, "--max-connections"}, {{"--handshake-timeout", "5"}, "--handshake-timeout"},
       {{"--max-spaces", "0"}, "--max-spaces"}, {{"--max-client-space", "1MiB"}, "--max-client-space"},
-      {{"--max-client-space", "0.5"}, "--max-client-space"}, {{"--queue-limit", "1KiB"}, "--queue-limit"},
+      {{"--max-client-space", "0.5"}, "--max-client-space"},
+      {{"--max-total-space", "1MiB"}, "--max-total-space"}, {{"--queue-limit", "1KiB"}, "--queue-limit"},
       {{"--default-gpu-quota", "1"}, "--default-gpu-quota"}, {{"--default-host-quota", "1MiB"}, "--default-host-quota"},
   };
   for (const Case& c : cases) {

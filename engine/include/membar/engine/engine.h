@@ -54,6 +54,9 @@ struct EngineConfig {
   uint32_t max_spaces_per_client = 65536;
   // Space frames (2 MiB each) of all a client's spaces: ~100 bytes of page table each.
   uint64_t max_space_frames_per_client = 1ull << 24;
+  // ... and of every client's spaces together: what the page tables may take of the daemon's own
+  // memory (~1.3 GiB at the default), so that many clients cannot exhaust it between them.
+  uint64_t max_space_frames_total = 1ull << 24;
   // (space frame, step) uses of a schedule, and of one step (the lookahead prefetch walks a few
   // steps' frames under the engine's lock: this bounds how long).
   uint64_t max_schedule_uses = 1ull << 26;
