@@ -142,6 +142,33 @@ def test_training_through_membard_changes_no_gradient_bit(membard):
     assert max_relative_error(through_daemon, full_sequence_grads(model, input_ids)) < 1e-4
 
 
+def test_a_schedule_larger_than_a_request_trains_through_membard(membard):
+    """Sparse mode names every selected page run in its access schedule: here 101,282 ranges (1.2 MB,
+    over the 1 MiB a request carries; a 1M-token step of the 7B shape names ~2.7M). The schedule
+    reaches membard in parts (Note [A schedule in parts]) and the step's bits equal the embedded
+    runtime's."""
+    membard_socket = membard(gpu_pool="128MiB", host_pool="512MiB")
+    model = model_for_runtime("qwen2", head_dim=64, kv_heads=2)
+    input_ids = torch.randint(0, 97, (1, 24576), generator=torch.Generator().manual_seed(1))
+    options = dict(page_tokens=16, chunk_tokens=128, mode="sparse", top_k=64, history_block_tokens=0)
+    loss, embedded, _ = grads_after(model, input_ids, RuntimeKVStore("cpu", offload=True, gpu_budget_bytes=64 * _MIB),
+                                    **options)
+    planned = []
+
+    class Counting(RuntimeKVStore):
+        def plan(self, accesses):
+            super().plan(accesses)
+            planned.append(sum(len(self._page_runs(access)) * 2 for access in accesses))   # two spaces each
+
+    store = Counting("cpu", offload=True, gpu_budget_bytes=64 * _MIB, socket=membard_socket, name="long-schedule")
+    daemon_loss, through_daemon, trainer = grads_after(model, input_ids, store, **options)
+    assert trainer.store.runtime.describe().startswith("daemon:")
+    assert max(planned) * 12 > 1 << 20, f"the schedule ({max(planned)} ranges) should not fit one request"
+    assert float(daemon_loss) == float(loss)
+    for name, grad in embedded.items():
+        assert torch.equal(through_daemon[name], grad), name
+
+
 def test_two_trainer_processes_share_one_membard(membard):
     """Two membar-train processes through one daemon at once (host backend): each trains the
     losses that one embedded process trains alone."""
