@@ -455,6 +455,8 @@ def run_sweep(args, write) -> list[dict]:
                     line = raw.decode(errors="replace")
                     if key.data == "err":
                         stderr_tail = (stderr_tail + [line.rstrip()])[-5:]
+                        if line.startswith("[oomb] "):   # MEMBAR_PROGRESS_SECONDS: how far a long step got
+                            print(line.rstrip(), file=sys.stderr, flush=True)
                         continue
                     if not line.startswith("{"):
                         continue
@@ -475,7 +477,8 @@ def run_sweep(args, write) -> list[dict]:
             # The configuration in flight ended the process (timeout, budget, crash): record it.
             spec = pending.pop(0)
             if killed:
-                result = dict(spec, timeout=True, error=killed)
+                progress = [line for line in stderr_tail if line.startswith("[oomb] ")]
+                result = dict(spec, timeout=True, error=killed + (f" ({progress[-1][7:]})" if progress else ""))
             else:
                 text = " | ".join(stderr_tail)
                 result = dict(spec, oom="out of memory" in text.lower(), error=text[-300:] or f"exit {child.returncode}")

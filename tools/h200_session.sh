@@ -85,6 +85,7 @@ bench() {   # bench STEP ARGS...: bench/oomb_bench.py at the 7B shape into $work
   MEMBAR_RESULTS_DIR=$work/$step timeout 570 "$py" bench/oomb_bench.py --model qwen2.5-7b --time-limit 400 "$@" \
     > "$work/$step/bench.log" 2>&1 || status=1
   grep -vE '^\[|^ +' "$work/$step/oomb_bench.txt" 2>/dev/null || tail -20 "$work/$step/bench.log"
+  grep '^\[oomb\]' "$work/$step/bench.log" 2>/dev/null | tail -2
 }
 
 start_daemon() {   # start_daemon SOCKET ARGS...: membard on the CUDA backend, waits for its socket
@@ -208,7 +209,7 @@ for step in "$@"; do
       socket=/tmp/membar-sparse.sock
       start_daemon "$socket" --gpu-pool "${SPARSE_GPU_POOL:-90GiB}" --host-pool "${SPARSE_HOST_POOL:-96GiB}" \
         || { status=1; continue; }
-      MEMBAR_SOCKET=$socket bench sparse1m --contexts "${SPARSE_CONTEXT:-1M}" --variants sparse-hybrid \
+      MEMBAR_PROGRESS_SECONDS=30 MEMBAR_SOCKET=$socket bench sparse1m --contexts "${SPARSE_CONTEXT:-1M}" --variants sparse-hybrid \
         --query-tile 4096 --time-limit "${SPARSE_LIMIT:-470}"
       "$bin/membarctl" --socket "$socket" stats --json > "$work/sparse1m/membarctl_stats.json" 2>&1
       kill "$daemon"; wait "$daemon" 2>/dev/null ;;
@@ -218,7 +219,7 @@ for step in "$@"; do
       socket=/tmp/membar-dense.sock
       start_daemon "$socket" --gpu-pool "${DENSE_GPU_POOL:-90GiB}" --host-pool "${DENSE_HOST_POOL:-96GiB}" \
         || { status=1; continue; }
-      MEMBAR_SOCKET=$socket bench dense1m --contexts 1M --variants dense-hybrid --stage2-chunks 2 --time-limit 560
+      MEMBAR_PROGRESS_SECONDS=30 MEMBAR_SOCKET=$socket bench dense1m --contexts 1M --variants dense-hybrid --stage2-chunks 2 --time-limit 560
       "$bin/membarctl" --socket "$socket" stats --json > "$work/dense1m/membarctl_stats.json" 2>&1
       kill "$daemon"; wait "$daemon" 2>/dev/null ;;
     share)

@@ -105,6 +105,22 @@ def test_sweep_runs_on_the_cpu_and_writes_results(tmp_path):
     assert "dense-offload" in (tmp_path / "oomb_bench.txt").read_text()
 
 
+def test_long_steps_report_how_far_they_got(tmp_path):
+    """MEMBAR_PROGRESS_SECONDS: the trainer says how far a step got at most every N seconds and at the
+    end of each stage; the bench passes the lines on (a step stopped by its time limit says where)."""
+    environment = dict(os.environ, MEMBAR_RESULTS_DIR=str(tmp_path), MEMBAR_PROGRESS_SECONDS="3600",
+                       PYTHONPATH=str(REPO / "bindings" / "python"), OMP_NUM_THREADS="1")
+    command = [sys.executable, str(REPO / "bench" / "oomb_bench.py"), "--device", "cpu", "--model", "tiny-qwen2",
+               "--contexts", "512", "--variants", "dense", "--chunk", "64", "--page-tokens", "16"]
+    finished = subprocess.run(command, capture_output=True, text=True, timeout=200, env=environment)
+    assert finished.returncode == 0, finished.stderr[-2000:]
+    lines = [line for line in finished.stderr.splitlines() if line.startswith("[oomb] ")]
+    # Every stage's last chunk is reported whatever the interval (warm-up and measured step).
+    assert any(line.startswith("[oomb] stage 1: 8 of 8 chunks after ") for line in lines), lines
+    assert any(line.startswith("[oomb] stage 2: 8 of 8 chunks after ") for line in lines), lines
+    assert not any(" 4 of 8 " in line for line in lines), "at most one line per interval"
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_gpu_sweep_at_the_half_billion_shape(tmp_path):

@@ -19,7 +19,9 @@ Note [Two stages]
 """
 from __future__ import annotations
 
+import os
 import resource
+import sys
 import time
 from dataclasses import replace
 
@@ -452,6 +454,7 @@ class OOMBTrainer:
             started = time.perf_counter()
             per_chunk = timings.get("chunk_seconds")
             lap = _LapClock(self.device) if per_chunk is not None else None
+            heartbeat = _Heartbeat.from_environment(count)
             self.store.plan(self._stage1_plan(chunks, shared))
             with torch.no_grad():
                 for chunk, bounds in enumerate(chunks):
@@ -459,6 +462,8 @@ class OOMBTrainer:
                         self._run_decoder(input_ids[bounds[0]: bounds[1]], bounds[0])
                     if per_chunk is not None:
                         per_chunk["stage1"].append(lap())
+                    if heartbeat:
+                        heartbeat("stage 1", chunk + 1)
             middle = time.perf_counter()
             timings["stage1_seconds"] += middle - started
 
@@ -489,10 +494,37 @@ class OOMBTrainer:
                 self.store.free_pages(first // page_tokens, -(-(end - first) // page_tokens))
                 if per_chunk is not None:
                     per_chunk["stage2"].append(lap())
+                if heartbeat:
+                    heartbeat("stage 2", count - chunk)
             timings["stage2_seconds"] += time.perf_counter() - middle
         finally:
             self.store.close_sequence()
             self.last_selections = shared["selections"]
+
+
+class _Heartbeat:
+    """MEMBAR_PROGRESS_SECONDS=N: a line on stderr at most every N seconds saying how far a long step
+    got ("[oomb] stage 2: 120 of 256 chunks after 301 s"), so that a step stopped from outside (a
+    time limit) still tells how far it came. Host time: the GPU may be a few kernels behind."""
+
+    def __init__(self, seconds: float, chunks: int):
+        self.seconds, self.chunks = seconds, chunks
+        self.started = self.last = time.perf_counter()
+
+    @classmethod
+    def from_environment(cls, chunks: int) -> "_Heartbeat | None":
+        try:
+            seconds = float(os.environ.get("MEMBAR_PROGRESS_SECONDS", "0"))
+        except ValueError:
+            return None
+        return cls(seconds, chunks) if seconds > 0 else None
+
+    def __call__(self, stage: str, done: int) -> None:
+        now = time.perf_counter()
+        if now - self.last >= self.seconds or done == self.chunks:
+            self.last = now
+            print(f"[oomb] {stage}: {done} of {self.chunks} chunks after {now - self.started:.0f} s",
+                  file=sys.stderr, flush=True)
 
 
 class _LapClock:
