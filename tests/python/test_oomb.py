@@ -204,6 +204,53 @@ def test_sparse_gradients_match_masked_full_sequence(kind, tmp_path):
     assert 0.5 < similarity < 1.0
 
 
+class _LinearHead(torch.nn.Linear):
+    """An output projection that is not exactly nn.Linear: the trainer takes the plain loss path."""
+
+
+def test_head_gradient_added_in_place_equals_autograds_and_keeps_hooks(monkeypatch):
+    """Note [Head gradient in place]: the output projection's weight gradient added into .grad by the
+    loss pieces' backward equals autograd's, across steps that accumulate (several pieces per chunk,
+    a bias on the head); a weight whose gradient hooks must fire gets it through autograd."""
+    from membar.oomb import trainer as trainer_module
+
+    in_place_adds = []
+    original_backward = trainer_module._HeadLoss.backward
+
+    def counting_backward(ctx, grad_loss):
+        grads = original_backward(ctx, grad_loss)
+        in_place_adds.append(grads[1] is None)
+        return grads
+
+    monkeypatch.setattr(trainer_module._HeadLoss, "backward", staticmethod(counting_backward))
+    input_ids = torch.randint(0, VOCAB, (1, 300), generator=torch.Generator().manual_seed(7))
+    results = []
+    for head_class in (torch.nn.Linear, _LinearHead):
+        model = tiny_model("qwen2", seed=3)
+        old = model.lm_head
+        model.lm_head = head_class(old.in_features, old.out_features, bias=True)
+        with torch.no_grad():
+            model.lm_head.weight.copy_(old.weight)
+            model.lm_head.bias.copy_(0.1 * torch.randn(old.out_features, generator=torch.Generator().manual_seed(8)))
+        trainer = OOMBTrainer(model, OOMBConfig(chunk_tokens=128, page_tokens=32, loss_piece_tokens=40))
+        losses = [float(trainer.step(input_ids)) for _ in range(2)]   # the second step accumulates
+        results.append((losses, grads_of(model)))
+        if head_class is torch.nn.Linear:
+            fired = []
+            model.zero_grad()
+            model.lm_head.weight.register_post_accumulate_grad_hook(lambda parameter: fired.append(1))
+            trainer.step(input_ids)
+            assert fired, "a hooked head weight gets its gradient through autograd"
+    # Pieces of 40 tokens: 8 per sequence, the first added by autograd (no .grad yet), then in place;
+    # with the hook every piece goes through autograd.
+    assert sum(in_place_adds) >= 8 and not all(in_place_adds), in_place_adds
+    (in_place_losses, in_place), (plain_losses, plain) = results
+    assert in_place_losses == plain_losses
+    for name, grad in plain.items():
+        assert torch.allclose(in_place[name], grad, rtol=1e-5, atol=1e-6), name
+    assert max_relative_error(in_place, plain) < 1e-5
+
+
 def test_model_still_runs_outside_the_trainer():
     model = tiny_model("qwen2", seed=5)
     input_ids = torch.randint(0, VOCAB, (1, 40), generator=torch.Generator().manual_seed(2))
