@@ -152,10 +152,9 @@ Status EngineImpl::set_schedule(ClientId id, std::vector<ScheduleStep> steps) {
   // named takes the lock (a 1M-token step's schedule names ~2.7M ranges but ~100 spaces; checking
   // the ranges under the lock stalled every other client for tens of milliseconds).
   struct Geometry {
-    uint64_t page_bytes;
     uint64_t frames;
     const Space* space;
-    SpaceInfo info;
+    SpaceInfo info;  // a copy: checked without the lock
   };
   std::map<SpaceId, Geometry> geometry;
   std::vector<uint64_t> prefix_uses(steps.size() + 1, 0);  // ClientState::schedule_uses
@@ -182,7 +181,7 @@ Status EngineImpl::set_schedule(ClientId id, std::vector<ScheduleStep> steps) {
           continue;
         }
         const Space& found = *space.value();
-        geometry.emplace(named[i], Geometry{found.info.page_bytes, found.frames.size(), &found, found.info});
+        geometry.emplace(named[i], Geometry{found.frames.size(), &found, found.info});
       }
     }
     // Unlocked: the first bad range in step order, as check_range would report it.
@@ -219,10 +218,9 @@ Status EngineImpl::set_schedule(ClientId id, std::vector<ScheduleStep> steps) {
   for (size_t s = 0; s < steps.size(); ++s) {
     for (const PageRange& range : steps[s].ranges) {
       const Geometry& geo = geometry.at(range.space);
-      uint64_t first = uint64_t(range.first_page) * geo.page_bytes / kFrameBytes;
-      uint64_t end = ((uint64_t(range.first_page) + range.page_count) * geo.page_bytes + kFrameBytes - 1) / kFrameBytes;
+      const FrameSpan span = span_in(geo.info, range).value();  // checked in phase 1
       auto& space_uses = uses[range.space];
-      for (uint64_t g = first; g < end; ++g) {
+      for (uint32_t g = span.first; g < span.end; ++g) {
         std::vector<uint32_t>& list = space_uses[g];
         if (list.empty() || list.back() != uint32_t(s)) list.push_back(uint32_t(s));
       }
@@ -243,8 +241,8 @@ Status EngineImpl::set_schedule(ClientId id, std::vector<ScheduleStep> steps) {
     old_schedule.swap(client.schedule);
     for (auto& [space_id, space] : client.spaces) {
       if (!space->uses.empty()) old_uses.push_back(std::move(space->uses));
+      space->uses.clear();
     }
-    clear_schedule(client);
     for (auto& [space_id, list] : uses) client.spaces.at(space_id)->uses = std::move(list);
     client.schedule = std::move(steps);
     client.schedule_uses = std::move(prefix_uses);
