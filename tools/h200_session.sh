@@ -19,7 +19,7 @@
 #   depth     7B dense-offload at DEPTH_CONTEXT (default 128K) in the embedded runtime, pages copied in
 #             2 (default), 4 and 8 accesses ahead with the GPU budget grown to match: does a deeper
 #             pipeline take away the host's wait for frames that releases free? (one run)
-#   peak      7B dense-offload at 32K with the loss computed 4096, 1024 (default) and 512 tokens at a
+#   peak      7B dense-offload at 32K with the loss computed 4096, 1024 and 512 (default) tokens at a
 #             time: GPU peak against the goal (<= 33.2 GiB) and the time it costs (one run)
 #   gap       the in-process offload gap in one run: plain tensors, embedded dense-offload, prefetch
 #             depth 4 and 8, loss pieces of 1024 and 512 tokens (GPU peak), at 32K and 128K
@@ -82,7 +82,7 @@ status=0
 bench() {   # bench STEP ARGS...: bench/oomb_bench.py at the 7B shape into $work/STEP
   local step=$1; shift
   mkdir -p "$work/$step"
-  MEMBAR_RESULTS_DIR=$work/$step timeout 570 "$py" bench/oomb_bench.py --model qwen2.5-7b --time-limit 400 "$@" \
+  MEMBAR_RESULTS_DIR=$work/$step timeout "${BENCH_TIMEOUT:-570}" "$py" bench/oomb_bench.py --model qwen2.5-7b --time-limit 400 "$@" \
     > "$work/$step/bench.log" 2>&1 || status=1
   grep -vE '^\[|^ +' "$work/$step/oomb_bench.txt" 2>/dev/null || tail -20 "$work/$step/bench.log"
   grep '^\[oomb\]' "$work/$step/bench.log" 2>/dev/null | tail -2
@@ -129,7 +129,7 @@ for step in "$@"; do
       bench depth --contexts "${DEPTH_CONTEXT:-128K}" --time-budget 540 \
         --variants "dense-offload,dense-offload+depth4,dense-offload+depth8" ;;
     peak)
-      bench peak --contexts 32K --time-budget 300 --variants "dense-offload+piece4096,dense-offload,dense-offload+piece512" ;;
+      bench peak --contexts 32K --time-budget 300 --variants "dense-offload+piece4096,dense-offload+piece1024,dense-offload" ;;
     gap)
       bench gap --contexts 32K,128K --time-budget "${GAP_BUDGET:-420}" \
         --variants "dense+plain:32K/128K,dense-offload:32K/128K,dense-offload+depth4:32K/128K,dense-offload+depth8:32K,dense-offload+piece1024:32K,dense-offload+piece512:32K" ;;
@@ -204,8 +204,10 @@ for step in "$@"; do
     sparse1m)
       # One whole sparse step at SPARSE_CONTEXT (default 1M) through membard: top-64 pages, one
       # selection per chunk, as many layers' pages in membard's GPU pool as fit beside the streamed
-      # blocks (90 GiB: 14 of 28 layers at 1M), the rest in its host pool (96 GiB). Takes most of a
-      # call: run it alone after a build.
+      # blocks (90 GiB: 14 of 28 layers at 1M), the rest in its host pool (96 GiB). Takes a whole
+      # call: run it alone on a warm machine (built by the call before), with BENCH_TIMEOUT=585 under
+      # `timeout 595` (session 11: the step's chunks took 493 s after ~75 s of start-up, and the
+      # default 570 s cut the bench off before it reported).
       socket=/tmp/membar-sparse.sock
       start_daemon "$socket" --gpu-pool "${SPARSE_GPU_POOL:-90GiB}" --host-pool "${SPARSE_HOST_POOL:-96GiB}" \
         || { status=1; continue; }

@@ -6,7 +6,7 @@
 # Run here (needs apt-get); then carry `.deps` (one compressed bundle.tgz) with the device call.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-need=(libboost1.74-tools-dev libspdlog-dev libfmt-dev libgtest-dev)
+need=(libboost-dev libboost1.74-tools-dev libspdlog-dev libfmt-dev libgtest-dev)
 for p in "${need[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || \
     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "$p" >/dev/null
@@ -14,7 +14,8 @@ done
 stage=$(mktemp -d)
 mkdir -p "$stage/include" "$stage/src"
 mkdir -p "$stage/bcp"
-bcp --boost=/usr/include interprocess lockfree atomic intrusive container "$stage/bcp" >/dev/null 2>&1
+bcp --boost=/usr/include interprocess lockfree atomic intrusive container "$stage/bcp" >/dev/null
+test -d "$stage/bcp/boost" || { echo "bcp found no Boost headers in /usr/include" >&2; exit 1; }
 mv "$stage/bcp/boost" "$stage/include/boost" && rm -rf "$stage/bcp"
 cp -r /usr/include/spdlog /usr/include/fmt "$stage/include/"
 cp -r /usr/src/googletest "$stage/src/googletest"

@@ -89,7 +89,7 @@ def test_sweep_runs_on_the_cpu_and_writes_results(tmp_path):
     assert rows[("dense-offload", 512)]["prefetch_depth"] == 2
     assert rows[("dense-offload+depth4+piece32", 512)]["prefetch_depth"] == 4
     assert rows[("dense-offload+depth4+piece32", 512)]["loss_piece_tokens"] == 32
-    assert rows[("dense-offload", 512)]["loss_piece_tokens"] == 1024   # OOMBConfig's default
+    assert rows[("dense-offload", 512)]["loss_piece_tokens"] == 512   # OOMBConfig's default
     assert rows[("dense", 512)]["vs_plain"] > 0 and rows[("dense-offload", 512)]["vs_plain"] > 0
     assert rows[("dense+dp", 512)]["vs_single_process"] > 0   # data parallel, world size 1, gloo
     assert "data_parallel_world1_vs_single_process" in report["goals"]
