@@ -1020,7 +1020,9 @@ Result<RuntimeStats> EngineImpl::stats(ClientId id, uint32_t first_space, uint32
       tier_stats.frames_free -= std::min(tier_stats.frames_free, channel_frames_);
       tier_stats.numa_node = backend_->host_numa_node();
     }
-    tier_stats.frames_used = tier_stats.frames_total - tier_stats.frames_free - tier_stats.frames_preparing;
+    tier_stats.frames_lost = lost_frames_[tier_index(tier)];
+    tier_stats.frames_used =
+        tier_stats.frames_total - tier_stats.frames_free - tier_stats.frames_preparing - tier_stats.frames_lost;
     answer.tiers.push_back(tier_stats);
   }
   auto add_spaces = [&](const ClientState& client, uint32_t& index) {

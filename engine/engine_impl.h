@@ -160,6 +160,7 @@ class EngineImpl final : public Engine {
   void renew_slab(uint32_t slab);
   void renewal_done(Tier tier, uint32_t index, Status status);
   void return_client_memory(ClientState& client);
+  void report_lost(Tier tier, uint64_t lost_before, const Status& status);
   Status exhausted(const ClientState& client, Tier tier, const char* why);
   bool gpu_frame_quiescent(ClientState& client, Frame& frame);
 

@@ -44,6 +44,7 @@
 // Limitations: a frame keeps at most kMaxMappingsPerFrame positions; past that, placing it drops
 // its oldest position whose fence has passed (or keeps them all when none has).
 #include <algorithm>
+#include <bit>
 #include <unistd.h>
 
 #include "engine_impl.h"
@@ -431,6 +432,7 @@ void EngineImpl::renewal_done(Tier tier, uint32_t index, Status status) {
     } else {
       ++lost_frames_[0];
       last_renewal_error_ = status;
+      report_lost(Tier::kGpu, lost_frames_[0] - 1, status);
     }
   } else {
     Slab& slab = slabs_[index];
@@ -442,6 +444,7 @@ void EngineImpl::renewal_done(Tier tier, uint32_t index, Status status) {
       slab.state = Slab::State::kBroken;
       lost_frames_[1] += slab.frames;
       last_renewal_error_ = status;
+      report_lost(Tier::kHost, lost_frames_[1] - slab.frames, status);
     }
   }
   renewals_done_.notify_all();
@@ -479,6 +482,15 @@ void EngineImpl::return_client_memory(ClientState& client) {
   client.channel_frames = 0;
   client.space_names.clear();
   client.eviction_set.clear();
+}
+
+// Logs lost memory when a tier's count of lost frames first passes 1, 2, 4, 8, ... (a failing
+// device can lose thousands of frames: a line each would bury the log).
+void EngineImpl::report_lost(Tier tier, uint64_t lost_before, const Status& status) {
+  uint64_t lost = lost_frames_[tier_index(tier)];
+  if (!config_.log_error || std::bit_width(lost) == std::bit_width(lost_before)) return;
+  config_.log_error(std::to_string(lost) + " " + tier_name(tier) + " frame" + (lost == 1 ? "" : "s") +
+                    " lost so far (renewal failed; out of the pool until membard restarts): " + status.to_string());
 }
 
 Status EngineImpl::exhausted(const ClientState& client, Tier tier, const char* why) {

@@ -283,7 +283,8 @@ class CudaVmmBackend final : public DeviceBackend {
     std::thread thread;
   };
 
-  explicit CudaVmmBackend(const BackendConfig& config) : config_(config) {}
+  explicit CudaVmmBackend(const BackendConfig& config)
+      : config_(config), injected_renewal_failures_(static_cast<int64_t>(config.fail_renewal_attempts)) {}
   Status initialize();
   Status create_gpu_frames(uint64_t count);
   Status reserve_host_pool();
@@ -321,6 +322,7 @@ class CudaVmmBackend final : public DeviceBackend {
   HostMapping host_reservation_;
   uint64_t host_frame_count_ = 0;
   uint32_t slab_frames_ = 1;
+  std::atomic<int64_t> injected_renewal_failures_{0};  // BackendConfig::fail_renewal_attempts
   std::mutex slab_mutex_;                  // guards slab_fds_ (the renewal thread replaces them)
   std::vector<ScopedFd> slab_fds_;
   std::vector<HostRegistration> slab_registrations_;
@@ -505,7 +507,20 @@ void CudaVmmBackend::renewal_loop(int which) {
       queue.jobs.pop_front();
       queue.busy = true;
     }
-    Status status = which == 0 ? renew_gpu_frame_now(job.index) : renew_slab_now(job.index);
+    // Note [Renewal when memory is short] (engine/backend.cpp): a killed client's old frames may
+    // still hold GPU memory for a moment after it is gone.
+    Status status = renew_patiently(
+        [&] {
+          if (which == 0 && injected_renewal_failures_.load() > 0 && injected_renewal_failures_.fetch_sub(1) > 0) {
+            return resource_exhausted("renewal attempt failed by fault injection (as if memory were short)");
+          }
+          return which == 0 ? renew_gpu_frame_now(job.index) : renew_slab_now(job.index);
+        },
+        config_.renewal_patience_ms,
+        [&] {
+          std::lock_guard<std::mutex> lock(queue.mutex);
+          return queue.stopping;
+        });
     renewals_ += 1;
     job.done(std::move(status));
     {

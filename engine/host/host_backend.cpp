@@ -132,6 +132,7 @@ class HostBackend final : public DeviceBackend {
   }
 
   Status init() {
+    injected_renewal_failures_ = static_cast<int64_t>(config_.fail_renewal_attempts);
     // No GPU to be near: only a node named explicitly places the pool.
     MEMBAR_ASSIGN_OR_RETURN(numa_node_, numa::resolve_node(config_.host_numa_node, numa::kNoPlacement, &numa_note_));
     slab_frames_ = config_.host_slab_frames != 0 ? config_.host_slab_frames
@@ -181,26 +182,40 @@ class HostBackend final : public DeviceBackend {
     Job job;
     job.done = std::move(done);
     job.renew = [this, tier, index]() -> Status {
-      if (tier == Tier::kGpu) {
-        // Drop the memory: the next export makes new memory.
-        void* at = ::mmap(gpu_.base() + uint64_t(index) * kFrameBytes, kFrameBytes, PROT_NONE,
-                          MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED | MAP_NORESERVE, -1, 0);
-        if (at == MAP_FAILED) return internal_error("dropping a GPU-tier frame failed: " + errno_text(errno));
-        return Status::Ok();
-      }
-      uint64_t bytes = uint64_t(slab_frames_) * kFrameBytes;
-      MEMBAR_ASSIGN_OR_RETURN(UniqueFd fd, make_memfd("membar-host-slab", bytes));
-      void* at = ::mmap(host_.base() + uint64_t(index) * bytes, bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED,
-                        fd.get(), 0);
-      if (at == MAP_FAILED) return resource_exhausted("mapping a host slab failed: " + errno_text(errno));
-      if (numa_node_ >= 0) MEMBAR_RETURN_IF_ERROR(numa::place(at, bytes, numa_node_));
-      std::lock_guard<std::mutex> lock(mutex_);
-      slab_fds_[index] = std::move(fd);
-      return Status::Ok();
+      return renew_patiently([&] { return renew_now(tier, index); }, config_.renewal_patience_ms,
+                             [this] { return stopping(); });
     };
     counters_renewals_ += 1;
     submit(std::move(job));
     return Status::Ok();
+  }
+
+  // One try at a renewal (Note [Renewal when memory is short] in engine/backend.cpp).
+  Status renew_now(Tier tier, uint32_t index) {
+    if (tier == Tier::kGpu && injected_renewal_failures_.load() > 0 && injected_renewal_failures_.fetch_sub(1) > 0) {
+      return resource_exhausted("renewal attempt failed by fault injection (as if memory were short)");
+    }
+    if (tier == Tier::kGpu) {
+      // Drop the memory: the next export makes new memory.
+      void* at = ::mmap(gpu_.base() + uint64_t(index) * kFrameBytes, kFrameBytes, PROT_NONE,
+                        MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED | MAP_NORESERVE, -1, 0);
+      if (at == MAP_FAILED) return internal_error("dropping a GPU-tier frame failed: " + errno_text(errno));
+      return Status::Ok();
+    }
+    uint64_t bytes = uint64_t(slab_frames_) * kFrameBytes;
+    MEMBAR_ASSIGN_OR_RETURN(UniqueFd fd, make_memfd("membar-host-slab", bytes));
+    void* at = ::mmap(host_.base() + uint64_t(index) * bytes, bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED,
+                      fd.get(), 0);
+    if (at == MAP_FAILED) return resource_exhausted("mapping a host slab failed: " + errno_text(errno));
+    if (numa_node_ >= 0) MEMBAR_RETURN_IF_ERROR(numa::place(at, bytes, numa_node_));
+    std::lock_guard<std::mutex> lock(mutex_);
+    slab_fds_[index] = std::move(fd);
+    return Status::Ok();
+  }
+
+  bool stopping() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return stopping_;
   }
 
   void* frame_pointer(Tier tier, FrameIndex frame) override {
@@ -455,6 +470,7 @@ class HostBackend final : public DeviceBackend {
   TierPool gpu_;
   TierPool host_;
   uint32_t slab_frames_ = 1;
+  std::atomic<int64_t> injected_renewal_failures_{0};
   std::vector<UniqueFd> slab_fds_;  // guarded by mutex_; valid once a slab is prepared
   int numa_node_ = numa::kNoPlacement;   // Note [Host pools near their GPU]
   std::string numa_note_;

@@ -97,6 +97,10 @@ struct TierStats {
   // The host tier: the NUMA node its memory is bound to (membard --host-numa-node; Note [Host pools
   // near their GPU]); -1 when the kernel places it, and always for the GPU tier.
   int32_t numa_node = -1;
+  // Frames given up because their renewal failed for good (Note [Renewal when memory is short]
+  // in engine/backend.cpp): out of the pool until the daemon restarts; normally 0. Not in
+  // frames_used.
+  uint64_t frames_lost = 0;
 };
 
 struct RuntimeStats {

@@ -75,7 +75,8 @@ std::string json_tiers(const RuntimeStats& stats, const std::string& indent) {
     const TierStats& t = stats.tiers[i];
     out << (i ? "," : "") << "\n" << indent << "  {\"tier\": \"" << tier_name(t.tier) << "\", \"frames_total\": "
         << t.frames_total << ", \"frames_used\": " << t.frames_used << ", \"frames_free\": " << t.frames_free
-        << ", \"frames_preparing\": " << t.frames_preparing << ", \"frame_bytes\": " << kFrameBytes
+        << ", \"frames_preparing\": " << t.frames_preparing << ", \"frames_lost\": " << t.frames_lost
+        << ", \"frame_bytes\": " << kFrameBytes
         << ", \"numa_node\": " << (t.numa_node >= 0 ? std::to_string(t.numa_node) : std::string("null")) << "}";
   }
   out << "\n" << indent << "]";
@@ -111,6 +112,9 @@ std::string format_stats_text(const std::vector<DeviceRuntimeStats>& devices, co
       out << "frames_used: " << frames_field(static_cast<int64_t>(t.frames_used)) << '\n';
       out << "frames_free: " << frames_field(static_cast<int64_t>(t.frames_free)) << '\n';
       out << "frames_preparing: " << frames_field(static_cast<int64_t>(t.frames_preparing)) << '\n';
+      if (t.frames_lost != 0) {   // renewals that failed for good (membard's log says why)
+        out << "frames_lost: " << frames_field(static_cast<int64_t>(t.frames_lost)) << '\n';
+      }
       if (t.tier == Tier::kHost) {
         out << "numa_node: " << (t.numa_node >= 0 ? std::to_string(t.numa_node) : std::string("none (placed by the kernel)"))
             << '\n';
@@ -240,6 +244,9 @@ std::string format_top(const std::vector<DeviceRuntimeStats>& devices, const std
                     human_bytes(t.frames_free * kFrameBytes).c_str(),
                     human_bytes(t.frames_preparing * kFrameBytes).c_str());
       out << line;
+      if (t.frames_lost != 0) {
+        out << "       " << human_bytes(t.frames_lost * kFrameBytes) << " lost: renewals failed (see membard's log)\n";
+      }
     }
   }
   char header[256];

@@ -235,6 +235,7 @@ int run(int argc, char** argv) {
   engine_config.max_space_frames_per_client = options.max_client_space.bytes / kFrameBytes;
   engine_config.max_space_frames_total = options.max_total_space.bytes / kFrameBytes;
   engine_config.client_id_step = static_cast<uint32_t>(device_count);
+  engine_config.log_error = [](const std::string& message) { spdlog::error("{}", message); };
   std::vector<ServedDevice> devices;
   for (size_t i = 0; i < device_count; ++i) {
     const BackendConfig& pool = pools[i];

@@ -56,7 +56,9 @@ std::string format_prometheus(const std::vector<DeviceRuntimeStats>& devices) {
                               TierFamily{"membar_frames_used", "Frames held by clients.", &TierStats::frames_used},
                               TierFamily{"membar_frames_free", "Frames free in the pool.", &TierStats::frames_free},
                               TierFamily{"membar_frames_preparing", "Frames being cleared or pinned before reuse.",
-                                         &TierStats::frames_preparing}}) {
+                                         &TierStats::frames_preparing},
+                              TierFamily{"membar_frames_lost", "Frames whose renewal failed for good (out of the pool).",
+                                         &TierStats::frames_lost}}) {
     family(out, f.name, "gauge", f.help);
     for (const DeviceRuntimeStats& d : devices) {
       for (const TierStats& t : d.stats.tiers) {

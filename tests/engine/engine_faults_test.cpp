@@ -3,6 +3,7 @@
 // memory out of the pools (never handed out with old bytes), and several clients opening,
 // working and closing concurrently on one engine never see each other's data or lose their own.
 #include <atomic>
+#include <mutex>
 #include <random>
 #include <thread>
 
@@ -216,7 +217,14 @@ TEST(EngineFaults, AFailedRenewalKeepsTheFrameOutOfThePool) {
   backend_config.host_slab_frames = 1;
   auto failing = std::make_unique<FailingBackend>(make_host_backend(backend_config).value(), 0, 0, true);
   FailingBackend* backend = failing.get();
-  auto engine = Engine::create(std::move(failing), {}).value();
+  EngineConfig config;
+  std::mutex logged_mutex;
+  std::vector<std::string> logged;
+  config.log_error = [&](const std::string& message) {
+    std::lock_guard<std::mutex> lock(logged_mutex);
+    logged.push_back(message);
+  };
+  auto engine = Engine::create(std::move(failing), config).value();
   {
     auto first = MappedClient::open(*engine);
     SpaceId space = first->space("secret", 2 << 20, 2);
@@ -235,6 +243,68 @@ TEST(EngineFaults, AFailedRenewalKeepsTheFrameOutOfThePool) {
   RuntimeStats stats = engine->stats(0).value();
   EXPECT_EQ(stats.tiers[0].frames_free, 0u);
   EXPECT_EQ(stats.tiers[0].frames_preparing, 0u);
+  // Counted as lost, not as used by nobody, and said once per doubling (1, 2).
+  EXPECT_EQ(stats.tiers[0].frames_lost, 2u);
+  EXPECT_EQ(stats.tiers[0].frames_used, 0u);
+  std::lock_guard<std::mutex> lock(logged_mutex);
+  ASSERT_EQ(logged.size(), 2u);
+  EXPECT_NE(logged[0].find("1 GPU frame lost so far"), std::string::npos) << logged[0];
+  EXPECT_NE(logged[1].find("injected renewal failure"), std::string::npos) << logged[1];
+}
+
+// Note [Renewal when memory is short]: a renewal that finds memory short (as when a killed
+// client's process still holds its old frames) is tried again until it succeeds; the frames come
+// back to the pool holding zeros, and nothing is lost. Past the backend's patience they are lost,
+// counted and logged, and the next client is told the pool is short.
+TEST(EngineFaults, RenewalsWaitOutAShortageOfMemoryAndLoseNothing) {
+  for (bool patient : {true, false}) {
+    SCOPED_TRACE(patient ? "shortage shorter than the patience" : "shortage longer than the patience");
+    BackendConfig backend_config;
+    backend_config.gpu_pool_bytes = 2 * kFrameBytes;
+    backend_config.host_pool_bytes = 2 * kFrameBytes;
+    backend_config.host_slab_frames = 1;
+    // Two frames renewed on two backend workers: 6 failed tries each take ~0.3 s of waits.
+    backend_config.fail_renewal_attempts = patient ? 12 : 1u << 30;
+    backend_config.renewal_patience_ms = patient ? 60000 : 30;
+    std::atomic<int> logged{0};
+    EngineConfig config;
+    config.log_error = [&](const std::string&) { ++logged; };
+    auto engine = Engine::create(make_host_backend(backend_config).value(), config).value();
+    {
+      auto first = MappedClient::open(*engine);
+      SpaceId space = first->space("secret", 2 << 20, 2);
+      char* pages = first->acquire({space, 0, 2}, kEngineAcquireWrite | kEngineAcquireZeroNew);
+      ASSERT_NE(pages, nullptr);
+      fill_pattern(pages, 4 << 20, 57);
+      ASSERT_TRUE(engine->release(first->id, {space, 0, 2}, true).ok());
+    }  // closed, as a killed trainer is: both frames go to renewal while memory is short
+    if (patient) {
+      EXPECT_TRUE(eventually([&] { return engine->stats(0).value().tiers[0].frames_free == 2; },
+                             std::chrono::seconds(20)));
+      auto next = MappedClient::open(*engine);
+      SpaceId space = next->space("next", 2 << 20, 2);
+      char* pages = next->acquire({space, 0, 2}, kEngineAcquireWrite | kEngineAcquireZeroNew);
+      ASSERT_NE(pages, nullptr);
+      EXPECT_FALSE(check_pattern(pages, 2 << 20, 57));
+      EXPECT_FALSE(check_pattern(pages + (2 << 20), 2 << 20, 57));
+      RuntimeStats stats = engine->stats(0).value();
+      EXPECT_EQ(stats.tiers[0].frames_lost, 0u);
+      EXPECT_EQ(stats.tiers[1].frames_lost, 0u);
+      EXPECT_EQ(logged.load(), 0);
+    } else {
+      EXPECT_TRUE(eventually([&] { return engine->stats(0).value().tiers[0].frames_lost == 2; },
+                             std::chrono::seconds(20)));
+      RuntimeStats stats = engine->stats(0).value();
+      EXPECT_EQ(stats.tiers[0].frames_free, 0u);
+      EXPECT_EQ(stats.tiers[0].frames_used, 0u);
+      EXPECT_GT(logged.load(), 0);
+      auto next = MappedClient::open(*engine);
+      SpaceId space = next->space("next", 2 << 20, 1);
+      auto acquired = retrying([&] { return engine->acquire(next->id, {space, 0, 1}, 0); });
+      ASSERT_FALSE(acquired.ok());
+      EXPECT_EQ(acquired.status().code(), StatusCode::RESOURCE_EXHAUSTED) << acquired.status().to_string();
+    }
+  }
 }
 
 }  // namespace

@@ -188,6 +188,7 @@ TEST(Prometheus, FormatsTiersClientsAndSpacesWithEscapedLabels) {
   RuntimeStats stats;
   stats.backend = "host";
   stats.tiers = {{Tier::kGpu, 16, 3, 12, 1}, {Tier::kHost, 64, 0, 64, 0}};
+  stats.tiers[0].frames_lost = 2;
   ClientStats client;
   client.client = 4;
   client.pid = 99;
@@ -207,6 +208,7 @@ TEST(Prometheus, FormatsTiersClientsAndSpacesWithEscapedLabels) {
   EXPECT_NE(text.find("membar_frames_used{tier=\"gpu\"} 3\n"), std::string::npos) << text;
   EXPECT_NE(text.find("membar_frames_free{tier=\"host\"} 64\n"), std::string::npos) << text;
   EXPECT_NE(text.find("membar_frames_preparing{tier=\"gpu\"} 1\n"), std::string::npos) << text;
+  EXPECT_NE(text.find("membar_frames_lost{tier=\"gpu\"} 2\n"), std::string::npos) << text;
   EXPECT_NE(text.find("name=\"we\\\"ird\\\\name\""), std::string::npos) << text;
   EXPECT_NE(text.find("direction=\"gpu_to_host\"} 12345\n"), std::string::npos) << text;
   EXPECT_NE(text.find("residency=\"both\"} 777\n"), std::string::npos) << text;

@@ -39,7 +39,19 @@ struct BackendConfig {
   // Fault injection for tests: creating the Nth GPU frame at start-up (1-based) fails with
   // RESOURCE_EXHAUSTED. 0 = never.
   uint64_t fail_frame_create_after = 0;
+  // How long a renewal that finds memory short keeps trying (Note [Renewal when memory is short]
+  // in engine/backend.cpp) before the frame or slab is given up as lost.
+  uint32_t renewal_patience_ms = 120000;
+  // Fault injection for tests: the first N attempts at renewing a GPU frame fail with
+  // RESOURCE_EXHAUSTED, as when a client that was killed still holds its old frames. 0 = never.
+  uint64_t fail_renewal_attempts = 0;
 };
+
+// Runs `attempt` (one renewal) until it succeeds, fails with anything but RESOURCE_EXHAUSTED,
+// `patience_ms` have passed, or `give_up()` (shutdown) says so; waits between tries, 5 ms at
+// first, doubling up to 500 ms. Note [Renewal when memory is short] in engine/backend.cpp.
+Status renew_patiently(const std::function<Status()>& attempt, uint32_t patience_ms,
+                       const std::function<bool()>& give_up);
 
 // Frames per host slab for a pool of `host_pool_bytes`: the smallest power of two that keeps
 // the pool at or under 256 slabs, between 1 frame (2 MiB) and 2048 frames (4 GiB). A 100 GiB pool

@@ -71,6 +71,10 @@ struct EngineConfig {
   // the backend can. For an engine of one client (embedded in a trainer): a client's stream that
   // never reaches its marker would hold up every client's copies.
   bool order_on_device = false;
+  // Where the engine says what an operator must know and no caller is there to hear (a frame or
+  // slab lost because its renewal failed for good): membard logs it. Called with the engine's
+  // lock held: it must not call back into the engine.
+  std::function<void(const std::string& message)> log_error;
 };
 
 struct ClientConfig {
