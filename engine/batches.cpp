@@ -498,7 +498,7 @@ void EngineImpl::dispatcher_loop() {
     std::variant<BatchDone, RenewalDone> completion;
     {
       std::unique_lock<std::mutex> lock(completion_mutex_);
-      auto ready = [this] { return stopping_ || !completions_.empty(); };
+      auto ready = [this] { return stopping_ || !completions_.empty() || release_wanted_.load(); };
       if (fence_watch_needed_.load()) {
         completion_ready_.wait_for(lock, std::chrono::microseconds(20), ready);
       } else {
@@ -506,6 +506,11 @@ void EngineImpl::dispatcher_loop() {
       }
       if (completions_.empty()) {
         if (stopping_) return;
+        if (release_wanted_.exchange(false)) {   // Note [One host pool for a node]
+          lock.unlock();
+          std::lock_guard<std::mutex> engine_lock(mutex_);
+          release_a_slab();
+        }
         continue;
       }
       completion = std::move(completions_.front());
@@ -516,7 +521,7 @@ void EngineImpl::dispatcher_loop() {
     {
       std::lock_guard<std::mutex> lock(mutex_);
       if (auto* renewal = std::get_if<RenewalDone>(&completion)) {
-        renewal_done(renewal->tier, renewal->index, renewal->status);
+        renewal_done(renewal->tier, renewal->index, renewal->status, renewal->released);
         continue;
       }
       BatchDone& done = std::get<BatchDone>(completion);

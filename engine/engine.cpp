@@ -82,11 +82,28 @@ EngineImpl::EngineImpl(std::unique_ptr<DeviceBackend> backend, const EngineConfi
     for (uint32_t i = 0; i < slab_frames_; ++i) host.frames[s * slab_frames_ + i].slab = uint32_t(s);
   }
   dispatcher_ = std::thread([this] { dispatcher_loop(); });
+  if (config_.host_share) {
+    share_member_ = config_.host_share->join([this] { return spare_slabs_.load(); },
+                                             [this] {
+                                               {
+                                                 std::lock_guard<std::mutex> lock(completion_mutex_);
+                                                 release_wanted_ = true;
+                                               }
+                                               completion_ready_.notify_one();
+                                             });
+  }
   std::lock_guard<std::mutex> lock(mutex_);
-  for (uint64_t s = 0; s < slab_count; ++s) renew_slab(uint32_t(s));
+  for (uint64_t s = 0; s < slab_count; ++s) {
+    if (config_.host_share && (s >= config_.host_initial_slabs || !config_.host_share->take())) {
+      slabs_[s].state = Slab::State::kUnbacked;   // Note [One host pool for a node]
+      continue;
+    }
+    renew_slab(uint32_t(s));
+  }
 }
 
 EngineImpl::~EngineImpl() {
+  if (config_.host_share) config_.host_share->leave(share_member_);
   std::vector<ClientId> ids;
   {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -105,6 +122,11 @@ EngineImpl::~EngineImpl() {
   completion_ready_.notify_all();
   dispatcher_.join();
   backend_.reset();
+  if (config_.host_share) {   // the memory is gone with the backend: its capacity is the others'
+    for (const Slab& slab : slabs_) {
+      if (slab.state != Slab::State::kUnbacked) config_.host_share->give_back();
+    }
+  }
 }
 
 // ---- Lookups ------------------------------------------------------------------------------------
@@ -975,7 +997,7 @@ Status EngineImpl::reserve_channel_bytes(ClientId id, uint64_t bytes) {
   }
   // The pool's frames in slabs nobody holds, less what channels already took.
   uint64_t unheld = 0;
-  for (const Slab& slab : slabs_) unheld += slab.state != Slab::State::kOwned ? slab.frames : 0;
+  for (const Slab& slab : slabs_) unheld += slab.backed() && slab.state != Slab::State::kOwned ? slab.frames : 0;
   if (channel_frames_ + frames > unheld) {
     return resource_exhausted("a channel of " + human_bytes(bytes) + " does not fit the host pool: " +
                               human_bytes((unheld - std::min(unheld, channel_frames_)) * kFrameBytes) +
@@ -1013,7 +1035,9 @@ Result<RuntimeStats> EngineImpl::stats(ClientId id, uint32_t first_space, uint32
       tier_stats.frames_free = pool.free_frames.size();
       tier_stats.frames_preparing = pool.preparing;
     } else {
+      tier_stats.frames_total = 0;
       for (const Slab& slab : slabs_) {
+        if (slab.backed()) tier_stats.frames_total += slab.frames;
         if (slab.state == Slab::State::kFree) tier_stats.frames_free += slab.frames;
         if (slab.state == Slab::State::kPreparing) tier_stats.frames_preparing += slab.frames;
       }

@@ -158,9 +158,13 @@ class EngineImpl final : public Engine {
   // Hands a frame or slab no client holds to the backend for renewal (when its copies are done).
   void renew_gpu_frame(FrameIndex index);
   void renew_slab(uint32_t slab);
-  void renewal_done(Tier tier, uint32_t index, Status status);
+  void renewal_done(Tier tier, uint32_t index, Status status, bool released = false);
   void return_client_memory(ClientState& client);
   void report_lost(Tier tier, uint64_t lost_before, const Status& status);
+  // Note [One host pool for a node] (engine/host_share.cpp).
+  bool back_a_slab();
+  void release_a_slab();
+  void count_spare_slabs();
   Status exhausted(const ClientState& client, Tier tier, const char* why);
   bool gpu_frame_quiescent(ClientState& client, Frame& frame);
 
@@ -235,6 +239,12 @@ class EngineImpl final : public Engine {
   // Some client waits for a release marker: the dispatcher polls (guarded by mutex_ for writes;
   // read without it by the dispatcher to choose how long to sleep).
   std::atomic<bool> fence_watch_needed_{false};
+  // Note [One host pool for a node]: this engine's membership of the node's share, its free
+  // backed slabs (read by other engines without this engine's lock), and another engine's ask
+  // for one (handled by the dispatcher thread).
+  uint32_t share_member_ = 0;
+  std::atomic<uint64_t> spare_slabs_{0};
+  std::atomic<bool> release_wanted_{false};
 
   // What the dispatcher thread handles: a finished batch part, or a finished renewal.
   struct BatchDone {
@@ -245,6 +255,7 @@ class EngineImpl final : public Engine {
     Tier tier;
     uint32_t index;
     Status status;
+    bool released = false;  // a host slab's memory was dropped (release_host_slab), not renewed
   };
   std::mutex completion_mutex_;
   std::condition_variable completion_ready_;

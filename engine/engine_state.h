@@ -123,8 +123,12 @@ struct Frame {
 
 // A host slab: host frames handed to one client at a time (Note [Frames, slabs and renewal]).
 struct Slab {
-  // kBroken: its renewal failed; it stays out of the pool.
-  enum class State { kPreparing, kFree, kOwned, kBroken } state = State::kPreparing;
+  // kBroken: its renewal failed; it stays out of the pool. kUnbacked: no memory behind it (a
+  // node's shared host pool, Note [One host pool for a node]); kReleasing: its memory is being
+  // dropped for another device's engine.
+  enum class State { kPreparing, kFree, kOwned, kBroken, kUnbacked, kReleasing } state = State::kPreparing;
+  // Whether the slab's frames count in the pool (it has memory, or is getting some).
+  bool backed() const { return state != State::kUnbacked && state != State::kReleasing; }
   bool renew_started = false;
   ClientId owner = 0;
   uint32_t client_slab = 0;  // the owner's number for it

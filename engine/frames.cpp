@@ -309,7 +309,7 @@ Status EngineImpl::grant_slab(ClientState& client) {
   bool preparing = false;
   for (uint32_t s = 0; s < slabs_.size(); ++s) {
     Slab& slab = slabs_[s];
-    if (slab.state != Slab::State::kOwned) unheld += slab.frames;
+    if (slab.backed() && slab.state != Slab::State::kOwned) unheld += slab.frames;
     if (slab.state == Slab::State::kPreparing) preparing = true;
     if (slab.state == Slab::State::kFree && chosen == nullptr) {
       chosen = &slab;
@@ -322,6 +322,10 @@ Status EngineImpl::grant_slab(ClientState& client) {
       return unavailable("client " + std::to_string(client.id) + " needs host memory and the pool's free slabs are " +
                          "being prepared; retry");
     }
+    if (back_a_slab()) {
+      return unavailable("client " + std::to_string(client.id) + " needs host memory: a slab of the node's host pool " +
+                         "is being prepared for this device; retry");
+    }
     return exhausted(client, Tier::kHost, "");
   }
   MEMBAR_ASSIGN_OR_RETURN(int fd, backend_->export_host_slab(chosen_index));
@@ -333,6 +337,7 @@ Status EngineImpl::grant_slab(ClientState& client) {
     number = client.next_client_slab++;
   }
   chosen->state = Slab::State::kOwned;
+  count_spare_slabs();
   chosen->owner = client.id;
   chosen->client_slab = number;
   chosen->used_frames = 0;
@@ -420,7 +425,7 @@ void EngineImpl::renew_slab(uint32_t index) {
   if (!queued.ok()) renewal_done(Tier::kHost, index, queued);
 }
 
-void EngineImpl::renewal_done(Tier tier, uint32_t index, Status status) {
+void EngineImpl::renewal_done(Tier tier, uint32_t index, Status status, bool released) {
   if (renewals_in_flight_ > 0) --renewals_in_flight_;
   if (tier == Tier::kGpu) {
     Frame& frame = frame_of(Tier::kGpu, index);
@@ -433,6 +438,17 @@ void EngineImpl::renewal_done(Tier tier, uint32_t index, Status status) {
       ++lost_frames_[0];
       last_renewal_error_ = status;
       report_lost(Tier::kGpu, lost_frames_[0] - 1, status);
+    }
+  } else if (released) {
+    Slab& slab = slabs_[index];
+    if (status.ok()) {
+      slab.state = Slab::State::kUnbacked;
+      if (config_.host_share) config_.host_share->give_back();
+    } else {
+      slab.state = Slab::State::kBroken;
+      lost_frames_[1] += slab.frames;
+      last_renewal_error_ = status;
+      report_lost(Tier::kHost, lost_frames_[1] - slab.frames, status);
     }
   } else {
     Slab& slab = slabs_[index];
@@ -447,7 +463,54 @@ void EngineImpl::renewal_done(Tier tier, uint32_t index, Status status) {
       report_lost(Tier::kHost, lost_frames_[1] - slab.frames, status);
     }
   }
+  if (tier == Tier::kHost) count_spare_slabs();
   renewals_done_.notify_all();
+}
+
+// ---- One host pool for a node (Note [One host pool for a node] in engine/host_share.cpp) ---------
+
+// Backs one of this engine's unbacked slabs with the share's capacity, or asks the other engines
+// to release one. True when the caller's client should retry.
+bool EngineImpl::back_a_slab() {
+  if (!config_.host_share) return false;
+  for (uint32_t s = 0; s < slabs_.size(); ++s) {
+    if (slabs_[s].state != Slab::State::kUnbacked) continue;
+    if (config_.host_share->take()) {
+      renew_slab(s);
+      return true;
+    }
+    return config_.host_share->ask_others(share_member_);
+  }
+  return false;   // every slab of this engine is backed (the whole node's pool is here)
+}
+
+// Another engine asked for host memory: drops one free slab (not one that channels need).
+void EngineImpl::release_a_slab() {
+  uint64_t unheld = 0;
+  for (const Slab& slab : slabs_) unheld += slab.backed() && slab.state != Slab::State::kOwned ? slab.frames : 0;
+  for (uint32_t s = 0; s < slabs_.size(); ++s) {
+    Slab& slab = slabs_[s];
+    if (slab.state != Slab::State::kFree || unheld - slab.frames < channel_frames_) continue;
+    slab.state = Slab::State::kReleasing;
+    ++renewals_in_flight_;
+    Status queued = backend_->release_host_slab(s, [this, s](Status status) {
+      {
+        std::lock_guard<std::mutex> lock(completion_mutex_);
+        completions_.emplace_back(RenewalDone{Tier::kHost, s, std::move(status), true});
+      }
+      completion_ready_.notify_one();
+    });
+    if (!queued.ok()) renewal_done(Tier::kHost, s, queued, true);
+    break;
+  }
+  count_spare_slabs();
+}
+
+void EngineImpl::count_spare_slabs() {
+  if (!config_.host_share) return;
+  uint64_t spare = 0;
+  for (const Slab& slab : slabs_) spare += slab.state == Slab::State::kFree ? 1 : 0;
+  spare_slabs_ = spare;
 }
 
 void EngineImpl::return_client_memory(ClientState& client) {

@@ -254,6 +254,7 @@ class CudaVmmBackend final : public DeviceBackend {
   uint32_t host_slab_frames() const override { return slab_frames_; }
   Result<int> export_gpu_frame(FrameIndex frame) override;
   Result<int> export_host_slab(uint32_t slab) override;
+  Status release_host_slab(uint32_t slab, std::function<void(Status)> done) override;
   Status renew(Tier tier, uint32_t index, std::function<void(Status)> done) override;
   BackendCounters counters() const override { return {0, 0, 0, 0, renewals_.load()}; }
   void* frame_pointer(Tier tier, FrameIndex frame) override;
@@ -291,6 +292,7 @@ class CudaVmmBackend final : public DeviceBackend {
   // The renewals themselves, on the renewal threads (Note [CUDA frames and copies]).
   Status renew_gpu_frame_now(FrameIndex frame);
   Status renew_slab_now(uint32_t slab);
+  Status release_slab_now(uint32_t slab);
   void renewal_loop(int queue);
   Status start();
   // Makes the device's primary context current on the calling thread (every public entry).
@@ -332,6 +334,7 @@ class CudaVmmBackend final : public DeviceBackend {
   struct RenewalJob {
     uint32_t index;
     std::function<void(Status)> done;
+    bool release = false;  // host slab: drop its memory instead (release_host_slab)
   };
   struct RenewalQueue {
     std::mutex mutex;
@@ -494,6 +497,29 @@ Status CudaVmmBackend::renew(Tier tier, uint32_t index, std::function<void(Statu
   return Status::Ok();
 }
 
+Status CudaVmmBackend::release_host_slab(uint32_t slab, std::function<void(Status)> done) {
+  if (!done) return invalid_argument("release_host_slab needs a completion callback");
+  if (slab >= slab_fds_.size()) return out_of_range("host slab " + std::to_string(slab) + " does not exist");
+  RenewalQueue& queue = renewal_[1];
+  {
+    std::lock_guard<std::mutex> lock(queue.mutex);
+    queue.jobs.push_back(RenewalJob{slab, std::move(done), true});
+  }
+  queue.ready.notify_one();
+  return Status::Ok();
+}
+
+Status CudaVmmBackend::release_slab_now(uint32_t slab) {
+  uint64_t bytes = uint64_t(slab_frames_) * kFrameBytes;
+  char* address = static_cast<char*>(host_reservation_.get()) + uint64_t(slab) * bytes;
+  slab_registrations_[slab].reset();
+  void* dropped = mmap(address, bytes, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED | MAP_NORESERVE, -1, 0);
+  if (dropped == MAP_FAILED) return errno_status("dropping a host slab");
+  std::lock_guard<std::mutex> lock(slab_mutex_);
+  slab_fds_[slab] = ScopedFd();
+  return Status::Ok();
+}
+
 void CudaVmmBackend::renewal_loop(int which) {
   (void)bind_device();
   RenewalQueue& queue = renewal_[which];
@@ -509,7 +535,7 @@ void CudaVmmBackend::renewal_loop(int which) {
     }
     // Note [Renewal when memory is short] (engine/backend.cpp): a killed client's old frames may
     // still hold GPU memory for a moment after it is gone.
-    Status status = renew_patiently(
+    Status status = job.release ? release_slab_now(job.index) : renew_patiently(
         [&] {
           if (which == 0 && injected_renewal_failures_.load() > 0 && injected_renewal_failures_.fetch_sub(1) > 0) {
             return resource_exhausted("renewal attempt failed by fault injection (as if memory were short)");

@@ -190,6 +190,23 @@ class HostBackend final : public DeviceBackend {
     return Status::Ok();
   }
 
+  Status release_host_slab(uint32_t slab, std::function<void(Status)> done) override {
+    if (slab >= slab_fds_.size()) return out_of_range("host slab " + std::to_string(slab) + " does not exist");
+    Job job;
+    job.done = std::move(done);
+    job.renew = [this, slab]() -> Status {
+      uint64_t bytes = uint64_t(slab_frames_) * kFrameBytes;
+      void* at = ::mmap(host_.base() + uint64_t(slab) * bytes, bytes, PROT_NONE,
+                        MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED | MAP_NORESERVE, -1, 0);
+      if (at == MAP_FAILED) return internal_error("dropping a host slab failed: " + errno_text(errno));
+      std::lock_guard<std::mutex> lock(mutex_);
+      slab_fds_[slab] = UniqueFd();
+      return Status::Ok();
+    };
+    submit(std::move(job));
+    return Status::Ok();
+  }
+
   // One try at a renewal (Note [Renewal when memory is short] in engine/backend.cpp).
   Status renew_now(Tier tier, uint32_t index) {
     if (tier == Tier::kGpu && injected_renewal_failures_.load() > 0 && injected_renewal_failures_.fetch_sub(1) > 0) {

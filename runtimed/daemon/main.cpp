@@ -200,32 +200,42 @@ int run(int argc, char** argv) {
     }
     options.devices = std::move(every).value();
   }
-  // Pools and quotas are per device: each device gets a --gpu-pool (a fraction is of that
-  // device's free memory) and a --host-pool of its own, and a client's share is of its device's
-  // pools (Note [Devices of one daemon] in membar/protocol/v2.h). Host memory is one for all: a
-  // fraction for --host-pool is of the available memory divided among the devices.
+  // GPU pools and quotas are per device: each device gets a --gpu-pool (a fraction is of that
+  // device's free memory), and a client's share is of its device's pools (Note [Devices of one
+  // daemon] in membar/protocol/v2.h). The host pool is one for the node (Note [One host pool for a
+  // node] in engine/host_share.cpp): every device's engine may use all of it, each backs an equal
+  // part at start-up, on its GPU's NUMA node, and capacity moves to the device that needs it.
   const size_t device_count = options.devices.size();
   std::vector<BackendConfig> pools(device_count);
-  uint64_t host_free = host_available_bytes();
-  uint64_t host_needed = 0;
+  const uint64_t host_pool_bytes = resolve_size(options.host_pool, host_available_bytes());
+  uint64_t host_needed = host_pool_bytes;
   for (size_t i = 0; i < device_count; ++i) {
     pools[i].device = options.devices[i];
     pools[i].host_numa_node = options.host_numa_node;
     pools[i].gpu_pool_bytes = resolve_size(options.gpu_pool, gpu_free_bytes(options, options.devices[i]));
-    pools[i].host_pool_bytes = resolve_size(options.host_pool, host_free / device_count);
+    pools[i].host_pool_bytes = host_pool_bytes;
     if (pools[i].gpu_pool_bytes == 0 || pools[i].host_pool_bytes == 0) {
       spdlog::error("pools must hold at least one 2 MiB frame (device {}: gpu {}, host {})", pools[i].device,
                     human_bytes(pools[i].gpu_pool_bytes), human_bytes(pools[i].host_pool_bytes));
       return 1;
     }
-    host_needed += pools[i].host_pool_bytes + (options.backend == "host" ? pools[i].gpu_pool_bytes : 0);
+    host_needed += options.backend == "host" ? pools[i].gpu_pool_bytes : 0;
+  }
+  std::shared_ptr<HostShare> host_share;
+  uint64_t host_slabs = 0;
+  if (device_count > 1) {
+    uint32_t slab_frames = host_slab_frames_for(host_pool_bytes);
+    host_slabs = host_pool_bytes / kFrameBytes / slab_frames;
+    host_share = std::make_shared<HostShare>(host_slabs);
+    spdlog::info("host pool {} ({} slabs of {}) shared by {} devices", human_bytes(host_slabs * slab_frames * kFrameBytes),
+                 host_slabs, human_bytes(uint64_t(slab_frames) * kFrameBytes), device_count);
   }
   // The host pools are pinned: they must fit in memory with room to spare for everything else.
   uint64_t host_total = meminfo_bytes("MemTotal:");
   if (host_total != 0 && host_needed > host_total / 10 * 9) {
     spdlog::error("{} of host pool{}{} do not fit this machine's {} of memory (at most 90% of it can be pinned); "
                   "give a smaller --host-pool (or a fraction such as --host-pool 0.5)",
-                  human_bytes(host_needed), device_count > 1 ? "s (one per device)" : "",
+                  human_bytes(host_needed), device_count > 1 ? " (one for all devices)" : "",
                   options.backend == "host" ? " plus the host backend's GPU pools" : "", human_bytes(host_total));
     return 1;
   }
@@ -250,6 +260,8 @@ int run(int argc, char** argv) {
                  which, human_bytes(engine_config.default_gpu_quota_bytes),
                  human_bytes(engine_config.default_host_quota_bytes));
     engine_config.first_client_id = static_cast<ClientId>(i + 1);  // ids i+1, i+1+n, ...: unique node-wide
+    engine_config.host_share = host_share;
+    engine_config.host_initial_slabs = host_slabs / device_count + (i < host_slabs % device_count ? 1 : 0);
     Result<ServedDevice> device = make_device(options, pool, engine_config);
     if (!device.ok()) {
       spdlog::error("{}", device.status().message());

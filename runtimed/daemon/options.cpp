@@ -78,7 +78,7 @@ std::string daemon_usage() {
          "                             host the numbers are labels (no GPU) and 'all' is refused\n"
          "  --device N                 the same as --devices N\n"
          "  --gpu-pool SIZE            GPU pool of each device (default 256MiB)\n"
-         "  --host-pool SIZE           host pool of each device, pinned in the background after start-up\n"
+         "  --host-pool SIZE           host pool of the node (one for all devices), pinned in the background\n"
          "                             (default 1GiB)\n"
          "  --host-numa-node auto|none|N\n"
          "                             where host pools live on machines with several NUMA nodes (sockets):\n"
@@ -107,7 +107,7 @@ std::string daemon_usage() {
          "  --pid-file PATH            write the daemon's pid there (removed on exit)\n"
          "  --log-level L              trace|debug|info|warn|error|off (default info)\n"
          "SIZE: 40GiB, 512MiB, or a fraction such as 0.8 (of free memory for pools: the device's for --gpu-pool,\n"
-         "the machine's shared among the devices for --host-pool; of the pool for quotas).\n";
+         "the machine's for --host-pool; of the pool for quotas).\n";
 }
 
 Result<DaemonOptions> parse_daemon_options(int argc, const char* const* argv) {

@@ -44,6 +44,9 @@ class FailingBackend final : public DeviceBackend {
     }
     return inner_->renew(tier, index, std::move(done));
   }
+  Status release_host_slab(uint32_t slab, std::function<void(Status)> done) override {
+    return inner_->release_host_slab(slab, std::move(done));
+  }
   void* frame_pointer(Tier tier, FrameIndex frame) override { return inner_->frame_pointer(tier, frame); }
   Status enqueue_copies(std::vector<CopyOp> ops, std::function<void(Status)> done,
                         const DeviceOrder& order) override {

@@ -1063,5 +1063,52 @@ TEST(Engine, StatsArePagedAndAddUp) {
   EXPECT_EQ(none, 20u * 4096 * 10);
 }
 
+// Note [One host pool for a node]: two devices' engines share one host pool of 4 slabs, 2 backed
+// by each at start. A client of one device takes the whole pool (the other device releases its free
+// slabs, this one backs them); the other device's client is then told the node's pool is used up;
+// once the first client is gone, the other device's client gets the whole pool, holding zeros.
+TEST(Engine, DevicesShareOneHostPool) {
+  auto share = std::make_shared<HostShare>(4);
+  EngineConfig config;
+  config.host_share = share;
+  config.host_initial_slabs = 2;
+  config.client_id_step = 2;
+  config.first_client_id = 1;
+  auto first = make_engine(2, 4, config);
+  config.first_client_id = 2;
+  auto second = make_engine(2, 4, config);
+  auto host = [](Engine& engine) { return engine.stats(0).value().tiers[1]; };
+  ASSERT_TRUE(eventually([&] { return host(*first).frames_free == 2 && host(*second).frames_free == 2; }));
+  EXPECT_EQ(host(*first).frames_total, 2u);
+  EXPECT_EQ(share->left(), 0u);
+  constexpr uint64_t kPage = 2 << 20;
+  {
+    auto owner = MappedClient::open(*first);
+    SpaceId space = owner->space("kv", kPage, 4);
+    char* pages = owner->acquire_host({space, 0, 4});
+    ASSERT_NE(pages, nullptr);
+    fill_pattern(pages, 4 * kPage, 77);
+    EXPECT_TRUE(check_pattern(pages, 4 * kPage, 77));
+    EXPECT_EQ(host(*first).frames_total, 4u);
+    EXPECT_EQ(host(*first).frames_used, 4u);
+    EXPECT_EQ(host(*second).frames_total, 0u);
+
+    auto other = MappedClient::open(*second);
+    SpaceId wanted = other->space("kv", kPage, 1);
+    auto refused = retrying([&] { return second->acquire_host(other->id, {wanted, 0, 1}); });
+    ASSERT_FALSE(refused.ok());
+    EXPECT_EQ(refused.status().code(), StatusCode::RESOURCE_EXHAUSTED) << refused.status().to_string();
+    EXPECT_TRUE(check_pattern(pages, 4 * kPage, 77));   // nothing was taken from the holder
+  }
+  auto other = MappedClient::open(*second);
+  SpaceId space = other->space("kv", kPage, 4);
+  char* pages = other->acquire_host({space, 0, 4});
+  ASSERT_NE(pages, nullptr);
+  EXPECT_TRUE(is_zero(pages, 4 * kPage));
+  EXPECT_EQ(host(*second).frames_total, 4u);
+  EXPECT_EQ(host(*first).frames_total, 0u);
+  EXPECT_EQ(share->left(), 0u);
+}
+
 }  // namespace
 }  // namespace membar::runtimed

@@ -1,6 +1,6 @@
 // Integration tests (label integration) of one membard serving several devices
 // (`--devices 0,1` on the host backend, where the ordinals are labels): each device has its own
-// engine and pools, a client names its device in the hello, and membarctl and Prometheus show
+// engine and GPU pool, the host pool is the node's, a client names its device in the hello, and membarctl and Prometheus show
 // every device. Note [Devices of one daemon] in include/membar/protocol/v2.h.
 #include <netinet/in.h>
 
@@ -67,7 +67,7 @@ class DevicesTest : public DaemonTest {
 };
 
 TEST_F(DevicesTest, ClientsOnTwoDevicesKeepTheirOwnBytesAndPools) {
-  start_daemon({"--devices", "0,1"});  // 32 MiB GPU pool and 128 MiB host pool per device
+  start_daemon({"--devices", "0,1"});  // 32 MiB GPU pool per device, 128 MiB host pool for both
   auto on_zero = connect_to("on-zero", 0);
   auto on_one = connect_to("on-one", 1);
   ASSERT_TRUE(on_zero && on_one);
@@ -115,6 +115,53 @@ TEST_F(DevicesTest, ClientsOnTwoDevicesKeepTheirOwnBytesAndPools) {
   ASSERT_TRUE(on_one->release({whole_one.value(), 0, 1}, false).ok());
   EXPECT_TRUE(pages_hold(*on_zero, zero_space.value(), pages, page_bytes, 0x10));
   EXPECT_TRUE(pages_hold(*on_one, one_space.value(), pages, page_bytes, 0xa0));
+}
+
+// The host pool is the node's (Note [One host pool for a node]): a client alone on device 1 fills
+// 120 of the 128 MiB (device 1 backed only half of it at start-up; device 0 gives back its free
+// slabs), and its bytes read back intact; a client on device 0 then gets what is left, zeroed.
+TEST_F(DevicesTest, OneDeviceCanUseTheWholeHostPool) {
+  start_daemon({"--devices", "0,1"});  // 128 MiB host pool for both devices
+  auto on_one = connect_to("on-one", 1);
+  ASSERT_TRUE(on_one);
+  const uint64_t page_bytes = kMiB;
+  const uint32_t pages = 120;
+  auto space = on_one->create_space("offloaded", page_bytes, pages);
+  ASSERT_TRUE(space.ok()) << space.status().to_string();
+  auto host = on_one->acquire_host({space.value(), 0, pages});
+  ASSERT_TRUE(host.ok()) << host.status().to_string();
+  auto* bytes = static_cast<uint8_t*>(host.value());
+  for (uint32_t p = 0; p < pages; ++p) std::memset(bytes + p * page_bytes, 0x30 + p, page_bytes);
+  ASSERT_TRUE(on_one->release_host({space.value(), 0, pages}, true).ok());
+  auto one_stats = on_one->stats();
+  ASSERT_TRUE(one_stats.ok());
+  EXPECT_GE(one_stats.value().tiers[1].frames_used, 60u);   // 120 MiB in 2 MiB frames
+  EXPECT_GE(one_stats.value().tiers[1].frames_total, 60u);  // more than its half of 64
+
+  auto on_zero = connect_to("on-zero", 0);
+  ASSERT_TRUE(on_zero);
+  auto rest = on_zero->create_space("rest", page_bytes, 4);
+  ASSERT_TRUE(rest.ok());
+  auto zero_host = on_zero->acquire_host({rest.value(), 0, 4});
+  ASSERT_TRUE(zero_host.ok()) << zero_host.status().to_string();
+  const auto* zeros = static_cast<const uint8_t*>(zero_host.value());
+  bool all_zero = true;
+  for (uint64_t i = 0; i < 4 * page_bytes && all_zero; ++i) all_zero = zeros[i] == 0;
+  EXPECT_TRUE(all_zero);
+  ASSERT_TRUE(on_zero->release_host({rest.value(), 0, 4}, false).ok());
+  // More than the node has left is a clear error on device 0, and device 1 loses nothing.
+  auto more = on_zero->create_space("more", page_bytes, 16);
+  ASSERT_TRUE(more.ok());
+  auto refused = on_zero->acquire_host({more.value(), 0, 16});
+  ASSERT_FALSE(refused.ok());
+  EXPECT_EQ(refused.status().code(), StatusCode::RESOURCE_EXHAUSTED) << refused.status().to_string();
+  auto again = on_one->acquire_host({space.value(), 0, pages});
+  ASSERT_TRUE(again.ok()) << again.status().to_string();
+  bytes = static_cast<uint8_t*>(again.value());
+  bool intact = true;
+  for (uint64_t i = 0; i < pages * page_bytes && intact; ++i) intact = bytes[i] == uint8_t(0x30 + i / page_bytes);
+  EXPECT_TRUE(intact);
+  ASSERT_TRUE(on_one->release_host({space.value(), 0, pages}, false).ok());
 }
 
 TEST_F(DevicesTest, AClientNamingNoDeviceGetsTheFirstListed) {

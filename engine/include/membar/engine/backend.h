@@ -116,6 +116,10 @@ class DeviceBackend {
   // from a backend thread. Host slabs start unprepared: each is renewed once before first use.
   // Returns an error (and never calls `done`) if the work cannot be queued.
   virtual Status renew(Tier tier, uint32_t index, std::function<void(Status)> done) = 0;
+  // Drops a prepared host slab's memory (unpinned, its memfd closed; a descriptor exported before
+  // reaches only the old memory) and leaves its place unbacked until a later renew; calls `done`
+  // exactly once from a backend thread (Note [One host pool for a node] in engine/host_share.cpp).
+  virtual Status release_host_slab(uint32_t slab, std::function<void(Status)> done) = 0;
   // The daemon's own pointer to a frame (host pointer, or device pointer in the daemon's context).
   virtual void* frame_pointer(Tier tier, FrameIndex frame) = 0;
 

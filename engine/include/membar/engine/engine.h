@@ -33,6 +33,7 @@
 #include <vector>
 
 #include "membar/engine/backend.h"
+#include "membar/engine/host_share.h"
 #include "membar/status.h"
 #include "membar/types.h"
 
@@ -75,6 +76,12 @@ struct EngineConfig {
   // slab lost because its renewal failed for good): membard logs it. Called with the engine's
   // lock held: it must not call back into the engine.
   std::function<void(const std::string& message)> log_error;
+  // One host pool for the engines of a node (Note [One host pool for a node] in
+  // engine/host_share.cpp): the backend's host pool is the whole node's; this engine backs
+  // host_initial_slabs of its slabs at start-up and takes or gives capacity through the share.
+  // Null: every slab of the backend's host pool is this engine's.
+  std::shared_ptr<HostShare> host_share;
+  uint64_t host_initial_slabs = 0;
 };
 
 struct ClientConfig {
