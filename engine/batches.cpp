@@ -498,7 +498,7 @@ void EngineImpl::dispatcher_loop() {
     std::variant<BatchDone, RenewalDone> completion;
     {
       std::unique_lock<std::mutex> lock(completion_mutex_);
-      auto ready = [this] { return stopping_ || !completions_.empty() || release_wanted_.load(); };
+      auto ready = [this] { return stopping_ || !completions_.empty() || release_asked_.load(); };
       if (fence_watch_needed_.load()) {
         completion_ready_.wait_for(lock, std::chrono::microseconds(20), ready);
       } else {
@@ -506,10 +506,10 @@ void EngineImpl::dispatcher_loop() {
       }
       if (completions_.empty()) {
         if (stopping_) return;
-        if (release_wanted_.exchange(false)) {   // Note [One host pool for a node]
+        if (release_asked_.exchange(false)) {   // Note [One host pool for a node]
           lock.unlock();
           std::lock_guard<std::mutex> engine_lock(mutex_);
-          release_a_slab();
+          serve_release_requests();   // what it cannot serve yet, renewal_done serves
         }
         continue;
       }

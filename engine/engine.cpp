@@ -87,7 +87,8 @@ EngineImpl::EngineImpl(std::unique_ptr<DeviceBackend> backend, const EngineConfi
                                              [this] {
                                                {
                                                  std::lock_guard<std::mutex> lock(completion_mutex_);
-                                                 release_wanted_ = true;
+                                                 ++release_requests_;
+                                                 release_asked_ = true;
                                                }
                                                completion_ready_.notify_one();
                                              });

@@ -163,7 +163,7 @@ class EngineImpl final : public Engine {
   void report_lost(Tier tier, uint64_t lost_before, const Status& status);
   // Note [One host pool for a node] (engine/host_share.cpp).
   bool back_a_slab();
-  void release_a_slab();
+  void serve_release_requests();
   void count_spare_slabs();
   Status exhausted(const ClientState& client, Tier tier, const char* why);
   bool gpu_frame_quiescent(ClientState& client, Frame& frame);
@@ -244,7 +244,8 @@ class EngineImpl final : public Engine {
   // for one (handled by the dispatcher thread).
   uint32_t share_member_ = 0;
   std::atomic<uint64_t> spare_slabs_{0};
-  std::atomic<bool> release_wanted_{false};
+  std::atomic<uint32_t> release_requests_{0};   // other engines' asks not yet served
+  std::atomic<bool> release_asked_{false};        // a new ask for the dispatcher thread
 
   // What the dispatcher thread handles: a finished batch part, or a finished renewal.
   struct BatchDone {

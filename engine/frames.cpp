@@ -408,6 +408,7 @@ void EngineImpl::renew_slab(uint32_t index) {
     slab.state = Slab::State::kPreparing;
     slab.renew_started = false;
     pools_[1].preparing += slab.frames;
+    count_spare_slabs();
   }
   if (slab.renew_started) return;
   for (uint32_t i = 0; i < slab.frames; ++i) {
@@ -463,7 +464,10 @@ void EngineImpl::renewal_done(Tier tier, uint32_t index, Status status, bool rel
       report_lost(Tier::kHost, lost_frames_[1] - slab.frames, status);
     }
   }
-  if (tier == Tier::kHost) count_spare_slabs();
+  if (tier == Tier::kHost) {
+    count_spare_slabs();
+    if (!released && release_requests_.load() > 0) serve_release_requests();
+  }
   renewals_done_.notify_all();
 }
 
@@ -484,32 +488,49 @@ bool EngineImpl::back_a_slab() {
   return false;   // every slab of this engine is backed (the whole node's pool is here)
 }
 
-// Another engine asked for host memory: drops one free slab (not one that channels need).
-void EngineImpl::release_a_slab() {
-  uint64_t unheld = 0;
-  for (const Slab& slab : slabs_) unheld += slab.backed() && slab.state != Slab::State::kOwned ? slab.frames : 0;
-  for (uint32_t s = 0; s < slabs_.size(); ++s) {
-    Slab& slab = slabs_[s];
-    if (slab.state != Slab::State::kFree || unheld - slab.frames < channel_frames_) continue;
-    slab.state = Slab::State::kReleasing;
+// Other engines asked for host memory: drops a free slab per ask (not one that channels need).
+// Asks that must wait for a slab still being prepared stay for renewal_done; asks this engine has
+// nothing for are cancelled (the asker's client is then told the node's pool is used up).
+void EngineImpl::serve_release_requests() {
+  if (!config_.host_share) return;
+  while (release_requests_.load() > 0) {
+    uint64_t unheld = 0;
+    bool preparing = false;
+    for (const Slab& slab : slabs_) {
+      unheld += slab.backed() && slab.state != Slab::State::kOwned ? slab.frames : 0;
+      preparing = preparing || slab.state == Slab::State::kPreparing;
+    }
+    uint32_t chosen = kNoSlab;
+    for (uint32_t s = 0; s < slabs_.size() && chosen == kNoSlab; ++s) {
+      if (slabs_[s].state == Slab::State::kFree && unheld - slabs_[s].frames >= channel_frames_) chosen = s;
+    }
+    if (chosen == kNoSlab) {
+      if (!preparing) {
+        for (uint32_t n = release_requests_.exchange(0); n > 0; --n) config_.host_share->cancel_ask();
+      }
+      break;
+    }
+    --release_requests_;
+    slabs_[chosen].state = Slab::State::kReleasing;
     ++renewals_in_flight_;
-    Status queued = backend_->release_host_slab(s, [this, s](Status status) {
+    Status queued = backend_->release_host_slab(chosen, [this, chosen](Status status) {
       {
         std::lock_guard<std::mutex> lock(completion_mutex_);
-        completions_.emplace_back(RenewalDone{Tier::kHost, s, std::move(status), true});
+        completions_.emplace_back(RenewalDone{Tier::kHost, chosen, std::move(status), true});
       }
       completion_ready_.notify_one();
     });
-    if (!queued.ok()) renewal_done(Tier::kHost, s, queued, true);
-    break;
+    if (!queued.ok()) renewal_done(Tier::kHost, chosen, queued, true);
   }
   count_spare_slabs();
 }
 
 void EngineImpl::count_spare_slabs() {
   if (!config_.host_share) return;
-  uint64_t spare = 0;
-  for (const Slab& slab : slabs_) spare += slab.state == Slab::State::kFree ? 1 : 0;
+  uint64_t spare = 0;   // free, or being prepared for nobody yet
+  for (const Slab& slab : slabs_) {
+    spare += slab.state == Slab::State::kFree || slab.state == Slab::State::kPreparing ? 1 : 0;
+  }
   spare_slabs_ = spare;
 }
 

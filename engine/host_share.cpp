@@ -7,13 +7,17 @@
 // same slabs; a HostShare counts how many slabs may be backed (memfd, pinned on CUDA) at once,
 // node-wide. At start-up each engine backs an equal part of it. An engine that needs a slab and has
 // none free backs one of its unbacked slabs if the share has capacity left; if not, it asks the
-// other engines (HostShare::ask_others), and its client gets UNAVAILABLE (retry) meanwhile. An
-// engine asked releases one free slab on its own thread (its memory unpinned and dropped:
-// DeviceBackend::release_host_slab), and the capacity returns to the share for the asker to back a
-// slab on its own NUMA node. Slabs held by clients are never taken for another device; idle ones
-// come back through the owning engine's reclaim as before.
+// other engines (HostShare::ask_others: one ask at a time, to an engine with a slab free or being
+// prepared), and its client gets UNAVAILABLE (retry) meanwhile. An engine asked releases one free
+// slab on its own thread (its memory unpinned and dropped: DeviceBackend::release_host_slab), or the
+// next of its slabs to finish preparing, and the capacity returns to the share for the asker to
+// back a slab on its own NUMA node; one with nothing left to give cancels the ask, and the asker's
+// client is then told the node's pool is used up. Slabs held by clients are never taken for
+// another device.
 // Limitations: capacity moves a slab at a time and costs a release and a new pinning (about
-// 0.4-0.8 s per GiB on the H200 VM); an engine whose slabs are all held cannot give any.
+// 0.4-0.8 s per GiB on the H200 VM); slabs a client holds but does not use (idle) are reclaimed
+// only for clients of the same device, not released for another; a device's `membarctl stats`
+// host tier counts the slabs it holds backed, not what it could get from the others.
 #include "membar/engine/host_share.h"
 
 namespace membar::runtimed {
@@ -28,6 +32,12 @@ bool HostShare::take() {
 void HostShare::give_back() {
   std::lock_guard<std::mutex> lock(mutex_);
   if (left_ < slabs_) ++left_;
+  if (asks_ > 0) --asks_;
+}
+
+void HostShare::cancel_ask() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (asks_ > 0) --asks_;
 }
 
 uint64_t HostShare::left() {
@@ -48,14 +58,15 @@ void HostShare::leave(uint32_t member) {
 
 bool HostShare::ask_others(uint32_t member) {
   std::lock_guard<std::mutex> lock(mutex_);
-  bool asked = false;
+  if (asks_ > 0) return true;   // a slab is on its way
   for (uint32_t m = 0; m < members_.size(); ++m) {
     Member& other = members_[m];
     if (m == member || !other.present || other.spare() == 0) continue;
     other.asked();
-    asked = true;
+    ++asks_;
+    return true;
   }
-  return asked;
+  return false;
 }
 
 }  // namespace membar::runtimed

@@ -211,6 +211,42 @@ TEST(EngineFaults, ClientsComingAndGoingKeepTheirOwnDataOrderedOnDevice) {
   three_clients_coming_and_going(config, 4, 300);
 }
 
+// Note [One host pool for a node] under load: two devices' engines share 40 host slabs, 8 backed by
+// the first at start and 32 by the second; three clients live and die on the first device at once
+// (up to 36 host frames between them) and one on the second (up to 3), so host memory moves between
+// the engines
+// while clients write, offload and read back. No page comes back corrupted, nothing deadlocks, and
+// afterwards every slab of the node is free or unbacked capacity again.
+TEST(EngineFaults, DevicesSharingOneHostPoolUnderLoadKeepEveryonesData) {
+  auto share = std::make_shared<HostShare>(40);
+  EngineConfig config;
+  config.host_share = share;
+  config.host_initial_slabs = 8;
+  config.client_id_step = 2;
+  config.first_client_id = 1;
+  auto first = membar::testing::make_engine(8, 40, config);
+  config.first_client_id = 2;
+  config.host_initial_slabs = 32;
+  auto second = membar::testing::make_engine(8, 40, config);
+  std::atomic<uint64_t> corrupted{0}, checked{0}, exhausted{0};
+  std::vector<std::thread> threads;
+  for (int t : {0, 2, 4}) threads.emplace_back([&, t] { client_lives(*first, t, 3, 120, corrupted, checked, exhausted); });
+  threads.emplace_back([&] { client_lives(*second, 1, 3, 120, corrupted, checked, exhausted); });
+  for (auto& thread : threads) thread.join();
+  EXPECT_EQ(corrupted.load(), 0u);
+  EXPECT_GT(checked.load(), 200u);
+  EXPECT_TRUE(eventually([&] {
+    RuntimeStats a = first->stats(0).value();
+    RuntimeStats b = second->stats(0).value();
+    return a.tiers[0].frames_free == 8 && b.tiers[0].frames_free == 8 &&
+           a.tiers[1].frames_free == a.tiers[1].frames_total && b.tiers[1].frames_free == b.tiers[1].frames_total &&
+           a.tiers[1].frames_total + b.tiers[1].frames_total + share->left() == 40;
+  }));
+  EXPECT_GT(first->stats(0).value().tiers[1].frames_total, 8u);   // the first device took some of the second's
+  std::printf("checked %llu pages, corrupted %llu, exhausted answers %llu\n", (unsigned long long)checked.load(),
+              (unsigned long long)corrupted.load(), (unsigned long long)exhausted.load());
+}
+
 // A GPU frame whose renewal fails never returns to the pool: the next client is told the pool is
 // short (RESOURCE_EXHAUSTED, after "retry" while the renewal ran), and never gets the old bytes.
 TEST(EngineFaults, AFailedRenewalKeepsTheFrameOutOfThePool) {

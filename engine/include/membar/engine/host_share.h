@@ -19,15 +19,18 @@ class HostShare {
   uint64_t slabs() const { return slabs_; }
   // Capacity for one more backed slab: false when every slab of the node is backed somewhere.
   bool take();
-  // A released slab's capacity comes back.
+  // A released slab's capacity comes back (and answers one ask, if any is outstanding).
   void give_back();
+  // A member that was asked has nothing left to release: the ask is answered with nothing.
+  void cancel_ask();
   uint64_t left();
 
   // An engine joins with what it can spare (free backed slabs) and how to ask it for one.
   uint32_t join(std::function<uint64_t()> spare, std::function<void()> asked);
   void leave(uint32_t member);
-  // Asks every other member that has a slab to spare to release one. True when one was asked
-  // (the caller should tell its client to retry: the capacity arrives once the slab is released).
+  // Asks one other member that has a slab to spare (free, or being prepared) to release one; while
+  // an ask is outstanding, asks again nobody. True when capacity is on its way (the caller should
+  // tell its client to retry: it arrives once the slab is released).
   bool ask_others(uint32_t member);
 
  private:
@@ -39,6 +42,7 @@ class HostShare {
   std::mutex mutex_;
   uint64_t left_;
   const uint64_t slabs_;
+  uint64_t asks_ = 0;   // asks not yet answered by a release (or a cancel)
   std::vector<Member> members_;
 };
 
