@@ -167,6 +167,41 @@ TEST_F(CudaBackendTest, RenewalGivesFreshZeroedMemory) {
   EXPECT_EQ(backend_->renew(Tier::kGpu, kGpuFrames, [](Status) {}).code(), StatusCode::OUT_OF_RANGE);
 }
 
+// Note [One host pool for a node]: a released slab has no memory behind it (no descriptor, its
+// place unmapped) until it is renewed, and then holds zeros, is pinned (copies from it run), and
+// is unreachable through a descriptor exported before the release.
+TEST_F(CudaBackendTest, AReleasedSlabIsUnbackedUntilRenewedAndThenZero) {
+  uint32_t slab = 0;
+  FrameIndex first = slab * backend_->host_slab_frames();
+  Result<int> old_fd = backend_->export_host_slab(slab);
+  ASSERT_TRUE(old_fd.ok());
+  void* old_view = mmap(nullptr, kFrameBytes, PROT_READ | PROT_WRITE, MAP_SHARED, old_fd.value(), 0);
+  ASSERT_NE(old_view, MAP_FAILED);
+  fill_random(old_view, kFrameBytes, 11);
+  Completion released;
+  ASSERT_TRUE(backend_->release_host_slab(slab, released.callback()).ok());
+  ASSERT_TRUE(released.wait().ok());
+  EXPECT_EQ(backend_->export_host_slab(slab).status().code(), StatusCode::FAILED_PRECONDITION);
+  Completion renewed;
+  ASSERT_TRUE(backend_->renew(Tier::kHost, slab, renewed.callback()).ok());
+  ASSERT_TRUE(renewed.wait().ok());
+  std::vector<uint8_t> zeros(kFrameBytes, 0);
+  EXPECT_EQ(std::memcmp(backend_->frame_pointer(Tier::kHost, first), zeros.data(), kFrameBytes), 0);
+  fill_random(old_view, kFrameBytes, 12);  // the old holder keeps writing
+  EXPECT_EQ(std::memcmp(backend_->frame_pointer(Tier::kHost, first), zeros.data(), kFrameBytes), 0);
+  munmap(old_view, kFrameBytes);
+  close(old_fd.value());
+  fill_random(backend_->frame_pointer(Tier::kHost, first), kFrameBytes, 13);
+  CopyOp op{Tier::kHost, first, 0, Tier::kGpu, 0, 0, kFrameBytes};
+  Completion copied;
+  ASSERT_TRUE(backend_->enqueue_copies({op}, copied.callback()).ok());
+  ASSERT_TRUE(copied.wait().ok());
+  std::vector<uint8_t> gpu = read_gpu(backend_->frame_pointer(Tier::kGpu, 0), kFrameBytes);
+  EXPECT_EQ(std::memcmp(gpu.data(), backend_->frame_pointer(Tier::kHost, first), kFrameBytes), 0);
+  EXPECT_EQ(backend_->release_host_slab(uint32_t(backend_->host_slab_count()), [](Status) {}).code(),
+            StatusCode::OUT_OF_RANGE);
+}
+
 // Pages of `page_bytes` go host -> GPU in a shuffled order (so merging only joins what is
 // really adjacent), then GPU -> other host frames; every byte must survive both trips.
 void round_trip(DeviceBackend& backend, uint64_t page_bytes, uint64_t seed) {
@@ -405,6 +440,34 @@ TEST(CudaBackendFaults, NthFrameFailsAsResourceExhaustedAndLeaksNothing) {
   config.fail_frame_create_after = kGpuFrames + 1;
   Result<std::unique_ptr<DeviceBackend>> healthy = make_cuda_backend(config);
   EXPECT_TRUE(healthy.ok()) << healthy.status().to_string();
+}
+
+// Note [Renewal when memory is short]: GPU frame renewals that fail for memory (injected) are tried
+// again and end with a zeroed frame; past the patience the renewal reports RESOURCE_EXHAUSTED.
+TEST(CudaBackendFaults, RenewalsShortOfMemoryAreTriedAgain) {
+  for (bool patient : {true, false}) {
+    SCOPED_TRACE(patient ? "a short shortage" : "a shortage longer than the patience");
+    BackendConfig config = small_config();
+    config.fail_renewal_attempts = patient ? 3 : 1u << 30;
+    config.renewal_patience_ms = patient ? 60000 : 50;
+    Result<std::unique_ptr<DeviceBackend>> made = make_cuda_backend(config);
+    if (!made.ok() && made.status().code() == StatusCode::UNAVAILABLE) GTEST_SKIP() << made.status().to_string();
+    ASSERT_TRUE(made.ok()) << made.status().to_string();
+    DeviceBackend& backend = *made.value();
+    std::vector<uint8_t> bytes(kFrameBytes);
+    fill_random(bytes.data(), kFrameBytes, 21);
+    ASSERT_EQ(cudaMemcpy(backend.frame_pointer(Tier::kGpu, 2), bytes.data(), kFrameBytes, cudaMemcpyHostToDevice),
+              cudaSuccess);
+    Completion renewed;
+    ASSERT_TRUE(backend.renew(Tier::kGpu, 2, renewed.callback()).ok());
+    Status status = renewed.wait();
+    if (patient) {
+      ASSERT_TRUE(status.ok()) << status.to_string();
+      EXPECT_EQ(read_gpu(backend.frame_pointer(Tier::kGpu, 2), kFrameBytes), std::vector<uint8_t>(kFrameBytes, 0));
+    } else {
+      EXPECT_EQ(status.code(), StatusCode::RESOURCE_EXHAUSTED) << status.to_string();
+    }
+  }
 }
 
 }  // namespace

@@ -214,20 +214,11 @@ TEST(EngineFaults, ClientsComingAndGoingKeepTheirOwnDataOrderedOnDevice) {
 // Note [One host pool for a node] under load: two devices' engines share 40 host slabs, 8 backed by
 // the first at start and 32 by the second; three clients live and die on the first device at once
 // (up to 36 host frames between them) and one on the second (up to 3), so host memory moves between
-// the engines
-// while clients write, offload and read back. No page comes back corrupted, nothing deadlocks, and
-// afterwards every slab of the node is free or unbacked capacity again.
+// the engines while clients write, offload and read back. No page comes back corrupted, nothing
+// deadlocks, and afterwards every slab of the node is free or unbacked capacity again.
 TEST(EngineFaults, DevicesSharingOneHostPoolUnderLoadKeepEveryonesData) {
   auto share = std::make_shared<HostShare>(40);
-  EngineConfig config;
-  config.host_share = share;
-  config.host_initial_slabs = 8;
-  config.client_id_step = 2;
-  config.first_client_id = 1;
-  auto first = membar::testing::make_engine(8, 40, config);
-  config.first_client_id = 2;
-  config.host_initial_slabs = 32;
-  auto second = membar::testing::make_engine(8, 40, config);
+  auto [first, second] = membar::testing::make_engines_sharing(share, 8, 8);
   std::atomic<uint64_t> corrupted{0}, checked{0}, exhausted{0};
   std::vector<std::thread> threads;
   for (int t : {0, 2, 4}) threads.emplace_back([&, t] { client_lives(*first, t, 3, 120, corrupted, checked, exhausted); });

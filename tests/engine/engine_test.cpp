@@ -1069,14 +1069,7 @@ TEST(Engine, StatsArePagedAndAddUp) {
 // once the first client is gone, the other device's client gets the whole pool, holding zeros.
 TEST(Engine, DevicesShareOneHostPool) {
   auto share = std::make_shared<HostShare>(4);
-  EngineConfig config;
-  config.host_share = share;
-  config.host_initial_slabs = 2;
-  config.client_id_step = 2;
-  config.first_client_id = 1;
-  auto first = make_engine(2, 4, config);
-  config.first_client_id = 2;
-  auto second = make_engine(2, 4, config);
+  auto [first, second] = membar::testing::make_engines_sharing(share, 2, 2);
   auto host = [](Engine& engine) { return engine.stats(0).value().tiers[1]; };
   ASSERT_TRUE(eventually([&] { return host(*first).frames_free == 2 && host(*second).frames_free == 2; }));
   EXPECT_EQ(host(*first).frames_total, 2u);

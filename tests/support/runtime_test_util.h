@@ -17,6 +17,7 @@
 #include <set>
 #include <string>
 #include <thread>
+#include <utility>
 
 #include "membar/engine/engine.h"
 #include "memory.h"
@@ -244,6 +245,23 @@ inline std::unique_ptr<runtimed::Engine> make_engine(uint64_t gpu_frames, uint64
 }
 
 // Waits until the pools are whole again (every frame and slab renewed and free).
+// Two devices' engines of one node sharing a host pool of `share->slabs()` one-frame slabs
+// (Note [One host pool for a node]): the first backs `first_slabs` at start, the second the rest;
+// client ids are odd on the first, even on the second, as membard numbers them.
+inline std::pair<std::unique_ptr<runtimed::Engine>, std::unique_ptr<runtimed::Engine>> make_engines_sharing(
+    const std::shared_ptr<runtimed::HostShare>& share, uint64_t gpu_frames, uint64_t first_slabs) {
+  runtimed::EngineConfig config;
+  config.host_share = share;
+  config.client_id_step = 2;
+  config.first_client_id = 1;
+  config.host_initial_slabs = first_slabs;
+  auto first = make_engine(gpu_frames, share->slabs(), config);
+  config.first_client_id = 2;
+  config.host_initial_slabs = share->slabs() - first_slabs;
+  auto second = make_engine(gpu_frames, share->slabs(), config);
+  return {std::move(first), std::move(second)};
+}
+
 inline bool pools_settle(runtimed::Engine& engine, uint64_t gpu_frames, uint64_t host_frames) {
   return eventually([&] {
     RuntimeStats stats = engine.stats(0).value();
