@@ -997,8 +997,7 @@ Status EngineImpl::reserve_channel_bytes(ClientId id, uint64_t bytes) {
                               ", over its host quota of " + human_bytes(uint64_t(client->quota_frames[1]) * kFrameBytes));
   }
   // The pool's frames in slabs nobody holds, less what channels already took.
-  uint64_t unheld = 0;
-  for (const Slab& slab : slabs_) unheld += slab.backed() && slab.state != Slab::State::kOwned ? slab.frames : 0;
+  uint64_t unheld = unheld_host_frames();
   if (channel_frames_ + frames > unheld) {
     return resource_exhausted("a channel of " + human_bytes(bytes) + " does not fit the host pool: " +
                               human_bytes((unheld - std::min(unheld, channel_frames_)) * kFrameBytes) +

@@ -165,6 +165,9 @@ class EngineImpl final : public Engine {
   bool back_a_slab();
   void serve_release_requests();
   void count_spare_slabs();
+  // Host frames of backed slabs no client holds (free or being prepared): what channels and grants
+  // share (Note [One host pool for a node]: unbacked and releasing slabs are not this engine's).
+  uint64_t unheld_host_frames() const;
   Status exhausted(const ClientState& client, Tier tier, const char* why);
   bool gpu_frame_quiescent(ClientState& client, Frame& frame);
 

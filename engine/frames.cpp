@@ -303,13 +303,12 @@ Result<FrameIndex> EngineImpl::take_host_frame(ClientState& client, Space& space
 }
 
 Status EngineImpl::grant_slab(ClientState& client) {
-  uint64_t unheld = 0;
+  const uint64_t unheld = unheld_host_frames();
   Slab* chosen = nullptr;
   uint32_t chosen_index = 0;
   bool preparing = false;
   for (uint32_t s = 0; s < slabs_.size(); ++s) {
     Slab& slab = slabs_[s];
-    if (slab.backed() && slab.state != Slab::State::kOwned) unheld += slab.frames;
     if (slab.state == Slab::State::kPreparing) preparing = true;
     if (slab.state == Slab::State::kFree && chosen == nullptr) {
       chosen = &slab;
@@ -494,12 +493,9 @@ bool EngineImpl::back_a_slab() {
 void EngineImpl::serve_release_requests() {
   if (!config_.host_share) return;
   while (release_requests_.load() > 0) {
-    uint64_t unheld = 0;
+    const uint64_t unheld = unheld_host_frames();
     bool preparing = false;
-    for (const Slab& slab : slabs_) {
-      unheld += slab.backed() && slab.state != Slab::State::kOwned ? slab.frames : 0;
-      preparing = preparing || slab.state == Slab::State::kPreparing;
-    }
+    for (const Slab& slab : slabs_) preparing = preparing || slab.state == Slab::State::kPreparing;
     uint32_t chosen = kNoSlab;
     for (uint32_t s = 0; s < slabs_.size() && chosen == kNoSlab; ++s) {
       if (slabs_[s].state == Slab::State::kFree && unheld - slabs_[s].frames >= channel_frames_) chosen = s;
@@ -523,6 +519,12 @@ void EngineImpl::serve_release_requests() {
     if (!queued.ok()) renewal_done(Tier::kHost, chosen, queued, true);
   }
   count_spare_slabs();
+}
+
+uint64_t EngineImpl::unheld_host_frames() const {
+  uint64_t unheld = 0;
+  for (const Slab& slab : slabs_) unheld += slab.backed() && slab.state != Slab::State::kOwned ? slab.frames : 0;
+  return unheld;
 }
 
 void EngineImpl::count_spare_slabs() {

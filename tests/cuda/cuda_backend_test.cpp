@@ -135,6 +135,38 @@ TEST_F(CudaBackendTest, FramesAndSlabsAreCountedAndExportable) {
 
 // Renewal gives a GPU frame and a slab fresh zeroed memory; a descriptor exported before reaches
 // only the old memory.
+// A descriptor of `slab` exported before its memory changes hands, mapped and written (frame 0 of
+// the slab): what an earlier holder keeps.
+struct OldSlabView {
+  int fd = -1;
+  void* view = MAP_FAILED;
+  ~OldSlabView() {
+    if (view != MAP_FAILED) munmap(view, kFrameBytes);
+    if (fd >= 0) close(fd);
+  }
+};
+
+void keep_old_view(DeviceBackend& backend, uint32_t slab, uint64_t seed, OldSlabView& old) {
+  Result<int> fd = backend.export_host_slab(slab);
+  ASSERT_TRUE(fd.ok()) << fd.status().to_string();
+  old.fd = fd.value();
+  old.view = mmap(nullptr, kFrameBytes, PROT_READ | PROT_WRITE, MAP_SHARED, old.fd, 0);
+  ASSERT_NE(old.view, MAP_FAILED);
+  fill_random(old.view, kFrameBytes, seed);
+}
+
+// Renews `slab` and checks its first frame holds zeros, also after the old holder writes again.
+void renew_and_expect_zeros(DeviceBackend& backend, uint32_t slab, OldSlabView& old, uint64_t seed) {
+  Completion renewed;
+  ASSERT_TRUE(backend.renew(Tier::kHost, slab, renewed.callback()).ok());
+  ASSERT_TRUE(renewed.wait().ok());
+  const void* first = backend.frame_pointer(Tier::kHost, slab * backend.host_slab_frames());
+  std::vector<uint8_t> zeros(kFrameBytes, 0);
+  EXPECT_EQ(std::memcmp(first, zeros.data(), kFrameBytes), 0);
+  fill_random(old.view, kFrameBytes, seed);  // the old holder keeps writing
+  EXPECT_EQ(std::memcmp(first, zeros.data(), kFrameBytes), 0);
+}
+
 TEST_F(CudaBackendTest, RenewalGivesFreshZeroedMemory) {
   uint64_t renewals = backend_->counters().renewals;
   std::vector<uint8_t> bytes(kFrameBytes);
@@ -147,22 +179,9 @@ TEST_F(CudaBackendTest, RenewalGivesFreshZeroedMemory) {
   std::vector<uint8_t> after = read_gpu(backend_->frame_pointer(Tier::kGpu, 3), kFrameBytes);
   EXPECT_EQ(after, std::vector<uint8_t>(kFrameBytes, 0)) << "a renewed GPU frame must hold zeros";
 
-  uint32_t slab = 1;
-  FrameIndex first = slab * backend_->host_slab_frames();
-  Result<int> old_fd = backend_->export_host_slab(slab);
-  ASSERT_TRUE(old_fd.ok());
-  void* old_view = mmap(nullptr, kFrameBytes, PROT_READ | PROT_WRITE, MAP_SHARED, old_fd.value(), 0);
-  ASSERT_NE(old_view, MAP_FAILED);
-  fill_random(old_view, kFrameBytes, 6);
-  Completion slab_renewed;
-  ASSERT_TRUE(backend_->renew(Tier::kHost, slab, slab_renewed.callback()).ok());
-  ASSERT_TRUE(slab_renewed.wait().ok());
-  std::vector<uint8_t> zeros(kFrameBytes, 0);
-  EXPECT_EQ(std::memcmp(backend_->frame_pointer(Tier::kHost, first), zeros.data(), kFrameBytes), 0);
-  fill_random(old_view, kFrameBytes, 7);  // the old holder keeps writing
-  EXPECT_EQ(std::memcmp(backend_->frame_pointer(Tier::kHost, first), zeros.data(), kFrameBytes), 0);
-  munmap(old_view, kFrameBytes);
-  close(old_fd.value());
+  OldSlabView old;
+  keep_old_view(*backend_, 1, 6, old);
+  renew_and_expect_zeros(*backend_, 1, old, 7);
   EXPECT_EQ(backend_->counters().renewals, renewals + 2);
   EXPECT_EQ(backend_->renew(Tier::kGpu, kGpuFrames, [](Status) {}).code(), StatusCode::OUT_OF_RANGE);
 }
@@ -173,24 +192,13 @@ TEST_F(CudaBackendTest, RenewalGivesFreshZeroedMemory) {
 TEST_F(CudaBackendTest, AReleasedSlabIsUnbackedUntilRenewedAndThenZero) {
   uint32_t slab = 0;
   FrameIndex first = slab * backend_->host_slab_frames();
-  Result<int> old_fd = backend_->export_host_slab(slab);
-  ASSERT_TRUE(old_fd.ok());
-  void* old_view = mmap(nullptr, kFrameBytes, PROT_READ | PROT_WRITE, MAP_SHARED, old_fd.value(), 0);
-  ASSERT_NE(old_view, MAP_FAILED);
-  fill_random(old_view, kFrameBytes, 11);
+  OldSlabView old;
+  keep_old_view(*backend_, slab, 11, old);
   Completion released;
   ASSERT_TRUE(backend_->release_host_slab(slab, released.callback()).ok());
   ASSERT_TRUE(released.wait().ok());
   EXPECT_EQ(backend_->export_host_slab(slab).status().code(), StatusCode::FAILED_PRECONDITION);
-  Completion renewed;
-  ASSERT_TRUE(backend_->renew(Tier::kHost, slab, renewed.callback()).ok());
-  ASSERT_TRUE(renewed.wait().ok());
-  std::vector<uint8_t> zeros(kFrameBytes, 0);
-  EXPECT_EQ(std::memcmp(backend_->frame_pointer(Tier::kHost, first), zeros.data(), kFrameBytes), 0);
-  fill_random(old_view, kFrameBytes, 12);  // the old holder keeps writing
-  EXPECT_EQ(std::memcmp(backend_->frame_pointer(Tier::kHost, first), zeros.data(), kFrameBytes), 0);
-  munmap(old_view, kFrameBytes);
-  close(old_fd.value());
+  renew_and_expect_zeros(*backend_, slab, old, 12);
   fill_random(backend_->frame_pointer(Tier::kHost, first), kFrameBytes, 13);
   CopyOp op{Tier::kHost, first, 0, Tier::kGpu, 0, 0, kFrameBytes};
   Completion copied;

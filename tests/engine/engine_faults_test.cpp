@@ -238,6 +238,16 @@ TEST(EngineFaults, DevicesSharingOneHostPoolUnderLoadKeepEveryonesData) {
               (unsigned long long)corrupted.load(), (unsigned long long)exhausted.load());
 }
 
+// A client writes two GPU frames of its own and closes: both go to renewal.
+void write_two_frames_and_close(Engine& engine, uint64_t tag) {
+  auto first = MappedClient::open(engine);
+  SpaceId space = first->space("secret", 2 << 20, 2);
+  char* pages = first->acquire({space, 0, 2}, kEngineAcquireWrite | kEngineAcquireZeroNew);
+  ASSERT_NE(pages, nullptr);
+  fill_pattern(pages, 4 << 20, tag);
+  ASSERT_TRUE(engine.release(first->id, {space, 0, 2}, true).ok());
+}
+
 // A GPU frame whose renewal fails never returns to the pool: the next client is told the pool is
 // short (RESOURCE_EXHAUSTED, after "retry" while the renewal ran), and never gets the old bytes.
 TEST(EngineFaults, AFailedRenewalKeepsTheFrameOutOfThePool) {
@@ -255,14 +265,7 @@ TEST(EngineFaults, AFailedRenewalKeepsTheFrameOutOfThePool) {
     logged.push_back(message);
   };
   auto engine = Engine::create(std::move(failing), config).value();
-  {
-    auto first = MappedClient::open(*engine);
-    SpaceId space = first->space("secret", 2 << 20, 2);
-    char* pages = first->acquire({space, 0, 2}, kEngineAcquireWrite | kEngineAcquireZeroNew);
-    ASSERT_NE(pages, nullptr);
-    fill_pattern(pages, 4 << 20, 31);
-    ASSERT_TRUE(engine->release(first->id, {space, 0, 2}, true).ok());
-  }  // closed: both frames go to renewal, which fails
+  write_two_frames_and_close(*engine, 31);  // both frames go to renewal, which fails
   EXPECT_TRUE(eventually([&] { return backend->failed_renewals.load() == 2; }));
   auto next = MappedClient::open(*engine);
   SpaceId space = next->space("next", 2 << 20, 1);
@@ -300,14 +303,7 @@ TEST(EngineFaults, RenewalsWaitOutAShortageOfMemoryAndLoseNothing) {
     EngineConfig config;
     config.log_error = [&](const std::string&) { ++logged; };
     auto engine = Engine::create(make_host_backend(backend_config).value(), config).value();
-    {
-      auto first = MappedClient::open(*engine);
-      SpaceId space = first->space("secret", 2 << 20, 2);
-      char* pages = first->acquire({space, 0, 2}, kEngineAcquireWrite | kEngineAcquireZeroNew);
-      ASSERT_NE(pages, nullptr);
-      fill_pattern(pages, 4 << 20, 57);
-      ASSERT_TRUE(engine->release(first->id, {space, 0, 2}, true).ok());
-    }  // closed, as a killed trainer is: both frames go to renewal while memory is short
+    write_two_frames_and_close(*engine, 57);  // as a killed trainer: renewed while memory is short
     if (patient) {
       EXPECT_TRUE(eventually([&] { return engine->stats(0).value().tiers[0].frames_free == 2; },
                              std::chrono::seconds(20)));
