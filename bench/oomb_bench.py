@@ -34,7 +34,8 @@ host (MEMBAR_DEVICE_ORDER=0: the host waits, as before Note [Device-ordered copi
 the stream's GPU-side waits for pages with CUDA events (MEMBAR_TIME_STREAM_WAITS=1: the "gpu wait"
 column); "+depth4" copies pages in 4 accesses ahead (default 2)
 and grows the default GPU budget with it; "+piece4096" computes the loss 4096 tokens at a time
-(default 1024); "@8K" sets the variant's history block.
+(default 512); "+blockwise" streams sparse selections block by block even where their pages fit
+one block's room (as before session 12); "@8K" sets the variant's history block.
 Each step is forward + backward of one sequence (no optimizer step, like the full-sequence
 baseline), after a short warm-up sequence; OOMB variants recompute layer activations in backward
 (like the baseline's gradient checkpointing) unless --no-checkpoint-layers.
@@ -274,6 +275,10 @@ def run_one(model, spec: dict) -> dict:
         trainer = OOMBTrainer(model, config, store=store, process_group=group)
         if "+streamwait" in result["variant"]:
             trainer.store.stream_waits = True
+        if "+blockwise" in result["variant"]:
+            # Sparse selections streamed block by block even where their pages fit one block's room,
+            # as before session 12 (Note [Streaming a layer's history] in hf_attention.py).
+            trainer.store.holds_in_one_block = lambda layer, pages, block_pages: False
         optimizer_name = optimizer_of(result["variant"])
         if optimizer_name == "logra":   # LoGRA's states share the pages' runtime
             from membar import logra

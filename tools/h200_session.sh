@@ -51,6 +51,10 @@
 #   sparse1m  one whole sparse step (top-64, one selection per chunk) at SPARSE_CONTEXT (1M) of the 7B
 #             shape through membard, layers' pages on the GPU as far as they fit, the rest in its host
 #             pool (SPARSE_GPU_POOL 90GiB, SPARSE_HOST_POOL 96GiB): the issue's first whole 1M step
+#   sparseblocks  7B sparse-offload (top-64, one selection per chunk) at SPARSE_BLOCKS_CONTEXTS (default
+#             256K; 512K needs a call of its own), embedded: selections read in one call where they fit a block's room (default
+#             since session 12) against block by block ("+blockwise"), in one run (Note [Streaming a
+#             layer's history]: does a sparse chunk's cost stop growing with its history?)
 #   dense1m   the 1M dense partial step (stage 1 + the two longest stage-2 chunks) of the 7B shape
 #             through membard (DENSE_GPU_POOL 90GiB, DENSE_HOST_POOL 96GiB), hybrid residency
 #   share     two membar-train processes (1.5B shape, 32K, --offload) on one GPU through one membard
@@ -216,6 +220,9 @@ for step in "$@"; do
         --query-tile 4096 --time-limit "${SPARSE_LIMIT:-560}"
       "$bin/membarctl" --socket "$socket" stats --json > "$work/sparse1m/membarctl_stats.json" 2>&1
       kill "$daemon"; wait "$daemon" 2>/dev/null ;;
+    sparseblocks)
+      bench sparseblocks --contexts "${SPARSE_BLOCKS_CONTEXTS:-256K}" --time-budget 540 --query-tile 4096 \
+        --variants "sparse-offload,sparse-offload+blockwise" ;;
     dense1m)
       # The 1M dense partial step (stage 1 and the two longest stage-2 chunks; Note [Partial steps])
       # through membard, against session 4's 415.5 s + 24.2 s with tensor pools (issue: within 5%).

@@ -121,6 +121,49 @@ def test_runtime_pages_streamed_in_blocks(mode):
     assert store.stats.pages_live["current"] == 0
 
 
+@pytest.mark.parametrize("query_tile_tokens,block_tokens,one_call", [(128, 256, True), (32, 128, False)])
+def test_a_sparse_selection_that_fits_a_block_is_read_in_one_call(query_tile_tokens, block_tokens, one_call):
+    """Note [Streaming a layer's history]: with offload, a sparse selection whose pages touch no
+    more frames than a history block is read in one call over the whole history (one access per
+    layer, chunk and phase, not one per block holding a selected page); one that touches more is
+    streamed block by block. Both give the gradients of the resident one-call path."""
+    # Pages of 512 KiB (4 per frame). One query tile of 128 and top-2: at most 2 pages, which touch
+    # at most the 2 frames a 2-page block can span. Tiles of 32 (4 x top-2 = up to 8 pages) against
+    # 1-page blocks (1 frame): streamed wherever the selection reaches into two frames.
+    model = model_for_runtime("qwen2", head_dim=256, kv_heads=4)
+    input_ids = torch.randint(0, 97, (1, 1100), generator=torch.Generator().manual_seed(6))
+    options = dict(chunk_tokens=128, mode="sparse", top_k=2, query_tile_tokens=query_tile_tokens,
+                   history_block_tokens=0)
+    _, reference, _ = grads_after(model, input_ids, RuntimeKVStore("cpu"), **options)
+    plans = []
+
+    class Recording(RuntimeKVStore):
+        def plan(self, accesses):
+            super().plan(accesses)
+            plans.append(list(accesses))
+
+    store = Recording("cpu", offload=True, gpu_budget_bytes=24 * _MIB)
+    options["history_block_tokens"] = block_tokens
+    _, grads, trainer = grads_after(model, input_ids, store, **options)
+    assert max_relative_error(grads, reference) <= 2e-5
+    assert store.stats.pages_live["current"] == 0
+    backward = {}
+    for access in plans[-1]:   # stage 2's plan: every chunk's accesses
+        if access.kind == "kv" and access.phase == "backward":
+            backward.setdefault((access.layer, access.chunk), []).append(access)
+    selected = {key: accesses for key, accesses in backward.items() if key[1] > 2}   # history > top_k pages
+    assert selected
+    if one_call:
+        for (layer, chunk), accesses in selected.items():
+            assert len(accesses) == 1, (layer, chunk, accesses)
+            assert (accesses[0].first_page, accesses[0].num_pages) == (0, chunk)
+            assert 0 < len(accesses[0].selected) <= 2
+    else:
+        streamed = [accesses for accesses in selected.values() if len(accesses) > 1]
+        assert streamed
+        assert all(access.num_pages == 1 for accesses in streamed for access in accesses)
+
+
 def test_training_through_membard_changes_no_gradient_bit(membard):
     """The same step with pages in a membard daemon (offloaded through a small budget) as in an
     embedded runtime: the same bits, and full-sequence gradients."""

@@ -65,7 +65,9 @@ class ChunkContext:
     # (layer, chunk) -> int32 [tiles, top_k] or None. On the host for layers whose store reads
     # selected pages (the union must be known there), else on the device.
     selections: dict = field(default_factory=dict)
-    selection_unions: dict = field(default_factory=dict)  # (layer, chunk) -> sorted tuple of pages
+    # (layer, chunk) -> sorted tuple of pages; (layer, chunk, "one call") -> whether the store holds
+    # them in a block's room (Note [Streaming a layer's history]).
+    selection_unions: dict = field(default_factory=dict)
     # Stage 2, this chunk only: layer -> (out, lse) of the first forward (see keep_attention_outputs).
     attention_outputs: dict = field(default_factory=dict)
     attended_layers: set = field(default_factory=set)
@@ -146,9 +148,21 @@ class ChunkContext:
         return record.sliding_window is not None and self.first_token + self.chunk_tokens > record.sliding_window
 
     def streams(self, layer: int) -> bool:
-        """Whether this layer's history goes through the GPU in several blocks."""
+        """Whether this layer's history goes through the GPU in several blocks: it is offloaded and
+        longer than a block, and it is not a sparse selection whose pages the store holds in one
+        block's room (Note [Streaming a layer's history])."""
         pages = self.history_pages - self.history_first_page(layer)
-        return self.store.offloaded(layer) and 0 < self.history_block_pages < pages
+        if not (self.store.offloaded(layer) and 0 < self.history_block_pages < pages):
+            return False
+        union = self._union(layer)
+        if union is None:
+            return True
+        key = (layer, self.chunk, "one call")
+        one_call = self.selection_unions.get(key)
+        if one_call is None:
+            one_call = self.store.holds_in_one_block(layer, union, self.history_block_pages)
+            self.selection_unions[key] = one_call
+        return not one_call
 
     def _union(self, layer: int) -> tuple[int, ...] | None:
         selection = self.selections.get((layer, self.chunk))
@@ -224,6 +238,14 @@ def chunk_context(context: ChunkContext):
 #   its grad pages and returns its part of dq, which is summed in float32. Every block is an
 #   access of the plan, so the store copies block i+1 in while block i computes, and writes dK/dV
 #   back behind. The chunk's own keys get dK/dV from the chunk-only call alone.
+#   A sparse selection is not streamed when the store holds its pages in one block's room
+#   (KVStore.holds_in_one_block: the runtime store counts the 2 MiB frames they touch in the K/V
+#   and dK/dV spaces): then one call over the whole history reads them. Block by block, a selection
+#   cost one call over all of the chunk's queries per block holding a selected page, and per call
+#   an access, a merge and, in the backward, a float32 dq sum: with 64K-token blocks, 16 calls per
+#   layer and chunk at 1M tokens for 64 pages: a cost that grows with the history, as the chunks
+#   of the 1M sparse step through membard did (H200, session 12: 0.35 s per stage-1 chunk at the
+#   start, 0.8 s at the end; stage 2 about 2.5 s down to 0.77 s; not yet measured since).
 #   Limitations: the merged out is rounded to the model dtype once, like the single call's; dq
 #   is rounded per block before the float32 sum (bf16 on the GPU: a few ulps more than one call).
 

@@ -155,6 +155,13 @@ class KVStore(abc.ABC):
         and chunk in stage 1), so a store that serves every page anyway says False."""
         return True
 
+    def holds_in_one_block(self, layer: int, pages: tuple[int, ...], block_pages: int) -> bool:
+        """Whether an access to these pages (a sparse selection's, sorted) of an offloaded layer
+        holds no more GPU memory than one access to a history block of block_pages pages: the
+        trainer then reads them in one attention call instead of block by block (Note [Streaming a
+        layer's history] in hf_attention.py)."""
+        return len(pages) <= block_pages
+
     @abc.abstractmethod
     def close_sequence(self) -> None:
         """Ends the sequence; its pages are dead (pools may be kept for the next sequence)."""

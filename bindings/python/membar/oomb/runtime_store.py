@@ -345,6 +345,19 @@ class RuntimeKVStore(KVStore):
     def reads_selected_pages(self, layer: int) -> bool:
         return self.offload
 
+    def holds_in_one_block(self, layer: int, pages: tuple[int, ...], block_pages: int) -> bool:
+        # What the GPU budget counts is frames (store_sizes): the pages' frames in the K/V and
+        # dK/dV spaces against the most a block of consecutive pages can span.
+        layout = self.layout
+        for dtype in (layout.dtype, layout.grad_dtype):
+            size = layout.page_bytes(dtype)
+            frames = set()
+            for page in pages:
+                frames.update(range(page * size // _FRAME, ((page + 1) * size - 1) // _FRAME + 1))
+            if len(frames) > _frames_spanned(block_pages, size, layout.num_pages):
+                return False
+        return True
+
     def write_chunk(self, layer: int, first_page: int, k: torch.Tensor, v: torch.Tensor) -> None:
         # k, v: [tokens, Hkv, D]
         layout = self.layout
