@@ -682,7 +682,7 @@ Result<std::vector<PageRange>> decode_ranges(std::span<const uint8_t> payload) {
 // u32 spaces {u32 id, string name, u64 page_bytes, u32 page_count, u32 client, u64 x8};
 // then {i32 numa_node} per tier, in the tiers' order (absent from daemons before 2026-12-02: the
 // decoder reads -1 then, so a new membarctl still reads an older membard), then {u64 frames_lost}
-// per tier (likewise; 0 when absent).
+// per tier (likewise; 0 when absent), then {u64 frames_on_request} per tier (likewise).
 std::vector<uint8_t> encode_stats(const RuntimeStats& stats) {
   Writer w;
   w.write_string(stats.backend, kMaxStatsString);
@@ -723,6 +723,7 @@ std::vector<uint8_t> encode_stats(const RuntimeStats& stats) {
   }
   for (const TierStats& tier : stats.tiers) w.write<int32_t>(tier.numa_node);
   for (const TierStats& tier : stats.tiers) w.write<uint64_t>(tier.frames_lost);
+  for (const TierStats& tier : stats.tiers) w.write<uint64_t>(tier.frames_on_request);
   return w.take();
 }
 
@@ -789,6 +790,9 @@ Result<RuntimeStats> decode_stats(std::span<const uint8_t> payload) {
   }
   if (r.ok() && !r.at_end()) {   // the tiers' lost frames (absent from daemons before 2026-12-02's eleventh session)
     for (TierStats& tier : stats.tiers) tier.frames_lost = r.read<uint64_t>();
+  }
+  if (r.ok() && !r.at_end()) {   // what the node's host pool would give (absent before the twelfth session)
+    for (TierStats& tier : stats.tiers) tier.frames_on_request = r.read<uint64_t>();
   }
   if (!r.at_end()) return invalid_argument("stats payload is truncated or has trailing bytes");
   return stats;

@@ -16,8 +16,10 @@
 // another device.
 // Limitations: capacity moves a slab at a time and costs a release and a new pinning (about
 // 0.4-0.8 s per GiB on the H200 VM); slabs a client holds but does not use (idle) are reclaimed
-// only for clients of the same device, not released for another; a device's `membarctl stats`
-// host tier counts the slabs it holds backed, not what it could get from the others.
+// only for clients of the same device, not released for another. A device's `membarctl stats`
+// host tier counts the slabs it holds backed in frames_total, and what it could get from the
+// others in frames_on_request (HostShare::obtainable: a snapshot; another device may take it
+// first).
 #include "membar/engine/host_share.h"
 
 namespace membar::runtimed {
@@ -43,6 +45,15 @@ void HostShare::cancel_ask() {
 uint64_t HostShare::left() {
   std::lock_guard<std::mutex> lock(mutex_);
   return left_;
+}
+
+uint64_t HostShare::obtainable(uint32_t member) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  uint64_t slabs = left_;
+  for (uint32_t m = 0; m < members_.size(); ++m) {
+    if (m != member && members_[m].present) slabs += members_[m].spare();
+  }
+  return slabs;
 }
 
 uint32_t HostShare::join(std::function<uint64_t()> spare, std::function<void()> asked) {

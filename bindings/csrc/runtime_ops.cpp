@@ -110,6 +110,7 @@ std::string stats_json(const RuntimeStats& stats) {
     append_field(out, "frames_free", tier.frames_free);
     append_field(out, "frames_preparing", tier.frames_preparing);
     append_field(out, "frames_lost", tier.frames_lost);
+    append_field(out, "frames_on_request", tier.frames_on_request);
     out += ", \"numa_node\": ";
     append_number(out, int64_t(tier.numa_node));
     out += "}";

@@ -101,6 +101,11 @@ struct TierStats {
   // in engine/backend.cpp): out of the pool until the daemon restarts; normally 0. Not in
   // frames_used.
   uint64_t frames_lost = 0;
+  // The host tier of a daemon serving several devices from one node host pool (Note [One host
+  // pool for a node] in engine/host_share.cpp): frames this device does not hold but would get on
+  // request, from capacity no device holds backed or slabs another device has free. Not in
+  // frames_total; 0 with one device and for the GPU tier.
+  uint64_t frames_on_request = 0;
 };
 
 struct RuntimeStats {

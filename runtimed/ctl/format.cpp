@@ -76,6 +76,7 @@ std::string json_tiers(const RuntimeStats& stats, const std::string& indent) {
     out << (i ? "," : "") << "\n" << indent << "  {\"tier\": \"" << tier_name(t.tier) << "\", \"frames_total\": "
         << t.frames_total << ", \"frames_used\": " << t.frames_used << ", \"frames_free\": " << t.frames_free
         << ", \"frames_preparing\": " << t.frames_preparing << ", \"frames_lost\": " << t.frames_lost
+        << ", \"frames_on_request\": " << t.frames_on_request
         << ", \"frame_bytes\": " << kFrameBytes
         << ", \"numa_node\": " << (t.numa_node >= 0 ? std::to_string(t.numa_node) : std::string("null")) << "}";
   }
@@ -114,6 +115,9 @@ std::string format_stats_text(const std::vector<DeviceRuntimeStats>& devices, co
       out << "frames_preparing: " << frames_field(static_cast<int64_t>(t.frames_preparing)) << '\n';
       if (t.frames_lost != 0) {   // renewals that failed for good (membard's log says why)
         out << "frames_lost: " << frames_field(static_cast<int64_t>(t.frames_lost)) << '\n';
+      }
+      if (t.frames_on_request != 0) {   // the node's host pool, held by no device or free on another
+        out << "frames_on_request: " << frames_field(static_cast<int64_t>(t.frames_on_request)) << '\n';
       }
       if (t.tier == Tier::kHost) {
         out << "numa_node: " << (t.numa_node >= 0 ? std::to_string(t.numa_node) : std::string("none (placed by the kernel)"))
@@ -246,6 +250,9 @@ std::string format_top(const std::vector<DeviceRuntimeStats>& devices, const std
       out << line;
       if (t.frames_lost != 0) {
         out << "       " << human_bytes(t.frames_lost * kFrameBytes) << " lost: renewals failed (see membard's log)\n";
+      }
+      if (t.frames_on_request != 0) {
+        out << "       " << human_bytes(t.frames_on_request * kFrameBytes) << " more on request from the node's host pool\n";
       }
     }
   }

@@ -58,7 +58,10 @@ std::string format_prometheus(const std::vector<DeviceRuntimeStats>& devices) {
                               TierFamily{"membar_frames_preparing", "Frames being cleared or pinned before reuse.",
                                          &TierStats::frames_preparing},
                               TierFamily{"membar_frames_lost", "Frames whose renewal failed for good (out of the pool).",
-                                         &TierStats::frames_lost}}) {
+                                         &TierStats::frames_lost},
+                              TierFamily{"membar_frames_on_request",
+                                         "Host frames of the node's pool this device would get on request.",
+                                         &TierStats::frames_on_request}}) {
     family(out, f.name, "gauge", f.help);
     for (const DeviceRuntimeStats& d : devices) {
       for (const TierStats& t : d.stats.tiers) {

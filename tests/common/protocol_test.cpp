@@ -510,6 +510,7 @@ RuntimeStats random_stats() {
                  {Tier::kHost, random_u32(1, 100), random_u32(0, 50), random_u32(0, 50), random_u32(0, 9)}};
   stats.tiers[1].numa_node = static_cast<int32_t>(random_u32(0, 8)) - 1;
   stats.tiers[0].frames_lost = random_u32(0, 3);
+  stats.tiers[1].frames_on_request = random_u32(0, 40);
   for (uint32_t c = 0; c < random_u32(0, 5); ++c) {
     ClientStats client;
     client.client = c + 1;
@@ -554,6 +555,7 @@ TEST(Stats, RoundTripsAndRejectsEveryTruncation) {
     EXPECT_EQ(decoded.value().tiers[0].numa_node, -1);
     EXPECT_EQ(decoded.value().tiers[1].numa_node, stats.tiers[1].numa_node);
     EXPECT_EQ(decoded.value().tiers[0].frames_lost, stats.tiers[0].frames_lost);
+    EXPECT_EQ(decoded.value().tiers[1].frames_on_request, stats.tiers[1].frames_on_request);
     ASSERT_EQ(decoded.value().clients.size(), stats.clients.size());
     for (size_t c = 0; c < stats.clients.size(); ++c) {
       EXPECT_EQ(decoded.value().clients[c].name, stats.clients[c].name);
@@ -576,20 +578,22 @@ TEST(Stats, RoundTripsAndRejectsEveryTruncation) {
       EXPECT_EQ(decoded.value().spaces[s].bytes_gpu_to_host, stats.spaces[s].bytes_gpu_to_host);
     }
     // The encoding is canonical, and every truncation (and a trailing byte) is refused, except the
-    // two that end where older daemons ended: before the tiers' lost frames (read as none lost), and
-    // before their NUMA nodes too (read as no node).
+    // three that end where older daemons ended: before the tiers' frames on request (read as none),
+    // before their lost frames too (read as none lost), and before their NUMA nodes too (no node).
     EXPECT_EQ(encode_stats(decoded.value()), bytes);
-    size_t before_lost = bytes.size() - 8 * stats.tiers.size();
+    size_t before_request = bytes.size() - 8 * stats.tiers.size();
+    size_t before_lost = before_request - 8 * stats.tiers.size();
     size_t before_numa = before_lost - 4 * stats.tiers.size();
     for (size_t n = 0; n < bytes.size(); ++n) {
       auto cut = decode_stats(std::span<const uint8_t>(bytes.data(), n));
-      if (n != before_lost && n != before_numa) {
+      if (n != before_request && n != before_lost && n != before_numa) {
         EXPECT_FALSE(cut.ok()) << "length " << n;
         continue;
       }
       ASSERT_TRUE(cut.ok()) << cut.status().to_string();
       EXPECT_EQ(cut.value().tiers[1].numa_node, n == before_numa ? -1 : stats.tiers[1].numa_node);
-      EXPECT_EQ(cut.value().tiers[0].frames_lost, 0u);
+      EXPECT_EQ(cut.value().tiers[0].frames_lost, n == before_request ? stats.tiers[0].frames_lost : 0u);
+      EXPECT_EQ(cut.value().tiers[1].frames_on_request, 0u);
       EXPECT_EQ(cut.value().spaces.size(), stats.spaces.size());
     }
     bytes.push_back(0);

@@ -229,6 +229,23 @@ def test_a_daemon_of_two_devices_keeps_each_devices_pages(membard):
     assert {c["name"]: c["device"] for c in stats["clients"]} == {"unnamed": 0, "on-one": 1}
 
 
+def test_each_device_of_a_daemon_sees_the_whole_node_host_pool(membard):
+    """Note [One host pool for a node]: pool_bytes_left (what the hybrid planner plans against) counts
+    the host frames a device would get from the node's pool, not only the half it backs, and what
+    another device holds comes off it."""
+    socket = membard("--devices", "0,1", host_pool="128MiB")
+    zero = Runtime.connect(socket=str(socket), embedded=False, name="zero", device=0)
+    one = Runtime.connect(socket=str(socket), embedded=False, name="one", device=1)
+    assert zero.pool_bytes_left()[1] == one.pool_bytes_left()[1] == 128 * MIB
+    host = [tier for tier in zero.stats()["tiers"] if tier["tier"] == "host"][0]
+    assert host["frames_on_request"] == 32 and host["frames_total"] == 32   # its half backed, the rest elsewhere
+    space = one.space("held", page_bytes=MIB, pages=40)
+    space.acquire_host(0, 40)   # 40 MiB on device 1's host tier
+    assert zero.pool_bytes_left()[1] <= 128 * MIB - 40 * MIB
+    assert zero.pool_bytes_left()[1] + one.stats()["tiers"][1]["frames_used"] * 2 * MIB == 128 * MIB
+    space.release_host(0, 40, dirty=True)
+
+
 def test_waits_measured_by_the_caller_reach_membarctl(membard):
     """A CUDA stream's wait for pages happens on the GPU, where the runtime cannot see it: a trainer
     that times it reports it (Runtime.add_stall_ns), and operators see it in the client's stall

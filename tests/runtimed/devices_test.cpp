@@ -120,10 +120,30 @@ TEST_F(DevicesTest, ClientsOnTwoDevicesKeepTheirOwnBytesAndPools) {
 // The host pool is the node's (Note [One host pool for a node]): a client alone on device 1 fills
 // 120 of the 128 MiB (device 1 backed only half of it at start-up; device 0 gives back its free
 // slabs), and its bytes read back intact; a client on device 0 then gets what is left, zeroed.
+// Host frames a device could hand its clients now: its own free and preparing ones and what the
+// node's pool would give it on request (what Runtime.pool_bytes_left counts).
+uint64_t host_frames_for(Client& client) {
+  auto stats = client.stats();
+  EXPECT_TRUE(stats.ok());
+  if (!stats.ok()) return 0;
+  const TierStats& host = stats.value().tiers[1];
+  return host.frames_free + host.frames_preparing + host.frames_on_request;
+}
+
+uint64_t host_frames_used(Client& client) {
+  auto stats = client.stats();
+  return stats.ok() ? stats.value().tiers[1].frames_used : 0;
+}
+
 TEST_F(DevicesTest, OneDeviceCanUseTheWholeHostPool) {
   start_daemon({"--devices", "0,1"});  // 128 MiB host pool for both devices
   auto on_one = connect_to("on-one", 1);
   ASSERT_TRUE(on_one);
+  auto watcher = connect_to("watcher", 0);
+  ASSERT_TRUE(watcher);
+  // Each device backs half of the pool and sees the other half as on request: the whole pool.
+  EXPECT_EQ(host_frames_for(*watcher), 64u);
+  EXPECT_EQ(host_frames_for(*on_one), 64u);
   const uint64_t page_bytes = kMiB;
   const uint32_t pages = 120;
   auto space = on_one->create_space("offloaded", page_bytes, pages);
@@ -137,6 +157,9 @@ TEST_F(DevicesTest, OneDeviceCanUseTheWholeHostPool) {
   ASSERT_TRUE(one_stats.ok());
   EXPECT_GE(one_stats.value().tiers[1].frames_used, 60u);   // 120 MiB in 2 MiB frames
   EXPECT_GE(one_stats.value().tiers[1].frames_total, 60u);  // more than its half of 64
+  // Device 0 sees what is left of the node's pool, not the half it started with.
+  EXPECT_EQ(host_frames_for(*watcher), 64u - host_frames_used(*on_one));
+  EXPECT_LE(host_frames_for(*watcher), 4u);
 
   auto on_zero = connect_to("on-zero", 0);
   ASSERT_TRUE(on_zero);

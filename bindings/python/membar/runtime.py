@@ -348,8 +348,11 @@ class Runtime:
 
     def pool_bytes_left(self) -> tuple[int, int]:
         """(GPU, host) bytes of the runtime's pools that no client holds: free frames and frames
-        still being prepared (a daemon pins its host pool in the background after it starts)."""
-        left = {tier["tier"]: (int(tier["frames_free"]) + int(tier["frames_preparing"])) * (2 << 20)
+        still being prepared (a daemon pins its host pool in the background after it starts), and
+        on a daemon serving several devices from one node host pool, the host frames this device
+        would get from it on request."""
+        left = {tier["tier"]: (int(tier["frames_free"]) + int(tier["frames_preparing"])
+                               + int(tier.get("frames_on_request", 0))) * (2 << 20)
                 for tier in self.stats()["tiers"]}
         return left.get("gpu", 0), left.get("host", 0)
 

@@ -24,6 +24,9 @@ class HostShare {
   // A member that was asked has nothing left to release: the ask is answered with nothing.
   void cancel_ask();
   uint64_t left();
+  // Slabs `member` could get on request: capacity nobody holds backed, and the slabs the other
+  // members can spare.
+  uint64_t obtainable(uint32_t member);
 
   // An engine joins with what it can spare (free backed slabs) and how to ask it for one.
   uint32_t join(std::function<uint64_t()> spare, std::function<void()> asked);
