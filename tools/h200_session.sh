@@ -55,6 +55,9 @@
 #             256K; 512K needs a call of its own), embedded: selections read in one call where they fit a block's room (default
 #             since session 12) against block by block ("+blockwise"), in one run (Note [Streaming a
 #             layer's history]: does a sparse chunk's cost stop growing with its history?)
+#   growth    7B dense-offload at 128K and 256K in one run: GPU growth per 10K tokens where the
+#             default GPU budget no longer grows with the sequence (from 64K on; the goal:
+#             <= 5 MB per 10K tokens; 32K -> 128K measures the budget's history block instead)
 #   dense1m   the 1M dense partial step (stage 1 + the two longest stage-2 chunks) of the 7B shape
 #             through membard (DENSE_GPU_POOL 90GiB, DENSE_HOST_POOL 96GiB), hybrid residency
 #   share     two membar-train processes (1.5B shape, 32K, --offload) on one GPU through one membard
@@ -220,6 +223,8 @@ for step in "$@"; do
         --query-tile 4096 --time-limit "${SPARSE_LIMIT:-560}"
       "$bin/membarctl" --socket "$socket" stats --json > "$work/sparse1m/membarctl_stats.json" 2>&1
       kill "$daemon"; wait "$daemon" 2>/dev/null ;;
+    growth)
+      bench growth --contexts 128K,256K --time-budget 540 --variants dense-offload ;;
     sparseblocks)
       bench sparseblocks --contexts "${SPARSE_BLOCKS_CONTEXTS:-256K}" --time-budget 540 --query-tile 4096 \
         --variants "sparse-offload,sparse-offload+blockwise" ;;
