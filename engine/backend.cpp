@@ -45,4 +45,11 @@ Status renew_patiently(const std::function<Status()>& attempt, uint32_t patience
   }
 }
 
+Status injected_renewal_failure(std::atomic<int64_t>& left) {
+  if (left.load() > 0 && left.fetch_sub(1) > 0) {
+    return resource_exhausted("renewal attempt failed by fault injection (as if memory were short)");
+  }
+  return Status::Ok();
+}
+
 }  // namespace membar::runtimed

@@ -1036,7 +1036,9 @@ Result<RuntimeStats> EngineImpl::stats(ClientId id, uint32_t first_space, uint32
       tier_stats.frames_preparing = pool.preparing;
     } else {
       tier_stats.frames_total = 0;
+      uint64_t unbacked_slabs = 0;
       for (const Slab& slab : slabs_) {
+        if (slab.state == Slab::State::kUnbacked) ++unbacked_slabs;
         if (slab.backed()) tier_stats.frames_total += slab.frames;
         if (slab.state == Slab::State::kFree) tier_stats.frames_free += slab.frames;
         if (slab.state == Slab::State::kPreparing) tier_stats.frames_preparing += slab.frames;
@@ -1044,13 +1046,8 @@ Result<RuntimeStats> EngineImpl::stats(ClientId id, uint32_t first_space, uint32
       tier_stats.frames_free -= std::min(tier_stats.frames_free, channel_frames_);
       tier_stats.numa_node = backend_->host_numa_node();
       if (config_.host_share) {   // Note [One host pool for a node]: what the others could give
-        uint64_t slabs = config_.host_share->obtainable(share_member_);
-        for (const Slab& slab : slabs_) {
-          if (slabs == 0) break;
-          if (slab.state != Slab::State::kUnbacked) continue;
-          tier_stats.frames_on_request += slab.frames;
-          --slabs;
-        }
+        tier_stats.frames_on_request =
+            std::min(config_.host_share->obtainable(share_member_), unbacked_slabs) * slab_frames_;
       }
     }
     tier_stats.frames_lost = lost_frames_[tier_index(tier)];

@@ -541,10 +541,9 @@ void CudaVmmBackend::renewal_loop(int which) {
     // still hold GPU memory for a moment after it is gone.
     Status status = job.release ? release_slab_now(job.index) : renew_patiently(
         [&] {
-          if (which == 0 && injected_renewal_failures_.load() > 0 && injected_renewal_failures_.fetch_sub(1) > 0) {
-            return resource_exhausted("renewal attempt failed by fault injection (as if memory were short)");
-          }
-          return which == 0 ? renew_gpu_frame_now(job.index) : renew_slab_now(job.index);
+          if (which == 1) return renew_slab_now(job.index);
+          MEMBAR_RETURN_IF_ERROR(injected_renewal_failure(injected_renewal_failures_));
+          return renew_gpu_frame_now(job.index);
         },
         config_.renewal_patience_ms,
         [&] {

@@ -209,10 +209,8 @@ class HostBackend final : public DeviceBackend {
 
   // One try at a renewal (Note [Renewal when memory is short] in engine/backend.cpp).
   Status renew_now(Tier tier, uint32_t index) {
-    if (tier == Tier::kGpu && injected_renewal_failures_.load() > 0 && injected_renewal_failures_.fetch_sub(1) > 0) {
-      return resource_exhausted("renewal attempt failed by fault injection (as if memory were short)");
-    }
     if (tier == Tier::kGpu) {
+      MEMBAR_RETURN_IF_ERROR(injected_renewal_failure(injected_renewal_failures_));
       // Drop the memory: the next export makes new memory.
       void* at = ::mmap(gpu_.base() + uint64_t(index) * kFrameBytes, kFrameBytes, PROT_NONE,
                         MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED | MAP_NORESERVE, -1, 0);

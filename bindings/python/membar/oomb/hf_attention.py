@@ -65,8 +65,8 @@ class ChunkContext:
     # (layer, chunk) -> int32 [tiles, top_k] or None. On the host for layers whose store reads
     # selected pages (the union must be known there), else on the device.
     selections: dict = field(default_factory=dict)
-    # (layer, chunk) -> sorted tuple of pages; (layer, chunk, "one call") -> whether the store holds
-    # them in a block's room (Note [Streaming a layer's history]).
+    # (layer, chunk) -> (sorted tuple of the selection's pages, whether the store holds them in one
+    # history block's room: Note [Streaming a layer's history]).
     selection_unions: dict = field(default_factory=dict)
     # Stage 2, this chunk only: layer -> (out, lse) of the first forward (see keep_attention_outputs).
     attention_outputs: dict = field(default_factory=dict)
@@ -154,24 +154,25 @@ class ChunkContext:
         pages = self.history_pages - self.history_first_page(layer)
         if not (self.store.offloaded(layer) and 0 < self.history_block_pages < pages):
             return False
-        union = self._union(layer)
-        if union is None:
-            return True
-        key = (layer, self.chunk, "one call")
-        one_call = self.selection_unions.get(key)
-        if one_call is None:
-            one_call = self.store.holds_in_one_block(layer, union, self.history_block_pages)
-            self.selection_unions[key] = one_call
-        return not one_call
+        union = self._selected(layer)
+        return union is None or not union[1]
 
     def _union(self, layer: int) -> tuple[int, ...] | None:
+        union = self._selected(layer)
+        return None if union is None else union[0]
+
+    def _selected(self, layer: int) -> tuple[tuple[int, ...], bool] | None:
+        """The chunk's selection for the layer as (its pages, whether they fit one block's room), or
+        None when the layer reads whole page ranges."""
         selection = self.selections.get((layer, self.chunk))
         if selection is None or not self.store.reads_selected_pages(layer):
             return None
-        # The union of a selection is needed by every access of the chunk: compute it once.
+        # Every access of the chunk needs it: computed once.
         union = self.selection_unions.get((layer, self.chunk))
         if union is None:
-            union = selected_pages(selection)
+            pages = selected_pages(selection)
+            block = self.history_block_pages
+            union = (pages, block > 0 and self.store.holds_in_one_block(layer, pages, block))
             self.selection_unions[(layer, self.chunk)] = union
         return union
 

@@ -15,6 +15,7 @@
 // only while the slab is prepared or held.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -52,6 +53,10 @@ struct BackendConfig {
 // first, doubling up to 500 ms. Note [Renewal when memory is short] in engine/backend.cpp.
 Status renew_patiently(const std::function<Status()>& attempt, uint32_t patience_ms,
                        const std::function<bool()>& give_up);
+
+// BackendConfig::fail_renewal_attempts: RESOURCE_EXHAUSTED while `left` (set from it) is above 0,
+// counting it down; OK once it is spent. Thread-safe.
+Status injected_renewal_failure(std::atomic<int64_t>& left);
 
 // Frames per host slab for a pool of `host_pool_bytes`: the smallest power of two that keeps
 // the pool at or under 256 slabs, between 1 frame (2 MiB) and 2048 frames (4 GiB). A 100 GiB pool
