@@ -35,7 +35,9 @@ the stream's GPU-side waits for pages with CUDA events (MEMBAR_TIME_STREAM_WAITS
 column); "+depth4" copies pages in 4 accesses ahead (default 2)
 and grows the default GPU budget with it; "+piece4096" computes the loss 4096 tokens at a time
 (default 512); "+blockwise" streams sparse selections block by block even where their pages fit
-one block's room (as before session 12); "@8K" sets the variant's history block.
+one block's room (as before session 12); "+profile" records the timed step with torch.profiler and
+writes its busiest operations (self device time, calls) to profile-VARIANT-TOKENS.txt beside the
+results (the profiler slows the step: its time is not comparable); "@8K" sets the variant's history block.
 Each step is forward + backward of one sequence (no optimizer step, like the full-sequence
 baseline), after a short warm-up sequence; OOMB variants recompute layer activations in backward
 (like the baseline's gradient checkpointing) unless --no-checkpoint-layers.
@@ -50,6 +52,7 @@ $MEMBAR_RESULTS_DIR (default bench/results/latest).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -190,6 +193,28 @@ def reset_peak_rss() -> None:
 
 # -- configurations (child process) ----------------------------------------------------------------
 
+@contextlib.contextmanager
+def profiled(variant: str, tokens: int, cuda: bool):
+    """"+profile": torch.profiler around the timed step; its busiest operations by self device
+    time (CPU time on a CPU run), with call counts, go to profile-VARIANT-TOKENS.txt."""
+    if "+profile" not in variant:
+        yield
+        return
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as profiler:
+        yield
+    key = "self_cuda_time_total" if cuda else "self_cpu_time_total"
+    table = profiler.key_averages().table(sort_by=key, row_limit=40, max_name_column_width=60)
+    name = f"profile-{variant.replace('+', '_').replace('@', '_')}-{human_tokens(tokens)}.txt"
+    out_dir = Path(os.environ.get("MEMBAR_RESULTS_DIR", REPO / "bench" / "results" / "latest"))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with open(out_dir / name, "w") as out:
+        out.write(f"{variant} at {tokens} tokens, sorted by {key} (the profiler's own overhead included)\n")
+        out.write(table)
+
+
 def run_one(model, spec: dict) -> dict:
     import torch
 
@@ -227,8 +252,10 @@ def run_one(model, spec: dict) -> dict:
             socket = os.environ.get("MEMBAR_SOCKET")
             try:
                 if socket and socket != "embedded":
+                    tile = spec.get("query_tile_tokens") or spec["page_tokens"]
+                    selection = spec["top_k"] * -(-spec["chunk"] // tile) if variant.startswith("sparse") else 0
                     plan = plan_in_daemon(socket, device, tokens, model.config, spec["page_tokens"], torch.bfloat16,
-                                          torch.float32, spec["history_block_tokens"])[0]
+                                          torch.float32, spec["history_block_tokens"], selection_pages=selection)[0]
                     result.update(planned_against="membard")
                 else:
                     device_bytes = (torch.cuda.mem_get_info()[1] if cuda else host_available_bytes()) - weights_bytes
@@ -275,10 +302,21 @@ def run_one(model, spec: dict) -> dict:
         trainer = OOMBTrainer(model, config, store=store, process_group=group)
         if "+streamwait" in result["variant"]:
             trainer.store.stream_waits = True
+        # How many sparse selections were read in one call and how many block by block (Note
+        # [Streaming a layer's history] in hf_attention.py), counted where the store answers.
+        fits = {True: 0, False: 0}
+        holds = trainer.store.holds_in_one_block
         if "+blockwise" in result["variant"]:
             # Sparse selections streamed block by block even where their pages fit one block's room,
-            # as before session 12 (Note [Streaming a layer's history] in hf_attention.py).
-            trainer.store.holds_in_one_block = lambda layer, pages, block_pages: False
+            # as before session 12.
+            holds = lambda layer, pages, block_pages: False   # noqa: E731
+
+        def counted_holds(layer, pages, block_pages):
+            answer = holds(layer, pages, block_pages)
+            fits[bool(answer)] += 1
+            return answer
+
+        trainer.store.holds_in_one_block = counted_holds
         optimizer_name = optimizer_of(result["variant"])
         if optimizer_name == "logra":   # LoGRA's states share the pages' runtime
             from membar import logra
@@ -309,12 +347,13 @@ def run_one(model, spec: dict) -> dict:
     reset_peak_rss()
     started = time.perf_counter()
     partial = spec.get("stage2_chunks") if trainer is not None else None
-    if partial:
-        step(sequence, partial)   # Note [Partial steps] in membar/oomb/trainer.py
-    else:
-        step(sequence)
-    if cuda:
-        torch.cuda.synchronize()
+    with profiled(result["variant"], tokens, cuda):
+        if partial:
+            step(sequence, partial)   # Note [Partial steps] in membar/oomb/trainer.py
+        else:
+            step(sequence)
+        if cuda:
+            torch.cuda.synchronize()
     seconds = time.perf_counter() - started
     memory = host_memory()
     result.update(
@@ -337,6 +376,7 @@ def run_one(model, spec: dict) -> dict:
                       **{key: stats[key] for key in ("partial_step", "stage2_chunks_run", "stage2_chunks_total",
                                                      "stage2_to_stage1_ratio", "estimated_step_seconds",
                                                      "step_seconds_upper_bound") if key in stats},
+                      selections_in_one_call=fits[True], selections_streamed=fits[False],
                       history_block_tokens=spec["history_block_tokens"], dense_kernel=config.dense_kernel,
                       query_tile_tokens=config.query_tile_tokens)
     return result

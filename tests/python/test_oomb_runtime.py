@@ -164,6 +164,51 @@ def test_a_sparse_selection_that_fits_a_block_is_read_in_one_call(query_tile_tok
         assert all(access.num_pages == 1 for accesses in streamed for access in accesses)
 
 
+def test_the_default_budget_has_room_for_a_scattered_selection():
+    """A sparse selection of a few pages, each in a frame of its own, touches more frames than a
+    history block of many consecutive pages spans (7B shape: 64 pages of 128 KiB in ~60 frames of
+    a 1M history, a 64K-token block spans 33): the default GPU budget is sized for as many
+    scattered pages as a chunk's selection names (OOMBConfig.selection_pages), so each is read in
+    one call, with the gradients of the resident path; a budget given too small for that room
+    streams them block by block, as before."""
+    # Pages of 32 tokens x 4 KV heads x 256 dims in float32 (128 KiB: 16 per frame); blocks of 16
+    # pages span 2 frames; a chunk's selection (one tile, top-4) is up to 4 pages in up to 4 frames.
+    model = model_for_runtime("qwen2", head_dim=256, kv_heads=4)
+    input_ids = torch.randint(0, 97, (1, 2200), generator=torch.Generator().manual_seed(7))
+    options = dict(chunk_tokens=128, page_tokens=32, mode="sparse", top_k=4, query_tile_tokens=128,
+                   history_block_tokens=0)
+    _, reference, _ = grads_after(model, input_ids, RuntimeKVStore("cpu"), **options)
+    options["history_block_tokens"] = 512
+
+    def backward_accesses(gpu_budget_bytes):
+        plans = []
+
+        class Recording(RuntimeKVStore):
+            def plan(self, accesses):
+                super().plan(accesses)
+                plans.append(list(accesses))
+
+        store = Recording("cpu", offload=True, gpu_budget_bytes=gpu_budget_bytes)
+        _, grads, _ = grads_after(model, input_ids, store, **options)
+        assert max_relative_error(grads, reference) <= 2e-5
+        backward = {}
+        for access in plans[-1]:
+            if access.kind == "kv" and access.phase == "backward":
+                backward.setdefault((access.layer, access.chunk), []).append(access)
+        return backward, store
+
+    backward, store = backward_accesses(None)
+    beyond_a_block = 0
+    for (layer, chunk), accesses in backward.items():
+        assert len(accesses) == 1, (layer, chunk, accesses)
+        frames = {page // 16 for page in (accesses[0].selected or ())}
+        beyond_a_block += len(frames) > 2
+    assert beyond_a_block > 0   # some selection would not have fit a block's 2 frames
+    # 28 MiB: a block's and a chunk's frames (24 MiB), not 4 x 4 scattered ones (40 MiB): streamed.
+    backward, _ = backward_accesses(28 * _MIB)
+    assert any(len(accesses) > 1 for accesses in backward.values())
+
+
 def test_training_through_membard_changes_no_gradient_bit(membard):
     """The same step with pages in a membard daemon (offloaded through a small budget) as in an
     embedded runtime: the same bits, and full-sequence gradients."""

@@ -77,6 +77,16 @@ class OOMBConfig:
             self.history_block_tokens = max(self.page_tokens, 65536 // self.page_tokens * self.page_tokens)
         self.validate()
 
+    @property
+    def selection_pages(self) -> int:
+        """The most history pages one chunk's sparse selection names (top_k per query tile, every
+        tile of a chunk): 0 in dense mode. With offload the store sizes one access's GPU room for
+        this many scattered pages where that is at most a history block's pages (Note [Streaming a
+        layer's history] in hf_attention.py)."""
+        if self.mode != "sparse":
+            return 0
+        return self.top_k * -(-self.chunk_tokens // self.query_tile_tokens)
+
     def validate(self) -> None:
         """Raises ValueError with a sentence when an option is unusable."""
         if self.page_tokens < 1:

@@ -75,29 +75,52 @@ def _frames_spanned(pages: int, page_bytes: int, space_pages: int) -> int:
     return min(spanned, _space_bytes(space_pages, page_bytes) // _FRAME)
 
 
+def room_frames(block_pages: int, selection_pages: int, page_bytes: int, space_pages: int) -> int:
+    """The frames of one space that one access of an offloaded layer may touch: those a history
+    block of block_pages consecutive pages can span, or, for a sparse selection of at most
+    selection_pages pages where that is no more than a block's pages, those as many scattered pages
+    can touch (each may lie in frames of its own), whichever is more (Note [Streaming a layer's
+    history] in hf_attention.py)."""
+    block = _frames_spanned(block_pages, page_bytes, space_pages)
+    if not 0 < selection_pages <= block_pages:
+        return block
+    scattered = selection_pages * _frames_spanned(1, page_bytes, space_pages)
+    return max(block, min(scattered, _space_bytes(space_pages, page_bytes) // _FRAME))
+
+
+def access_bytes(block_pages: int, selection_pages: int, kv_page_bytes: int, grad_page_bytes: int,
+                 space_pages: int) -> int:
+    """GPU bytes one access of an offloaded layer holds: its K, V, dK and dV room (room_frames)."""
+    return _FRAME * (2 * room_frames(block_pages, selection_pages, kv_page_bytes, space_pages)
+                     + 2 * room_frames(block_pages, selection_pages, grad_page_bytes, space_pages))
+
+
 def store_sizes(layout: PageLayout, offload: bool, block_pages: int, prefetch_depth: int,
                 gpu_budget_bytes: int | None = None, gpu_resident_layers: int = 0,
-                chunk_pages: int = 0) -> tuple[int, int]:
+                chunk_pages: int = 0, selection_pages: int = 0) -> tuple[int, int]:
     """(GPU bytes, host bytes) the runtime needs for a sequence of this layout: without offload
     every page on the GPU; with offload every page in host memory and a GPU budget of
-    gpu_budget_bytes, or else a working set (prefetch_depth + 2 accesses of a history block's K, V,
-    dK and dV, and a chunk's pages) plus gpu_resident_layers whole layers. A budget below what one
-    step acquires at once is a ValueError."""
+    gpu_budget_bytes, or else a working set (prefetch_depth + 3 accesses of a history block's K, V,
+    dK and dV, or of a sparse selection's where that is more: access_bytes) plus
+    gpu_resident_layers whole layers. A budget below what one step acquires at once is a
+    ValueError."""
     kv, grad = layout.page_bytes(layout.dtype), layout.page_bytes(layout.grad_dtype)
     layer = 2 * _space_bytes(layout.num_pages, kv) + 2 * _space_bytes(layout.num_pages, grad)
     total = layout.num_layers * layer
     if not offload:
         return total, 0
-    block = min(block_pages or layout.num_pages, layout.num_pages)
-    if gpu_budget_bytes is None:
-        access = 2 * _space_bytes(block, kv) + 2 * _space_bytes(block, grad)
-        gpu_budget_bytes = (prefetch_depth + 3) * access + gpu_resident_layers * layer
-    budget = min(total, _round_up(gpu_budget_bytes, _FRAME))
-    # What a backward holds at once: a history block's K, V, dK and dV and the chunk's dK and dV.
-    chunk = min(chunk_pages or layout.num_pages, layout.num_pages)
     pages = layout.num_pages
-    least = min(total, _FRAME * (2 * _frames_spanned(block, kv, pages) + 2 * _frames_spanned(block, grad, pages)
-                                 + 2 * _frames_spanned(chunk, grad, pages)))
+    block = min(block_pages or pages, pages)
+    access = access_bytes(block, selection_pages, kv, grad, pages)
+    if gpu_budget_bytes is None:
+        # A block's bytes, and what a sparse selection's room adds to a block's frames.
+        extra = access - access_bytes(block, 0, kv, grad, pages)
+        streamed = 2 * _space_bytes(block, kv) + 2 * _space_bytes(block, grad) + extra
+        gpu_budget_bytes = (prefetch_depth + 3) * streamed + gpu_resident_layers * layer
+    budget = min(total, _round_up(gpu_budget_bytes, _FRAME))
+    # What a backward holds at once: one access's K, V, dK and dV and the chunk's dK and dV.
+    chunk = min(chunk_pages or pages, pages)
+    least = min(total, access + _FRAME * 2 * _frames_spanned(chunk, grad, pages))
     if budget + _SLACK < least:
         raise ValueError(f"a GPU budget of {human_bytes(gpu_budget_bytes)} cannot hold what one step acquires at "
                          f"once ({human_bytes(least)}: a history block's K, V, dK and dV and a chunk's dK and dV); "
@@ -106,12 +129,12 @@ def store_sizes(layout: PageLayout, offload: bool, block_pages: int, prefetch_de
 
 
 def plan_in_daemon(socket: str, device, tokens: int, model_config, page_tokens: int, dtype, grad_page_dtype,
-                   block_tokens: int, prefetch_depth: int = 2, tensor_parallel: int = 1):
+                   block_tokens: int, prefetch_depth: int = 2, tensor_parallel: int = 1, selection_pages: int = 0):
     """plan_gpu_resident_layers against what membard's pools at `socket` have left for `device`
     (they are allocated already, so this process's free memory does not count them), keeping room
-    in its GPU pool for the streamed history blocks (prefetch_depth + 3 accesses of a block, as
-    store_sizes). Returns (plan, GPU bytes left, host bytes left); the plan's ValueError names the
-    daemon's pools."""
+    in its GPU pool for the streamed history blocks (prefetch_depth + 3 accesses of a block, or of
+    a sparse selection of selection_pages pages where that is more, as store_sizes). Returns (plan,
+    GPU bytes left, host bytes left); the plan's ValueError names the daemon's pools."""
     from membar.oomb.config import plan_gpu_resident_layers, pool_bytes_per_layer
     from membar.runtime import Runtime
 
@@ -123,8 +146,14 @@ def plan_in_daemon(socket: str, device, tokens: int, model_config, page_tokens: 
     text = getattr(model_config, "text_config", None) or model_config
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
     block = min(block_tokens or tokens, tokens)
-    streamed = (prefetch_depth + 3) * pool_bytes_per_layer(block, page_tokens, text.num_key_value_heads // tensor_parallel,
-                                                           head_dim, dtype, grad_page_dtype)
+    kv_heads = text.num_key_value_heads // tensor_parallel
+    row = page_tokens * kv_heads * head_dim
+    kv, grad = row * dtype.itemsize, row * grad_page_dtype.itemsize
+    pages, block_pages = -(-tokens // page_tokens), -(-block // page_tokens)
+    extra = (access_bytes(block_pages, selection_pages, kv, grad, pages)
+             - access_bytes(block_pages, 0, kv, grad, pages))
+    streamed = (prefetch_depth + 3) * (pool_bytes_per_layer(block, page_tokens, kv_heads, head_dim, dtype,
+                                                            grad_page_dtype) + extra)
     try:
         plan = plan_gpu_resident_layers(tokens, model_config, page_tokens, dtype, grad_page_dtype, gpu_left, streamed,
                                         host_left, tensor_parallel=tensor_parallel,
@@ -165,6 +194,8 @@ class RuntimeKVStore(KVStore):
         self.block_tokens = block_tokens
         self.chunk_tokens = chunk_tokens
         self.prefetch_depth = prefetch_depth
+        self.selection_pages = 0   # the most pages a sparse selection names (OOMBConfig.selection_pages)
+        self._selection_room = 0   # ... as the GPU budget was sized for (0: a block's room only)
         self.name = name
         self.extra_bytes = extra_bytes   # (GPU, host) room for other spaces in a runtime this store connects
         # GPU-side waits for tickets (None: through membard, or with MEMBAR_STREAM_WAIT=1): Note [Runtime pages]
@@ -220,6 +251,7 @@ class RuntimeKVStore(KVStore):
                            else self.runtime.stream_waits_preferred)
 
     def use_config(self, config) -> None:
+        self.selection_pages = config.selection_pages
         if self.block_tokens is None:
             self.block_tokens = config.history_block_tokens
         if self.chunk_tokens is None:
@@ -239,8 +271,18 @@ class RuntimeKVStore(KVStore):
             if self.prefetch_depth is None:
                 self.prefetch_depth = 2
             chunk_pages = -(-self.chunk_tokens // layout.page_tokens) if self.chunk_tokens else 0
-            sizes = store_sizes(layout, self.offload, self._block_pages(layout), self.prefetch_depth,
-                                self.gpu_budget_bytes, self.gpu_resident_layers, chunk_pages)
+            selection = self.selection_pages
+            try:
+                sizes = store_sizes(layout, self.offload, self._block_pages(layout), self.prefetch_depth,
+                                    self.gpu_budget_bytes, self.gpu_resident_layers, chunk_pages, selection)
+            except ValueError:
+                if not selection:
+                    raise
+                # A budget given too small for a selection's room still streams selections block by block.
+                selection = 0
+                sizes = store_sizes(layout, self.offload, self._block_pages(layout), self.prefetch_depth,
+                                    self.gpu_budget_bytes, self.gpu_resident_layers, chunk_pages, selection)
+            self._selection_room = selection
             for layer_spaces in self.spaces:
                 for space in layer_spaces.values():
                     self._free_live(space)
@@ -347,14 +389,15 @@ class RuntimeKVStore(KVStore):
 
     def holds_in_one_block(self, layer: int, pages: tuple[int, ...], block_pages: int) -> bool:
         # What the GPU budget counts is frames (store_sizes): the pages' frames in the K/V and
-        # dK/dV spaces against the most a block of consecutive pages can span.
+        # dK/dV spaces against one access's room (room_frames: a block's frames, or as many
+        # scattered pages as a selection names where the budget was sized for them).
         layout = self.layout
         for dtype in (layout.dtype, layout.grad_dtype):
             size = layout.page_bytes(dtype)
             frames = set()
             for page in pages:
                 frames.update(range(page * size // _FRAME, ((page + 1) * size - 1) // _FRAME + 1))
-            if len(frames) > _frames_spanned(block_pages, size, layout.num_pages):
+            if len(frames) > room_frames(block_pages, self._selection_room, size, layout.num_pages):
                 return False
         return True
 
