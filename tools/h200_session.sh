@@ -66,6 +66,8 @@
 #             over every GPU (--tensor-parallel N under torch.distributed.run, NCCL), data parallel
 #             over every GPU, LoGRA on one GPU and over the split heads; TP_LONG=1 adds the split run
 #             at N x TP_SEQ tokens with offload
+#   select    page selection on the GPU: the CUDA kernel (one CTA per query tile) against PyTorch
+#             operations (Note [Page selection in PyTorch]), 7B shape, 32K-1M history (bench/probes/select_probe.py)
 #   hostpool  membard --gpu-pool 100GiB --host-pool 100GiB under ulimit -n 1024: time to serve,
 #             time until the host pool is pinned, open descriptors
 #
@@ -223,6 +225,10 @@ for step in "$@"; do
         --query-tile 4096 --time-limit "${SPARSE_LIMIT:-560}"
       "$bin/membarctl" --socket "$socket" stats --json > "$work/sparse1m/membarctl_stats.json" 2>&1
       kill "$daemon"; wait "$daemon" 2>/dev/null ;;
+    select)
+      mkdir -p "$work/select"
+      timeout 200 "$py" bench/probes/select_probe.py "$work/select/select_probe.json" > "$work/select/select_probe.txt" 2>&1 || status=1
+      cat "$work/select/select_probe.txt" ;;
     growth)
       bench growth --contexts 128K,256K --time-budget 540 --variants dense-offload ;;
     sparseblocks)

@@ -207,6 +207,23 @@ def test_summary_and_select_match_cpu():
         assert torch.equal(got, got.sort(dim=1).values)
 
 
+def test_page_select_in_pytorch_on_cuda_matches_cpu():
+    """Note [Page selection in PyTorch]: the trainer's CUDA selection (page_select_scores) picks the
+    CPU reference kernel's pages for a 7B-shaped chunk (28 q heads, 4 kv heads) over 2,048 pages,
+    one tile per chunk and tiles of 128, up to a near-tie at the k-th place in one tile."""
+    from membar.attention import page_select_scores
+
+    generator = torch.Generator().manual_seed(torch.seed() % (2**31))
+    q = torch.randn(4096, 28, 128, generator=generator).to(torch.bfloat16)
+    mean = torch.randn(2048, 4, 128, generator=generator)
+    for tile in (4096, 128):
+        expected = ops.page_select(q, mean, None, None, 64, tile)
+        got = page_select_scores(q.to(DEVICE), mean.to(DEVICE), 64, tile).cpu()
+        assert got.shape == expected.shape and got.dtype == torch.int32
+        assert (expected != got).any(dim=1).sum().item() <= 1
+        assert torch.equal(got, got.sort(dim=1).values)
+
+
 def test_unsupported_shape_is_a_clear_error():
     generator = torch.Generator().manual_seed(1)
     p = to_device(make_problem(64, 64, 64, 2, 2, 80, generator), DEVICE)

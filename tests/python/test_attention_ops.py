@@ -235,6 +235,28 @@ def test_page_summary_and_select_match_torch():
                 assert selected[tile].tolist() == expected
 
 
+@pytest.mark.parametrize("tokens,pages,q_heads,kv_heads,top_k,tile", [
+    (45, 5, 8, 2, 3, 20), (4096, 300, 28, 4, 64, 4096), (300, 40, 8, 8, 7, 128), (130, 9, 6, 1, 12, 64)])
+def test_page_select_in_pytorch_is_the_kernels_selection(tokens, pages, q_heads, kv_heads, top_k, tile):
+    """Note [Page selection in PyTorch]: page_select_scores (what the trainer runs on CUDA) picks the
+    reference kernel's pages per tile, in its format (ascending, -1 padded), partial last tiles,
+    GQA groups and top_k beyond the pages included; ties go to the lower page, NaN scores last."""
+    generator = torch.Generator().manual_seed(tokens + pages + top_k)
+    q = torch.randn(tokens, q_heads, 16, generator=generator)
+    mean = torch.randn(pages, kv_heads, 16, generator=generator)
+    for dtype in (torch.float32, torch.bfloat16):
+        want = attention.page_select(q.to(dtype), mean, top_k=top_k, query_tile_tokens=tile)
+        got = attention.page_select_scores(q.to(dtype), mean, top_k=top_k, query_tile_tokens=tile)
+        assert got.dtype == torch.int32 and got.shape == want.shape
+        assert torch.equal(got, want), (dtype, got, want)
+    # Equal scores (pages 1 and 3 identical) keep the lower page; a NaN page ranks last.
+    tied = mean.clone()
+    tied[min(3, pages - 1)] = tied[1]
+    tied[0] = float("nan")
+    want = attention.page_select(q, tied, top_k=top_k, query_tile_tokens=tile)
+    assert torch.equal(attention.page_select_scores(q, tied, top_k=top_k, query_tile_tokens=tile), want)
+
+
 def test_sparse_selection_skips_unselected_pages():
     generator = torch.Generator().manual_seed(7)
     q, k, v = make_chunk(12, 2, 1, 16, torch.float32, generator)

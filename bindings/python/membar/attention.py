@@ -50,6 +50,7 @@ __all__ = [
     "merge_attention_into",
     "page_summary",
     "page_select",
+    "page_select_scores",
     "reference_chunk_attention",
     "reference_chunk_attention_backward",
 ]
@@ -172,6 +173,50 @@ def page_select(
     """Top-k history pages per query tile (int32 [num_tiles, top_k], ascending, -1 padded).
     Scores use the mean keys, or the min/max upper bound when both are given."""
     return _ops.page_select(q, mean, min, max, int(top_k), int(query_tile_tokens))
+
+
+def page_select_scores(q: torch.Tensor, mean: torch.Tensor, top_k: int = 64, query_tile_tokens: int = 128,
+                       reduce_scores=None) -> torch.Tensor:
+    """page_select with mean keys (no bounds) in PyTorch operations: the same int32 [num_tiles,
+    top_k] (ascending, -1 padded; ties to the lower page, NaN scores last), with scores computed
+    in float64 (the query heads sharing a key head summed first). What the trainer runs on CUDA
+    (Note [Page selection in PyTorch]); reduce_scores(scores) may sum the float64 [tiles, pages]
+    scores over other processes' heads first (tensor parallel)."""
+    tokens, q_heads, dim = q.shape
+    pages, kv_heads, _ = mean.shape
+    tile = int(query_tile_tokens)
+    tiles = -(-tokens // tile)
+    full = tokens // tile
+    parts = []
+    if full:   # no padded copy of q: full tiles as a view, summed in float64
+        parts.append(q[: full * tile].view(full, tile, q_heads, dim).sum(1, dtype=torch.float64) / tile)
+    if full < tiles:
+        rest = q[full * tile:]
+        parts.append(rest.sum(0, keepdim=True, dtype=torch.float64) / rest.shape[0])
+    tile_means = parts[0] if len(parts) == 1 else torch.cat(parts)
+    grouped = tile_means.view(tiles, kv_heads, q_heads // kv_heads, dim).sum(2)
+    scores = torch.einsum("thd,phd->tp", grouped, mean.to(torch.float64))
+    if reduce_scores is not None:
+        reduce_scores(scores)
+    scores = torch.nan_to_num(scores, nan=float("-inf"))
+    keep = min(int(top_k), pages)
+    order = torch.sort(-scores, dim=1, stable=True).indices[:, :keep]   # ties: the lower page first
+    selected = torch.sort(order, dim=1).values.to(torch.int32)
+    if keep < top_k:
+        selected = torch.cat([selected, selected.new_full((tiles, int(top_k) - keep), -1)], dim=1)
+    return selected
+
+
+# Note [Page selection in PyTorch]
+#   Rationale: the CUDA page_select kernel runs one CTA per query tile; with one selection per
+#   4096-token chunk (what offload wants) that is one CTA scoring every history page: the 1M sparse
+#   step's stage-1 chunks went from 0.31 s to 0.53 s each as the history grew (H200, session 13),
+#   while the rest of a stage-1 chunk does not grow with the history.
+#   Approach: on CUDA the trainer selects with page_select_scores: a float64 reduction for the tile
+#   means, one matrix product for the scores, a stable sort for top-k; each runs over the whole GPU.
+#   MEMBAR_PAGE_SELECT=kernel keeps the kernel. CPU runs keep the reference kernel.
+#   Limitations: not yet run on a GPU; float64 scores may order a near-tie differently from the
+#   kernel's float32 sums (as the kernel's already do from the CPU reference's).
 
 
 @dataclass

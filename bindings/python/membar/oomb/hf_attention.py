@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import sys
 from dataclasses import dataclass, field
 from typing import Sequence
@@ -239,14 +240,20 @@ def chunk_context(context: ChunkContext):
 #   its grad pages and returns its part of dq, which is summed in float32. Every block is an
 #   access of the plan, so the store copies block i+1 in while block i computes, and writes dK/dV
 #   back behind. The chunk's own keys get dK/dV from the chunk-only call alone.
-#   A sparse selection is not streamed when the store holds its pages in one block's room
+#   A sparse selection is not streamed when the store holds its pages in one access's room
 #   (KVStore.holds_in_one_block: the runtime store counts the 2 MiB frames they touch in the K/V
-#   and dK/dV spaces): then one call over the whole history reads them. Block by block, a selection
-#   cost one call over all of the chunk's queries per block holding a selected page, and per call
-#   an access, a merge and, in the backward, a float32 dq sum: with 64K-token blocks, 16 calls per
-#   layer and chunk at 1M tokens for 64 pages: a cost that grows with the history, as the chunks
-#   of the 1M sparse step through membard did (H200, session 12: 0.35 s per stage-1 chunk at the
-#   start, 0.8 s at the end; stage 2 about 2.5 s down to 0.77 s; not yet measured since).
+#   and dK/dV spaces against room_frames): then one call over the whole history reads them. Block
+#   by block, a selection cost one call over all of the chunk's queries per block holding a
+#   selected page, and per call an access, a merge and, in the backward, a float32 dq sum: with
+#   64K-token blocks, 16 calls per layer and chunk at 1M tokens for 64 pages. A block's room alone
+#   is too small for a scattered selection at the 7B shape (a 128 KiB page is 1/16 of a frame: a
+#   64K-token block spans 33 frames, top-64 pages of a 256K-1M history touch 51-60), so the
+#   default GPU budget also has room for as many scattered pages as a chunk's selection names
+#   (OOMBConfig.selection_pages, where that is at most a block's pages; 2.48 GiB instead of 1.88
+#   GiB at the 7B shape); a budget given too small for it streams selections as before. H200
+#   (session 13): 256K sparse-offload 1.12x the throughput of block by block; the whole 1M sparse
+#   step through membard 293 s (486 s to its last chunk block by block, session 12), its stage-2
+#   chunks about 0.7 s each whatever their history (2.5 s down to 0.77 s before).
 #   Limitations: the merged out is rounded to the model dtype once, like the single call's; dq
 #   is rounded per block before the float32 sum (bf16 on the GPU: a few ulps more than one call).
 
@@ -436,6 +443,8 @@ def _select_pages(context: ChunkContext, layer: int, q) -> torch.Tensor | None:
         from .tensor_parallel import split_page_select
 
         return split_page_select(q, mean, context.top_k, context.query_tile_tokens, context.split_group)
+    if q.is_cuda and os.environ.get("MEMBAR_PAGE_SELECT") != "kernel":   # Note [Page selection in PyTorch]
+        return attention.page_select_scores(q, mean, context.top_k, context.query_tile_tokens)
     return attention.page_select(q, mean, top_k=context.top_k, query_tile_tokens=context.query_tile_tokens)
 
 

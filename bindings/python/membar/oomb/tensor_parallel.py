@@ -592,25 +592,10 @@ def split_head_loss(lm_head, hidden: torch.Tensor, targets: torch.Tensor, logit_
 def split_page_select(q: torch.Tensor, mean: torch.Tensor, top_k: int, query_tile_tokens: int, group) -> torch.Tensor:
     """int32 [tiles, top_k] history pages per query tile, scores summed over the group's heads.
     q [tokens, Hq_local, D]; mean [pages, Hkv_local, D] float32 (page mean keys)."""
-    tokens, q_heads, dim = q.shape
-    pages, kv_heads, _ = mean.shape
-    tiles = -(-tokens // query_tile_tokens)
-    padded = q.new_zeros((tiles * query_tile_tokens, q_heads, dim), dtype=torch.float64)
-    padded[:tokens] = q.double()
-    counts = torch.full((tiles,), float(query_tile_tokens), dtype=torch.float64, device=q.device)
-    counts[-1] = tokens - (tiles - 1) * query_tile_tokens
-    tile_means = padded.view(tiles, query_tile_tokens, q_heads, dim).sum(1) / counts.view(tiles, 1, 1)
-    # Query heads that share a key/value head meet the same page mean: sum them first.
-    grouped = tile_means.view(tiles, kv_heads, q_heads // kv_heads, dim).sum(2)
-    scores = torch.einsum("thd,phd->tp", grouped, mean.double())
-    _dist().all_reduce(scores, group=group)
-    scores = torch.nan_to_num(scores, nan=float("-inf"))
-    keep = min(top_k, pages)
-    order = torch.sort(-scores, dim=1, stable=True).indices[:, :keep]   # ties: the lower page first
-    selected = torch.sort(order, dim=1).values.to(torch.int32)
-    if keep < top_k:
-        selected = torch.cat([selected, selected.new_full((tiles, top_k - keep), -1)], dim=1)
-    return selected
+    from membar.attention import page_select_scores
+
+    return page_select_scores(q, mean, top_k, query_tile_tokens,
+                              reduce_scores=lambda scores: _dist().all_reduce(scores, group=group))
 
 
 def make_groups(tensor_parallel: int):
