@@ -367,7 +367,8 @@ def run_one(model, spec: dict) -> dict:
             result.update(peak_gpu_total_gib=stats["peak_gpu_bytes_total"] / 2**30)
         result.update(stall_seconds=stats["stall_seconds"])
         if "stream_wait_seconds" in stats:   # "+timewaits": the stream's GPU-side waits, timed
-            result.update(stream_wait_seconds=stats["stream_wait_seconds"])
+            result.update(stream_wait_seconds=stats["stream_wait_seconds"],
+                          stream_wait_by_kind=stats.get("stream_wait_by_kind", {}))
         result.update(pages_moved=stats["pages_moved"], bytes_moved_gib=stats["bytes_moved"] / 2**30,
                       host_pool_gib=stats["host_pool_bytes"] / 2**30,
                       device_pool_gib=stats["device_pool_bytes"] / 2**30,

@@ -30,7 +30,8 @@
 #             <= 3%), then sparse through the runtime against plain tensors as time allows
 #   blocks256 7B at 256K: dense-offload with history blocks of 64K (default), 128K and 256K tokens
 #             beside plain tensors, stream waits timed: do fewer, larger blocks take away the +4.5%?
-#   gpuwait   the stream's own wait for pages, timed with CUDA events ("+timewaits", MEMBAR_TIME_STREAM_WAITS=1),
+#   gpuwait   the stream's own wait for pages, timed with CUDA events ("+timewaits", MEMBAR_TIME_STREAM_WAITS=1;
+#             oomb_bench.json has them per access kind and phase: stream_wait_by_kind),
 #             embedded dense-offload at 32K and 128K beside plain tensors and the untimed run (the
 #             issue's stall goal: <= 1% of the step)
 #   trainer   examples/hf_trainer_oomb/train.py on the GPU (ecosystem issue: the same code at 64K+):

@@ -387,11 +387,15 @@ def test_timed_stream_waits_count_only_finished_waits(monkeypatch):
     assert store.stats.stream_wait_ns == 0   # on the CPU nothing waits on a stream
     host_stall = store.stats.stall_ns
     runtime_stall = store.runtime.stats()["clients"][0]["stall_ns"]
-    store._wait_events = [(Event(), Event(ms=1.5)), (Event(), Event(done=False, ms=9.0)), (Event(), Event(ms=0.25))]
+    store._wait_events = [(Event(), Event(ms=1.5), "kv:backward"), (Event(), Event(done=False, ms=9.0), "dkv:backward"),
+                          (Event(), Event(ms=0.25), "kv:backward")]
     assert store.stats.stream_wait_ns == 1_750_000
     assert len(store._wait_events) == 1
     store._wait_events[0][1].done = True
     assert store.stats.stream_wait_ns == 10_750_000 and not store._wait_events
+    # ... and per access kind and phase: [ns, waits, longest ns].
+    assert store.stats.stream_wait_by_kind == {"kv:backward": [1_750_000, 2, 1_500_000],
+                                              "dkv:backward": [9_000_000, 1, 9_000_000]}
     # The finished waits reached the runtime's stall time (what membarctl shows) once each; the
     # store's stall_ns stays the host's own.
     assert store.runtime.stats()["clients"][0]["stall_ns"] == runtime_stall + 10_750_000

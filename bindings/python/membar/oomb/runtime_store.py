@@ -35,7 +35,8 @@ Note [Runtime pages]
   MEMBAR_STREAM_WAIT=1 / 0 (or stream_waits=) forces stream / host waits. Host waits (and a stream
   wait's wait until the copies are enqueued) are counted as stall time; the stream's own wait on
   the GPU is not, unless MEMBAR_TIME_STREAM_WAITS=1 puts a pair of CUDA events around each one
-  (StoreStats.stream_wait_ns, the trainer's stream_wait_seconds; not yet run on a GPU). Timed
+  (StoreStats.stream_wait_ns, and per access kind and phase stream_wait_by_kind; the trainer's
+  stream_wait_seconds and stream_wait_by_kind, the bench's "+timewaits"). Timed
   stream waits are reported to the runtime (Runtime.add_stall_ns) as they finish, read at each
   `stats`, so the runtime's stall time (membarctl) holds both; StoreStats.stall_ns stays the host's.
   Grad pages are counted as contents once a backward acquired them (zero-filled on first use).
@@ -205,6 +206,7 @@ class RuntimeKVStore(KVStore):
         self._time_waits = os.environ.get("MEMBAR_TIME_STREAM_WAITS") == "1"
         self._wait_events: list = []
         self._stream_wait_ns = 0
+        self._stream_wait_by_kind: dict = {}   # access kind:phase -> [ns, waits, longest ns]
         self.layout: PageLayout | None = None
         self._capacity: PageLayout | None = None
         self._sizes = (0, 0)
@@ -344,7 +346,7 @@ class RuntimeKVStore(KVStore):
                 flat += [space_id, first, count]
         return flat
 
-    def _acquire(self, flat: list[int], *, write: bool, zero: bool, step: int | None) -> None:
+    def _acquire(self, flat: list[int], *, write: bool, zero: bool, step: int | None, label: str = "") -> None:
         native = self.runtime._native
         ticket = native.acquire_ranges(flat, write, zero, -1 if step is None else step)
         if write or zero:
@@ -360,7 +362,7 @@ class RuntimeKVStore(KVStore):
                     native.stream_wait(ticket, stream.cuda_stream)
                     if self._time_waits:
                         after.record(stream)
-                        self._wait_events.append((before, after))
+                        self._wait_events.append((before, after, label))
                 else:   # Note [Runtime pages], Limitations (the runtime counts the wait as stall time)
                     native.wait(ticket)
         else:
@@ -410,7 +412,7 @@ class RuntimeKVStore(KVStore):
             raise ValueError(f"chunk pages [{first_page}, {first_page + pages}) lie past the sequence's "
                              f"{layout.num_pages} pages.")
         flat = self._ranges(layer, ("k", "v"), [(first_page, pages)])
-        self._acquire(flat, write=True, zero=False, step=None)
+        self._acquire(flat, write=True, zero=False, step=None, label="write")
         first_row = first_page * layout.page_tokens
         pools = self.pools[layer]
         if k.device.type != "meta":
@@ -427,7 +429,8 @@ class RuntimeKVStore(KVStore):
     def history(self, access: Access, history_tokens: int) -> HistoryView:
         flat = self._ranges(access.layer, ("k", "v"), self._page_runs(access))
         self._count_read(flat)
-        self._acquire(flat, write=False, zero=False, step=self._step_of.get(access.key))
+        self._acquire(flat, write=False, zero=False, step=self._step_of.get(access.key),
+                      label=f"{access.kind}:{access.phase}")
         pools = self.pools[access.layer]
         return HistoryView(pools["k"], pools["v"], self._view_rows(access), history_tokens,
                            handles=(flat, False), first_row=access.first_page)
@@ -435,7 +438,8 @@ class RuntimeKVStore(KVStore):
     def grad_history(self, access: Access) -> GradView:
         flat = self._ranges(access.layer, ("dk", "dv"), self._page_runs(access))
         self._count_read(flat)
-        self._acquire(flat, write=True, zero=True, step=self._step_of.get(access.key))
+        self._acquire(flat, write=True, zero=True, step=self._step_of.get(access.key),
+                      label=f"{access.kind}:{access.phase}")
         pools = self.pools[access.layer]
         return GradView(pools["dk"], pools["dv"], self._view_rows(access), handles=(flat, True),
                         first_row=access.first_page)
@@ -444,7 +448,7 @@ class RuntimeKVStore(KVStore):
         layout = self.layout
         flat = self._ranges(access.layer, ("dk", "dv"), [(access.first_page, access.num_pages)])
         # In sparse mode no later chunk may have selected a page: it then reads as zeros.
-        self._acquire(flat, write=False, zero=True, step=self._step_of.get(access.key))
+        self._acquire(flat, write=False, zero=True, step=self._step_of.get(access.key), label="chunk_grad")
         self._chunk_grad_ranges = flat
         first_row = access.first_page * layout.page_tokens
         pools = self.pools[access.layer]
@@ -497,13 +501,20 @@ class RuntimeKVStore(KVStore):
     def _collect_stream_waits(self) -> None:
         """Sums the timed GPU-side waits (MEMBAR_TIME_STREAM_WAITS=1) whose events have completed and
         reports them to the runtime as stall time (Runtime.add_stall_ns), so that `membarctl stats`
-        and `top` show the stream's waits beside the host's; unfinished ones wait for a later call."""
+        and `top` show the stream's waits beside the host's; unfinished ones wait for a later call.
+        Each wait is also counted under its access's kind and phase ("kv:backward", "dkv:backward",
+        "chunk_grad", "write", ...: StoreStats.stream_wait_by_kind), to show which accesses wait."""
         pending, finished = [], 0
-        for before, after in self._wait_events:
+        for before, after, label in self._wait_events:
             if after.query():
-                finished += int(before.elapsed_time(after) * 1e6)
+                waited = int(before.elapsed_time(after) * 1e6)
+                finished += waited
+                entry = self._stream_wait_by_kind.setdefault(label, [0, 0, 0])
+                entry[0] += waited
+                entry[1] += 1
+                entry[2] = max(entry[2], waited)
             else:
-                pending.append((before, after))
+                pending.append((before, after, label))
         self._wait_events = pending
         if finished:
             self._stream_wait_ns += finished
@@ -535,4 +546,5 @@ class RuntimeKVStore(KVStore):
         # The runtime's stall time holds the host's waits and the stream waits reported to it.
         stats.stall_ns = max(0, int(client.get("stall_ns", 0)) - self._stream_wait_ns)
         stats.stream_wait_ns = self._stream_wait_ns if self._time_waits else -1
+        stats.stream_wait_by_kind = {label: list(entry) for label, entry in self._stream_wait_by_kind.items()}
         return stats

@@ -330,7 +330,9 @@ class OOMBTrainer:
             "host_pool_bytes": store_after["host_pool_bytes"],
             "device_pool_bytes": store_after["device_pool_bytes"],
             "stall_seconds": (store_after["stall_ns"] - store_before["stall_ns"]) * 1e-9,
-            **({"stream_wait_seconds": (store_after["stream_wait_ns"] - store_before["stream_wait_ns"]) * 1e-9}
+            **({"stream_wait_seconds": (store_after["stream_wait_ns"] - store_before["stream_wait_ns"]) * 1e-9,
+                "stream_wait_by_kind": _waits_by_kind(store_before.get("stream_wait_by_kind", {}),
+                                                      store_after.get("stream_wait_by_kind", {}))}
                if store_after.get("stream_wait_ns", -1) >= 0 else {}),
             **host_memory(),
         }
@@ -617,6 +619,17 @@ class _LapClock:
 #   of a chunk costs about r times its stage 1 when attention over the same history dominates both:
 #   stage 1 * (1 + r), r measured on the chunks that ran; it overestimates when fixed per-chunk
 #   costs dominate, as in tiny models). The gradient of a partial step is not the sequence's.
+def _waits_by_kind(before: dict, after: dict) -> dict:
+    """The step's timed stream waits per access kind and phase (StoreStats.stream_wait_by_kind):
+    {label: {"seconds", "waits", "longest_ms"}} (the longest over the store's life)."""
+    step = {}
+    for label, (ns, waits, longest) in after.items():
+        ns0, waits0, _ = before.get(label, (0, 0, 0))
+        if waits > waits0:
+            step[label] = {"seconds": (ns - ns0) * 1e-9, "waits": waits - waits0, "longest_ms": longest * 1e-6}
+    return step
+
+
 def _partial_step_estimate(chunk_seconds: dict, stage1_seconds: float) -> dict:
     stage1, stage2 = chunk_seconds["stage1"], chunk_seconds["stage2"]
     ran = len(stage2)
