@@ -221,13 +221,72 @@ def plot_device_order(order_json: Path) -> Path | None:
     return out
 
 
+def _progress(log: Path) -> list[tuple[float, int]]:
+    """(seconds, chunks done over both stages) from a step's progress lines ("[oomb] stage 2: 38 of
+    256 chunks after 137 s"), the warm-up sequence's lines (2 chunks) left out."""
+    import re
+
+    points, total = [], None
+    for line in log.read_text(errors="replace").splitlines():
+        match = re.match(r"\[oomb\] stage ([12]): (\d+) of (\d+) chunks after (\d+) s", line)
+        if not match:
+            continue
+        stage, done, count, seconds = (int(g) for g in match.groups())
+        if count <= 2:   # the warm-up sequence
+            continue
+        total = count
+        points.append((float(seconds), done + (count if stage == 2 else 0)))
+    return [(0.0, 0)] + points if total else []
+
+
+def plot_sparse_1m(newest_log: Path) -> Path | None:
+    """The whole 1M sparse step through membard, session by session: seconds per chunk along the
+    step (stage 1's chunks, then stage 2's), from the trainer's progress lines."""
+    runs = []
+    for log in sorted(RESULTS.rglob("bench.log")):
+        if "sparse1m" not in str(log.relative_to(RESULTS)):
+            continue
+        points = _progress(log)
+        if len(points) < 3:
+            continue
+        session = log.relative_to(RESULTS).parts[0].split("-")[-1].replace("session", "session ")
+        row = next(iter(json.loads(p.read_text())["results"] for p in [log.parent / "oomb_bench.json"]
+                        if p.exists()), [{}])[0]
+        how = "selections in one call" if row.get("selections_in_one_call") else "selections block by block"
+        runs.append((session, how, points))
+    if not runs:
+        return None
+    fig, ax = plt.subplots(figsize=(8, 4))
+    for session, how, points in runs:
+        xs, ys = [], []
+        for (t0, c0), (t1, c1) in zip(points, points[1:]):
+            if c1 > c0:
+                xs += [c0, c1]
+                ys += [(t1 - t0) / (c1 - c0)] * 2
+        ax.plot(xs, ys, label=f"{session}: {how}, last chunk after {points[-1][0]:.0f} s")
+    half = max(c for _, _, points in runs for _, c in points) // 2
+    ax.axvline(half, color="k", linestyle=":", linewidth=1)
+    low, high = ax.get_ylim()
+    ax.text(half, low + 0.03 * (high - low), " stage 2 (longest history first)", fontsize=8, va="bottom")
+    ax.text(half, low + 0.03 * (high - low), "stage 1 ", fontsize=8, va="bottom", ha="right")
+    ax.set_xlabel("chunks of 4096 tokens done (stage 1, then stage 2)")
+    ax.set_ylabel("seconds per chunk")
+    ax.set_title("One whole sparse step at 1M tokens through membard (7B shape, top-64, H200)")
+    ax.legend(fontsize=8, loc="upper right")
+    fig.tight_layout()
+    out = IMG / "sparse_1m.png"
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
 def main() -> int:
     IMG.mkdir(parents=True, exist_ok=True)
     made = []
     for pattern, plot in (("runtime_bench.json", plot_runtime), ("*attention*.json", plot_attention),
                           ("logra_bench.json", plot_logra),
                           ("oomb_bench.json", plot_oomb), ("cli-*", plot_store_paths),
-                          ("order/oomb_bench.json", plot_device_order)):
+                          ("order/oomb_bench.json", plot_device_order), ("bench.log", plot_sparse_1m)):
         path = newest(pattern)
         if path is None:
             continue
