@@ -96,6 +96,19 @@ def test_offload_hint_names_membard_only_for_embedded_offload_on_a_gpu():
     assert offload_hint(True, "cuda:0", "embedded:cuda", host_waits=False) == ""
 
 
+def test_sparse_offload_hint_suggests_one_selection_per_chunk():
+    from types import SimpleNamespace
+
+    from membar.train import sparse_offload_hint
+
+    args = SimpleNamespace(mode="sparse", offload=True, query_tile=128, chunk=4096, top_k=64)
+    hint = sparse_offload_hint(args)
+    assert "32 query tiles" in hint and "--query-tile 4096" in hint and "2048 pages" in hint
+    assert sparse_offload_hint(SimpleNamespace(**{**vars(args), "query_tile": 4096})) == ""
+    assert sparse_offload_hint(SimpleNamespace(**{**vars(args), "offload": False})) == ""
+    assert sparse_offload_hint(SimpleNamespace(**{**vars(args), "mode": "dense"})) == ""
+
+
 def test_cli_auto_residency_through_membard_plans_against_its_pools(membard, capsys):
     """Through membard the pages' memory is the daemon's pools, not this process's free memory:
     the plan asks the daemon (host backend here: its "GPU" tier holds both layers), and a host

@@ -634,6 +634,18 @@ def offload_hint(offload: bool, device, runtime: str, host_waits: bool = True) -
             "(docs/service.md).")
 
 
+def sparse_offload_hint(args) -> str:
+    """A line for --mode sparse --offload with query tiles smaller than a chunk: the pages moved
+    are the union of every tile's selection (most of a long history), where one selection per
+    chunk moves only its top-k pages (docs/oomb.md). Empty otherwise."""
+    if args.mode != "sparse" or not args.offload or args.query_tile >= args.chunk:
+        return ""
+    tiles = -(-args.chunk // args.query_tile)
+    return (f"hint: with --offload each chunk moves the union of its {tiles} query tiles' top-{args.top_k} pages "
+            f"(up to {tiles * args.top_k} pages per layer); --query-tile {args.chunk} selects once per chunk and "
+            f"moves only top-{args.top_k} pages (docs/oomb.md).")
+
+
 def _start(args, model, device, dtype, trainer, tasks: _Tasks) -> dict:
     """Prints what runs and the accuracy before training; returns the summary to fill."""
     from membar.oomb.tasks import passkey_accuracy
@@ -647,6 +659,9 @@ def _start(args, model, device, dtype, trainer, tasks: _Tasks) -> dict:
     store = trainer.store
     hint = offload_hint(args.offload, device, store.runtime.describe() if store.runtime else "",
                         host_waits=not getattr(store, "_gpu_waits", False))
+    if hint:
+        print(hint, flush=True)
+    hint = sparse_offload_hint(args)
     if hint:
         print(hint, flush=True)
     if args.world_size > 1:
