@@ -363,6 +363,28 @@ def test_gpu_streamed_history_matches_one_call(mode):
         assert trainer.stats["pages_to_device"] > 0 and trainer.stats["prefetch_hits"] > 0
 
 
+@pytest.mark.parametrize("tile", [16, 48])
+def test_page_selection_in_pytorch_trains_as_the_kernel_selects(tile, monkeypatch):
+    """Note [Page selection in PyTorch]: the trainer's CUDA path (MEMBAR_PAGE_SELECT=pytorch runs it
+    on the CPU) selects the kernel's pages for every layer and chunk, so the step's loss and
+    gradients are the same bits; tiles of 48 are one selection per chunk."""
+    model = tiny_model("qwen2", seed=4)
+    input_ids = torch.randint(0, VOCAB, (1, 200), generator=torch.Generator().manual_seed(12))
+    options = dict(chunk_tokens=48, page_tokens=8, mode="sparse", top_k=3, query_tile_tokens=tile)
+    monkeypatch.setenv("MEMBAR_PAGE_SELECT", "kernel")
+    loss, kernel, trainer = oomb_grads(model, input_ids, **options)
+    want = {key: None if s is None else s.clone() for key, s in trainer.last_selections.items()}
+    monkeypatch.setenv("MEMBAR_PAGE_SELECT", "pytorch")
+    loss_pytorch, pytorch, trainer = oomb_grads(model, input_ids, **options)
+    got = trainer.last_selections
+    assert got.keys() == want.keys() and any(s is not None for s in got.values())
+    for key, selection in want.items():
+        assert (selection is None and got[key] is None) or torch.equal(got[key], selection), key
+    assert loss_pytorch == loss
+    for name, grad in kernel.items():
+        assert torch.equal(pytorch[name], grad), name
+
+
 def test_passkey_task_places_the_key_far_enough_back():
     from membar.oomb.tasks import PasskeyTask
 

@@ -189,7 +189,7 @@ def page_select_scores(q: torch.Tensor, mean: torch.Tensor, top_k: int = 64, que
     full = tokens // tile
     parts = []
     if full:   # no padded copy of q: full tiles as a view, summed in float64
-        parts.append(q[: full * tile].view(full, tile, q_heads, dim).sum(1, dtype=torch.float64) / tile)
+        parts.append(q[: full * tile].reshape(full, tile, q_heads, dim).sum(1, dtype=torch.float64) / tile)
     if full < tiles:
         rest = q[full * tile:]
         parts.append(rest.sum(0, keepdim=True, dtype=torch.float64) / rest.shape[0])
@@ -214,7 +214,8 @@ def page_select_scores(q: torch.Tensor, mean: torch.Tensor, top_k: int = 64, que
 #   while the rest of a stage-1 chunk does not grow with the history.
 #   Approach: on CUDA the trainer selects with page_select_scores: a float64 reduction for the tile
 #   means, one matrix product for the scores, a stable sort for top-k; each runs over the whole GPU.
-#   MEMBAR_PAGE_SELECT=kernel keeps the kernel. CPU runs keep the reference kernel.
+#   MEMBAR_PAGE_SELECT=kernel keeps the kernel; MEMBAR_PAGE_SELECT=pytorch selects this way on the
+#   CPU too (how the CPU tests run the trainer's CUDA path). CPU runs keep the reference kernel.
 #   Limitations: not yet run on a GPU; float64 scores may order a near-tie differently from the
 #   kernel's float32 sums (as the kernel's already do from the CPU reference's).
 

@@ -443,7 +443,8 @@ def _select_pages(context: ChunkContext, layer: int, q) -> torch.Tensor | None:
         from .tensor_parallel import split_page_select
 
         return split_page_select(q, mean, context.top_k, context.query_tile_tokens, context.split_group)
-    if q.is_cuda and os.environ.get("MEMBAR_PAGE_SELECT") != "kernel":   # Note [Page selection in PyTorch]
+    choice = os.environ.get("MEMBAR_PAGE_SELECT")
+    if (q.is_cuda and choice != "kernel") or choice == "pytorch":   # Note [Page selection in PyTorch]
         return attention.page_select_scores(q, mean, context.top_k, context.query_tile_tokens)
     return attention.page_select(q, mean, top_k=context.top_k, query_tile_tokens=context.query_tile_tokens)
 
