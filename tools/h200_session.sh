@@ -30,6 +30,9 @@
 #             <= 3%), then sparse through the runtime against plain tensors as time allows
 #   blocks256 7B at 256K: dense-offload with history blocks of 64K (default), 128K and 256K tokens
 #             beside plain tensors, stream waits timed: do fewer, larger blocks take away the +4.5%?
+#   waits256  7B at 256K: plain tensors, dense-offload and dense-offload with prefetch depth 4, both with
+#             their stream waits timed per access kind and phase (stream_wait_by_kind in oomb_bench.json):
+#             which accesses make the +4.5-6% at 256K, and does a deeper pipeline take it away?
 #   gpuwait   the stream's own wait for pages, timed with CUDA events ("+timewaits", MEMBAR_TIME_STREAM_WAITS=1;
 #             oomb_bench.json has them per access kind and phase: stream_wait_by_kind),
 #             embedded dense-offload at 32K and 128K beside plain tensors and the untimed run (the
@@ -158,6 +161,10 @@ for step in "$@"; do
     blocks256)
       bench blocks256 --contexts 256K --time-budget "${BLOCKS_BUDGET:-560}" --time-limit 240 \
         --variants "dense+plain,dense-offload+timewaits,dense-offload+timewaits@128K,dense-offload+timewaits@256K" ;;
+    waits256)
+      bench waits256 --contexts 256K --time-budget "${WAITS_BUDGET:-560}" --time-limit 240 \
+        --variants "dense+plain,dense-offload+timewaits,dense-offload+depth4+timewaits"
+      "$py" tools/waits_summary.py "$work/waits256/oomb_bench.json" ;;
     gpuwait)
       bench gpuwait --contexts 32K,128K --time-budget "${GPUWAIT_BUDGET:-400}" \
         --variants "dense+plain:32K/128K,dense-offload+timewaits:32K/128K,dense-offload:32K" ;;

@@ -190,3 +190,21 @@ def test_hybrid_through_membard_plans_against_the_daemons_pools(tmp_path, membar
     (row,) = json.loads((tmp_path / "oomb_bench.json").read_text())["results"]
     assert row.get("error") is None, row
     assert row["planned_against"] == "membard" and row["gpu_resident_layers"] == 2
+
+
+def test_waits_summary_lists_each_timed_row_by_kind_longest_first(tmp_path):
+    """tools/waits_summary.py (the waits256 session step): a "+timewaits" row's waits per access kind
+    and phase, the longest total first; rows without timed waits are left out."""
+    spec = importlib.util.spec_from_file_location("waits_summary", REPO / "tools" / "waits_summary.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    path = tmp_path / "oomb_bench.json"
+    path.write_text(json.dumps({"results": [
+        {"variant": "dense+plain", "tokens": 262144, "step_seconds": 151.2},
+        {"variant": "dense-offload+timewaits", "tokens": 262144, "step_seconds": 160.0, "stream_wait_seconds": 9.0,
+         "stream_wait_by_kind": {"kv:forward": {"seconds": 1.5, "waits": 10, "longest_ms": 3.0},
+                                 "dkv:backward": {"seconds": 7.5, "waits": 20, "longest_ms": 40.0}}}]}))
+    lines = module.summary(str(path))
+    assert len(lines) == 3 and lines[0].startswith("dense-offload+timewaits at 262144 tokens: 160.0 s")
+    assert "dkv:backward" in lines[1] and "7.50 s in      20 waits, longest 40.0 ms" in lines[1]
+    assert "kv:forward" in lines[2]

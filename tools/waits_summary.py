@@ -1,0 +1,29 @@
+#!/usr/bin/env python3
+"""Where a step's stream waited for pages: each "+timewaits" row of an oomb_bench.json, its waits
+per access kind and phase (stream_wait_by_kind), longest total first.
+
+    tools/waits_summary.py bench/results/.../oomb_bench.json
+"""
+from __future__ import annotations
+
+import json
+import sys
+
+
+def summary(path: str) -> list[str]:
+    lines = []
+    for row in json.load(open(path))["results"]:
+        waits = row.get("stream_wait_by_kind")
+        if not waits:
+            continue
+        step = row.get("step_seconds") or 0.0
+        lines.append(f"{row['variant']} at {row['tokens']} tokens: {step:.1f} s, the stream waited "
+                     f"{row.get('stream_wait_seconds', 0.0):.2f} s")
+        for kind, entry in sorted(waits.items(), key=lambda item: -item[1]["seconds"]):
+            lines.append(f"  {kind:<16} {entry['seconds']:8.2f} s in {entry['waits']:>7} waits, "
+                         f"longest {entry['longest_ms']:.1f} ms")
+    return lines
+
+
+if __name__ == "__main__":
+    print("\n".join(summary(sys.argv[1])) if len(sys.argv) > 1 else __doc__)
