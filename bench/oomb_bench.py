@@ -219,7 +219,7 @@ def run_one(model, spec: dict) -> dict:
     import torch
 
     from membar.oomb import OOMBConfig, OOMBTrainer, plan_gpu_resident_layers
-    from membar.oomb.config import host_available_bytes
+    from membar.oomb.config import host_available_bytes, selection_pages
     from membar.oomb.baseline import full_sequence_step
     from membar.oomb.runtime_store import plan_in_daemon
     from membar.oomb.trainer import host_memory
@@ -252,8 +252,8 @@ def run_one(model, spec: dict) -> dict:
             socket = os.environ.get("MEMBAR_SOCKET")
             try:
                 if socket and socket != "embedded":
-                    tile = spec.get("query_tile_tokens") or spec["page_tokens"]
-                    selection = spec["top_k"] * -(-spec["chunk"] // tile) if variant.startswith("sparse") else 0
+                    selection = selection_pages("sparse" if variant.startswith("sparse") else "dense", spec["top_k"],
+                                                spec["chunk"], spec.get("query_tile_tokens") or spec["page_tokens"])
                     plan = plan_in_daemon(socket, device, tokens, model.config, spec["page_tokens"], torch.bfloat16,
                                           torch.float32, spec["history_block_tokens"], selection_pages=selection)[0]
                     result.update(planned_against="membard")

@@ -180,25 +180,19 @@ def _resident_layers(args, model, device) -> int:
     return plan.gpu_resident_layers
 
 
-def _selection_pages(args) -> int:
-    """The most history pages one chunk's sparse selection names (OOMBConfig.selection_pages)."""
-    if args.mode != "sparse":
-        return 0
-    return args.top_k * -(-args.chunk // (args.query_tile or args.page_tokens))
-
-
 def _resident_layers_in_daemon(args, model, device, socket: str) -> int:
     """--gpu-resident-layers auto through membard: the pages' GPU and host memory are the daemon's
     pools (already allocated, so free GPU memory and MemAvailable here do not count them), so the
     plan asks the daemon what its pools have left for this device, keeping room in its GPU pool
     for the streamed history blocks."""
-    from membar.oomb.config import _GRAD_PAGE_DTYPES, OOMBConfig
+    from membar.oomb.config import _GRAD_PAGE_DTYPES, OOMBConfig, selection_pages
     from membar.oomb.runtime_store import plan_in_daemon
 
     plan, gpu_left, host_left = plan_in_daemon(socket, device, args.seq_len, model.config, args.page_tokens,
                                                model.dtype, _GRAD_PAGE_DTYPES[args.grad_dtype], args.history_block,
                                                OOMBConfig.prefetch_depth, getattr(args, "tensor_parallel", 1),
-                                               _selection_pages(args))
+                                               selection_pages(args.mode, args.top_k, args.chunk,
+                                                               args.query_tile or args.page_tokens))
     layers = model.config.num_hidden_layers
     print(f"pages: {plan.gpu_resident_layers} of {layers} layers on the GPU, {layers - plan.gpu_resident_layers} in "
           f"host memory ({plan.host_bytes / 2**30:.1f} GiB; {plan.layer_bytes / 2**30:.2f} GiB per layer), planned "

@@ -79,13 +79,8 @@ class OOMBConfig:
 
     @property
     def selection_pages(self) -> int:
-        """The most history pages one chunk's sparse selection names (top_k per query tile, every
-        tile of a chunk): 0 in dense mode. With offload the store sizes one access's GPU room for
-        this many scattered pages where that is at most a history block's pages (Note [Streaming a
-        layer's history] in hf_attention.py)."""
-        if self.mode != "sparse":
-            return 0
-        return self.top_k * -(-self.chunk_tokens // self.query_tile_tokens)
+        """selection_pages() of this configuration."""
+        return selection_pages(self.mode, self.top_k, self.chunk_tokens, self.query_tile_tokens)
 
     def validate(self) -> None:
         """Raises ValueError with a sentence when an option is unusable."""
@@ -114,6 +109,16 @@ class OOMBConfig:
             raise ValueError(f"dense_kernel must be 'auto' or 'membar', got {self.dense_kernel!r}.")
         if self.prefetch_depth < 0:
             raise ValueError(f"prefetch_depth must be >= 0, got {self.prefetch_depth}.")
+
+
+def selection_pages(mode: str, top_k: int, chunk_tokens: int, query_tile_tokens: int) -> int:
+    """The most history pages one chunk's sparse selection names (top_k per query tile, every tile
+    of a chunk): 0 in dense mode. With offload the store sizes one access's GPU room for this many
+    scattered pages where that is at most a history block's pages (Note [Streaming a layer's
+    history] in hf_attention.py)."""
+    if mode != "sparse":
+        return 0
+    return top_k * -(-chunk_tokens // query_tile_tokens)
 
 
 def pool_bytes_per_layer(tokens: int, page_tokens: int, num_kv_heads: int, head_dim: int,

@@ -608,17 +608,6 @@ class _LapClock:
         return elapsed
 
 
-# Note [Partial steps]
-#   A whole step at a million tokens of a 7B model takes longer than a benchmark can wait
-#   (attention grows with the square of the context). A partial step runs all of stage 1 (every
-#   page of the sequence is written, so memory holds what a whole step holds) and the first N
-#   chunks of stage 2, which are the sequence's last chunks: the longest histories, where stage 2
-#   peaks. Every chunk is timed after a GPU synchronization. Two estimates of the whole step:
-#   an upper bound (a chunk's stage 2 grows with its history, so none costs more than the mean of
-#   the longest-history ones that ran: stage 1 + chunks * that mean), and a ratio estimate (stage 2
-#   of a chunk costs about r times its stage 1 when attention over the same history dominates both:
-#   stage 1 * (1 + r), r measured on the chunks that ran; it overestimates when fixed per-chunk
-#   costs dominate, as in tiny models). The gradient of a partial step is not the sequence's.
 def _waits_by_kind(before: dict, after: dict) -> dict:
     """The step's timed stream waits per access kind and phase (StoreStats.stream_wait_by_kind):
     {label: {"seconds", "waits", "longest_ms"}} (the longest over the store's life)."""
@@ -630,6 +619,17 @@ def _waits_by_kind(before: dict, after: dict) -> dict:
     return step
 
 
+# Note [Partial steps]
+#   A whole step at a million tokens of a 7B model takes longer than a benchmark can wait
+#   (attention grows with the square of the context). A partial step runs all of stage 1 (every
+#   page of the sequence is written, so memory holds what a whole step holds) and the first N
+#   chunks of stage 2, which are the sequence's last chunks: the longest histories, where stage 2
+#   peaks. Every chunk is timed after a GPU synchronization. Two estimates of the whole step:
+#   an upper bound (a chunk's stage 2 grows with its history, so none costs more than the mean of
+#   the longest-history ones that ran: stage 1 + chunks * that mean), and a ratio estimate (stage 2
+#   of a chunk costs about r times its stage 1 when attention over the same history dominates both:
+#   stage 1 * (1 + r), r measured on the chunks that ran; it overestimates when fixed per-chunk
+#   costs dominate, as in tiny models). The gradient of a partial step is not the sequence's.
 def _partial_step_estimate(chunk_seconds: dict, stage1_seconds: float) -> dict:
     stage1, stage2 = chunk_seconds["stage1"], chunk_seconds["stage2"]
     ran = len(stage2)
