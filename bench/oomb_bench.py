@@ -35,7 +35,9 @@ the stream's GPU-side waits for pages with CUDA events (MEMBAR_TIME_STREAM_WAITS
 column); "+depth4" copies pages in 4 accesses ahead (default 2)
 and grows the default GPU budget with it; "+piece4096" computes the loss 4096 tokens at a time
 (default 512); "+blockwise" streams sparse selections block by block even where their pages fit
-one block's room (as before session 12); "+profile" records the timed step with torch.profiler and
+one block's room (as before session 12); "+streamed" after "+plain" reads the plain tensors'
+history in blocks as offloaded pages are read (what the blocks cost without a copy or a wait);
+"+profile" records the timed step with torch.profiler and
 writes its busiest operations (self device time, calls) to profile-VARIANT-TOKENS.txt beside the
 results (the profiler slows the step: its time is not comparable); "@8K" sets the variant's history block.
 Each step is forward + backward of one sequence (no optimizer step, like the full-sequence
@@ -286,7 +288,7 @@ def run_one(model, spec: dict) -> dict:
                 return result
             from plain_store import PlainKVStore
 
-            store = PlainKVStore(device)
+            store = PlainKVStore(device, streamed="+streamed" in result["variant"])
         group = data_parallel_group(cuda) if "+dp" in result["variant"] else None
         # "+hostorder": the embedded engine orders its copies on the host, as before device order
         # (Note [Device-ordered copies] in engine/batches.cpp), and the trainer waits on the host.
@@ -552,7 +554,7 @@ def annotate(results: list[dict]) -> list[dict]:
                 r["offload_overhead"] = r["step_seconds"] / resident["step_seconds"] - 1
         # Throughput against the plain-tensor baseline of the same kernels, pages on the GPU.
         plain = ok.get((resident_name(r["variant"]) + "+plain", r["tokens"]))
-        if plain and "+plain" not in r["variant"]:
+        if plain and ("+plain" not in r["variant"] or "+streamed" in r["variant"]):
             r["vs_plain"] = plain["step_seconds"] / r["step_seconds"]
         single = ok.get((r["variant"].replace("+dp", ""), r["tokens"]))
         if "+dp" in r["variant"] and single:   # data parallel at world size 1 against one process

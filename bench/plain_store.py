@@ -14,8 +14,11 @@ from membar.oomb.kv_store import Access, KVStore, PageLayout, StoreStats
 
 
 class PlainKVStore(KVStore):
-    def __init__(self, device: torch.device | str):
+    def __init__(self, device: torch.device | str, streamed: bool = False):
         self.device = torch.device(device)
+        # streamed: the trainer reads history in blocks as it does from offloaded pages (the
+        # benchmarks' "+streamed": what the blocks cost without any copy or wait).
+        self.streamed = streamed
         self.stats = StoreStats()
         self.layout: PageLayout | None = None
         self._capacity: PageLayout | None = None
@@ -75,6 +78,9 @@ class PlainKVStore(KVStore):
         rows = slice(access.first_page * layout.page_tokens, access.first_page * layout.page_tokens + tokens)
         return (pools["dk"].view(-1, layout.num_kv_heads, layout.head_dim)[rows],
                 pools["dv"].view(-1, layout.num_kv_heads, layout.head_dim)[rows])
+
+    def streams_history(self, layer: int) -> bool:
+        return self.streamed
 
     def reads_selected_pages(self, layer: int) -> bool:
         return False

@@ -27,7 +27,7 @@ def main(folder: str) -> int:
         losses = " ".join(f"{step['loss']:.4f}" for step in json.loads(lines[-1])["steps"])
         print(f"{log.stem}: {rates[log.stem]:,.0f} tok/s (steps 2-{len(steps) + 1}), peak GPU {peak:.1f} GiB, "
               f"losses {losses}")
-    for mode in ("dense", "offload"):
+    for mode in ("dense", "offload", "sparse", "sparse-offload"):
         if f"membard-{mode}" in rates and f"embedded-{mode}" in rates:
             print(f"{mode}: membard / embedded = {rates[f'membard-{mode}'] / rates[f'embedded-{mode}']:.3f}")
     if "embedded-offload-streamwait" in rates and "embedded-offload" in rates:

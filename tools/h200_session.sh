@@ -33,6 +33,9 @@
 #   waits256  7B at 256K: plain tensors, dense-offload and dense-offload with prefetch depth 4, both with
 #             their stream waits timed per access kind and phase (stream_wait_by_kind in oomb_bench.json):
 #             which accesses make the +4.5-6% at 256K, and does a deeper pipeline take it away?
+#   streamed256  7B at 256K: plain tensors read in one call, plain tensors read in history blocks as
+#             offloaded pages are ("+streamed": no copy, no wait) and dense-offload (waits timed), in one
+#             run: how much of the offload gap is the blocks' compute, how much the runtime
 #   gpuwait   the stream's own wait for pages, timed with CUDA events ("+timewaits", MEMBAR_TIME_STREAM_WAITS=1;
 #             oomb_bench.json has them per access kind and phase: stream_wait_by_kind),
 #             embedded dense-offload at 32K and 128K beside plain tensors and the untimed run (the
@@ -51,7 +54,9 @@
 #             through membard (--socket), dense and --offload, in one call (steps 2-3 compared);
 #             CLI_MODES="dense offload offload-streamwait" adds the embedded runtime with --offload
 #             and MEMBAR_STREAM_WAIT=1 (its stream waits on the GPU for enqueued copies);
-#             "offload-private" adds --offload --socket private (the run starts its own membard)
+#             "offload-private" adds --offload --socket private (the run starts its own membard);
+#             "sparse" and "sparse-offload" run --mode sparse (top-64) without and with --offload
+#             (membard's pools: CLI_GPU_POOL, default 16GiB, and CLI_HOST_POOL, default 32GiB)
 #   sparse1m  one whole sparse step (top-64, one selection per chunk) at SPARSE_CONTEXT (1M) of the 7B
 #             shape through membard, layers' pages on the GPU as far as they fit, the rest in its host
 #             pool (SPARSE_GPU_POOL 90GiB, SPARSE_HOST_POOL 96GiB): the issue's first whole 1M step
@@ -165,6 +170,10 @@ for step in "$@"; do
       bench waits256 --contexts 256K --time-budget "${WAITS_BUDGET:-560}" --time-limit 240 \
         --variants "dense+plain,dense-offload+timewaits,dense-offload+depth4+timewaits"
       "$py" tools/waits_summary.py "$work/waits256/oomb_bench.json" ;;
+    streamed256)
+      bench streamed256 --contexts 256K --time-budget "${STREAMED_BUDGET:-560}" --time-limit 240 \
+        --variants "dense+plain,dense+plain+streamed,dense-offload+timewaits"
+      "$py" tools/waits_summary.py "$work/streamed256/oomb_bench.json" ;;
     gpuwait)
       bench gpuwait --contexts 32K,128K --time-budget "${GPUWAIT_BUDGET:-400}" \
         --variants "dense+plain:32K/128K,dense-offload+timewaits:32K/128K,dense-offload:32K" ;;
@@ -202,7 +211,12 @@ for step in "$@"; do
       socket=/tmp/membar-cli.sock
       train="-m membar.train --model qwen2.5-7b --seq-len ${CLI_SEQ:-32K} --chunk 4096 --steps 3 --no-progress --json"
       for mode in ${CLI_MODES:-dense offload}; do
-        extra=""; [ $mode != dense ] && extra="--offload"
+        case $mode in
+          dense) extra="" ;;
+          sparse) extra="--mode sparse" ;;
+          sparse-offload) extra="--mode sparse --offload" ;;
+          *) extra="--offload" ;;
+        esac
         if [ $mode = offload-streamwait ]; then   # embedded only: its stream waits on the GPU (Note [Enqueued tickets])
           MEMBAR_STREAM_WAIT=1 timeout 240 "$py" $train $extra > "$work/cli/embedded-$mode.log" 2>&1 || status=1
           continue
@@ -212,7 +226,8 @@ for step in "$@"; do
           continue
         fi
         timeout 240 "$py" $train $extra > "$work/cli/embedded-$mode.log" 2>&1 || status=1
-        start_daemon "$socket" --gpu-pool 16GiB --host-pool 32GiB || { status=1; continue; }
+        start_daemon "$socket" --gpu-pool "${CLI_GPU_POOL:-16GiB}" --host-pool "${CLI_HOST_POOL:-32GiB}" \
+          || { status=1; continue; }
         timeout 240 "$py" $train $extra --socket "$socket" > "$work/cli/membard-$mode.log" 2>&1 || status=1
         "$bin/membarctl" --socket "$socket" stats --json > "$work/cli/membarctl-$mode.json" 2>&1
         kill "$daemon"; wait "$daemon" 2>/dev/null

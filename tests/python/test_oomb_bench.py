@@ -177,6 +177,35 @@ def test_the_plain_baseline_gives_the_runtime_s_gradient_bits():
     assert all(torch.equal(a, b) for a, b in zip(*grads))
 
 
+def test_the_streamed_plain_baseline_reads_blocks_and_trains_as_one_call():
+    """"+streamed": the plain store has the trainer read its history in blocks as offloaded pages
+    are read (no access longer than a block), and the gradients stay those of one call."""
+    sys.path.insert(0, str(REPO / "bench"))
+    from plain_store import PlainKVStore
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from membar.oomb import OOMBConfig, OOMBTrainer
+
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(Qwen2Config(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                         num_key_value_heads=2, intermediate_size=96, vocab_size=97))
+    input_ids = torch.randint(0, 97, (1, 300), generator=torch.Generator().manual_seed(1))
+    grads, longest = [], []
+    for streamed in (False, True):
+        store = PlainKVStore("cpu", streamed=streamed)
+        read = store.history
+        pages = []
+        store.history = lambda access, tokens: (pages.append(access.num_pages), read(access, tokens))[1]
+        model.zero_grad()
+        config = OOMBConfig(chunk_tokens=64, page_tokens=16, history_block_tokens=64, deterministic=True)
+        OOMBTrainer(model, config, store=store).step(input_ids)
+        grads.append([parameter.grad.clone() for parameter in model.parameters()])
+        longest.append(max(pages))
+    assert longest == [16, 4]   # 256 tokens of history at the last chunk in one access, then blocks of 4 pages
+    for one_call, blocks in zip(*grads):
+        torch.testing.assert_close(blocks, one_call, rtol=1e-4, atol=1e-6)
+
+
 def test_hybrid_through_membard_plans_against_the_daemons_pools(tmp_path, membard):
     """With $MEMBAR_SOCKET the hybrid variants plan their GPU-resident layers from what membard's
     pools have left (host backend: its "GPU" tier holds both of the tiny model's layers)."""

@@ -153,7 +153,7 @@ class ChunkContext:
         longer than a block, and it is not a sparse selection whose pages the store holds in one
         block's room (Note [Streaming a layer's history])."""
         pages = self.history_pages - self.history_first_page(layer)
-        if not (self.store.offloaded(layer) and 0 < self.history_block_pages < pages):
+        if not (self.store.streams_history(layer) and 0 < self.history_block_pages < pages):
             return False
         union = self._selected(layer)
         return union is None or not union[1]

@@ -152,6 +152,11 @@ class KVStore(abc.ABC):
         layer's history through the GPU in blocks (config.history_block_tokens)."""
         return False
 
+    def streams_history(self, layer: int) -> bool:
+        """Whether the trainer reads the layer's history in blocks (config.history_block_tokens,
+        Note [Streaming a layer's history] in hf_attention.py): where its pages are offloaded."""
+        return self.offloaded(layer)
+
     def reads_selected_pages(self, layer: int) -> bool:
         """Whether accesses of this layer must name their selected pages (Access.selected) in
         sparse mode. Naming them needs the selection on the host (one wait for the GPU per layer
