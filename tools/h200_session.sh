@@ -172,7 +172,7 @@ for step in "$@"; do
       "$py" tools/waits_summary.py "$work/waits256/oomb_bench.json" ;;
     streamed256)
       bench streamed256 --contexts 256K --time-budget "${STREAMED_BUDGET:-560}" --time-limit 240 \
-        --variants "dense+plain,dense+plain+streamed,dense-offload+timewaits"
+        --variants "${STREAMED_VARIANTS:-dense+plain+streamed,dense-offload+timewaits,dense+plain}"
       "$py" tools/waits_summary.py "$work/streamed256/oomb_bench.json" ;;
     gpuwait)
       bench gpuwait --contexts 32K,128K --time-budget "${GPUWAIT_BUDGET:-400}" \
