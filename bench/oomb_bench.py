@@ -61,6 +61,7 @@ import re
 import selectors
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -204,7 +205,9 @@ def profiled(variant: str, tokens: int, cuda: bool):
         return
     from torch.profiler import ProfilerActivity, profile
 
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    # On a GPU the device's own activity only: a long step's CPU operators make a trace too large
+    # to export (the table then names kernels and copies).
+    activities = [ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]
     with profile(activities=activities) as profiler:
         yield
     key = "self_cuda_time_total" if cuda else "self_cpu_time_total"
@@ -215,6 +218,14 @@ def profiled(variant: str, tokens: int, cuda: bool):
     with open(out_dir / name, "w") as out:
         out.write(f"{variant} at {tokens} tokens, sorted by {key} (the profiler's own overhead included)\n")
         out.write(table)
+        if cuda:   # each stream's busy time and the compute stream's idle gaps (tools/trace_streams.py)
+            sys.path.insert(0, str(REPO / "tools"))
+            import trace_streams
+
+            with tempfile.TemporaryDirectory() as folder:
+                trace = os.path.join(folder, "trace.json")
+                profiler.export_chrome_trace(trace)
+                out.write("\n" + "\n".join(trace_streams.summary(trace)) + "\n")
 
 
 def run_one(model, spec: dict) -> dict:

@@ -36,6 +36,9 @@
 #   streamed256  7B at 256K: plain tensors read in one call, plain tensors read in history blocks as
 #             offloaded pages are ("+streamed": no copy, no wait) and dense-offload (waits timed), in one
 #             run: how much of the offload gap is the blocks' compute, how much the runtime
+#   profile   7B at PROFILE_CONTEXT (128K): plain tensors read in blocks ("+streamed") and dense-offload under
+#             torch.profiler (device activity): busiest kernels and each stream's busy and idle time
+#             (tools/trace_streams.py): are the offloaded step's kernels slower, or is its stream idle?
 #   gpuwait   the stream's own wait for pages, timed with CUDA events ("+timewaits", MEMBAR_TIME_STREAM_WAITS=1;
 #             oomb_bench.json has them per access kind and phase: stream_wait_by_kind),
 #             embedded dense-offload at 32K and 128K beside plain tensors and the untimed run (the
@@ -174,6 +177,10 @@ for step in "$@"; do
       bench streamed256 --contexts 256K --time-budget "${STREAMED_BUDGET:-560}" --time-limit 240 \
         --variants "${STREAMED_VARIANTS:-dense+plain+streamed,dense-offload+timewaits,dense+plain}"
       "$py" tools/waits_summary.py "$work/streamed256/oomb_bench.json" ;;
+    profile)
+      bench profile --contexts "${PROFILE_CONTEXT:-128K}" --time-budget "${PROFILE_BUDGET:-420}" --time-limit 240 \
+        --variants "${PROFILE_VARIANTS:-dense+plain+streamed+profile,dense-offload+profile}"
+      for file in "$work"/profile/profile-*.txt; do echo "== $file"; grep -E '^stream|^  gap' "$file"; done ;;
     gpuwait)
       bench gpuwait --contexts 32K,128K --time-budget "${GPUWAIT_BUDGET:-400}" \
         --variants "dense+plain:32K/128K,dense-offload+timewaits:32K/128K,dense-offload:32K" ;;

@@ -237,3 +237,28 @@ def test_waits_summary_lists_each_timed_row_by_kind_longest_first(tmp_path):
     assert len(lines) == 3 and lines[0].startswith("dense-offload+timewaits at 262144 tokens: 160.0 s")
     assert "dkv:backward" in lines[1] and "7.50 s in      20 waits, longest 40.0 ms" in lines[1]
     assert "kv:forward" in lines[2]
+
+
+def test_trace_streams_finds_the_compute_stream_s_idle_gaps(tmp_path):
+    """tools/trace_streams.py ("+profile" on the GPU): busy time per stream as the union of its
+    events, and the busiest stream's idle gaps, longest first, named by what ran before them."""
+    spec = importlib.util.spec_from_file_location("trace_streams", REPO / "tools" / "trace_streams.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    ms = 1000   # trace times are microseconds
+    events = [
+        {"ph": "X", "cat": "kernel", "name": "attention", "ts": 0, "dur": 4000 * ms, "args": {"stream": 7}},
+        {"ph": "X", "cat": "kernel", "name": "overlapping", "ts": 3000 * ms, "dur": 2000 * ms, "args": {"stream": 7}},
+        {"ph": "X", "cat": "kernel", "name": "mlp", "ts": 8000 * ms, "dur": 1000 * ms, "args": {"stream": 7}},
+        {"ph": "X", "cat": "kernel", "name": "merge", "ts": 9500 * ms, "dur": 500 * ms, "args": {"stream": 7}},
+        {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy HtoD", "ts": 100, "dur": 3000 * ms, "args": {"stream": 20}},
+        {"ph": "X", "cat": "cpu_op", "name": "aten::add", "ts": 0, "dur": 99999 * ms},
+    ]
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    lines = module.summary(str(path))
+    assert lines[0] == "stream 7: busy 6.50 s of a 10.00 s window (4 kernels, 0 copies, 0 memsets)"
+    assert lines[1] == "stream 20: busy 3.00 s of a 3.00 s window (0 kernels, 1 copies, 0 memsets)"
+    assert lines[2] == "stream 7 (the busiest) idle 3.50 s in 2 gaps; gaps over 1 ms: 3.50 s in 2"
+    assert lines[3] == "  gap  3000.00 ms after overlapping"
+    assert lines[4] == "  gap   500.00 ms after mlp"
