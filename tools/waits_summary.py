@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """Where a step's stream waited for pages: each "+timewaits" row of an oomb_bench.json, its waits
-per access kind and phase (stream_wait_by_kind), longest total first.
+per access kind and phase (stream_wait_by_kind), longest total first, and the host's time inside the
+store's runtime calls (store_host_seconds) where the row has it.
 
     tools/waits_summary.py bench/results/.../oomb_bench.json
 """
@@ -17,8 +18,10 @@ def summary(path: str) -> list[str]:
         if not waits:
             continue
         step = row.get("step_seconds") or 0.0
+        host = (f"; the host spent {row['store_host_seconds']:.2f} s in the store's runtime calls"
+                if "store_host_seconds" in row else "")
         lines.append(f"{row['variant']} at {row['tokens']} tokens: {step:.1f} s, the stream waited "
-                     f"{row.get('stream_wait_seconds', 0.0):.2f} s")
+                     f"{row.get('stream_wait_seconds', 0.0):.2f} s{host}")
         for kind, entry in sorted(waits.items(), key=lambda item: -item[1]["seconds"]):
             lines.append(f"  {kind:<16} {entry['seconds']:8.2f} s in {entry['waits']:>7} waits, "
                          f"longest {entry['longest_ms']:.1f} ms")

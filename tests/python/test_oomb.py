@@ -134,6 +134,7 @@ def test_offload_changes_no_gradient_bit(mode):
         for name in resident:
             assert torch.equal(offloaded[name], resident[name]), f"{name} differs with offload (depth {depth})"
         assert trainer.stats["pages_moved"] > 0
+        assert 0 < trainer.stats["store_host_seconds"] < trainer.stats["seconds"]
         if depth > 0:
             assert trainer.stats["prefetch_hits"] > 0
 

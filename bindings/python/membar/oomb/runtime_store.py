@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import math
 import os
+import time
 
 import torch
 
@@ -347,6 +348,13 @@ class RuntimeKVStore(KVStore):
         return flat
 
     def _acquire(self, flat: list[int], *, write: bool, zero: bool, step: int | None, label: str = "") -> None:
+        started = time.perf_counter_ns()
+        try:
+            self._acquire_timed(flat, write=write, zero=zero, step=step, label=label)
+        finally:
+            self._own.host_ns += time.perf_counter_ns() - started
+
+    def _acquire_timed(self, flat: list[int], *, write: bool, zero: bool, step: int | None, label: str) -> None:
         native = self.runtime._native
         ticket = native.acquire_ranges(flat, write, zero, -1 if step is None else step)
         if write or zero:
@@ -370,10 +378,12 @@ class RuntimeKVStore(KVStore):
 
     def _release(self, flat: list[int], dirty: bool) -> None:
         native = self.runtime._native
+        started = time.perf_counter_ns()
         if self._cuda:
             native.stream_release_ranges(flat, dirty, torch.cuda.current_stream(self.device).cuda_stream)
         else:
             native.release_ranges(flat, dirty)
+        self._own.host_ns += time.perf_counter_ns() - started
 
     @staticmethod
     def _page_runs(access: Access) -> list[tuple[int, int]]:
@@ -490,7 +500,9 @@ class RuntimeKVStore(KVStore):
             # Flat (space id, first, count) triples straight to the native call: a 1M-token sparse
             # step's schedule has ~2.7M ranges, and Runtime.set_schedule's tuples cost seconds.
             steps.append(self._ranges(access.layer, kinds[access.kind], self._page_runs(access)))
+        started = time.perf_counter_ns()
         self.runtime._native.set_schedule(steps)
+        self._own.host_ns += time.perf_counter_ns() - started
 
     def reserve(self, layout: PageLayout) -> None:
         self.open_sequence(layout)
@@ -528,7 +540,7 @@ class RuntimeKVStore(KVStore):
     @property
     def stats(self) -> StoreStats:
         """Page traffic as the runtime counts it (this client), plus the store's page bookkeeping."""
-        stats = StoreStats(pages_live=self._own.pages_live, pages_read=self._own.pages_read)
+        stats = StoreStats(pages_live=self._own.pages_live, pages_read=self._own.pages_read, host_ns=self._own.host_ns)
         if self.runtime is None or self._capacity is None:
             return stats
         self._collect_stream_waits()   # first: they reach the runtime's stall counter with this stats call
