@@ -378,7 +378,8 @@ def run_one(model, spec: dict) -> dict:
         stats = trainer.stats
         if cuda:   # PyTorch's peak plus the runtime's GPU frames (not in PyTorch's allocator)
             result.update(peak_gpu_total_gib=stats["peak_gpu_bytes_total"] / 2**30)
-        result.update(stall_seconds=stats["stall_seconds"], store_host_seconds=stats["store_host_seconds"])
+        result.update(stall_seconds=stats["stall_seconds"], store_host_seconds=stats["store_host_seconds"],
+                      gpu_maps=stats["gpu_maps"])
         if "stream_wait_seconds" in stats:   # "+timewaits": the stream's GPU-side waits, timed
             result.update(stream_wait_seconds=stats["stream_wait_seconds"],
                           stream_wait_by_kind=stats.get("stream_wait_by_kind", {}))

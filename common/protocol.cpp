@@ -705,7 +705,8 @@ std::vector<uint8_t> encode_stats(const RuntimeStats& stats) {
     write_stat(w, c.host_frames);
     w.write<uint32_t>(c.spaces);
     for (uint64_t v : {c.bytes_gpu, c.bytes_host, c.bytes_both, c.bytes_none, c.bytes_host_to_gpu, c.bytes_gpu_to_host,
-                       c.prefetch_hits, c.prefetch_misses, c.evictions, c.stall_ns, c.channel_bytes}) {
+                       c.prefetch_hits, c.prefetch_misses, c.evictions, c.stall_ns, c.channel_bytes, c.gpu_maps,
+                       c.gpu_unmaps}) {
       w.write<uint64_t>(v);
     }
   }
@@ -746,7 +747,7 @@ Result<RuntimeStats> decode_stats(std::span<const uint8_t> payload) {
     stats.tiers.push_back(tier);
   }
   uint32_t client_count = r.read<uint32_t>();
-  constexpr uint64_t kMinClientBytes = 4 + 4 + 4 + 4 + 16 + 2 * kStatBytes + 4 + 11 * 8;
+  constexpr uint64_t kMinClientBytes = 4 + 4 + 4 + 4 + 16 + 2 * kStatBytes + 4 + 13 * 8;
   if (!r.can_hold(client_count, kMinClientBytes)) return invalid_argument("stats payload: client count exceeds the payload");
   for (uint32_t i = 0; i < client_count; ++i) {
     ClientStats c;
@@ -761,7 +762,7 @@ Result<RuntimeStats> decode_stats(std::span<const uint8_t> payload) {
     c.spaces = r.read<uint32_t>();
     for (uint64_t* v : {&c.bytes_gpu, &c.bytes_host, &c.bytes_both, &c.bytes_none, &c.bytes_host_to_gpu,
                         &c.bytes_gpu_to_host, &c.prefetch_hits, &c.prefetch_misses, &c.evictions, &c.stall_ns,
-                        &c.channel_bytes}) {
+                        &c.channel_bytes, &c.gpu_maps, &c.gpu_unmaps}) {
       *v = r.read<uint64_t>();
     }
     if (!r.ok()) return invalid_argument("stats payload: client entry truncated");

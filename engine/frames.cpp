@@ -103,6 +103,7 @@ Result<std::optional<FenceWait>> EngineImpl::place_gpu(ClientState& client, Buil
     target.mapped_gpu = chosen;
     target.va_fence = 0;
     queue_event(client, ClientEvent{ClientEvent::Kind::kMapped, Tier::kGpu, frame.window_frame, 0, -1, space.info.id, g, 0});
+    ++client.stats.gpu_maps;
   }
   Frame& frame = frame_of(Tier::kGpu, chosen);
   frame.space = space.info.id;
@@ -201,6 +202,7 @@ void EngineImpl::unmap_position(ClientState& client, Space& space, uint32_t g) {
   auto& positions = frame.mapped_at;
   positions.erase(std::remove(positions.begin(), positions.end(), std::make_pair(space.info.id, g)), positions.end());
   queue_event(client, ClientEvent{ClientEvent::Kind::kUnmapped, Tier::kGpu, frame.window_frame, 0, -1, space.info.id, g, 0});
+  ++client.stats.gpu_unmaps;
   target.mapped_gpu = kNoFrame;
   target.va_fence = 0;
 }

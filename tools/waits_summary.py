@@ -20,6 +20,7 @@ def summary(path: str) -> list[str]:
         step = row.get("step_seconds") or 0.0
         host = (f"; the host spent {row['store_host_seconds']:.2f} s in the store's runtime calls"
                 if "store_host_seconds" in row else "")
+        host += f", {row['gpu_maps']} GPU frames mapped" if "gpu_maps" in row else ""
         lines.append(f"{row['variant']} at {row['tokens']} tokens: {step:.1f} s, the stream waited "
                      f"{row.get('stream_wait_seconds', 0.0):.2f} s{host}")
         for kind, entry in sorted(waits.items(), key=lambda item: -item[1]["seconds"]):

@@ -142,6 +142,8 @@ std::string stats_json(const RuntimeStats& stats) {
     append_field(out, "prefetch_misses", c.prefetch_misses);
     append_field(out, "evictions", c.evictions);
     append_field(out, "stall_ns", c.stall_ns);
+    append_field(out, "gpu_maps", c.gpu_maps);
+    append_field(out, "gpu_unmaps", c.gpu_unmaps);
     out += "}";
   }
   out += "], \"spaces\": [";

@@ -85,6 +85,9 @@ struct ClientStats {
   uint64_t prefetch_misses = 0;  // acquire had to start a transfer
   uint64_t evictions = 0;
   uint64_t stall_ns = 0;         // time the client waited for pages to become ready
+  // GPU frames mapped at / unmapped from a position of its spaces (Note [Remapping a position]:
+  // streaming settles into frames already mapped where they serve, with no map calls).
+  uint64_t gpu_maps = 0, gpu_unmaps = 0;
   uint64_t channel_bytes = 0;    // its channels (counted in its host quota)
 };
 

@@ -150,6 +150,8 @@ std::string format_stats_text(const std::vector<DeviceRuntimeStats>& devices, co
       std::snprintf(rate, sizeof(rate), "%.4f (%.1f%%)", hit_rate(c), 100.0 * hit_rate(c));
       out << "prefetch_hit_rate: " << rate << '\n';
       out << "evictions: " << c.evictions << '\n';
+      out << "gpu_maps: " << c.gpu_maps << '\n';
+      out << "gpu_unmaps: " << c.gpu_unmaps << '\n';
       out << "stall_ns: " << c.stall_ns << " (" << human_duration_ns(c.stall_ns) << ")\n";
     }
     for (const SpaceInfo& s : stats.spaces) {
@@ -200,7 +202,8 @@ std::string format_stats_json(const std::vector<DeviceRuntimeStats>& devices, co
           << ", \"channel_bytes\": " << c.channel_bytes << ", \"bytes_host_to_gpu\": " << c.bytes_host_to_gpu
           << ", \"bytes_gpu_to_host\": " << c.bytes_gpu_to_host << ", \"prefetch_hits\": " << c.prefetch_hits
           << ", \"prefetch_misses\": " << c.prefetch_misses << ", \"prefetch_hit_rate\": " << hit_rate(c)
-          << ", \"evictions\": " << c.evictions << ", \"stall_ns\": " << c.stall_ns << "}";
+          << ", \"evictions\": " << c.evictions << ", \"stall_ns\": " << c.stall_ns
+          << ", \"gpu_maps\": " << c.gpu_maps << ", \"gpu_unmaps\": " << c.gpu_unmaps << "}";
       first_entry = false;
     }
   }

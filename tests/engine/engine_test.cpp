@@ -419,6 +419,8 @@ TEST(Engine, ASecondStreamingPassMakesNoNewMappings) {
   }
   EXPECT_EQ(client->maps[0].load(), maps_first_pass) << "streaming passes remapped frames";
   EXPECT_EQ(client->unmaps[0].load(), 0);
+  EXPECT_EQ(client->stats().gpu_maps, uint64_t(maps_first_pass)) << "the client's stats count its map events";
+  EXPECT_EQ(client->stats().gpu_unmaps, 0u);
   EXPECT_EQ(client->gpu_grants.load(), 4);
   EXPECT_EQ(client->stats().evictions, 16u * 3 - 4);
 }

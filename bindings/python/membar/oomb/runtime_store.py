@@ -553,6 +553,7 @@ class RuntimeKVStore(KVStore):
         stats.pages_to_host = stats.bytes_to_host // page
         stats.prefetch_hits = int(client.get("prefetch_hits", 0))
         stats.prefetch_misses = int(client.get("prefetch_misses", 0))
+        stats.gpu_maps = int(client.get("gpu_maps", 0))
         stats.host_pool_bytes = int(client["host_frames"]["peak"]) * _FRAME
         stats.device_pool_bytes = int(client["gpu_frames"]["peak"]) * _FRAME
         # The runtime's stall time holds the host's waits and the stream waits reported to it.

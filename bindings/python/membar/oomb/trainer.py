@@ -331,6 +331,7 @@ class OOMBTrainer:
             "device_pool_bytes": store_after["device_pool_bytes"],
             "stall_seconds": (store_after["stall_ns"] - store_before["stall_ns"]) * 1e-9,
             "store_host_seconds": (store_after["host_ns"] - store_before["host_ns"]) * 1e-9,
+            "gpu_maps": store_after["gpu_maps"] - store_before["gpu_maps"],
             **({"stream_wait_seconds": (store_after["stream_wait_ns"] - store_before["stream_wait_ns"]) * 1e-9,
                 "stream_wait_by_kind": _waits_by_kind(store_before.get("stream_wait_by_kind", {}),
                                                       store_after.get("stream_wait_by_kind", {}))}
