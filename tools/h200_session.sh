@@ -180,7 +180,10 @@ for step in "$@"; do
     profile)
       bench profile --contexts "${PROFILE_CONTEXT:-128K}" --time-budget "${PROFILE_BUDGET:-420}" --time-limit 240 \
         --variants "${PROFILE_VARIANTS:-dense+plain+streamed+profile,dense-offload+profile}"
-      for file in "$work"/profile/profile-*.txt; do echo "== $file"; grep -E '^stream|^  gap' "$file"; done ;;
+      for file in "$work"/profile/profile-*.txt; do echo "== $file"; grep -E '^stream|^  gap' "$file"; done
+      "$py" -c "import json, sys; [print(r['variant'], r.get('step_seconds'), 'stage2', r.get('stage2_seconds'),
+        'store host s', r.get('store_host_seconds'), 'gpu maps', r.get('gpu_maps'))
+        for r in json.load(open(sys.argv[1]))['results']]" "$work/profile/oomb_bench.json" ;;
     gpuwait)
       bench gpuwait --contexts 32K,128K --time-budget "${GPUWAIT_BUDGET:-400}" \
         --variants "dense+plain:32K/128K,dense-offload+timewaits:32K/128K,dense-offload:32K" ;;
