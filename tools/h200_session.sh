@@ -39,6 +39,7 @@
 #   profile   7B at PROFILE_CONTEXT (128K): plain tensors read in blocks ("+streamed") and dense-offload under
 #             torch.profiler (device activity): busiest kernels and each stream's busy and idle time
 #             (tools/trace_streams.py): are the offloaded step's kernels slower, or is its stream idle?
+#             Then bench/probes/maps_probe.py: GPU map calls per frame placement in a small offloaded step
 #   gpuwait   the stream's own wait for pages, timed with CUDA events ("+timewaits", MEMBAR_TIME_STREAM_WAITS=1;
 #             oomb_bench.json has them per access kind and phase: stream_wait_by_kind),
 #             embedded dense-offload at 32K and 128K beside plain tensors and the untimed run (the
@@ -183,7 +184,9 @@ for step in "$@"; do
       for file in "$work"/profile/profile-*.txt; do echo "== $file"; grep -E '^stream|^  gap' "$file"; done
       "$py" -c "import json, sys; [print(r['variant'], r.get('step_seconds'), 'stage2', r.get('stage2_seconds'),
         'store host s', r.get('store_host_seconds'), 'gpu maps', r.get('gpu_maps'))
-        for r in json.load(open(sys.argv[1]))['results']]" "$work/profile/oomb_bench.json" ;;
+        for r in json.load(open(sys.argv[1]))['results']]" "$work/profile/oomb_bench.json"
+      timeout 120 "$py" bench/probes/maps_probe.py > "$work/profile/maps_probe.txt" 2>&1 || status=1
+      tail -3 "$work/profile/maps_probe.txt" ;;
     gpuwait)
       bench gpuwait --contexts 32K,128K --time-budget "${GPUWAIT_BUDGET:-400}" \
         --variants "dense+plain:32K/128K,dense-offload+timewaits:32K/128K,dense-offload:32K" ;;

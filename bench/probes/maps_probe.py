@@ -1,0 +1,29 @@
+# GPU frames mapped per step (Note [Remapping a position] in engine/frames.cpp) when the GPU budget
+# is far smaller than the history, as in dense-offload at 256K: a 2-layer model with the 7B shape's
+# KV pages (4 KV heads x 128, pages of 128 tokens), 16K tokens, chunks of 1024, history blocks of
+# 2K, three steps through the embedded runtime (host backend on a CPU, CUDA on a GPU). Prints each
+# step's map calls beside its frame placements (prefetch hits + misses), bytes moved and the host
+# time inside the store's runtime calls. Session 14 (CPU): 561 maps for 568 placements per step.
+# Usage: PYTHONPATH=bindings/python python bench/probes/maps_probe.py [TOKENS]
+import sys
+
+import torch
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+from membar.oomb import OOMBConfig, OOMBTrainer
+
+torch.manual_seed(0)
+device = "cuda" if torch.cuda.is_available() else "cpu"
+model = Qwen2ForCausalLM(Qwen2Config(hidden_size=512, num_hidden_layers=2, num_attention_heads=4,
+                                     num_key_value_heads=4, intermediate_size=256, vocab_size=97)).to(device)
+tokens = int(sys.argv[1]) if len(sys.argv) > 1 else 16384
+ids = torch.randint(0, 97, (1, tokens))
+trainer = OOMBTrainer(model, OOMBConfig(chunk_tokens=1024, page_tokens=128, offload=True, history_block_tokens=2048))
+trainer.reserve(tokens)
+for step in range(3):
+    model.zero_grad()
+    trainer.step(ids)
+    s = trainer.stats
+    print(f"step {step}: {s['seconds']:.1f} s, {s['gpu_maps']} GPU maps for "
+          f"{s['prefetch_hits'] + s['prefetch_misses']} placements, {s['bytes_moved'] / 2**30:.2f} GiB moved, "
+          f"{s['store_host_seconds']:.3f} s of host time in the store's runtime calls", flush=True)
