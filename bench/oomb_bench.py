@@ -35,7 +35,8 @@ the stream's GPU-side waits for pages with CUDA events (MEMBAR_TIME_STREAM_WAITS
 column); "+depth4" copies pages in 4 accesses ahead (default 2)
 and grows the default GPU budget with it; "+piece4096" computes the loss 4096 tokens at a time
 (default 512); "+blockwise" streams sparse selections block by block even where their pages fit
-one block's room (as before session 12); "+streamed" after "+plain" reads the plain tensors'
+one block's room (as before session 12); "+reuse" has stage 2 take stage 1's attention outputs (Note [Stage 1's attention in stage 2]);
+"+streamed" after "+plain" reads the plain tensors'
 history in blocks as offloaded pages are read (what the blocks cost without a copy or a wait);
 "+profile" records the timed step with torch.profiler and
 writes its busiest operations (self device time, calls) to profile-VARIANT-TOKENS.txt beside the
@@ -288,6 +289,7 @@ def run_one(model, spec: dict) -> dict:
                             prefetch_depth=prefetch_depth_of(result["variant"]),
                             checkpoint_layers=spec.get("checkpoint_layers", True),
                             history_block_tokens=spec["history_block_tokens"],
+                            reuse_stage1_attention="+reuse" in result["variant"],
                             dense_kernel=dense_kernel_of(result["variant"]))
         result.update(loss_piece_tokens=config.loss_piece_tokens)
         if offload:
@@ -566,7 +568,7 @@ def annotate(results: list[dict]) -> list[dict]:
                 r["offload_overhead"] = r["step_seconds"] / resident["step_seconds"] - 1
         # Throughput against the plain-tensor baseline of the same kernels, pages on the GPU.
         plain = ok.get((resident_name(r["variant"]) + "+plain", r["tokens"]))
-        if plain and ("+plain" not in r["variant"] or "+streamed" in r["variant"]):
+        if plain and ("+plain" not in r["variant"] or "+streamed" in r["variant"] or "+reuse" in r["variant"]):
             r["vs_plain"] = plain["step_seconds"] / r["step_seconds"]
         single = ok.get((r["variant"].replace("+dp", ""), r["tokens"]))
         if "+dp" in r["variant"] and single:   # data parallel at world size 1 against one process

@@ -36,6 +36,8 @@
 #   streamed256  7B at 256K: plain tensors read in one call, plain tensors read in history blocks as
 #             offloaded pages are ("+streamed": no copy, no wait) and dense-offload (waits timed), in one
 #             run: how much of the offload gap is the blocks' compute, how much the runtime
+#   reuse     7B at 32K and 128K: stage 2 taking stage 1's attention outputs ("+reuse", Note [Stage 1's
+#             attention in stage 2]) against recomputing them, plain tensors and dense-offload, one run
 #   profile   7B at PROFILE_CONTEXT (128K): plain tensors read in blocks ("+streamed") and dense-offload under
 #             torch.profiler (device activity): busiest kernels and each stream's busy and idle time
 #             (tools/trace_streams.py): are the offloaded step's kernels slower, or is its stream idle?
@@ -178,6 +180,9 @@ for step in "$@"; do
       bench streamed256 --contexts 256K --time-budget "${STREAMED_BUDGET:-560}" --time-limit 240 \
         --variants "${STREAMED_VARIANTS:-dense+plain+streamed,dense-offload+timewaits,dense+plain}"
       "$py" tools/waits_summary.py "$work/streamed256/oomb_bench.json" ;;
+    reuse)
+      bench reuse --contexts "${REUSE_CONTEXTS:-32K,128K}" --time-budget "${REUSE_BUDGET:-540}" \
+        --variants "${REUSE_VARIANTS:-dense+plain:32K/128K,dense+plain+reuse:32K/128K,dense-offload:128K,dense-offload+reuse:128K}" ;;
     profile)
       bench profile --contexts "${PROFILE_CONTEXT:-128K}" --time-budget "${PROFILE_BUDGET:-420}" --time-limit 240 \
         --variants "${PROFILE_VARIANTS:-dense+plain+streamed+profile,dense-offload+profile}"

@@ -118,6 +118,28 @@ def test_layer_checkpointing_and_bf16_grad_pages():
     assert 0 < error <= 3e-2, f"bf16 grad pages: max relative error {error:.3g}"
 
 
+@pytest.mark.parametrize("mode,offload,checkpoint_layers", [("dense", False, False), ("dense", True, True),
+                                                            ("sparse", False, True), ("sparse", True, False)])
+def test_stage1_attention_reused_in_stage2_changes_no_gradient_bit(mode, offload, checkpoint_layers):
+    """Note [Stage 1's attention in stage 2]: stage 2 takes stage 1's attention outputs, plans and
+    reads no history in its forward, and the gradients are those of recomputing them."""
+    model = tiny_model("qwen2", seed=4, layers=3)
+    input_ids = torch.randint(0, VOCAB, (1, 150), generator=torch.Generator().manual_seed(6))
+    options = dict(chunk_tokens=32, page_tokens=16, mode=mode, top_k=3, query_tile_tokens=16, deterministic=True,
+                   offload=offload, checkpoint_layers=checkpoint_layers, history_block_tokens=32)
+    if offload:
+        options["gpu_budget_bytes"] = 8 * (2 << 20)   # pages travel (3 layers x 4 spaces of one frame)
+    loss_recomputed, recomputed, trainer = oomb_grads(model, input_ids, **options)
+    read_recomputing = trainer.stats["pages_read"]
+    loss_reused, reused, trainer = oomb_grads(model, input_ids, reuse_stage1_attention=True, **options)
+    assert loss_reused == loss_recomputed
+    for name in recomputed:
+        assert torch.equal(reused[name], recomputed[name]), f"{name} differs when stage 1's attention is reused"
+    assert trainer.stats["pages_read"] < read_recomputing   # stage 2's forward read no history
+    plan = trainer._stage2_plan(trainer._chunks(150), {"summaries": {}, "selections": {}, "stage1_outputs": {}})
+    assert plan and not any(access.phase == "forward" for access in plan)
+
+
 @pytest.mark.parametrize("mode", ["dense", "sparse"])
 def test_offload_changes_no_gradient_bit(mode):
     model = tiny_model("qwen2", seed=3, layers=3)

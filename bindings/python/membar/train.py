@@ -111,6 +111,10 @@ def _parse(argv):
                         help="dense attention: auto = cuDNN's fused kernels on Hopper GPUs where they apply, "
                              "membar = membar's paged kernels everywhere")
     parser.add_argument("--checkpoint-layers", action="store_true", help="recompute decoder layers in backward")
+    parser.add_argument("--reuse-stage1-attention", action="store_true",
+                        help="stage 2 takes stage 1's attention outputs instead of recomputing them: one attention "
+                             "forward less per layer and chunk, for ~hidden x 2 bytes per token and layer held "
+                             "between the stages (GPU, or host memory with --offload)")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--lr", type=float, default=1e-4)
     parser.add_argument("--optimizer", choices=["adamw", "logra"], default="adamw",
@@ -215,7 +219,8 @@ def _make_trainer(args, model, group=None, split_group=None):
                         query_tile_tokens=args.query_tile, offload=args.offload, grad_page_dtype=args.grad_dtype,
                         deterministic=args.deterministic, checkpoint_layers=args.checkpoint_layers,
                         history_block_tokens=args.history_block, dense_kernel=args.dense_kernel,
-                        gpu_resident_layers=resident, gpu_budget_bytes=args.gpu_budget)
+                        gpu_resident_layers=resident, gpu_budget_bytes=args.gpu_budget,
+                        reuse_stage1_attention=args.reuse_stage1_attention)
     socket = _socket(args)
     extra = (0, 0)
     if args.optimizer == "logra":   # LoGRA's states share the pages' runtime

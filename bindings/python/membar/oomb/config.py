@@ -44,6 +44,13 @@ class OOMBConfig:
         hf_attention.py). Default 64K: on an H200 at 256K (Qwen2.5-7B shape) blocks of 64K cost
         +1.8% against pages kept on the GPU, blocks of 16K +8.0% (more, smaller attention calls
         and merges), for 0.3 GiB more GPU memory.
+    reuse_stage1_attention: stage 2 takes each layer's attention output and log-sum-exp from stage 1
+        instead of computing them again over the history (Note [Stage 1's attention in stage 2] in
+        hf_attention.py): one attention forward less per layer and chunk, and no history read in
+        stage 2's forward, for the outputs of the whole sequence kept until stage 2 uses them
+        (hidden_size x dtype bytes + 4 x heads bytes per token and layer: ~7 KiB at the 7B shape,
+        51 GiB at 256K), on the GPU, or in pinned host memory with offload. Off by default (not yet
+        measured on a GPU).
     dense_kernel: "auto" (default): dense attention over consecutive pages runs on cuDNN's fused
         kernels (those torch's SDPA uses) on Hopper GPUs with bf16/fp16 models, unless deterministic
         is set (Note [cuDNN for dense history] in cudnn_attention.py); "membar": membar's paged
@@ -64,6 +71,7 @@ class OOMBConfig:
     loss_piece_tokens: int = 512
     checkpoint_layers: bool = False
     history_block_tokens: int | None = None
+    reuse_stage1_attention: bool = False
     dense_kernel: str = "auto"
     extra: dict = field(default_factory=dict)
 

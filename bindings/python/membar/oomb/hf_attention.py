@@ -71,6 +71,10 @@ class ChunkContext:
     selection_unions: dict = field(default_factory=dict)
     # Stage 2, this chunk only: layer -> (out, lse) of the first forward (see keep_attention_outputs).
     attention_outputs: dict = field(default_factory=dict)
+    # config.reuse_stage1_attention in a training step, shared across chunks: chunk -> {layer: (out,
+    # lse)} of stage 1, until stage 2's forward takes it (Note [Stage 1's attention in stage 2]);
+    # None where stage 1's outputs are not kept.
+    stage1_outputs: dict | None = None
     attended_layers: set = field(default_factory=set)
     # Head parallel: the group this rank's heads are split over (sparse selection sums its scores
     # over the group: Note [Page selection over split heads] in tensor_parallel.py), else None.
@@ -352,6 +356,12 @@ class _ChunkPagedAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, context: ChunkContext, layer: int, scale: float):
         selection = context.selections.get((layer, context.chunk))
         kept = context.attention_outputs.pop(layer, None) if layer in context.attended_layers else None
+        if kept is None and layer not in context.attended_layers:
+            kept = _stage1_output(context, layer, q.device)
+            if kept is not None:
+                if context.keep_attention_outputs:
+                    context.attention_outputs[layer] = kept
+                context.attended_layers.add(layer)
         if kept is not None:
             out, lse = kept
         else:
@@ -427,11 +437,51 @@ def _stage1_attention(context: ChunkContext, layer: int, q, k, v, scale: float):
             # this waits for the GPU (once per layer and chunk, sparse mode with offload only).
             selection = selection.cpu()
         context.selections[(layer, context.chunk)] = selection
-    out, _ = _forward(context, layer, "stage1", q, k, v, scale, selection)
+    out, lse = _forward(context, layer, "stage1", q, k, v, scale, selection)
+    if context.stage1_outputs is not None:
+        _keep_stage1_output(context, layer, out, lse)
     store.write_chunk(layer, context.first_page, k, v)
     if context.mode == "sparse" and context.later_chunks:
         _summarise_chunk(context, layer, k)
     return out
+
+
+# Note [Stage 1's attention in stage 2]
+#   Rationale: stage 2 recomputes each chunk's forward with grad, and its attention over the
+#   history is the same call on the same q, k, v and pages as stage 1's (the same selection in
+#   sparse mode): one of a dense step's 4.5 attention passes (stage 1 forward, stage 2 forward,
+#   a backward of ~2.5) computes what stage 1 already had, and with offload it reads the whole
+#   history through the GPU once more.
+#   Approach: with config.reuse_stage1_attention, stage 1 keeps each layer's (out, lse) per chunk
+#   (the model dtype and float32, on the GPU, or with offload copied behind the stream into pinned
+#   host memory, whatever the layer: GPU budgets are planned without them), and stage 2's forward
+#   takes it instead of calling attention; its
+#   plan names no forward history access. The backward is unchanged (it reads the history and the
+#   kept out and lse, as it would the recomputed ones), so gradients are those of the recompute
+#   wherever the kernels are deterministic, and equal to them within rounding elsewhere. An entry
+#   is dropped when stage 2 takes it or passes its chunk.
+#   Limitations: the outputs of the whole sequence are held between the stages (~7 KiB per token
+#   and layer at the 7B shape: 51 GiB at 256K); with offload their copies to and from the host run
+#   on the compute stream (~0.6 ms each way per layer and chunk at the 7B shape, not overlapped);
+#   not measured on a GPU yet, so off by default.
+
+
+def _keep_stage1_output(context: ChunkContext, layer: int, out: torch.Tensor, lse: torch.Tensor) -> None:
+    kept = (out, lse)
+    if context.config.offload and out.is_cuda:   # host memory for every layer: the GPU budget stays as planned
+        kept = tuple(torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True).copy_(tensor, non_blocking=True)
+                     for tensor in kept)
+    context.stage1_outputs.setdefault(context.chunk, {})[layer] = kept
+
+
+def _stage1_output(context: ChunkContext, layer: int, device: torch.device):
+    """Stage 1's (out, lse) of this layer and chunk on device, once, or None."""
+    if context.stage1_outputs is None:
+        return None
+    kept = context.stage1_outputs.get(context.chunk, {}).pop(layer, None)
+    if kept is None:
+        return None
+    return tuple(kernels.to_device(tensor, device) for tensor in kept)
 
 
 def _select_pages(context: ChunkContext, layer: int, q) -> torch.Tensor | None:

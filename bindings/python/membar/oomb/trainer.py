@@ -448,7 +448,8 @@ class OOMBTrainer:
             store=self.store, config=self.config, layers=self.layers, stage=stage, chunk=chunk, first_token=first,
             chunk_tokens=end - first, sequence_tokens=chunks[-1][1],
             summaries=shared["summaries"], selections=shared["selections"],
-            selection_unions=shared.setdefault("unions", {}), split_group=self.tensor_parallel_group)
+            selection_unions=shared.setdefault("unions", {}), stage1_outputs=shared.get("stage1_outputs"),
+            split_group=self.tensor_parallel_group)
 
     def _stage1_plan(self, chunks, shared) -> list[Access]:
         plan = []
@@ -469,7 +470,8 @@ class OOMBTrainer:
         for chunk in reversed(range(len(chunks))):
             context = self._context(2, chunk, chunks, shared)
             for layer in range(self.num_layers):
-                plan += context.history_accesses(layer, "forward")
+                if not self.config.reuse_stage1_attention:   # Note [Stage 1's attention in stage 2]
+                    plan += context.history_accesses(layer, "forward")
             for layer in reversed(range(self.num_layers)):
                 for access, grad_access in zip(context.history_accesses(layer, "backward"),
                                                context.history_accesses(layer, "backward", kind="dkv")):
@@ -511,7 +513,9 @@ class OOMBTrainer:
         count = len(chunks)
         # Position t predicts labels[t + 1]; the last position predicts nothing.
         targets = torch.cat([labels[1:], labels.new_full((1,), IGNORE_INDEX)])
-        shared = {"summaries": {}, "selections": {}}
+        shared = {"summaries": {}, "selections": {},
+                  # Note [Stage 1's attention in stage 2] in hf_attention.py
+                  "stage1_outputs": {} if self.config.reuse_stage1_attention else None}
         self.rotary.reset(self.device)
         self.store.open_sequence(self._layout(tokens))
         try:
@@ -547,6 +551,7 @@ class OOMBTrainer:
                             # its backward would add nothing anywhere.
                             del hidden
                             self.store.free_pages(first // page_tokens, -(-(end - first) // page_tokens))
+                            _drop_stage1_outputs(shared, chunk)
                             continue
                         # Later chunks left gradient in this chunk's K/V pages; carry it through
                         # with a zero loss that keeps the graph.
@@ -556,6 +561,7 @@ class OOMBTrainer:
                     (loss * scale).backward()
                     total += loss.detach().double() * scale
                 self.store.free_pages(first // page_tokens, -(-(end - first) // page_tokens))
+                _drop_stage1_outputs(shared, chunk)
                 if per_chunk is not None:
                     per_chunk["stage2"].append(lap())
                 if heartbeat:
@@ -564,6 +570,15 @@ class OOMBTrainer:
         finally:
             self.store.close_sequence()
             self.last_selections = shared["selections"]
+            if shared.get("stage1_outputs"):
+                shared["stage1_outputs"].clear()
+
+
+def _drop_stage1_outputs(shared: dict, chunk: int) -> None:
+    """Stage 1's kept attention outputs of a chunk that stage 2 has passed (Note [Stage 1's
+    attention in stage 2] in hf_attention.py)."""
+    if shared.get("stage1_outputs") is not None:
+        shared["stage1_outputs"].pop(chunk, None)
 
 
 class _Heartbeat:
