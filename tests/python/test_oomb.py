@@ -140,6 +140,24 @@ def test_stage1_attention_reused_in_stage2_changes_no_gradient_bit(mode, offload
     assert plan and not any(access.phase == "forward" for access in plan)
 
 
+def test_stage1_attention_reuse_without_room_is_one_sentence(monkeypatch):
+    """reuse_stage1_attention whose kept outputs exceed the memory they go to: a sentence before any work."""
+    from membar.oomb import config as config_module
+
+    model = tiny_model("qwen2", seed=4, layers=2)
+    trainer = OOMBTrainer(model, OOMBConfig(chunk_tokens=32, page_tokens=16, reuse_stage1_attention=True))
+    need = trainer.stage1_output_bytes(100)
+    layer = trainer.layers[0]
+    assert need == 100 * 2 * layer.num_q_heads * (layer.head_dim * 4 + 4)   # float32 out + lse, 2 layers
+    monkeypatch.setattr(config_module, "host_available_bytes", lambda: need)
+    input_ids = torch.randint(0, VOCAB, (1, 100), generator=torch.Generator().manual_seed(2))
+    with pytest.raises(ValueError, match="keeps stage 1's attention outputs of all 100 tokens"):
+        trainer.step(input_ids)
+    assert all(parameter.grad is None for parameter in model.parameters())
+    monkeypatch.setattr(config_module, "host_available_bytes", lambda: 2 * need)
+    trainer.step(input_ids)
+
+
 @pytest.mark.parametrize("mode", ["dense", "sparse"])
 def test_offload_changes_no_gradient_bit(mode):
     model = tiny_model("qwen2", seed=3, layers=3)
@@ -362,6 +380,26 @@ def test_gpu_offload_changes_no_gradient_bit(mode):
 
 @pytest.mark.gpu
 @gpu
+@pytest.mark.parametrize("offload", [False, True])
+def test_gpu_stage1_attention_reused_changes_no_gradient_bit(offload):
+    """CUDA, bf16, deterministic kernels: stage 2 taking stage 1's attention outputs (kept on the GPU,
+    or in pinned host memory with offload) gives the gradient bits of recomputing them."""
+    config = Qwen2Config(hidden_size=256, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4,
+                         head_dim=256, intermediate_size=512, vocab_size=VOCAB, max_position_embeddings=8192,
+                         attn_implementation="sdpa")
+    torch.manual_seed(10)
+    model = Qwen2ForCausalLM(config).cuda().to(torch.bfloat16)
+    input_ids = torch.randint(0, VOCAB, (1, 1500))
+    options = dict(chunk_tokens=256, page_tokens=64, deterministic=True, offload=offload,
+                   **({"gpu_budget_bytes": 28 << 20} if offload else {}))
+    _, recomputed, _ = oomb_grads(model, input_ids, **options)
+    _, reused, trainer = oomb_grads(model, input_ids, reuse_stage1_attention=True, **options)
+    for name in recomputed:
+        assert torch.equal(reused[name], recomputed[name]), name
+
+
+@pytest.mark.gpu
+@gpu
 @pytest.mark.parametrize("mode", ["dense", "sparse"])
 def test_gpu_streamed_history_matches_one_call(mode):
     """CUDA: offloaded layers streamed in blocks of 256 tokens (copy streams, prefetch, write-back
@@ -439,6 +477,18 @@ def test_cli_trains_and_prints_a_json_summary(capsys):
     assert any(line.startswith("attention: membar kernels") for line in printed)
     # Uniform random tokens: the loss stays near log(vocab) = 6.24 (nothing to learn in 3 steps).
     assert all(abs(step["loss"] - math.log(512)) < 0.5 for step in summary["steps"])
+
+
+def test_cli_reuse_stage1_attention_trains_the_same_steps(capsys):
+    """membar-train --reuse-stage1-attention: the same losses step after step as recomputing."""
+    from membar.train import run
+
+    common = ["--model", "tiny-qwen2", "--seq-len", "200", "--chunk", "64", "--page-tokens", "32", "--steps", "2",
+              "--lr", "1e-2", "--json", "--no-progress", "--offload", "--gpu-budget", "10MiB"]
+    recomputed, reused = (run(common + extra) for extra in ([], ["--reuse-stage1-attention"]))
+    capsys.readouterr()
+    assert reused["reuse_stage1_attention"] and not recomputed["reuse_stage1_attention"]
+    assert [step["loss"] for step in reused["steps"]] == [step["loss"] for step in recomputed["steps"]]
 
 
 @pytest.mark.parametrize("mode", ["dense", "sparse"])

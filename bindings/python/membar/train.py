@@ -674,6 +674,7 @@ def _start(args, model, device, dtype, trainer, tasks: _Tasks) -> dict:
               f"this rank holds {parameters / 1e6:.1f}M parameters", flush=True)
     summary = {"model": args.model, "device": str(device), "dtype": str(dtype), "seq_len": args.seq_len,
                "chunk": args.chunk, "page_tokens": args.page_tokens, "mode": args.mode, "offload": args.offload,
+               "reuse_stage1_attention": args.reuse_stage1_attention,
                "store": args.store, "data": args.data, "optimizer": args.optimizer,
                "parameters": parameters, "world_size": args.world_size, "tensor_parallel": args.tensor_parallel,
                "global_batch": args.batch * args.replicas, "steps": []}

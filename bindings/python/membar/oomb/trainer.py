@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from . import config as config_module
 from .config import OOMBConfig
 from .hf_attention import ATTENTION_NAME, NO_MASK, ChunkContext, chunk_context, current_context, register
 from . import cudnn_attention, kernels, models, tensor_parallel
@@ -505,6 +506,29 @@ class OOMBTrainer:
             total = part if total is None else total + part
         return total
 
+    def stage1_output_bytes(self, tokens: int) -> int:
+        """What reuse_stage1_attention holds between the stages for a sequence of this many tokens:
+        every layer's attention output (model dtype) and log-sum-exp (float32) of every token."""
+        return tokens * sum(layer.num_q_heads * (layer.head_dim * self.dtype.itemsize + 4) for layer in self.layers)
+
+    def _check_stage1_output_room(self, tokens: int) -> None:
+        """A sentence, before any work, where stage 1's kept attention outputs cannot fit (Note
+        [Stage 1's attention in stage 2] in hf_attention.py): the GPU's free memory, or host memory
+        with offload (or on a CPU)."""
+        need = self.stage1_output_bytes(tokens)
+        if self.device.type == "cuda" and not self.config.offload:
+            free, _ = torch.cuda.mem_get_info(self.device)
+            free += torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
+            where = "the GPU has"
+        else:
+            free, where = config_module.host_available_bytes(), "host memory has"
+        if free and need > 0.9 * free:
+            raise ValueError(
+                f"reuse_stage1_attention keeps stage 1's attention outputs of all {tokens} tokens until stage 2 "
+                f"({need / 2**30:.1f} GiB), but {where} {free / 2**30:.1f} GiB free: turn it off or shorten the "
+                f"sequence" + ("." if self.config.offload or self.device.type != "cuda"
+                               else ", or offload (they then go to host memory)."))
+
     def _sequence(self, input_ids, labels, scale: float, timings: dict, total: torch.Tensor,
                   last_sequence: bool = True) -> None:
         """Forward + backward of one sequence (host tensors [tokens]); adds its scaled loss to total."""
@@ -513,6 +537,8 @@ class OOMBTrainer:
         count = len(chunks)
         # Position t predicts labels[t + 1]; the last position predicts nothing.
         targets = torch.cat([labels[1:], labels.new_full((1,), IGNORE_INDEX)])
+        if self.config.reuse_stage1_attention:
+            self._check_stage1_output_room(tokens)
         shared = {"summaries": {}, "selections": {},
                   # Note [Stage 1's attention in stage 2] in hf_attention.py
                   "stage1_outputs": {} if self.config.reuse_stage1_attention else None}
