@@ -455,8 +455,9 @@ def _stage1_attention(context: ChunkContext, layer: int, q, k, v, scale: float):
 #   Approach: with config.reuse_stage1_attention, stage 1 keeps each layer's (out, lse) per chunk
 #   (the model dtype and float32, on the GPU, or with offload copied behind the stream into pinned
 #   host memory, whatever the layer: GPU budgets are planned without them), and stage 2's forward
-#   takes it instead of calling attention; its
-#   plan names no forward history access. The backward is unchanged (it reads the history and the
+#   takes it instead of calling attention; its plan names no forward history access. The
+#   trainer refuses, with a sentence before any work, a sequence whose outputs would not fit
+#   (OOMBTrainer.stage1_output_bytes). The backward is unchanged (it reads the history and the
 #   kept out and lse, as it would the recomputed ones), so gradients are those of the recompute
 #   wherever the kernels are deterministic, and equal to them within rounding elsewhere. An entry
 #   is dropped when stage 2 takes it or passes its chunk.
