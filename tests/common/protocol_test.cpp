@@ -524,6 +524,8 @@ RuntimeStats random_stats() {
     client.bytes_host_to_gpu = rng()();
     client.stall_ns = rng()();
     client.channel_bytes = rng()();
+    client.gpu_maps = rng()();
+    client.gpu_unmaps = rng()();
     stats.clients.push_back(client);
   }
   for (uint32_t s = 0; s < random_u32(0, 5); ++s) {
@@ -566,6 +568,8 @@ TEST(Stats, RoundTripsAndRejectsEveryTruncation) {
       EXPECT_EQ(decoded.value().clients[c].bytes_both, stats.clients[c].bytes_both);
       EXPECT_EQ(decoded.value().clients[c].bytes_host_to_gpu, stats.clients[c].bytes_host_to_gpu);
       EXPECT_EQ(decoded.value().clients[c].channel_bytes, stats.clients[c].channel_bytes);
+      EXPECT_EQ(decoded.value().clients[c].gpu_maps, stats.clients[c].gpu_maps);
+      EXPECT_EQ(decoded.value().clients[c].gpu_unmaps, stats.clients[c].gpu_unmaps);
     }
     ASSERT_EQ(decoded.value().spaces.size(), stats.spaces.size());
     for (size_t s = 0; s < stats.spaces.size(); ++s) {
