@@ -29,6 +29,15 @@ def newest(pattern: str) -> Path | None:
     return files[-1] if files else None
 
 
+def _save(fig, name: str) -> Path:
+    """Lays out, writes docs/img/NAME and closes the figure."""
+    fig.tight_layout()
+    out = IMG / name
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
 def plot_runtime(path: Path) -> Path:
     data = json.loads(path.read_text())
     rows = data["bandwidth"]
@@ -41,11 +50,7 @@ def plot_runtime(path: Path) -> Path:
     ax.set_ylabel("GB/s")
     ax.set_title(f"Page transfers through membard's CUDA backend vs raw copies, {data['machine']['gpu']}")
     ax.legend(loc="upper left")
-    fig.tight_layout()
-    out = IMG / "runtime_bandwidth.png"
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    return _save(fig, "runtime_bandwidth.png")
 
 
 def plot_attention(path: Path) -> Path:
@@ -63,11 +68,7 @@ def plot_attention(path: Path) -> Path:
     ax.set_ylim(0, None)
     ax.set_title("Paged attention, Qwen2.5-7B shape (28/4 heads, D=128), H200")
     ax.legend()
-    fig.tight_layout()
-    out = IMG / "attention_tflops.png"
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    return _save(fig, "attention_tflops.png")
 
 
 def plot_logra(path: Path) -> Path | None:
@@ -84,11 +85,7 @@ def plot_logra(path: Path) -> Path | None:
                 color=["#3465a4" if r["variant"].startswith("logra") else "#babdb6" for r in mine])
         ax.set_xlabel("peak GPU memory (GiB)")
         ax.set_title(f"one update, {model} shape, batch 4 x 2048")
-    fig.tight_layout()
-    out = IMG / "logra_memory.png"
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    return _save(fig, "logra_memory.png")
 
 
 def plot_oomb(path: Path) -> Path | None:
@@ -123,11 +120,7 @@ def plot_oomb(path: Path) -> Path | None:
     ax_mem.set_ylabel("peak GPU memory (GiB)")
     ax_time.set_ylabel("seconds per step (fwd + bwd)")
     fig.suptitle(f"Chunk-recurrent training vs full-sequence, {data.get('model')} shape, H200")
-    fig.tight_layout()
-    out = IMG / "oomb_memory_time.png"
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    return _save(fig, "oomb_memory_time.png")
 
 
 def _cli_rate(log: Path) -> float | None:
@@ -169,11 +162,7 @@ def plot_store_paths(folder: Path) -> Path | None:
         ax.set_ylabel("seconds per step (fwd + bwd)")
         ax.set_title("7B shape, 128K tokens, pages offloaded")
     fig.suptitle("Pages in membar's runtime on an H200: in-process or through the daemon")
-    fig.tight_layout()
-    out = IMG / "runtime_paths.png"
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    return _save(fig, "runtime_paths.png")
 
 
 def plot_device_order(order_json: Path) -> Path | None:
@@ -214,11 +203,7 @@ def plot_device_order(order_json: Path) -> Path | None:
     ax.set_ylabel("throughput vs pages in plain GPU tensors")
     ax.set_title("Embedded runtime with offload on an H200 (same-run ratios)")
     ax.legend(fontsize=7, loc="lower left")
-    fig.tight_layout()
-    out = IMG / "device_order.png"
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    return _save(fig, "device_order.png")
 
 
 def _progress(log: Path) -> list[tuple[float, int]]:
@@ -273,11 +258,7 @@ def plot_sparse_1m(newest_log: Path) -> Path | None:
     ax.set_ylabel("seconds per chunk")
     ax.set_title("One whole sparse step at 1M tokens through membard (7B shape, top-64, H200)")
     ax.legend(fontsize=8, loc="upper right")
-    fig.tight_layout()
-    out = IMG / "sparse_1m.png"
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    return _save(fig, "sparse_1m.png")
 
 
 def main() -> int:

@@ -358,17 +358,22 @@ def test_gpu_bf16_error_at_most_twice_full_sequence_bf16():
     assert oomb_error <= 2 * full_error
 
 
+def gpu_bf16_model(seed: int):
+    """A 3-layer bf16 Qwen2 on CUDA whose pages (64 tokens x 4 KV heads x 256 dims) are 128 KiB."""
+    config = Qwen2Config(hidden_size=256, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4,
+                         head_dim=256, intermediate_size=512, vocab_size=VOCAB, max_position_embeddings=8192,
+                         attn_implementation="sdpa")
+    torch.manual_seed(seed)
+    return Qwen2ForCausalLM(config).cuda().to(torch.bfloat16)
+
+
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("mode", ["dense", "sparse"])
 def test_gpu_offload_changes_no_gradient_bit(mode):
     # Pages of 64 tokens x 4 KV heads x 256 dims (128 KiB in bf16): 30 frames of pages in all,
     # against a GPU budget of 14 (+2 slack), so pages leave for host memory and come back.
-    config = Qwen2Config(hidden_size=256, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4,
-                         head_dim=256, intermediate_size=512, vocab_size=VOCAB, max_position_embeddings=8192,
-                         attn_implementation="sdpa")
-    torch.manual_seed(8)
-    model = Qwen2ForCausalLM(config).cuda().to(torch.bfloat16)
+    model = gpu_bf16_model(seed=8)
     input_ids = torch.randint(0, VOCAB, (1, 1500), device="cuda")
     options = dict(chunk_tokens=256, page_tokens=64, mode=mode, top_k=4, query_tile_tokens=64, deterministic=True)
     _, resident, _ = oomb_grads(model, input_ids, offload=False, **options)
@@ -384,16 +389,12 @@ def test_gpu_offload_changes_no_gradient_bit(mode):
 def test_gpu_stage1_attention_reused_changes_no_gradient_bit(offload):
     """CUDA, bf16, deterministic kernels: stage 2 taking stage 1's attention outputs (kept on the GPU,
     or in pinned host memory with offload) gives the gradient bits of recomputing them."""
-    config = Qwen2Config(hidden_size=256, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4,
-                         head_dim=256, intermediate_size=512, vocab_size=VOCAB, max_position_embeddings=8192,
-                         attn_implementation="sdpa")
-    torch.manual_seed(10)
-    model = Qwen2ForCausalLM(config).cuda().to(torch.bfloat16)
+    model = gpu_bf16_model(seed=10)
     input_ids = torch.randint(0, VOCAB, (1, 1500))
     options = dict(chunk_tokens=256, page_tokens=64, deterministic=True, offload=offload,
                    **({"gpu_budget_bytes": 28 << 20} if offload else {}))
     _, recomputed, _ = oomb_grads(model, input_ids, **options)
-    _, reused, trainer = oomb_grads(model, input_ids, reuse_stage1_attention=True, **options)
+    _, reused, _ = oomb_grads(model, input_ids, reuse_stage1_attention=True, **options)
     for name in recomputed:
         assert torch.equal(reused[name], recomputed[name]), name
 
@@ -404,11 +405,7 @@ def test_gpu_stage1_attention_reused_changes_no_gradient_bit(offload):
 def test_gpu_streamed_history_matches_one_call(mode):
     """CUDA: offloaded layers streamed in blocks of 256 tokens (copy streams, prefetch, write-back
     behind) give the gradients of the one-call path up to bf16 rounding of the per-block dq."""
-    config = Qwen2Config(hidden_size=256, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4,
-                         head_dim=256, intermediate_size=512, vocab_size=VOCAB, max_position_embeddings=8192,
-                         attn_implementation="sdpa")
-    torch.manual_seed(9)
-    model = Qwen2ForCausalLM(config).cuda().to(torch.bfloat16)
+    model = gpu_bf16_model(seed=9)
     input_ids = torch.randint(0, VOCAB, (1, 1500))
     options = dict(chunk_tokens=256, page_tokens=64, mode=mode, top_k=4, query_tile_tokens=64, deterministic=True)
     _, resident, _ = oomb_grads(model, input_ids, offload=False, **options)

@@ -355,20 +355,17 @@ class _ChunkPagedAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, context: ChunkContext, layer: int, scale: float):
         selection = context.selections.get((layer, context.chunk))
-        kept = context.attention_outputs.pop(layer, None) if layer in context.attended_layers else None
-        if kept is None and layer not in context.attended_layers:
-            kept = _stage1_output(context, layer, q.device)
-            if kept is not None:
-                if context.keep_attention_outputs:
-                    context.attention_outputs[layer] = kept
-                context.attended_layers.add(layer)
-        if kept is not None:
-            out, lse = kept
-        else:
-            out, lse = _forward(context, layer, "forward", q, k, v, scale, selection)
-            if context.keep_attention_outputs and layer not in context.attended_layers:
-                context.attention_outputs[layer] = (out, lse)
+        first = layer not in context.attended_layers
+        kept = None if first else context.attention_outputs.pop(layer, None)
+        if kept is None and first:
+            kept = _stage1_output(context, layer, q.device)   # Note [Stage 1's attention in stage 2]
+        if kept is None:
+            kept = _forward(context, layer, "forward", q, k, v, scale, selection)
+        if first:
+            if context.keep_attention_outputs:
+                context.attention_outputs[layer] = kept
             context.attended_layers.add(layer)
+        out, lse = kept
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.context, ctx.layer, ctx.scale = context, layer, scale
         return out
