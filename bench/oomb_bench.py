@@ -36,7 +36,9 @@ column); "+depth4" copies pages in 4 accesses ahead (default 2)
 and grows the default GPU budget with it; "+piece4096" computes the loss 4096 tokens at a time
 (default 512); "+blockwise" streams sparse selections block by block even where their pages fit
 one block's room (as before session 12); "+reuse" has stage 2 take stage 1's attention outputs (Note [Stage 1's attention in stage 2]);
-"+streamed" after "+plain" reads the plain tensors'
+"+displace8" lets a frame already mapped at a page's position serve it when its
+occupant is among the first 8 of MIN's eviction candidates (MEMBAR_DISPLACE_RANK, Note [Eviction order]:
+fewer GPU map calls for some extra copies); "+streamed" after "+plain" reads the plain tensors'
 history in blocks as offloaded pages are read (what the blocks cost without a copy or a wait);
 "+profile" records the timed step with torch.profiler and
 writes its busiest operations (self device time, calls) to profile-VARIANT-TOKENS.txt beside the
@@ -309,6 +311,13 @@ def run_one(model, spec: dict) -> dict:
             os.environ["MEMBAR_DEVICE_ORDER"] = "0"
         else:
             os.environ.pop("MEMBAR_DEVICE_ORDER", None)
+        # "+displace8": the engine's displace_rank (Note [Eviction order]): a frame already mapped at a
+        # page's position serves it when its occupant is among MIN's first 8 candidates.
+        displace = re.search(r"\+displace(\d+)", result["variant"])
+        if displace:
+            os.environ["MEMBAR_DISPLACE_RANK"] = displace.group(1)
+        else:
+            os.environ.pop("MEMBAR_DISPLACE_RANK", None)
         # "+timewaits": CUDA events around each GPU-side wait for pages (MEMBAR_TIME_STREAM_WAITS=1).
         if "+timewaits" in result["variant"]:
             os.environ["MEMBAR_TIME_STREAM_WAITS"] = "1"
@@ -381,7 +390,8 @@ def run_one(model, spec: dict) -> dict:
         if cuda:   # PyTorch's peak plus the runtime's GPU frames (not in PyTorch's allocator)
             result.update(peak_gpu_total_gib=stats["peak_gpu_bytes_total"] / 2**30)
         result.update(stall_seconds=stats["stall_seconds"], store_host_seconds=stats["store_host_seconds"],
-                      gpu_maps=stats["gpu_maps"])
+                      gpu_maps=stats["gpu_maps"], fence_waits=stats["fence_waits"],
+                      store_fence_wait_seconds=stats["store_fence_wait_seconds"])
         if "stream_wait_seconds" in stats:   # "+timewaits": the stream's GPU-side waits, timed
             result.update(stream_wait_seconds=stats["stream_wait_seconds"],
                           stream_wait_by_kind=stats.get("stream_wait_by_kind", {}))

@@ -13,6 +13,7 @@
 #pragma once
 
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <deque>
 #include <map>
@@ -297,7 +298,14 @@ R EngineImpl::with_client_waiting(ClientId id, Body&& body) {
       return Status(StatusCode::UNAVAILABLE, "client " + std::to_string(id) + " still waits for its stream to pass "
                                                  "release marker " + std::to_string(fence_wait->marker) + "; retry");
     }
+    auto started = std::chrono::steady_clock::now();
     Status waited = wait_for_marker(owner, fence_wait->marker);
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      ++owner->stats.fence_waits;
+      owner->stats.fence_wait_ns += uint64_t(
+          std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - started).count());
+    }
     if (!waited.ok()) return waited;
   }
 }

@@ -111,7 +111,17 @@ bool EngineImpl::may_displace(ClientState& client, const SpaceFrame& occupant, c
   uint64_t& fence = frame_of(Tier::kGpu, occupant.gpu).fence;
   if (fence != 0 && !fence_met(client, fence)) return false;
   Result<EvictionKey> victim = choose_victim(client, limit);
-  return victim.ok() && occupant.key.next_use >= victim.value().next_use;
+  if (!victim.ok()) return false;
+  if (occupant.key.next_use >= victim.value().next_use) return true;
+  // displace_rank: the occupant may go if it is among the first candidates of MIN's order (and,
+  // for a prefetch, not needed before the frame brought in: the scan stops where choose_victim's does).
+  uint32_t rank = 0;
+  for (const EvictionKey& key : client.eviction_set) {
+    if (rank++ >= config_.displace_rank) break;
+    if (limit != nullptr && (key.next_use <= limit->needed_at || key.next_use < limit->floor)) break;
+    if (key.space == occupant.key.space && key.frame == occupant.key.frame) return true;
+  }
+  return false;
 }
 
 // The victim in MIN's order (Note [Eviction order]), except that a frame whose release marker

@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Where a step's stream waited for pages: each "+timewaits" row of an oomb_bench.json, its waits
 per access kind and phase (stream_wait_by_kind), longest total first, and the host's time inside the
-store's runtime calls (store_host_seconds) where the row has it.
+store's runtime calls (store_host_seconds), GPU maps and the host's waits for the trainer's stream
+before a remap (fence waits) where the row has them. Rows without timed waits get their host line only.
 
     tools/waits_summary.py bench/results/.../oomb_bench.json
 """
@@ -15,12 +16,18 @@ def summary(path: str) -> list[str]:
     lines = []
     for row in json.load(open(path))["results"]:
         waits = row.get("stream_wait_by_kind")
-        if not waits:
-            continue
         step = row.get("step_seconds") or 0.0
         host = (f"; the host spent {row['store_host_seconds']:.2f} s in the store's runtime calls"
                 if "store_host_seconds" in row else "")
         host += f", {row['gpu_maps']} GPU frames mapped" if "gpu_maps" in row else ""
+        if "fence_waits" in row:
+            host += (f", {row['fence_waits']} fence waits ({row.get('store_fence_wait_seconds', 0.0):.2f} s)")
+        if "bytes_moved_gib" in row:
+            host += f", {row['bytes_moved_gib']:.1f} GiB moved"
+        if not waits:
+            if "store_host_seconds" in row and row.get("gpu_maps") is not None and row.get("bytes_moved_gib"):
+                lines.append(f"{row['variant']} at {row['tokens']} tokens: {step:.1f} s{host}")
+            continue
         lines.append(f"{row['variant']} at {row['tokens']} tokens: {step:.1f} s, the stream waited "
                      f"{row.get('stream_wait_seconds', 0.0):.2f} s{host}")
         for kind, entry in sorted(waits.items(), key=lambda item: -item[1]["seconds"]):

@@ -14,8 +14,10 @@ from membar.oomb import OOMBConfig, OOMBTrainer
 
 torch.manual_seed(0)
 device = "cuda" if torch.cuda.is_available() else "cpu"
+# bf16 on a GPU: the CUDA attention kernels take bfloat16 or float16 only.
 model = Qwen2ForCausalLM(Qwen2Config(hidden_size=512, num_hidden_layers=2, num_attention_heads=4,
-                                     num_key_value_heads=4, intermediate_size=256, vocab_size=97)).to(device)
+                                     num_key_value_heads=4, intermediate_size=256, vocab_size=97)).to(
+    device, torch.bfloat16 if device == "cuda" else torch.float32)
 tokens = int(sys.argv[1]) if len(sys.argv) > 1 else 16384
 ids = torch.randint(0, 97, (1, tokens))
 trainer = OOMBTrainer(model, OOMBConfig(chunk_tokens=1024, page_tokens=128, offload=True, history_block_tokens=2048))
@@ -26,4 +28,5 @@ for step in range(3):
     s = trainer.stats
     print(f"step {step}: {s['seconds']:.1f} s, {s['gpu_maps']} GPU maps for "
           f"{s['prefetch_hits'] + s['prefetch_misses']} placements, {s['bytes_moved'] / 2**30:.2f} GiB moved, "
-          f"{s['store_host_seconds']:.3f} s of host time in the store's runtime calls", flush=True)
+          f"{s['store_host_seconds']:.3f} s of host time in the store's runtime calls, "
+          f"{s['fence_waits']} fence waits ({s['store_fence_wait_seconds']:.3f} s)", flush=True)

@@ -144,6 +144,8 @@ std::string stats_json(const RuntimeStats& stats) {
     append_field(out, "stall_ns", c.stall_ns);
     append_field(out, "gpu_maps", c.gpu_maps);
     append_field(out, "gpu_unmaps", c.gpu_unmaps);
+    append_field(out, "fence_waits", c.fence_waits);
+    append_field(out, "fence_wait_ns", c.fence_wait_ns);
     out += "}";
   }
   out += "], \"spaces\": [";

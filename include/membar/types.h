@@ -88,6 +88,10 @@ struct ClientStats {
   // GPU frames mapped at / unmapped from a position of its spaces (Note [Remapping a position]:
   // streaming settles into frames already mapped where they serve, with no map calls).
   uint64_t gpu_maps = 0, gpu_unmaps = 0;
+  // Calls that waited on the host for the client's own stream to pass a release marker before a
+  // position could be remapped (Note [Remapping a position]), and the time they waited: host time
+  // in which the trainer enqueued no work.
+  uint64_t fence_waits = 0, fence_wait_ns = 0;
   uint64_t channel_bytes = 0;    // its channels (counted in its host quota)
 };
 

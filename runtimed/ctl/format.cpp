@@ -152,6 +152,7 @@ std::string format_stats_text(const std::vector<DeviceRuntimeStats>& devices, co
       out << "evictions: " << c.evictions << '\n';
       out << "gpu_maps: " << c.gpu_maps << '\n';
       out << "gpu_unmaps: " << c.gpu_unmaps << '\n';
+      out << "fence_waits: " << c.fence_waits << " (" << human_duration_ns(c.fence_wait_ns) << ")\n";
       out << "stall_ns: " << c.stall_ns << " (" << human_duration_ns(c.stall_ns) << ")\n";
     }
     for (const SpaceInfo& s : stats.spaces) {
@@ -203,7 +204,8 @@ std::string format_stats_json(const std::vector<DeviceRuntimeStats>& devices, co
           << ", \"bytes_gpu_to_host\": " << c.bytes_gpu_to_host << ", \"prefetch_hits\": " << c.prefetch_hits
           << ", \"prefetch_misses\": " << c.prefetch_misses << ", \"prefetch_hit_rate\": " << hit_rate(c)
           << ", \"evictions\": " << c.evictions << ", \"stall_ns\": " << c.stall_ns
-          << ", \"gpu_maps\": " << c.gpu_maps << ", \"gpu_unmaps\": " << c.gpu_unmaps << "}";
+          << ", \"gpu_maps\": " << c.gpu_maps << ", \"gpu_unmaps\": " << c.gpu_unmaps
+          << ", \"fence_waits\": " << c.fence_waits << ", \"fence_wait_ns\": " << c.fence_wait_ns << "}";
       first_entry = false;
     }
   }

@@ -526,6 +526,8 @@ RuntimeStats random_stats() {
     client.channel_bytes = rng()();
     client.gpu_maps = rng()();
     client.gpu_unmaps = rng()();
+    client.fence_waits = rng()();
+    client.fence_wait_ns = rng()();
     stats.clients.push_back(client);
   }
   for (uint32_t s = 0; s < random_u32(0, 5); ++s) {
@@ -570,6 +572,8 @@ TEST(Stats, RoundTripsAndRejectsEveryTruncation) {
       EXPECT_EQ(decoded.value().clients[c].channel_bytes, stats.clients[c].channel_bytes);
       EXPECT_EQ(decoded.value().clients[c].gpu_maps, stats.clients[c].gpu_maps);
       EXPECT_EQ(decoded.value().clients[c].gpu_unmaps, stats.clients[c].gpu_unmaps);
+      EXPECT_EQ(decoded.value().clients[c].fence_waits, stats.clients[c].fence_waits);
+      EXPECT_EQ(decoded.value().clients[c].fence_wait_ns, stats.clients[c].fence_wait_ns);
     }
     ASSERT_EQ(decoded.value().spaces.size(), stats.spaces.size());
     for (size_t s = 0; s < stats.spaces.size(); ++s) {

@@ -428,10 +428,12 @@ TEST(Engine, ASecondStreamingPassMakesNoNewMappings) {
 // The same with a schedule and its lookahead, set per pass as a chunk-recurrent trainer plans
 // its steps: once the first pass has mapped every position, later passes mostly reuse the
 // mappings (a chunk the pass does not use again ties with MIN's victim), and every load is a
-// prefetch. Returns the GPU map events of the passes after the first.
-int stream_with_schedule(bool schedule_per_pass, ClientStats* stats_out) {
+// prefetch. Returns the GPU map events of the passes after the first. `displace_rank`: the
+// engine's (Note [Eviction order]).
+int stream_with_schedule(bool schedule_per_pass, ClientStats* stats_out, uint32_t displace_rank = 0) {
   EngineConfig engine_config;
   engine_config.prefetch_lookahead_steps = 2;
+  engine_config.displace_rank = displace_rank;
   auto engine = make_engine(8, 32, engine_config);
   ClientConfig config;
   config.gpu_quota_bytes = 6 * kFrameBytes;
@@ -481,6 +483,20 @@ TEST(Engine, ScheduledStreamingReusesMappings) {
               "passes (loads %llu vs %llu MiB)\n",
               remaps, whole_remaps, (unsigned long long)(per_pass.bytes_host_to_gpu >> 20),
               (unsigned long long)(whole.bytes_host_to_gpu >> 20));
+}
+
+// displace_rank: through one schedule over every pass, a frame among MIN's first candidates that is
+// mapped where the next chunk goes serves it, so the later passes remap fewer positions than under
+// MIN's rule alone, for some extra loads; every chunk still holds its own bytes (stream_with_schedule
+// checks each one's pattern on every pass).
+TEST(Engine, DisplaceRankRemapsFewerPositions) {
+  ClientStats min_rule, displaced;
+  int min_maps = stream_with_schedule(/*schedule_per_pass=*/false, &min_rule);
+  int displaced_maps = stream_with_schedule(/*schedule_per_pass=*/false, &displaced, /*displace_rank=*/6);
+  EXPECT_LT(displaced_maps, min_maps);
+  std::printf("maps in passes 2-3: %d with MIN's rule, %d with displace_rank 6 (loads %llu vs %llu MiB)\n", min_maps,
+              displaced_maps, (unsigned long long)(min_rule.bytes_host_to_gpu >> 20),
+              (unsigned long long)(displaced.bytes_host_to_gpu >> 20));
 }
 
 // A freed page acquired again with zero-fill is zeroed in the GPU frame, which makes the GPU copy
@@ -1028,6 +1044,45 @@ TEST(Engine, DeviceOrderedStreamingThroughTwoFramesKeepsEveryPage) {
   for (uint32_t p = 0; p < kPages; ++p) EXPECT_TRUE(check_pattern(host + p * k2M, k2M, 2000 + p)) << "page " << p;
   ASSERT_TRUE(engine->release_host(id, {space, 0, kPages}, false).ok());
   EXPECT_GT(client->stats().bytes_gpu_to_host, 20 * k2M);
+}
+
+// Note [Remapping a position]: placing a page at a position whose old mapping the client's kernels
+// may still read (its release marker not yet passed) waits on the host for the marker before the
+// position is remapped; the client's stats count that wait and its time (fence_waits,
+// fence_wait_ns: host time in which a trainer enqueues nothing).
+TEST(Engine, FenceWaitsBeforeARemapAreCountedWithTheirTime) {
+  auto engine = make_engine(4, 8);
+  ClientConfig config;
+  config.gpu_quota_bytes = 2 * kFrameBytes;
+  auto client = MappedClient::open(*engine, config);
+  ClientId id = client->id;
+  ReleasedWord released(*engine, id);
+  SpaceId space = client->space("L00.k", k2M, 3);
+  char* pages = client->acquire({space, 0, 2}, kEngineAcquireWrite | kEngineAcquireZeroNew);
+  ASSERT_NE(pages, nullptr);
+  fill_pattern(pages, 2 * k2M, 40);
+  ASSERT_TRUE(engine->release_after(id, {space, 0, 2}, true, 1).ok());   // the "kernels" still read them
+  ASSERT_TRUE(engine->offload(id, {space, 0, 2}).ok());                  // both frames idle, still mapped
+  // Page 2 takes one of the idle frames (pinned: nobody may displace it); page 0 then needs the
+  // other frame at its own position, which still maps the first until the stream passes marker 1.
+  auto page2 = retrying([&] { return engine->acquire(id, {space, 2, 1}, kEngineAcquireWrite | kEngineAcquireZeroNew); });
+  ASSERT_TRUE(page2.ok()) << page2.status().to_string();
+  EXPECT_EQ(client->stats().fence_waits, 0u);
+  std::thread stream([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    released.set(1);
+  });
+  auto page0 = retrying([&] { return engine->acquire(id, {space, 0, 1}, 0); });
+  stream.join();
+  ASSERT_TRUE(page0.ok()) << page0.status().to_string();
+  ASSERT_TRUE(engine->wait(id, page0.value()).ok());
+  ASSERT_TRUE(engine->wait(id, page2.value()).ok());
+  EXPECT_TRUE(check_pattern(client->page(Tier::kGpu, space, 0), k2M, 40)) << "page 0 lost its bytes";
+  ClientStats stats = client->stats();
+  EXPECT_GE(stats.fence_waits, 1u);
+  EXPECT_GE(stats.fence_wait_ns, 50'000'000u) << "the wait for marker 1 took ~100 ms";
+  ASSERT_TRUE(engine->release(id, {space, 0, 1}, false).ok());
+  ASSERT_TRUE(engine->release(id, {space, 2, 1}, false).ok());
 }
 
 // Note [Counters]: stats cost O(spaces reported), come in pages, and add up.

@@ -223,20 +223,27 @@ def test_hybrid_through_membard_plans_against_the_daemons_pools(tmp_path, membar
 
 def test_waits_summary_lists_each_timed_row_by_kind_longest_first(tmp_path):
     """tools/waits_summary.py (the waits256 session step): a "+timewaits" row's waits per access kind
-    and phase, the longest total first; rows without timed waits are left out."""
+    and phase, the longest total first; a row without timed waits gets its host line only where pages
+    moved (the runtime's host time, maps and fence waits), and plain-tensor rows are left out."""
     spec = importlib.util.spec_from_file_location("waits_summary", REPO / "tools" / "waits_summary.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     path = tmp_path / "oomb_bench.json"
     path.write_text(json.dumps({"results": [
-        {"variant": "dense+plain", "tokens": 262144, "step_seconds": 151.2},
+        {"variant": "dense+plain", "tokens": 262144, "step_seconds": 151.2, "store_host_seconds": 0.0,
+         "gpu_maps": 0, "bytes_moved_gib": 0.0},
+        {"variant": "dense-offload+displace8", "tokens": 262144, "step_seconds": 155.0, "store_host_seconds": 20.0,
+         "gpu_maps": 1000, "fence_waits": 12, "store_fence_wait_seconds": 0.5, "bytes_moved_gib": 2900.0},
         {"variant": "dense-offload+timewaits", "tokens": 262144, "step_seconds": 160.0, "stream_wait_seconds": 9.0,
          "stream_wait_by_kind": {"kv:forward": {"seconds": 1.5, "waits": 10, "longest_ms": 3.0},
                                  "dkv:backward": {"seconds": 7.5, "waits": 20, "longest_ms": 40.0}}}]}))
     lines = module.summary(str(path))
-    assert len(lines) == 3 and lines[0].startswith("dense-offload+timewaits at 262144 tokens: 160.0 s")
-    assert "dkv:backward" in lines[1] and "7.50 s in      20 waits, longest 40.0 ms" in lines[1]
-    assert "kv:forward" in lines[2]
+    assert len(lines) == 4, lines
+    assert lines[0] == ("dense-offload+displace8 at 262144 tokens: 155.0 s; the host spent 20.00 s in the store's "
+                        "runtime calls, 1000 GPU frames mapped, 12 fence waits (0.50 s), 2900.0 GiB moved")
+    assert lines[1].startswith("dense-offload+timewaits at 262144 tokens: 160.0 s")
+    assert "dkv:backward" in lines[2] and "7.50 s in      20 waits, longest 40.0 ms" in lines[2]
+    assert "kv:forward" in lines[3]
 
 
 def test_trace_streams_finds_the_compute_stream_s_idle_gaps(tmp_path):

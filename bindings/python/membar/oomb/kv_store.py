@@ -105,6 +105,8 @@ class StoreStats:
     pages_read: int = 0          # history pages the attention acquired (K and V each counted)
     host_ns: int = 0             # the trainer's host time inside the store's runtime calls
     gpu_maps: int = 0            # GPU frames mapped at a new position (Note [Remapping a position])
+    fence_waits: int = 0         # runtime calls that waited on the host for the trainer's stream to pass
+    fence_wait_ns: int = 0       # a release marker before remapping a position (part of host_ns)
     pages_live: dict = field(default_factory=lambda: {"current": 0, "peak": 0, "allocated": 0, "freed": 0})
 
     def pages_allocated(self, count: int) -> None:
@@ -126,6 +128,7 @@ class StoreStats:
             "host_pool_bytes": self.host_pool_bytes, "device_pool_bytes": self.device_pool_bytes,
             "stall_ns": self.stall_ns, "stream_wait_ns": self.stream_wait_ns, "pages_read": self.pages_read,
             "host_ns": self.host_ns, "gpu_maps": self.gpu_maps,
+            "fence_waits": self.fence_waits, "fence_wait_ns": self.fence_wait_ns,
             "stream_wait_by_kind": {label: list(entry) for label, entry in self.stream_wait_by_kind.items()},
             "pages_live": dict(self.pages_live),
         }

@@ -554,6 +554,8 @@ class RuntimeKVStore(KVStore):
         stats.prefetch_hits = int(client.get("prefetch_hits", 0))
         stats.prefetch_misses = int(client.get("prefetch_misses", 0))
         stats.gpu_maps = int(client.get("gpu_maps", 0))
+        stats.fence_waits = int(client.get("fence_waits", 0))
+        stats.fence_wait_ns = int(client.get("fence_wait_ns", 0))
         stats.host_pool_bytes = int(client["host_frames"]["peak"]) * _FRAME
         stats.device_pool_bytes = int(client["gpu_frames"]["peak"]) * _FRAME
         # The runtime's stall time holds the host's waits and the stream waits reported to it.

@@ -72,6 +72,11 @@ struct EngineConfig {
   // the backend can. For an engine of one client (embedded in a trainer): a client's stream that
   // never reaches its marker would hold up every client's copies.
   bool order_on_device = false;
+  // Placing a space frame takes the GPU frame already mapped at its position when that frame's
+  // occupant is among the first `displace_rank` frames of MIN's eviction order, not only when it
+  // ties MIN's victim (0, the default): fewer map calls for some extra loads (Note [Eviction
+  // order]; measured by bench/probes/maps_probe.py and tools/h200_session.sh displace).
+  uint32_t displace_rank = 0;
   // Where the engine says what an operator must know and no caller is there to hear (a frame or
   // slab lost because its renewal failed for good): membard logs it. Called with the engine's
   // lock held: it must not call back into the engine.
