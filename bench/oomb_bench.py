@@ -391,7 +391,8 @@ def run_one(model, spec: dict) -> dict:
             result.update(peak_gpu_total_gib=stats["peak_gpu_bytes_total"] / 2**30)
         result.update(stall_seconds=stats["stall_seconds"], store_host_seconds=stats["store_host_seconds"],
                       gpu_maps=stats["gpu_maps"], fence_waits=stats["fence_waits"],
-                      store_fence_wait_seconds=stats["store_fence_wait_seconds"])
+                      store_fence_wait_seconds=stats["store_fence_wait_seconds"],
+                      store_call_seconds=stats["store_call_seconds"])
         if "stream_wait_seconds" in stats:   # "+timewaits": the stream's GPU-side waits, timed
             result.update(stream_wait_seconds=stats["stream_wait_seconds"],
                           stream_wait_by_kind=stats.get("stream_wait_by_kind", {}))

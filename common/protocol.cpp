@@ -706,7 +706,8 @@ std::vector<uint8_t> encode_stats(const RuntimeStats& stats) {
     w.write<uint32_t>(c.spaces);
     for (uint64_t v : {c.bytes_gpu, c.bytes_host, c.bytes_both, c.bytes_none, c.bytes_host_to_gpu, c.bytes_gpu_to_host,
                        c.prefetch_hits, c.prefetch_misses, c.evictions, c.stall_ns, c.channel_bytes, c.gpu_maps,
-                       c.gpu_unmaps, c.fence_waits, c.fence_wait_ns}) {
+                       c.gpu_unmaps, c.fence_waits, c.fence_wait_ns, c.call_lock_wait_ns, c.call_locked_ns,
+                       c.call_enqueue_ns, c.call_deliver_ns}) {
       w.write<uint64_t>(v);
     }
   }
@@ -747,7 +748,7 @@ Result<RuntimeStats> decode_stats(std::span<const uint8_t> payload) {
     stats.tiers.push_back(tier);
   }
   uint32_t client_count = r.read<uint32_t>();
-  constexpr uint64_t kMinClientBytes = 4 + 4 + 4 + 4 + 16 + 2 * kStatBytes + 4 + 15 * 8;
+  constexpr uint64_t kMinClientBytes = 4 + 4 + 4 + 4 + 16 + 2 * kStatBytes + 4 + 19 * 8;
   if (!r.can_hold(client_count, kMinClientBytes)) return invalid_argument("stats payload: client count exceeds the payload");
   for (uint32_t i = 0; i < client_count; ++i) {
     ClientStats c;
@@ -762,7 +763,8 @@ Result<RuntimeStats> decode_stats(std::span<const uint8_t> payload) {
     c.spaces = r.read<uint32_t>();
     for (uint64_t* v : {&c.bytes_gpu, &c.bytes_host, &c.bytes_both, &c.bytes_none, &c.bytes_host_to_gpu,
                         &c.bytes_gpu_to_host, &c.prefetch_hits, &c.prefetch_misses, &c.evictions, &c.stall_ns,
-                        &c.channel_bytes, &c.gpu_maps, &c.gpu_unmaps, &c.fence_waits, &c.fence_wait_ns}) {
+                        &c.channel_bytes, &c.gpu_maps, &c.gpu_unmaps, &c.fence_waits, &c.fence_wait_ns,
+                        &c.call_lock_wait_ns, &c.call_locked_ns, &c.call_enqueue_ns, &c.call_deliver_ns}) {
       *v = r.read<uint64_t>();
     }
     if (!r.ok()) return invalid_argument("stats payload: client entry truncated");

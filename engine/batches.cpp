@@ -345,6 +345,7 @@ void EngineImpl::submit_one(uint64_t id, std::vector<uint64_t>& ready) {
   batch.outstanding_callbacks =
       uint32_t((batch.copies.empty() && !empty_but_ordered ? 0 : 1) + batch.zeros.size());
   uint32_t failed = 0;
+  auto enqueueing = std::chrono::steady_clock::now();
   if (!batch.copies.empty() || empty_but_ordered) {
     Status status = backend_->enqueue_copies(batch.copies, completion_callback(id), order);
     if (!status.ok()) {
@@ -361,6 +362,9 @@ void EngineImpl::submit_one(uint64_t id, std::vector<uint64_t>& ready) {
     }
   }
   batch.outstanding_callbacks -= failed;
+  if (auto owner = clients_.find(batch.client); owner != clients_.end()) {
+    owner->second->stats.call_enqueue_ns += elapsed_ns(enqueueing, std::chrono::steady_clock::now());
+  }
   // Dependents waiting only for this batch to be enqueued may follow it now (device order).
   std::vector<uint64_t> followers;
   followers.swap(batch.submission_dependents);

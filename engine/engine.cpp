@@ -1077,11 +1077,13 @@ Result<RuntimeStats> EngineImpl::stats(ClientId id, uint32_t first_space, uint32
   if (id == 0) {
     for (const auto& [client_id, client] : clients_) {
       answer.clients.push_back(client->stats);
+      answer.clients.back().call_deliver_ns = client->deliver_ns.load(std::memory_order_relaxed);
       add_spaces(*client, index);
     }
   } else {
     MEMBAR_ASSIGN_OR_RETURN(ClientState * client, find_client(id));
     answer.clients.push_back(client->stats);
+    answer.clients.back().call_deliver_ns = client->deliver_ns.load(std::memory_order_relaxed);
     add_spaces(*client, index);
   }
   answer.first_space = first_space;

@@ -271,6 +271,10 @@ class EngineImpl final : public Engine {
 
 // ---- Template definitions ---------------------------------------------------------------------
 
+inline uint64_t elapsed_ns(std::chrono::steady_clock::time_point from, std::chrono::steady_clock::time_point to) {
+  return uint64_t(std::chrono::duration_cast<std::chrono::nanoseconds>(to - from).count());
+}
+
 template <typename R, typename Body>
 R EngineImpl::with_client(ClientId id, Body&& body) {
   return with_client_waiting<R>(id, [&](ClientState& client, std::optional<FenceWait>&) { return body(client); });
@@ -282,17 +286,23 @@ R EngineImpl::with_client_waiting(ClientId id, Body&& body) {
     std::optional<FenceWait> fence_wait;
     std::shared_ptr<ClientState> owner;
     std::vector<std::shared_ptr<ClientState>> others;
+    auto called = std::chrono::steady_clock::now();
     R result = [&]() -> R {
       std::lock_guard<std::mutex> lock(mutex_);
+      auto locked = std::chrono::steady_clock::now();
       auto found = find_client_shared(id);
       if (!found.ok()) return found.status();
       owner = std::move(found).value();
       R answer = body(*owner, fence_wait);
       others.swap(deliveries_due_);
+      owner->stats.call_lock_wait_ns += elapsed_ns(called, locked);
+      owner->stats.call_locked_ns += elapsed_ns(locked, std::chrono::steady_clock::now());
       return answer;
     }();
+    auto delivering = std::chrono::steady_clock::now();
     if (owner) deliver_events(owner);
     for (const auto& other : others) deliver_events(other);
+    if (owner) owner->deliver_ns.fetch_add(elapsed_ns(delivering, std::chrono::steady_clock::now()), std::memory_order_relaxed);
     if (!fence_wait.has_value()) return result;
     if (attempt >= 64) {   // the body undid its work: a placeholder result must not pass for success
       return Status(StatusCode::UNAVAILABLE, "client " + std::to_string(id) + " still waits for its stream to pass "
@@ -303,8 +313,7 @@ R EngineImpl::with_client_waiting(ClientId id, Body&& body) {
     {
       std::lock_guard<std::mutex> lock(mutex_);
       ++owner->stats.fence_waits;
-      owner->stats.fence_wait_ns += uint64_t(
-          std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - started).count());
+      owner->stats.fence_wait_ns += elapsed_ns(started, std::chrono::steady_clock::now());
     }
     if (!waited.ok()) return waited;
   }

@@ -4,6 +4,7 @@
 // in frames.cpp.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <deque>
 #include <functional>
@@ -240,6 +241,8 @@ struct ClientState {
   std::set<EvictionKey, EvictionOrder> eviction_set;
 
   ClientStats stats;
+  // Time delivering its calls' events (outside the engine lock; copied into stats.call_deliver_ns).
+  std::atomic<uint64_t> deliver_ns{0};
 
   std::deque<ClientEvent> events_queue;  // guarded by the engine mutex
   std::mutex delivery_mutex;             // one deliverer at a time, in order

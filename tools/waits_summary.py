@@ -24,6 +24,10 @@ def summary(path: str) -> list[str]:
             host += (f", {row['fence_waits']} fence waits ({row.get('store_fence_wait_seconds', 0.0):.2f} s)")
         if "bytes_moved_gib" in row:
             host += f", {row['bytes_moved_gib']:.1f} GiB moved"
+        calls = row.get("store_call_seconds")
+        if calls and any(calls.values()):
+            host += (f"; runtime calls: lock wait {calls['lock_wait']:.2f} s, locked {calls['locked']:.2f} s "
+                     f"(enqueue {calls['enqueue']:.2f} s), deliver {calls['deliver']:.2f} s")
         if not waits:
             if "store_host_seconds" in row and row.get("gpu_maps") is not None and row.get("bytes_moved_gib"):
                 lines.append(f"{row['variant']} at {row['tokens']} tokens: {step:.1f} s{host}")

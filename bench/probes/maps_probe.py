@@ -29,4 +29,5 @@ for step in range(3):
     print(f"step {step}: {s['seconds']:.1f} s, {s['gpu_maps']} GPU maps for "
           f"{s['prefetch_hits'] + s['prefetch_misses']} placements, {s['bytes_moved'] / 2**30:.2f} GiB moved, "
           f"{s['store_host_seconds']:.3f} s of host time in the store's runtime calls, "
-          f"{s['fence_waits']} fence waits ({s['store_fence_wait_seconds']:.3f} s)", flush=True)
+          f"{s['fence_waits']} fence waits ({s['store_fence_wait_seconds']:.3f} s); runtime calls "
+          + ", ".join(f"{part} {seconds:.3f} s" for part, seconds in s['store_call_seconds'].items()), flush=True)

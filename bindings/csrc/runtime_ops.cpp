@@ -146,6 +146,10 @@ std::string stats_json(const RuntimeStats& stats) {
     append_field(out, "gpu_unmaps", c.gpu_unmaps);
     append_field(out, "fence_waits", c.fence_waits);
     append_field(out, "fence_wait_ns", c.fence_wait_ns);
+    append_field(out, "call_lock_wait_ns", c.call_lock_wait_ns);
+    append_field(out, "call_locked_ns", c.call_locked_ns);
+    append_field(out, "call_enqueue_ns", c.call_enqueue_ns);
+    append_field(out, "call_deliver_ns", c.call_deliver_ns);
     out += "}";
   }
   out += "], \"spaces\": [";

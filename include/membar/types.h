@@ -92,6 +92,12 @@ struct ClientStats {
   // position could be remapped (Note [Remapping a position]), and the time they waited: host time
   // in which the trainer enqueued no work.
   uint64_t fence_waits = 0, fence_wait_ns = 0;
+  // Where the client's calls spent their time in the runtime (the embedded engine: the trainer's
+  // own thread; membard: the daemon's): waiting for the engine's lock, holding it (page tables,
+  // eviction, copy planning), handing its copies to the backend (cudaMemcpyAsync and its events;
+  // mostly inside the locked time, on the dispatcher's thread for batches held for a marker), and
+  // delivering the calls' events (for an embedded CUDA client: its map calls).
+  uint64_t call_lock_wait_ns = 0, call_locked_ns = 0, call_enqueue_ns = 0, call_deliver_ns = 0;
   uint64_t channel_bytes = 0;    // its channels (counted in its host quota)
 };
 

@@ -153,6 +153,9 @@ std::string format_stats_text(const std::vector<DeviceRuntimeStats>& devices, co
       out << "gpu_maps: " << c.gpu_maps << '\n';
       out << "gpu_unmaps: " << c.gpu_unmaps << '\n';
       out << "fence_waits: " << c.fence_waits << " (" << human_duration_ns(c.fence_wait_ns) << ")\n";
+      out << "call_time: lock wait " << human_duration_ns(c.call_lock_wait_ns) << ", locked "
+          << human_duration_ns(c.call_locked_ns) << " (enqueue " << human_duration_ns(c.call_enqueue_ns)
+          << "), deliver " << human_duration_ns(c.call_deliver_ns) << '\n';
       out << "stall_ns: " << c.stall_ns << " (" << human_duration_ns(c.stall_ns) << ")\n";
     }
     for (const SpaceInfo& s : stats.spaces) {
@@ -205,7 +208,9 @@ std::string format_stats_json(const std::vector<DeviceRuntimeStats>& devices, co
           << ", \"prefetch_misses\": " << c.prefetch_misses << ", \"prefetch_hit_rate\": " << hit_rate(c)
           << ", \"evictions\": " << c.evictions << ", \"stall_ns\": " << c.stall_ns
           << ", \"gpu_maps\": " << c.gpu_maps << ", \"gpu_unmaps\": " << c.gpu_unmaps
-          << ", \"fence_waits\": " << c.fence_waits << ", \"fence_wait_ns\": " << c.fence_wait_ns << "}";
+          << ", \"fence_waits\": " << c.fence_waits << ", \"fence_wait_ns\": " << c.fence_wait_ns
+          << ", \"call_lock_wait_ns\": " << c.call_lock_wait_ns << ", \"call_locked_ns\": " << c.call_locked_ns
+          << ", \"call_enqueue_ns\": " << c.call_enqueue_ns << ", \"call_deliver_ns\": " << c.call_deliver_ns << "}";
       first_entry = false;
     }
   }

@@ -528,6 +528,10 @@ RuntimeStats random_stats() {
     client.gpu_unmaps = rng()();
     client.fence_waits = rng()();
     client.fence_wait_ns = rng()();
+    client.call_lock_wait_ns = rng()();
+    client.call_locked_ns = rng()();
+    client.call_enqueue_ns = rng()();
+    client.call_deliver_ns = rng()();
     stats.clients.push_back(client);
   }
   for (uint32_t s = 0; s < random_u32(0, 5); ++s) {
@@ -574,6 +578,10 @@ TEST(Stats, RoundTripsAndRejectsEveryTruncation) {
       EXPECT_EQ(decoded.value().clients[c].gpu_unmaps, stats.clients[c].gpu_unmaps);
       EXPECT_EQ(decoded.value().clients[c].fence_waits, stats.clients[c].fence_waits);
       EXPECT_EQ(decoded.value().clients[c].fence_wait_ns, stats.clients[c].fence_wait_ns);
+      EXPECT_EQ(decoded.value().clients[c].call_lock_wait_ns, stats.clients[c].call_lock_wait_ns);
+      EXPECT_EQ(decoded.value().clients[c].call_locked_ns, stats.clients[c].call_locked_ns);
+      EXPECT_EQ(decoded.value().clients[c].call_enqueue_ns, stats.clients[c].call_enqueue_ns);
+      EXPECT_EQ(decoded.value().clients[c].call_deliver_ns, stats.clients[c].call_deliver_ns);
     }
     ASSERT_EQ(decoded.value().spaces.size(), stats.spaces.size());
     for (size_t s = 0; s < stats.spaces.size(); ++s) {

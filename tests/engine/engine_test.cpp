@@ -1049,8 +1049,9 @@ TEST(Engine, DeviceOrderedStreamingThroughTwoFramesKeepsEveryPage) {
 // Note [Remapping a position]: placing a page at a position whose old mapping the client's kernels
 // may still read (its release marker not yet passed) waits on the host for the marker before the
 // position is remapped; the client's stats count that wait and its time (fence_waits,
-// fence_wait_ns: host time in which a trainer enqueues nothing).
-TEST(Engine, FenceWaitsBeforeARemapAreCountedWithTheirTime) {
+// fence_wait_ns: host time in which a trainer enqueues nothing), and where its calls spent their
+// time (call_*_ns: holding the engine's lock, handing copies to the backend, delivering map events).
+TEST(Engine, FenceWaitsAndCallTimesAreCounted) {
   auto engine = make_engine(4, 8);
   ClientConfig config;
   config.gpu_quota_bytes = 2 * kFrameBytes;
@@ -1081,6 +1082,10 @@ TEST(Engine, FenceWaitsBeforeARemapAreCountedWithTheirTime) {
   ClientStats stats = client->stats();
   EXPECT_GE(stats.fence_waits, 1u);
   EXPECT_GE(stats.fence_wait_ns, 50'000'000u) << "the wait for marker 1 took ~100 ms";
+  EXPECT_GT(stats.call_locked_ns, 0u);
+  EXPECT_GT(stats.call_enqueue_ns, 0u) << "the offload's and page 0's copies were handed to the backend";
+  EXPECT_GT(stats.call_deliver_ns, 0u) << "the maps of pages 0-2 were delivered";
+  EXPECT_LT(stats.call_locked_ns, stats.fence_wait_ns) << "the fence wait holds no lock";
   ASSERT_TRUE(engine->release(id, {space, 0, 1}, false).ok());
   ASSERT_TRUE(engine->release(id, {space, 2, 1}, false).ok());
 }

@@ -561,7 +561,7 @@ TEST_F(DaemonTest, MembarctlAndPrometheusReportFramesClientsAndSpaces) {
                                "# Client", "name: trainer-a", "bytes_gpu: 1048576 (1 MiB)",
                                "bytes_host: 2097152 (2 MiB)", "bytes_gpu_to_host: 2097152 (2 MiB)",
                                "channel_bytes: 4194304 (4 MiB)", "prefetch_hit_rate:", "stall_ns:", "gpu_maps:",
-                               "fence_waits: 0 (0 ns)", "# Space",
+                               "fence_waits: 0 (0 ns)", "call_time: lock wait ", "# Space",
                                "name: L07.k", "page_bytes: 98304 (96 KiB)", "bytes: 3145728 (3 MiB)", "bytes_both: 0",
                                "bytes_dirty: 1048576 (1 MiB)", "bytes_pinned: 0"}) {
     EXPECT_NE(text.find(expected), std::string::npos) << "missing '" << expected << "' in\n" << text;
@@ -572,7 +572,7 @@ TEST_F(DaemonTest, MembarctlAndPrometheusReportFramesClientsAndSpaces) {
   EXPECT_NE(json.find("\"bytes_gpu_to_host\": 2097152"), std::string::npos) << json;
   EXPECT_NE(json.find("\"channel_bytes\": 4194304"), std::string::npos) << json;
   EXPECT_NE(json.find("\"gpu_maps\": "), std::string::npos) << json;
-  EXPECT_NE(json.find("\"fence_waits\": 0, \"fence_wait_ns\": 0"), std::string::npos) << json;
+  EXPECT_NE(json.find("\"fence_waits\": 0, \"fence_wait_ns\": 0, \"call_lock_wait_ns\": "), std::string::npos) << json;
   EXPECT_NE(json.find("\"page_count\": 32, \"bytes_gpu\": 1048576, \"bytes_host\": 2097152"), std::string::npos)
       << json;
   std::string top = run_command(ctl + " top --iterations 2 --interval-ms 50", &code);

@@ -88,6 +88,9 @@ class Access:
         return (self.kind, self.layer, self.chunk, self.phase, self.block)
 
 
+_CALL_PARTS = ("lock_wait", "locked", "enqueue", "deliver")
+
+
 @dataclass
 class StoreStats:
     pages_to_device: int = 0
@@ -107,6 +110,9 @@ class StoreStats:
     gpu_maps: int = 0            # GPU frames mapped at a new position (Note [Remapping a position])
     fence_waits: int = 0         # runtime calls that waited on the host for the trainer's stream to pass
     fence_wait_ns: int = 0       # a release marker before remapping a position (part of host_ns)
+    # The runtime's own account of its calls' time (ClientStats call_*_ns): waiting for the engine's
+    # lock, holding it, handing copies to the backend, delivering events (map calls).
+    call_ns: dict = field(default_factory=lambda: dict.fromkeys(_CALL_PARTS, 0))
     pages_live: dict = field(default_factory=lambda: {"current": 0, "peak": 0, "allocated": 0, "freed": 0})
 
     def pages_allocated(self, count: int) -> None:
@@ -128,7 +134,7 @@ class StoreStats:
             "host_pool_bytes": self.host_pool_bytes, "device_pool_bytes": self.device_pool_bytes,
             "stall_ns": self.stall_ns, "stream_wait_ns": self.stream_wait_ns, "pages_read": self.pages_read,
             "host_ns": self.host_ns, "gpu_maps": self.gpu_maps,
-            "fence_waits": self.fence_waits, "fence_wait_ns": self.fence_wait_ns,
+            "fence_waits": self.fence_waits, "fence_wait_ns": self.fence_wait_ns, "call_ns": dict(self.call_ns),
             "stream_wait_by_kind": {label: list(entry) for label, entry in self.stream_wait_by_kind.items()},
             "pages_live": dict(self.pages_live),
         }

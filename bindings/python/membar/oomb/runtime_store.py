@@ -54,7 +54,7 @@ import torch
 
 from ..units import human_bytes
 from .kernels import GradView, HistoryView
-from .kv_store import Access, KVStore, PageLayout, StoreStats, _runs
+from .kv_store import _CALL_PARTS, Access, KVStore, PageLayout, StoreStats, _runs
 
 _MIB = 1 << 20
 _FRAME = 2 * _MIB
@@ -556,6 +556,7 @@ class RuntimeKVStore(KVStore):
         stats.gpu_maps = int(client.get("gpu_maps", 0))
         stats.fence_waits = int(client.get("fence_waits", 0))
         stats.fence_wait_ns = int(client.get("fence_wait_ns", 0))
+        stats.call_ns = {part: int(client.get(f"call_{part}_ns", 0)) for part in _CALL_PARTS}
         stats.host_pool_bytes = int(client["host_frames"]["peak"]) * _FRAME
         stats.device_pool_bytes = int(client["gpu_frames"]["peak"]) * _FRAME
         # The runtime's stall time holds the host's waits and the stream waits reported to it.

@@ -335,6 +335,8 @@ class OOMBTrainer:
             "gpu_maps": store_after["gpu_maps"] - store_before["gpu_maps"],
             "fence_waits": store_after["fence_waits"] - store_before["fence_waits"],
             "store_fence_wait_seconds": (store_after["fence_wait_ns"] - store_before["fence_wait_ns"]) * 1e-9,
+            "store_call_seconds": {part: (store_after["call_ns"][part] - store_before["call_ns"][part]) * 1e-9
+                                   for part in store_after["call_ns"]},
             **({"stream_wait_seconds": (store_after["stream_wait_ns"] - store_before["stream_wait_ns"]) * 1e-9,
                 "stream_wait_by_kind": _waits_by_kind(store_before.get("stream_wait_by_kind", {}),
                                                       store_after.get("stream_wait_by_kind", {}))}
