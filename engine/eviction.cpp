@@ -30,6 +30,12 @@
 // occupant is needed sooner than MIN's victim, MIN wins and the position is remapped (taking the
 // mapped frame anyway made random schedules load more than MIN and let lookahead displace frames
 // needed sooner). Without a schedule the order is therefore LRU except for that reuse.
+// EngineConfig::displace_rank (MEMBAR_DISPLACE_RANK, 0 by default) widens the reuse to an occupant
+// among MIN's first N candidates (still never one a prefetch's limit protects): in a 2-layer probe
+// it halved the map calls for ~12% more bytes (at 32K, ~100 frames resident: 326 -> 200 maps per
+// step, most remaps there being occupants outside MIN's first candidates, ~9% idle frames taken),
+// but in the 7B trainer (session 15, H200) ranks 8 and 64 changed neither maps nor step time; its
+// budget holds thousands of frames, so an occupant is likely rarely among the first 64 (not measured).
 // Limitations: next use is counted in steps, not within a step, so frames of one step tie and
 // fall back to LRU among themselves. A schedule that walks a history several times, through more
 // frames than the quota, keeps remapping: each frame is used again, so MIN's victim is rarely the

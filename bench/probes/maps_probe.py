@@ -4,7 +4,11 @@
 # 2K, three steps through the embedded runtime (host backend on a CPU, CUDA on a GPU). Prints each
 # step's map calls beside its frame placements (prefetch hits + misses), bytes moved and the host
 # time inside the store's runtime calls. Session 14 (CPU): 561 maps for 568 placements per step.
+# Session 15 (CPU, 32K, PROBE_CHUNK=2048 PROBE_BLOCK=8192): 326 maps for 236 placements;
+# MEMBAR_DISPLACE_RANK=64: 200 for 286 (Note [Eviction order]).
 # Usage: PYTHONPATH=bindings/python python bench/probes/maps_probe.py [TOKENS]
+#        (PROBE_CHUNK, PROBE_BLOCK: chunk and history block tokens, default 1024 and 2048)
+import os
 import sys
 
 import torch
@@ -20,7 +24,9 @@ model = Qwen2ForCausalLM(Qwen2Config(hidden_size=512, num_hidden_layers=2, num_a
     device, torch.bfloat16 if device == "cuda" else torch.float32)
 tokens = int(sys.argv[1]) if len(sys.argv) > 1 else 16384
 ids = torch.randint(0, 97, (1, tokens))
-trainer = OOMBTrainer(model, OOMBConfig(chunk_tokens=1024, page_tokens=128, offload=True, history_block_tokens=2048))
+chunk = int(os.environ.get("PROBE_CHUNK", 1024))
+block = int(os.environ.get("PROBE_BLOCK", 2048))
+trainer = OOMBTrainer(model, OOMBConfig(chunk_tokens=chunk, page_tokens=128, offload=True, history_block_tokens=block))
 trainer.reserve(tokens)
 for step in range(3):
     model.zero_grad()
