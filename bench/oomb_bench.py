@@ -37,8 +37,8 @@ and grows the default GPU budget with it; "+piece4096" computes the loss 4096 to
 (default 512); "+blockwise" streams sparse selections block by block even where their pages fit
 one block's room (as before session 12); "+reuse" has stage 2 take stage 1's attention outputs (Note [Stage 1's attention in stage 2]);
 "+displace8" lets a frame already mapped at a page's position serve it when its
-occupant is among the first 8 of MIN's eviction candidates (MEMBAR_DISPLACE_RANK, Note [Eviction order]:
-fewer GPU map calls for some extra copies); "+streamed" after "+plain" reads the plain tensors'
+occupant is among the first 8 of MIN's eviction candidates ("+displaceall": any occupant a prefetch may
+evict; MEMBAR_DISPLACE_RANK, Note [Eviction order]: fewer GPU map calls for some extra copies); "+streamed" after "+plain" reads the plain tensors'
 history in blocks as offloaded pages are read (what the blocks cost without a copy or a wait);
 "+profile" records the timed step with torch.profiler and
 writes its busiest operations (self device time, calls) to profile-VARIANT-TOKENS.txt beside the
@@ -313,7 +313,7 @@ def run_one(model, spec: dict) -> dict:
             os.environ.pop("MEMBAR_DEVICE_ORDER", None)
         # "+displace8": the engine's displace_rank (Note [Eviction order]): a frame already mapped at a
         # page's position serves it when its occupant is among MIN's first 8 candidates.
-        displace = re.search(r"\+displace(\d+)", result["variant"])
+        displace = re.search(r"\+displace(\d+|all)", result["variant"])
         if displace:
             os.environ["MEMBAR_DISPLACE_RANK"] = displace.group(1)
         else:

@@ -121,6 +121,9 @@ bool EngineImpl::may_displace(ClientState& client, const SpaceFrame& occupant, c
   if (occupant.key.next_use >= victim.value().next_use) return true;
   // displace_rank: the occupant may go if it is among the first candidates of MIN's order (and,
   // for a prefetch, not needed before the frame brought in: the scan stops where choose_victim's does).
+  if (config_.displace_rank >= client.eviction_set.size()) {   // every candidate: no scan
+    return limit == nullptr || (occupant.key.next_use > limit->needed_at && occupant.key.next_use >= limit->floor);
+  }
   uint32_t rank = 0;
   for (const EvictionKey& key : client.eviction_set) {
     if (rank++ >= config_.displace_rank) break;

@@ -43,9 +43,10 @@
 #             (tools/trace_streams.py): are the offloaded step's kernels slower, or is its stream idle?
 #             Then bench/probes/maps_probe.py: GPU map calls per frame placement in a small offloaded step
 #   displace  7B dense-offload at 64K (history blocks of 16K: 256K's pattern at a quarter of the cost) and
-#             128K with the engine's displace_rank 0 (default), 8 and 64 beside plain tensors read in
-#             blocks, in one run: map calls, fence waits, host time and bytes moved against step time
-#             (Note [Eviction order]); then bench/probes/maps_probe.py with ranks 0 and 64
+#             128K with the engine's displace_rank 0 (default) and "all" beside plain tensors read in
+#             blocks, in one run: map calls, fence waits, the runtime calls' host time split and bytes
+#             moved against step time (Note [Eviction order]); then bench/probes/maps_probe.py with
+#             ranks 0 and all
 #   gpuwait   the stream's own wait for pages, timed with CUDA events ("+timewaits", MEMBAR_TIME_STREAM_WAITS=1;
 #             oomb_bench.json has them per access kind and phase: stream_wait_by_kind),
 #             embedded dense-offload at 32K and 128K beside plain tensors and the untimed run (the
@@ -200,9 +201,9 @@ for step in "$@"; do
       # Note [Eviction order]'s displace_rank: the frame already mapped at a page's position serves it
       # when its occupant is among MIN's first N candidates (fewer map calls, some extra copies).
       bench displace --contexts "${DISPLACE_CONTEXTS:-64K,128K}" --time-budget "${DISPLACE_BUDGET:-420}" --time-limit 200 \
-        --variants "${DISPLACE_VARIANTS:-dense+plain+streamed@16K:64K,dense-offload@16K:64K,dense-offload+displace8@16K:64K,dense-offload+displace64@16K:64K,dense+plain+streamed:128K,dense-offload:128K,dense-offload+displace64:128K}"
+        --variants "${DISPLACE_VARIANTS:-dense+plain+streamed@16K:64K,dense-offload@16K:64K,dense-offload+displaceall@16K:64K,dense+plain+streamed:128K,dense-offload:128K,dense-offload+displaceall:128K}"
       "$py" tools/waits_summary.py "$work/displace/oomb_bench.json"
-      for rank in 0 64; do
+      for rank in 0 all; do
         MEMBAR_DISPLACE_RANK=$rank timeout 90 "$py" bench/probes/maps_probe.py > "$work/displace/maps_probe-$rank.txt" 2>&1 || status=1
         echo "displace_rank $rank: $(tail -1 "$work/displace/maps_probe-$rank.txt")"
       done ;;

@@ -248,7 +248,7 @@ int run(int argc, char** argv) {
   engine_config.client_id_step = static_cast<uint32_t>(device_count);
   engine_config.log_error = [](const std::string& message) { spdlog::error("{}", message); };
   // Note [Eviction order]'s displace_rank (an experiment's knob, as in the embedded engine).
-  if (const char* rank = std::getenv("MEMBAR_DISPLACE_RANK")) engine_config.displace_rank = uint32_t(std::atoi(rank));
+  if (const char* rank = std::getenv("MEMBAR_DISPLACE_RANK")) engine_config.displace_rank = parse_displace_rank(rank);
   std::vector<ServedDevice> devices;
   for (size_t i = 0; i < device_count; ++i) {
     const BackendConfig& pool = pools[i];

@@ -494,9 +494,18 @@ TEST(Engine, DisplaceRankRemapsFewerPositions) {
   int min_maps = stream_with_schedule(/*schedule_per_pass=*/false, &min_rule);
   int displaced_maps = stream_with_schedule(/*schedule_per_pass=*/false, &displaced, /*displace_rank=*/6);
   EXPECT_LT(displaced_maps, min_maps);
-  std::printf("maps in passes 2-3: %d with MIN's rule, %d with displace_rank 6 (loads %llu vs %llu MiB)\n", min_maps,
-              displaced_maps, (unsigned long long)(min_rule.bytes_host_to_gpu >> 20),
-              (unsigned long long)(displaced.bytes_host_to_gpu >> 20));
+  // "all" (no scan) takes any occupant a prefetch may evict: at least as few maps as rank 6 here,
+  // where 6 frames are all the candidates there are.
+  ClientStats all;
+  int all_maps = stream_with_schedule(/*schedule_per_pass=*/false, &all, parse_displace_rank("all"));
+  EXPECT_LE(all_maps, displaced_maps);
+  std::printf("maps in passes 2-3: %d with MIN's rule, %d with displace_rank 6, %d with all (loads %llu, %llu, %llu MiB)\n",
+              min_maps, displaced_maps, all_maps, (unsigned long long)(min_rule.bytes_host_to_gpu >> 20),
+              (unsigned long long)(displaced.bytes_host_to_gpu >> 20), (unsigned long long)(all.bytes_host_to_gpu >> 20));
+  EXPECT_EQ(parse_displace_rank("all"), UINT32_MAX);
+  EXPECT_EQ(parse_displace_rank("64"), 64u);
+  EXPECT_EQ(parse_displace_rank("x"), 0u);
+  EXPECT_EQ(parse_displace_rank("8x"), 0u);
 }
 
 // A freed page acquired again with zero-fill is zeroed in the GPU frame, which makes the GPU copy

@@ -159,20 +159,24 @@ def test_stage1_attention_reuse_without_room_is_one_sentence(monkeypatch):
 
 
 @pytest.mark.parametrize("mode", ["dense", "sparse"])
-def test_offload_changes_no_gradient_bit(mode):
+def test_offload_changes_no_gradient_bit(mode, monkeypatch):
     model = tiny_model("qwen2", seed=3, layers=3)
     input_ids = torch.randint(0, VOCAB, (1, 130), generator=torch.Generator().manual_seed(5))
     options = dict(chunk_tokens=32, page_tokens=16, mode=mode, top_k=3, query_tile_tokens=16, deterministic=True)
     loss_resident, resident, _ = oomb_grads(model, input_ids, offload=False, **options)
     # A GPU budget of 5 frames for 12 spaces of one frame each (3 layers x K, V, dK, dV): pages
-    # must travel between GPU and host memory.
+    # must travel between GPU and host memory. MEMBAR_DISPLACE_RANK=all: placements take the frame
+    # already mapped at a page's position whenever its occupant may go (Note [Eviction order]).
     frame = 2 << 20
-    for depth, budget in ((0, 5 * frame), (5, 5 * frame), (2, 8 * frame)):
+    for depth, budget, displace in ((0, 5 * frame, "0"), (5, 5 * frame, "0"), (2, 8 * frame, "0"),
+                                    (2, 5 * frame, "all")):
+        monkeypatch.setenv("MEMBAR_DISPLACE_RANK", displace)
         loss_offload, offloaded, trainer = oomb_grads(model, input_ids, offload=True, prefetch_depth=depth,
                                                       gpu_budget_bytes=budget, **options)
         assert loss_offload == loss_resident
         for name in resident:
-            assert torch.equal(offloaded[name], resident[name]), f"{name} differs with offload (depth {depth})"
+            assert torch.equal(offloaded[name], resident[name]), (
+                f"{name} differs with offload (depth {depth}, displace rank {displace})")
         assert trainer.stats["pages_moved"] > 0
         assert 0 < trainer.stats["store_host_seconds"] < trainer.stats["seconds"]
         if depth > 0:

@@ -25,6 +25,7 @@
 #pragma once
 
 #include <cstdint>
+#include <cstdlib>
 #include <functional>
 #include <memory>
 #include <mutex>
@@ -75,7 +76,9 @@ struct EngineConfig {
   // Placing a space frame takes the GPU frame already mapped at its position when that frame's
   // occupant is among the first `displace_rank` frames of MIN's eviction order, not only when it
   // ties MIN's victim (0, the default): fewer map calls for some extra loads (Note [Eviction
-  // order]; measured by bench/probes/maps_probe.py and tools/h200_session.sh displace).
+  // order]; measured by bench/probes/maps_probe.py and tools/h200_session.sh displace). A rank at
+  // least the number of candidates (UINT32_MAX: MEMBAR_DISPLACE_RANK=all) takes any occupant a
+  // prefetch may evict, without scanning.
   uint32_t displace_rank = 0;
   // Where the engine says what an operator must know and no caller is there to hear (a frame or
   // slab lost because its renewal failed for good): membard logs it. Called with the engine's
@@ -88,6 +91,14 @@ struct EngineConfig {
   std::shared_ptr<HostShare> host_share;
   uint64_t host_initial_slabs = 0;
 };
+
+// MEMBAR_DISPLACE_RANK's value: a count, or "all" (UINT32_MAX); anything else is 0 (off).
+inline uint32_t parse_displace_rank(const char* text) {
+  if (std::string(text) == "all") return UINT32_MAX;
+  char* end = nullptr;
+  unsigned long value = std::strtoul(text, &end, 10);
+  return end != text && *end == '\0' && value <= UINT32_MAX ? uint32_t(value) : 0;
+}
 
 struct ClientConfig {
   std::string name;
