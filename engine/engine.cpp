@@ -1074,17 +1074,16 @@ Result<RuntimeStats> EngineImpl::stats(ClientId id, uint32_t first_space, uint32
     }
   };
   uint32_t index = 0;
+  auto add_client = [&](ClientState& client) {
+    answer.clients.push_back(client.stats);
+    answer.clients.back().call_deliver_ns = client.deliver_ns.load(std::memory_order_relaxed);
+    add_spaces(client, index);
+  };
   if (id == 0) {
-    for (const auto& [client_id, client] : clients_) {
-      answer.clients.push_back(client->stats);
-      answer.clients.back().call_deliver_ns = client->deliver_ns.load(std::memory_order_relaxed);
-      add_spaces(*client, index);
-    }
+    for (const auto& [client_id, client] : clients_) add_client(*client);
   } else {
     MEMBAR_ASSIGN_OR_RETURN(ClientState * client, find_client(id));
-    answer.clients.push_back(client->stats);
-    answer.clients.back().call_deliver_ns = client->deliver_ns.load(std::memory_order_relaxed);
-    add_spaces(*client, index);
+    add_client(*client);
   }
   answer.first_space = first_space;
   answer.spaces_total = index;
