@@ -40,6 +40,8 @@ one block's room (as before session 12); "+reuse" has stage 2 take stage 1's att
 occupant is among the first 8 of MIN's eviction candidates ("+displaceall": any occupant a prefetch may
 evict; MEMBAR_DISPLACE_RANK, Note [Eviction order]: fewer GPU map calls for some extra copies); "+streamed" after "+plain" reads the plain tensors'
 history in blocks as offloaded pages are read (what the blocks cost without a copy or a wait);
+"+syncmaps" maps frames on the thread that receives the runtime's events (MEMBAR_ASYNC_MAPS=0), as
+before the mapping thread (Note [Maps off the caller's thread] in libclient/memory.cpp);
 "+profile" records the timed step with torch.profiler and
 writes its busiest operations (self device time, calls) to profile-VARIANT-TOKENS.txt beside the
 results (the profiler slows the step: its time is not comparable); "@8K" sets the variant's history block.
@@ -323,6 +325,12 @@ def run_one(model, spec: dict) -> dict:
             os.environ["MEMBAR_TIME_STREAM_WAITS"] = "1"
         else:
             os.environ.pop("MEMBAR_TIME_STREAM_WAITS", None)
+        # "+syncmaps": frame maps on the thread that receives the runtime's events, as before Note
+        # [Maps off the caller's thread] (MEMBAR_ASYNC_MAPS=0; the runtime reads it when it starts).
+        if "+syncmaps" in result["variant"]:
+            os.environ["MEMBAR_ASYNC_MAPS"] = "0"
+        else:
+            os.environ.pop("MEMBAR_ASYNC_MAPS", None)
         trainer = OOMBTrainer(model, config, store=store, process_group=group)
         if "+streamwait" in result["variant"]:
             trainer.store.stream_waits = True
@@ -392,7 +400,10 @@ def run_one(model, spec: dict) -> dict:
         result.update(stall_seconds=stats["stall_seconds"], store_host_seconds=stats["store_host_seconds"],
                       gpu_maps=stats["gpu_maps"], fence_waits=stats["fence_waits"],
                       store_fence_wait_seconds=stats["store_fence_wait_seconds"],
-                      store_call_seconds=stats["store_call_seconds"])
+                      store_call_seconds=stats["store_call_seconds"],
+                      store_map_apply_seconds=stats.get("store_map_apply_seconds", 0.0),
+                      store_map_wait_seconds=stats.get("store_map_wait_seconds", 0.0),
+                      map_runs=stats.get("map_runs", 0), async_maps=stats.get("async_maps", False))
         if "stream_wait_seconds" in stats:   # "+timewaits": the stream's GPU-side waits, timed
             result.update(stream_wait_seconds=stats["stream_wait_seconds"],
                           stream_wait_by_kind=stats.get("stream_wait_by_kind", {}))

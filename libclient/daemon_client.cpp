@@ -131,6 +131,7 @@ class DaemonClient final : public Client {
     v2::RequestV2 request = range_request(v2::Opcode::kAcquire, range);
     request.flags = flags;
     MEMBAR_ASSIGN_OR_RETURN(Reply reply, retried([&] { return call(request); }));
+    MEMBAR_RETURN_IF_ERROR(memory_->settle_ranges(std::span<const PageRange>(&range, 1)));
     return Acquired{reply.ticket, static_cast<char*>(view.gpu) + uint64_t(range.first_page) * view.page_bytes};
   }
 
@@ -152,6 +153,7 @@ class DaemonClient final : public Client {
     }
     std::vector<uint8_t> payload = v2::encode_ranges(ranges);
     MEMBAR_ASSIGN_OR_RETURN(Reply reply, retried([&] { return call(request, payload); }));
+    MEMBAR_RETURN_IF_ERROR(memory_->settle_ranges(ranges));   // Note [Maps off the caller's thread]
     return reply.ticket;
   }
 
@@ -165,18 +167,21 @@ class DaemonClient final : public Client {
   Result<Ticket> prefetch(PageRange range) override {
     std::lock_guard<std::mutex> lock(mutex_);
     MEMBAR_ASSIGN_OR_RETURN(Reply reply, retried([&] { return call(range_request(v2::Opcode::kPrefetch, range)); }));
+    MEMBAR_RETURN_IF_ERROR(memory_->settle());
     return reply.ticket;
   }
 
   Result<Ticket> offload(PageRange range) override {
     std::lock_guard<std::mutex> lock(mutex_);
     MEMBAR_ASSIGN_OR_RETURN(Reply reply, retried([&] { return call(range_request(v2::Opcode::kOffload, range)); }));
+    MEMBAR_RETURN_IF_ERROR(memory_->settle());
     return reply.ticket;
   }
 
   Status free_pages(PageRange range) override {
     std::lock_guard<std::mutex> lock(mutex_);
-    return call(range_request(v2::Opcode::kFreePages, range)).status();
+    MEMBAR_RETURN_IF_ERROR(call(range_request(v2::Opcode::kFreePages, range)).status());
+    return memory_->settle();
   }
 
   Result<void*> acquire_host(PageRange range) override {
@@ -188,6 +193,7 @@ class DaemonClient final : public Client {
       MEMBAR_ASSIGN_OR_RETURN(Reply reply,
                               retried([&] { return call(range_request(v2::Opcode::kAcquireHost, range)); }));
       ticket = reply.ticket;
+      MEMBAR_RETURN_IF_ERROR(memory_->settle_ranges(std::span<const PageRange>(&range, 1)));
     }
     MEMBAR_RETURN_IF_ERROR(wait(ticket));
     return static_cast<void*>(static_cast<char*>(view.host) + uint64_t(range.first_page) * view.page_bytes);
@@ -339,6 +345,8 @@ class DaemonClient final : public Client {
     return unimplemented("stream_release needs the CUDA backend; this client runs on " + describe() +
                          " (use release)");
   }
+
+  MapCounters map_counters() const override { return memory_->counters(); }
 
   Result<RuntimeStats> stats() override {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -795,7 +803,8 @@ Status DaemonClient::handshake(const std::string& socket_path, const ConnectOpti
   } else {
     gpu_mapper = make_mmap_mapper();
   }
-  memory_ = std::make_unique<ClientMemory>(std::move(gpu_mapper), make_mmap_mapper(), host_slab_frames_);
+  memory_ = std::make_unique<ClientMemory>(std::move(gpu_mapper), make_mmap_mapper(), host_slab_frames_,
+                                           async_maps_from_env());
   return Status::Ok();
 }
 

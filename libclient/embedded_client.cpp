@@ -99,7 +99,8 @@ class EmbeddedClient final : public Client {
     }
 #endif
     if (!gpu_mapper) gpu_mapper = make_mmap_mapper();
-    client->memory_ = std::make_unique<ClientMemory>(std::move(gpu_mapper), make_mmap_mapper(), slab_frames);
+    client->memory_ = std::make_unique<ClientMemory>(std::move(gpu_mapper), make_mmap_mapper(), slab_frames,
+                                                     async_maps_from_env());
     ClientMemory* memory = client->memory_.get();
     runtimed::ClientEvents events;
     auto note = [memory](Status status) {
@@ -148,7 +149,7 @@ class EmbeddedClient final : public Client {
   Status destroy_space(SpaceId space) override {
     std::lock_guard<std::mutex> lock(mutex_);
     MEMBAR_RETURN_IF_ERROR(engine_->destroy_space(id_, space));
-    MEMBAR_RETURN_IF_ERROR(memory_->take_error());
+    MEMBAR_RETURN_IF_ERROR(memory_->settle());
     return memory_->remove_space(space);
   }
 
@@ -158,7 +159,7 @@ class EmbeddedClient final : public Client {
     std::lock_guard<std::mutex> lock(mutex_);
     MEMBAR_ASSIGN_OR_RETURN(SpaceView view, memory_->view(range.space));
     MEMBAR_ASSIGN_OR_RETURN(Ticket ticket, retried([&] { return engine_->acquire(id_, range, flags); }));
-    MEMBAR_RETURN_IF_ERROR(memory_->take_error());
+    MEMBAR_RETURN_IF_ERROR(memory_->settle_ranges(std::span<const PageRange>(&range, 1)));
     return Acquired{ticket, static_cast<char*>(view.gpu) + uint64_t(range.first_page) * view.page_bytes};
   }
 
@@ -172,7 +173,7 @@ class EmbeddedClient final : public Client {
     std::lock_guard<std::mutex> lock(mutex_);
     MEMBAR_ASSIGN_OR_RETURN(Ticket ticket,
                             retried([&] { return engine_->acquire_ranges(id_, ranges, flags, advance_step); }));
-    MEMBAR_RETURN_IF_ERROR(memory_->take_error());
+    MEMBAR_RETURN_IF_ERROR(memory_->settle_ranges(ranges));
     return ticket;
   }
 
@@ -184,21 +185,21 @@ class EmbeddedClient final : public Client {
   Result<Ticket> prefetch(PageRange range) override {
     std::lock_guard<std::mutex> lock(mutex_);
     MEMBAR_ASSIGN_OR_RETURN(Ticket ticket, retried([&] { return engine_->prefetch(id_, range); }));
-    MEMBAR_RETURN_IF_ERROR(memory_->take_error());
+    MEMBAR_RETURN_IF_ERROR(memory_->settle());
     return ticket;
   }
 
   Result<Ticket> offload(PageRange range) override {
     std::lock_guard<std::mutex> lock(mutex_);
     MEMBAR_ASSIGN_OR_RETURN(Ticket ticket, retried([&] { return engine_->offload(id_, range); }));
-    MEMBAR_RETURN_IF_ERROR(memory_->take_error());
+    MEMBAR_RETURN_IF_ERROR(memory_->settle());
     return ticket;
   }
 
   Status free_pages(PageRange range) override {
     std::lock_guard<std::mutex> lock(mutex_);
     MEMBAR_RETURN_IF_ERROR(engine_->free_pages(id_, range));
-    return memory_->take_error();
+    return memory_->settle();
   }
 
   Result<void*> acquire_host(PageRange range) override {
@@ -208,7 +209,7 @@ class EmbeddedClient final : public Client {
       std::lock_guard<std::mutex> lock(mutex_);
       MEMBAR_ASSIGN_OR_RETURN(view, memory_->view(range.space));
       MEMBAR_ASSIGN_OR_RETURN(ticket, retried([&] { return engine_->acquire_host(id_, range); }));
-      MEMBAR_RETURN_IF_ERROR(memory_->take_error());
+      MEMBAR_RETURN_IF_ERROR(memory_->settle_ranges(std::span<const PageRange>(&range, 1)));
     }
     MEMBAR_RETURN_IF_ERROR(wait(ticket));
     return static_cast<void*>(static_cast<char*>(view.host) + uint64_t(range.first_page) * view.page_bytes);
@@ -217,7 +218,7 @@ class EmbeddedClient final : public Client {
   Status release_host(PageRange range, bool dirty) override {
     std::lock_guard<std::mutex> lock(mutex_);
     MEMBAR_RETURN_IF_ERROR(engine_->release_host(id_, range, dirty));
-    return memory_->take_error();
+    return memory_->settle();
   }
 
   Status add_stall_ns(uint64_t ns) override { return engine_->add_stall_ns(id_, ns); }
@@ -230,7 +231,7 @@ class EmbeddedClient final : public Client {
   Status advance(uint32_t step) override {
     std::lock_guard<std::mutex> lock(mutex_);
     MEMBAR_RETURN_IF_ERROR(engine_->advance(id_, step));
-    return memory_->take_error();
+    return memory_->take_error();   // its lookahead's maps go on (Note [Maps off the caller's thread])
   }
 
   // Not under the client mutex: waiting must not block other threads' calls.
@@ -305,6 +306,8 @@ class EmbeddedClient final : public Client {
 #endif
     return unimplemented("stream_release needs the CUDA backend; this client runs on " + describe() + " (use release)");
   }
+
+  MapCounters map_counters() const override { return memory_->counters(); }
 
   Result<RuntimeStats> stats() override { return engine_->stats(id_, 0, 4096); }
 

@@ -2,15 +2,23 @@
 // and tier, the frames and slabs the runtime granted, and which frame is mapped at which space
 // position. The embedded client applies the engine's events here directly; the daemon client
 // applies the same events as they arrive on its socket. Thread-safe (events may arrive on any
-// thread); calls are short except the CUDA maps (tens of microseconds each).
+// thread); calls are short except the CUDA maps (tens of microseconds each), which run on a thread
+// of their own unless MEMBAR_ASYNC_MAPS=0 (Note [Maps off the caller's thread] in memory.cpp).
 #pragma once
 
+#include <atomic>
+#include <condition_variable>
 #include <cstdint>
+#include <deque>
 #include <map>
 #include <memory>
 #include <mutex>
 #include <set>
+#include <span>
+#include <thread>
+#include <unordered_map>
 #include <utility>
+#include <vector>
 
 #include "membar/client.h"
 #include "membar/status.h"
@@ -32,6 +40,9 @@ class FrameMapper {
   virtual void drop_frame(uint32_t window_frame) = 0;
   virtual void drop_slab(uint32_t slab) = 0;
   virtual Status map(uint32_t window_frame, char* at) = 0;
+  // Frames window_frames[i] at at + i * kFrameBytes, none of those addresses mapped (the CUDA
+  // tier sets access once for the run). Maps frame by frame by default.
+  virtual Status map_run(std::span<const uint32_t> window_frames, char* at);
   virtual Status unmap(char* at) = 0;
 };
 
@@ -42,10 +53,21 @@ std::unique_ptr<FrameMapper> make_mmap_mapper();
 Result<std::unique_ptr<FrameMapper>> make_cuda_mapper(int device);
 #endif
 
+// Whether ClientMemory applies events on a thread of its own: MEMBAR_ASYNC_MAPS (default 1).
+bool async_maps_from_env();
+
 class ClientMemory {
  public:
-  ClientMemory(std::unique_ptr<FrameMapper> gpu, std::unique_ptr<FrameMapper> host, uint32_t host_slab_frames);
+  ClientMemory(std::unique_ptr<FrameMapper> gpu, std::unique_ptr<FrameMapper> host, uint32_t host_slab_frames,
+               bool asynchronous = false);
   ~ClientMemory();
+
+  // Waits until every event given so far is applied; then reports what could not be (take_error).
+  Status settle();
+  // Waits until the events that mapped the frames under `ranges` (either tier) are applied: what
+  // a call that hands out those pages needs before it returns; then take_error.
+  Status settle_ranges(std::span<const PageRange> ranges);
+  MapCounters counters() const;
 
   Status add_space(SpaceId space, uint64_t page_bytes, uint32_t page_count);
   Status remove_space(SpaceId space);
@@ -73,6 +95,32 @@ class ClientMemory {
   using Position = std::pair<SpaceId, uint32_t>;
   Status unmap_locked(int tier, const Position& position);
 
+  struct Op {
+    enum class Kind : uint8_t { kFrameGranted, kFrameRevoked, kSlabGranted, kSlabRevoked, kMapped, kUnmapped };
+    Kind kind;
+    int tier = 0;
+    uint32_t window_frame = 0;  // or slab
+    uint32_t frames = 0;
+    int fd = -1;
+    SpaceId space = 0;
+    uint32_t space_frame = 0;
+    uint64_t sequence = 0;
+  };
+  // Applies `op` now (synchronous) or queues it for the mapping thread.
+  Status give(Op op);
+  Status apply(const Op& op);
+  // Applies ops[first, end) where they are maps of adjacent positions in one run.
+  Status apply_map_run(const std::vector<Op>& ops, size_t first, size_t end);
+  void run_mapper();
+  Status wait_applied(uint64_t sequence);
+  static uint64_t position_key(SpaceId space, uint32_t space_frame) { return (uint64_t(space) << 32) | space_frame; }
+  Status apply_frame_granted(uint32_t window_frame, int fd);
+  Status apply_frame_revoked(uint32_t window_frame);
+  Status apply_slab_granted(uint32_t slab, uint32_t frames, int fd);
+  Status apply_slab_revoked(uint32_t slab);
+  Status apply_mapped(int t, uint32_t window_frame, SpaceId space, uint32_t space_frame);
+  Status apply_unmapped(int t, SpaceId space, uint32_t space_frame);
+
   std::unique_ptr<FrameMapper> mappers_[2];
   uint32_t host_slab_frames_;
   mutable std::mutex mutex_;
@@ -81,6 +129,21 @@ class ClientMemory {
   std::map<uint32_t, std::set<Position>> frame_positions_[2];  // window frame -> positions
   std::mutex error_mutex_;
   Status error_;
+
+  // The mapping thread's queue (Note [Maps off the caller's thread]); queue_mutex_ guards all
+  // of it and is never held while an event is applied.
+  const bool asynchronous_;
+  mutable std::mutex queue_mutex_;
+  std::condition_variable queued_;   // the mapping thread waits for work
+  std::condition_variable applied_;  // callers wait for applied_through_
+  std::deque<Op> queue_;
+  uint64_t given_ = 0;               // sequence of the last op given
+  uint64_t applied_through_ = 0;     // every op up to this one is applied
+  bool stopping_ = false;
+  std::unordered_map<uint64_t, uint64_t> last_op_[2];     // position key -> sequence of its last map/unmap
+  std::unordered_map<SpaceId, uint64_t> page_bytes_;      // for settle_ranges
+  MapCounters counters_;                                  // under queue_mutex_
+  std::thread mapper_;
 };
 
 }  // namespace membar

@@ -28,6 +28,10 @@ def summary(path: str) -> list[str]:
         if calls and any(calls.values()):
             host += (f"; runtime calls: lock wait {calls['lock_wait']:.2f} s, locked {calls['locked']:.2f} s "
                      f"(enqueue {calls['enqueue']:.2f} s), deliver {calls['deliver']:.2f} s")
+        if "store_map_apply_seconds" in row:
+            where = "a mapping thread" if row.get("async_maps") else "the trainer's thread"
+            host += (f"; maps applied on {where} in {row['store_map_apply_seconds']:.2f} s "
+                     f"({row.get('map_runs', 0)} runs), calls waited {row.get('store_map_wait_seconds', 0.0):.2f} s for them")
         if not waits:
             if "store_host_seconds" in row and row.get("gpu_maps") is not None and row.get("bytes_moved_gib"):
                 lines.append(f"{row['variant']} at {row['tokens']} tokens: {step:.1f} s{host}")

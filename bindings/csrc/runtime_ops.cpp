@@ -324,6 +324,14 @@ class Runtime : public torch::CustomClassHolder {
 
   std::string stats() { return stats_json(take(client_->stats(), "stats")); }
 
+  // This process's side of the frame events (Note [Maps off the caller's thread] in
+  // libclient/memory.cpp): [events_applied, maps, map_runs, wait_ns, apply_ns, asynchronous].
+  std::vector<int64_t> map_counters() const {
+    MapCounters c = client_->map_counters();
+    return {int64_t(c.events_applied), int64_t(c.maps), int64_t(c.map_runs), int64_t(c.wait_ns), int64_t(c.apply_ns),
+            int64_t(c.asynchronous)};
+  }
+
   // Channels (membar/engine/channels.h): [handle, fd, bytes, writable, address]. The client's
   // own mapping (at `address`, valid until close_channel) is what Python views: a published
   // channel can no longer be mapped writable again, not even by its creator.
@@ -414,6 +422,7 @@ TORCH_LIBRARY_FRAGMENT(membar, m) {
       .def("stream_wait", &Runtime::stream_wait)
       .def("stream_release", &Runtime::stream_release)
       .def("stats", &Runtime::stats)
+      .def("map_counters", &Runtime::map_counters)
       .def("create_channel", &Runtime::create_channel)
       .def("open_channel", &Runtime::open_channel)
       .def("close_channel", &Runtime::close_channel)

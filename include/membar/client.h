@@ -88,6 +88,17 @@ struct Channel {
   int fd = -1;             // the mapping's descriptor, owned by the Client until close_channel
 };
 
+// What this process's side of a client did with the runtime's frame events (Note [Maps off the
+// caller's thread] in libclient/memory.cpp).
+struct MapCounters {
+  uint64_t events_applied = 0;  // frame events applied (grants, revokes, maps, unmaps)
+  uint64_t maps = 0;            // positions mapped
+  uint64_t map_runs = 0;        // calls that mapped them (a run of adjacent positions is one)
+  uint64_t wait_ns = 0;         // callers' time waiting for events to be applied
+  uint64_t apply_ns = 0;        // time applying them (on the mapping thread when asynchronous)
+  bool asynchronous = false;
+};
+
 class Client {
  public:
   virtual ~Client() = default;
@@ -162,6 +173,9 @@ class Client {
 
   // This client's stats: tiers, its counters, its spaces (the first kMaxStatsSpaces of them).
   virtual Result<RuntimeStats> stats() = 0;
+  // This process's mapping of the runtime's frames: maps applied, how many calls mapped them,
+  // and the calls' waits for them (MEMBAR_ASYNC_MAPS=0 maps on the delivering thread).
+  virtual MapCounters map_counters() const = 0;
 
   // Channels. create_channel makes a zero-filled channel of `bytes` (counted against the host
   // quota) under a name unique among this user's channels on the daemon (ALREADY_EXISTS

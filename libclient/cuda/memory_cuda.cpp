@@ -8,7 +8,9 @@
 #include <cuda.h>
 
 #include <map>
+#include <span>
 #include <string>
+#include <vector>
 
 #include "../memory.h"
 #include "membar/common/cuda/driver_api.h"
@@ -88,6 +90,38 @@ class CudaMapper final : public FrameMapper {
     if (set != CUDA_SUCCESS) {
       api_->cuMemUnmap(address, kFrameBytes);
       return driver_status(api_, set, "cuMemSetAccess of frame " + std::to_string(window_frame));
+    }
+    return Status::Ok();
+  }
+
+  // Note [Maps off the caller's thread] (../memory.cpp): the run's frames are mapped one by one
+  // and their access set once, over the whole run.
+  Status map_run(std::span<const uint32_t> window_frames, char* at) override {
+    std::vector<CUmemGenericAllocationHandle> handles;
+    for (uint32_t window_frame : window_frames) {
+      auto it = frames_.find(window_frame);
+      if (it == frames_.end()) {
+        return internal_error("the runtime mapped frame " + std::to_string(window_frame) + ", which it never granted");
+      }
+      handles.push_back(it->second.get());
+    }
+    MEMBAR_RETURN_IF_ERROR(cuda::bind_context(api_, context_.get()));
+    CUdeviceptr base = reinterpret_cast<CUdeviceptr>(at);
+    auto unmap_first = [&](size_t count) {
+      for (size_t j = 0; j < count; ++j) api_->cuMemUnmap(base + j * kFrameBytes, kFrameBytes);
+    };
+    for (size_t i = 0; i < handles.size(); ++i) {
+      CUresult mapped = api_->cuMemMap(base + i * kFrameBytes, kFrameBytes, 0, handles[i], 0);
+      if (mapped != CUDA_SUCCESS) {
+        unmap_first(i);
+        return driver_status(api_, mapped, "cuMemMap of frame " + std::to_string(window_frames[i]));
+      }
+    }
+    CUmemAccessDesc access = cuda::device_read_write_access(context_.device());
+    CUresult set = api_->cuMemSetAccess(base, handles.size() * kFrameBytes, &access, 1);
+    if (set != CUDA_SUCCESS) {
+      unmap_first(handles.size());
+      return driver_status(api_, set, "cuMemSetAccess of a run of " + std::to_string(handles.size()) + " frames");
     }
     return Status::Ok();
   }

@@ -113,6 +113,72 @@ TEST_F(CudaMapperTest, MappedFramesShareBytesBothWaysAtTheirPositions) {
   ASSERT_TRUE(memory_->remove_space(1).ok());
 }
 
+// Note [Maps off the caller's thread]: the CUDA mapper maps a run of adjacent positions with one
+// cuMemSetAccess over the run; the run reads and writes as one range, and each position unmaps
+// on its own afterwards.
+TEST_F(CudaMapperTest, ARunOfAdjacentFramesMapsWithOneAccessCall) {
+  Result<std::unique_ptr<FrameMapper>> made = make_cuda_mapper(0);
+  ASSERT_TRUE(made.ok()) << made.status().to_string();
+  std::unique_ptr<FrameMapper> mapper = std::move(made).value();
+  Result<char*> base = mapper->reserve(4 * kFrameBytes);
+  ASSERT_TRUE(base.ok()) << base.status().to_string();
+  uint64_t seed = std::random_device{}();
+  std::vector<uint32_t> run;
+  for (uint32_t i = 0; i < 3; ++i) {
+    Result<int> fd = backend_->export_gpu_frame(2 + i);
+    ASSERT_TRUE(fd.ok()) << fd.status().to_string();
+    ASSERT_TRUE(mapper->adopt_frame(10 + i, fd.value()).ok());
+    run.push_back(10 + i);
+  }
+  std::vector<uint8_t> bytes(3 * kFrameBytes), seen(3 * kFrameBytes);
+  fill_random(bytes.data(), bytes.size(), seed);
+  ASSERT_TRUE(mapper->map_run(run, base.value() + kFrameBytes).ok());
+  ASSERT_EQ(cudaMemcpy(base.value() + kFrameBytes, bytes.data(), bytes.size(), cudaMemcpyHostToDevice), cudaSuccess);
+  for (uint32_t i = 0; i < 3; ++i) {   // each position's bytes are in its own pool frame
+    ASSERT_EQ(cudaMemcpy(seen.data(), backend_->frame_pointer(Tier::kGpu, 2 + i), kFrameBytes, cudaMemcpyDeviceToHost),
+              cudaSuccess);
+    EXPECT_EQ(std::memcmp(seen.data(), bytes.data() + i * kFrameBytes, kFrameBytes), 0) << "frame " << i;
+  }
+  // The middle position alone goes; the others stay readable.
+  ASSERT_TRUE(mapper->unmap(base.value() + 2 * kFrameBytes).ok());
+  ASSERT_EQ(cudaMemcpy(seen.data(), base.value() + 3 * kFrameBytes, kFrameBytes, cudaMemcpyDeviceToHost), cudaSuccess);
+  EXPECT_EQ(std::memcmp(seen.data(), bytes.data() + 2 * kFrameBytes, kFrameBytes), 0);
+  // A run naming a frame never granted maps nothing.
+  std::vector<uint32_t> bad = {10, 99};
+  EXPECT_EQ(mapper->map_run(bad, base.value() + 2 * kFrameBytes).code(), StatusCode::INTERNAL);
+  ASSERT_TRUE(mapper->unmap(base.value() + kFrameBytes).ok());
+  ASSERT_TRUE(mapper->unmap(base.value() + 3 * kFrameBytes).ok());
+  for (uint32_t w : run) mapper->drop_frame(w);
+  mapper->release(base.value(), 4 * kFrameBytes);
+}
+
+// The same events applied on ClientMemory's mapping thread (MEMBAR_ASYNC_MAPS's default): a
+// settled range reads the daemon's bytes.
+TEST_F(CudaMapperTest, EventsAppliedOnTheMappingThreadShareBytesOnceSettled) {
+  Result<std::unique_ptr<FrameMapper>> mapper = make_cuda_mapper(0);
+  ASSERT_TRUE(mapper.ok()) << mapper.status().to_string();
+  memory_ = std::make_unique<ClientMemory>(std::move(mapper).value(), make_mmap_mapper(), 2, /*asynchronous=*/true);
+  ASSERT_TRUE(memory_->add_space(1, kFrameBytes, 4).ok());
+  SpaceView view = memory_->view(1).value();
+  uint64_t seed = std::random_device{}();
+  std::vector<uint8_t> bytes(4 * kFrameBytes), seen(4 * kFrameBytes);
+  fill_random(bytes.data(), bytes.size(), seed);
+  for (uint32_t i = 0; i < 4; ++i) {
+    ASSERT_EQ(cudaMemcpy(backend_->frame_pointer(Tier::kGpu, 4 + i), bytes.data() + i * kFrameBytes, kFrameBytes,
+                         cudaMemcpyHostToDevice), cudaSuccess);
+    grant(i, 4 + i);
+  }
+  for (uint32_t i = 0; i < 4; ++i) ASSERT_TRUE(memory_->mapped(Tier::kGpu, i, 1, i).ok());
+  PageRange all{1, 0, 4};
+  ASSERT_TRUE(memory_->settle_ranges(std::span<const PageRange>(&all, 1)).ok());
+  ASSERT_EQ(cudaMemcpy(seen.data(), view.gpu, seen.size(), cudaMemcpyDeviceToHost), cudaSuccess);
+  EXPECT_EQ(seen, bytes);
+  MapCounters counters = memory_->counters();
+  EXPECT_EQ(counters.maps, 4u);
+  EXPECT_LE(counters.map_runs, 4u);
+  ASSERT_TRUE(memory_->remove_space(1).ok());
+}
+
 TEST_F(CudaMapperTest, BadEventsGetClearErrors) {
   ASSERT_TRUE(memory_->add_space(1, 1 << 20, 3).ok());  // two space frames
   EXPECT_EQ(memory_->mapped(Tier::kGpu, 7, 1, 0).code(), StatusCode::INTERNAL) << "a frame never granted";

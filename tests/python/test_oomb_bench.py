@@ -234,7 +234,8 @@ def test_waits_summary_lists_each_timed_row_by_kind_longest_first(tmp_path):
          "gpu_maps": 0, "bytes_moved_gib": 0.0},
         {"variant": "dense-offload+displace8", "tokens": 262144, "step_seconds": 155.0, "store_host_seconds": 20.0,
          "gpu_maps": 1000, "fence_waits": 12, "store_fence_wait_seconds": 0.5, "bytes_moved_gib": 2900.0,
-         "store_call_seconds": {"lock_wait": 1.0, "locked": 6.0, "enqueue": 2.5, "deliver": 4.0}},
+         "store_call_seconds": {"lock_wait": 1.0, "locked": 6.0, "enqueue": 2.5, "deliver": 4.0},
+         "store_map_apply_seconds": 3.0, "map_runs": 700, "store_map_wait_seconds": 0.25, "async_maps": True},
         {"variant": "dense-offload+timewaits", "tokens": 262144, "step_seconds": 160.0, "stream_wait_seconds": 9.0,
          "stream_wait_by_kind": {"kv:forward": {"seconds": 1.5, "waits": 10, "longest_ms": 3.0},
                                  "dkv:backward": {"seconds": 7.5, "waits": 20, "longest_ms": 40.0}}}]}))
@@ -242,7 +243,8 @@ def test_waits_summary_lists_each_timed_row_by_kind_longest_first(tmp_path):
     assert len(lines) == 4, lines
     assert lines[0] == ("dense-offload+displace8 at 262144 tokens: 155.0 s; the host spent 20.00 s in the store's "
                         "runtime calls, 1000 GPU frames mapped, 12 fence waits (0.50 s), 2900.0 GiB moved; runtime calls: "
-                        "lock wait 1.00 s, locked 6.00 s (enqueue 2.50 s), deliver 4.00 s")
+                        "lock wait 1.00 s, locked 6.00 s (enqueue 2.50 s), deliver 4.00 s; maps applied on a mapping "
+                        "thread in 3.00 s (700 runs), calls waited 0.25 s for them")
     assert lines[1].startswith("dense-offload+timewaits at 262144 tokens: 160.0 s")
     assert "dkv:backward" in lines[2] and "7.50 s in      20 waits, longest 40.0 ms" in lines[2]
     assert "kv:forward" in lines[3]

@@ -113,6 +113,13 @@ class StoreStats:
     # The runtime's own account of its calls' time (ClientStats call_*_ns): waiting for the engine's
     # lock, holding it, handing copies to the backend, delivering events (map calls).
     call_ns: dict = field(default_factory=lambda: dict.fromkeys(_CALL_PARTS, 0))
+    # This process's mapping of frames (Note [Maps off the caller's thread] in libclient/memory.cpp):
+    # time applying the runtime's map events (on the mapping thread unless MEMBAR_ASYNC_MAPS=0), the
+    # calls' waits for them (part of host_ns), runs of maps, and whether a mapping thread did it.
+    map_apply_ns: int = 0
+    map_wait_ns: int = 0
+    map_runs: int = 0
+    async_maps: bool = False
     pages_live: dict = field(default_factory=lambda: {"current": 0, "peak": 0, "allocated": 0, "freed": 0})
 
     def pages_allocated(self, count: int) -> None:
@@ -135,6 +142,8 @@ class StoreStats:
             "stall_ns": self.stall_ns, "stream_wait_ns": self.stream_wait_ns, "pages_read": self.pages_read,
             "host_ns": self.host_ns, "gpu_maps": self.gpu_maps,
             "fence_waits": self.fence_waits, "fence_wait_ns": self.fence_wait_ns, "call_ns": dict(self.call_ns),
+            "map_apply_ns": self.map_apply_ns, "map_wait_ns": self.map_wait_ns, "map_runs": self.map_runs,
+            "async_maps": self.async_maps,
             "stream_wait_by_kind": {label: list(entry) for label, entry in self.stream_wait_by_kind.items()},
             "pages_live": dict(self.pages_live),
         }

@@ -557,6 +557,8 @@ class RuntimeKVStore(KVStore):
         stats.fence_waits = int(client.get("fence_waits", 0))
         stats.fence_wait_ns = int(client.get("fence_wait_ns", 0))
         stats.call_ns = {part: int(client.get(f"call_{part}_ns", 0)) for part in _CALL_PARTS}
+        _, _, stats.map_runs, stats.map_wait_ns, stats.map_apply_ns, asynchronous = self.runtime._native.map_counters()
+        stats.async_maps = bool(asynchronous)
         stats.host_pool_bytes = int(client["host_frames"]["peak"]) * _FRAME
         stats.device_pool_bytes = int(client["gpu_frames"]["peak"]) * _FRAME
         # The runtime's stall time holds the host's waits and the stream waits reported to it.

@@ -337,6 +337,10 @@ class OOMBTrainer:
             "store_fence_wait_seconds": (store_after["fence_wait_ns"] - store_before["fence_wait_ns"]) * 1e-9,
             "store_call_seconds": {part: (store_after["call_ns"][part] - store_before["call_ns"][part]) * 1e-9
                                    for part in store_after["call_ns"]},
+            "store_map_apply_seconds": (store_after.get("map_apply_ns", 0) - store_before.get("map_apply_ns", 0)) * 1e-9,
+            "store_map_wait_seconds": (store_after.get("map_wait_ns", 0) - store_before.get("map_wait_ns", 0)) * 1e-9,
+            "map_runs": store_after.get("map_runs", 0) - store_before.get("map_runs", 0),
+            "async_maps": bool(store_after.get("async_maps", False)),
             **({"stream_wait_seconds": (store_after["stream_wait_ns"] - store_before["stream_wait_ns"]) * 1e-9,
                 "stream_wait_by_kind": _waits_by_kind(store_before.get("stream_wait_by_kind", {}),
                                                       store_after.get("stream_wait_by_kind", {}))}
