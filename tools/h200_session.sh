@@ -47,6 +47,9 @@
 #             blocks, in one run: map calls, fence waits, the runtime calls' host time split and bytes
 #             moved against step time (Note [Eviction order]); then bench/probes/maps_probe.py with
 #             ranks 0 and all
+#   asyncmaps the client's mapping thread (Note [Maps off the caller's thread]): test_cuda_mapper, then 7B
+#             dense-offload at 64K (blocks of 16K) and 128K with maps on the mapping thread (default) and on
+#             the receiving thread ("+syncmaps"), beside plain tensors read in blocks, in one run
 #   gpuwait   the stream's own wait for pages, timed with CUDA events ("+timewaits", MEMBAR_TIME_STREAM_WAITS=1;
 #             oomb_bench.json has them per access kind and phase: stream_wait_by_kind),
 #             embedded dense-offload at 32K and 128K beside plain tensors and the untimed run (the
@@ -207,6 +210,14 @@ for step in "$@"; do
         MEMBAR_DISPLACE_RANK=$rank timeout 90 "$py" bench/probes/maps_probe.py > "$work/displace/maps_probe-$rank.txt" 2>&1 || status=1
         echo "displace_rank $rank: $(tail -1 "$work/displace/maps_probe-$rank.txt")"
       done ;;
+    asyncmaps)
+      # Note [Maps off the caller's thread]: frames mapped on the client's mapping thread (default)
+      # against on the thread that receives the events ("+syncmaps"), beside plain tensors read in blocks.
+      "$bin/test_cuda_mapper" > "$work/asyncmaps-mapper.log" 2>&1 || status=1
+      tail -3 "$work/asyncmaps-mapper.log"
+      bench asyncmaps --contexts "${ASYNC_CONTEXTS:-64K,128K}" --time-budget "${ASYNC_BUDGET:-420}" --time-limit 200 \
+        --variants "${ASYNC_VARIANTS:-dense+plain+streamed@16K:64K,dense-offload@16K:64K,dense-offload+syncmaps@16K:64K,dense+plain+streamed:128K,dense-offload:128K,dense-offload+syncmaps:128K}"
+      "$py" tools/waits_summary.py "$work/asyncmaps/oomb_bench.json" ;;
     gpuwait)
       bench gpuwait --contexts 32K,128K --time-budget "${GPUWAIT_BUDGET:-400}" \
         --variants "dense+plain:32K/128K,dense-offload+timewaits:32K/128K,dense-offload:32K" ;;
