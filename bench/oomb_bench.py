@@ -40,8 +40,9 @@ one block's room (as before session 12); "+reuse" has stage 2 take stage 1's att
 occupant is among the first 8 of MIN's eviction candidates ("+displaceall": any occupant a prefetch may
 evict; MEMBAR_DISPLACE_RANK, Note [Eviction order]: fewer GPU map calls for some extra copies); "+streamed" after "+plain" reads the plain tensors'
 history in blocks as offloaded pages are read (what the blocks cost without a copy or a wait);
-"+syncmaps" maps frames on the thread that receives the runtime's events (MEMBAR_ASYNC_MAPS=0), as
-before the mapping thread (Note [Maps off the caller's thread] in libclient/memory.cpp);
+"+asyncmaps" maps frames on a thread of the client library's own (MEMBAR_ASYNC_MAPS=1; "+syncmaps":
+=0, the default) instead of the thread that receives the runtime's events (Note [Maps off the
+caller's thread] in libclient/memory.cpp);
 "+profile" records the timed step with torch.profiler and
 writes its busiest operations (self device time, calls) to profile-VARIANT-TOKENS.txt beside the
 results (the profiler slows the step: its time is not comparable); "@8K" sets the variant's history block.
@@ -325,9 +326,12 @@ def run_one(model, spec: dict) -> dict:
             os.environ["MEMBAR_TIME_STREAM_WAITS"] = "1"
         else:
             os.environ.pop("MEMBAR_TIME_STREAM_WAITS", None)
-        # "+syncmaps": frame maps on the thread that receives the runtime's events, as before Note
-        # [Maps off the caller's thread] (MEMBAR_ASYNC_MAPS=0; the runtime reads it when it starts).
-        if "+syncmaps" in result["variant"]:
+        # "+asyncmaps" / "+syncmaps": frame maps on the client's mapping thread or on the thread that
+        # receives the runtime's events (Note [Maps off the caller's thread]; MEMBAR_ASYNC_MAPS, read when
+        # the runtime starts).
+        if "+asyncmaps" in result["variant"]:
+            os.environ["MEMBAR_ASYNC_MAPS"] = "1"
+        elif "+syncmaps" in result["variant"]:
             os.environ["MEMBAR_ASYNC_MAPS"] = "0"
         else:
             os.environ.pop("MEMBAR_ASYNC_MAPS", None)

@@ -131,7 +131,7 @@ class DaemonClient final : public Client {
     v2::RequestV2 request = range_request(v2::Opcode::kAcquire, range);
     request.flags = flags;
     MEMBAR_ASSIGN_OR_RETURN(Reply reply, retried([&] { return call(request); }));
-    MEMBAR_RETURN_IF_ERROR(memory_->settle_ranges(std::span<const PageRange>(&range, 1)));
+    MEMBAR_RETURN_IF_ERROR(memory_->settle_ranges(&range, 1));
     return Acquired{reply.ticket, static_cast<char*>(view.gpu) + uint64_t(range.first_page) * view.page_bytes};
   }
 
@@ -193,7 +193,7 @@ class DaemonClient final : public Client {
       MEMBAR_ASSIGN_OR_RETURN(Reply reply,
                               retried([&] { return call(range_request(v2::Opcode::kAcquireHost, range)); }));
       ticket = reply.ticket;
-      MEMBAR_RETURN_IF_ERROR(memory_->settle_ranges(std::span<const PageRange>(&range, 1)));
+      MEMBAR_RETURN_IF_ERROR(memory_->settle_ranges(&range, 1));
     }
     MEMBAR_RETURN_IF_ERROR(wait(ticket));
     return static_cast<void*>(static_cast<char*>(view.host) + uint64_t(range.first_page) * view.page_bytes);

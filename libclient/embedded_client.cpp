@@ -159,7 +159,7 @@ class EmbeddedClient final : public Client {
     std::lock_guard<std::mutex> lock(mutex_);
     MEMBAR_ASSIGN_OR_RETURN(SpaceView view, memory_->view(range.space));
     MEMBAR_ASSIGN_OR_RETURN(Ticket ticket, retried([&] { return engine_->acquire(id_, range, flags); }));
-    MEMBAR_RETURN_IF_ERROR(memory_->settle_ranges(std::span<const PageRange>(&range, 1)));
+    MEMBAR_RETURN_IF_ERROR(memory_->settle_ranges(&range, 1));
     return Acquired{ticket, static_cast<char*>(view.gpu) + uint64_t(range.first_page) * view.page_bytes};
   }
 
@@ -209,7 +209,7 @@ class EmbeddedClient final : public Client {
       std::lock_guard<std::mutex> lock(mutex_);
       MEMBAR_ASSIGN_OR_RETURN(view, memory_->view(range.space));
       MEMBAR_ASSIGN_OR_RETURN(ticket, retried([&] { return engine_->acquire_host(id_, range); }));
-      MEMBAR_RETURN_IF_ERROR(memory_->settle_ranges(std::span<const PageRange>(&range, 1)));
+      MEMBAR_RETURN_IF_ERROR(memory_->settle_ranges(&range, 1));
     }
     MEMBAR_RETURN_IF_ERROR(wait(ticket));
     return static_cast<void*>(static_cast<char*>(view.host) + uint64_t(range.first_page) * view.page_bytes);

@@ -2,8 +2,9 @@
 // and tier, the frames and slabs the runtime granted, and which frame is mapped at which space
 // position. The embedded client applies the engine's events here directly; the daemon client
 // applies the same events as they arrive on its socket. Thread-safe (events may arrive on any
-// thread); calls are short except the CUDA maps (tens of microseconds each), which run on a thread
-// of their own unless MEMBAR_ASYNC_MAPS=0 (Note [Maps off the caller's thread] in memory.cpp).
+// thread; C++17, for CUDA sources too); calls are short except the CUDA maps (tens of microseconds
+// each), which run on a thread of their own with MEMBAR_ASYNC_MAPS=1 (Note [Maps off the caller's
+// thread] in memory.cpp).
 #pragma once
 
 #include <atomic>
@@ -14,7 +15,6 @@
 #include <memory>
 #include <mutex>
 #include <set>
-#include <span>
 #include <thread>
 #include <unordered_map>
 #include <utility>
@@ -42,7 +42,7 @@ class FrameMapper {
   virtual Status map(uint32_t window_frame, char* at) = 0;
   // Frames window_frames[i] at at + i * kFrameBytes, none of those addresses mapped (the CUDA
   // tier sets access once for the run). Maps frame by frame by default.
-  virtual Status map_run(std::span<const uint32_t> window_frames, char* at);
+  virtual Status map_run(const uint32_t* window_frames, size_t count, char* at);
   virtual Status unmap(char* at) = 0;
 };
 
@@ -53,7 +53,7 @@ std::unique_ptr<FrameMapper> make_mmap_mapper();
 Result<std::unique_ptr<FrameMapper>> make_cuda_mapper(int device);
 #endif
 
-// Whether ClientMemory applies events on a thread of its own: MEMBAR_ASYNC_MAPS (default 1).
+// Whether ClientMemory applies events on a thread of its own: MEMBAR_ASYNC_MAPS=1 (default off).
 bool async_maps_from_env();
 
 class ClientMemory {
@@ -66,7 +66,8 @@ class ClientMemory {
   Status settle();
   // Waits until the events that mapped the frames under `ranges` (either tier) are applied: what
   // a call that hands out those pages needs before it returns; then take_error.
-  Status settle_ranges(std::span<const PageRange> ranges);
+  Status settle_ranges(const PageRange* ranges, size_t count);
+  Status settle_ranges(const std::vector<PageRange>& ranges) { return settle_ranges(ranges.data(), ranges.size()); }
   MapCounters counters() const;
 
   Status add_space(SpaceId space, uint64_t page_bytes, uint32_t page_count);

@@ -48,8 +48,9 @@
 #             moved against step time (Note [Eviction order]); then bench/probes/maps_probe.py with
 #             ranks 0 and all
 #   asyncmaps the client's mapping thread (Note [Maps off the caller's thread]): test_cuda_mapper, then 7B
-#             dense-offload at 64K (blocks of 16K) and 128K with maps on the mapping thread (default) and on
-#             the receiving thread ("+syncmaps"), beside plain tensors read in blocks, in one run
+#             dense-offload at 64K (blocks of 16K) with maps on the receiving thread (default) and on the
+#             mapping thread ("+asyncmaps"), each also with displace_rank all, beside plain tensors read in
+#             blocks, in one run (ASYNC_CONTEXTS / ASYNC_VARIANTS for others)
 #   gpuwait   the stream's own wait for pages, timed with CUDA events ("+timewaits", MEMBAR_TIME_STREAM_WAITS=1;
 #             oomb_bench.json has them per access kind and phase: stream_wait_by_kind),
 #             embedded dense-offload at 32K and 128K beside plain tensors and the untimed run (the
@@ -215,8 +216,8 @@ for step in "$@"; do
       # against on the thread that receives the events ("+syncmaps"), beside plain tensors read in blocks.
       "$bin/test_cuda_mapper" > "$work/asyncmaps-mapper.log" 2>&1 || status=1
       tail -3 "$work/asyncmaps-mapper.log"
-      bench asyncmaps --contexts "${ASYNC_CONTEXTS:-64K,128K}" --time-budget "${ASYNC_BUDGET:-420}" --time-limit 200 \
-        --variants "${ASYNC_VARIANTS:-dense+plain+streamed@16K:64K,dense-offload@16K:64K,dense-offload+syncmaps@16K:64K,dense+plain+streamed:128K,dense-offload:128K,dense-offload+syncmaps:128K}"
+      bench asyncmaps --contexts "${ASYNC_CONTEXTS:-64K}" --time-budget "${ASYNC_BUDGET:-420}" --time-limit 200 \
+        --variants "${ASYNC_VARIANTS:-dense+plain+streamed@16K:64K,dense-offload@16K:64K,dense-offload+asyncmaps@16K:64K,dense-offload+displaceall@16K:64K,dense-offload+displaceall+asyncmaps@16K:64K}"
       "$py" tools/waits_summary.py "$work/asyncmaps/oomb_bench.json" ;;
     gpuwait)
       bench gpuwait --contexts 32K,128K --time-budget "${GPUWAIT_BUDGET:-400}" \

@@ -174,7 +174,8 @@ class Client {
   // This client's stats: tiers, its counters, its spaces (the first kMaxStatsSpaces of them).
   virtual Result<RuntimeStats> stats() = 0;
   // This process's mapping of the runtime's frames: maps applied, how many calls mapped them,
-  // and the calls' waits for them (MEMBAR_ASYNC_MAPS=0 maps on the delivering thread).
+  // and the calls' waits for them (MEMBAR_ASYNC_MAPS=1 maps on a thread of the
+  // client library's own; by default on the thread that receives the events).
   virtual MapCounters map_counters() const = 0;
 
   // Channels. create_channel makes a zero-filled channel of `bytes` (counted against the host

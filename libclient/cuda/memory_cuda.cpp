@@ -8,7 +8,6 @@
 #include <cuda.h>
 
 #include <map>
-#include <span>
 #include <string>
 #include <vector>
 
@@ -96,9 +95,10 @@ class CudaMapper final : public FrameMapper {
 
   // Note [Maps off the caller's thread] (../memory.cpp): the run's frames are mapped one by one
   // and their access set once, over the whole run.
-  Status map_run(std::span<const uint32_t> window_frames, char* at) override {
+  Status map_run(const uint32_t* window_frames, size_t count, char* at) override {
     std::vector<CUmemGenericAllocationHandle> handles;
-    for (uint32_t window_frame : window_frames) {
+    for (size_t i = 0; i < count; ++i) {
+      uint32_t window_frame = window_frames[i];
       auto it = frames_.find(window_frame);
       if (it == frames_.end()) {
         return internal_error("the runtime mapped frame " + std::to_string(window_frame) + ", which it never granted");

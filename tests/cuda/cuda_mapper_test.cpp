@@ -132,7 +132,7 @@ TEST_F(CudaMapperTest, ARunOfAdjacentFramesMapsWithOneAccessCall) {
   }
   std::vector<uint8_t> bytes(3 * kFrameBytes), seen(3 * kFrameBytes);
   fill_random(bytes.data(), bytes.size(), seed);
-  ASSERT_TRUE(mapper->map_run(run, base.value() + kFrameBytes).ok());
+  ASSERT_TRUE(mapper->map_run(run.data(), run.size(), base.value() + kFrameBytes).ok());
   ASSERT_EQ(cudaMemcpy(base.value() + kFrameBytes, bytes.data(), bytes.size(), cudaMemcpyHostToDevice), cudaSuccess);
   for (uint32_t i = 0; i < 3; ++i) {   // each position's bytes are in its own pool frame
     ASSERT_EQ(cudaMemcpy(seen.data(), backend_->frame_pointer(Tier::kGpu, 2 + i), kFrameBytes, cudaMemcpyDeviceToHost),
@@ -145,14 +145,14 @@ TEST_F(CudaMapperTest, ARunOfAdjacentFramesMapsWithOneAccessCall) {
   EXPECT_EQ(std::memcmp(seen.data(), bytes.data() + 2 * kFrameBytes, kFrameBytes), 0);
   // A run naming a frame never granted maps nothing.
   std::vector<uint32_t> bad = {10, 99};
-  EXPECT_EQ(mapper->map_run(bad, base.value() + 2 * kFrameBytes).code(), StatusCode::INTERNAL);
+  EXPECT_EQ(mapper->map_run(bad.data(), bad.size(), base.value() + 2 * kFrameBytes).code(), StatusCode::INTERNAL);
   ASSERT_TRUE(mapper->unmap(base.value() + kFrameBytes).ok());
   ASSERT_TRUE(mapper->unmap(base.value() + 3 * kFrameBytes).ok());
   for (uint32_t w : run) mapper->drop_frame(w);
   mapper->release(base.value(), 4 * kFrameBytes);
 }
 
-// The same events applied on ClientMemory's mapping thread (MEMBAR_ASYNC_MAPS's default): a
+// The same events applied on ClientMemory's mapping thread (MEMBAR_ASYNC_MAPS=1): a
 // settled range reads the daemon's bytes.
 TEST_F(CudaMapperTest, EventsAppliedOnTheMappingThreadShareBytesOnceSettled) {
   Result<std::unique_ptr<FrameMapper>> mapper = make_cuda_mapper(0);
@@ -170,7 +170,7 @@ TEST_F(CudaMapperTest, EventsAppliedOnTheMappingThreadShareBytesOnceSettled) {
   }
   for (uint32_t i = 0; i < 4; ++i) ASSERT_TRUE(memory_->mapped(Tier::kGpu, i, 1, i).ok());
   PageRange all{1, 0, 4};
-  ASSERT_TRUE(memory_->settle_ranges(std::span<const PageRange>(&all, 1)).ok());
+  ASSERT_TRUE(memory_->settle_ranges(&all, 1).ok());
   ASSERT_EQ(cudaMemcpy(seen.data(), view.gpu, seen.size(), cudaMemcpyDeviceToHost), cudaSuccess);
   EXPECT_EQ(seen, bytes);
   MapCounters counters = memory_->counters();

@@ -53,9 +53,9 @@ class HeldMapper final : public FrameMapper {
     }
     return inner_->map(window_frame, at);
   }
-  Status map_run(std::span<const uint32_t> window_frames, char* at) override {
-    runs_.push_back(window_frames.size());
-    return FrameMapper::map_run(window_frames, at);
+  Status map_run(const uint32_t* window_frames, size_t count, char* at) override {
+    runs_.push_back(count);
+    return FrameMapper::map_run(window_frames, count, at);
   }
   Status unmap(char* at) override { return inner_->unmap(at); }
 
@@ -97,14 +97,14 @@ TEST(ClientMemory, ACallWaitsOnlyForTheEventsOfItsOwnPages) {
   held->wait_reached();
   // Pages 0-1 (frame 0) were mapped before the held event: the call does not wait for it.
   PageRange first{1, 0, 2};
-  ASSERT_TRUE(memory.settle_ranges(std::span<const PageRange>(&first, 1)).ok());
+  ASSERT_TRUE(memory.settle_ranges(&first, 1).ok());
   EXPECT_EQ(word_at(view, 0), 101u);
   // A map given after the held one (frame 2 at position 3) waits for it: events apply in order.
   ASSERT_TRUE(memory.mapped(Tier::kGpu, 2, 1, 3).ok());
   std::atomic<bool> settled{false};
   std::thread waiter([&] {
     PageRange later{1, 6, 2};
-    EXPECT_TRUE(memory.settle_ranges(std::span<const PageRange>(&later, 1)).ok());
+    EXPECT_TRUE(memory.settle_ranges(&later, 1).ok());
     settled = true;
   });
   std::this_thread::sleep_for(std::chrono::milliseconds(50));
@@ -164,7 +164,7 @@ TEST(ClientMemory, ErrorsOfQueuedEventsReachTheNextSettle) {
   ASSERT_TRUE(memory.add_space(1, kFrameBytes, 2).ok());
   ASSERT_TRUE(memory.mapped(Tier::kGpu, 3, 1, 0).ok());   // frame 3 was never granted
   PageRange page{1, 0, 1};
-  Status status = memory.settle_ranges(std::span<const PageRange>(&page, 1));
+  Status status = memory.settle_ranges(&page, 1);
   EXPECT_EQ(status.code(), StatusCode::INTERNAL);
   EXPECT_NE(status.message().find("never granted"), std::string::npos) << status.to_string();
   EXPECT_TRUE(memory.settle().ok());   // reported once

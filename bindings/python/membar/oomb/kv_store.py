@@ -114,7 +114,7 @@ class StoreStats:
     # lock, holding it, handing copies to the backend, delivering events (map calls).
     call_ns: dict = field(default_factory=lambda: dict.fromkeys(_CALL_PARTS, 0))
     # This process's mapping of frames (Note [Maps off the caller's thread] in libclient/memory.cpp):
-    # time applying the runtime's map events (on the mapping thread unless MEMBAR_ASYNC_MAPS=0), the
+    # time applying the runtime's map events (on a mapping thread with MEMBAR_ASYNC_MAPS=1), the
     # calls' waits for them (part of host_ns), runs of maps, and whether a mapping thread did it.
     map_apply_ns: int = 0
     map_wait_ns: int = 0
