@@ -51,6 +51,8 @@
 #             dense-offload at 64K (blocks of 16K) with maps on the receiving thread (default) and on the
 #             mapping thread ("+asyncmaps"), each also with displace_rank all, beside plain tensors read in
 #             blocks, in one run (ASYNC_CONTEXTS / ASYNC_VARIANTS for others)
+#   asyncdepth  the mapping thread with the lookahead 4 and 8 accesses ahead ("+asyncmaps+depth4/8") against
+#             depth 4 alone and the default, 7B dense-offload at 64K (blocks of 16K), plain tensors beside
 #   gpuwait   the stream's own wait for pages, timed with CUDA events ("+timewaits", MEMBAR_TIME_STREAM_WAITS=1;
 #             oomb_bench.json has them per access kind and phase: stream_wait_by_kind),
 #             embedded dense-offload at 32K and 128K beside plain tensors and the untimed run (the
@@ -219,6 +221,12 @@ for step in "$@"; do
       bench asyncmaps --contexts "${ASYNC_CONTEXTS:-64K}" --time-budget "${ASYNC_BUDGET:-420}" --time-limit 200 \
         --variants "${ASYNC_VARIANTS:-dense+plain+streamed@16K:64K,dense-offload@16K:64K,dense-offload+asyncmaps@16K:64K,dense-offload+displaceall@16K:64K,dense-offload+displaceall+asyncmaps@16K:64K}"
       "$py" tools/waits_summary.py "$work/asyncmaps/oomb_bench.json" ;;
+    asyncdepth)
+      # The mapping thread with a deeper lookahead (it waited for most maps at depth 2, session 16):
+      # "+depthN" also grows the default GPU budget to match, so compare against "+depth4" alone.
+      bench asyncdepth --contexts "${ASYNC_CONTEXTS:-64K}" --time-budget "${ASYNC_BUDGET:-420}" --time-limit 200 \
+        --variants "${ASYNC_VARIANTS:-dense+plain+streamed@16K:64K,dense-offload@16K:64K,dense-offload+depth4@16K:64K,dense-offload+asyncmaps+depth4@16K:64K,dense-offload+asyncmaps+depth8@16K:64K}"
+      "$py" tools/waits_summary.py "$work/asyncdepth/oomb_bench.json" ;;
     gpuwait)
       bench gpuwait --contexts 32K,128K --time-budget "${GPUWAIT_BUDGET:-400}" \
         --variants "dense+plain:32K/128K,dense-offload+timewaits:32K/128K,dense-offload:32K" ;;
