@@ -170,13 +170,7 @@ Status ClientMemory::add_space(SpaceId space, uint64_t page_bytes, uint32_t page
 }
 
 Status ClientMemory::remove_space(SpaceId space) {
-  // Every event given so far is applied first: none may reach a space that is gone.
-  uint64_t through = 0;
-  {
-    std::lock_guard<std::mutex> queue_lock(queue_mutex_);
-    through = given_;
-  }
-  MEMBAR_RETURN_IF_ERROR(wait_applied(through));
+  wait_all_applied();   // none of the events given so far may reach a space that is gone
   std::lock_guard<std::mutex> lock(mutex_);
   auto it = spaces_.find(space);
   if (it == spaces_.end()) return Status::Ok();
@@ -283,8 +277,13 @@ void ClientMemory::run_mapper() {
           ++end;
         }
         maps = end - i;
-        Status status = apply_map_run(batch, i, end);
-        if (!status.ok()) note_error(status);
+        Status status = apply_map_run(&batch[i], maps);
+        // One by one after a failed run: the error names the frame, and the others are mapped.
+        for (size_t j = i; !status.ok() && maps > 1 && j < end; ++j) {
+          Status one = apply_map_run(&batch[j], 1);
+          if (!one.ok()) note_error(one);
+        }
+        if (!status.ok() && maps == 1) note_error(status);
       } else {
         Status status = apply(batch[i]);
         if (!status.ok()) note_error(status);
@@ -303,22 +302,25 @@ void ClientMemory::run_mapper() {
   }
 }
 
-Status ClientMemory::wait_applied(uint64_t sequence) {
+void ClientMemory::wait_applied(uint64_t sequence) {
   std::unique_lock<std::mutex> lock(queue_mutex_);
-  if (applied_through_ >= sequence) return Status::Ok();
+  if (applied_through_ >= sequence) return;
   auto started = std::chrono::steady_clock::now();
   applied_.wait(lock, [&] { return applied_through_ >= sequence; });
   counters_.wait_ns += nanoseconds_since(started);
-  return Status::Ok();
 }
 
-Status ClientMemory::settle() {
+void ClientMemory::wait_all_applied() {
   uint64_t through = 0;
   {
     std::lock_guard<std::mutex> lock(queue_mutex_);
     through = given_;
   }
-  MEMBAR_RETURN_IF_ERROR(wait_applied(through));
+  wait_applied(through);
+}
+
+Status ClientMemory::settle() {
+  wait_all_applied();
   return take_error();
 }
 
@@ -342,7 +344,7 @@ Status ClientMemory::settle_ranges(const PageRange* ranges, size_t count) {
       }
     }
   }
-  MEMBAR_RETURN_IF_ERROR(wait_applied(needed));
+  wait_applied(needed);
   return take_error();
 }
 
@@ -357,45 +359,36 @@ Status ClientMemory::apply(const Op& op) {
     case Op::Kind::kFrameRevoked: return apply_frame_revoked(op.window_frame);
     case Op::Kind::kSlabGranted: return apply_slab_granted(op.window_frame, op.frames, op.fd);
     case Op::Kind::kSlabRevoked: return apply_slab_revoked(op.window_frame);
-    case Op::Kind::kMapped: return apply_mapped(op.tier, op.window_frame, op.space, op.space_frame);
+    case Op::Kind::kMapped: return apply_map_run(&op, 1);
     case Op::Kind::kUnmapped: return apply_unmapped(op.tier, op.space, op.space_frame);
   }
   return internal_error("unknown frame event");
 }
 
-Status ClientMemory::apply_map_run(const std::vector<Op>& ops, size_t first, size_t end) {
-  if (end - first == 1) return apply(ops[first]);
-  {
-    std::lock_guard<std::mutex> lock(mutex_);
-    int t = ops[first].tier;
-    SpaceId space = ops[first].space;
-    auto it = spaces_.find(space);
-    if (it != spaces_.end() && uint64_t(ops[end - 1].space_frame + 1) * kFrameBytes <= it->second.reserved) {
-      Status status = Status::Ok();
-      for (size_t i = first; i < end && status.ok(); ++i) {
-        Position position{space, ops[i].space_frame};
-        if (positions_[t].count(position) != 0) status = unmap_locked(t, position);
-      }
-      std::vector<uint32_t> frames;
-      for (size_t i = first; i < end; ++i) frames.push_back(ops[i].window_frame);
-      if (status.ok()) status = mappers_[t]->map_run(frames.data(), frames.size(), it->second.base[t] + uint64_t(ops[first].space_frame) * kFrameBytes);
-      if (status.ok()) {
-        for (size_t i = first; i < end; ++i) {
-          Position position{space, ops[i].space_frame};
-          positions_[t][position] = ops[i].window_frame;
-          frame_positions_[t][ops[i].window_frame].insert(position);
-        }
-        return Status::Ok();
-      }
-    }
+// Maps ops[0, count): adjacent positions of one space and tier, as one run (count may be 1).
+Status ClientMemory::apply_map_run(const Op* ops, size_t count) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  int t = ops[0].tier;
+  SpaceId space = ops[0].space;
+  auto it = spaces_.find(space);
+  if (it == spaces_.end()) return internal_error("the runtime mapped a frame in space " + std::to_string(space) + ", which this client does not know");
+  if (uint64_t(ops[count - 1].space_frame + 1) * kFrameBytes > it->second.reserved) {
+    return internal_error("the runtime mapped a frame past the end of space " + std::to_string(space));
   }
-  // One by one: the error names the frame (or the space) that could not be mapped.
-  Status status = Status::Ok();
-  for (size_t i = first; i < end; ++i) {
-    Status one = apply(ops[i]);
-    if (status.ok()) status = one;
+  std::vector<uint32_t> frames;
+  for (size_t i = 0; i < count; ++i) {
+    Position position{space, ops[i].space_frame};
+    if (positions_[t].count(position) != 0) MEMBAR_RETURN_IF_ERROR(unmap_locked(t, position));
+    frames.push_back(ops[i].window_frame);
   }
-  return status;
+  char* at = it->second.base[t] + uint64_t(ops[0].space_frame) * kFrameBytes;
+  MEMBAR_RETURN_IF_ERROR(count == 1 ? mappers_[t]->map(frames[0], at) : mappers_[t]->map_run(frames.data(), count, at));
+  for (size_t i = 0; i < count; ++i) {
+    Position position{space, ops[i].space_frame};
+    positions_[t][position] = ops[i].window_frame;
+    frame_positions_[t][ops[i].window_frame].insert(position);
+  }
+  return Status::Ok();
 }
 
 Status ClientMemory::apply_frame_granted(uint32_t window_frame, int fd) {
@@ -437,21 +430,6 @@ Status ClientMemory::apply_slab_revoked(uint32_t slab) {
   }
   mappers_[1]->drop_slab(slab);
   return status;
-}
-
-Status ClientMemory::apply_mapped(int t, uint32_t window_frame, SpaceId space, uint32_t space_frame) {
-  std::lock_guard<std::mutex> lock(mutex_);
-  auto it = spaces_.find(space);
-  if (it == spaces_.end()) return internal_error("the runtime mapped a frame in space " + std::to_string(space) + ", which this client does not know");
-  if (uint64_t(space_frame + 1) * kFrameBytes > it->second.reserved) {
-    return internal_error("the runtime mapped a frame past the end of space " + std::to_string(space));
-  }
-  Position position{space, space_frame};
-  if (positions_[t].count(position) != 0) MEMBAR_RETURN_IF_ERROR(unmap_locked(t, position));
-  MEMBAR_RETURN_IF_ERROR(mappers_[t]->map(window_frame, it->second.base[t] + uint64_t(space_frame) * kFrameBytes));
-  positions_[t][position] = window_frame;
-  frame_positions_[t][window_frame].insert(position);
-  return Status::Ok();
 }
 
 Status ClientMemory::apply_unmapped(int t, SpaceId space, uint32_t space_frame) {

@@ -110,16 +110,15 @@ class ClientMemory {
   // Applies `op` now (synchronous) or queues it for the mapping thread.
   Status give(Op op);
   Status apply(const Op& op);
-  // Applies ops[first, end) where they are maps of adjacent positions in one run.
-  Status apply_map_run(const std::vector<Op>& ops, size_t first, size_t end);
+  Status apply_map_run(const Op* ops, size_t count);
   void run_mapper();
-  Status wait_applied(uint64_t sequence);
+  void wait_applied(uint64_t sequence);
+  void wait_all_applied();
   static uint64_t position_key(SpaceId space, uint32_t space_frame) { return (uint64_t(space) << 32) | space_frame; }
   Status apply_frame_granted(uint32_t window_frame, int fd);
   Status apply_frame_revoked(uint32_t window_frame);
   Status apply_slab_granted(uint32_t slab, uint32_t frames, int fd);
   Status apply_slab_revoked(uint32_t slab);
-  Status apply_mapped(int t, uint32_t window_frame, SpaceId space, uint32_t space_frame);
   Status apply_unmapped(int t, SpaceId space, uint32_t space_frame);
 
   std::unique_ptr<FrameMapper> mappers_[2];

@@ -75,26 +75,10 @@ class CudaMapper final : public FrameMapper {
   }
   void drop_slab(uint32_t) override {}
 
-  Status map(uint32_t window_frame, char* at) override {
-    auto it = frames_.find(window_frame);
-    if (it == frames_.end()) {
-      return internal_error("the runtime mapped frame " + std::to_string(window_frame) + ", which it never granted");
-    }
-    MEMBAR_RETURN_IF_ERROR(cuda::bind_context(api_, context_.get()));
-    CUdeviceptr address = reinterpret_cast<CUdeviceptr>(at);
-    MEMBAR_RETURN_IF_ERROR(driver_status(api_, api_->cuMemMap(address, kFrameBytes, 0, it->second.get(), 0),
-                                         "cuMemMap of frame " + std::to_string(window_frame)));
-    CUmemAccessDesc access = cuda::device_read_write_access(context_.device());
-    CUresult set = api_->cuMemSetAccess(address, kFrameBytes, &access, 1);
-    if (set != CUDA_SUCCESS) {
-      api_->cuMemUnmap(address, kFrameBytes);
-      return driver_status(api_, set, "cuMemSetAccess of frame " + std::to_string(window_frame));
-    }
-    return Status::Ok();
-  }
+  Status map(uint32_t window_frame, char* at) override { return map_run(&window_frame, 1, at); }
 
-  // Note [Maps off the caller's thread] (../memory.cpp): the run's frames are mapped one by one
-  // and their access set once, over the whole run.
+  // The run's frames are mapped one by one and their access set once, over the whole run (Note
+  // [Maps off the caller's thread] in ../memory.cpp); a single frame is a run of one.
   Status map_run(const uint32_t* window_frames, size_t count, char* at) override {
     std::vector<CUmemGenericAllocationHandle> handles;
     for (size_t i = 0; i < count; ++i) {
@@ -121,7 +105,8 @@ class CudaMapper final : public FrameMapper {
     CUresult set = api_->cuMemSetAccess(base, handles.size() * kFrameBytes, &access, 1);
     if (set != CUDA_SUCCESS) {
       unmap_first(handles.size());
-      return driver_status(api_, set, "cuMemSetAccess of a run of " + std::to_string(handles.size()) + " frames");
+      return driver_status(api_, set, handles.size() == 1 ? "cuMemSetAccess of frame " + std::to_string(window_frames[0])
+                                                          : "cuMemSetAccess of a run of " + std::to_string(handles.size()) + " frames");
     }
     return Status::Ok();
   }
