@@ -13,7 +13,8 @@ means) plus the chunk; reported as speedup of forward + backward over the dense 
 
 Head sizes: the same chunk (4096 queries, 28 / 4 heads) after a 32K history for every head size
 the CUDA kernels take (64, 96, 128, 256) in bf16 and fp16, against SDPA flash in the same dtype;
-goals forward >= 1.0x and backward >= 0.8x SDPA flash. The layouts the kernels chose are recorded.
+goals forward >= 1.0x and backward >= 0.8x SDPA flash. The layouts the kernels chose are recorded,
+and the forward is also timed in the mma.sync layout a GPU without wgmma runs ("mma fwd").
 
 Writes attention.json and attention.txt into $MEMBAR_RESULTS_DIR (default bench/results/latest).
 Usage: PYTHONPATH=bindings/python python3 bench/attention_bench.py [--histories 32768,131072,262144]
@@ -73,7 +74,7 @@ def make_inputs(history, generator_seed=0, head_dim=HEAD_DIM, dtype=torch.bfloat
                 history=history, scale=1.0 / math.sqrt(head_dim))
 
 
-def membar_runner(p, selection=None, grad_dtype=torch.float32, deterministic=False):
+def membar_runner(p, selection=None, grad_dtype=torch.float32, deterministic=False, forward_layout=""):
     dk_pool = torch.zeros(p["k_pool"].shape, device="cuda", dtype=grad_dtype)
     dv_pool = torch.zeros(p["v_pool"].shape, device="cuda", dtype=grad_dtype)
     state = {}
@@ -81,7 +82,7 @@ def membar_runner(p, selection=None, grad_dtype=torch.float32, deterministic=Fal
     def forward():
         state["out"], state["lse"] = ops.paged_attention_forward(
             p["q"], p["k"], p["v"], p["k_pool"], p["k_index"], p["v_pool"], p["v_index"], p["history"], p["scale"],
-            selection, 128)
+            selection, 128, True, forward_layout)
 
     def backward():
         return ops.paged_attention_backward(
@@ -150,6 +151,7 @@ def bench_history(history, results):
     for who in ("membar", "sdpa"):
         row[f"{who}_forward_tflops"] = fwd_flops / (row[f"{who}_forward_ms"] * 1e-3) / 1e12
         row[f"{who}_backward_tflops"] = bwd_flops / (row[f"{who}_backward_ms"] * 1e-3) / 1e12
+    row["mma_forward_tflops"] = fwd_flops / (row["mma_forward_ms"] * 1e-3) / 1e12
     row["forward_ratio"] = row["membar_forward_tflops"] / row["sdpa_forward_tflops"]
     row["backward_ratio"] = row["membar_backward_tflops"] / row["sdpa_backward_tflops"]
     results["dense"].append(row)
@@ -185,6 +187,10 @@ def bench_head_dim(head_dim, dtype, history, results):
                           for kind in ("forward", "backward")}
     forward, backward, state = membar_runner(p)
     row["membar_forward_ms"] = time_ms(forward)
+    # The mma.sync forward another GPU runs (64-row CTAs at head_dim 256), asked for by name.
+    row["mma_forward_layout"] = "w4r16_k64_s2_shift_pad" if head_dim == 256 else "w8r16_k128_s3_qreg_shift"
+    mma_forward, _, _ = membar_runner(p, forward_layout=row["mma_forward_layout"])
+    row["mma_forward_ms"] = time_ms(mma_forward)
     forward()
     row["membar_backward_ms"] = time_ms(backward)
     sdpa_forward, sdpa_forward_backward, sdpa_state = sdpa_runner(p)
@@ -195,6 +201,7 @@ def bench_head_dim(head_dim, dtype, history, results):
     for who in ("membar", "sdpa"):
         row[f"{who}_forward_tflops"] = fwd_flops / (row[f"{who}_forward_ms"] * 1e-3) / 1e12
         row[f"{who}_backward_tflops"] = 2.5 * fwd_flops / (row[f"{who}_backward_ms"] * 1e-3) / 1e12
+    row["mma_forward_tflops"] = fwd_flops / (row["mma_forward_ms"] * 1e-3) / 1e12
     row["forward_ratio"] = row["membar_forward_tflops"] / row["sdpa_forward_tflops"]
     row["backward_ratio"] = row["membar_backward_tflops"] / row["sdpa_backward_tflops"]
     row["goals_met"] = row["forward_ratio"] >= 1.0 and row["backward_ratio"] >= 0.8
@@ -263,12 +270,12 @@ def main():
     if results["head_dims"]:
         lines.append(f"head sizes at history {args.head_dim_history} (28 / 4 heads, chunk 4096, pages of 128); "
                      "goals: forward >= 1.0x, backward >= 0.8x SDPA flash")
-        lines.append(f"{'D':>4} {'dtype':>9} {'fwd TF/s':>9} {'SDPA fwd':>9} {'ratio':>6} {'bwd TF/s':>9} {'SDPA bwd':>9}"
-                     f" {'ratio':>6} {'goals':>6}  layouts")
+        lines.append(f"{'D':>4} {'dtype':>9} {'fwd TF/s':>9} {'mma fwd':>8} {'SDPA fwd':>9} {'ratio':>6} {'bwd TF/s':>9}"
+                     f" {'SDPA bwd':>9} {'ratio':>6} {'goals':>6}  layouts")
         for row in results["head_dims"]:
             layouts = row.get("layouts", {})
             lines.append(f"{row['head_dim']:>4} {row['dtype']:>9} {row['membar_forward_tflops']:>9.1f}"
-                         f" {row['sdpa_forward_tflops']:>9.1f} {row['forward_ratio']:>6.2f}"
+                         f" {row.get('mma_forward_tflops', float('nan')):>8.1f} {row['sdpa_forward_tflops']:>9.1f} {row['forward_ratio']:>6.2f}"
                          f" {row['membar_backward_tflops']:>9.1f} {row['sdpa_backward_tflops']:>9.1f}"
                          f" {row['backward_ratio']:>6.2f} {'met' if row['goals_met'] else 'NOT':>6}"
                          f"  {layouts.get('forward', '?')} / {layouts.get('backward', '?')}")

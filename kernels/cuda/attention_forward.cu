@@ -18,12 +18,17 @@ cudaError_t launch_layout(ForwardLayout layout, const PagedAttentionForwardParam
   switch (layout) {
     case ForwardLayout::kWgmmaW8R64K128S2:
       if constexpr (forward_layout_compiled(ForwardLayout::kWgmmaW8R64K128S2, kDType, kHeadDim)) {
-        return detail::warpgroup::launch_forward<layouts::WgmmaW8R64K128S2>(params, stream);
+        return detail::warpgroup::launch_forward<Element, kHeadDim, layouts::WgmmaW8R64K128S2>(params, stream);
       }
       break;
     case ForwardLayout::kWgmmaW8R64K64S3:
       if constexpr (forward_layout_compiled(ForwardLayout::kWgmmaW8R64K64S3, kDType, kHeadDim)) {
-        return detail::warpgroup::launch_forward<layouts::WgmmaW8R64K64S3>(params, stream);
+        return detail::warpgroup::launch_forward<Element, kHeadDim, layouts::WgmmaW8R64K64S3>(params, stream);
+      }
+      break;
+    case ForwardLayout::kWgmmaW8R64K64S2:
+      if constexpr (forward_layout_compiled(ForwardLayout::kWgmmaW8R64K64S2, kDType, kHeadDim)) {
+        return detail::warpgroup::launch_forward<Element, kHeadDim, layouts::WgmmaW8R64K64S2>(params, stream);
       }
       break;
     case ForwardLayout::kMmaW8R16K128S3:

@@ -7,19 +7,20 @@
 // from shared memory by the tensor cores themselves (FlashAttention-3, cuDNN; docs/kernels.md
 // has the numbers).
 // Approach: one CTA of two warpgroups (8 warps, 256 threads) per (128 query rows, q head); each
-// warpgroup owns 64 query rows and keeps their output accumulator (64 x 128 fp32, 64 registers a
-// thread) and online-softmax state in registers. The CTA walks the same key sequence as the
+// warpgroup owns 64 query rows and keeps their output accumulator (64 x head_dim fp32: 64 registers
+// a thread at head_dim 128) and online-softmax state in registers. The CTA walks the same key sequence as the
 // mma.sync kernel (KeySequence: history pages, or the selected ones, then with attend_chunk the
 // chunk's own keys up to its last query) in blocks of kKeys keys (keys_per_block). Per block and
 // warpgroup:
-//   S[64 x kKeys] = Q K^T: eight wgmma m64n<kKeys>k16, Q (A) and the K tile (B) both K-major in
-//     shared memory (rows of head_dim, dim contiguous);
+//   S[64 x kKeys] = Q K^T: head_dim / 16 wgmma m64n<kKeys>k16, Q (A) and the K tile (B) both
+//     K-major in shared memory (rows of head_dim, dim contiguous);
 //   mask (partial last page, causal diagonal), online softmax in fp32 with exp2 (as in the
 //     mma.sync kernel: the accumulator layout of a warp is that of mma.m16n8, rows 16 w .. 16 w + 15
 //     of the warpgroup for warp w);
-//   O[64 x 128] += P V: kKeys / 16 wgmma m64n128k16, P converted to bf16 in registers as the A
-//     operand (the accumulator of S is, per warp, exactly the A fragment layout), the V tile as B
-//     from shared memory, MN-major (dim contiguous: the transpose bit).
+//   O[64 x head_dim] += P V: per 16 keys, one wgmma m64n128k16 per 128 dims (m64n64k16 at head_dim
+//     64), P converted to the element type in registers as the A operand (the accumulator of S is,
+//     per warp, exactly the A fragment layout), the V tile as B from shared memory, MN-major (dim
+//     contiguous: the transpose bit).
 // K and V tiles are copied with cp.async by all 256 threads in kStages (stages) stages (one
 // barrier per block, as Note [Forward kernel] of the mma.sync kernel describes for two and three
 // stages).
@@ -28,27 +29,34 @@
 // (FlashAttention-3's intra-warpgroup pipelining would). A warpgroup skips the MMAs of a chunk
 // block that lies entirely above its rows' diagonal. Layouts (WarpgroupForwardTile): 128-key
 // blocks in two stages, or 64-key blocks in three for pages of 64 (docs/kernels.md has their
-// measurements against the mma.sync layouts).
+// measurements against the mma.sync layouts); at head_dim 256, 64-key blocks in two stages (Q and
+// two stages of K and V take 193 KiB of shared memory, and the output 128 registers a thread).
+// Head sizes: the shared tiles are whole 64-dim halves; head_dim 96 is stored as 128 with the last
+// 32 dims of each row never written: S reads only the first 96 dims (six k steps), and P V
+// computes 128 output columns of which the last 32 (made of stale shared memory) are never
+// stored.
 //
 // Note [Warpgroup shared layout]
 // wgmma reads shared memory through a 64-bit matrix descriptor: start address >> 4 (bits 0-13),
 // leading byte offset >> 4 (16-29), stride byte offset >> 4 (32-45), base offset (49-51, 0 here:
 // every tile starts 1024-byte aligned) and the swizzle mode (62-63, 1 = 128-byte swizzle). A tile
-// of R rows x 128 dims (bf16) is stored as two column halves [2][R][64]: each row of a half is 128
-// bytes, and 16-byte piece p of row r lies at piece p ^ (r % 8) (the 128-byte swizzle, the same
+// of R rows x 128 dims (bf16 or fp16) is stored as two column halves [2][R][64] (a multiple of 64
+// dims as that many halves): each row of a half is 128 bytes, and 16-byte piece p of row r lies at piece p ^ (r % 8) (the 128-byte swizzle, the same
 // permutation as Note [Swizzle] of attention_common.cuh, applied by cp.async). Eight rows form a
 // 1024-byte swizzle atom.
 //   Q and K (K-major operands): stride byte offset 1024 (from 8 rows to the next 8); the leading
 //     offset is unused with a swizzle (set to 16). The k step kk (16 dims) is half kk / 4, plus
 //     32 bytes per step inside the 128-byte row (the hardware applies the swizzle to the final
 //     address, so advancing the start address by 32 bytes selects the next 16 dims).
-//   V (MN-major operand, N = the 128 dims): leading byte offset = the distance between the two
-//     64-dim halves (R * 128 bytes), stride byte offset 1024 (from 8 keys to the next 8); the k
-//     step kk (16 keys) starts kk * 16 * 128 bytes in.
+//   V (MN-major operand, N = 128 dims of one product): leading byte offset = the distance between
+//     two 64-dim halves (R * 128 bytes), stride byte offset 1024 (from 8 keys to the next 8); the k
+//     step kk (16 keys) starts kk * 16 * 128 bytes in, the product of dims 128 g .. 128 g + 127
+//     2 g halves in.
 // Shared memory written by cp.async (the generic proxy) is made visible to wgmma (the async proxy)
 // by fence.proxy.async before the barrier that publishes a stage.
 //
-// Support: bf16, head_dim 128, page_tokens a multiple of keys_per_block, sparse selections whose
+// Support: bf16 and fp16, head_dim 64, 96, 128 and 256, page_tokens a multiple of keys_per_block,
+// sparse selections whose
 // query tiles hold whole CTAs (a multiple of 128 rows); an sm_90 device (forward_layout_fits in
 // membar/kernels/attention_cuda.h). The kernel body is compiled only for sm_90a; a build whose
 // architecture list lacks it (e.g. plain 90) gets a body that traps, and current_cuda_target()
@@ -57,6 +65,7 @@
 #pragma once
 
 #include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <cmath>
@@ -68,9 +77,6 @@
 
 namespace membar::kernels::cuda::detail::warpgroup {
 
-using Element = __nv_bfloat16;
-
-inline constexpr int kHeadDim = 128;
 inline constexpr int kWarpgroupRows = 64;
 inline constexpr int kWarpgroups = 2;
 inline constexpr int kRows = kWarpgroupRows * kWarpgroups;  // query rows per CTA
@@ -84,32 +90,42 @@ struct WarpgroupForwardTile {
   int ctas_per_sm = 1;       // CTAs per SM the registers are budgeted for
 };
 
-template <typename Tiling>
+// Dims of the shared tiles: head_dim in whole 64-dim halves.
+template <int kHeadDim>
+inline constexpr int kStoredDim = (kHeadDim + 63) / 64 * 64;
+
+template <int kHeadDim, typename Tiling>
 constexpr size_t wgmma_shared_bytes_fixed() {
   constexpr WarpgroupForwardTile kTile = Tiling::kTile;
-  // 1024 bytes of slack to align the base to a swizzle atom, Q [2][128][64], K and V
-  // [stages][2][keys_per_block][64], and the selection count.
-  return 1024 + size_t(kRows) * kHeadDim * 2 + 2 * size_t(kTile.stages) * kTile.keys_per_block * kHeadDim * 2 + 16;
+  // 1024 bytes of slack to align the base to a swizzle atom, Q [halves][128][64], K and V
+  // [stages][halves][keys_per_block][64], and the selection count.
+  return 1024 + size_t(kRows) * kStoredDim<kHeadDim> * 2 +
+         2 * size_t(kTile.stages) * kTile.keys_per_block * kStoredDim<kHeadDim> * 2 + 16;
 }
 
-template <typename Tiling>
+template <typename Element, int kHeadDim, typename Tiling>
 __global__ void __launch_bounds__(kThreads, Tiling::kTile.ctas_per_sm)
     paged_attention_forward_wgmma_kernel(const PagedAttentionForwardParams params) {
   constexpr WarpgroupForwardTile kTile = Tiling::kTile;
   constexpr int kKeys = kTile.keys_per_block;
   constexpr int kStages = kTile.stages;
+  constexpr int kDims = kStoredDim<kHeadDim>;
   static_assert(kKeys == 64 || kKeys == 128, "a key block is 64 or 128 keys (the m64n64 or m64n128 wgmma shapes)");
   static_assert(kStages == 2 || kStages == 3, "the barrier schemes take two or three K/V stages");
   static_assert(kTile.ctas_per_sm == 1, "two CTAs per SM spill at the 128 registers a thread they leave");
+  static_assert(kHeadDim == 64 || kHeadDim == 96 || kHeadDim == 128 || kHeadDim == 256,
+                "the supported head sizes (cuda_head_dim_supported)");
+  static_assert(kHeadDim <= 128 || kKeys == 64, "at head_dim 256 the output and 128 scores a thread do not fit");
+  static_assert(wgmma_shared_bytes_fixed<kHeadDim, Tiling>() <= 227 * 1024, "an H100/H200 CTA has 227 KiB");
 #if MEMBAR_WGMMA_AVAILABLE
-  constexpr int kTileBytes = kKeys * kHeadDim * 2;  // one K or V stage
+  constexpr int kTileBytes = kKeys * kDims * 2;  // one K or V stage
   extern __shared__ unsigned char shared_raw[];
   // Align to 1024 bytes (the swizzle atom; the descriptors' base offset is then 0).
   const uint32_t raw_address = shared_address(shared_raw);
   unsigned char* shared_base = shared_raw + (((raw_address + 1023u) & ~1023u) - raw_address);
-  unsigned char* q_tile = shared_base;                                 // [2][kRows][64]
-  unsigned char* k_tiles = q_tile + kRows * kHeadDim * 2;              // [kStages][2][kKeys][64]
-  unsigned char* v_tiles = k_tiles + kStages * kTileBytes;             // [kStages][2][kKeys][64]
+  unsigned char* q_tile = shared_base;                                 // [kDims / 64][kRows][64]
+  unsigned char* k_tiles = q_tile + kRows * kDims * 2;                 // [kStages][kDims / 64][kKeys][64]
+  unsigned char* v_tiles = k_tiles + kStages * kTileBytes;             // [kStages][kDims / 64][kKeys][64]
   int* selected_count = reinterpret_cast<int*>(v_tiles + kStages * kTileBytes);
   int32_t* selected = selected_count + 4;                               // [selected_per_tile]
 
@@ -128,8 +144,8 @@ __global__ void __launch_bounds__(kThreads, Tiling::kTile.ctas_per_sm)
   const int64_t q_row_stride = int64_t(shape.num_q_heads) * kHeadDim;
 
   const Element* q = static_cast<const Element*>(params.q);
-  load_swizzled_tile<kRows>(q_tile, q + int64_t(first_query) * q_row_stride + int64_t(q_head) * kHeadDim,
-                            q_row_stride, chunk_tokens - first_query, thread);
+  load_swizzled_rows<kRows, kHeadDim, kThreads>(q_tile, q + int64_t(first_query) * q_row_stride + int64_t(q_head) * kHeadDim,
+                                               q_row_stride, chunk_tokens - first_query, thread);
   copy_async_commit();
 
   const auto keys =
@@ -142,8 +158,10 @@ __global__ void __launch_bounds__(kThreads, Tiling::kTile.ctas_per_sm)
 
   auto load_block = [&](int index, int stage) {
     const KeyBlock<Element> block = keys.block(index);
-    load_swizzled_tile<kKeys>(k_tiles + stage * kTileBytes, block.k_base, kv_row_stride, block.valid_rows, thread);
-    load_swizzled_tile<kKeys>(v_tiles + stage * kTileBytes, block.v_base, kv_row_stride, block.valid_rows, thread);
+    load_swizzled_rows<kKeys, kHeadDim, kThreads>(k_tiles + stage * kTileBytes, block.k_base, kv_row_stride,
+                                                  block.valid_rows, thread);
+    load_swizzled_rows<kKeys, kHeadDim, kThreads>(v_tiles + stage * kTileBytes, block.v_base, kv_row_stride,
+                                                  block.valid_rows, thread);
   };
   if (num_blocks > 0) load_block(0, 0);
   copy_async_commit();
@@ -153,7 +171,7 @@ __global__ void __launch_bounds__(kThreads, Tiling::kTile.ctas_per_sm)
   // that + 8 (the accumulator layout of Note [Warpgroup forward]).
   const int group_row = warpgroup * kWarpgroupRows;
   const int warp_row = group_row + warp_in_group * 16;
-  float output[kHeadDim / 8][4];
+  float output[kDims / 8][4];
   clear(output);
   float row_max[2] = {-INFINITY, -INFINITY};
   float row_sum[2] = {0.f, 0.f};
@@ -197,11 +215,7 @@ __global__ void __launch_bounds__(kThreads, Tiling::kTile.ctas_per_sm)
       const uint32_t column_bytes = (kk % 4) * 32;
       const uint64_t a = matrix_descriptor(q_address + half * kRows * kRowBytes + column_bytes, 16, 1024);
       const uint64_t b = matrix_descriptor(k_stage + half * kKeys * kRowBytes + column_bytes, 16, 1024);
-      if constexpr (kKeys == 64) {
-        wgmma_m64n64k16_shared(scores, a, b, kk > 0 ? 1 : 0);
-      } else {
-        wgmma_m64n128k16_shared(scores, a, b, kk > 0 ? 1 : 0);
-      }
+      wgmma_shared<Element, kKeys>(scores, a, b, kk > 0 ? 1 : 0);
     }
     wgmma_commit();
     wgmma_wait<0>();
@@ -247,12 +261,12 @@ __global__ void __launch_bounds__(kThreads, Tiling::kTile.ctas_per_sm)
       }
       row_sum[half] = row_sum[half] * correction + sum;
 #pragma unroll
-      for (int n = 0; n < kHeadDim / 8; ++n) {
+      for (int n = 0; n < kDims / 8; ++n) {
         output[n][2 * half] *= correction;
         output[n][2 * half + 1] *= correction;
       }
     }
-    // P as bf16 A fragments: k step kk (16 keys) is score tiles 2 kk and 2 kk + 1.
+    // P as A fragments of the element type: k step kk (16 keys) is score tiles 2 kk and 2 kk + 1.
     uint32_t p[kKeys / 16][4];
     accumulator_to_a_fragments<Element, kKeys>(p, scores);
 
@@ -262,8 +276,17 @@ __global__ void __launch_bounds__(kThreads, Tiling::kTile.ctas_per_sm)
     wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < kKeys / 16; ++kk) {
-      const uint64_t b = matrix_descriptor(v_stage + kk * 16 * kRowBytes, kKeys * kRowBytes, 1024);
-      wgmma_m64n128k16_registers_transposed_b(output, p[kk], b);
+      const uint32_t key_step = v_stage + kk * 16 * kRowBytes;
+      if constexpr (kDims == 64) {
+        wgmma_registers_transposed_b<Element, 64>(output, p[kk], matrix_descriptor(key_step, kKeys * kRowBytes, 1024));
+      } else {
+        wgmma_registers_transposed_b<Element, 128>(output, p[kk], matrix_descriptor(key_step, kKeys * kRowBytes, 1024));
+        if constexpr (kDims == 256) {
+          // Dims 128-255: halves 2 and 3.
+          wgmma_registers_transposed_b<Element, 128, 16>(
+              output, p[kk], matrix_descriptor(key_step + 2 * kKeys * kRowBytes, kKeys * kRowBytes, 1024));
+        }
+      }
     }
     wgmma_commit();
     wgmma_wait<0>();
@@ -300,12 +323,12 @@ __global__ void __launch_bounds__(kThreads, Tiling::kTile.ctas_per_sm)
 #endif  // MEMBAR_WGMMA_AVAILABLE
 }
 
-template <typename Tiling>
+template <typename Element, int kHeadDim, typename Tiling>
 cudaError_t launch_forward(const PagedAttentionForwardParams& params, cudaStream_t stream) {
   const PagedAttentionShape& shape = params.shape;
-  const size_t shared_bytes = wgmma_shared_bytes_fixed<Tiling>() +
+  const size_t shared_bytes = wgmma_shared_bytes_fixed<kHeadDim, Tiling>() +
                               (params.selection.selected_pages != nullptr ? size_t(params.selection.selected_per_tile) * 4 : 0);
-  auto kernel = paged_attention_forward_wgmma_kernel<Tiling>;
+  auto kernel = paged_attention_forward_wgmma_kernel<Element, kHeadDim, Tiling>;
   cudaError_t error = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(shared_bytes));
   if (error != cudaSuccess) return error;
   error = cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout, int(cudaSharedmemCarveoutMaxShared));

@@ -33,6 +33,16 @@ struct WgmmaW8R64K64S3 {
   }();
 };
 
+struct WgmmaW8R64K64S2 {
+  static constexpr const char* kName = "wgmma_w8r64_k64_s2";
+  static constexpr detail::warpgroup::WarpgroupForwardTile kTile = [] {
+    detail::warpgroup::WarpgroupForwardTile tile;
+    tile.keys_per_block = 64;
+    tile.stages = 2;
+    return tile;
+  }();
+};
+
 struct MmaW8R16K128S3 {
   static constexpr const char* kName = "w8r16_k128_s3_qreg_shift";
   static constexpr detail::ForwardTile kTile = [] {

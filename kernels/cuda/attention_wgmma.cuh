@@ -1,13 +1,15 @@
 // The warpgroup-MMA (wgmma) building blocks of the Hopper attention kernels: matrix descriptors,
-// wgmma fences, the m64n64k16 / m64n128k16 products in bf16 and the swizzled tile copy of
+// wgmma fences, the m64n64k16 / m64n128k16 products in bf16 and fp16 and the swizzled tile copy of
 // Note [Warpgroup shared layout] (attention_forward_wgmma.cuh). Shared by the warpgroup forward
 // and the experimental warpgroup backward of the sweep target (kernels/sweep/). Internal to kernels/.
 #pragma once
 
 #include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "attention_common.cuh"
 
@@ -21,7 +23,7 @@ namespace membar::kernels::cuda::detail {
 #endif
 
 #if MEMBAR_WGMMA_AVAILABLE
-inline constexpr int kRowBytes = 128;  // one 64-dim half row of bf16
+inline constexpr int kRowBytes = 128;  // one 64-dim half row (bf16 or fp16)
 
 // The matrix descriptor of Note [Warpgroup shared layout], 128-byte swizzle.
 __device__ __forceinline__ uint64_t matrix_descriptor(uint32_t shared_address, uint32_t leading_bytes,
@@ -51,61 +53,135 @@ __device__ __forceinline__ void fence_registers(float (&d)[kN][4]) {
   }
 }
 
-// d[64 x 64] (+)= A[64 x 16] * B[16 x 64], A and B from shared memory (both K-major); with
-// accumulate == 0 the previous d is ignored.
+// The wgmma operand lists. Accumulator tiles d[kOffset + n] (n < 8 or 16) hold columns
+// 8 (kOffset + n) .. 8 (kOffset + n) + 7 of the product (Note [Warpgroup forward]).
+#define MEMBAR_WGMMA_TILE(n) \
+  "+f"(d[kOffset + n][0]), "+f"(d[kOffset + n][1]), "+f"(d[kOffset + n][2]), "+f"(d[kOffset + n][3])
+#define MEMBAR_WGMMA_TILES_8                                                                                \
+  MEMBAR_WGMMA_TILE(0), MEMBAR_WGMMA_TILE(1), MEMBAR_WGMMA_TILE(2), MEMBAR_WGMMA_TILE(3), MEMBAR_WGMMA_TILE(4), \
+      MEMBAR_WGMMA_TILE(5), MEMBAR_WGMMA_TILE(6), MEMBAR_WGMMA_TILE(7)
+#define MEMBAR_WGMMA_TILES_16                                                                                 \
+  MEMBAR_WGMMA_TILES_8, MEMBAR_WGMMA_TILE(8), MEMBAR_WGMMA_TILE(9), MEMBAR_WGMMA_TILE(10), MEMBAR_WGMMA_TILE(11), \
+      MEMBAR_WGMMA_TILE(12), MEMBAR_WGMMA_TILE(13), MEMBAR_WGMMA_TILE(14), MEMBAR_WGMMA_TILE(15)
+#define MEMBAR_WGMMA_REGISTERS_32                                                                          \
+  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, " \
+  "%23, %24, %25, %26, %27, %28, %29, %30, %31}"
+#define MEMBAR_WGMMA_REGISTERS_64                                                                          \
+  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, " \
+  "%23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, "   \
+  "%44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}"
+// A and B from shared memory (both K-major); predicate p: accumulate.
+#define MEMBAR_WGMMA_SS(shape, types, registers, a, b, p, tiles)                                   \
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, " p ", 0;\nwgmma.mma_async.sync.aligned." shape \
+               ".f32." types " " registers ", " a ", " b ", p, 1, 1, 0, 0;\n}\n"                 \
+               : tiles                                                                           \
+               : "l"(a_descriptor), "l"(b_descriptor), "r"(accumulate))
+// A from registers, B from shared memory MN-major (the transpose bit); always accumulates.
+#define MEMBAR_WGMMA_RS_TRANSPOSED_B(shape, types, registers, a, b, p, tiles)                               \
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, " p ", 0;\nwgmma.mma_async.sync.aligned." shape          \
+               ".f32." types " " registers ", " a ", " b ", p, 1, 1, 1;\n}\n"                             \
+               : tiles                                                                                    \
+               : "r"(a_fragment[0]), "r"(a_fragment[1]), "r"(a_fragment[2]), "r"(a_fragment[3]), "l"(b_descriptor), \
+                 "r"(1))
+
+// d[64 x kN] (+)= A[64 x 16] * B[16 x kN] (kN = 64 or 128, into tiles kOffset ..), A and B from
+// shared memory (both K-major), Element bf16 or fp16; with accumulate == 0 the previous d is ignored.
+template <typename Element, int kN, int kOffset = 0, int kTiles>
+__device__ __forceinline__ void wgmma_shared(float (&d)[kTiles][4], uint64_t a_descriptor, uint64_t b_descriptor,
+                                             int accumulate) {
+  static_assert(kN == 64 || kN == 128, "the products of the attention kernels are 64 or 128 columns wide");
+  static_assert(kOffset + kN / 8 <= kTiles, "the product's tiles lie inside d");
+  constexpr bool kBf16 = std::is_same_v<Element, __nv_bfloat16>;
+  static_assert(kBf16 || std::is_same_v<Element, __half>, "wgmma takes bf16 or fp16 operands here");
+  if constexpr (kN == 64 && kBf16) {
+    MEMBAR_WGMMA_SS("m64n64k16", "bf16.bf16", MEMBAR_WGMMA_REGISTERS_32, "%32", "%33", "%34", MEMBAR_WGMMA_TILES_8);
+  } else if constexpr (kN == 64) {
+    MEMBAR_WGMMA_SS("m64n64k16", "f16.f16", MEMBAR_WGMMA_REGISTERS_32, "%32", "%33", "%34", MEMBAR_WGMMA_TILES_8);
+  } else if constexpr (kBf16) {
+    MEMBAR_WGMMA_SS("m64n128k16", "bf16.bf16", MEMBAR_WGMMA_REGISTERS_64, "%64", "%65", "%66", MEMBAR_WGMMA_TILES_16);
+  } else {
+    MEMBAR_WGMMA_SS("m64n128k16", "f16.f16", MEMBAR_WGMMA_REGISTERS_64, "%64", "%65", "%66", MEMBAR_WGMMA_TILES_16);
+  }
+}
+
+// d[64 x kN] += A[64 x 16] * B[16 x kN] (kN = 64 or 128, into tiles kOffset ..), A from registers
+// (Note [Fragment layouts] per warp), B from shared memory MN-major (the transpose bit set).
+template <typename Element, int kN, int kOffset = 0, int kTiles>
+__device__ __forceinline__ void wgmma_registers_transposed_b(float (&d)[kTiles][4], const uint32_t (&a_fragment)[4],
+                                                             uint64_t b_descriptor) {
+  static_assert(kN == 64 || kN == 128, "the products of the attention kernels are 64 or 128 columns wide");
+  static_assert(kOffset + kN / 8 <= kTiles, "the product's tiles lie inside d");
+  constexpr bool kBf16 = std::is_same_v<Element, __nv_bfloat16>;
+  static_assert(kBf16 || std::is_same_v<Element, __half>, "wgmma takes bf16 or fp16 operands here");
+  if constexpr (kN == 64 && kBf16) {
+    MEMBAR_WGMMA_RS_TRANSPOSED_B("m64n64k16", "bf16.bf16", MEMBAR_WGMMA_REGISTERS_32, "{%32, %33, %34, %35}", "%36",
+                                 "%37", MEMBAR_WGMMA_TILES_8);
+  } else if constexpr (kN == 64) {
+    MEMBAR_WGMMA_RS_TRANSPOSED_B("m64n64k16", "f16.f16", MEMBAR_WGMMA_REGISTERS_32, "{%32, %33, %34, %35}", "%36",
+                                 "%37", MEMBAR_WGMMA_TILES_8);
+  } else if constexpr (kBf16) {
+    MEMBAR_WGMMA_RS_TRANSPOSED_B("m64n128k16", "bf16.bf16", MEMBAR_WGMMA_REGISTERS_64, "{%64, %65, %66, %67}", "%68",
+                                 "%69", MEMBAR_WGMMA_TILES_16);
+  } else {
+    MEMBAR_WGMMA_RS_TRANSPOSED_B("m64n128k16", "f16.f16", MEMBAR_WGMMA_REGISTERS_64, "{%64, %65, %66, %67}", "%68",
+                                 "%69", MEMBAR_WGMMA_TILES_16);
+  }
+}
+
+#undef MEMBAR_WGMMA_RS_TRANSPOSED_B
+#undef MEMBAR_WGMMA_SS
+#undef MEMBAR_WGMMA_REGISTERS_64
+#undef MEMBAR_WGMMA_REGISTERS_32
+#undef MEMBAR_WGMMA_TILES_16
+#undef MEMBAR_WGMMA_TILES_8
+#undef MEMBAR_WGMMA_TILE
+
+// The bf16 products the sweep target's warpgroup backward calls by name.
 __device__ __forceinline__ void wgmma_m64n64k16_shared(float (&d)[8][4], uint64_t a_descriptor,
                                                       uint64_t b_descriptor, int accumulate) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, 0;\n}\n"
-      : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
-      : "l"(a_descriptor), "l"(b_descriptor), "r"(accumulate));
+  wgmma_shared<__nv_bfloat16, 64>(d, a_descriptor, b_descriptor, accumulate);
 }
-
-// d[64 x 128] (+)= A[64 x 16] * B[16 x 128], A and B from shared memory (both K-major); with
-// accumulate == 0 the previous d is ignored.
-__device__ __forceinline__ void wgmma_m64n128k16_shared(float (&d)[16][4], uint64_t a_descriptor,
-                                                      uint64_t b_descriptor, int accumulate) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1, 0, 0;\n}\n"
-      : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3]), "+f"(d[8][0]), "+f"(d[8][1]), "+f"(d[8][2]), "+f"(d[8][3]), "+f"(d[9][0]), "+f"(d[9][1]), "+f"(d[9][2]), "+f"(d[9][3]), "+f"(d[10][0]), "+f"(d[10][1]), "+f"(d[10][2]), "+f"(d[10][3]), "+f"(d[11][0]), "+f"(d[11][1]), "+f"(d[11][2]), "+f"(d[11][3]), "+f"(d[12][0]), "+f"(d[12][1]), "+f"(d[12][2]), "+f"(d[12][3]), "+f"(d[13][0]), "+f"(d[13][1]), "+f"(d[13][2]), "+f"(d[13][3]), "+f"(d[14][0]), "+f"(d[14][1]), "+f"(d[14][2]), "+f"(d[14][3]), "+f"(d[15][0]), "+f"(d[15][1]), "+f"(d[15][2]), "+f"(d[15][3])
-      : "l"(a_descriptor), "l"(b_descriptor), "r"(accumulate));
-}
-
-// d[64 x 128] += A[64 x 16] * B[16 x 128], A from registers (Note [Fragment layouts] per warp),
-// B from shared memory MN-major (the transpose bit set).
 __device__ __forceinline__ void wgmma_m64n128k16_registers_transposed_b(float (&d)[16][4], const uint32_t (&a)[4],
                                                                        uint64_t b_descriptor) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, {%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n"
-      : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3]), "+f"(d[8][0]), "+f"(d[8][1]), "+f"(d[8][2]), "+f"(d[8][3]), "+f"(d[9][0]), "+f"(d[9][1]), "+f"(d[9][2]), "+f"(d[9][3]), "+f"(d[10][0]), "+f"(d[10][1]), "+f"(d[10][2]), "+f"(d[10][3]), "+f"(d[11][0]), "+f"(d[11][1]), "+f"(d[11][2]), "+f"(d[11][3]), "+f"(d[12][0]), "+f"(d[12][1]), "+f"(d[12][2]), "+f"(d[12][3]), "+f"(d[13][0]), "+f"(d[13][1]), "+f"(d[13][2]), "+f"(d[13][3]), "+f"(d[14][0]), "+f"(d[14][1]), "+f"(d[14][2]), "+f"(d[14][3]), "+f"(d[15][0]), "+f"(d[15][1]), "+f"(d[15][2]), "+f"(d[15][3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_descriptor), "r"(1));
+  wgmma_registers_transposed_b<__nv_bfloat16, 128>(d, a, b_descriptor);
 }
 
-// Copies rows [0, kTileRows) of a strided [*, 128] bf16 matrix into the two-half swizzled layout
-// of Note [Warpgroup shared layout]: row r starts at base + r * row_stride (elements) when
-// r < valid_rows, and is zero-filled otherwise. 16 pieces of 16 bytes per row, 256 threads: one
-// pass copies 16 rows, so a thread's swizzle phase (row % 8) is the same on every pass.
-// kCopyThreads: the threads of the CTA that copy (all of them).
-template <int kTileRows, int kCopyThreads = 256>
-__device__ __forceinline__ void load_swizzled_tile(unsigned char* tile, const __nv_bfloat16* base, int64_t row_stride,
+// Copies rows [0, kTileRows) of a strided [*, kDims] matrix (bf16 or fp16) into the swizzled
+// layout of Note [Warpgroup shared layout], [ceil(kDims / 64)][kTileRows][64]: row r starts at
+// base + r * row_stride (elements) when r < valid_rows, and is zero-filled otherwise. A row is
+// kDims / 8 pieces of 16 bytes; the copy runs over the pieces of whole 64-dim halves (8, 16 or 32
+// a row), and the pieces past kDims (head_dim 96: the last 32 dims of the second half) are not
+// written: no MMA reads them into a result that is kept. kCopyThreads: the threads of the CTA that
+// copy (all of them); one pass copies kCopyThreads / pieces rows, a multiple of 8, so a thread's
+// swizzle phase (row % 8) is the same on every pass.
+template <int kTileRows, int kDims, int kCopyThreads, typename Element>
+__device__ __forceinline__ void load_swizzled_rows(unsigned char* tile, const Element* base, int64_t row_stride,
                                                    int valid_rows, int thread) {
-  constexpr int kRowsPerPass = kCopyThreads / 16;
+  constexpr int kPieces = (kDims + 63) / 64 * 8;  // per row, over whole halves
+  constexpr int kRowsPerPass = kCopyThreads / kPieces;
+  static_assert(kDims % 8 == 0, "rows are copied in 16-byte pieces");
+  static_assert(kCopyThreads % kPieces == 0 && kRowsPerPass % 8 == 0, "a pass covers whole swizzle atoms");
   static_assert(kTileRows % kRowsPerPass == 0, "every thread copies the same number of pieces");
-  const int piece = thread % 16;
-  const int first_row = thread / 16;
+  const int piece = thread % kPieces;
+  if (kDims % 64 != 0 && piece >= kDims / 8) return;
+  const int first_row = thread / kPieces;
   const int half = piece / 8;
   const int swizzled_piece = (piece % 8) ^ (first_row % 8);
   unsigned char* destination = tile + half * kTileRows * kRowBytes + first_row * kRowBytes + swizzled_piece * 16;
-  const __nv_bfloat16* source = base + int64_t(first_row) * row_stride + piece * 8;
+  const Element* source = base + int64_t(first_row) * row_stride + piece * 8;
   const int64_t pass_stride = int64_t(kRowsPerPass) * row_stride;
 #pragma unroll
   for (int pass = 0; pass < kTileRows / kRowsPerPass; ++pass) {
     const bool valid = first_row + pass * kRowsPerPass < valid_rows;
     copy_async_16(destination + pass * kRowsPerPass * kRowBytes, valid ? source + pass * pass_stride : base, valid);
   }
+}
+
+// The 128-dim bf16 copy of the sweep target's warpgroup backward.
+template <int kTileRows, int kCopyThreads = 256>
+__device__ __forceinline__ void load_swizzled_tile(unsigned char* tile, const __nv_bfloat16* base, int64_t row_stride,
+                                                   int valid_rows, int thread) {
+  load_swizzled_rows<kTileRows, 128, kCopyThreads>(tile, base, row_stride, valid_rows, thread);
 }
 
 #endif  // MEMBAR_WGMMA_AVAILABLE

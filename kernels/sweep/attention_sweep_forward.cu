@@ -115,12 +115,12 @@ int wgmma_run(const PagedAttentionForwardParams& params, void* stream) {
   const int error = forward_params_check(params);
   if (error != cudaSuccess) return error;
   if (!wgmma_fits<Tiling, kLayout>(params)) return cudaErrorInvalidValue;
-  return detail::warpgroup::launch_forward<Tiling>(params, static_cast<cudaStream_t>(stream));
+  return detail::warpgroup::launch_forward<Element, kHeadDim, Tiling>(params, static_cast<cudaStream_t>(stream));
 }
 
 template <typename Tiling>
 int wgmma_resources(KernelResources* resources) {
-  return kernel_resources(reinterpret_cast<const void*>(&detail::warpgroup::paged_attention_forward_wgmma_kernel<Tiling>),
+  return kernel_resources(reinterpret_cast<const void*>(&detail::warpgroup::paged_attention_forward_wgmma_kernel<Element, kHeadDim, Tiling>),
                       resources);
 }
 

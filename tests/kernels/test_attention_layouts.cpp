@@ -27,17 +27,26 @@ constexpr CudaTarget kHopper{90, true};
 constexpr CudaTarget kHopperWithoutSm90a{90, false};
 constexpr CudaTarget kAmpere{80, false};
 
-TEST(AttentionLayouts, HopperRunsTheWarpgroupForwardForBf16HeadDim128) {
-  EXPECT_EQ(ForwardLayout::kWgmmaW8R64K128S2, choose_forward_layout(kHopper, LayoutQuery{DType::kBFloat16, 128, 128, 0}));
-  EXPECT_EQ(ForwardLayout::kWgmmaW8R64K64S3, choose_forward_layout(kHopper, LayoutQuery{DType::kBFloat16, 128, 64, 0}));
-  EXPECT_EQ(ForwardLayout::kWgmmaW8R64K128S2,
-            choose_forward_layout(kHopper, LayoutQuery{DType::kBFloat16, 128, 128, 256}));
-  // A CTA of 128 queries does not fit a sparse tile of 64 rows.
-  EXPECT_EQ(ForwardLayout::kMmaW4R16K64S3, choose_forward_layout(kHopper, LayoutQuery{DType::kBFloat16, 128, 128, 64}));
-  EXPECT_EQ(ForwardLayout::kMmaW4R16K64S3, choose_forward_layout(kHopper, LayoutQuery{DType::kBFloat16, 128, 128, 192}));
+TEST(AttentionLayouts, HopperRunsTheWarpgroupForwardForEveryDtypeAndHeadSize) {
+  for (DType dtype : {DType::kBFloat16, DType::kFloat16}) {
+    for (int32_t head_dim : {64, 96, 128}) {
+      EXPECT_EQ(ForwardLayout::kWgmmaW8R64K128S2, choose_forward_layout(kHopper, LayoutQuery{dtype, head_dim, 128, 0}));
+      EXPECT_EQ(ForwardLayout::kWgmmaW8R64K64S3, choose_forward_layout(kHopper, LayoutQuery{dtype, head_dim, 64, 0}));
+      EXPECT_EQ(ForwardLayout::kWgmmaW8R64K128S2, choose_forward_layout(kHopper, LayoutQuery{dtype, head_dim, 128, 256}));
+      // A CTA of 128 queries does not fit a sparse tile of 64 rows.
+      EXPECT_EQ(ForwardLayout::kMmaW4R16K64S3, choose_forward_layout(kHopper, LayoutQuery{dtype, head_dim, 128, 64}));
+      EXPECT_EQ(ForwardLayout::kMmaW4R16K64S3, choose_forward_layout(kHopper, LayoutQuery{dtype, head_dim, 128, 192}));
+    }
+    // Head size 256: 64-key blocks in two stages, for pages of 64 and 128.
+    for (int32_t page_tokens : {64, 128}) {
+      EXPECT_EQ(ForwardLayout::kWgmmaW8R64K64S2, choose_forward_layout(kHopper, LayoutQuery{dtype, 256, page_tokens, 0}));
+      EXPECT_EQ(ForwardLayout::kWgmmaW8R64K64S2, choose_forward_layout(kHopper, LayoutQuery{dtype, 256, page_tokens, 4096}));
+      EXPECT_EQ(ForwardLayout::kMmaW4R16K64S2, choose_forward_layout(kHopper, LayoutQuery{dtype, 256, page_tokens, 64}));
+    }
+  }
 }
 
-TEST(AttentionLayouts, OtherDevicesDtypesAndHeadSizesRunMmaSync) {
+TEST(AttentionLayouts, OtherDevicesRunMmaSync) {
   for (const CudaTarget& target : {kAmpere, kHopperWithoutSm90a}) {
     EXPECT_EQ(ForwardLayout::kMmaW8R16K64S3, choose_forward_layout(target, LayoutQuery{DType::kBFloat16, 128, 64, 0}));
   }
@@ -47,14 +56,15 @@ TEST(AttentionLayouts, OtherDevicesDtypesAndHeadSizesRunMmaSync) {
   EXPECT_EQ(ForwardLayout::kMmaW4R16K128S1, choose_forward_layout(kAmpere, LayoutQuery{DType::kBFloat16, 128, 128, 0}));
   EXPECT_EQ(ForwardLayout::kMmaW4R16K128S1, choose_forward_layout(kAmpere, LayoutQuery{DType::kFloat16, 96, 128, 0}));
   for (int32_t head_dim : {64, 96, 128}) {
-    EXPECT_EQ(ForwardLayout::kMmaW8R16K128S3, choose_forward_layout(kHopper, LayoutQuery{DType::kFloat16, head_dim, 128, 0}));
-    EXPECT_EQ(ForwardLayout::kMmaW8R16K64S3, choose_forward_layout(kHopper, LayoutQuery{DType::kFloat16, head_dim, 64, 0}));
+    EXPECT_EQ(ForwardLayout::kMmaW8R16K128S3,
+              choose_forward_layout(kHopperWithoutSm90a, LayoutQuery{DType::kFloat16, head_dim, 128, 0}));
+    EXPECT_EQ(ForwardLayout::kMmaW8R16K64S3,
+              choose_forward_layout(kHopperWithoutSm90a, LayoutQuery{DType::kFloat16, head_dim, 64, 0}));
   }
-  EXPECT_EQ(ForwardLayout::kMmaW8R16K128S3, choose_forward_layout(kHopper, LayoutQuery{DType::kBFloat16, 64, 128, 0}));
-  EXPECT_EQ(ForwardLayout::kMmaW8R16K128S3, choose_forward_layout(kHopper, LayoutQuery{DType::kBFloat16, 96, 128, 256}));
-  // Head size 256 runs 64-row CTAs everywhere, whatever the pages and sparse tiles.
+  // Head size 256 runs 64-row CTAs before sm_90a, whatever the pages and sparse tiles.
   for (int32_t tile : {0, 64, 128}) {
-    EXPECT_EQ(ForwardLayout::kMmaW4R16K64S2, choose_forward_layout(kHopper, LayoutQuery{DType::kBFloat16, 256, 128, tile}));
+    EXPECT_EQ(ForwardLayout::kMmaW4R16K64S2,
+              choose_forward_layout(kHopperWithoutSm90a, LayoutQuery{DType::kBFloat16, 256, 128, tile}));
     EXPECT_EQ(ForwardLayout::kMmaW4R16K64S2, choose_forward_layout(kAmpere, LayoutQuery{DType::kFloat16, 256, 64, tile}));
   }
 }
@@ -100,8 +110,12 @@ TEST(AttentionLayouts, EveryChoiceIsCompiledAndFits) {
 
 TEST(AttentionLayouts, OnlyTheLayoutsDispatchReachesAreCompiled) {
   EXPECT_TRUE(forward_layout_compiled(ForwardLayout::kWgmmaW8R64K128S2, DType::kBFloat16, 128));
-  EXPECT_FALSE(forward_layout_compiled(ForwardLayout::kWgmmaW8R64K128S2, DType::kFloat16, 128));
-  EXPECT_FALSE(forward_layout_compiled(ForwardLayout::kWgmmaW8R64K128S2, DType::kBFloat16, 64));
+  EXPECT_TRUE(forward_layout_compiled(ForwardLayout::kWgmmaW8R64K128S2, DType::kFloat16, 96));
+  // 128-key blocks and three stages do not fit beside a Q tile of head_dim 256.
+  EXPECT_FALSE(forward_layout_compiled(ForwardLayout::kWgmmaW8R64K128S2, DType::kBFloat16, 256));
+  EXPECT_FALSE(forward_layout_compiled(ForwardLayout::kWgmmaW8R64K64S3, DType::kFloat16, 256));
+  EXPECT_TRUE(forward_layout_compiled(ForwardLayout::kWgmmaW8R64K64S2, DType::kFloat16, 256));
+  EXPECT_FALSE(forward_layout_compiled(ForwardLayout::kWgmmaW8R64K64S2, DType::kBFloat16, 128));
   EXPECT_TRUE(forward_layout_compiled(ForwardLayout::kMmaW8R16K128S3, DType::kBFloat16, 128));
   EXPECT_TRUE(forward_layout_compiled(ForwardLayout::kMmaW8R16K128S3, DType::kFloat16, 128));
   EXPECT_TRUE(forward_layout_compiled(ForwardLayout::kMmaW8R16K128S3, DType::kFloat16, 96));
@@ -137,7 +151,7 @@ TEST(AttentionLayouts, AskingForALayoutRunsItOnlyWhereItIsCompiledAndFits) {
             resolve_forward_layout(ForwardLayout::kWgmmaW8R64K128S2, kHopperWithoutSm90a, bf16_128));
   // Not compiled for this head size: the choice runs.
   const LayoutQuery fp16_256{DType::kFloat16, 256, 128, 0};
-  EXPECT_EQ(ForwardLayout::kMmaW4R16K64S2, resolve_forward_layout(ForwardLayout::kMmaW8R16K128S3, kHopper, fp16_256));
+  EXPECT_EQ(ForwardLayout::kWgmmaW8R64K64S2, resolve_forward_layout(ForwardLayout::kMmaW8R16K128S3, kHopper, fp16_256));
   // 128-key blocks do not fit pages of 64.
   const LayoutQuery pages_64{DType::kBFloat16, 128, 64, 0};
   EXPECT_EQ(ForwardLayout::kWgmmaW8R64K64S3, resolve_forward_layout(ForwardLayout::kWgmmaW8R64K128S2, kHopper, pages_64));

@@ -1,5 +1,6 @@
 """The Hopper (wgmma) forward layouts (Note [Warpgroup forward] in
-kernels/cuda/attention_forward_wgmma.cuh) against the mma.sync forward and the float32 reference.
+kernels/cuda/attention_forward_wgmma.cuh) against the mma.sync forward and the float32 reference,
+at every head size (64, 96, 128, 256) and in bf16 and fp16.
 
 Each layout runs in a subprocess (asked for by name through the op's `layout` argument), so that
 an illegal memory access or a hang fails one test cleanly instead of poisoning the CUDA context of
@@ -24,12 +25,24 @@ import pytest
 import torch
 
 
-def baseline_layout(case):
+def baseline_layout(case, head_dim=128):
     """The mma.sync layout a GPU without wgmma runs for this case (choose_forward_layout): 128-key
-    blocks for pages of 128, 64-key ones for pages of 64. Where a wgmma layout does not fit (sparse
-    tiles of 64 rows), both fall back to the same chosen layout."""
+    blocks for pages of 128, 64-key ones for pages of 64, 64-row CTAs at head_dim 256. Where a wgmma
+    layout does not fit (sparse tiles of 64 rows), both fall back to the same chosen layout."""
     page_tokens = case[2]
+    if head_dim == 256:
+        return "w4r16_k64_s2_shift_pad"
     return "w8r16_k128_s3_qreg_shift" if page_tokens % 128 == 0 else "w8r16_k64_s3_qreg_shift"
+
+
+# (layout, dtype, head_dim) checked: each warpgroup layout at the head sizes and dtypes it is
+# compiled for (128-key blocks and three stages do not fit beside a Q tile of head_dim 256).
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+VARIANTS = {
+    "wgmma_w8r64_k128_s2": [("bfloat16", 128), ("float16", 128), ("bfloat16", 64), ("float16", 96)],
+    "wgmma_w8r64_k64_s3": [("bfloat16", 128), ("float16", 64), ("bfloat16", 96)],
+    "wgmma_w8r64_k64_s2": [("bfloat16", 256), ("float16", 256)],
+}
 
 
 # (chunk_tokens, history_tokens, page_tokens, q_heads, kv_heads, attend_chunk, sparse tile or 0, top_k)
@@ -54,19 +67,20 @@ SEEDS = (1, 2)
 # ---------------------------------------------------------------------------------------------
 # Child: runs in its own process (python3 tests/python/test_attention_wgmma.py <mode> <layout>).
 
-def make_problem(case, seed, device):
+def make_problem(case, seed, device, dtype=torch.bfloat16, head_dim=128):
     chunk_tokens, history_tokens, page_tokens, q_heads, kv_heads, attend_chunk, tile, top_k = case
     generator = torch.Generator().manual_seed(seed)
     num_pages = (history_tokens + page_tokens - 1) // page_tokens
     pool_pages = num_pages + 3
+    d = head_dim
 
     def randn(*shape):
-        return torch.randn(*shape, generator=generator).to(torch.bfloat16).to(device)
+        return torch.randn(*shape, generator=generator).to(dtype).to(device)
 
     problem = {
-        "q": randn(chunk_tokens, q_heads, 128), "k": randn(chunk_tokens, kv_heads, 128),
-        "v": randn(chunk_tokens, kv_heads, 128),
-        "k_pool": randn(pool_pages, page_tokens, kv_heads, 128), "v_pool": randn(pool_pages, page_tokens, kv_heads, 128),
+        "q": randn(chunk_tokens, q_heads, d), "k": randn(chunk_tokens, kv_heads, d),
+        "v": randn(chunk_tokens, kv_heads, d),
+        "k_pool": randn(pool_pages, page_tokens, kv_heads, d), "v_pool": randn(pool_pages, page_tokens, kv_heads, d),
         "k_index": torch.randperm(pool_pages, generator=generator)[:num_pages].to(torch.int32).to(device),
         "v_index": torch.randperm(pool_pages, generator=generator)[:num_pages].to(torch.int32).to(device),
         "selection": None, "tile": tile or 128,
@@ -95,11 +109,12 @@ def reference(problem, case):
     if history_tokens == 0:
         return (torch.zeros_like(p["q"]), torch.full((q_heads, chunk_tokens), float("-inf"), device=p["q"].device))
     group = q_heads // kv_heads
-    keys = p["k_pool"][p["k_index"].long()].reshape(-1, kv_heads, 128)[:history_tokens]
-    values = p["v_pool"][p["v_index"].long()].reshape(-1, kv_heads, 128)[:history_tokens]
+    head_dim = p["q"].shape[-1]
+    keys = p["k_pool"][p["k_index"].long()].reshape(-1, kv_heads, head_dim)[:history_tokens]
+    values = p["v_pool"][p["v_index"].long()].reshape(-1, kv_heads, head_dim)[:history_tokens]
     keys = keys.repeat_interleave(group, dim=1)      # [history, Hq, D]
     values = values.repeat_interleave(group, dim=1)  # [history, Hq, D]
-    scale = attention._scale(128, None)
+    scale = attention._scale(head_dim, None)
     scores = torch.einsum("thd,lhd->htl", p["q"], keys) * scale  # [Hq, Tc, history]
     lse = torch.logsumexp(scores, dim=-1)
     out = torch.einsum("htl,lhd->thd", torch.exp(scores - lse[..., None]), values)
@@ -112,7 +127,8 @@ def forward(problem, case, layout):
     history_tokens, attend_chunk = case[1], case[5]
     return torch.ops.membar.paged_attention_forward(
         problem["q"], problem["k"], problem["v"], problem["k_pool"], problem["k_index"], problem["v_pool"],
-        problem["v_index"], history_tokens, attention._scale(128, None), problem["selection"], problem["tile"],
+        problem["v_index"], history_tokens, attention._scale(problem["q"].shape[-1], None), problem["selection"],
+        problem["tile"],
         attend_chunk, layout)
 
 
@@ -125,13 +141,13 @@ def error(got, want):
     return (got[finite] - want[finite]).abs().max().item() if finite.any() else 0.0
 
 
-def child_check(layout):
+def child_check(layout, dtype, head_dim):
     import membar  # noqa: F401  (loads the ops library)
 
     for case in CASES:
         for seed in SEEDS:
-            problem = make_problem(case, seed, "cuda")
-            default_out, default_lse = forward(problem, case, baseline_layout(case))
+            problem = make_problem(case, seed, "cuda", DTYPES[dtype], head_dim)
+            default_out, default_lse = forward(problem, case, baseline_layout(case, head_dim))
             out, lse = forward(problem, case, layout)
             torch.cuda.synchronize()
             want_out, want_lse = reference(problem, case)
@@ -146,15 +162,15 @@ def child_check(layout):
             }), flush=True)
 
 
-def child_timing(layout):
+def child_timing(layout, dtype, head_dim):
     import membar  # noqa: F401
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.nn.attention.bias import causal_lower_right
 
     chunk, history, page, q_heads, kv_heads = 4096, 32768, 128, 28, 4
-    problem = make_problem((chunk, history, page, q_heads, kv_heads, True, 0, 0), 7, "cuda")
+    problem = make_problem((chunk, history, page, q_heads, kv_heads, True, 0, 0), 7, "cuda", DTYPES[dtype], head_dim)
     case = (chunk, history, page, q_heads, kv_heads, True, 0, 0)
-    flops = 4.0 * chunk * q_heads * 128 * (history + chunk / 2)
+    flops = 4.0 * chunk * q_heads * head_dim * (history + chunk / 2)
 
     # The median of CUDA-event timings, as bench/attention_bench.py measures (one warm-up call).
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "bench"))
@@ -163,11 +179,11 @@ def child_timing(layout):
     def time_ms(function):
         return bench_time_ms(function, warmup=1)
 
-    default_ms = time_ms(lambda: forward(problem, case, baseline_layout(case)))
+    default_ms = time_ms(lambda: forward(problem, case, baseline_layout(case, head_dim)))
     layout_ms = time_ms(lambda: forward(problem, case, layout))
     group = q_heads // kv_heads
-    keys = torch.cat([problem["k_pool"][problem["k_index"].long()].reshape(-1, kv_heads, 128), problem["k"]])
-    values = torch.cat([problem["v_pool"][problem["v_index"].long()].reshape(-1, kv_heads, 128), problem["v"]])
+    keys = torch.cat([problem["k_pool"][problem["k_index"].long()].reshape(-1, kv_heads, head_dim), problem["k"]])
+    values = torch.cat([problem["v_pool"][problem["v_index"].long()].reshape(-1, kv_heads, head_dim), problem["v"]])
     sq = problem["q"].transpose(0, 1).unsqueeze(0)
     sk = keys.repeat_interleave(group, dim=1).transpose(0, 1).unsqueeze(0)
     sv = values.repeat_interleave(group, dim=1).transpose(0, 1).unsqueeze(0)
@@ -184,7 +200,7 @@ def child_timing(layout):
 
 if __name__ == "__main__":
     mode, name = sys.argv[1], sys.argv[2]
-    child_check(name) if mode == "check" else child_timing(name)
+    (child_check if mode == "check" else child_timing)(name, sys.argv[3], int(sys.argv[4]))
     sys.exit(0)
 
 
@@ -206,27 +222,33 @@ if not hasattr(torch.ops.membar, "attention_cuda_layouts"):
 WGMMA_LAYOUTS = [name for name in torch.ops.membar.attention_cuda_layouts("forward") if name.startswith("wgmma")]
 
 
-def run_child(mode, layout, timeout):
+def run_child(mode, layout, timeout, *arguments):
     environment = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
-    finished = subprocess.run([sys.executable, os.path.abspath(__file__), mode, layout], capture_output=True,
-                              text=True, timeout=timeout, env=environment)
+    finished = subprocess.run([sys.executable, os.path.abspath(__file__), mode, layout, *map(str, arguments)],
+                              capture_output=True, text=True, timeout=timeout, env=environment)
     assert finished.returncode == 0, (layout, finished.returncode, finished.stdout[-3000:], finished.stderr[-3000:])
     return [json.loads(line) for line in finished.stdout.splitlines() if line.startswith("{")]
 
 
 def test_wgmma_layouts_are_compiled_and_chosen():
-    assert WGMMA_LAYOUTS, "no forward layout named wgmma* in this build"
-    # On Hopper the choice runs them for bf16, head_dim 128 (pages of 128 and 64).
-    assert torch.ops.membar.attention_cuda_layout("forward", torch.bfloat16, 128, 128) == "wgmma_w8r64_k128_s2"
-    assert torch.ops.membar.attention_cuda_layout("forward", torch.bfloat16, 128, 64) == "wgmma_w8r64_k64_s3"
+    assert sorted(WGMMA_LAYOUTS) == sorted(VARIANTS), WGMMA_LAYOUTS
+    # On Hopper the choice runs them for every dtype and head size (pages of 128 and 64).
+    for dtype in (torch.bfloat16, torch.float16):
+        for head_dim in (64, 96, 128):
+            assert torch.ops.membar.attention_cuda_layout("forward", dtype, head_dim, 128) == "wgmma_w8r64_k128_s2"
+            assert torch.ops.membar.attention_cuda_layout("forward", dtype, head_dim, 64) == "wgmma_w8r64_k64_s3"
+        for page_tokens in (64, 128):
+            assert torch.ops.membar.attention_cuda_layout("forward", dtype, 256, page_tokens) == "wgmma_w8r64_k64_s2"
 
 
-@pytest.mark.parametrize("layout", WGMMA_LAYOUTS)
-def test_wgmma_forward_matches_reference(layout):
-    records = run_child("check", layout, timeout=400)
+@pytest.mark.parametrize("layout,dtype,head_dim",
+                         [(layout, dtype, head_dim) for layout, variants in VARIANTS.items()
+                          for dtype, head_dim in variants])
+def test_wgmma_forward_matches_reference(layout, dtype, head_dim):
+    records = run_child("check", layout, 400, dtype, head_dim)
     assert len(records) == len(CASES) * len(SEEDS), records
     for record in records:
-        label = (layout, record["case"], record["seed"])
+        label = (layout, dtype, head_dim, record["case"], record["seed"])
         assert record["out"] is not None and record["lse"] is not None, ("-inf pattern differs", label, record)
         assert record["default_out"] is not None and record["default_lse"] is not None, ("default", label, record)
         assert record["no_key_rows_zero"], ("a row without keys must get out 0", label)
@@ -237,8 +259,9 @@ def test_wgmma_forward_matches_reference(layout):
 
 @pytest.mark.parametrize("layout", WGMMA_LAYOUTS)
 def test_wgmma_forward_timing(layout):
-    (record,) = run_child("timing", layout, timeout=300)
-    print(f"\n[wgmma timing] {layout}: {record['layout_tflops']:.0f} TFLOP/s; {baseline_layout((0, 0, 128))} "
-          f"{record['default_tflops']:.0f}; SDPA flash {record['sdpa_tflops']:.0f} "
-          f"(history 32768, chunk 4096, 28/4 heads, D 128)")
+    dtype, head_dim = VARIANTS[layout][0]
+    (record,) = run_child("timing", layout, 300, dtype, head_dim)
+    print(f"\n[wgmma timing] {layout}: {record['layout_tflops']:.0f} TFLOP/s; "
+          f"{baseline_layout((0, 0, 128), head_dim)} {record['default_tflops']:.0f}; SDPA flash "
+          f"{record['sdpa_tflops']:.0f} (history 32768, chunk 4096, 28/4 heads, {dtype}, D {head_dim})")
     assert math.isfinite(record["layout_tflops"])

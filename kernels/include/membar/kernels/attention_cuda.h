@@ -62,14 +62,17 @@ constexpr bool cuda_head_dim_supported(int32_t head_dim) {
 // The layout dispatch runs for a call on `target` (Note [Layout choice]); meaningful for the
 // supported dtypes and head sizes.
 constexpr ForwardLayout choose_forward_layout(const CudaTarget& target, const LayoutQuery& query) {
+  const bool hopper = target.compute_capability == 90 && target.warpgroup_kernels;
+  // Hopper, every dtype and head size, CTAs of 128 query rows (sparse tiles of 128k rows): the
+  // warpgroup kernel. Head size 256: 64-key blocks in two stages (Q and three stages do not fit).
+  if (hopper && query.sparse_tile_tokens % 128 == 0) {
+    if (query.head_dim == 256) return ForwardLayout::kWgmmaW8R64K64S2;
+    return query.page_tokens % 128 == 0 ? ForwardLayout::kWgmmaW8R64K128S2 : ForwardLayout::kWgmmaW8R64K64S3;
+  }
   // Head size 256: Q and two stages of K and V fill the shared memory of a 64-row CTA.
   if (query.head_dim == 256) return ForwardLayout::kMmaW4R16K64S2;
   // A CTA's queries must lie inside one sparse tile: 128-row CTAs need tiles of 128k rows.
   if (query.sparse_tile_tokens % 128 != 0) return ForwardLayout::kMmaW4R16K64S3;
-  if (query.dtype == DType::kBFloat16 && query.head_dim == 128 && target.compute_capability == 90 &&
-      target.warpgroup_kernels) {
-    return query.page_tokens % 128 == 0 ? ForwardLayout::kWgmmaW8R64K128S2 : ForwardLayout::kWgmmaW8R64K64S3;
-  }
   // 128-key blocks lie inside pages of 128 only. Three stages of them take 224 KiB of shared
   // memory at head_dim 128, which Hopper has and an A100 (164 KiB) does not: before sm_90 the
   // 64-row layout with one K and one V buffer (80 KiB) runs them.
@@ -99,6 +102,7 @@ constexpr bool forward_layout_fits(ForwardLayout layout, const CudaTarget& targe
       return target.compute_capability == 90 && target.warpgroup_kernels && tiles_hold(128) &&
              query.page_tokens % 128 == 0;
     case ForwardLayout::kWgmmaW8R64K64S3:
+    case ForwardLayout::kWgmmaW8R64K64S2:
       return target.compute_capability == 90 && target.warpgroup_kernels && tiles_hold(128) &&
              query.page_tokens % 64 == 0;
     case ForwardLayout::kMmaW8R16K128S3:
@@ -188,7 +192,7 @@ constexpr BackwardLayout resolve_backward_layout(BackwardLayout requested, const
 inline constexpr ForwardLayout kForwardLayouts[] = {
     ForwardLayout::kWgmmaW8R64K128S2, ForwardLayout::kWgmmaW8R64K64S3, ForwardLayout::kMmaW8R16K128S3,
     ForwardLayout::kMmaW8R16K64S3, ForwardLayout::kMmaW4R16K64S3, ForwardLayout::kMmaW4R16K64S2,
-    ForwardLayout::kMmaW4R16K128S1};
+    ForwardLayout::kMmaW4R16K128S1, ForwardLayout::kWgmmaW8R64K64S2};
 inline constexpr BackwardLayout kBackwardLayouts[] = {BackwardLayout::kMmaSplitK128S2, BackwardLayout::kMmaW8K128,
                                                       BackwardLayout::kMmaW4K64, BackwardLayout::kMmaW4K64Padded,
                                                       BackwardLayout::kMmaW4K64S2Halves};
@@ -198,6 +202,7 @@ constexpr const char* forward_layout_name(ForwardLayout layout) {
     case ForwardLayout::kAuto: return "auto";
     case ForwardLayout::kWgmmaW8R64K128S2: return "wgmma_w8r64_k128_s2";
     case ForwardLayout::kWgmmaW8R64K64S3: return "wgmma_w8r64_k64_s3";
+    case ForwardLayout::kWgmmaW8R64K64S2: return "wgmma_w8r64_k64_s2";
     case ForwardLayout::kMmaW8R16K128S3: return "w8r16_k128_s3_qreg_shift";
     case ForwardLayout::kMmaW8R16K64S3: return "w8r16_k64_s3_qreg_shift";
     case ForwardLayout::kMmaW4R16K64S3: return "w4r16_k64_s3";
