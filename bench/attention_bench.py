@@ -177,7 +177,7 @@ def bench_history(history, results):
     torch.cuda.empty_cache()
 
 
-def bench_head_dim(head_dim, dtype, history, results):
+def bench_head_dim(head_dim, dtype, history, results, try_layouts=()):
     """Forward and backward TFLOP/s of membar and SDPA flash at one head size and dtype."""
     p = make_inputs(history, head_dim=head_dim, dtype=dtype)
     fwd_flops = forward_flops(CHUNK, history, head_dim)
@@ -191,6 +191,12 @@ def bench_head_dim(head_dim, dtype, history, results):
     row["mma_forward_layout"] = "w4r16_k64_s2_shift_pad" if head_dim == 256 else "w8r16_k128_s3_qreg_shift"
     mma_forward, _, _ = membar_runner(p, forward_layout=row["mma_forward_layout"])
     row["mma_forward_ms"] = time_ms(mma_forward)
+    # Other compiled forward layouts asked for by name (--try-layouts; one this head size does not
+    # compile would run the chosen one instead, so name only compiled ones).
+    row["tried_forward_tflops"] = {}
+    for name in try_layouts:
+        tried_forward, _, _ = membar_runner(p, forward_layout=name)
+        row["tried_forward_tflops"][name] = fwd_flops / (time_ms(tried_forward) * 1e-3) / 1e12
     forward()
     row["membar_backward_ms"] = time_ms(backward)
     sdpa_forward, sdpa_forward_backward, sdpa_state = sdpa_runner(p)
@@ -217,6 +223,8 @@ def main():
     parser.add_argument("--head-dims", default="64,96,128,256", help="head sizes to compare with SDPA ('' for none)")
     parser.add_argument("--head-dim-dtypes", default="bfloat16,float16")
     parser.add_argument("--head-dim-history", type=int, default=32768)
+    parser.add_argument("--try-layouts", default="",
+                        help="forward layouts to time beside the chosen one, as HEAD_DIM=NAME,... (compiled ones)")
     args = parser.parse_args()
     histories = [int(h) for h in args.histories.split(",") if h]
     # MEMBAR_COMMIT first: on the lent device the tree's .git may be an older copy than its files.
@@ -248,7 +256,9 @@ def main():
         bench_history(history, results)
     for head_dim in [int(d) for d in args.head_dims.split(",") if d]:
         for dtype_name in [d for d in args.head_dim_dtypes.split(",") if d]:
-            bench_head_dim(head_dim, getattr(torch, dtype_name), args.head_dim_history, results)
+            tried = [name for entry in args.try_layouts.split(",") if entry
+                     for size, name in [entry.split("=")] if int(size) == head_dim]
+            bench_head_dim(head_dim, getattr(torch, dtype_name), args.head_dim_history, results, tried)
 
     lines = [f"paged attention vs SDPA flash, {results['machine']}, commit {results['commit'][:12]}, {results['date']}",
              "Qwen2.5-7B attention: 28 q heads, 4 kv heads, D=128, bf16, chunk 4096, pages of 128, fp32 grad pages; "
@@ -279,6 +289,8 @@ def main():
                          f" {row['membar_backward_tflops']:>9.1f} {row['sdpa_backward_tflops']:>9.1f}"
                          f" {row['backward_ratio']:>6.2f} {'met' if row['goals_met'] else 'NOT':>6}"
                          f"  {layouts.get('forward', '?')} / {layouts.get('backward', '?')}")
+            for name, tflops in row.get("tried_forward_tflops", {}).items():
+                lines.append(f"{'':>4} {'':>9} {tflops:>9.1f}  forward layout {name}")
     text = "\n".join(lines) + "\n"
     print(text)
     out_dir = Path(os.environ.get("MEMBAR_RESULTS_DIR", Path(__file__).parent / "results" / "latest"))

@@ -26,6 +26,11 @@ cudaError_t launch_layout(ForwardLayout layout, const PagedAttentionForwardParam
         return detail::warpgroup::launch_forward<Element, kHeadDim, layouts::WgmmaW8R64K64S3>(params, stream);
       }
       break;
+    case ForwardLayout::kWgmmaW8R64K64S3TwoCtas:
+      if constexpr (forward_layout_compiled(ForwardLayout::kWgmmaW8R64K64S3TwoCtas, kDType, kHeadDim)) {
+        return detail::warpgroup::launch_forward<Element, kHeadDim, layouts::WgmmaW8R64K64S3TwoCtas>(params, stream);
+      }
+      break;
     case ForwardLayout::kWgmmaW8R64K64S2:
       if constexpr (forward_layout_compiled(ForwardLayout::kWgmmaW8R64K64S2, kDType, kHeadDim)) {
         return detail::warpgroup::launch_forward<Element, kHeadDim, layouts::WgmmaW8R64K64S2>(params, stream);

@@ -87,7 +87,7 @@ inline constexpr int kThreads = 128 * kWarpgroups;
 struct WarpgroupForwardTile {
   int keys_per_block = 128;  // keys per block (a block lies inside one page)
   int stages = 2;            // K/V stages in shared memory
-  int ctas_per_sm = 1;       // CTAs per SM the registers are budgeted for
+  int ctas_per_sm = 1;       // CTAs per SM the registers are budgeted for (2: head_dim 64, 64-key blocks)
 };
 
 // Dims of the shared tiles: head_dim in whole 64-dim halves.
@@ -112,7 +112,8 @@ __global__ void __launch_bounds__(kThreads, Tiling::kTile.ctas_per_sm)
   constexpr int kDims = kStoredDim<kHeadDim>;
   static_assert(kKeys == 64 || kKeys == 128, "a key block is 64 or 128 keys (the m64n64 or m64n128 wgmma shapes)");
   static_assert(kStages == 2 || kStages == 3, "the barrier schemes take two or three K/V stages");
-  static_assert(kTile.ctas_per_sm == 1, "two CTAs per SM spill at the 128 registers a thread they leave");
+  static_assert(kTile.ctas_per_sm == 1 || (kTile.ctas_per_sm == 2 && kHeadDim == 64 && kKeys == 64),
+                "two CTAs per SM leave 128 registers a thread: enough only for a 64 x 64 output and 64-key scores");
   static_assert(kHeadDim == 64 || kHeadDim == 96 || kHeadDim == 128 || kHeadDim == 256,
                 "the supported head sizes (cuda_head_dim_supported)");
   static_assert(kHeadDim <= 128 || kKeys == 64, "at head_dim 256 the output and 128 scores a thread do not fit");

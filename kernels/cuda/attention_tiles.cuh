@@ -43,6 +43,17 @@ struct WgmmaW8R64K64S2 {
   }();
 };
 
+struct WgmmaW8R64K64S3TwoCtas {
+  static constexpr const char* kName = "wgmma_w8r64_k64_s3_2cta";
+  static constexpr detail::warpgroup::WarpgroupForwardTile kTile = [] {
+    detail::warpgroup::WarpgroupForwardTile tile;
+    tile.keys_per_block = 64;
+    tile.stages = 3;
+    tile.ctas_per_sm = 2;
+    return tile;
+  }();
+};
+
 struct MmaW8R16K128S3 {
   static constexpr const char* kName = "w8r16_k128_s3_qreg_shift";
   static constexpr detail::ForwardTile kTile = [] {

@@ -40,7 +40,8 @@ def baseline_layout(case, head_dim=128):
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 VARIANTS = {
     "wgmma_w8r64_k128_s2": [("bfloat16", 128), ("float16", 128), ("bfloat16", 64), ("float16", 96)],
-    "wgmma_w8r64_k64_s3": [("bfloat16", 128), ("float16", 64), ("bfloat16", 96)],
+    "wgmma_w8r64_k64_s3": [("bfloat16", 128), ("float16", 96)],
+    "wgmma_w8r64_k64_s3_2cta": [("float16", 64), ("bfloat16", 64)],
     "wgmma_w8r64_k64_s2": [("bfloat16", 256), ("float16", 256)],
 }
 
@@ -236,7 +237,8 @@ def test_wgmma_layouts_are_compiled_and_chosen():
     for dtype in (torch.bfloat16, torch.float16):
         for head_dim in (64, 96, 128):
             assert torch.ops.membar.attention_cuda_layout("forward", dtype, head_dim, 128) == "wgmma_w8r64_k128_s2"
-            assert torch.ops.membar.attention_cuda_layout("forward", dtype, head_dim, 64) == "wgmma_w8r64_k64_s3"
+            assert torch.ops.membar.attention_cuda_layout("forward", dtype, head_dim, 64) == (
+                "wgmma_w8r64_k64_s3_2cta" if head_dim == 64 else "wgmma_w8r64_k64_s3")
         for page_tokens in (64, 128):
             assert torch.ops.membar.attention_cuda_layout("forward", dtype, 256, page_tokens) == "wgmma_w8r64_k64_s2"
 

@@ -67,6 +67,7 @@ constexpr ForwardLayout choose_forward_layout(const CudaTarget& target, const La
   // warpgroup kernel. Head size 256: 64-key blocks in two stages (Q and three stages do not fit).
   if (hopper && query.sparse_tile_tokens % 128 == 0) {
     if (query.head_dim == 256) return ForwardLayout::kWgmmaW8R64K64S2;
+    if (query.head_dim == 64 && query.page_tokens % 128 != 0) return ForwardLayout::kWgmmaW8R64K64S3TwoCtas;
     return query.page_tokens % 128 == 0 ? ForwardLayout::kWgmmaW8R64K128S2 : ForwardLayout::kWgmmaW8R64K64S3;
   }
   // Head size 256: Q and two stages of K and V fill the shared memory of a 64-row CTA.
@@ -103,6 +104,7 @@ constexpr bool forward_layout_fits(ForwardLayout layout, const CudaTarget& targe
              query.page_tokens % 128 == 0;
     case ForwardLayout::kWgmmaW8R64K64S3:
     case ForwardLayout::kWgmmaW8R64K64S2:
+    case ForwardLayout::kWgmmaW8R64K64S3TwoCtas:
       return target.compute_capability == 90 && target.warpgroup_kernels && tiles_hold(128) &&
              query.page_tokens % 64 == 0;
     case ForwardLayout::kMmaW8R16K128S3:
@@ -192,7 +194,7 @@ constexpr BackwardLayout resolve_backward_layout(BackwardLayout requested, const
 inline constexpr ForwardLayout kForwardLayouts[] = {
     ForwardLayout::kWgmmaW8R64K128S2, ForwardLayout::kWgmmaW8R64K64S3, ForwardLayout::kMmaW8R16K128S3,
     ForwardLayout::kMmaW8R16K64S3, ForwardLayout::kMmaW4R16K64S3, ForwardLayout::kMmaW4R16K64S2,
-    ForwardLayout::kMmaW4R16K128S1, ForwardLayout::kWgmmaW8R64K64S2};
+    ForwardLayout::kMmaW4R16K128S1, ForwardLayout::kWgmmaW8R64K64S2, ForwardLayout::kWgmmaW8R64K64S3TwoCtas};
 inline constexpr BackwardLayout kBackwardLayouts[] = {BackwardLayout::kMmaSplitK128S2, BackwardLayout::kMmaW8K128,
                                                       BackwardLayout::kMmaW4K64, BackwardLayout::kMmaW4K64Padded,
                                                       BackwardLayout::kMmaW4K64S2Halves};
@@ -203,6 +205,7 @@ constexpr const char* forward_layout_name(ForwardLayout layout) {
     case ForwardLayout::kWgmmaW8R64K128S2: return "wgmma_w8r64_k128_s2";
     case ForwardLayout::kWgmmaW8R64K64S3: return "wgmma_w8r64_k64_s3";
     case ForwardLayout::kWgmmaW8R64K64S2: return "wgmma_w8r64_k64_s2";
+    case ForwardLayout::kWgmmaW8R64K64S3TwoCtas: return "wgmma_w8r64_k64_s3_2cta";
     case ForwardLayout::kMmaW8R16K128S3: return "w8r16_k128_s3_qreg_shift";
     case ForwardLayout::kMmaW8R16K64S3: return "w8r16_k64_s3_qreg_shift";
     case ForwardLayout::kMmaW4R16K64S3: return "w4r16_k64_s3";
