@@ -29,15 +29,19 @@ constexpr CudaTarget kAmpere{80, false};
 
 TEST(AttentionLayouts, HopperRunsTheWarpgroupForwardForEveryDtypeAndHeadSize) {
   for (DType dtype : {DType::kBFloat16, DType::kFloat16}) {
-    for (int32_t head_dim : {64, 96, 128}) {
+    for (int32_t head_dim : {96, 128}) {
       EXPECT_EQ(ForwardLayout::kWgmmaW8R64K128S2, choose_forward_layout(kHopper, LayoutQuery{dtype, head_dim, 128, 0}));
-      // Head size 64, pages of 64: two CTAs an SM (a 64 x 64 output leaves the registers for it).
-      EXPECT_EQ(head_dim == 64 ? ForwardLayout::kWgmmaW8R64K64S3TwoCtas : ForwardLayout::kWgmmaW8R64K64S3,
-                choose_forward_layout(kHopper, LayoutQuery{dtype, head_dim, 64, 0}));
+      EXPECT_EQ(ForwardLayout::kWgmmaW8R64K64S3, choose_forward_layout(kHopper, LayoutQuery{dtype, head_dim, 64, 0}));
       EXPECT_EQ(ForwardLayout::kWgmmaW8R64K128S2, choose_forward_layout(kHopper, LayoutQuery{dtype, head_dim, 128, 256}));
+    }
+    for (int32_t head_dim : {64, 96, 128}) {
       // A CTA of 128 queries does not fit a sparse tile of 64 rows.
       EXPECT_EQ(ForwardLayout::kMmaW4R16K64S3, choose_forward_layout(kHopper, LayoutQuery{dtype, head_dim, 128, 64}));
       EXPECT_EQ(ForwardLayout::kMmaW4R16K64S3, choose_forward_layout(kHopper, LayoutQuery{dtype, head_dim, 128, 192}));
+    }
+    // Head size 64: two CTAs an SM (a 64 x 64 output leaves the registers for it), any pages.
+    for (int32_t page_tokens : {64, 128}) {
+      EXPECT_EQ(ForwardLayout::kWgmmaW8R64K64S3TwoCtas, choose_forward_layout(kHopper, LayoutQuery{dtype, 64, page_tokens, 0}));
     }
     // Head size 256: 64-key blocks in two stages, for pages of 64 and 128.
     for (int32_t page_tokens : {64, 128}) {

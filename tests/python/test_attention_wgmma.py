@@ -39,7 +39,7 @@ def baseline_layout(case, head_dim=128):
 # compiled for (128-key blocks and three stages do not fit beside a Q tile of head_dim 256).
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 VARIANTS = {
-    "wgmma_w8r64_k128_s2": [("bfloat16", 128), ("float16", 128), ("bfloat16", 64), ("float16", 96)],
+    "wgmma_w8r64_k128_s2": [("bfloat16", 128), ("float16", 128), ("float16", 96)],
     "wgmma_w8r64_k64_s3": [("bfloat16", 128), ("float16", 96)],
     "wgmma_w8r64_k64_s3_2cta": [("float16", 64), ("bfloat16", 64)],
     "wgmma_w8r64_k64_s2": [("bfloat16", 256), ("float16", 256)],
@@ -235,10 +235,11 @@ def test_wgmma_layouts_are_compiled_and_chosen():
     assert sorted(WGMMA_LAYOUTS) == sorted(VARIANTS), WGMMA_LAYOUTS
     # On Hopper the choice runs them for every dtype and head size (pages of 128 and 64).
     for dtype in (torch.bfloat16, torch.float16):
-        for head_dim in (64, 96, 128):
+        for head_dim in (96, 128):
             assert torch.ops.membar.attention_cuda_layout("forward", dtype, head_dim, 128) == "wgmma_w8r64_k128_s2"
-            assert torch.ops.membar.attention_cuda_layout("forward", dtype, head_dim, 64) == (
-                "wgmma_w8r64_k64_s3_2cta" if head_dim == 64 else "wgmma_w8r64_k64_s3")
+            assert torch.ops.membar.attention_cuda_layout("forward", dtype, head_dim, 64) == "wgmma_w8r64_k64_s3"
+        for page_tokens in (64, 128):
+            assert torch.ops.membar.attention_cuda_layout("forward", dtype, 64, page_tokens) == "wgmma_w8r64_k64_s3_2cta"
         for page_tokens in (64, 128):
             assert torch.ops.membar.attention_cuda_layout("forward", dtype, 256, page_tokens) == "wgmma_w8r64_k64_s2"
 

