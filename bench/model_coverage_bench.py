@@ -337,7 +337,7 @@ def markdown(rows: list[dict], commit: str) -> str:
         else:
             cells = ["error" if errors else "", "", ""]
         for tokens in contexts:
-            for variant in ("full", "chunk-recurrent"):
+            for variant in [v for v in ("full", "chunk-recurrent") if v in args.variants.split(",")]:
                 cells.append(_cell(next((row for row in timing if row["variant"] == variant
                                          and row["tokens"] == tokens), None)))
         lines.append("| " + " | ".join([name, layers] + cells) + " |")
@@ -351,8 +351,11 @@ def write(rows: list[dict], out: Path, commit: str) -> None:
 
 
 def commit_of() -> str:
+    """$MEMBAR_COMMIT when set (a copied tree's git metadata may be older than its files), else git's."""
     import subprocess
 
+    if os.environ.get("MEMBAR_COMMIT"):
+        return os.environ["MEMBAR_COMMIT"]
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
                               check=True).stdout.strip()
@@ -378,6 +381,7 @@ def main(argv=None) -> int:
     parser.add_argument("--models", default=",".join(MODELS))
     parser.add_argument("--contexts", default="32K,128K")
     parser.add_argument("--parts", default="errors,timing")
+    parser.add_argument("--variants", default="full,chunk-recurrent", help="timing variants to run")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--tiny", action="store_true", help="shrink every shape (CPU smoke test)")
     parser.add_argument("--device", default="cuda")
@@ -437,7 +441,7 @@ def main(argv=None) -> int:
             continue
         model = None
         for tokens in contexts:
-            for variant in ("full", "chunk-recurrent"):
+            for variant in [v for v in ("full", "chunk-recurrent") if v in args.variants.split(",")]:
                 key = {"model": name, "part": "timing", "variant": variant, "tokens": tokens}
                 if time.time() > deadline:
                     record(dict(key, skipped="time budget spent"))
