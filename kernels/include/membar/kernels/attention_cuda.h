@@ -21,8 +21,9 @@
 // (resolve_forward_layout); the bindings expose that for tests. The layouts that lost live in
 // the sweep target (kernels/sweep/, run by bench/attention_sweep.py); docs/kernels.md keeps their
 // measurements and one sentence each on why they lost.
-// Limitations: the choice was measured on an H200 at the Qwen2.5-7B attention shape (bf16,
-// head_dim 128, pages of 128); the other cases run layouts that are correct but were not tuned
+// Limitations: the layouts were swept on an H200 at the Qwen2.5-7B attention shape (bf16,
+// head_dim 128, pages of 128); on Hopper the forward at the other head sizes and fp16 was measured
+// against SDPA flash (docs/kernels.md), the backward and the other GPUs' layouts were not tuned
 // for them.
 #pragma once
 
