@@ -65,7 +65,9 @@
 #   models    the model-coverage table (bench/model_coverage_bench.py, issue "Train the models people
 #             actually use"): COVERAGE_MODELS (default qwen3-8b; one model per call) at 32K and 128K
 #             beside full-sequence training, and its bf16 gradient errors; COVERAGE_QUICK=1 runs the
-#             four shapes' quick table instead (4 layers, 32K, < 5 minutes)
+#             four shapes' quick table instead (4 layers, 32K, < 5 minutes). COVERAGE_ARGS adds options
+#             (e.g. "--parts timing --contexts 128K --variants chunk-recurrent": the row's missing
+#             step alone), COVERAGE_MERGE names an earlier model_coverage.json to merge the rows into
 #   dp        7B at 32K: one process against data parallel with world size 1 (NCCL), in one run
 #   cli       membar-train as a user runs it, 7B at CLI_SEQ (default 32K), 3 steps: embedded and
 #             through membard (--socket), dense and --offload, in one call (steps 2-3 compared);
@@ -254,8 +256,10 @@ for step in "$@"; do
     models)
       mkdir -p "$work/models"
       if [ "${COVERAGE_QUICK:-0}" = 1 ]; then coverage="--quick"; else coverage="--models ${COVERAGE_MODELS:-qwen3-8b}"; fi
-      MEMBAR_RESULTS_DIR=$work/models timeout 560 "$py" bench/model_coverage_bench.py $coverage --time-budget 500 \
-        > "$work/models/bench.log" 2>&1 || status=1
+      if [ -n "${COVERAGE_MERGE:-}" ]; then cp "$COVERAGE_MERGE" "$work/models/model_coverage.json" || status=1; fi
+      # shellcheck disable=SC2086  # COVERAGE_ARGS is a list of options
+      MEMBAR_RESULTS_DIR=$work/models timeout 560 "$py" bench/model_coverage_bench.py $coverage ${COVERAGE_ARGS:-} \
+        --time-budget 500 > "$work/models/bench.log" 2>&1 || status=1
       tail -15 "$work/models/model_coverage.md" 2>/dev/null || tail -20 "$work/models/bench.log" ;;
     dp)
       bench dp --contexts 32K --time-budget 300 --variants "dense,dense+dp" ;;

@@ -24,15 +24,23 @@ def load_bench():
 def test_tiny_shapes_on_the_cpu(tmp_path, monkeypatch):
     bench = load_bench()
     monkeypatch.setenv("MEMBAR_RESULTS_DIR", str(tmp_path))
+    monkeypatch.setenv("MEMBAR_COMMIT", "0123abc")
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         common = ["--tiny", "--device", "cpu", "--quick", "--contexts", "1K", "--gemma-full", "eager"]
         assert bench.main(common + ["--models", "gemma-2-9b", "--fresh"]) == 0
-        assert bench.main(common + ["--models", "qwen3-8b", "--parts", "timing"]) == 0
+        # One timing variant per call (a row's missing step alone), merged into the same table.
+        assert bench.main(common + ["--models", "qwen3-8b", "--parts", "timing", "--variants", "chunk-recurrent"]) == 0
+        partial = {row["variant"] for row in json.loads((tmp_path / "model_coverage.json").read_text())["rows"]
+                   if row["model"] == "qwen3-8b"}
+        assert partial == {"chunk-recurrent"}, partial
+        assert bench.main(common + ["--models", "qwen3-8b", "--parts", "timing", "--variants", "full"]) == 0
     finally:
         torch.set_num_threads(threads)
-    rows = json.loads((tmp_path / "model_coverage.json").read_text())["rows"]
+    results = json.loads((tmp_path / "model_coverage.json").read_text())
+    assert results["commit"] == "0123abc"
+    rows = results["rows"]
     keys = {(row["model"], row["part"], row["variant"]) for row in rows}
     assert keys == {("gemma-2-9b", "errors", "errors"), ("gemma-2-9b", "timing", "full"),
                     ("gemma-2-9b", "timing", "chunk-recurrent"), ("qwen3-8b", "timing", "full"),
