@@ -122,3 +122,45 @@ def test_history_blocks_without_the_chunk_merge_to_one_call():
         dq = dq + part
     assert torch.allclose(dq, one[0], atol=1e-10) and torch.allclose(dk, one[1], atol=1e-10)
     assert torch.allclose(pools[2], pools[0], atol=1e-10) and torch.allclose(pools[3], pools[1], atol=1e-10)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_sixteen_bit_products_stay_within_the_inputs_rounding(monkeypatch, dtype):
+    """The CUDA path for 16-bit inputs (products of 16-bit operands with float32 results, P and dS
+    rounded to the input dtype) run on the CPU: torch.bmm's out_dtype exists only on CUDA, so a
+    float32 product of the same rounded operands stands in for it. Its results stay as close to the
+    float64 reference as the float32 path's, within the 16-bit rounding of P and dS."""
+    products = []
+
+    def stand_in(a, b):
+        assert a.dtype == b.dtype == dtype, (a.dtype, b.dtype)
+        products.append(a.shape)
+        return torch.matmul(a.float(), b.float())
+
+    q, k, v, history, history_first, chunk_first = case(5)
+    positions = torch_attention.Positions(chunk_first, history_first, 21, 2.0)
+    scale = 0.3
+    dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(6), dtype=torch.float64)
+    low = [t.to(dtype) for t in (q, k, v, history.k_pool, history.v_pool, dout)]
+    low_history = HistoryView(low[3], low[4], history.page_index, history.history_tokens)
+    exact = [t.to(torch.float64) for t in low]   # the same rounded inputs, in float64
+    exact_history = HistoryView(exact[3], exact[4], history.page_index, history.history_tokens)
+
+    def run(inputs, view, out_dtype):
+        out, lse = torch_attention.forward(*inputs[:3], view, scale, positions)
+        pools = (torch.zeros(view.k_pool.shape, dtype=out_dtype), torch.zeros(view.v_pool.shape, dtype=out_dtype))
+        grads = torch_attention.backward(*inputs[:3], view, scale, out, inputs[5], lse,
+                                         GradView(pools[0], pools[1], view.page_index), positions)
+        return [out, lse, *grads, *pools]
+
+    want = run(exact, exact_history, torch.float64)
+    float32 = run(low, low_history, torch.float32)
+    monkeypatch.setattr(torch_attention, "_operand_dtype", lambda t: t.dtype)
+    monkeypatch.setattr(torch_attention, "_half_product", stand_in)
+    got = run(low, low_history, torch.float32)
+    assert len(products) == 2 * (2 + 5), products   # two key blocks (history, chunk): 2 forward, 5 backward products each
+    for name, fast, slow, reference in zip(("out", "lse", "dq", "dk", "dv", "dk pages", "dv pages"), got, float32, want):
+        fast_error = (fast.double() - reference).abs().max().item()
+        slow_error = (slow.double() - reference).abs().max().item()
+        bound = 4 * torch.finfo(dtype).eps * max(1.0, reference.abs().max().item())
+        assert fast_error <= max(2 * slow_error, bound), (name, fast_error, slow_error, bound)

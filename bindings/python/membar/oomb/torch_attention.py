@@ -18,12 +18,17 @@ Note [Attention in PyTorch]
   so it needs nothing from the forward; the soft-cap's derivative is 1 - tanh^2. It returns dq and
   the chunk's own dk/dv, and ADDS the history's dK/dV into the grad pages (index_add_ on the pool
   rows named by the grad view's page index), like the paged backward.
-  Limitations: the slower path: every key block is a dense matmul in float32 over the whole window
-  or history (masked entries are computed, then dropped), about (window + chunk) / window more work
-  than a banded kernel would do for a local layer, and float32 matmuls on a GPU run without tensor
-  cores (bf16 products with float32 output, torch.bmm(..., out_dtype=float32) on CUDA, would be the
-  next step). Score blocks are bounded (SCORE_ELEMENTS). Sparse selections are not taken
-  (check_layers refuses sparse mode with such layers).
+  On CUDA with bf16 or fp16 inputs the products run on the tensor cores, as the paged kernels
+  compute them: 16-bit operands (P and dS rounded to the input dtype, like the kernels' P and dS)
+  with float32 accumulation and results (torch.bmm(..., out_dtype=float32)); the softmax and all
+  sums stay float32. Elsewhere (the CPU, float32 and float64 inputs) every product is float32
+  (float64).
+  Limitations: the slower path: every key block is a dense product over the whole window or
+  history (masked entries are computed, then dropped), about (window + chunk) / window more work
+  than a banded kernel would do for a local layer, and the masks, soft-cap and softmax are
+  separate elementwise passes over float32 score blocks. Score blocks are bounded
+  (SCORE_ELEMENTS). Sparse selections are not taken (check_layers refuses sparse mode with such
+  layers).
 """
 from __future__ import annotations
 
@@ -53,6 +58,25 @@ def _accumulate_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+def _operand_dtype(q: torch.Tensor) -> torch.dtype | None:
+    """The 16-bit operand dtype of the products (CUDA with bf16 or fp16 inputs: the tensor cores),
+    or None: float32 (float64) operands."""
+    return q.dtype if q.device.type == "cuda" and q.dtype in (torch.bfloat16, torch.float16) else None
+
+
+def _half_product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Batched a @ b of 16-bit operands, float32 accumulation and result (CUDA)."""
+    return torch.bmm(a, b, out_dtype=torch.float32)
+
+
+def _product(a: torch.Tensor, b: torch.Tensor, operands: torch.dtype | None, dtype: torch.dtype) -> torch.Tensor:
+    """Batched a @ b in `dtype` (float32 or float64): with 16-bit `operands`, a and b rounded to them
+    first (Note [Attention in PyTorch])."""
+    if operands is None:
+        return torch.matmul(a.to(dtype), b.to(dtype))
+    return _half_product(a.to(operands), b.to(operands))
+
+
 def _history_rows(pool: torch.Tensor, page_index: torch.Tensor, tokens: int) -> torch.Tensor:
     """The view's pages [n, page_tokens, Hkv, D] gathered in order, as rows [tokens, Hkv, D]."""
     pages = pool.index_select(0, page_index.long())
@@ -80,10 +104,10 @@ def _key_blocks(q, k, v, history: HistoryView, positions: Positions, attend_chun
             yield keys[offset:end], values[offset:end], key_positions, source, offset
 
 
-def _scores(q_groups, keys, query_positions, key_positions, scale: float, positions: Positions, dtype):
-    """Masked scores [Hkv, G * Tc, n] (-inf where masked) and tanh of the soft-capped scores (or
-    None), for q_groups [Hkv, G * Tc, D] and keys [n, Hkv, D]."""
-    raw = torch.matmul(q_groups, keys.to(dtype).permute(1, 2, 0)).mul_(scale)
+def _scores(q_groups, keys, query_positions, key_positions, scale: float, positions: Positions, operands, dtype):
+    """Masked scores [Hkv, G * Tc, n] in `dtype` (-inf where masked) and tanh of the soft-capped
+    scores (or None), for q_groups [Hkv, G * Tc, D] and keys [n, Hkv, D]."""
+    raw = _product(q_groups, keys.permute(1, 2, 0), operands, dtype).mul_(scale)
     tanh = None
     if positions.softcap is not None:
         tanh = torch.tanh(raw / positions.softcap)
@@ -114,21 +138,21 @@ def _ungrouped(x, tokens: int) -> torch.Tensor:
 def forward(q, k, v, history: HistoryView, scale: float, positions: Positions, attend_chunk: bool = True):
     """(out [Tc, Hq, D] in q's dtype, lse [Hq, Tc] float32, float64 for float64 q) of the chunk's
     queries over the history view's rows and, when attend_chunk, the chunk's own keys."""
-    dtype = _accumulate_dtype(q.dtype)
+    dtype, operands = _accumulate_dtype(q.dtype), _operand_dtype(q)
     tokens, kv_heads = q.shape[0], k.shape[1]
-    q_groups = _grouped(q, kv_heads, dtype)
+    q_groups = _grouped(q, kv_heads, operands or dtype)
     query_positions = torch.arange(positions.chunk_first, positions.chunk_first + tokens, device=q.device)
-    out = torch.zeros_like(q_groups)
+    out = torch.zeros(q_groups.shape, dtype=dtype, device=q.device)
     lse = torch.full(q_groups.shape[:2], float("-inf"), dtype=dtype, device=q.device)
     for keys, values, key_positions, _, _ in _key_blocks(q, k, v, history, positions, attend_chunk):
-        scores, _, _ = _scores(q_groups, keys, query_positions, key_positions, scale, positions, dtype)
+        scores, _, _ = _scores(q_groups, keys, query_positions, key_positions, scale, positions, operands, dtype)
         block_lse = torch.logsumexp(scores, dim=-1)                              # [Hkv, G * Tc]
         merged = torch.logaddexp(lse, block_lse)
         finite = torch.isfinite(merged)
         safe = torch.where(finite, merged, torch.zeros_like(merged))
         probabilities = torch.exp(scores - safe.unsqueeze(-1))                   # 0 where masked
         out.mul_(torch.where(finite, torch.exp(lse - safe), torch.zeros_like(lse)).unsqueeze(-1))
-        out.add_(torch.matmul(probabilities, values.to(dtype).transpose(0, 1)))
+        out.add_(_product(probabilities, values.transpose(0, 1), operands, dtype))
         lse = merged
     return _ungrouped(out, tokens).to(q.dtype), _ungrouped(lse.unsqueeze(-1), tokens)[..., 0].t().contiguous()
 
@@ -137,16 +161,16 @@ def backward(q, k, v, history: HistoryView, scale: float, out, dout, lse, grads:
              positions: Positions, attend_chunk: bool = True):
     """(dq [Tc, Hq, D], dk, dv [Tc, Hkv, D]) of the chunk (dk/dv zeros when not attend_chunk);
     ADDS the history's dK/dV into grads' pools. out and lse must be the rows' final ones."""
-    dtype = _accumulate_dtype(q.dtype)
+    dtype, operands = _accumulate_dtype(q.dtype), _operand_dtype(q)
     tokens, kv_heads = q.shape[0], k.shape[1]
-    q_groups = _grouped(q, kv_heads, dtype)
-    dout_groups = _grouped(dout, kv_heads, dtype)
+    q_groups = _grouped(q, kv_heads, operands or dtype)
+    dout_groups = _grouped(dout, kv_heads, operands or dtype)
     # D = rowsum(dO * O) and lse per row, in the grouped order [Hkv, G * Tc].
     row_dot = _grouped((dout.to(dtype) * out.to(dtype)).sum(-1, keepdim=True), kv_heads, dtype)[..., 0]
     row_lse = _grouped(lse.t().unsqueeze(-1), kv_heads, dtype)[..., 0]
     row_lse = torch.where(torch.isfinite(row_lse), row_lse, torch.full_like(row_lse, float("inf")))
     query_positions = torch.arange(positions.chunk_first, positions.chunk_first + tokens, device=q.device)
-    dq = torch.zeros_like(q_groups)
+    dq = torch.zeros(q_groups.shape, dtype=dtype, device=q.device)
     dk = torch.zeros(k.shape, dtype=dtype, device=k.device)
     dv = torch.zeros(v.shape, dtype=dtype, device=v.device)
     history_dk = history_dv = None
@@ -154,16 +178,17 @@ def backward(q, k, v, history: HistoryView, scale: float, out, dout, lse, grads:
         history_dk = torch.zeros((history.history_tokens,) + tuple(k.shape[1:]), dtype=dtype, device=k.device)
         history_dv = torch.zeros_like(history_dk)
     for keys, values, key_positions, source, offset in _key_blocks(q, k, v, history, positions, attend_chunk):
-        scores, tanh, visible = _scores(q_groups, keys, query_positions, key_positions, scale, positions, dtype)
+        scores, tanh, visible = _scores(q_groups, keys, query_positions, key_positions, scale, positions, operands,
+                                        dtype)
         probabilities = torch.exp(scores - row_lse.unsqueeze(-1))                # [Hkv, G * Tc, n]
-        block_dv = torch.matmul(probabilities.transpose(1, 2), dout_groups)     # [Hkv, n, D]
-        dp = torch.matmul(dout_groups, values.to(dtype).permute(1, 2, 0))      # [Hkv, G * Tc, n]
+        block_dv = _product(probabilities.transpose(1, 2), dout_groups, operands, dtype)   # [Hkv, n, D]
+        dp = _product(dout_groups, values.permute(1, 2, 0), operands, dtype)              # [Hkv, G * Tc, n]
         ds = probabilities.mul_(dp.sub_(row_dot.unsqueeze(-1)))
         if tanh is not None:
             ds.mul_(1 - tanh * tanh)
         ds.masked_fill_(~visible, 0.0)
-        dq.add_(torch.matmul(ds, keys.to(dtype).transpose(0, 1)), alpha=scale)
-        block_dk = torch.matmul(ds.transpose(1, 2), q_groups).mul_(scale)      # [Hkv, n, D]
+        dq.add_(_product(ds, keys.transpose(0, 1), operands, dtype), alpha=scale)
+        block_dk = _product(ds.transpose(1, 2), q_groups, operands, dtype).mul_(scale)   # [Hkv, n, D]
         rows = slice(offset, offset + keys.shape[0])
         target_k, target_v = (history_dk, history_dv) if source == "history" else (dk, dv)
         target_k[rows] += block_dk.transpose(0, 1)
