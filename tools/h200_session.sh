@@ -96,6 +96,9 @@
 #             at N x TP_SEQ tokens with offload
 #   select    page selection on the GPU: the CUDA kernel (one CTA per query tile) against PyTorch
 #             operations (Note [Page selection in PyTorch]), 7B shape, 32K-1M history (bench/probes/select_probe.py)
+#   enqueue   bench/probes/enqueue_probe.py: host time of each cudaMemcpyAsync in bursts of 2, 8 and 64 MiB
+#             host-to-GPU copies (4 GiB each): does handing copies to a stream block once it holds
+#             enough queued work (the offloaded step's "enqueue" time, session 16)?
 #   hostpool  membard --gpu-pool 100GiB --host-pool 100GiB under ulimit -n 1024: time to serve,
 #             time until the host pool is pinned, open descriptors
 #
@@ -305,6 +308,10 @@ for step in "$@"; do
         --query-tile 4096 --time-limit "${SPARSE_LIMIT:-560}"
       "$bin/membarctl" --socket "$socket" stats --json > "$work/sparse1m/membarctl_stats.json" 2>&1
       kill "$daemon"; wait "$daemon" 2>/dev/null ;;
+    enqueue)
+      mkdir -p "$work/enqueue"
+      timeout 200 "$py" bench/probes/enqueue_probe.py "$work/enqueue/enqueue_probe.json" > "$work/enqueue/enqueue_probe.txt" 2>&1 || status=1
+      cat "$work/enqueue/enqueue_probe.txt" ;;
     select)
       mkdir -p "$work/select"
       timeout 200 "$py" bench/probes/select_probe.py "$work/select/select_probe.json" > "$work/select/select_probe.txt" 2>&1 || status=1
