@@ -27,7 +27,10 @@ const char* paged_attention_cuda_check(const PagedAttentionShape& shape, const P
       return "the CUDA attention kernels need query_tile_tokens to be a multiple of 64.";
     }
     // The compacted selection of a tile lives in shared memory next to the tiles.
-    if (selection.selected_per_tile > 8192) return "the CUDA attention kernels accept at most 8192 selected pages per tile.";
+    static_assert(kMaxSelectedPerTile == 8192, "the sentence below names the limit");
+    if (selection.selected_per_tile > kMaxSelectedPerTile) {
+      return "the CUDA attention kernels accept at most 8192 selected pages per tile.";
+    }
   }
   return "";
 }

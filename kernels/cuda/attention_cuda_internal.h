@@ -13,6 +13,9 @@ namespace membar::kernels::cuda {
 
 // Queries per block of the backward kernels and the granularity of a sparse query tile.
 inline constexpr int32_t kQueryBlockTokens = 64;
+// Selected pages of one sparse tile at most: a tile's compacted selection lives in shared memory
+// beside the kernels' tiles (4 bytes a page).
+inline constexpr int32_t kMaxSelectedPerTile = 8192;
 
 // The backward workspace, carved from the caller's buffer in this order (each piece 256-byte
 // aligned): dQ accumulator fp32 [Tc, Hq, D]; delta = rowsum(dO * O) fp32 [Hq, Tc];

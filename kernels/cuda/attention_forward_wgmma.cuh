@@ -117,7 +117,8 @@ __global__ void __launch_bounds__(kThreads, Tiling::kTile.ctas_per_sm)
   static_assert(kHeadDim == 64 || kHeadDim == 96 || kHeadDim == 128 || kHeadDim == 256,
                 "the supported head sizes (cuda_head_dim_supported)");
   static_assert(kHeadDim <= 128 || kKeys == 64, "at head_dim 256 the output and 128 scores a thread do not fit");
-  static_assert(wgmma_shared_bytes_fixed<kHeadDim, Tiling>() <= 227 * 1024, "an H100/H200 CTA has 227 KiB");
+  static_assert(wgmma_shared_bytes_fixed<kHeadDim, Tiling>() + 4 * size_t(kMaxSelectedPerTile) <= 227 * 1024,
+                "an H100/H200 CTA has 227 KiB: the tiles and the largest sparse selection must fit");
 #if MEMBAR_WGMMA_AVAILABLE
   constexpr int kTileBytes = kKeys * kDims * 2;  // one K or V stage
   extern __shared__ unsigned char shared_raw[];

@@ -61,6 +61,8 @@ CASES = [
     (300, 1100, 128, 28, 4, True, 128, 3),        # sparse, the last tile (and CTA) partial
     (4096, 3000, 128, 28, 4, True, 4096, 8),      # sparse, one selection per chunk (oomb_bench --query-tile)
     (300, 1100, 128, 8, 8, True, 64, 3),          # sparse tiles of 64: the default kernel runs
+    (300, 2 * 128 + 30, 128, 8, 8, True, 128, 4),  # sparse, all 3 pages selected: the last page's 30 tokens
+                                                   # leave a 64-key block without a row (64-key layouts)
 ]
 SEEDS = (1, 2)
 
