@@ -2,6 +2,7 @@
 // on the standard library and membar/status.h so that fuzz/protocol_fuzzer.cpp can build it alone.
 #include "membar/protocol/v2.h"
 
+#include <array>
 #include <cstdio>
 #include <cstring>
 #include <limits>
@@ -676,25 +677,83 @@ Result<std::vector<PageRange>> decode_ranges(std::span<const uint8_t> payload) {
   return ranges;
 }
 
-// Stats: string backend; u32 first_space, u32 spaces_total;
-// u32 tiers {u8 tier, u64 total, used, free, preparing};
-// u32 clients {u32 client, i32 pid, u32 uid, string name, u64 quotas x2, Stat x2, u32 spaces, u64 x11};
-// u32 spaces {u32 id, string name, u64 page_bytes, u32 page_count, u32 client, u64 x8};
-// then {i32 numa_node} per tier, in the tiers' order (absent from daemons before 2026-12-02: the
-// decoder reads -1 then, so a new membarctl still reads an older membard), then {u64 frames_lost}
-// per tier (likewise; 0 when absent), then {u64 frames_on_request} per tier (likewise).
+// Note [Stats payload formats]
+// Rationale: the admin view grows a counter most sessions, and a membarctl must read the membard
+// it finds running, older or newer than itself.
+// Approach: format 2 (what encode_stats writes) starts with a marker no format-1 payload can start
+// with (a string length past kMaxStatsString) and its number, then every entry's counters as a
+// counted array of u64, in a fixed order that only ever grows at the end:
+//   u32 kStatsFormatMarker, u32 format (2); string backend; u32 first_space, u32 spaces_total;
+//   u32 tiers {u8 tier, i32 numa_node, u32 n, u64 x n (kTierCounters order)};
+//   u32 clients {u32 client, i32 pid, u32 uid, string name, u64 quotas x2, Stat x2, u32 spaces,
+//                u32 n, u64 x n (kClientCounters order)};
+//   u32 spaces {u32 id, string name, u64 page_bytes, u32 page_count, u32 client, u32 n,
+//               u64 x n (kSpaceCounters order)}.
+// A decoder reads the counters it knows, skips any it does not (a newer daemon's), and leaves the
+// ones a payload lacks at 0 (an older format-2 daemon's). Any format number >= 2 is read this way:
+// a later format may only append counters. Format-1 payloads (daemons before this note) are still
+// read (decode_stats_format1).
+// Limitations: a membarctl from before format 2 cannot read a format-2 daemon (it reads the marker
+// as an overlong string and says the payload is malformed).
+namespace {
+
+constexpr uint32_t kStatsFormatMarker = 0xFFFFFFFFu;
+constexpr uint32_t kStatsFormat = 2;
+constexpr uint32_t kMaxStatsCounters = 256;  // per entry, from any daemon
+
+std::array<uint64_t*, 6> tier_counters(TierStats& t) {
+  return {&t.frames_total, &t.frames_used, &t.frames_free, &t.frames_preparing, &t.frames_lost,
+          &t.frames_on_request};
+}
+std::array<uint64_t*, 19> client_counters(ClientStats& c) {
+  return {&c.bytes_gpu,      &c.bytes_host,       &c.bytes_both,        &c.bytes_none,      &c.bytes_host_to_gpu,
+          &c.bytes_gpu_to_host, &c.prefetch_hits, &c.prefetch_misses,   &c.evictions,       &c.stall_ns,
+          &c.channel_bytes,  &c.gpu_maps,         &c.gpu_unmaps,        &c.fence_waits,     &c.fence_wait_ns,
+          &c.call_lock_wait_ns, &c.call_locked_ns, &c.call_enqueue_ns,  &c.call_deliver_ns};
+}
+std::array<uint64_t*, 8> space_counters(SpaceInfo& s) {
+  return {&s.bytes_gpu,    &s.bytes_host,   &s.bytes_both,        &s.bytes_none,
+          &s.bytes_dirty,  &s.bytes_pinned, &s.bytes_host_to_gpu, &s.bytes_gpu_to_host};
+}
+
+template <size_t kCount>
+void write_counters(Writer& w, const std::array<uint64_t*, kCount>& counters) {
+  w.write<uint32_t>(static_cast<uint32_t>(kCount));
+  for (const uint64_t* counter : counters) w.write<uint64_t>(*counter);
+}
+
+// Reads a counted array into `counters` (Note [Stats payload formats]); false when the count is
+// out of bounds or the payload cannot hold it.
+template <size_t kCount>
+bool read_counters(Reader& r, const std::array<uint64_t*, kCount>& counters) {
+  const uint32_t count = r.read<uint32_t>();
+  if (!r.ok() || count > kMaxStatsCounters || !r.can_hold(count, sizeof(uint64_t))) return false;
+  for (uint32_t i = 0; i < count; ++i) {
+    const uint64_t value = r.read<uint64_t>();
+    if (i < kCount) *counters[i] = value;
+  }
+  return r.ok();
+}
+
+Result<RuntimeStats> decode_stats_format1(std::span<const uint8_t> payload);
+
+}  // namespace
+
 std::vector<uint8_t> encode_stats(const RuntimeStats& stats) {
   Writer w;
+  w.write<uint32_t>(kStatsFormatMarker);
+  w.write<uint32_t>(kStatsFormat);
   w.write_string(stats.backend, kMaxStatsString);
   w.write<uint32_t>(stats.first_space);
   w.write<uint32_t>(stats.spaces_total);
   w.write<uint32_t>(static_cast<uint32_t>(stats.tiers.size()));
-  for (const TierStats& tier : stats.tiers) {
+  for (TierStats tier : stats.tiers) {
     w.write<uint8_t>(static_cast<uint8_t>(tier.tier));
-    for (uint64_t v : {tier.frames_total, tier.frames_used, tier.frames_free, tier.frames_preparing}) w.write<uint64_t>(v);
+    w.write<int32_t>(tier.numa_node);
+    write_counters(w, tier_counters(tier));
   }
   w.write<uint32_t>(static_cast<uint32_t>(stats.clients.size()));
-  for (const ClientStats& c : stats.clients) {
+  for (ClientStats c : stats.clients) {
     w.write<uint32_t>(c.client);
     w.write<int32_t>(c.pid);
     w.write<uint32_t>(c.uid);
@@ -704,32 +763,84 @@ std::vector<uint8_t> encode_stats(const RuntimeStats& stats) {
     write_stat(w, c.gpu_frames);
     write_stat(w, c.host_frames);
     w.write<uint32_t>(c.spaces);
-    for (uint64_t v : {c.bytes_gpu, c.bytes_host, c.bytes_both, c.bytes_none, c.bytes_host_to_gpu, c.bytes_gpu_to_host,
-                       c.prefetch_hits, c.prefetch_misses, c.evictions, c.stall_ns, c.channel_bytes, c.gpu_maps,
-                       c.gpu_unmaps, c.fence_waits, c.fence_wait_ns, c.call_lock_wait_ns, c.call_locked_ns,
-                       c.call_enqueue_ns, c.call_deliver_ns}) {
-      w.write<uint64_t>(v);
-    }
+    write_counters(w, client_counters(c));
   }
   w.write<uint32_t>(static_cast<uint32_t>(stats.spaces.size()));
-  for (const SpaceInfo& s : stats.spaces) {
+  for (SpaceInfo s : stats.spaces) {
     w.write<uint32_t>(s.id);
     w.write_string(s.name, kMaxStatsString);
     w.write<uint64_t>(s.page_bytes);
     w.write<uint32_t>(s.page_count);
     w.write<uint32_t>(s.client);
-    for (uint64_t v : {s.bytes_gpu, s.bytes_host, s.bytes_both, s.bytes_none, s.bytes_dirty, s.bytes_pinned,
-                       s.bytes_host_to_gpu, s.bytes_gpu_to_host}) {
-      w.write<uint64_t>(v);
-    }
+    write_counters(w, space_counters(s));
   }
-  for (const TierStats& tier : stats.tiers) w.write<int32_t>(tier.numa_node);
-  for (const TierStats& tier : stats.tiers) w.write<uint64_t>(tier.frames_lost);
-  for (const TierStats& tier : stats.tiers) w.write<uint64_t>(tier.frames_on_request);
   return w.take();
 }
 
 Result<RuntimeStats> decode_stats(std::span<const uint8_t> payload) {
+  Reader r(payload);
+  if (r.read<uint32_t>() != kStatsFormatMarker) return decode_stats_format1(payload);
+  const uint32_t format = r.read<uint32_t>();
+  if (!r.ok() || format < 2) return invalid_argument("stats payload: unknown format " + std::to_string(format));
+  RuntimeStats stats;
+  stats.backend = r.read_string(kMaxStatsString);
+  stats.first_space = r.read<uint32_t>();
+  stats.spaces_total = r.read<uint32_t>();
+  uint32_t tier_count = r.read<uint32_t>();
+  if (!r.can_hold(tier_count, 1 + 4 + 4)) return invalid_argument("stats payload: tier count exceeds the payload");
+  for (uint32_t i = 0; i < tier_count; ++i) {
+    TierStats tier;
+    uint8_t tier_number = r.read<uint8_t>();
+    if (tier_number > static_cast<uint8_t>(Tier::kHost)) return invalid_argument("stats payload: unknown tier");
+    tier.tier = static_cast<Tier>(tier_number);
+    tier.numa_node = r.read<int32_t>();
+    if (!read_counters(r, tier_counters(tier))) return invalid_argument("stats payload: tier entry malformed");
+    stats.tiers.push_back(tier);
+  }
+  uint32_t client_count = r.read<uint32_t>();
+  constexpr uint64_t kMinClientBytes = 4 + 4 + 4 + 4 + 16 + 2 * kStatBytes + 4 + 4;
+  if (!r.can_hold(client_count, kMinClientBytes)) return invalid_argument("stats payload: client count exceeds the payload");
+  for (uint32_t i = 0; i < client_count; ++i) {
+    ClientStats c;
+    c.client = r.read<uint32_t>();
+    c.pid = r.read<int32_t>();
+    c.uid = r.read<uint32_t>();
+    c.name = r.read_string(kMaxStatsString);
+    c.gpu_quota_bytes = r.read<uint64_t>();
+    c.host_quota_bytes = r.read<uint64_t>();
+    c.gpu_frames = read_stat(r);
+    c.host_frames = read_stat(r);
+    c.spaces = r.read<uint32_t>();
+    if (!read_counters(r, client_counters(c))) return invalid_argument("stats payload: client entry malformed");
+    stats.clients.push_back(std::move(c));
+  }
+  uint32_t space_count = r.read<uint32_t>();
+  if (!r.can_hold(space_count, 4 + 4 + 8 + 4 + 4 + 4)) {
+    return invalid_argument("stats payload: space count exceeds the payload");
+  }
+  for (uint32_t i = 0; i < space_count; ++i) {
+    SpaceInfo s;
+    s.id = r.read<uint32_t>();
+    s.name = r.read_string(kMaxStatsString);
+    s.page_bytes = r.read<uint64_t>();
+    s.page_count = r.read<uint32_t>();
+    s.client = r.read<uint32_t>();
+    if (!read_counters(r, space_counters(s))) return invalid_argument("stats payload: space entry malformed");
+    stats.spaces.push_back(std::move(s));
+  }
+  if (!r.at_end()) return invalid_argument("stats payload is truncated or has trailing bytes");
+  return stats;
+}
+
+namespace {
+
+// Format 1 (daemons before Note [Stats payload formats]): string backend; u32 first_space, u32
+// spaces_total; u32 tiers {u8 tier, u64 total, used, free, preparing}; u32 clients {u32 client,
+// i32 pid, u32 uid, string name, u64 quotas x2, Stat x2, u32 spaces, u64 x19}; u32 spaces {u32 id,
+// string name, u64 page_bytes, u32 page_count, u32 client, u64 x8}; then {i32 numa_node} per tier,
+// {u64 frames_lost} per tier and {u64 frames_on_request} per tier, each absent from daemons older
+// than it (read as -1 and 0).
+Result<RuntimeStats> decode_stats_format1(std::span<const uint8_t> payload) {
   Reader r(payload);
   RuntimeStats stats;
   stats.backend = r.read_string(kMaxStatsString);
@@ -800,5 +911,7 @@ Result<RuntimeStats> decode_stats(std::span<const uint8_t> payload) {
   if (!r.at_end()) return invalid_argument("stats payload is truncated or has trailing bytes");
   return stats;
 }
+
+}  // namespace
 
 }  // namespace membar::protocol::v2

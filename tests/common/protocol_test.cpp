@@ -548,72 +548,214 @@ RuntimeStats random_stats() {
   return stats;
 }
 
+// Writes stats payloads the way other daemons do (Note [Stats payload formats] in
+// common/protocol.cpp): format 1 (daemons before format 2; `tier_tail` of its three per-tier
+// arrays), and format 2 with `extra` counters appended to every entry (a newer daemon) or
+// `-missing` of the last ones left out (an older format-2 daemon). Little-endian bytes by hand, so
+// that the decoder is checked against the layout, not against its own encoder.
+class PayloadWriter {
+ public:
+  template <typename T>
+  void put(T value) {
+    const auto* p = reinterpret_cast<const uint8_t*>(&value);
+    bytes.insert(bytes.end(), p, p + sizeof(T));
+  }
+  void put_string(const std::string& text) {
+    put<uint32_t>(uint32_t(text.size()));
+    bytes.insert(bytes.end(), text.begin(), text.end());
+  }
+  void put_stat(const Stat& stat) {
+    for (int64_t v : {stat.current, stat.peak, stat.allocated, stat.freed}) put<int64_t>(v);
+  }
+  void put_counters(std::vector<uint64_t> values, int extra) {
+    if (extra < 0) values.resize(values.size() - size_t(-extra));
+    for (int i = 0; i < extra; ++i) values.push_back(0x1234 + uint64_t(i));
+    put<uint32_t>(uint32_t(values.size()));
+    for (uint64_t v : values) put<uint64_t>(v);
+  }
+  std::vector<uint8_t> bytes;
+};
+
+std::vector<uint64_t> client_values(const ClientStats& c) {
+  return {c.bytes_gpu,     c.bytes_host,  c.bytes_both,       c.bytes_none,        c.bytes_host_to_gpu,
+          c.bytes_gpu_to_host, c.prefetch_hits, c.prefetch_misses, c.evictions,   c.stall_ns,
+          c.channel_bytes, c.gpu_maps,    c.gpu_unmaps,       c.fence_waits,       c.fence_wait_ns,
+          c.call_lock_wait_ns, c.call_locked_ns, c.call_enqueue_ns, c.call_deliver_ns};
+}
+std::vector<uint64_t> space_values(const SpaceInfo& s) {
+  return {s.bytes_gpu, s.bytes_host, s.bytes_both, s.bytes_none, s.bytes_dirty, s.bytes_pinned,
+          s.bytes_host_to_gpu, s.bytes_gpu_to_host};
+}
+
+void put_client_prefix(PayloadWriter& w, const ClientStats& c) {
+  w.put<uint32_t>(c.client);
+  w.put<int32_t>(c.pid);
+  w.put<uint32_t>(c.uid);
+  w.put_string(c.name);
+  w.put<uint64_t>(c.gpu_quota_bytes);
+  w.put<uint64_t>(c.host_quota_bytes);
+  w.put_stat(c.gpu_frames);
+  w.put_stat(c.host_frames);
+  w.put<uint32_t>(c.spaces);
+}
+void put_space_prefix(PayloadWriter& w, const SpaceInfo& s) {
+  w.put<uint32_t>(s.id);
+  w.put_string(s.name);
+  w.put<uint64_t>(s.page_bytes);
+  w.put<uint32_t>(s.page_count);
+  w.put<uint32_t>(s.client);
+}
+
+std::vector<uint8_t> format2_payload(const RuntimeStats& stats, int extra, uint32_t format = 2) {
+  PayloadWriter w;
+  w.put<uint32_t>(0xFFFFFFFFu);
+  w.put<uint32_t>(format);
+  w.put_string(stats.backend);
+  w.put<uint32_t>(stats.first_space);
+  w.put<uint32_t>(stats.spaces_total);
+  w.put<uint32_t>(uint32_t(stats.tiers.size()));
+  for (const TierStats& t : stats.tiers) {
+    w.put<uint8_t>(uint8_t(t.tier));
+    w.put<int32_t>(t.numa_node);
+    w.put_counters({t.frames_total, t.frames_used, t.frames_free, t.frames_preparing, t.frames_lost,
+                    t.frames_on_request}, extra);
+  }
+  w.put<uint32_t>(uint32_t(stats.clients.size()));
+  for (const ClientStats& c : stats.clients) {
+    put_client_prefix(w, c);
+    w.put_counters(client_values(c), extra);
+  }
+  w.put<uint32_t>(uint32_t(stats.spaces.size()));
+  for (const SpaceInfo& sp : stats.spaces) {
+    put_space_prefix(w, sp);
+    w.put_counters(space_values(sp), extra);
+  }
+  return w.bytes;
+}
+
+std::vector<uint8_t> format1_payload(const RuntimeStats& stats, int tier_tail) {
+  PayloadWriter w;
+  w.put_string(stats.backend);
+  w.put<uint32_t>(stats.first_space);
+  w.put<uint32_t>(stats.spaces_total);
+  w.put<uint32_t>(uint32_t(stats.tiers.size()));
+  for (const TierStats& t : stats.tiers) {
+    w.put<uint8_t>(uint8_t(t.tier));
+    for (uint64_t v : {t.frames_total, t.frames_used, t.frames_free, t.frames_preparing}) w.put<uint64_t>(v);
+  }
+  w.put<uint32_t>(uint32_t(stats.clients.size()));
+  for (const ClientStats& c : stats.clients) {
+    put_client_prefix(w, c);
+    for (uint64_t v : client_values(c)) w.put<uint64_t>(v);
+  }
+  w.put<uint32_t>(uint32_t(stats.spaces.size()));
+  for (const SpaceInfo& sp : stats.spaces) {
+    put_space_prefix(w, sp);
+    for (uint64_t v : space_values(sp)) w.put<uint64_t>(v);
+  }
+  if (tier_tail >= 1) for (const TierStats& t : stats.tiers) w.put<int32_t>(t.numa_node);
+  if (tier_tail >= 2) for (const TierStats& t : stats.tiers) w.put<uint64_t>(t.frames_lost);
+  if (tier_tail >= 3) for (const TierStats& t : stats.tiers) w.put<uint64_t>(t.frames_on_request);
+  return w.bytes;
+}
+
+// Compares decoded stats with the original; counters past `known_counters` of an entry (a payload
+// that lacks them) must be 0.
+void expect_same_stats(const RuntimeStats& got, const RuntimeStats& want, size_t missing = 0) {
+  EXPECT_EQ(got.backend, want.backend);
+  EXPECT_EQ(got.first_space, want.first_space);
+  EXPECT_EQ(got.spaces_total, want.spaces_total);
+  ASSERT_EQ(got.tiers.size(), want.tiers.size());
+  for (size_t t = 0; t < want.tiers.size(); ++t) {
+    EXPECT_EQ(got.tiers[t].tier, want.tiers[t].tier);
+    EXPECT_EQ(got.tiers[t].numa_node, want.tiers[t].numa_node);
+    EXPECT_EQ(got.tiers[t].frames_total, want.tiers[t].frames_total);
+    EXPECT_EQ(got.tiers[t].frames_preparing, want.tiers[t].frames_preparing);
+    EXPECT_EQ(got.tiers[t].frames_lost, want.tiers[t].frames_lost);
+    EXPECT_EQ(got.tiers[t].frames_on_request, missing > 0 ? 0u : want.tiers[t].frames_on_request);
+  }
+  ASSERT_EQ(got.clients.size(), want.clients.size());
+  for (size_t c = 0; c < want.clients.size(); ++c) {
+    EXPECT_EQ(got.clients[c].name, want.clients[c].name);
+    EXPECT_EQ(got.clients[c].uid, want.clients[c].uid);
+    EXPECT_EQ(got.clients[c].pid, want.clients[c].pid);
+    EXPECT_EQ(got.clients[c].gpu_quota_bytes, want.clients[c].gpu_quota_bytes);
+    EXPECT_EQ(got.clients[c].gpu_frames.peak, want.clients[c].gpu_frames.peak);
+    EXPECT_EQ(got.clients[c].gpu_frames.freed, want.clients[c].gpu_frames.freed);
+    std::vector<uint64_t> expected = client_values(want.clients[c]);
+    for (size_t i = expected.size() - missing; i < expected.size(); ++i) expected[i] = 0;
+    EXPECT_EQ(client_values(got.clients[c]), expected);
+  }
+  ASSERT_EQ(got.spaces.size(), want.spaces.size());
+  for (size_t s = 0; s < want.spaces.size(); ++s) {
+    EXPECT_EQ(got.spaces[s].name, want.spaces[s].name);
+    EXPECT_EQ(got.spaces[s].page_bytes, want.spaces[s].page_bytes);
+    EXPECT_EQ(got.spaces[s].page_count, want.spaces[s].page_count);
+    EXPECT_EQ(got.spaces[s].client, want.spaces[s].client);
+    std::vector<uint64_t> expected = space_values(want.spaces[s]);
+    for (size_t i = expected.size() - missing; i < expected.size(); ++i) expected[i] = 0;
+    EXPECT_EQ(space_values(got.spaces[s]), expected);
+  }
+}
+
 TEST(Stats, RoundTripsAndRejectsEveryTruncation) {
   for (int trial = 0; trial < 20; ++trial) {
     RuntimeStats stats = random_stats();
     std::vector<uint8_t> bytes = encode_stats(stats);
+    EXPECT_EQ(bytes, format2_payload(stats, 0)) << "the encoder writes format 2 as the note lays it out";
     auto decoded = decode_stats(bytes);
     ASSERT_TRUE(decoded.ok()) << decoded.status().to_string();
-    EXPECT_EQ(decoded.value().backend, stats.backend);
-    EXPECT_EQ(decoded.value().first_space, stats.first_space);
-    EXPECT_EQ(decoded.value().spaces_total, stats.spaces_total);
-    ASSERT_EQ(decoded.value().tiers.size(), 2u);
-    EXPECT_EQ(decoded.value().tiers[1].frames_total, stats.tiers[1].frames_total);
-    EXPECT_EQ(decoded.value().tiers[0].frames_preparing, stats.tiers[0].frames_preparing);
-    EXPECT_EQ(decoded.value().tiers[0].numa_node, -1);
-    EXPECT_EQ(decoded.value().tiers[1].numa_node, stats.tiers[1].numa_node);
-    EXPECT_EQ(decoded.value().tiers[0].frames_lost, stats.tiers[0].frames_lost);
-    EXPECT_EQ(decoded.value().tiers[1].frames_on_request, stats.tiers[1].frames_on_request);
-    ASSERT_EQ(decoded.value().clients.size(), stats.clients.size());
-    for (size_t c = 0; c < stats.clients.size(); ++c) {
-      EXPECT_EQ(decoded.value().clients[c].name, stats.clients[c].name);
-      EXPECT_EQ(decoded.value().clients[c].uid, stats.clients[c].uid);
-      EXPECT_EQ(decoded.value().clients[c].gpu_frames.peak, stats.clients[c].gpu_frames.peak);
-      EXPECT_EQ(decoded.value().clients[c].gpu_frames.freed, stats.clients[c].gpu_frames.freed);
-      EXPECT_EQ(decoded.value().clients[c].stall_ns, stats.clients[c].stall_ns);
-      EXPECT_EQ(decoded.value().clients[c].bytes_both, stats.clients[c].bytes_both);
-      EXPECT_EQ(decoded.value().clients[c].bytes_host_to_gpu, stats.clients[c].bytes_host_to_gpu);
-      EXPECT_EQ(decoded.value().clients[c].channel_bytes, stats.clients[c].channel_bytes);
-      EXPECT_EQ(decoded.value().clients[c].gpu_maps, stats.clients[c].gpu_maps);
-      EXPECT_EQ(decoded.value().clients[c].gpu_unmaps, stats.clients[c].gpu_unmaps);
-      EXPECT_EQ(decoded.value().clients[c].fence_waits, stats.clients[c].fence_waits);
-      EXPECT_EQ(decoded.value().clients[c].fence_wait_ns, stats.clients[c].fence_wait_ns);
-      EXPECT_EQ(decoded.value().clients[c].call_lock_wait_ns, stats.clients[c].call_lock_wait_ns);
-      EXPECT_EQ(decoded.value().clients[c].call_locked_ns, stats.clients[c].call_locked_ns);
-      EXPECT_EQ(decoded.value().clients[c].call_enqueue_ns, stats.clients[c].call_enqueue_ns);
-      EXPECT_EQ(decoded.value().clients[c].call_deliver_ns, stats.clients[c].call_deliver_ns);
-    }
-    ASSERT_EQ(decoded.value().spaces.size(), stats.spaces.size());
-    for (size_t s = 0; s < stats.spaces.size(); ++s) {
-      EXPECT_EQ(decoded.value().spaces[s].name, stats.spaces[s].name);
-      EXPECT_EQ(decoded.value().spaces[s].page_bytes, stats.spaces[s].page_bytes);
-      EXPECT_EQ(decoded.value().spaces[s].client, stats.spaces[s].client);
-      EXPECT_EQ(decoded.value().spaces[s].bytes_host, stats.spaces[s].bytes_host);
-      EXPECT_EQ(decoded.value().spaces[s].bytes_dirty, stats.spaces[s].bytes_dirty);
-      EXPECT_EQ(decoded.value().spaces[s].bytes_pinned, stats.spaces[s].bytes_pinned);
-      EXPECT_EQ(decoded.value().spaces[s].bytes_gpu_to_host, stats.spaces[s].bytes_gpu_to_host);
-    }
-    // The encoding is canonical, and every truncation (and a trailing byte) is refused, except the
-    // three that end where older daemons ended: before the tiers' frames on request (read as none),
-    // before their lost frames too (read as none lost), and before their NUMA nodes too (no node).
+    expect_same_stats(decoded.value(), stats);
+    // The encoding is canonical, and every truncation (and a trailing byte) is refused.
     EXPECT_EQ(encode_stats(decoded.value()), bytes);
-    size_t before_request = bytes.size() - 8 * stats.tiers.size();
-    size_t before_lost = before_request - 8 * stats.tiers.size();
-    size_t before_numa = before_lost - 4 * stats.tiers.size();
     for (size_t n = 0; n < bytes.size(); ++n) {
-      auto cut = decode_stats(std::span<const uint8_t>(bytes.data(), n));
-      if (n != before_request && n != before_lost && n != before_numa) {
-        EXPECT_FALSE(cut.ok()) << "length " << n;
-        continue;
-      }
-      ASSERT_TRUE(cut.ok()) << cut.status().to_string();
-      EXPECT_EQ(cut.value().tiers[1].numa_node, n == before_numa ? -1 : stats.tiers[1].numa_node);
-      EXPECT_EQ(cut.value().tiers[0].frames_lost, n == before_request ? stats.tiers[0].frames_lost : 0u);
-      EXPECT_EQ(cut.value().tiers[1].frames_on_request, 0u);
-      EXPECT_EQ(cut.value().spaces.size(), stats.spaces.size());
+      EXPECT_FALSE(decode_stats(std::span<const uint8_t>(bytes.data(), n)).ok()) << "length " << n;
     }
     bytes.push_back(0);
     EXPECT_FALSE(decode_stats(bytes).ok());
+  }
+}
+
+// A membarctl reads the membard it finds: a newer one's counters it does not know are skipped, an
+// older format-2 one's missing counters read 0, and a later format number reads the same way.
+TEST(Stats, ReadsNewerAndOlderFormat2Daemons) {
+  for (int trial = 0; trial < 10; ++trial) {
+    RuntimeStats stats = random_stats();
+    auto newer = decode_stats(format2_payload(stats, 3, 7));
+    ASSERT_TRUE(newer.ok()) << newer.status().to_string();
+    expect_same_stats(newer.value(), stats);
+    auto older = decode_stats(format2_payload(stats, -1));
+    ASSERT_TRUE(older.ok()) << older.status().to_string();
+    expect_same_stats(older.value(), stats, 1);
+  }
+}
+
+// Daemons from before format 2 end their payloads after any of the last three per-tier arrays
+// (NUMA nodes, lost frames, frames on request): each reads, the absent ones as -1 and 0.
+TEST(Stats, ReadsFormat1DaemonsAndRejectsTheirTruncations) {
+  for (int trial = 0; trial < 10; ++trial) {
+    RuntimeStats stats = random_stats();
+    for (int tail = 0; tail <= 3; ++tail) {
+      RuntimeStats want = stats;
+      for (TierStats& tier : want.tiers) {
+        if (tail < 1) tier.numa_node = -1;
+        if (tail < 2) tier.frames_lost = 0;
+        if (tail < 3) tier.frames_on_request = 0;
+      }
+      std::vector<uint8_t> bytes = format1_payload(stats, tail);
+      auto decoded = decode_stats(bytes);
+      ASSERT_TRUE(decoded.ok()) << "tail " << tail << ": " << decoded.status().to_string();
+      expect_same_stats(decoded.value(), want);
+      if (tail == 3) {
+        // Cut anywhere else than after a whole per-tier array: refused.
+        const size_t tiers = stats.tiers.size();
+        const size_t ends[] = {bytes.size() - 20 * tiers, bytes.size() - 16 * tiers, bytes.size() - 8 * tiers};
+        for (size_t n = 0; n < bytes.size(); ++n) {
+          if (n == ends[0] || n == ends[1] || n == ends[2]) continue;
+          EXPECT_FALSE(decode_stats(std::span<const uint8_t>(bytes.data(), n)).ok()) << "length " << n;
+        }
+      }
+    }
   }
 }
 
@@ -634,23 +776,33 @@ TEST(Stats, AFullPageOfSpacesFitsOneMessage) {
   EXPECT_LE(encode_stats(stats).size(), kMaxSocketPayloadBytes);
 }
 
-TEST(Stats, RejectsUnknownTierAndHugeCounts) {
+TEST(Stats, RejectsUnknownTierFormatAndHugeCounts) {
   RuntimeStats stats = random_stats();
   std::vector<uint8_t> bytes = encode_stats(stats);
-  // backend string, first_space, spaces_total, then the tier count and the first tier's number.
-  size_t tier_count = 4 + stats.backend.size() + 8;
+  // marker, format, backend string, first_space, spaces_total, then the tier count and the first
+  // tier's number; a tier entry is its number, NUMA node, counter count and 6 counters.
+  const size_t format = 4, backend = 8, tier_count = 8 + 4 + stats.backend.size() + 8;
+  const size_t tier_bytes = 1 + 4 + 4 + 6 * 8;
   std::vector<uint8_t> bad_tier = bytes;
   bad_tier[tier_count + 4] = 5;
   EXPECT_FALSE(decode_stats(bad_tier).ok());
   std::vector<uint8_t> huge_tiers = bytes;
   std::memset(huge_tiers.data() + tier_count, 0xff, 4);
   EXPECT_FALSE(decode_stats(huge_tiers).ok());
+  std::vector<uint8_t> huge_counters = bytes;
+  std::memset(huge_counters.data() + tier_count + 4 + 1 + 4, 0xff, 4);
+  EXPECT_FALSE(decode_stats(huge_counters).ok());
   std::vector<uint8_t> huge_clients = bytes;
-  std::memset(huge_clients.data() + tier_count + 4 + 2 * 33, 0xff, 4);
+  std::memset(huge_clients.data() + tier_count + 4 + 2 * tier_bytes, 0xff, 4);
   EXPECT_FALSE(decode_stats(huge_clients).ok());
   std::vector<uint8_t> huge_string = bytes;
-  std::memset(huge_string.data(), 0xff, 4);
+  std::memset(huge_string.data() + backend, 0xff, 4);
   EXPECT_FALSE(decode_stats(huge_string).ok());
+  for (uint32_t number : {0u, 1u}) {   // a marker with a format before 2
+    std::vector<uint8_t> old_format = bytes;
+    std::memcpy(old_format.data() + format, &number, 4);
+    EXPECT_FALSE(decode_stats(old_format).ok());
+  }
 }
 
 // ---------------------------------------------------------------------------------------------
