@@ -716,6 +716,29 @@ std::array<uint64_t*, 8> space_counters(SpaceInfo& s) {
           &s.bytes_dirty,  &s.bytes_pinned, &s.bytes_host_to_gpu, &s.bytes_gpu_to_host};
 }
 
+// Format 1 carried the first 4 tier, 19 client and 8 space counters of these lists, in place.
+constexpr size_t kFormat1TierCounters = 4, kFormat1ClientCounters = 19, kFormat1SpaceCounters = 8;
+
+// The fields before a client's or a space's counters, the same in both formats.
+void read_client_prefix(Reader& r, ClientStats& c) {
+  c.client = r.read<uint32_t>();
+  c.pid = r.read<int32_t>();
+  c.uid = r.read<uint32_t>();
+  c.name = r.read_string(kMaxStatsString);
+  c.gpu_quota_bytes = r.read<uint64_t>();
+  c.host_quota_bytes = r.read<uint64_t>();
+  c.gpu_frames = read_stat(r);
+  c.host_frames = read_stat(r);
+  c.spaces = r.read<uint32_t>();
+}
+void read_space_prefix(Reader& r, SpaceInfo& s) {
+  s.id = r.read<uint32_t>();
+  s.name = r.read_string(kMaxStatsString);
+  s.page_bytes = r.read<uint64_t>();
+  s.page_count = r.read<uint32_t>();
+  s.client = r.read<uint32_t>();
+}
+
 template <size_t kCount>
 void write_counters(Writer& w, const std::array<uint64_t*, kCount>& counters) {
   w.write<uint32_t>(static_cast<uint32_t>(kCount));
@@ -802,15 +825,7 @@ Result<RuntimeStats> decode_stats(std::span<const uint8_t> payload) {
   if (!r.can_hold(client_count, kMinClientBytes)) return invalid_argument("stats payload: client count exceeds the payload");
   for (uint32_t i = 0; i < client_count; ++i) {
     ClientStats c;
-    c.client = r.read<uint32_t>();
-    c.pid = r.read<int32_t>();
-    c.uid = r.read<uint32_t>();
-    c.name = r.read_string(kMaxStatsString);
-    c.gpu_quota_bytes = r.read<uint64_t>();
-    c.host_quota_bytes = r.read<uint64_t>();
-    c.gpu_frames = read_stat(r);
-    c.host_frames = read_stat(r);
-    c.spaces = r.read<uint32_t>();
+    read_client_prefix(r, c);
     if (!read_counters(r, client_counters(c))) return invalid_argument("stats payload: client entry malformed");
     stats.clients.push_back(std::move(c));
   }
@@ -820,11 +835,7 @@ Result<RuntimeStats> decode_stats(std::span<const uint8_t> payload) {
   }
   for (uint32_t i = 0; i < space_count; ++i) {
     SpaceInfo s;
-    s.id = r.read<uint32_t>();
-    s.name = r.read_string(kMaxStatsString);
-    s.page_bytes = r.read<uint64_t>();
-    s.page_count = r.read<uint32_t>();
-    s.client = r.read<uint32_t>();
+    read_space_prefix(r, s);
     if (!read_counters(r, space_counters(s))) return invalid_argument("stats payload: space entry malformed");
     stats.spaces.push_back(std::move(s));
   }
@@ -853,49 +864,27 @@ Result<RuntimeStats> decode_stats_format1(std::span<const uint8_t> payload) {
     uint8_t tier_number = r.read<uint8_t>();
     if (tier_number > static_cast<uint8_t>(Tier::kHost)) return invalid_argument("stats payload: unknown tier");
     tier.tier = static_cast<Tier>(tier_number);
-    for (uint64_t* v : {&tier.frames_total, &tier.frames_used, &tier.frames_free, &tier.frames_preparing}) {
-      *v = r.read<uint64_t>();
-    }
+    for (size_t k = 0; k < kFormat1TierCounters; ++k) *tier_counters(tier)[k] = r.read<uint64_t>();
     stats.tiers.push_back(tier);
   }
   uint32_t client_count = r.read<uint32_t>();
-  constexpr uint64_t kMinClientBytes = 4 + 4 + 4 + 4 + 16 + 2 * kStatBytes + 4 + 19 * 8;
+  constexpr uint64_t kMinClientBytes = 4 + 4 + 4 + 4 + 16 + 2 * kStatBytes + 4 + kFormat1ClientCounters * 8;
   if (!r.can_hold(client_count, kMinClientBytes)) return invalid_argument("stats payload: client count exceeds the payload");
   for (uint32_t i = 0; i < client_count; ++i) {
     ClientStats c;
-    c.client = r.read<uint32_t>();
-    c.pid = r.read<int32_t>();
-    c.uid = r.read<uint32_t>();
-    c.name = r.read_string(kMaxStatsString);
-    c.gpu_quota_bytes = r.read<uint64_t>();
-    c.host_quota_bytes = r.read<uint64_t>();
-    c.gpu_frames = read_stat(r);
-    c.host_frames = read_stat(r);
-    c.spaces = r.read<uint32_t>();
-    for (uint64_t* v : {&c.bytes_gpu, &c.bytes_host, &c.bytes_both, &c.bytes_none, &c.bytes_host_to_gpu,
-                        &c.bytes_gpu_to_host, &c.prefetch_hits, &c.prefetch_misses, &c.evictions, &c.stall_ns,
-                        &c.channel_bytes, &c.gpu_maps, &c.gpu_unmaps, &c.fence_waits, &c.fence_wait_ns,
-                        &c.call_lock_wait_ns, &c.call_locked_ns, &c.call_enqueue_ns, &c.call_deliver_ns}) {
-      *v = r.read<uint64_t>();
-    }
+    read_client_prefix(r, c);
+    for (size_t k = 0; k < kFormat1ClientCounters; ++k) *client_counters(c)[k] = r.read<uint64_t>();
     if (!r.ok()) return invalid_argument("stats payload: client entry truncated");
     stats.clients.push_back(std::move(c));
   }
   uint32_t space_count = r.read<uint32_t>();
-  if (!r.can_hold(space_count, 4 + 4 + 8 + 4 + 4 + 8 * 8)) {
+  if (!r.can_hold(space_count, 4 + 4 + 8 + 4 + 4 + kFormat1SpaceCounters * 8)) {
     return invalid_argument("stats payload: space count exceeds the payload");
   }
   for (uint32_t i = 0; i < space_count; ++i) {
     SpaceInfo s;
-    s.id = r.read<uint32_t>();
-    s.name = r.read_string(kMaxStatsString);
-    s.page_bytes = r.read<uint64_t>();
-    s.page_count = r.read<uint32_t>();
-    s.client = r.read<uint32_t>();
-    for (uint64_t* v : {&s.bytes_gpu, &s.bytes_host, &s.bytes_both, &s.bytes_none, &s.bytes_dirty, &s.bytes_pinned,
-                        &s.bytes_host_to_gpu, &s.bytes_gpu_to_host}) {
-      *v = r.read<uint64_t>();
-    }
+    read_space_prefix(r, s);
+    for (size_t k = 0; k < kFormat1SpaceCounters; ++k) *space_counters(s)[k] = r.read<uint64_t>();
     stats.spaces.push_back(std::move(s));
   }
   if (!r.ok()) return invalid_argument("stats payload: space entry truncated");
