@@ -4,6 +4,9 @@
 #
 #   tools/h200_session.sh STEP...
 #
+# Give it MEMBAR_COMMIT (the commit whose files the device runs: its copy of .git can be older than
+# the files, session 17); every bench writes it into its results.
+#
 #   build     CUDA build (tools/gpu_check.sh's build stage, sm_90a)
 #   tests     gpu-labelled C++ tests and gpu-marked Python tests
 #   probe     7B at 32K with offload through the embedded runtime, two steps (bench/probes/offload_probe.py:
