@@ -99,6 +99,11 @@
 #             at N x TP_SEQ tokens with offload
 #   select    page selection on the GPU: the CUDA kernel (one CTA per query tile) against PyTorch
 #             operations (Note [Page selection in PyTorch]), 7B shape, 32K-1M history (bench/probes/select_probe.py)
+#   wgsweep   the attention sweep module (kernels/sweep/) built, then bench/attention_sweep.py at 32K and
+#             128K on the warpgroup forward layouts (with the experimental wgmma_w8r64_k64_s3_overlap:
+#             Note [Softmax beside the next block's scores]) and the backward split layout beside the
+#             experimental wgmma_w8_k128 (SWEEP_FORWARD / SWEEP_BACKWARD for others); each experimental
+#             layout is checked against the shipped kernels before it is timed
 #   enqueue   bench/probes/enqueue_probe.py: host time of each cudaMemcpyAsync in bursts of 2, 8 and 64 MiB
 #             host-to-GPU copies (4 GiB each): does handing copies to a stream block once it holds
 #             enough queued work (the offloaded step's "enqueue" time, session 16)?
@@ -311,6 +316,15 @@ for step in "$@"; do
         --query-tile 4096 --time-limit "${SPARSE_LIMIT:-560}"
       "$bin/membarctl" --socket "$socket" stats --json > "$work/sparse1m/membarctl_stats.json" 2>&1
       kill "$daemon"; wait "$daemon" 2>/dev/null ;;
+    wgsweep)
+      mkdir -p "$work/wgsweep"
+      cmake --build build-gpu -j 16 --target membar_attention_sweep > "$work/wgsweep/build.log" 2>&1 \
+        || { status=1; tail -20 "$work/wgsweep/build.log"; }
+      MEMBAR_BUILD_DIR=$root/build-gpu MEMBAR_RESULTS_DIR=$work/wgsweep timeout 420 "$py" bench/attention_sweep.py \
+        --histories 32768,131072 \
+        --forward "${SWEEP_FORWARD:-wgmma_w8r64_k128_s2,wgmma_w8r64_k64_s3,wgmma_w8r64_k64_s3_overlap}" \
+        --backward "${SWEEP_BACKWARD:-w8_k128_split_s2_pad,wgmma_w8_k128}" > "$work/wgsweep/bench.log" 2>&1 || status=1
+      tail -30 "$work/wgsweep/attention_sweep.txt" 2>/dev/null || tail -30 "$work/wgsweep/bench.log" ;;
     enqueue)
       mkdir -p "$work/enqueue"
       timeout 200 "$py" bench/probes/enqueue_probe.py "$work/enqueue/enqueue_probe.json" > "$work/enqueue/enqueue_probe.txt" 2>&1 || status=1

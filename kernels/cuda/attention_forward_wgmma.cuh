@@ -25,8 +25,9 @@
 // barrier per block, as Note [Forward kernel] of the mma.sync kernel describes for two and three
 // stages).
 // Each MMA batch is fenced (wgmma.fence), committed and waited for in full before its result is
-// read: the tensor cores overlap the softmax only across warpgroups (and CTAs), not within one
-// (FlashAttention-3's intra-warpgroup pipelining would). A warpgroup skips the MMAs of a chunk
+// read: in the shipped layouts the tensor cores overlap the softmax only across warpgroups (and
+// CTAs), not within one; the experimental overlap_softmax layout of the sweep target issues the
+// next block's S before this block's softmax (Note [Softmax beside the next block's scores]). A warpgroup skips the MMAs of a chunk
 // block that lies entirely above its rows' diagonal. Layouts (WarpgroupForwardTile): 128-key
 // blocks in two stages, or 64-key blocks in three for pages of 64 (docs/kernels.md has their
 // measurements against the mma.sync layouts); at head_dim 256, 64-key blocks in two stages (Q and
@@ -88,6 +89,9 @@ struct WarpgroupForwardTile {
   int keys_per_block = 128;  // keys per block (a block lies inside one page)
   int stages = 2;            // K/V stages in shared memory
   int ctas_per_sm = 1;       // CTAs per SM the registers are budgeted for (2: head_dim 64, 64-key blocks)
+  // S of the next block issued before this block's softmax (Note [Softmax beside the next block's
+  // scores]); three stages. Experimental: the sweep target only.
+  bool overlap_softmax = false;
 };
 
 // Dims of the shared tiles: head_dim in whole 64-dim halves.
@@ -182,33 +186,9 @@ __global__ void __launch_bounds__(kThreads, Tiling::kTile.ctas_per_sm)
   const uint32_t k_address = shared_address(k_tiles);
   const uint32_t v_address = shared_address(v_tiles);
 
-  for (int index = 0; index < num_blocks; ++index) {
-    const int stage = index % kStages;
-    if constexpr (kStages == 3) {
-      // The stage written here was read two blocks ago; every warpgroup has passed the barrier
-      // of the previous block, so it finished that one.
-      if (index + 1 < num_blocks) load_block(index + 1, (index + 1) % kStages);
-      copy_async_commit();
-      copy_async_wait<1>();
-    } else {
-      copy_async_wait<0>();
-    }
-    fence_proxy_async_shared();
-    __syncthreads();
-    if constexpr (kStages == 2) {
-      // The stage written here was read in the previous block, which every warpgroup finished
-      // (its MMAs waited for) before the barrier above.
-      if (index + 1 < num_blocks) load_block(index + 1, (index + 1) % kStages);
-      copy_async_commit();
-    }
-
-    const KeyBlock<Element> block = keys.block(index);
-    const bool chunk_block = block.first_position >= 0;
-    // A chunk block entirely above the diagonal of this warpgroup's rows adds nothing.
-    if (chunk_block && block.first_position > first_query + group_row + kWarpgroupRows - 1) continue;
-
-    // S = Q K^T (Note [Warpgroup shared layout]).
-    float scores[kKeys / 8][4];
+  // S = Q K^T of the block in `stage` into `scores`, issued and committed, not waited for (Note
+  // [Warpgroup shared layout]).
+  auto issue_scores = [&](float (&scores)[kKeys / 8][4], int stage) {
     const uint32_t k_stage = k_address + stage * kTileBytes;
     wgmma_fence();
 #pragma unroll
@@ -220,10 +200,13 @@ __global__ void __launch_bounds__(kThreads, Tiling::kTile.ctas_per_sm)
       wgmma_shared<Element, kKeys>(scores, a, b, kk > 0 ? 1 : 0);
     }
     wgmma_commit();
-    wgmma_wait<0>();
-    fence_registers(scores);
-
+  };
+  // The block's masks and online softmax on its (finished) scores, the output rescaled, and P as
+  // A fragments of the element type: k step kk (16 keys) is score tiles 2 kk and 2 kk + 1.
+  auto softmax_block = [&](float (&scores)[kKeys / 8][4], const KeyBlock<Element>& block,
+                           uint32_t (&p)[kKeys / 16][4]) {
     // Mask: the partial last history page, and the causal diagonal of chunk blocks.
+    const bool chunk_block = block.first_position >= 0;
     const int row_position = first_query + warp_row + lane / 4;
     const bool needs_mask =
         block.valid_rows < kKeys || (chunk_block && block.first_position + kKeys - 1 > first_query + warp_row);
@@ -268,11 +251,11 @@ __global__ void __launch_bounds__(kThreads, Tiling::kTile.ctas_per_sm)
         output[n][2 * half + 1] *= correction;
       }
     }
-    // P as A fragments of the element type: k step kk (16 keys) is score tiles 2 kk and 2 kk + 1.
-    uint32_t p[kKeys / 16][4];
     accumulator_to_a_fragments<Element, kKeys>(p, scores);
-
-    // O += P V (V MN-major: Note [Warpgroup shared layout]).
+  };
+  // O += P V of the block in `stage` (V MN-major: Note [Warpgroup shared layout]), issued and
+  // committed, not waited for.
+  auto issue_values = [&](const uint32_t (&p)[kKeys / 16][4], int stage) {
     const uint32_t v_stage = v_address + stage * kTileBytes;
     fence_registers(output);
     wgmma_fence();
@@ -291,8 +274,95 @@ __global__ void __launch_bounds__(kThreads, Tiling::kTile.ctas_per_sm)
       }
     }
     wgmma_commit();
-    wgmma_wait<0>();
-    fence_registers(output);
+  };
+  // A chunk block entirely above the diagonal of this warpgroup's rows adds nothing (and every
+  // later block is such a block).
+  auto computes = [&](const KeyBlock<Element>& block) {
+    return block.first_position < 0 || block.first_position <= first_query + group_row + kWarpgroupRows - 1;
+  };
+
+  if constexpr (!kTile.overlap_softmax) {
+    for (int index = 0; index < num_blocks; ++index) {
+      const int stage = index % kStages;
+      if constexpr (kStages == 3) {
+        // The stage written here was read two blocks ago; every warpgroup has passed the barrier
+        // of the previous block, so it finished that one.
+        if (index + 1 < num_blocks) load_block(index + 1, (index + 1) % kStages);
+        copy_async_commit();
+        copy_async_wait<1>();
+      } else {
+        copy_async_wait<0>();
+      }
+      fence_proxy_async_shared();
+      __syncthreads();
+      if constexpr (kStages == 2) {
+        // The stage written here was read in the previous block, which every warpgroup finished
+        // (its MMAs waited for) before the barrier above.
+        if (index + 1 < num_blocks) load_block(index + 1, (index + 1) % kStages);
+        copy_async_commit();
+      }
+      const KeyBlock<Element> block = keys.block(index);
+      if (!computes(block)) continue;
+
+      float scores[kKeys / 8][4];
+      issue_scores(scores, stage);
+      wgmma_wait<0>();
+      fence_registers(scores);
+      uint32_t p[kKeys / 16][4];
+      softmax_block(scores, block, p);
+      issue_values(p, stage);
+      wgmma_wait<0>();
+      fence_registers(output);
+    }
+  } else {
+    // Note [Softmax beside the next block's scores]: S of block i + 1 is issued before the softmax
+    // of block i, so that the tensor cores compute it while this warpgroup's threads run the
+    // softmax (FlashAttention-3's intra-warpgroup overlap). Three stages: block i (P V), block
+    // i + 1 (S) and block i + 2 (loading). One barrier per block, as above: at the top of block i
+    // every thread's copies of block i + 1 are visible and every warpgroup has finished P V of
+    // block i - 1, whose stage block i + 2 then fills.
+    static_assert(kStages == 3, "the overlapped loop holds three blocks at once");
+    if (num_blocks > 1) load_block(1, 1);
+    copy_async_commit();
+    copy_async_wait<1>();   // Q and block 0
+    fence_proxy_async_shared();
+    __syncthreads();
+    float scores[kKeys / 8][4];
+    float next_scores[kKeys / 8][4];
+    KeyBlock<Element> block = keys.block(0);
+    if (num_blocks > 0 && computes(block)) issue_scores(scores, 0);
+    for (int index = 0; index < num_blocks; ++index) {
+      copy_async_wait<0>();   // block index + 1
+      fence_proxy_async_shared();
+      __syncthreads();
+      if (index + 2 < num_blocks) load_block(index + 2, (index + 2) % kStages);
+      copy_async_commit();
+      const KeyBlock<Element> next_block = keys.block(index + 1);
+      const bool next = index + 1 < num_blocks && computes(next_block);
+      if (next) issue_scores(next_scores, (index + 1) % kStages);
+      if (computes(block)) {
+        if (next) {
+          wgmma_wait<1>();   // S of this block; S of the next one may still run
+        } else {
+          wgmma_wait<0>();
+        }
+        fence_registers(scores);
+        uint32_t p[kKeys / 16][4];
+        softmax_block(scores, block, p);
+        issue_values(p, index % kStages);
+      }
+      wgmma_wait<0>();
+      fence_registers(output);
+      if (next) {
+        fence_registers(next_scores);
+#pragma unroll
+        for (int n = 0; n < kKeys / 8; ++n) {
+#pragma unroll
+          for (int j = 0; j < 4; ++j) scores[n][j] = next_scores[n][j];
+        }
+      }
+      block = next_block;
+    }
   }
 
   // Leave no copy in flight (a CTA without key blocks never waited for its Q copy).

@@ -1,5 +1,5 @@
-// The forward entries of the sweep target (attention_sweep.h): the two warpgroup layouts and every
-// measured mma.sync layout, by name, for bf16 and head_dim 128.
+// The forward entries of the sweep target (attention_sweep.h): the shipped warpgroup layouts, an
+// experimental one and every measured mma.sync layout, by name, for bf16 and head_dim 128.
 #include <cuda_runtime.h>
 
 #include <cstddef>
@@ -124,6 +124,20 @@ int wgmma_resources(KernelResources* resources) {
                       resources);
 }
 
+// Experimental: the 64-key warpgroup layout with S of the next block issued before this block's
+// softmax (Note [Softmax beside the next block's scores] in attention_forward_wgmma.cuh); it fits
+// where wgmma_w8r64_k64_s3 does.
+struct WgmmaW8R64K64S3Overlap {
+  static constexpr const char* kName = "wgmma_w8r64_k64_s3_overlap";
+  static constexpr detail::warpgroup::WarpgroupForwardTile kTile = [] {
+    detail::warpgroup::WarpgroupForwardTile tile;
+    tile.keys_per_block = 64;
+    tile.stages = 3;
+    tile.overlap_softmax = true;
+    return tile;
+  }();
+};
+
 template <std::size_t... kIndex>
 void append_mma_entries(std::vector<ForwardEntry>& entries, std::index_sequence<kIndex...>) {
   (entries.push_back(ForwardEntry{kMmaNames[kIndex], standing_of(kMmaNames[kIndex]),
@@ -143,6 +157,10 @@ const std::vector<ForwardEntry>& entries() {
                                 &wgmma_fits<layouts::WgmmaW8R64K64S3, ForwardLayout::kWgmmaW8R64K64S3>,
                                 &wgmma_run<layouts::WgmmaW8R64K64S3, ForwardLayout::kWgmmaW8R64K64S3>,
                                 &wgmma_resources<layouts::WgmmaW8R64K64S3>});
+    list.push_back(ForwardEntry{WgmmaW8R64K64S3Overlap::kName, Standing::kExperimental,
+                                &wgmma_fits<WgmmaW8R64K64S3Overlap, ForwardLayout::kWgmmaW8R64K64S3>,
+                                &wgmma_run<WgmmaW8R64K64S3Overlap, ForwardLayout::kWgmmaW8R64K64S3>,
+                                &wgmma_resources<WgmmaW8R64K64S3Overlap>});
     append_mma_entries(list, std::make_index_sequence<kMmaCount>());
     return list;
   }();
