@@ -278,7 +278,8 @@ __global__ void __launch_bounds__(kThreads, Tiling::kTile.ctas_per_sm)
   // A chunk block entirely above the diagonal of this warpgroup's rows adds nothing (and every
   // later block is such a block).
   auto computes = [&](const KeyBlock<Element>& block) {
-    return block.first_position < 0 || block.first_position <= first_query + group_row + kWarpgroupRows - 1;
+    const bool chunk_block = block.first_position >= 0;
+    return !(chunk_block && block.first_position > first_query + group_row + kWarpgroupRows - 1);
   };
 
   if constexpr (!kTile.overlap_softmax) {
