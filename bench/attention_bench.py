@@ -19,6 +19,7 @@ and the forward is also timed in the mma.sync layout a GPU without wgmma runs ("
 Writes attention.json and attention.txt into $MEMBAR_RESULTS_DIR (default bench/results/latest).
 Usage: PYTHONPATH=bindings/python python3 bench/attention_bench.py [--histories 32768,131072,262144]
     [--head-dims 64,96,128,256] [--head-dim-dtypes bfloat16,float16] [--head-dim-history 32768]
+    [--try-layouts 64=wgmma_w8r64_k64_s3_2cta,...]   (other compiled forward layouts, timed beside the chosen one)
 """
 import argparse
 import json
