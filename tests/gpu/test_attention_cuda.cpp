@@ -497,6 +497,12 @@ const Case kCases[] = {
     {"gqa4_d256_p128_dense", 130, 300, 128, 8, 2, 256, 0, 0, DType::kFloat32, DType::kBFloat16},
     {"gqa1_d256_p64_sparse_tile128_fp16", 200, 1000, 64, 2, 2, 256, 128, 3, DType::kBFloat16, DType::kFloat16},
     {"gqa7_d256_p128_sparse_tile64_bf16pages", 90, 900, 128, 7, 1, 256, 64, 2, DType::kBFloat16, DType::kBFloat16},
+    // Every page selected, the last one 30 tokens: on Hopper the 64-key warpgroup layouts (head sizes
+    // 64 and 256) split pages of 128 in two blocks, and the last page's second block has no row.
+    {"gqa2_d64_p128_sparse_short_last_page", 200, 2 * 128 + 30, 128, 4, 2, 64, 128, 4, DType::kFloat32,
+     DType::kBFloat16},
+    {"gqa2_d256_p128_sparse_short_last_page_fp16", 130, 2 * 128 + 30, 128, 4, 2, 256, 128, 4, DType::kFloat32,
+     DType::kFloat16},
 };
 
 INSTANTIATE_TEST_SUITE_P(Shapes, PagedAttentionCuda, ::testing::ValuesIn(kCases),
