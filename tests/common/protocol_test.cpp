@@ -659,8 +659,8 @@ std::vector<uint8_t> format1_payload(const RuntimeStats& stats, int tier_tail) {
   return w.bytes;
 }
 
-// Compares decoded stats with the original; counters past `known_counters` of an entry (a payload
-// that lacks them) must be 0.
+// Compares decoded stats with the original; the last `missing` counters of every entry (a payload
+// of an older format-2 daemon that lacks them) must read 0.
 void expect_same_stats(const RuntimeStats& got, const RuntimeStats& want, size_t missing = 0) {
   EXPECT_EQ(got.backend, want.backend);
   EXPECT_EQ(got.first_space, want.first_space);
