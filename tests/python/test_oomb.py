@@ -481,11 +481,13 @@ def test_cli_trains_and_prints_a_json_summary(capsys):
 
 
 def test_cli_reuse_stage1_attention_trains_the_same_steps(capsys):
-    """membar-train --reuse-stage1-attention: the same losses step after step as recomputing."""
+    """membar-train --reuse-stage1-attention: the same losses step after step as recomputing
+    (deterministic mode: otherwise the CPU kernels' multi-threaded dQ sums may differ in their last
+    bits between runs, and step 2's loss with them)."""
     from membar.train import run
 
     common = ["--model", "tiny-qwen2", "--seq-len", "200", "--chunk", "64", "--page-tokens", "32", "--steps", "2",
-              "--lr", "1e-2", "--json", "--no-progress", "--offload", "--gpu-budget", "10MiB"]
+              "--lr", "1e-2", "--json", "--no-progress", "--offload", "--gpu-budget", "10MiB", "--deterministic"]
     recomputed, reused = (run(common + extra) for extra in ([], ["--reuse-stage1-attention"]))
     capsys.readouterr()
     assert reused["reuse_stage1_attention"] and not recomputed["reuse_stage1_attention"]
