@@ -20,6 +20,9 @@ const char* paged_attention_check_shape(const PagedAttentionShape& shape) {
   if (!std::isfinite(shape.softmax_scale) || !(shape.softmax_scale > 0.f)) {
     return "softmax_scale must be a finite positive number.";
   }
+  if (!std::isfinite(shape.logit_softcap) || shape.logit_softcap < 0.f) {
+    return "logit_softcap must be 0 (no soft-cap) or a finite positive number.";
+  }
   switch (shape.dtype) {
     case DType::kFloat32:
     case DType::kFloat16:

@@ -263,6 +263,18 @@ void apply_causal_mask(Compute* scores_transposed, int keys, int rows, int group
   }
 }
 
+// Note [Soft-capped scores] in attention.h: every scaled score s of a [n][rows] block becomes
+// cap * tanh(s / cap); with `slopes` its derivative 1 - tanh^2 is kept there for the backward.
+template <typename Compute>
+void apply_softcap(Compute* scores, int keys, int rows, Compute cap, Compute* slopes) {
+  const int64_t count = int64_t(keys) * rows;
+  for (int64_t i = 0; i < count; ++i) {
+    const Compute t = std::tanh(scores[i] / cap);
+    scores[i] = cap * t;
+    if (slopes != nullptr) slopes[i] = Compute(1) - t * t;
+  }
+}
+
 // ---------------------------------------------------------------------------------------------
 // Forward.
 
@@ -289,6 +301,9 @@ void forward_query_block(const Problem<Element>& problem, const QueryBlock& bloc
     load_key_rows(key_block.v, problem.kv_row_stride, n, head_dim, values.data());
     // scores^T [n][rows] = K [n][D] x (scale Q)^T [D][rows]
     matmul(n, rows, head_dim, keys.data(), head_dim, queries_transposed.data(), rows, scores.data(), rows, false);
+    if (problem.shape.logit_softcap > 0.f) {
+      apply_softcap(scores.data(), n, rows, Compute(problem.shape.logit_softcap), static_cast<Compute*>(nullptr));
+    }
     apply_causal_mask(scores.data(), n, rows, problem.group, block.query_begin, key_block.first_chunk_key);
     std::copy(running_max.begin(), running_max.end(), block_max.begin());
     for (int c = 0; c < n; ++c) {
@@ -359,8 +374,9 @@ struct BackwardBuffers {
   std::vector<Compute> row_lse, row_delta;
   std::vector<Compute> keys, values;
   std::vector<Compute> probabilities, score_grads;
+  std::vector<Compute> softcap_slopes;  // [n][rows] 1 - tanh^2 of soft-capped scores (empty without a cap)
 
-  BackwardBuffers(int max_rows, int head_dim)
+  BackwardBuffers(int max_rows, int head_dim, bool softcap)
       : queries(size_t(max_rows) * head_dim),
         queries_transposed(size_t(max_rows) * head_dim),
         output_grads(size_t(max_rows) * head_dim),
@@ -371,7 +387,8 @@ struct BackwardBuffers {
         keys(size_t(kMaxKeyBlock) * head_dim),
         values(size_t(kMaxKeyBlock) * head_dim),
         probabilities(size_t(max_rows) * kMaxKeyBlock),
-        score_grads(size_t(max_rows) * kMaxKeyBlock) {}
+        score_grads(size_t(max_rows) * kMaxKeyBlock),
+        softcap_slopes(softcap ? size_t(max_rows) * kMaxKeyBlock : size_t(0)) {}
 };
 
 // Loads a query block for the backward: scale * Q^T and dO^T always; Q and dO row-major
@@ -410,7 +427,8 @@ void load_backward_query_block(const Problem<Element>& problem, const QueryBlock
 }
 
 // For the query block and key block loaded in `buffers`, recomputes (transposed, [n][rows])
-// P^T = exp(scale K Q^T - lse) and dS^T = scale * P^T * (V dO^T - delta).
+// P^T = exp(scale K Q^T - lse) and dS^T = scale * P^T * (V dO^T - delta) (with a soft-cap: the capped scores, and
+// dS^T times the cap's slope 1 - tanh^2).
 template <typename Element, typename Compute>
 void recompute_probabilities_and_score_grads(const Problem<Element>& problem, const QueryBlock& block, int rows,
                                              const KeyBlock<Element>& key_block, BackwardBuffers<Compute>& buffers) {
@@ -421,6 +439,10 @@ void recompute_probabilities_and_score_grads(const Problem<Element>& problem, co
   Compute* score_grads = buffers.score_grads.data();
   matmul(n, rows, head_dim, buffers.keys.data(), head_dim, buffers.queries_transposed.data(), rows, probabilities, rows,
          false);
+  const bool softcap = problem.shape.logit_softcap > 0.f;
+  if (softcap) {
+    apply_softcap(probabilities, n, rows, Compute(problem.shape.logit_softcap), buffers.softcap_slopes.data());
+  }
   apply_causal_mask(probabilities, n, rows, problem.group, block.query_begin, key_block.first_chunk_key);
   exp_subtract_columns(probabilities, n, rows, buffers.row_lse.data(), static_cast<Compute*>(nullptr));
   matmul(n, rows, head_dim, buffers.values.data(), head_dim, buffers.output_grads_transposed.data(), rows, score_grads,
@@ -430,6 +452,10 @@ void recompute_probabilities_and_score_grads(const Problem<Element>& problem, co
     Compute* grad_row = score_grads + int64_t(c) * rows;
     const Compute* probability_row = probabilities + int64_t(c) * rows;
     for (int r = 0; r < rows; ++r) grad_row[r] = scale * probability_row[r] * (grad_row[r] - delta[r]);
+    if (softcap) {
+      const Compute* slope_row = buffers.softcap_slopes.data() + int64_t(c) * rows;
+      for (int r = 0; r < rows; ++r) grad_row[r] *= slope_row[r];
+    }
   }
 }
 
@@ -561,7 +587,7 @@ int backward_typed(const PagedAttentionBackwardParams& params, int64_t thread_li
     const KeyBlock<Element> key_block = is_history ? problem.history_block(task.page, task.part, task.kv_head)
                                                    : problem.chunk_block(task.chunk_first_key, task.kv_head);
     const int n = key_block.rows;
-    BackwardBuffers<Compute> buffers(max_rows, head_dim);
+    BackwardBuffers<Compute> buffers(max_rows, head_dim, problem.shape.logit_softcap > 0.f);
     // [n][D] each.
     std::vector<Compute> key_grads(size_t(n) * head_dim, Compute(0)), value_grads(size_t(n) * head_dim, Compute(0));
     load_backward_key_block(problem, key_block, buffers);
@@ -641,7 +667,7 @@ int backward_typed(const PagedAttentionBackwardParams& params, int64_t thread_li
   ok = ok && parallel_for(int64_t(query_blocks.size()), [&](int64_t index) {
     const QueryBlock& block = query_blocks[size_t(index)];
     const int rows = (block.query_end - block.query_begin) * problem.group;
-    BackwardBuffers<Compute> buffers(max_rows, head_dim);
+    BackwardBuffers<Compute> buffers(max_rows, head_dim, problem.shape.logit_softcap > 0.f);
     std::vector<Compute> query_grads(size_t(rows) * head_dim, Compute(0));  // [rows][D]
     load_backward_query_block(problem, block, dout, lse, delta.data(), /*with_rows=*/false, buffers);
     problem.for_each_key_block(block, [&](const KeyBlock<Element>& key_block) {

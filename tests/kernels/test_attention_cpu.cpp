@@ -88,11 +88,13 @@ struct Case {
   int32_t query_tile_tokens = 0;
   int32_t selected_per_tile = 0;
   uint32_t seed = 0;
+  float logit_softcap = 0.f;  // Note [Soft-capped scores] in attention.h
 
   std::string name() const {
     return "Tc" + std::to_string(chunk_tokens) + "_hist" + std::to_string(history_tokens) + "_page" +
            std::to_string(page_tokens) + "_Hq" + std::to_string(num_q_heads) + "_Hkv" + std::to_string(num_kv_heads) +
-           "_D" + std::to_string(head_dim) + (sparse ? "_sparse" + std::to_string(query_tile_tokens) : "_dense");
+           "_D" + std::to_string(head_dim) + (sparse ? "_sparse" + std::to_string(query_tile_tokens) : "_dense") +
+           (logit_softcap > 0.f ? "_softcap" + std::to_string(int(logit_softcap * 10)) : "");
   }
 };
 
@@ -133,6 +135,7 @@ Problem make_problem(const Case& c, DType grad_page_dtype) {
   shape.num_kv_heads = c.num_kv_heads;
   shape.head_dim = c.head_dim;
   shape.softmax_scale = float(1.0 / std::sqrt(double(c.head_dim)));
+  shape.logit_softcap = c.logit_softcap;
   shape.dtype = ElementTraits<Element>::dtype;
 
   std::mt19937 generator(c.seed);
@@ -222,7 +225,7 @@ Result naive_attention(const Problem& p, double (*round_output)(double), double 
                        bool backward) {
   const PagedAttentionShape& s = p.shape;
   const int32_t group = s.num_q_heads / s.num_kv_heads, D = s.head_dim, Tc = s.chunk_tokens;
-  const Compute scale = Compute(s.softmax_scale);
+  const Compute scale = Compute(s.softmax_scale), cap = Compute(s.logit_softcap);
   Result result;
   result.out.assign(size_t(Tc) * s.num_q_heads * D, 0.0);
   result.lse.assign(size_t(s.num_q_heads) * Tc, 0.0);
@@ -254,12 +257,17 @@ Result naive_attention(const Problem& p, double (*round_output)(double), double 
       }
       const int64_t q_offset = (int64_t(i) * s.num_q_heads + head) * D;
       const double* query = p.q.data() + q_offset;
-      std::vector<Compute> scores(keys.size());
+      std::vector<Compute> scores(keys.size()), slopes(keys.size(), Compute(1));
       Compute max_score = -std::numeric_limits<Compute>::infinity();
       for (size_t k = 0; k < keys.size(); ++k) {
         Compute dot = 0;
         for (int32_t d = 0; d < D; ++d) dot += Compute(query[d]) * Compute(keys[k][d]);
         scores[k] = scale * dot;
+        if (cap > 0) {  // cap * tanh(s / cap), whose slope is 1 - tanh^2
+          const Compute t = std::tanh(scores[k] / cap);
+          scores[k] = cap * t;
+          slopes[k] = 1 - t * t;
+        }
         max_score = std::max(max_score, scores[k]);
       }
       Compute sum = 0;
@@ -280,7 +288,7 @@ Result naive_attention(const Problem& p, double (*round_output)(double), double 
       for (size_t k = 0; k < keys.size(); ++k) {
         Compute dp = 0;
         for (int32_t d = 0; d < D; ++d) dp += Compute(dout[d]) * Compute(values[k][d]);
-        const Compute ds = probabilities[k] * (dp - delta) * scale;
+        const Compute ds = probabilities[k] * (dp - delta) * scale * slopes[k];
         for (int32_t d = 0; d < D; ++d) {
           dq[size_t(d)] += ds * Compute(keys[k][d]);
           key_grads[k][d] += ds * Compute(query[d]);
@@ -467,6 +475,11 @@ std::vector<Case> shape_grid() {
   cases.push_back(Case{33, 200, 128, 4, 2, 256, true, 16, 2, 106});
   cases.push_back(Case{45, 90, 32, 6, 3, 40, false, 0, 0, 107});
   cases.push_back(Case{45, 90, 32, 4, 2, 3, true, 16, 2, 108});
+  // Soft-capped scores (Gemma 2): a cap of 1.5 bends most of these N(0, 1) scores; dense, sparse
+  // and the head sizes Gemma 2 uses.
+  cases.push_back(Case{70, 150, 64, 8, 4, 256, false, 0, 0, 109, 1.5f});
+  cases.push_back(Case{40, 200, 37, 4, 2, 128, true, 16, 2, 110, 1.5f});
+  cases.push_back(Case{33, 0, 64, 2, 1, 64, false, 0, 0, 111, 50.f});
   return cases;
 }
 
@@ -539,6 +552,7 @@ TEST(AttentionCpu, Float16WithinTwicePlainError) {
   check_against_naive<Float16>(Case{77, 150, 64, 8, 2, 128, false, 0, 0, 9}, DType::kFloat32, false, false);
   check_against_naive<Float16>(Case{60, 130, 64, 4, 2, 96, false, 0, 0, 12}, DType::kFloat32, false, false);
   check_against_naive<Float16>(Case{30, 140, 128, 4, 1, 256, true, 16, 2, 13}, DType::kFloat32, false, true);
+  check_against_naive<Float16>(Case{60, 130, 64, 8, 4, 256, false, 0, 0, 14, 2.f}, DType::kFloat32, false, false);
 }
 
 TEST(AttentionCpu, BFloat16GradPagesWithinTwicePlainError) {
@@ -551,7 +565,8 @@ TEST(AttentionCpu, BFloat16GradPagesWithinTwicePlainError) {
 
 TEST(AttentionCpu, BackwardMatchesFiniteDifferences) {
   for (const Case& c : {Case{5, 3, 2, 2, 1, 4, false, 0, 0, 21}, Case{6, 7, 2, 4, 2, 3, true, 2, 2, 22},
-                        Case{3, 0, 4, 3, 3, 5, false, 0, 0, 23}}) {
+                        Case{3, 0, 4, 3, 3, 5, false, 0, 0, 23}, Case{5, 6, 4, 2, 1, 6, false, 0, 0, 24, 0.7f},
+                        Case{6, 7, 2, 4, 2, 3, true, 2, 2, 25, 0.5f}}) {
     SCOPED_TRACE(c.name());
     Problem problem = make_problem<double>(c, DType::kFloat64);
     const Result analytic = run_kernels<double>(problem, DType::kFloat64, true, /*deterministic=*/c.seed % 2 == 0);
@@ -669,8 +684,11 @@ TEST(AttentionCpu, UnselectedPagesAndRowsPastHistoryStayUntouched) {
 // with null chunk pointers, which the kernels must neither read nor write) plus a chunk-only call,
 // merged by lse, gives the single call's out and lse; the blocks' backwards, given the single
 // call's out and lse, add the same dK/dV into the grad pages and sum to the same dq.
-TEST(AttentionCpu, BlockedHistoryMatchesOneCall) {
-  const Problem p = make_problem<double>(Case{24, 70, 16, 4, 2, 32, false, 0, 0, 61}, DType::kFloat64);
+class BlockedHistory : public ::testing::TestWithParam<float> {};
+
+TEST_P(BlockedHistory, MatchesOneCall) {
+  // GetParam(): the logit soft-cap (0: none).
+  const Problem p = make_problem<double>(Case{24, 70, 16, 4, 2, 32, false, 0, 0, 61, GetParam()}, DType::kFloat64);
   const PagedAttentionShape& s = p.shape;
   const Result whole = run_kernels<double>(p, DType::kFloat64, true);
   const size_t rows = size_t(s.num_q_heads) * s.chunk_tokens;
@@ -749,6 +767,11 @@ TEST(AttentionCpu, BlockedHistoryMatchesOneCall) {
   EXPECT_LE(max_abs_difference(dv_pool, whole.dv_pool), 1e-12);
 }
 
+INSTANTIATE_TEST_SUITE_P(SoftCaps, BlockedHistory, ::testing::Values(0.f, 0.8f),
+                         [](const ::testing::TestParamInfo<float>& info) {
+                           return info.param > 0.f ? std::string("softcap") : std::string("plain");
+                         });
+
 // A call without the chunk's keys and without history sees no key: out 0, lse -inf, and a
 // backward that writes dq = 0 and touches nothing else.
 TEST(AttentionCpu, RowsWithoutKeysGetZeroAndMinusInfinity) {
@@ -825,6 +848,10 @@ TEST(AttentionCpu, CheckShapeRejectsBadShapes) {
   EXPECT_NE(rejected([](PagedAttentionShape& s) { s.head_dim = 0; }), "");
   EXPECT_NE(rejected([](PagedAttentionShape& s) { s.head_dim = 512; }), "");
   EXPECT_NE(rejected([](PagedAttentionShape& s) { s.softmax_scale = 0.f; }), "");
+  EXPECT_NE(rejected([](PagedAttentionShape& s) { s.logit_softcap = -1.f; }), "");
+  EXPECT_NE(rejected([](PagedAttentionShape& s) { s.logit_softcap = std::numeric_limits<float>::infinity(); }), "");
+  EXPECT_NE(rejected([](PagedAttentionShape& s) { s.logit_softcap = std::numeric_limits<float>::quiet_NaN(); }), "");
+  EXPECT_EQ(rejected([](PagedAttentionShape& s) { s.logit_softcap = 30.f; }), "");
   EXPECT_NE(rejected([](PagedAttentionShape& s) { s.softmax_scale = std::numeric_limits<float>::infinity(); }), "");
   EXPECT_NE(rejected([](PagedAttentionShape& s) { s.softmax_scale = std::numeric_limits<float>::quiet_NaN(); }), "");
   EXPECT_NE(rejected([](PagedAttentionShape& s) { s.dtype = static_cast<DType>(9); }), "");

@@ -42,6 +42,16 @@
 // place, and dq is the sum of the calls' dq. The result equals one call over the whole history up
 // to rounding.
 //
+// Note [Soft-capped scores]
+// Gemma 2 passes every scaled score s = softmax_scale * q.k through cap * tanh(s / cap) before the
+// softmax (HF's attn_logit_softcapping). With shape.logit_softcap = cap > 0 the kernels do the same
+// to every score before the causal mask; lse is then the log-sum-exp of the capped scores. In the
+// backward dS of a capped score is multiplied by d(cap * tanh(s / cap)) / ds = 1 - tanh(s / cap)^2
+// before it meets K or Q (the factor softmax_scale follows as without a cap). The CUDA kernels
+// compute tanh(x) as 1 - 2 / (exp(2x) + 1) with the fast exponential (relative error ~1e-7 in the
+// capped score, far below bf16 rounding), not with tanh.approx (~5e-4). A cap changes no other rule:
+// blocked history, sparse selections and lse = -inf for rows that see no key hold as before.
+//
 // Element types: q, k_chunk, v_chunk, pages, out and dout share `dtype` (bf16 or fp16 on the GPU;
 // the CPU reference also takes fp32 and fp64). Accumulation is fp32 (fp64 for fp64 inputs).
 // lse is fp32 (fp64 for fp64 inputs), natural log, [num_q_heads, chunk_tokens].
@@ -73,6 +83,10 @@ struct PagedAttentionShape {
   int32_t head_dim = 0;        // 1 .. 256 (CUDA: membar/kernels/attention_cuda.h)
   float softmax_scale = 0.f;   // usually 1 / sqrt(head_dim)
   DType dtype = DType::kBFloat16;
+  // Attention-logit soft-capping (Gemma 2): 0 = none; cap > 0 turns every scaled score
+  // s = softmax_scale * q.k into cap * tanh(s / cap) before the masks and the softmax, and the
+  // backward multiplies dS by its derivative 1 - tanh^2 (Note [Soft-capped scores]).
+  float logit_softcap = 0.f;
   // false: attend only the history pages (Note [Blocked history]); k_chunk/v_chunk and
   // dk_chunk/dv_chunk are then neither read nor written and may be null.
   bool attend_chunk = true;
