@@ -103,8 +103,8 @@ k::DType to_kernel_dtype(at::ScalarType type, const char* what) {
 ForwardCall prepare_forward(const at::Tensor& q, const at::Tensor& k_chunk, const at::Tensor& v_chunk,
                             const at::Tensor& k_pool, const at::Tensor& k_page_index, const at::Tensor& v_pool,
                             const at::Tensor& v_page_index, int64_t history_tokens, double softmax_scale,
-                            const std::optional<at::Tensor>& selected_pages, int64_t query_tile_tokens,
-                            bool attend_chunk, bool check_index_values) {
+                            double logit_softcap, const std::optional<at::Tensor>& selected_pages,
+                            int64_t query_tile_tokens, bool attend_chunk, bool check_index_values) {
   check_dims(q, 3, "q", "[chunk_tokens, q_heads, head_dim]");
   check_dims(k_chunk, 3, "k_chunk", "[chunk_tokens, kv_heads, head_dim]");
   check_dims(v_chunk, 3, "v_chunk", "[chunk_tokens, kv_heads, head_dim]");
@@ -127,6 +127,8 @@ ForwardCall prepare_forward(const at::Tensor& q, const at::Tensor& k_chunk, cons
   TORCH_CHECK(history_tokens >= 0, "paged attention: history_tokens must not be negative (got ", history_tokens, ").");
   TORCH_CHECK(std::isfinite(softmax_scale) && softmax_scale > 0, "paged attention: softmax_scale must be a finite "
               "positive number (got ", softmax_scale, ").");
+  TORCH_CHECK(std::isfinite(logit_softcap) && logit_softcap >= 0, "paged attention: logit_softcap must be 0 (no "
+              "soft-cap) or a finite positive number (got ", logit_softcap, ").");
 
   ForwardCall call;
   k::PagedAttentionShape& shape = call.params.shape;
@@ -137,6 +139,7 @@ ForwardCall prepare_forward(const at::Tensor& q, const at::Tensor& k_chunk, cons
   shape.num_kv_heads = checked_int32(k_chunk.size(1), "kv_heads");
   shape.head_dim = checked_int32(q.size(2), "head_dim");
   shape.softmax_scale = static_cast<float>(softmax_scale);
+  shape.logit_softcap = static_cast<float>(logit_softcap);
   shape.dtype = kernel_dtype;
   shape.attend_chunk = attend_chunk;
   const char* problem = k::paged_attention_check_shape(shape);
@@ -191,12 +194,13 @@ BackwardCall prepare_backward(const at::Tensor& q, const at::Tensor& k_chunk, co
                               const at::Tensor& v_page_index, const at::Tensor& out, const at::Tensor& dout,
                               const at::Tensor& lse, const at::Tensor& dk_pool, const at::Tensor& dk_page_index,
                               const at::Tensor& dv_pool, const at::Tensor& dv_page_index, int64_t history_tokens,
-                              double softmax_scale, const std::optional<at::Tensor>& selected_pages,
-                              int64_t query_tile_tokens, bool deterministic, bool attend_chunk,
-                              bool check_index_values) {
+                              double softmax_scale, double logit_softcap,
+                              const std::optional<at::Tensor>& selected_pages, int64_t query_tile_tokens,
+                              bool deterministic, bool attend_chunk, bool check_index_values) {
   BackwardCall call;
   call.forward = prepare_forward(q, k_chunk, v_chunk, k_pool, k_page_index, v_pool, v_page_index, history_tokens,
-                                 softmax_scale, selected_pages, query_tile_tokens, attend_chunk, check_index_values);
+                                 softmax_scale, logit_softcap, selected_pages, query_tile_tokens, attend_chunk,
+                                 check_index_values);
   // The forward's own outputs are not needed.
   call.forward.out = at::Tensor();
   call.forward.lse = at::Tensor();

@@ -58,9 +58,12 @@ SHAPES = [
 ]
 
 
+@pytest.mark.parametrize("softcap", [0.0, 1.5], ids=["plain", "softcap"])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", SHAPES)
-def test_forward_and_backward_match_reference(dtype, shape):
+def test_forward_and_backward_match_reference(dtype, shape, softcap):
+    """softcap: Gemma 2's attention-logit soft-cap (1.5 bends most of these N(0, 1) scores); the
+    float64 reference differentiates torch.tanh by autograd."""
     chunk_tokens, history_tokens, page_tokens, q_heads, kv_heads, head_dim, sparse = shape
     generator = torch.Generator().manual_seed(hash(shape) % 1000 + 17)
     q, k, v = make_chunk(chunk_tokens, q_heads, kv_heads, head_dim, dtype, generator)
@@ -71,7 +74,8 @@ def test_forward_and_backward_match_reference(dtype, shape):
     dout = torch.randn(q.shape, generator=generator, dtype=torch.float64).to(dtype)
 
     out, lse = attention.paged_attention_forward(q, k, v, k_pool, k_index, v_pool, v_index, history_tokens,
-                                                 selected_pages=selection, query_tile_tokens=tile)
+                                                 selected_pages=selection, query_tile_tokens=tile,
+                                                 logit_softcap=softcap)
     assert out.dtype == dtype and out.shape == q.shape
     assert lse.shape == (q_heads, chunk_tokens)
 
@@ -84,13 +88,14 @@ def test_forward_and_backward_match_reference(dtype, shape):
     dk_before, dv_before = dk_pool.clone(), dv_pool.clone()
     dq, dk, dv = attention.paged_attention_backward(
         q, k, v, k_pool, k_index, v_pool, v_index, out, dout, lse, dk_pool, dk_index, dv_pool, dv_index,
-        history_tokens, selected_pages=selection, query_tile_tokens=tile)
+        history_tokens, selected_pages=selection, query_tile_tokens=tile, logit_softcap=softcap)
 
     # The exact answer: the reference in float64 on the same (rounded) inputs, with autograd
     # through the gathered history.
     leaves = [t.detach().double().requires_grad_() for t in (q, k, v, k_pool.nan_to_num(), v_pool.nan_to_num())]
     ref_out, ref_lse = reference_chunk_attention(*leaves[:3], leaves[3], k_index, leaves[4], v_index,
-                                                 history_tokens, selected_pages=selection, query_tile_tokens=tile)
+                                                 history_tokens, selected_pages=selection, query_tile_tokens=tile,
+                                                 logit_softcap=softcap)
     ref_out.backward(dout.double())
     ref_dk_rows = gathered_rows(leaves[3].grad, k_index, history_tokens)
     ref_dv_rows = gathered_rows(leaves[4].grad, v_index, history_tokens)
@@ -108,10 +113,11 @@ def test_forward_and_backward_match_reference(dtype, shape):
         # float32 from the same rounded inputs, its outputs rounded to the element type, and its
         # backward fed its own rounded output (as a kernel's is).
         plain_out, plain_lse = reference_chunk_attention(q, k, v, k_pool, k_index, v_pool, v_index, history_tokens,
-                                                         selected_pages=selection, query_tile_tokens=tile)
+                                                         selected_pages=selection, query_tile_tokens=tile,
+                                                         logit_softcap=softcap)
         plain_dq, plain_dk, plain_dv, plain_dk_rows, plain_dv_rows = attention.reference_chunk_attention_backward(
             q, k, v, k_pool, k_index, v_pool, v_index, plain_out, dout, history_tokens, selected_pages=selection,
-            query_tile_tokens=tile)
+            query_tile_tokens=tile, logit_softcap=softcap)
         triples = [
             ("out", out, plain_out, ref_out),
             ("lse", lse, plain_lse, ref_lse),
@@ -334,6 +340,8 @@ def _good_call_arguments():
     (lambda a: a.update(history_tokens=50), "num_history_pages"),
     (lambda a: a.update(q=a["q"][:0], k_chunk=a["k_chunk"][:0], v_chunk=a["v_chunk"][:0]), "chunk_tokens must be at least 1"),
     (lambda a: a.update(softmax_scale=-1.0), "softmax_scale"),
+    (lambda a: a.update(logit_softcap=-2.0), "logit_softcap must be 0"),
+    (lambda a: a.update(logit_softcap=float("nan")), "logit_softcap must be 0"),
     (lambda a: a.update(selected_pages=torch.tensor([[0, 5]], dtype=torch.int32), query_tile_tokens=16), "past the end"),
     (lambda a: a.update(selected_pages=torch.tensor([[1, 1]], dtype=torch.int32), query_tile_tokens=16), "twice"),
     (lambda a: a.update(selected_pages=torch.tensor([[1, 0]], dtype=torch.int32), query_tile_tokens=4), "shape"),

@@ -46,7 +46,8 @@ def test_tiny_shapes_on_the_cpu(tmp_path, monkeypatch):
                     ("gemma-2-9b", "timing", "chunk-recurrent"), ("qwen3-8b", "timing", "full"),
                     ("qwen3-8b", "timing", "chunk-recurrent")}
     errors = next(row for row in rows if row["part"] == "errors")
-    assert errors["full_attention"] == "eager" and errors["torch_path_layers"] == [0, 1]
+    # Layer 0 is local (its window runs in PyTorch), layer 1 global: soft-capped on the paged kernels.
+    assert errors["full_attention"] == "eager" and errors["torch_path_layers"] == [0]
     assert 0 < errors["chunk_recurrent_bf16"]["max_relative"] and errors["within_goal"], errors
     assert all("step_seconds" in row for row in rows if row["part"] == "timing"), rows
     table = (tmp_path / "model_coverage.md").read_text()

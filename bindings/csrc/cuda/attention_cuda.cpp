@@ -125,13 +125,14 @@ std::tuple<at::Tensor, at::Tensor> forward_cuda(const at::Tensor& q, const at::T
                                                 const at::Tensor& v_pool, const at::Tensor& v_page_index,
                                                 int64_t history_tokens, double softmax_scale,
                                                 const std::optional<at::Tensor>& selected_pages,
-                                                int64_t query_tile_tokens, bool attend_chunk, const std::string& layout) {
+                                                int64_t query_tile_tokens, bool attend_chunk, const std::string& layout,
+                                                double logit_softcap) {
   constexpr const char* kOp = "paged_attention_forward";
   check_cuda(q, kOp);
   const k::CudaOptions options = layout_options(layout, /*forward=*/true, kOp);
   const c10::cuda::CUDAGuard guard(q.device());
   ForwardCall call = prepare_forward(q, k_chunk, v_chunk, k_pool, k_page_index, v_pool, v_page_index, history_tokens,
-                                     softmax_scale, selected_pages, query_tile_tokens, attend_chunk,
+                                     softmax_scale, logit_softcap, selected_pages, query_tile_tokens, attend_chunk,
                                      /*check_index_values=*/false);
   const k::PagedAttentionForwardParams& p = call.params;
   check_supported(p.shape, p.selection, kOp);
@@ -150,14 +151,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_cuda(
     const at::Tensor& dout, const at::Tensor& lse, at::Tensor& dk_pool, const at::Tensor& dk_page_index,
     at::Tensor& dv_pool, const at::Tensor& dv_page_index, int64_t history_tokens, double softmax_scale,
     const std::optional<at::Tensor>& selected_pages, int64_t query_tile_tokens, bool deterministic,
-    bool attend_chunk, const std::string& layout) {
+    bool attend_chunk, const std::string& layout, double logit_softcap) {
   constexpr const char* kOp = "paged_attention_backward";
   check_cuda(q, kOp);
   const k::CudaOptions options = layout_options(layout, /*forward=*/false, kOp);
   const c10::cuda::CUDAGuard guard(q.device());
   BackwardCall call = prepare_backward(q, k_chunk, v_chunk, k_pool, k_page_index, v_pool, v_page_index, out, dout, lse,
                                        dk_pool, dk_page_index, dv_pool, dv_page_index, history_tokens, softmax_scale,
-                                       selected_pages, query_tile_tokens, deterministic, attend_chunk,
+                                       logit_softcap, selected_pages, query_tile_tokens, deterministic, attend_chunk,
                                        /*check_index_values=*/false);
   k::PagedAttentionBackwardParams& p = call.params;
   check_supported(p.shape, p.selection, kOp);

@@ -76,15 +76,19 @@ def paged_attention_forward(
     selected_pages: Optional[torch.Tensor] = None,
     query_tile_tokens: int = 128,
     attend_chunk: bool = True,
+    logit_softcap: float = 0.0,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Returns (out [Tc, Hq, D], lse [Hq, Tc]). softmax_scale defaults to 1/sqrt(head_dim).
+    logit_softcap > 0 (Gemma 2's attn_logit_softcapping) turns every scaled score s into
+    cap * tanh(s / cap) before the softmax (Note [Soft-capped scores] in membar/kernels/attention.h).
 
     attend_chunk=False: the queries attend only the given history pages (one block of a history
     streamed in blocks); a row that sees no key gets out 0 and lse -inf. Merge the blocks' results
     with ``merge_attention``."""
     return _ops.paged_attention_forward(
         q, k_chunk, v_chunk, k_pool, k_page_index, v_pool, v_page_index, int(history_tokens),
-        _scale(q.shape[-1], softmax_scale), selected_pages, int(query_tile_tokens), bool(attend_chunk))
+        _scale(q.shape[-1], softmax_scale), selected_pages, int(query_tile_tokens), bool(attend_chunk), "",
+        float(logit_softcap))
 
 
 def paged_attention_backward(
@@ -108,8 +112,10 @@ def paged_attention_backward(
     query_tile_tokens: int = 128,
     deterministic: bool = False,
     attend_chunk: bool = True,
+    logit_softcap: float = 0.0,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Returns (dq, dk_chunk, dv_chunk) and ADDS the history's dK/dV into dk_pool/dv_pool.
+    logit_softcap: the forward's.
 
     attend_chunk=False (one block of a streamed history): ``out`` and ``lse`` must be the FINAL
     merged ones of the rows; dq is this block's contribution and dk_chunk/dv_chunk are zeros."""
@@ -117,7 +123,7 @@ def paged_attention_backward(
         q, k_chunk, v_chunk, k_pool, k_page_index, v_pool, v_page_index, out, dout, lse,
         dk_pool, dk_page_index, dv_pool, dv_page_index, int(history_tokens),
         _scale(q.shape[-1], softmax_scale), selected_pages, int(query_tile_tokens), bool(deterministic),
-        bool(attend_chunk))
+        bool(attend_chunk), "", float(logit_softcap))
 
 
 def merge_attention_into(total: torch.Tensor, total_lse: torch.Tensor, out: torch.Tensor,
@@ -312,9 +318,10 @@ def _gather_history(pool: torch.Tensor, page_index: torch.Tensor, history_tokens
 
 
 def _reference_probabilities(q, k_chunk, v_chunk, k_pool, k_page_index, v_pool, v_page_index, history_tokens,
-                             softmax_scale, selected_pages, query_tile_tokens, compute_dtype):
+                             softmax_scale, selected_pages, query_tile_tokens, compute_dtype, logit_softcap=0.0):
     """Materialised attention: (scores [Hq, Tc, L] with -inf where hidden, keys and values
-    [L, Hq, D] expanded to the q heads), L = history_tokens + Tc, all in compute_dtype."""
+    [L, Hq, D] expanded to the q heads, the soft-cap's slopes 1 - tanh^2 [Hq, Tc, L] or None),
+    L = history_tokens + Tc, all in compute_dtype."""
     chunk_tokens, q_heads, head_dim = q.shape
     kv_heads = k_chunk.shape[1]
     group = q_heads // kv_heads
@@ -325,6 +332,10 @@ def _reference_probabilities(q, k_chunk, v_chunk, k_pool, k_page_index, v_pool, 
     keys = keys.repeat_interleave(group, dim=1)      # [L, Hq, D]
     values = values.repeat_interleave(group, dim=1)  # [L, Hq, D]
     scores = torch.einsum("thd,lhd->htl", q.to(compute_dtype), keys) * scale  # [Hq, Tc, L]
+    slopes = None
+    if logit_softcap:
+        tanh = torch.tanh(scores / logit_softcap)
+        scores, slopes = tanh * logit_softcap, 1 - tanh * tanh
 
     device = q.device
     query_positions = torch.arange(chunk_tokens, device=device)
@@ -342,7 +353,7 @@ def _reference_probabilities(q, k_chunk, v_chunk, k_pool, k_page_index, v_pool, 
         page_of_token = torch.arange(history_tokens, device=device) // page_tokens
         history_visible = chosen[:, :num_pages][tile_of_query][:, page_of_token]
     visible = torch.cat([history_visible, chunk_visible], dim=1)  # [Tc, L]
-    return scores.masked_fill(~visible[None], float("-inf")), keys, values
+    return scores.masked_fill(~visible[None], float("-inf")), keys, values, slopes
 
 
 def reference_chunk_attention(
@@ -358,6 +369,7 @@ def reference_chunk_attention(
     selected_pages: Optional[torch.Tensor] = None,
     query_tile_tokens: int = 128,
     compute_dtype: Optional[torch.dtype] = None,
+    logit_softcap: float = 0.0,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Plain-torch paged attention with every score materialised (for tests only).
 
@@ -367,9 +379,9 @@ def reference_chunk_attention(
     """
     if compute_dtype is None:
         compute_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-    scores, _, values = _reference_probabilities(q, k_chunk, v_chunk, k_pool, k_page_index, v_pool, v_page_index,
-                                                 history_tokens, softmax_scale, selected_pages, query_tile_tokens,
-                                                 compute_dtype)
+    scores, _, values, _ = _reference_probabilities(q, k_chunk, v_chunk, k_pool, k_page_index, v_pool, v_page_index,
+                                                    history_tokens, softmax_scale, selected_pages, query_tile_tokens,
+                                                    compute_dtype, logit_softcap)
     lse = torch.logsumexp(scores, dim=-1)  # [Hq, Tc]
     probabilities = torch.exp(scores - lse[..., None])
     out = torch.einsum("htl,lhd->thd", probabilities, values)
@@ -391,6 +403,7 @@ def reference_chunk_attention_backward(
     selected_pages: Optional[torch.Tensor] = None,
     query_tile_tokens: int = 128,
     compute_dtype: Optional[torch.dtype] = None,
+    logit_softcap: float = 0.0,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Plain-torch attention backward with materialised probabilities (for tests only), using
     the given (stored, possibly rounded) ``out`` for D_i = rowsum(dO_i * O_i) as a kernel does.
@@ -402,14 +415,16 @@ def reference_chunk_attention_backward(
     kv_heads = k_chunk.shape[1]
     group = q_heads // kv_heads
     scale = _scale(head_dim, softmax_scale)
-    scores, keys, values = _reference_probabilities(q, k_chunk, v_chunk, k_pool, k_page_index, v_pool, v_page_index,
-                                                    history_tokens, softmax_scale, selected_pages, query_tile_tokens,
-                                                    compute_dtype)
+    scores, keys, values, slopes = _reference_probabilities(q, k_chunk, v_chunk, k_pool, k_page_index, v_pool,
+                                                            v_page_index, history_tokens, softmax_scale, selected_pages,
+                                                            query_tile_tokens, compute_dtype, logit_softcap)
     probabilities = torch.softmax(scores, dim=-1)  # [Hq, Tc, L]
     dout_c = dout.to(compute_dtype)
     delta = (dout_c * out.to(compute_dtype)).sum(-1).transpose(0, 1)  # [Hq, Tc]
     dprobabilities = torch.einsum("thd,lhd->htl", dout_c, values)
     dscores = probabilities * (dprobabilities - delta[..., None]) * scale
+    if slopes is not None:
+        dscores = dscores * slopes
     dq = torch.einsum("htl,lhd->thd", dscores, keys)
     dkeys = torch.einsum("htl,thd->lhd", dscores, q.to(compute_dtype))       # [L, Hq, D]
     dvalues = torch.einsum("htl,thd->lhd", probabilities, dout_c)            # [L, Hq, D]

@@ -144,13 +144,15 @@ class ChunkContext:
         return min(max(0, self.first_token - window + 1) // self.page_tokens, self.history_pages)
 
     def torch_path(self, layer: int) -> bool:
-        """Whether this layer's attention in this chunk runs in PyTorch: it soft-caps its scores, or
-        its window hides keys from some query of the chunk (the last one sees keys from
-        first_token + chunk_tokens - window on)."""
+        """Whether this layer's attention in this chunk runs in PyTorch: its window hides keys from
+        some query of the chunk (the last one sees keys from first_token + chunk_tokens - window
+        on). A soft-cap alone runs on the paged kernels (Note [Soft-capped scores])."""
         record = self.layers[layer]
-        if record.softcap is not None:
-            return True
         return record.sliding_window is not None and self.first_token + self.chunk_tokens > record.sliding_window
+
+    def softcap(self, layer: int) -> float:
+        """The layer's attention-logit soft-cap for the paged kernels (0.0: none)."""
+        return self.layers[layer].softcap or 0.0
 
     def streams(self, layer: int) -> bool:
         """Whether this layer's history goes through the GPU in several blocks: it is offloaded and
@@ -264,13 +266,13 @@ def chunk_context(context: ChunkContext):
 
 def _attention_forward(context: ChunkContext, layer: int, q, k, v, history: kernels.HistoryView, scale: float,
                        selection, attend_chunk: bool = True):
-    """One attention call of the layer: the paged kernels, or PyTorch for a layer whose window or
-    soft-cap they do not express (Note [Attention in PyTorch] in torch_attention.py)."""
+    """One attention call of the layer: the paged kernels (soft-capped for Gemma 2), or PyTorch for
+    a layer whose window they do not express (Note [Attention in PyTorch] in torch_attention.py)."""
     if context.torch_path(layer):
         return torch_attention.forward(q, k, v, history, scale, _positions(context, layer, history), attend_chunk)
     return kernels.attention_forward(q, k, v, history, scale, selection, context.query_tile_tokens,
                                      attend_chunk=attend_chunk, kernel=context.dense_kernel,
-                                     deterministic=context.deterministic)
+                                     deterministic=context.deterministic, logit_softcap=context.softcap(layer))
 
 
 def _attention_backward(context: ChunkContext, layer: int, q, k, v, history: kernels.HistoryView, scale: float,
@@ -281,7 +283,7 @@ def _attention_backward(context: ChunkContext, layer: int, q, k, v, history: ker
                                         _positions(context, layer, history), attend_chunk)
     return kernels.attention_backward(q, k, v, history, scale, out, dout, lse, grads, selection,
                                       context.query_tile_tokens, context.deterministic, attend_chunk=attend_chunk,
-                                      kernel=context.dense_kernel)
+                                      kernel=context.dense_kernel, logit_softcap=context.softcap(layer))
 
 
 def _positions(context: ChunkContext, layer: int, history: kernels.HistoryView) -> torch_attention.Positions:

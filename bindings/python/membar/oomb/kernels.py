@@ -90,14 +90,16 @@ def _history_rows(history: HistoryView):
 
 def attention_forward(q, k, v, history: HistoryView, softmax_scale: float,
                       selected: torch.Tensor | None, query_tile_tokens: int, attend_chunk: bool = True,
-                      kernel: str = "membar", deterministic: bool = False):
+                      kernel: str = "membar", deterministic: bool = False, logit_softcap: float = 0.0):
     """Returns (out [Tc, Hq, D], lse [Hq, Tc] float32). Does not block on the GPU.
 
     attend_chunk=False: attend only the history's pages (one block of a streamed history; rows
     that see no key get out 0, lse -inf); merge blocks with membar.attention.merge_attention_into.
     kernel="auto": dense calls on consecutive pages go through cuDNN where it applies
-    (Note [cuDNN for dense history]); "membar": membar's paged kernels always."""
-    if ((attend_chunk or history.history_tokens > 0)
+    (Note [cuDNN for dense history]); "membar": membar's paged kernels always. logit_softcap > 0:
+    Gemma 2's soft-capped scores (Note [Soft-capped scores] in membar/kernels/attention.h; membar's
+    kernels only, cuDNN takes no cap)."""
+    if (not logit_softcap and (attend_chunk or history.history_tokens > 0)
             and cudnn_attention.usable(q, history, selected, deterministic, kernel, k, "forward")):
         history_k, history_v = _history_rows(history)
         result = cudnn_attention.attempt("forward", q, k, lambda: cudnn_attention.forward(
@@ -107,17 +109,18 @@ def attention_forward(q, k, v, history: HistoryView, softmax_scale: float,
     return attention.paged_attention_forward(
         q, k, v, history.k_pool, history.page_index, history.v_pool, history.v_index, history.history_tokens,
         softmax_scale=softmax_scale, selected_pages=history.remap_selection(selected),
-        query_tile_tokens=query_tile_tokens, attend_chunk=attend_chunk)
+        query_tile_tokens=query_tile_tokens, attend_chunk=attend_chunk, logit_softcap=logit_softcap)
 
 
 def attention_backward(q, k, v, history: HistoryView, softmax_scale: float, out, dout, lse,
                        grads: GradView, selected: torch.Tensor | None, query_tile_tokens: int,
-                       deterministic: bool, attend_chunk: bool = True, kernel: str = "membar"):
+                       deterministic: bool, attend_chunk: bool = True, kernel: str = "membar",
+                       logit_softcap: float = 0.0):
     """Returns (dq, dk, dv) of the chunk and ADDS the history's dK/dV into grads' pools.
 
     attend_chunk=False: out/lse must be the rows' FINAL merged ones; dq is this block's part and
-    dk/dv are zeros. kernel: as in attention_forward."""
-    if ((attend_chunk or history.history_tokens > 0)
+    dk/dv are zeros. kernel, logit_softcap: as in attention_forward."""
+    if (not logit_softcap and (attend_chunk or history.history_tokens > 0)
             and cudnn_attention.usable(q, history, selected, deterministic, kernel, k, "backward")
             and (history.history_tokens == 0 or (grads.first_row is not None and grads.dv_page_index is None))):
         history_k, history_v = _history_rows(history)
@@ -134,7 +137,8 @@ def attention_backward(q, k, v, history: HistoryView, softmax_scale: float, out,
         q, k, v, history.k_pool, history.page_index, history.v_pool, history.v_index, out, dout, lse,
         grads.dk_pool, grads.page_index, grads.dv_pool, grads.dv_index, history.history_tokens,
         softmax_scale=softmax_scale, selected_pages=history.remap_selection(selected),
-        query_tile_tokens=query_tile_tokens, deterministic=deterministic, attend_chunk=attend_chunk)
+        query_tile_tokens=query_tile_tokens, deterministic=deterministic, attend_chunk=attend_chunk,
+        logit_softcap=logit_softcap)
 
 
 def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -64,9 +64,11 @@ class LayerAttention:
 
     @property
     def needs_torch_path(self) -> bool:
-        """Whether the layer's attention has an option the paged kernels do not express (then it
-        runs in PyTorch, Note [Attention in PyTorch] in torch_attention.py)."""
-        return self.sliding_window is not None or self.softcap is not None
+        """Whether the layer's attention has an option the paged kernels do not express, a sliding
+        window (then it runs in PyTorch once the window hides keys, Note [Attention in PyTorch] in
+        torch_attention.py). A soft-cap alone runs on the kernels (Note [Soft-capped scores] in
+        membar/kernels/attention.h)."""
+        return self.sliding_window is not None
 
 
 def text_config(config):
@@ -201,7 +203,7 @@ def check_layers(layers: list[LayerAttention], mode: str) -> None:
     special = [record.layer for record in layers if record.needs_torch_path]
     if mode == "sparse" and special:
         raise ValueError(f"sparse mode selects history pages with the paged kernels, which do not express the "
-                         f"sliding windows or logit soft-caps of layers {special}: use mode='dense'.")
+                         f"sliding windows of layers {special}: use mode='dense'.")
 
 
 # -- RoPE ----------------------------------------------------------------------------------------
