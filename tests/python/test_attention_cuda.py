@@ -65,8 +65,9 @@ def visibility_mask(chunk_tokens, history_tokens, page_tokens, selection, tile, 
     return torch.cat([history, causal], dim=1)
 
 
-def reference(p, selection=None, tile=128):
-    """fp32 attention over [history; chunk] with autograd: out, lse, and the gradients."""
+def reference(p, selection=None, tile=128, softcap=0.0):
+    """fp32 attention over [history; chunk] with autograd: out, lse, and the gradients (softcap > 0:
+    scores through softcap * tanh(s / softcap) first, Gemma 2's soft-cap)."""
     history_tokens = p["history_tokens"]
     page_tokens = p["k_pool"].shape[1]
     q = p["q"].float().requires_grad_()
@@ -78,6 +79,8 @@ def reference(p, selection=None, tile=128):
     keys = torch.cat([k_hist, k]).repeat_interleave(group, dim=1)
     values = torch.cat([v_hist, v]).repeat_interleave(group, dim=1)
     scores = torch.einsum("thd,shd->hts", q, keys) * p["scale"]
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
     mask = visibility_mask(q.shape[0], history_tokens, page_tokens, selection, tile, q.device)
     scores = scores.masked_fill(~mask, float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)
@@ -87,15 +90,16 @@ def reference(p, selection=None, tile=128):
             "dk_hist": k_hist.grad, "dv_hist": v_hist.grad}
 
 
-def run_ops(p, grad_dtype, selection=None, tile=128, deterministic=False):
+def run_ops(p, grad_dtype, selection=None, tile=128, deterministic=False, softcap=0.0):
     out, lse = ops.paged_attention_forward(p["q"], p["k"], p["v"], p["k_pool"], p["k_index"], p["v_pool"],
-                                           p["v_index"], p["history_tokens"], p["scale"], selection, tile)
+                                           p["v_index"], p["history_tokens"], p["scale"], selection, tile,
+                                           logit_softcap=softcap)
     dk_pool = p["dk_pool0"].to(grad_dtype).clone()
     dv_pool = p["dv_pool0"].to(grad_dtype).clone()
     dq, dk, dv = ops.paged_attention_backward(p["q"], p["k"], p["v"], p["k_pool"], p["k_index"], p["v_pool"],
                                               p["v_index"], out, p["dout"], lse, dk_pool, p["dk_index"], dv_pool,
                                               p["dv_index"], p["history_tokens"], p["scale"], selection, tile,
-                                              deterministic)
+                                              deterministic, logit_softcap=softcap)
     history_tokens = p["history_tokens"]
     return {"out": out, "lse": lse, "dq": dq, "dk": dk, "dv": dv,
             "dk_hist": gathered(dk_pool, p["dk_index"], history_tokens).double()
@@ -127,9 +131,32 @@ CASES = [
 ]
 
 
+# Gemma 2's soft-capped scores (Note [Soft-capped scores] in membar/kernels/attention.h) at every
+# head size, dense and sparse: a cap of 2 bends most of these scores (|s| up to ~6), 50 is Gemma 2's.
+SOFTCAP_CASES = [
+    (130, 300, 128, 8, 4, 256, 0, 0, torch.bfloat16, 2.0),
+    (200, 1000, 64, 2, 2, 256, 128, 3, torch.float16, 2.0),
+    (150, 500, 128, 8, 4, 256, 0, 0, torch.bfloat16, 50.0),
+    (200, 300, 128, 8, 2, 128, 0, 0, torch.bfloat16, 2.0),
+    (300, 1100, 128, 8, 1, 128, 128, 4, torch.float16, 2.0),
+    (77, 130, 64, 7, 1, 64, 0, 0, torch.bfloat16, 2.0),
+    (100, 500, 128, 8, 1, 64, 0, 0, torch.float16, 2.0),
+    (200, 300, 128, 8, 2, 96, 0, 0, torch.bfloat16, 2.0),
+]
+
+
 @pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("case", CASES)
 def test_ops_match_reference(case, grad_dtype):
+    check_case(case, grad_dtype)
+
+
+@pytest.mark.parametrize("case", SOFTCAP_CASES)
+def test_soft_capped_ops_match_reference(case):
+    check_case(case[:-1], torch.float32, softcap=case[-1])
+
+
+def check_case(case, grad_dtype, softcap=0.0):
     chunk_tokens, history_tokens, page_tokens, q_heads, kv_heads, head_dim, tile, top_k, dtype = case
     generator = torch.Generator().manual_seed(torch.seed() % (2**31))
     host = make_problem(chunk_tokens, history_tokens, page_tokens, q_heads, kv_heads, head_dim, generator, dtype)
@@ -149,10 +176,10 @@ def test_ops_match_reference(case, grad_dtype):
     gpu = to_device(host, DEVICE)
     gpu_selection = selection.to(DEVICE) if selection is not None else None
 
-    truth = reference(gpu, gpu_selection, tile_or_default)
-    cpu = run_ops(host, grad_dtype, selection, tile_or_default)
+    truth = reference(gpu, gpu_selection, tile_or_default, softcap)
+    cpu = run_ops(host, grad_dtype, selection, tile_or_default, softcap=softcap)
     for deterministic in (False, True):
-        result = run_ops(gpu, grad_dtype, gpu_selection, tile_or_default, deterministic)
+        result = run_ops(gpu, grad_dtype, gpu_selection, tile_or_default, deterministic, softcap)
         for name in ("out", "lse", "dq", "dk", "dv", "dk_hist", "dv_hist"):
             if truth[name] is None or truth[name].numel() == 0:
                 continue
