@@ -75,7 +75,7 @@ def make_inputs(history, generator_seed=0, head_dim=HEAD_DIM, dtype=torch.bfloat
                 history=history, scale=1.0 / math.sqrt(head_dim))
 
 
-def membar_runner(p, selection=None, grad_dtype=torch.float32, deterministic=False, forward_layout=""):
+def membar_runner(p, selection=None, grad_dtype=torch.float32, deterministic=False, forward_layout="", softcap=0.0):
     dk_pool = torch.zeros(p["k_pool"].shape, device="cuda", dtype=grad_dtype)
     dv_pool = torch.zeros(p["v_pool"].shape, device="cuda", dtype=grad_dtype)
     state = {}
@@ -83,13 +83,13 @@ def membar_runner(p, selection=None, grad_dtype=torch.float32, deterministic=Fal
     def forward():
         state["out"], state["lse"] = ops.paged_attention_forward(
             p["q"], p["k"], p["v"], p["k_pool"], p["k_index"], p["v_pool"], p["v_index"], p["history"], p["scale"],
-            selection, 128, True, forward_layout)
+            selection, 128, True, forward_layout, logit_softcap=softcap)
 
     def backward():
         return ops.paged_attention_backward(
             p["q"], p["k"], p["v"], p["k_pool"], p["k_index"], p["v_pool"], p["v_index"], state["out"], p["dout"],
             state["lse"], dk_pool, p["k_index"], dv_pool, p["v_index"], p["history"], p["scale"], selection, 128,
-            deterministic)
+            deterministic, logit_softcap=softcap)
 
     return forward, backward, state
 
@@ -178,8 +178,9 @@ def bench_history(history, results):
     torch.cuda.empty_cache()
 
 
-def bench_head_dim(head_dim, dtype, history, results, try_layouts=()):
-    """Forward and backward TFLOP/s of membar and SDPA flash at one head size and dtype."""
+def bench_head_dim(head_dim, dtype, history, results, try_layouts=(), softcap=0.0):
+    """Forward and backward TFLOP/s of membar and SDPA flash at one head size and dtype; with softcap
+    also membar's soft-capped kernels (Gemma 2; SDPA has no soft-cap to compare with)."""
     p = make_inputs(history, head_dim=head_dim, dtype=dtype)
     fwd_flops = forward_flops(CHUNK, history, head_dim)
     row = {"head_dim": head_dim, "dtype": str(dtype).replace("torch.", ""), "history": history, "chunk": CHUNK}
@@ -200,6 +201,12 @@ def bench_head_dim(head_dim, dtype, history, results, try_layouts=()):
         row["tried_forward_tflops"][name] = fwd_flops / (time_ms(tried_forward) * 1e-3) / 1e12
     forward()
     row["membar_backward_ms"] = time_ms(backward)
+    if softcap:
+        capped_forward, capped_backward, _ = membar_runner(p, softcap=softcap)
+        row["softcap"] = softcap
+        row["softcap_forward_tflops"] = fwd_flops / (time_ms(capped_forward) * 1e-3) / 1e12
+        capped_forward()
+        row["softcap_backward_tflops"] = 2.5 * fwd_flops / (time_ms(capped_backward) * 1e-3) / 1e12
     sdpa_forward, sdpa_forward_backward, sdpa_state = sdpa_runner(p)
     row["sdpa_forward_ms"] = time_ms(sdpa_forward)
     row["sdpa_backward_ms"] = time_ms(sdpa_forward_backward) - row["sdpa_forward_ms"]
@@ -226,6 +233,8 @@ def main():
     parser.add_argument("--head-dim-history", type=int, default=32768)
     parser.add_argument("--try-layouts", default="",
                         help="forward layouts to time beside the chosen one, as HEAD_DIM=NAME,... (compiled ones)")
+    parser.add_argument("--softcap", type=float, default=0.0,
+                        help="also time the soft-capped kernels (Gemma 2's attn_logit_softcapping, e.g. 50)")
     args = parser.parse_args()
     histories = [int(h) for h in args.histories.split(",") if h]
     # MEMBAR_COMMIT first: on the lent device the tree's .git may be an older copy than its files.
@@ -259,7 +268,7 @@ def main():
         for dtype_name in [d for d in args.head_dim_dtypes.split(",") if d]:
             tried = [name for entry in args.try_layouts.split(",") if entry
                      for size, name in [entry.split("=")] if int(size) == head_dim]
-            bench_head_dim(head_dim, getattr(torch, dtype_name), args.head_dim_history, results, tried)
+            bench_head_dim(head_dim, getattr(torch, dtype_name), args.head_dim_history, results, tried, args.softcap)
 
     lines = [f"paged attention vs SDPA flash, {results['machine']}, commit {results['commit'][:12]}, {results['date']}",
              "Qwen2.5-7B attention: 28 q heads, 4 kv heads, D=128, bf16, chunk 4096, pages of 128, fp32 grad pages; "
@@ -290,6 +299,11 @@ def main():
                          f" {row['membar_backward_tflops']:>9.1f} {row['sdpa_backward_tflops']:>9.1f}"
                          f" {row['backward_ratio']:>6.2f} {'met' if row['goals_met'] else 'NOT':>6}"
                          f"  {layouts.get('forward', '?')} / {layouts.get('backward', '?')}")
+            if "softcap" in row:
+                lines.append(f"{'':>4} {'':>9} {row['softcap_forward_tflops']:>9.1f}  soft-capped ({row['softcap']:g}):"
+                             f" forward {row['softcap_forward_tflops'] / row['membar_forward_tflops']:.2f}x,"
+                             f" backward {row['softcap_backward_tflops']:.1f} TF/s"
+                             f" {row['softcap_backward_tflops'] / row['membar_backward_tflops']:.2f}x uncapped")
             for name, tflops in row.get("tried_forward_tflops", {}).items():
                 lines.append(f"{'':>4} {'':>9} {tflops:>9.1f}  forward layout {name}")
     text = "\n".join(lines) + "\n"

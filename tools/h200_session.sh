@@ -64,7 +64,8 @@
 #             Hugging Face Trainer and TRL's SFTTrainer, the 1.5B shape (random init), 64K tokens,
 #             chunks of 4096, bf16, --offload, 4 optimizer steps each
 #   heads     attention kernels at every head size (64, 96, 128, 256) in bf16 and fp16 against SDPA
-#             flash, 32K history (bench/attention_bench.py; model-coverage issue: fwd >= 1.0x, bwd >= 0.8x)
+#             flash, 32K history (bench/attention_bench.py; model-coverage issue: fwd >= 1.0x, bwd >= 0.8x);
+#             HEADS_DIMS / HEADS_DTYPES narrow it, HEADS_SOFTCAP=50 also times the soft-capped kernels (Gemma 2)
 #   models    the model-coverage table (bench/model_coverage_bench.py, issue "Train the models people
 #             actually use"): COVERAGE_MODELS (default qwen3-8b; one model per call) at 32K and 128K
 #             beside full-sequence training, and its bf16 gradient errors; COVERAGE_QUICK=1 runs the
@@ -262,7 +263,8 @@ for step in "$@"; do
     heads)
       mkdir -p "$work/heads"
       MEMBAR_RESULTS_DIR=$work/heads timeout 300 "$py" bench/attention_bench.py --histories "" \
-        --head-dims 64,96,128,256 --head-dim-dtypes bfloat16,float16 > "$work/heads/bench.log" 2>&1 || status=1
+        --head-dims "${HEADS_DIMS:-64,96,128,256}" --head-dim-dtypes "${HEADS_DTYPES:-bfloat16,float16}" \
+        --softcap "${HEADS_SOFTCAP:-0}" > "$work/heads/bench.log" 2>&1 || status=1
       tail -12 "$work/heads/attention.txt" 2>/dev/null || tail -20 "$work/heads/bench.log" ;;
     models)
       mkdir -p "$work/models"
