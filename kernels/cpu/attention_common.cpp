@@ -23,6 +23,10 @@ const char* paged_attention_check_shape(const PagedAttentionShape& shape) {
   if (!std::isfinite(shape.logit_softcap) || shape.logit_softcap < 0.f) {
     return "logit_softcap must be 0 (no soft-cap) or a finite positive number.";
   }
+  // A cap this small would overflow the CUDA kernels' derived constants (cap / scale and its inverse).
+  if (shape.logit_softcap > 0.f && shape.logit_softcap < 1e-6f) {
+    return "logit_softcap must be 0 (no soft-cap) or at least 1e-6.";
+  }
   switch (shape.dtype) {
     case DType::kFloat32:
     case DType::kFloat16:

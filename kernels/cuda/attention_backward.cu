@@ -121,35 +121,36 @@ cudaError_t run_backward(const PagedAttentionBackwardParams& params, KvLaunch kv
 
 namespace {
 
-// The dK/dV launch of `layout` for one (dtype, head_dim); only the layouts the library compiles
-// for it (backward_layout_compiled) are instantiated, the others give nullptr.
-template <typename Element, int kHeadDim>
+// The dK/dV launch of `layout` for one (dtype, head_dim), capped or not (kSoftcap); only the
+// layouts the library compiles for it (backward_layout_compiled) are instantiated, each with and
+// without a cap; the others give nullptr.
+template <typename Element, int kHeadDim, bool kSoftcap>
 detail::KvLaunch layout_launch(BackwardLayout layout) {
   constexpr DType kDType = detail::ElementTraits<Element>::kDType;
   switch (layout) {
     case BackwardLayout::kMmaSplitK128S2:
       if constexpr (backward_layout_compiled(BackwardLayout::kMmaSplitK128S2, kDType, kHeadDim)) {
-        return &detail::launch_kv_split<Element, kHeadDim, layouts::MmaSplitK128S2>;
+        return &detail::launch_kv_split<Element, kHeadDim, layouts::MmaSplitK128S2, kSoftcap>;
       }
       break;
     case BackwardLayout::kMmaW8K128:
       if constexpr (backward_layout_compiled(BackwardLayout::kMmaW8K128, kDType, kHeadDim)) {
-        return &detail::launch_kv<Element, kHeadDim, layouts::MmaW8K128>;
+        return &detail::launch_kv<Element, kHeadDim, layouts::MmaW8K128, kSoftcap>;
       }
       break;
     case BackwardLayout::kMmaW4K64:
       if constexpr (backward_layout_compiled(BackwardLayout::kMmaW4K64, kDType, kHeadDim)) {
-        return &detail::launch_kv<Element, kHeadDim, layouts::MmaW4K64>;
+        return &detail::launch_kv<Element, kHeadDim, layouts::MmaW4K64, kSoftcap>;
       }
       break;
     case BackwardLayout::kMmaW4K64Padded:
       if constexpr (backward_layout_compiled(BackwardLayout::kMmaW4K64Padded, kDType, kHeadDim)) {
-        return &detail::launch_kv<Element, kHeadDim, layouts::MmaW4K64Padded>;
+        return &detail::launch_kv<Element, kHeadDim, layouts::MmaW4K64Padded, kSoftcap>;
       }
       break;
     case BackwardLayout::kMmaW4K64S2Halves:
       if constexpr (backward_layout_compiled(BackwardLayout::kMmaW4K64S2Halves, kDType, kHeadDim)) {
-        return &detail::launch_kv<Element, kHeadDim, layouts::MmaW4K64S2Halves>;
+        return &detail::launch_kv<Element, kHeadDim, layouts::MmaW4K64S2Halves, kSoftcap>;
       }
       break;
     case BackwardLayout::kAuto:
@@ -158,15 +159,23 @@ detail::KvLaunch layout_launch(BackwardLayout layout) {
   return nullptr;
 }
 
-template <typename Element>
+template <typename Element, bool kSoftcap>
 detail::KvLaunch layout_launch_for_head_dim(BackwardLayout layout, int32_t head_dim) {
   switch (head_dim) {
-    case 64: return layout_launch<Element, 64>(layout);
-    case 96: return layout_launch<Element, 96>(layout);
-    case 128: return layout_launch<Element, 128>(layout);
-    case 256: return layout_launch<Element, 256>(layout);
+    case 64: return layout_launch<Element, 64, kSoftcap>(layout);
+    case 96: return layout_launch<Element, 96, kSoftcap>(layout);
+    case 128: return layout_launch<Element, 128, kSoftcap>(layout);
+    case 256: return layout_launch<Element, 256, kSoftcap>(layout);
   }
   return nullptr;
+}
+
+template <bool kSoftcap>
+detail::KvLaunch layout_launch_for_shape(BackwardLayout layout, const PagedAttentionShape& shape) {
+  if (shape.dtype == DType::kBFloat16) {
+    return layout_launch_for_head_dim<__nv_bfloat16, kSoftcap>(layout, shape.head_dim);
+  }
+  return layout_launch_for_head_dim<__half, kSoftcap>(layout, shape.head_dim);
 }
 
 }  // namespace
@@ -214,9 +223,10 @@ int paged_attention_backward(const PagedAttentionBackwardParams& params, void* s
   if (error != cudaSuccess) return error;
   const BackwardLayout layout = resolve_backward_layout(options.backward_layout, current_cuda_target(),
                                                         layout_query(params.shape, params.selection));
-  const detail::KvLaunch kv = params.shape.dtype == DType::kBFloat16
-                                  ? layout_launch_for_head_dim<__nv_bfloat16>(layout, params.shape.head_dim)
-                                  : layout_launch_for_head_dim<__half>(layout, params.shape.head_dim);
+  // A cap runs the same layout's capped instantiation (Note [Soft-capped scores in raw units] in
+  // attention_common.cuh); launch_backward_dq picks its own for the deterministic dQ pass.
+  const detail::KvLaunch kv = params.shape.logit_softcap > 0.f ? layout_launch_for_shape<true>(layout, params.shape)
+                                                               : layout_launch_for_shape<false>(layout, params.shape);
   // resolve_backward_layout only returns compiled layouts: a missing launch is a bug.
   if (kv == nullptr) return cudaErrorInvalidValue;
   return detail::run_backward(params, kv, static_cast<cudaStream_t>(stream));

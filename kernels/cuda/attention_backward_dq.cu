@@ -4,7 +4,8 @@
 // key sequence as the forward (KeySequence) in blocks of 64 keys, K and V double-buffered through
 // cp.async, and per block computes S = Q K^T, P = exp(S * scale - lse), dP = dO V^T,
 // dS = P o (dP - delta), dQ += dS K, all per warp in registers. dQ is written once, so its bits
-// do not depend on scheduling.
+// do not depend on scheduling. With kSoftcap S is capped before P and dS multiplied by the cap's
+// slope (Note [Soft-capped scores in raw units] in attention_common.cuh).
 #include <cuda_runtime.h>
 
 #include <cmath>
@@ -40,9 +41,10 @@ constexpr size_t dq_shared_bytes_fixed() {
   return size_t(2 * kDqRows * dq_stride<kHeadDim>() + 4 * kDqKeys * dq_stride<kHeadDim>()) * 2;
 }
 
-template <typename Element, int kHeadDim>
+template <typename Element, int kHeadDim, bool kSoftcap>
 __global__ void __launch_bounds__(kDqWarps * 32) paged_attention_backward_dq_kernel(const PagedAttentionBackwardParams params,
-                                                                                   const float* delta) {
+                                                                                   const float* delta,
+                                                                                   const SoftCap soft_cap) {
   constexpr int kThreads = kDqWarps * 32;
   constexpr int kKeys = kDqKeys;
   constexpr bool kPadded = dq_padded<kHeadDim>();
@@ -120,6 +122,7 @@ __global__ void __launch_bounds__(kDqWarps * 32) paged_attention_backward_dq_ker
     clear(scores);
     clear(dscores);
     warp_matmul_shared_nt<Element, kKeys, kHeadDim, kHeadDim, kHeadDim, kPadded>(scores, q_tile, warp * 16, k_tile, 0, lane);
+    if constexpr (kSoftcap) soft_cap_scores(scores, soft_cap);
     warp_matmul_shared_nt<Element, kKeys, kHeadDim, kHeadDim, kHeadDim, kPadded>(dscores, dout_tile, warp * 16, v_tile, 0,
                                                                                 lane);
     const KeyBlock<Element> block = keys.block(index);
@@ -138,6 +141,7 @@ __global__ void __launch_bounds__(kDqWarps * 32) paged_attention_backward_dq_ker
           if (!visible) p = 0.f;
         }
         dscores[n][j] = p * (dscores[n][j] - row_delta[j >> 1]);
+        if constexpr (kSoftcap) dscores[n][j] *= soft_cap.slope(scores[n][j]);
       }
     }
     uint32_t fragments[kKeys / 16][4];
@@ -163,35 +167,43 @@ __global__ void __launch_bounds__(kDqWarps * 32) paged_attention_backward_dq_ker
   }
 }
 
-template <typename Element, int kHeadDim>
+template <typename Element, int kHeadDim, bool kSoftcap>
 cudaError_t launch(const PagedAttentionBackwardParams& params, const float* delta, cudaStream_t stream) {
   const size_t shared_bytes = dq_shared_bytes_fixed<kHeadDim>() +
                               ((params.selection.selected_pages != nullptr) ? size_t(params.selection.selected_per_tile) * 4 : 0);
-  auto kernel = paged_attention_backward_dq_kernel<Element, kHeadDim>;
+  auto kernel = paged_attention_backward_dq_kernel<Element, kHeadDim, kSoftcap>;
   cudaError_t error = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(shared_bytes));
   if (error != cudaSuccess) return error;
   const dim3 grid((params.shape.chunk_tokens + kDqRows - 1) / kDqRows, params.shape.num_q_heads);
-  kernel<<<grid, kDqWarps * 32, shared_bytes, stream>>>(params, delta);
+  kernel<<<grid, kDqWarps * 32, shared_bytes, stream>>>(
+      params, delta, soft_cap_of(params.shape.softmax_scale, params.shape.logit_softcap));
   return cudaGetLastError();
 }
 
-template <typename Element>
+template <typename Element, bool kSoftcap>
 cudaError_t launch_head_dim(const PagedAttentionBackwardParams& params, const float* delta, cudaStream_t stream) {
   switch (params.shape.head_dim) {
-    case 64: return launch<Element, 64>(params, delta, stream);
-    case 96: return launch<Element, 96>(params, delta, stream);
-    case 128: return launch<Element, 128>(params, delta, stream);
-    case 256: return launch<Element, 256>(params, delta, stream);
+    case 64: return launch<Element, 64, kSoftcap>(params, delta, stream);
+    case 96: return launch<Element, 96, kSoftcap>(params, delta, stream);
+    case 128: return launch<Element, 128, kSoftcap>(params, delta, stream);
+    case 256: return launch<Element, 256, kSoftcap>(params, delta, stream);
   }
   return cudaErrorInvalidValue;  // paged_attention_cuda_check refused it before
+}
+
+template <bool kSoftcap>
+cudaError_t launch_dtype(const PagedAttentionBackwardParams& params, const float* delta, cudaStream_t stream) {
+  if (params.shape.dtype == DType::kBFloat16) return launch_head_dim<__nv_bfloat16, kSoftcap>(params, delta, stream);
+  return launch_head_dim<__half, kSoftcap>(params, delta, stream);
 }
 
 }  // namespace
 
 int launch_backward_dq(const PagedAttentionBackwardParams& params, const float* delta, void* stream) {
   cudaStream_t cuda_stream = static_cast<cudaStream_t>(stream);
-  if (params.shape.dtype == DType::kBFloat16) return launch_head_dim<__nv_bfloat16>(params, delta, cuda_stream);
-  return launch_head_dim<__half>(params, delta, cuda_stream);
+  // The capped instantiations (Note [Soft-capped scores in raw units] in attention_common.cuh).
+  if (params.shape.logit_softcap > 0.f) return launch_dtype<true>(params, delta, cuda_stream);
+  return launch_dtype<false>(params, delta, cuda_stream);
 }
 
 }  // namespace membar::kernels::cuda

@@ -27,6 +27,8 @@
 // At head_dim 256 the dK/dV of a warp's 16 keys do not fit in registers: with dim_parts the CTA
 // walks its pairs once per part of the columns, recomputing S^T and dP^T each time (1.4x the
 // products for two parts) and adding that part's dK, dV and dQ.
+// With kSoftcap S^T is capped before P is formed and dS^T is multiplied by the cap's slope
+// (Note [Soft-capped scores in raw units] in attention_common.cuh).
 // Limitations: the chunk blocks have unequal work (causal); they run first in the grid so the
 // uniform history blocks fill in behind them.
 #pragma once
@@ -110,9 +112,10 @@ constexpr size_t backward_shared_bytes() {
          2 * kStages * kQueries * 4;
 }
 
-template <typename Element, int kHeadDim, typename Tiling>
+template <typename Element, int kHeadDim, typename Tiling, bool kSoftcap = false>
 __global__ void __launch_bounds__(Tiling::kTile.threads(), 1)
-    paged_attention_backward_kv_kernel(const PagedAttentionBackwardParams params, const BackwardWorkspacePointers workspace) {
+    paged_attention_backward_kv_kernel(const PagedAttentionBackwardParams params,
+                                       const BackwardWorkspacePointers workspace, const SoftCap soft_cap) {
   static_assert(backward_keys_tile_checked<kHeadDim, Tiling>(), "backward_keys_tile_checked holds the bounds");
   constexpr int kWarps = Tiling::kTile.warps;
   constexpr int kDqPieces = Tiling::kTile.dq_pieces;
@@ -248,6 +251,7 @@ __global__ void __launch_bounds__(Tiling::kTile.threads(), 1)
         clear(dscores);
         warp_matmul_shared_nt<Element, kQueries, kHeadDim, kHeadDim, kHeadDim, kPadded>(scores, k_tile, warp * 16,
                                                                                        q_tile, 0, lane);
+        if constexpr (kSoftcap) soft_cap_scores(scores, soft_cap);
         warp_matmul_shared_nt<Element, kQueries, kHeadDim, kHeadDim, kHeadDim, kPadded>(dscores, v_tile, warp * 16,
                                                                                        dout_tile, 0, lane);
         const bool may_cut = valid_keys < kKeys || (chunk_block && first_key + kKeys - 1 > first_query);
@@ -263,8 +267,14 @@ __global__ void __launch_bounds__(Tiling::kTile.threads(), 1)
               if (chunk_block) visible = visible && first_key + key <= first_query + query;
               if (!visible) p = 0.f;
             }
-            scores[n][j] = p;
-            dscores[n][j] = p * (dscores[n][j] - row_delta[query]);
+            if constexpr (kSoftcap) {
+              // The slope is read from the capped score before P replaces it.
+              dscores[n][j] = (dscores[n][j] - row_delta[query]) * soft_cap.slope(scores[n][j]) * p;
+              scores[n][j] = p;
+            } else {
+              scores[n][j] = p;
+              dscores[n][j] = p * (dscores[n][j] - row_delta[query]);
+            }
           }
         }
         uint32_t fragments[kQueries / 16][4];
@@ -385,12 +395,14 @@ __device__ __forceinline__ void warp_matmul_two_tiles_nt(float (&acc)[2][4][4], 
 //   3. dQ [64 queries, D] = dS K: warps 2 (32 queries) x 4 (D / 4 columns), fp32 atomics into the
 //      workspace (skipped in deterministic mode).
 // The next item's first barrier orders phase 3's reads of dS^T before phase 1 rewrites it.
+// With kSoftcap phase 1 caps S^T before P^T and multiplies dS^T by the cap's slope (Note
+// [Soft-capped scores in raw units] in attention_common.cuh).
 // Limitations: 128-key pages only (a CTA owns one page); head_dim 128.
 // The layout is a BackwardSplitTile.
-template <typename Element, int kHeadDim, typename Tiling>
+template <typename Element, int kHeadDim, typename Tiling, bool kSoftcap = false>
 __global__ void __launch_bounds__(256, 1)
     paged_attention_backward_split_kernel(const PagedAttentionBackwardParams params,
-                                          const BackwardWorkspacePointers workspace) {
+                                          const BackwardWorkspacePointers workspace, const SoftCap soft_cap) {
   constexpr BackwardSplitTile kTile = Tiling::kTile;
   static_assert(backward_split_tile_checked<kHeadDim, Tiling>(), "backward_split_tile_checked holds the bounds");
   constexpr int kKeys = 128;
@@ -523,6 +535,10 @@ __global__ void __launch_bounds__(256, 1)
       }
       // S^T first, then dP^T: fewer fragments live at once than with the two products interleaved.
       warp_matmul_two_tiles_nt<Element, kHeadDim, kPadded>(scores, k_tile, key_base, q_tile, query_base, lane);
+      if constexpr (kSoftcap) {
+        soft_cap_scores(scores[0], soft_cap);
+        soft_cap_scores(scores[1], soft_cap);
+      }
       warp_matmul_two_tiles_nt<Element, kHeadDim, kPadded>(dscores, v_tile, key_base, dout_tile, query_base, lane);
       const bool may_cut = owned.valid_keys < kKeys || (owned.chunk_block && owned.first_key + kKeys - 1 > first_query);
       // The eight query columns this thread holds: their lse and delta, read once per item.
@@ -552,6 +568,7 @@ __global__ void __launch_bounds__(256, 1)
                 if (!visible) p[j] = 0.f;
               }
               ds[j] = p[j] * (dscores[t][n][2 * half + j] - delta_pair[j]);
+              if constexpr (kSoftcap) ds[j] *= soft_cap.slope(scores[t][n][2 * half + j]);
             }
             const int offset = ScoreLayout::offset(key, query);
             *reinterpret_cast<uint32_t*>(pt_tile + offset) = ElementTraits<Element>::pack(p[0], p[1]);
@@ -701,34 +718,37 @@ constexpr size_t backward_split_shared_bytes() {
          2 * kStagesSplit * kQueries * 4;
 }
 
-template <typename Element, int kHeadDim, typename Tiling>
+// kSoftcap: the instantiations that cap scores (params.shape.logit_softcap > 0).
+template <typename Element, int kHeadDim, typename Tiling, bool kSoftcap = false>
 cudaError_t launch_kv(const PagedAttentionBackwardParams& params, const BackwardWorkspacePointers& workspace,
                       cudaStream_t stream) {
   constexpr BackwardKeysTile kTile = Tiling::kTile;
   constexpr size_t kSharedBytes = backward_shared_bytes<kHeadDim, Tiling>();
-  auto kernel = paged_attention_backward_kv_kernel<Element, kHeadDim, Tiling>;
+  auto kernel = paged_attention_backward_kv_kernel<Element, kHeadDim, Tiling, kSoftcap>;
   cudaError_t error = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kSharedBytes));
   if (error != cudaSuccess) return error;
   BackwardWorkspacePointers owners = workspace;
   owners.num_chunk_blocks = chunk_owner_count<kTile.keys()>(params.shape);
   const dim3 grid(owner_count<kTile.keys()>(params.shape, owners.num_chunk_blocks), params.shape.num_kv_heads);
   if (grid.x == 0) return cudaSuccess;  // no key at all (attend_chunk false, empty history)
-  kernel<<<grid, kTile.threads(), kSharedBytes, stream>>>(params, owners);
+  kernel<<<grid, kTile.threads(), kSharedBytes, stream>>>(
+      params, owners, soft_cap_of(params.shape.softmax_scale, params.shape.logit_softcap));
   return cudaGetLastError();
 }
 
-template <typename Element, int kHeadDim, typename Tiling>
+template <typename Element, int kHeadDim, typename Tiling, bool kSoftcap = false>
 cudaError_t launch_kv_split(const PagedAttentionBackwardParams& params, const BackwardWorkspacePointers& workspace,
                             cudaStream_t stream) {
   constexpr size_t kSharedBytes = backward_split_shared_bytes<kHeadDim, Tiling>();
-  auto kernel = paged_attention_backward_split_kernel<Element, kHeadDim, Tiling>;
+  auto kernel = paged_attention_backward_split_kernel<Element, kHeadDim, Tiling, kSoftcap>;
   cudaError_t error = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kSharedBytes));
   if (error != cudaSuccess) return error;
   BackwardWorkspacePointers owners = workspace;
   owners.num_chunk_blocks = chunk_owner_count<128>(params.shape);
   const dim3 grid(owner_count<128>(params.shape, owners.num_chunk_blocks), params.shape.num_kv_heads);
   if (grid.x == 0) return cudaSuccess;  // no key at all (attend_chunk false, empty history)
-  kernel<<<grid, 256, kSharedBytes, stream>>>(params, owners);
+  kernel<<<grid, 256, kSharedBytes, stream>>>(params, owners,
+                                              soft_cap_of(params.shape.softmax_scale, params.shape.logit_softcap));
   return cudaGetLastError();
 }
 

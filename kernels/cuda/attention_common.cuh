@@ -436,4 +436,61 @@ __device__ __forceinline__ KeySequence<Element, kKeys, kShiftIndexing> key_seque
 
 inline constexpr float kLog2e = 1.4426950408889634f;
 
+// Note [Soft-capped scores in raw units]
+// Note [Soft-capped scores] (membar/kernels/attention.h) caps every scaled score s = scale * r
+// (r = q.k) at cap * tanh(s / cap). The kernels keep scores in raw units (r; the scale goes into
+// the exponent: P = exp2(r * scale log2(e) - ...)), so with a cap they replace each raw score,
+// right after S = Q K^T and before any mask, by r' = (cap / scale) tanh(scale r / cap): masks,
+// the online softmax, lse and P = exp2(r' * scale log2(e) - lse) then run unchanged. The backward
+// caps its recomputed S in place the same way, before it computes dP (fewer values live at once),
+// and multiplies dS = P o (dP - delta) by 1 - tanh^2 before dS meets K or Q, with tanh recovered
+// from the capped score (tanh = r' scale / cap); the factor scale of dQ and dK stays as it was.
+// tanh(x) = 1 - u with u = 2 / (exp(2x) + 1): one exp2 and one fast division (ex2.approx and
+// div.approx under --use_fast_math, relative errors ~2^-22), exact at both ends without a clamp
+// (exp2 overflowing to +inf gives u = 0, tanh = 1; underflowing to 0 gives u = 2, tanh = -1;
+// __fdividef(2, y) is 0 for y past 2^126), so no score, however large, turns into NaN. The
+// capped score's absolute error is ~1e-7 cap, and so is the slope's. tanh.approx.f32 would save
+// the division but its relative error of 2^-11 is as coarse as a bf16 rounding of every score.
+// The cap is a template flag of the kernels (kSoftcap): the instantiations without it are the
+// code they were before the cap existed. The forward kernels derive the SoftCap constants on the
+// device; the backward kernels, at 255 registers, take them as a kernel argument (soft_cap_of on
+// the host), which ptxas reads from the parameter bank (docs/kernels.md has what the capped
+// instantiations spill).
+struct SoftCap {
+  float raw_to_exponent = 0.f;  // 2 log2(e) scale / cap: exp(2 x) = exp2(r * raw_to_exponent)
+  float raw_cap = 0.f;          // cap / scale: the cap in raw units
+  float raw_to_tanh = 0.f;      // scale / cap: tanh(x) = r' * raw_to_tanh for a capped score r'
+
+  // The capped score r' of raw score r (raw units).
+  __device__ __forceinline__ float capped(float raw) const {
+    const float complement = __fdividef(2.f, exp2f(raw * raw_to_exponent) + 1.f);  // 1 - tanh(x)
+    return raw_cap - raw_cap * complement;
+  }
+  // d tanh(x) / dx = 1 - tanh(x)^2 at a capped score r'.
+  __device__ __forceinline__ float slope(float capped_score) const {
+    const float tanh_x = capped_score * raw_to_tanh;
+    return 1.f - tanh_x * tanh_x;
+  }
+};
+
+// Caps every score of a block of scores in raw units (accumulator tiles of mma.m16n8 or wgmma).
+template <int kN>
+__device__ __forceinline__ void soft_cap_scores(float (&scores)[kN][4], const SoftCap& cap) {
+#pragma unroll
+  for (int n = 0; n < kN; ++n) {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) scores[n][j] = cap.capped(scores[n][j]);
+  }
+}
+
+// The SoftCap of a call: softmax_scale and logit_softcap of its shape (all zero without a cap).
+__host__ __device__ __forceinline__ SoftCap soft_cap_of(float softmax_scale, float logit_softcap) {
+  SoftCap cap;
+  if (!(logit_softcap > 0.f)) return cap;
+  cap.raw_to_exponent = 2.f * kLog2e * softmax_scale / logit_softcap;
+  cap.raw_cap = logit_softcap / softmax_scale;
+  cap.raw_to_tanh = softmax_scale / logit_softcap;
+  return cap;
+}
+
 }  // namespace membar::kernels::cuda::detail

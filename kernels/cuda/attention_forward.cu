@@ -10,55 +10,57 @@
 namespace membar::kernels::cuda {
 namespace {
 
-// Launches `layout` for one (dtype, head_dim); only the layouts the library compiles for it
-// (forward_layout_compiled) are instantiated.
-template <typename Element, int kHeadDim>
+// Launches `layout` for one (dtype, head_dim), capped or not (kSoftcap); only the layouts the
+// library compiles for it (forward_layout_compiled) are instantiated, each with and without a cap.
+template <typename Element, int kHeadDim, bool kSoftcap>
 cudaError_t launch_layout(ForwardLayout layout, const PagedAttentionForwardParams& params, cudaStream_t stream) {
   constexpr DType kDType = detail::ElementTraits<Element>::kDType;
   switch (layout) {
     case ForwardLayout::kWgmmaW8R64K128S2:
       if constexpr (forward_layout_compiled(ForwardLayout::kWgmmaW8R64K128S2, kDType, kHeadDim)) {
-        return detail::warpgroup::launch_forward<Element, kHeadDim, layouts::WgmmaW8R64K128S2>(params, stream);
+        return detail::warpgroup::launch_forward<Element, kHeadDim, layouts::WgmmaW8R64K128S2, kSoftcap>(
+            params, stream);
       }
       break;
     case ForwardLayout::kWgmmaW8R64K64S3:
       if constexpr (forward_layout_compiled(ForwardLayout::kWgmmaW8R64K64S3, kDType, kHeadDim)) {
-        return detail::warpgroup::launch_forward<Element, kHeadDim, layouts::WgmmaW8R64K64S3>(params, stream);
+        return detail::warpgroup::launch_forward<Element, kHeadDim, layouts::WgmmaW8R64K64S3, kSoftcap>(params, stream);
       }
       break;
     case ForwardLayout::kWgmmaW8R64K64S3TwoCtas:
       if constexpr (forward_layout_compiled(ForwardLayout::kWgmmaW8R64K64S3TwoCtas, kDType, kHeadDim)) {
-        return detail::warpgroup::launch_forward<Element, kHeadDim, layouts::WgmmaW8R64K64S3TwoCtas>(params, stream);
+        return detail::warpgroup::launch_forward<Element, kHeadDim, layouts::WgmmaW8R64K64S3TwoCtas, kSoftcap>(
+            params, stream);
       }
       break;
     case ForwardLayout::kWgmmaW8R64K64S2:
       if constexpr (forward_layout_compiled(ForwardLayout::kWgmmaW8R64K64S2, kDType, kHeadDim)) {
-        return detail::warpgroup::launch_forward<Element, kHeadDim, layouts::WgmmaW8R64K64S2>(params, stream);
+        return detail::warpgroup::launch_forward<Element, kHeadDim, layouts::WgmmaW8R64K64S2, kSoftcap>(params, stream);
       }
       break;
     case ForwardLayout::kMmaW8R16K128S3:
       if constexpr (forward_layout_compiled(ForwardLayout::kMmaW8R16K128S3, kDType, kHeadDim)) {
-        return detail::launch_forward<Element, kHeadDim, layouts::MmaW8R16K128S3>(params, stream);
+        return detail::launch_forward<Element, kHeadDim, layouts::MmaW8R16K128S3, kSoftcap>(params, stream);
       }
       break;
     case ForwardLayout::kMmaW8R16K64S3:
       if constexpr (forward_layout_compiled(ForwardLayout::kMmaW8R16K64S3, kDType, kHeadDim)) {
-        return detail::launch_forward<Element, kHeadDim, layouts::MmaW8R16K64S3>(params, stream);
+        return detail::launch_forward<Element, kHeadDim, layouts::MmaW8R16K64S3, kSoftcap>(params, stream);
       }
       break;
     case ForwardLayout::kMmaW4R16K64S3:
       if constexpr (forward_layout_compiled(ForwardLayout::kMmaW4R16K64S3, kDType, kHeadDim)) {
-        return detail::launch_forward<Element, kHeadDim, layouts::MmaW4R16K64S3>(params, stream);
+        return detail::launch_forward<Element, kHeadDim, layouts::MmaW4R16K64S3, kSoftcap>(params, stream);
       }
       break;
     case ForwardLayout::kMmaW4R16K64S2:
       if constexpr (forward_layout_compiled(ForwardLayout::kMmaW4R16K64S2, kDType, kHeadDim)) {
-        return detail::launch_forward<Element, kHeadDim, layouts::MmaW4R16K64S2>(params, stream);
+        return detail::launch_forward<Element, kHeadDim, layouts::MmaW4R16K64S2, kSoftcap>(params, stream);
       }
       break;
     case ForwardLayout::kMmaW4R16K128S1:
       if constexpr (forward_layout_compiled(ForwardLayout::kMmaW4R16K128S1, kDType, kHeadDim)) {
-        return detail::launch_forward<Element, kHeadDim, layouts::MmaW4R16K128S1>(params, stream);
+        return detail::launch_forward<Element, kHeadDim, layouts::MmaW4R16K128S1, kSoftcap>(params, stream);
       }
       break;
     case ForwardLayout::kAuto:
@@ -68,15 +70,21 @@ cudaError_t launch_layout(ForwardLayout layout, const PagedAttentionForwardParam
   return cudaErrorInvalidValue;
 }
 
-template <typename Element>
+template <typename Element, bool kSoftcap>
 cudaError_t launch_head_dim(ForwardLayout layout, const PagedAttentionForwardParams& params, cudaStream_t stream) {
   switch (params.shape.head_dim) {
-    case 64: return launch_layout<Element, 64>(layout, params, stream);
-    case 96: return launch_layout<Element, 96>(layout, params, stream);
-    case 128: return launch_layout<Element, 128>(layout, params, stream);
-    case 256: return launch_layout<Element, 256>(layout, params, stream);
+    case 64: return launch_layout<Element, 64, kSoftcap>(layout, params, stream);
+    case 96: return launch_layout<Element, 96, kSoftcap>(layout, params, stream);
+    case 128: return launch_layout<Element, 128, kSoftcap>(layout, params, stream);
+    case 256: return launch_layout<Element, 256, kSoftcap>(layout, params, stream);
   }
   return cudaErrorInvalidValue;  // paged_attention_cuda_check refused it before
+}
+
+template <bool kSoftcap>
+cudaError_t launch_dtype(ForwardLayout layout, const PagedAttentionForwardParams& params, cudaStream_t stream) {
+  if (params.shape.dtype == DType::kBFloat16) return launch_head_dim<__nv_bfloat16, kSoftcap>(layout, params, stream);
+  return launch_head_dim<__half, kSoftcap>(layout, params, stream);
 }
 
 }  // namespace
@@ -104,8 +112,10 @@ int paged_attention_forward(const PagedAttentionForwardParams& params, void* str
   const ForwardLayout layout = resolve_forward_layout(options.forward_layout, current_cuda_target(),
                                                       layout_query(params.shape, params.selection));
   cudaStream_t cuda_stream = static_cast<cudaStream_t>(stream);
-  if (params.shape.dtype == DType::kBFloat16) return launch_head_dim<__nv_bfloat16>(layout, params, cuda_stream);
-  return launch_head_dim<__half>(layout, params, cuda_stream);
+  // A cap runs the same layout's capped instantiation (Note [Soft-capped scores in raw units] in
+  // attention_common.cuh).
+  if (params.shape.logit_softcap > 0.f) return launch_dtype<true>(layout, params, cuda_stream);
+  return launch_dtype<false>(layout, params, cuda_stream);
 }
 
 }  // namespace membar::kernels::cuda

@@ -21,7 +21,8 @@
 // (common once a long history has shown its largest scores; its vote and branch can cost more
 // than the multiplications they save, see Note [Lazy rescale] for the form that decides before
 // any exponential). At the end each row is divided by its softmax sum and
-// lse = max * scale + log(sum) is written.
+// lse = max * scale + log(sum) is written. With kSoftcap every score is capped before its masks
+// (Note [Soft-capped scores in raw units] in attention_common.cuh).
 //
 // Note [Forward pipelining]
 // Within a warp the three steps of a block depend on each other (S, then its softmax, then P V),
@@ -109,7 +110,7 @@ constexpr size_t forward_shared_bytes_fixed() {
   return size_t(kTile.rows() * kStride + 2 * kTile.stages * kTile.keys_per_block * kStride) * 2;
 }
 
-template <typename Element, int kHeadDim, typename Tiling>
+template <typename Element, int kHeadDim, typename Tiling, bool kSoftcap = false>
 __global__ void __launch_bounds__(Tiling::kTile.threads(), Tiling::kTile.ctas_per_sm)
     paged_attention_forward_kernel(const PagedAttentionForwardParams params) {
   static_assert(forward_tile_checked<kHeadDim, Tiling>(), "forward_tile_checked holds the bounds");
@@ -187,6 +188,8 @@ __global__ void __launch_bounds__(Tiling::kTile.threads(), Tiling::kTile.ctas_pe
   // Note [Lazy rescale]: how far (in raw score units) a block maximum may exceed the running one
   // before the running one moves.
   const float lazy_threshold = kLazyRescaleLog2 / scale_log2;
+  SoftCap soft_cap;
+  if constexpr (kSoftcap) soft_cap = soft_cap_of(shape.softmax_scale, shape.logit_softcap);
   // Rows this thread holds, per row tile t: warp_row + 16 t + lane / 4 and that + 8.
   const int warp_row = warp * kWarpRows;
   float output[kRowTiles][kHeadDim / 8][4];
@@ -256,6 +259,7 @@ __global__ void __launch_bounds__(Tiling::kTile.threads(), Tiling::kTile.ctas_pe
                           uint32_t (&p)[kKeys / 16][4]) {
     const bool chunk_block = block.first_position >= 0;
     const int row_position = first_query + warp_row + t * 16 + lane / 4;
+    if constexpr (kSoftcap) soft_cap_scores(scores[t], soft_cap);
     if (needs_mask) {
 #pragma unroll
       for (int n = 0; n < kKeys / 8; ++n) {
@@ -480,13 +484,14 @@ __global__ void __launch_bounds__(Tiling::kTile.threads(), Tiling::kTile.ctas_pe
   }
 }
 
-template <typename Element, int kHeadDim, typename Tiling>
+// kSoftcap: the instantiation that caps scores (params.shape.logit_softcap > 0).
+template <typename Element, int kHeadDim, typename Tiling, bool kSoftcap = false>
 cudaError_t launch_forward(const PagedAttentionForwardParams& params, cudaStream_t stream) {
   constexpr ForwardTile kTile = Tiling::kTile;
   const PagedAttentionShape& shape = params.shape;
   const size_t shared_bytes = forward_shared_bytes_fixed<kHeadDim, Tiling>() +
                               (params.selection.selected_pages != nullptr ? size_t(params.selection.selected_per_tile) * 4 : 0);
-  auto kernel = paged_attention_forward_kernel<Element, kHeadDim, Tiling>;
+  auto kernel = paged_attention_forward_kernel<Element, kHeadDim, Tiling, kSoftcap>;
   cudaError_t error = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(shared_bytes));
   if (error != cudaSuccess) return error;
   if (kTile.ctas_per_sm > 1) {

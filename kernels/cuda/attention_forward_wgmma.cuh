@@ -14,6 +14,7 @@
 // warpgroup:
 //   S[64 x kKeys] = Q K^T: head_dim / 16 wgmma m64n<kKeys>k16, Q (A) and the K tile (B) both
 //     K-major in shared memory (rows of head_dim, dim contiguous);
+//   with kSoftcap the cap (Note [Soft-capped scores in raw units] in attention_common.cuh), then
 //   mask (partial last page, causal diagonal), online softmax in fp32 with exp2 (as in the
 //     mma.sync kernel: the accumulator layout of a warp is that of mma.m16n8, rows 16 w .. 16 w + 15
 //     of the warpgroup for warp w);
@@ -107,7 +108,7 @@ constexpr size_t wgmma_shared_bytes_fixed() {
          2 * size_t(kTile.stages) * kTile.keys_per_block * kStoredDim<kHeadDim> * 2 + 16;
 }
 
-template <typename Element, int kHeadDim, typename Tiling>
+template <typename Element, int kHeadDim, typename Tiling, bool kSoftcap = false>
 __global__ void __launch_bounds__(kThreads, Tiling::kTile.ctas_per_sm)
     paged_attention_forward_wgmma_kernel(const PagedAttentionForwardParams params) {
   constexpr WarpgroupForwardTile kTile = Tiling::kTile;
@@ -173,6 +174,8 @@ __global__ void __launch_bounds__(kThreads, Tiling::kTile.ctas_per_sm)
   copy_async_commit();
 
   const float scale_log2 = shape.softmax_scale * kLog2e;
+  SoftCap soft_cap;
+  if constexpr (kSoftcap) soft_cap = soft_cap_of(shape.softmax_scale, shape.logit_softcap);
   // Rows of this warpgroup: group_row .. group_row + 63; this thread holds warp_row + lane / 4 and
   // that + 8 (the accumulator layout of Note [Warpgroup forward]).
   const int group_row = warpgroup * kWarpgroupRows;
@@ -201,10 +204,13 @@ __global__ void __launch_bounds__(kThreads, Tiling::kTile.ctas_per_sm)
     }
     wgmma_commit();
   };
-  // The block's masks and online softmax on its (finished) scores, the output rescaled, and P as
-  // A fragments of the element type: k step kk (16 keys) is score tiles 2 kk and 2 kk + 1.
+  // The block's cap (kSoftcap), masks and online softmax on its (finished) scores, the output
+  // rescaled, and P as A fragments of the element type: k step kk (16 keys) is score tiles 2 kk
+  // and 2 kk + 1.
   auto softmax_block = [&](float (&scores)[kKeys / 8][4], const KeyBlock<Element>& block,
                            uint32_t (&p)[kKeys / 16][4]) {
+    // Note [Soft-capped scores in raw units] (attention_common.cuh): before the masks.
+    if constexpr (kSoftcap) soft_cap_scores(scores, soft_cap);
     // Mask: the partial last history page, and the causal diagonal of chunk blocks.
     const bool chunk_block = block.first_position >= 0;
     const int row_position = first_query + warp_row + lane / 4;
@@ -396,12 +402,13 @@ __global__ void __launch_bounds__(kThreads, Tiling::kTile.ctas_per_sm)
 #endif  // MEMBAR_WGMMA_AVAILABLE
 }
 
-template <typename Element, int kHeadDim, typename Tiling>
+// kSoftcap: the instantiation that caps scores (params.shape.logit_softcap > 0).
+template <typename Element, int kHeadDim, typename Tiling, bool kSoftcap = false>
 cudaError_t launch_forward(const PagedAttentionForwardParams& params, cudaStream_t stream) {
   const PagedAttentionShape& shape = params.shape;
   const size_t shared_bytes = wgmma_shared_bytes_fixed<kHeadDim, Tiling>() +
                               (params.selection.selected_pages != nullptr ? size_t(params.selection.selected_per_tile) * 4 : 0);
-  auto kernel = paged_attention_forward_wgmma_kernel<Element, kHeadDim, Tiling>;
+  auto kernel = paged_attention_forward_wgmma_kernel<Element, kHeadDim, Tiling, kSoftcap>;
   cudaError_t error = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(shared_bytes));
   if (error != cudaSuccess) return error;
   error = cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout, int(cudaSharedmemCarveoutMaxShared));

@@ -36,7 +36,8 @@
 // Shared memory (bytes, base aligned to 1024 for the 128-byte swizzle, Note [Warpgroup shared
 // layout]): K, V [2][128][64] bf16 (32 KiB each); Q, dO [2 stages][2][64][64] (16 KiB each per
 // stage); dS^T [128][72] bf16 (TileLayout<64, true>); lse, delta [2 stages][64] fp32: 148 KiB.
-// Limitations: bf16, head_dim 128, pages of 128 keys, an sm_90 device with the sm_90a body built.
+// Limitations: bf16, head_dim 128, pages of 128 keys, no logit soft-cap, an sm_90 device with the
+// sm_90a body built.
 // Every MMA batch is waited for in full (only the P^T math overlaps the dP^T MMAs); dQ still goes
 // through shared memory and mma.sync; at 255 registers a thread (0 spills, nvcc 13 for sm_90a)
 // there is no room for deeper tiles.
@@ -383,12 +384,13 @@ bool backward_wgmma_w8_k128_fits(const PagedAttentionBackwardParams& params) {
   const PagedAttentionShape& shape = params.shape;
   const CudaTarget target = current_cuda_target();
   return shape.dtype == DType::kBFloat16 && shape.head_dim == kHeadDim && shape.page_tokens == kKeys &&
-         target.compute_capability == 90 && target.warpgroup_kernels;
+         shape.logit_softcap == 0.f && target.compute_capability == 90 && target.warpgroup_kernels;
 }
 
 int backward_wgmma_w8_k128_run(const PagedAttentionBackwardParams& params, void* stream) {
   const int error = backward_params_check(params);
   if (error != cudaSuccess) return error;
+  if (!backward_wgmma_w8_k128_fits(params)) return cudaErrorInvalidValue;
   return detail::run_backward(params, &launch_kv, static_cast<cudaStream_t>(stream));
 }
 

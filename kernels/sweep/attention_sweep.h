@@ -24,10 +24,10 @@ struct KernelResources {
   int32_t local_bytes = 0;  // local memory per thread (stack frame and spills)
 };
 
-// One layout. fits: whether it can run this call (bf16, head_dim 128, its page size, sparse tiles
-// and device). run: checks the params as the library's launch does, then enqueues the whole
-// forward or backward with this layout on `stream`; returns a cudaError_t value. resources: of
-// its main kernel, on the current device.
+// One layout. fits: whether it can run this call (bf16, head_dim 128, no logit soft-cap, its page
+// size, sparse tiles and device). run: checks the params as the library's launch does, then
+// enqueues the whole forward or backward with this layout on `stream`; returns a cudaError_t
+// value. resources: of its main kernel, on the current device.
 struct ForwardEntry {
   const char* name;
   Standing standing;

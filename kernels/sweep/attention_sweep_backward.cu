@@ -71,10 +71,11 @@ constexpr Standing standing_of(const char* name) {
   return shipped ? Standing::kShipped : Standing::kContender;
 }
 
-// Both kinds of layout own one page of keys per CTA: 128 keys here.
+// Both kinds of layout own one page of keys per CTA: 128 keys here. The sweep compiles its
+// layouts without a cap (Note [Soft-capped scores in raw units]).
 bool fits_pages_of_128(const PagedAttentionBackwardParams& params) {
   return params.shape.dtype == DType::kBFloat16 && params.shape.head_dim == kHeadDim &&
-         params.shape.page_tokens == 128;
+         params.shape.page_tokens == 128 && params.shape.logit_softcap == 0.f;
 }
 
 template <detail::KvLaunch kLaunch>

@@ -81,8 +81,10 @@ constexpr Standing standing_of(const char* name) {
   return shipped ? Standing::kShipped : Standing::kContender;
 }
 
+// The sweep compiles its layouts without a cap (Note [Soft-capped scores in raw units]).
 bool is_bf16_d128(const PagedAttentionForwardParams& params) {
-  return params.shape.dtype == DType::kBFloat16 && params.shape.head_dim == kHeadDim;
+  return params.shape.dtype == DType::kBFloat16 && params.shape.head_dim == kHeadDim &&
+         params.shape.logit_softcap == 0.f;
 }
 
 template <typename Tiling>

@@ -109,6 +109,9 @@ struct Case {
   int top_k;
   DType grad_page_dtype;
   DType dtype;
+  float logit_softcap = 0.f;  // Note [Soft-capped scores] in attention.h; 0: none
+  float scale_factor = 1.f;   // softmax_scale = scale_factor / sqrt(head_dim): > 1 makes |s| >> cap
+  bool attend_chunk = true;   // false: history only (Note [Blocked history])
 };
 
 void PrintTo(const Case& c, std::ostream* os) { *os << c.name; }
@@ -146,8 +149,10 @@ Problem make_problem(const Case& c, uint32_t seed) {
   p.shape.num_q_heads = c.num_q_heads;
   p.shape.num_kv_heads = c.num_kv_heads;
   p.shape.head_dim = c.head_dim;
-  p.shape.softmax_scale = 1.f / std::sqrt(float(c.head_dim));
+  p.shape.softmax_scale = c.scale_factor / std::sqrt(float(c.head_dim));
   p.shape.dtype = c.dtype;
+  p.shape.logit_softcap = c.logit_softcap;
+  p.shape.attend_chunk = c.attend_chunk;
   p.num_pages = p.shape.num_history_pages();
   p.pool_pages = p.num_pages + 3;
   const size_t q_elements = size_t(c.chunk_tokens) * c.num_q_heads * c.head_dim;
@@ -292,7 +297,9 @@ Results run_gpu(const Problem& p, bool deterministic, RawBits* raw = nullptr, co
   DeviceBuffer<uint16_t> k_pool(encode_all(p.k_pool, dtype)), v_pool(encode_all(p.v_pool, dtype));
   DeviceBuffer<int32_t> k_index(p.k_index), v_index(p.v_index), dk_index(p.dk_index), dv_index(p.dv_index);
   DeviceBuffer<int32_t> selected(p.selection);
-  DeviceBuffer<uint16_t> out(q_elements), dq(q_elements), dk(kv_elements), dv(kv_elements);
+  // dk and dv start at zero: a call without attend_chunk must leave them so.
+  DeviceBuffer<uint16_t> out(q_elements), dq(q_elements);
+  DeviceBuffer<uint16_t> dk(std::vector<uint16_t>(kv_elements, 0)), dv(std::vector<uint16_t>(kv_elements, 0));
   DeviceBuffer<float> lse(lse_elements);
   const bool fp32_pages = p.c.grad_page_dtype == DType::kFloat32;
   const size_t page_bytes = pool_elements * (fp32_pages ? 4 : 2);
@@ -312,14 +319,16 @@ Results run_gpu(const Problem& p, bool deterministic, RawBits* raw = nullptr, co
 
   mk::PagedAttentionForwardParams forward;
   forward.shape = p.shape;
-  forward.q = q.get(), forward.k_chunk = k.get(), forward.v_chunk = v.get();
+  // Without attend_chunk the chunk's K and V may be null (Note [Blocked history]): pass null.
+  const bool chunk = p.shape.attend_chunk;
+  forward.q = q.get(), forward.k_chunk = chunk ? k.get() : nullptr, forward.v_chunk = chunk ? v.get() : nullptr;
   forward.history = {k_pool.get(), k_index.get(), v_pool.get(), v_index.get()};
   forward.selection = selection;
   forward.out = out.get(), forward.lse = lse.get();
   EXPECT_EQ(0, mk::cuda::paged_attention_forward(forward, nullptr, options));
   mk::PagedAttentionBackwardParams backward;
   backward.shape = p.shape;
-  backward.q = q.get(), backward.k_chunk = k.get(), backward.v_chunk = v.get();
+  backward.q = q.get(), backward.k_chunk = forward.k_chunk, backward.v_chunk = forward.v_chunk;
   backward.history = forward.history;
   backward.selection = selection;
   backward.out = out.get(), backward.dout = dout.get(), backward.lse = lse.get();
@@ -411,6 +420,13 @@ TEST_P(PagedAttentionCuda, ForwardAndBackwardMatchReference) {
   const double slack = c.dtype == DType::kBFloat16 ? 4e-3 : 1e-3;
   const std::vector<bool> dk_used = used_pool_elements(p, p.dk_index);
   const std::vector<bool> dv_used = used_pool_elements(p, p.dv_index);
+  if (c.logit_softcap > 0.f) {
+    // A case whose cap bends no score would test nothing: without the cap the output differs.
+    Problem uncapped = p;
+    uncapped.shape.logit_softcap = 0.f;
+    const Results plain = run_cpu(uncapped, true);
+    EXPECT_GT(max_abs_difference(plain.out, truth.out), 0.02 * max_abs(truth.out)) << "the cap hardly matters here";
+  }
   for (bool deterministic : {false, true}) {
     std::printf(" deterministic=%d\n", int(deterministic));
     const Results gpu = run_gpu(p, deterministic);
@@ -460,6 +476,12 @@ TEST_P(PagedAttentionCuda, ForwardAndBackwardMatchReference) {
     expect_close((std::string("dq ") + name).c_str(), other.dq, baseline.dq, truth.dq, slack);
     expect_close((std::string("dk ") + name).c_str(), other.dk, baseline.dk, truth.dk, slack);
     expect_close((std::string("dv ") + name).c_str(), other.dv, baseline.dv, truth.dv, slack);
+    if (c.history_tokens > 0) {
+      expect_close((std::string("dk_pages ") + name).c_str(), pick(other.dk_pool, dk_used, true),
+                   pick(baseline.dk_pool, dk_used, true), pick(truth.dk_pool, dk_used, true), slack);
+      expect_close((std::string("dv_pages ") + name).c_str(), pick(other.dv_pool, dv_used, true),
+                   pick(baseline.dv_pool, dv_used, true), pick(truth.dv_pool, dv_used, true), slack);
+    }
   }
 }
 
@@ -506,6 +528,37 @@ const Case kCases[] = {
 };
 
 INSTANTIATE_TEST_SUITE_P(Shapes, PagedAttentionCuda, ::testing::ValuesIn(kCases),
+                         [](const ::testing::TestParamInfo<Case>& info) { return std::string(info.param.name); });
+
+// Soft-capped scores (Note [Soft-capped scores] in attention.h), at Gemma 2's head sizes 128 and 256
+// above all, with its cap of 50 and a cap of 5. softmax_scale is 6 or 10 times 1 / sqrt(head_dim),
+// so that scores reach several times the cap (|s| ~ 9 for a cap of 5, ~15 and up to ~60 for 50)
+// and the cap bends most of them. Dense with history and chunk, chunk only, blocked history
+// (attend_chunk false, with and without a cap), sparse; bf16 and fp16; both grad page types.
+const Case kSoftcapCases[] = {
+    {"softcap50_gqa2_d256_p128_dense", 200, 300, 128, 16, 8, 256, 0, 0, DType::kFloat32, DType::kBFloat16, 50.f, 10.f},
+    {"softcap5_gqa2_d256_p64_dense_fp16", 130, 260, 64, 8, 4, 256, 0, 0, DType::kFloat32, DType::kFloat16, 5.f, 6.f},
+    {"softcap50_gqa2_d128_p128_dense_fp16_bf16pages", 150, 400, 128, 16, 8, 128, 0, 0, DType::kBFloat16,
+     DType::kFloat16, 50.f, 10.f},
+    {"softcap5_gqa2_d128_p64_dense", 200, 300, 64, 8, 4, 128, 0, 0, DType::kFloat32, DType::kBFloat16, 5.f, 6.f},
+    {"softcap5_gqa2_d128_no_history", 200, 0, 128, 8, 4, 128, 0, 0, DType::kFloat32, DType::kBFloat16, 5.f, 6.f},
+    {"softcap5_gqa2_d128_p128_blocked", 150, 500, 128, 16, 8, 128, 0, 0, DType::kFloat32, DType::kBFloat16, 5.f, 6.f,
+     false},
+    {"softcap50_gqa2_d256_p128_blocked_fp16_bf16pages", 100, 300, 128, 8, 4, 256, 0, 0, DType::kBFloat16,
+     DType::kFloat16, 50.f, 10.f, false},
+    {"nocap_gqa2_d128_p64_blocked", 130, 200, 64, 8, 4, 128, 0, 0, DType::kFloat32, DType::kBFloat16, 0.f, 1.f, false},
+    {"softcap5_gqa2_d128_p128_sparse_tile128", 300, 1100, 128, 8, 4, 128, 128, 4, DType::kFloat32, DType::kBFloat16,
+     5.f, 6.f},
+    {"softcap5_gqa2_d256_p64_sparse_tile64_fp16", 130, 1000, 64, 8, 4, 256, 64, 6, DType::kFloat32, DType::kFloat16,
+     5.f, 6.f},
+    // The other head sizes' capped layouts (head_dim 64: the two-CTA warpgroup forward and the split
+    // backward; 96: padded tiles).
+    {"softcap5_gqa4_d64_p128_dense", 100, 300, 128, 8, 2, 64, 0, 0, DType::kFloat32, DType::kBFloat16, 5.f, 6.f},
+    {"softcap5_gqa2_d96_p64_sparse_tile64_fp16", 150, 700, 64, 4, 2, 96, 64, 4, DType::kFloat32, DType::kFloat16, 5.f,
+     6.f},
+};
+
+INSTANTIATE_TEST_SUITE_P(SoftCapped, PagedAttentionCuda, ::testing::ValuesIn(kSoftcapCases),
                          [](const ::testing::TestParamInfo<Case>& info) { return std::string(info.param.name); });
 
 // ---------------------------------------------------------------------------------------------
@@ -598,6 +651,15 @@ TEST(PagedAttentionCudaChecks, RejectsUnsupportedShapes) {
   forward.shape = shape;
   forward.shape.head_dim = 80;
   EXPECT_NE(0, mk::cuda::paged_attention_forward(forward, nullptr));
+  // A logit soft-cap must be 0 (none) or finite and positive (the shared check every launch runs).
+  EXPECT_STREQ("", mk::paged_attention_check_shape(shape));
+  for (float cap : {-1.f, NAN, INFINITY}) {
+    shape.logit_softcap = cap;
+    EXPECT_STRNE("", mk::paged_attention_check_shape(shape)) << cap;
+  }
+  shape.logit_softcap = 50.f;
+  EXPECT_STREQ("", mk::paged_attention_check_shape(shape));
+  EXPECT_STREQ("", mk::cuda::paged_attention_cuda_check(shape, {}));
 }
 
 }  // namespace

@@ -48,8 +48,8 @@
 // to every score before the causal mask; lse is then the log-sum-exp of the capped scores. In the
 // backward dS of a capped score is multiplied by d(cap * tanh(s / cap)) / ds = 1 - tanh(s / cap)^2
 // before it meets K or Q (the factor softmax_scale follows as without a cap). The CUDA kernels
-// compute tanh(x) as 1 - 2 / (exp(2x) + 1) with the fast exponential (relative error ~1e-7 in the
-// capped score, far below bf16 rounding), not with tanh.approx (~5e-4). A cap changes no other rule:
+// compute tanh(x) as 1 - 2 / (exp(2x) + 1) with the fast exponential (absolute error ~1e-7 cap in
+// the capped score, far below bf16 rounding), not with tanh.approx (~5e-4). A cap changes no other rule:
 // blocked history, sparse selections and lse = -inf for rows that see no key hold as before.
 //
 // Element types: q, k_chunk, v_chunk, pages, out and dout share `dtype` (bf16 or fp16 on the GPU;

@@ -4,7 +4,8 @@
 //
 // Support: dtype bf16 or fp16; head_dim 64, 96, 128 or 256; page_tokens 64 or 128; in sparse mode a
 // query_tile_tokens that is a multiple of 64 (a query tile holds whole 64-row blocks, because
-// every block of queries reads one selection row); 16-byte aligned tensors.
+// every block of queries reads one selection row); 16-byte aligned tensors; any logit_softcap
+// (Note [Soft-capped scores] in attention.h), in every layout.
 //
 // Note [Layout choice]
 // Rationale: the fastest layout of an attention kernel depends on the GPU, the dtype, the head
@@ -18,13 +19,16 @@
 // tiles). The launch functions call them with the current device. The library compiles exactly
 // their image (forward_layout_compiled, backward_layout_compiled): a layout no device and no call
 // gets for a (dtype, head_dim) is not built for it. CudaOptions may ask for another compiled layout
-// (resolve_forward_layout); the bindings expose that for tests. The layouts that lost live in
+// (resolve_forward_layout); the bindings expose that for tests. A logit soft-cap is a template flag
+// of the kernels, not a layout: every compiled layout is built twice, without and with a cap, and
+// a call with logit_softcap > 0 runs the capped build of the layout chosen or asked for (the
+// choice and resolve_*_layout do not look at the cap). The layouts that lost live in
 // the sweep target (kernels/sweep/, run by bench/attention_sweep.py); docs/kernels.md keeps their
 // measurements and one sentence each on why they lost.
 // Limitations: the layouts were swept on an H200 at the Qwen2.5-7B attention shape (bf16,
 // head_dim 128, pages of 128); on Hopper the forward at the other head sizes and fp16 was measured
 // against SDPA flash (docs/kernels.md), the backward and the other GPUs' layouts were not tuned
-// for them.
+// for them. The capped builds reuse the layouts that won without a cap; none was timed with one.
 #pragma once
 
 #include <cstddef>
@@ -61,7 +65,7 @@ constexpr bool cuda_head_dim_supported(int32_t head_dim) {
 }
 
 // The layout dispatch runs for a call on `target` (Note [Layout choice]); meaningful for the
-// supported dtypes and head sizes.
+// supported dtypes and head sizes. With a logit soft-cap the same layout runs, capped.
 constexpr ForwardLayout choose_forward_layout(const CudaTarget& target, const LayoutQuery& query) {
   const bool hopper = target.compute_capability == 90 && target.warpgroup_kernels;
   // Hopper, every dtype and head size, CTAs of 128 query rows (sparse tiles of 128k rows): the
@@ -173,7 +177,9 @@ constexpr bool backward_layout_compiled(BackwardLayout layout, DType dtype, int3
   return false;
 }
 
-// The layout that runs a call that asked for `requested` (kAuto: the chosen one).
+// The layout that runs a call that asked for `requested` (kAuto: the chosen one). A layout with
+// no build for the call runs the chosen one instead; with a logit soft-cap that includes the
+// capped build, which every compiled layout has (Note [Layout choice]).
 constexpr ForwardLayout resolve_forward_layout(ForwardLayout requested, const CudaTarget& target,
                                                const LayoutQuery& query) {
   if (requested != ForwardLayout::kAuto && forward_layout_compiled(requested, query.dtype, query.head_dim) &&
