@@ -127,6 +127,17 @@ export PYTHONPATH=$root/bindings/python PYTHONUNBUFFERED=1
 log() { printf '[h200 %s] %s\n' "$(date +%H:%M:%S)" "$*"; }
 bin=$root/build-gpu/bin
 status=0
+steps_name=$(IFS=-; echo "$*")
+pack() {   # the machine, then every step's files packed into $OUT (also when a time limit stops the call)
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader > "$work/machine.txt" 2>&1
+  echo "commit: ${MEMBAR_COMMIT:-unknown}" >> "$work/machine.txt"
+  # Files under 50 MB only (the device returns small files): logs, JSON, tables.
+  (cd "$work" && find . -type f -size -50M ! -name '*.so' -print0 \
+    | tar czf "$out/session-$steps_name.tgz" --null -T - 2>/dev/null)
+}
+# Run it under `timeout N tools/h200_session.sh ...` with N below the call's limit: the steps done
+# (and the one cut) still come back.
+trap 'log "stopped by a signal: packing what ran"; pack; exit 124' TERM INT
 
 bench() {   # bench STEP ARGS...: bench/oomb_bench.py at the 7B shape into $work/STEP
   local step=$1; shift
@@ -430,10 +441,6 @@ EOF
     *) log "unknown step $step"; status=1 ;;
   esac
 done
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader > "$work/machine.txt" 2>&1
-echo "commit: ${MEMBAR_COMMIT:-unknown}" >> "$work/machine.txt"
-# Files under 50 MB only (the device returns small files): logs, JSON, tables.
-(cd "$work" && find . -type f -size -50M ! -name '*.so' -print0 \
-  | tar czf "$out/session-$(IFS=-; echo "$*").tgz" --null -T - 2>/dev/null)
+pack
 log "done (status $status)"
 exit $status
