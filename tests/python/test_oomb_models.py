@@ -240,6 +240,24 @@ def test_history_first_page_of_a_window():
     assert not context(0, chunk_tokens=512).torch_path(1) and context(512, chunk_tokens=512).torch_path(1)
 
 
+def test_soft_capped_layers_take_the_kernels_where_they_are_verified(monkeypatch):
+    """Gemma 2's global layers soft-cap their scores: the paged kernels take the cap on the CPU; on
+    CUDA they do where kernels.cuda_softcap_kernels() says so (MEMBAR_CUDA_SOFTCAP overrides), else
+    the PyTorch path runs them. Local layers go to PyTorch once their window hides a key."""
+    config, _ = family_config("gemma2")
+    trainer = OOMBTrainer(build(config), OOMBConfig(chunk_tokens=1024, page_tokens=128))
+    assert [record.sliding_window for record in trainer.layers] == [WINDOW, None]
+    assert [record.needs_torch_path for record in trainer.layers] == [True, False]
+    context = ChunkContext(store=trainer.store, config=trainer.config, layers=trainer.layers, stage=1, chunk=1,
+                           first_token=1024, chunk_tokens=1024, sequence_tokens=3000)
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert context.torch_path(0, cpu) and not context.torch_path(1, cpu) and context.softcap(1) == 2.0
+    monkeypatch.setenv("MEMBAR_CUDA_SOFTCAP", "1")
+    assert not context.torch_path(1, cuda)
+    monkeypatch.setenv("MEMBAR_CUDA_SOFTCAP", "0")
+    assert context.torch_path(1, cuda) and not context.torch_path(1, cpu)
+
+
 def test_models_that_cannot_train_exactly_get_a_sentence():
     t = transformers
     with pytest.raises(ValueError, match="no rotary position embedding"):

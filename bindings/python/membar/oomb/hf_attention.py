@@ -143,11 +143,15 @@ class ChunkContext:
             return 0
         return min(max(0, self.first_token - window + 1) // self.page_tokens, self.history_pages)
 
-    def torch_path(self, layer: int) -> bool:
+    def torch_path(self, layer: int, device: torch.device | None = None) -> bool:
         """Whether this layer's attention in this chunk runs in PyTorch: its window hides keys from
         some query of the chunk (the last one sees keys from first_token + chunk_tokens - window
-        on). A soft-cap alone runs on the paged kernels (Note [Soft-capped scores])."""
+        on). A soft-cap alone runs on the paged kernels (Note [Soft-capped scores]), on a CUDA
+        `device` where kernels.cuda_softcap_kernels() says so."""
         record = self.layers[layer]
+        if (record.softcap is not None and device is not None and device.type == "cuda"
+                and not kernels.cuda_softcap_kernels()):
+            return True
         return record.sliding_window is not None and self.first_token + self.chunk_tokens > record.sliding_window
 
     def softcap(self, layer: int) -> float:
@@ -268,7 +272,7 @@ def _attention_forward(context: ChunkContext, layer: int, q, k, v, history: kern
                        selection, attend_chunk: bool = True):
     """One attention call of the layer: the paged kernels (soft-capped for Gemma 2), or PyTorch for
     a layer whose window they do not express (Note [Attention in PyTorch] in torch_attention.py)."""
-    if context.torch_path(layer):
+    if context.torch_path(layer, q.device):
         return torch_attention.forward(q, k, v, history, scale, _positions(context, layer, history), attend_chunk)
     return kernels.attention_forward(q, k, v, history, scale, selection, context.query_tile_tokens,
                                      attend_chunk=attend_chunk, kernel=context.dense_kernel,
@@ -278,7 +282,7 @@ def _attention_forward(context: ChunkContext, layer: int, q, k, v, history: kern
 def _attention_backward(context: ChunkContext, layer: int, q, k, v, history: kernels.HistoryView, scale: float,
                         out, dout, lse, grads: kernels.GradView, selection, attend_chunk: bool = True):
     """The backward of one attention call (see _attention_forward); ADDS the history's dK/dV into grads."""
-    if context.torch_path(layer):
+    if context.torch_path(layer, q.device):
         return torch_attention.backward(q, k, v, history, scale, out, dout, lse, grads,
                                         _positions(context, layer, history), attend_chunk)
     return kernels.attention_backward(q, k, v, history, scale, out, dout, lse, grads, selection,

@@ -13,12 +13,25 @@ Shapes (one sequence, one layer, one chunk):
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
 
 from .. import attention
 from . import cudnn_attention
+
+
+def cuda_softcap_kernels() -> bool:
+    """Whether soft-capped layers (Gemma 2) run on the CUDA paged kernels (Note [Soft-capped scores]
+    in membar/kernels/attention.h) rather than the PyTorch path (Note [Attention in PyTorch]).
+    MEMBAR_CUDA_SOFTCAP=1 / 0 overrides the default. On the CPU the kernels always take the cap."""
+    value = os.environ.get("MEMBAR_CUDA_SOFTCAP", "")
+    return value == "1" if value in ("0", "1") else CUDA_SOFTCAP_DEFAULT
+
+
+# The CUDA soft-capped kernels stay off by default until a GPU call has passed their tests.
+CUDA_SOFTCAP_DEFAULT = False
 
 
 @dataclass
