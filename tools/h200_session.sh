@@ -135,8 +135,9 @@ pack() {   # the machine, then every step's files packed into $OUT (also when a 
   (cd "$work" && find . -type f -size -50M ! -name '*.so' -print0 \
     | tar czf "$out/session-$steps_name.tgz" --null -T - 2>/dev/null)
 }
-# Run it under `timeout N tools/h200_session.sh ...` with N below the call's limit: the steps done
-# (and the one cut) still come back.
+# Run it under `timeout N tools/h200_session.sh ...` with N a minute below the call's limit (540 for
+# 600): the steps done (and the one cut) still come back once the cut step's processes have exited
+# (session 18: at 580 a membar-train cut mid-step outlived the call and nothing came back).
 trap 'log "stopped by a signal: packing what ran"; pack; exit 124' TERM INT
 
 bench() {   # bench STEP ARGS...: bench/oomb_bench.py at the 7B shape into $work/STEP
