@@ -72,6 +72,8 @@
 #             four shapes' quick table instead (4 layers, 32K, < 5 minutes). COVERAGE_ARGS adds options
 #             (e.g. "--parts timing --contexts 128K --variants chunk-recurrent": the row's missing
 #             step alone), COVERAGE_MERGE names an earlier model_coverage.json to merge the rows into
+#   softcap   Gemma-2-9B shape, 4 layers, 32K, chunk-recurrent step: its soft-capped global layers on the
+#             paged kernels (Note [Soft-capped scores]) against the PyTorch path (MEMBAR_CUDA_SOFTCAP=0)
 #   dp        7B at 32K: one process against data parallel with world size 1 (NCCL), in one run
 #   cli       membar-train as a user runs it, 7B at CLI_SEQ (default 32K), 3 steps: embedded and
 #             through membard (--socket), dense and --offload, in one call (steps 2-3 compared);
@@ -278,6 +280,17 @@ for step in "$@"; do
         --head-dims "${HEADS_DIMS:-64,96,128,256}" --head-dim-dtypes "${HEADS_DTYPES:-bfloat16,float16}" \
         --softcap "${HEADS_SOFTCAP:-0}" > "$work/heads/bench.log" 2>&1 || status=1
       tail -12 "$work/heads/attention.txt" 2>/dev/null || tail -20 "$work/heads/bench.log" ;;
+    softcap)
+      # Gemma 2 (4 layers of the 9B shape, 32K, chunk-recurrent): soft-capped global layers on the
+      # paged kernels against the PyTorch path (MEMBAR_CUDA_SOFTCAP=0), in one call.
+      for cap in 1 0; do
+        mkdir -p "$work/softcap/kernels$cap"
+        MEMBAR_CUDA_SOFTCAP=$cap MEMBAR_RESULTS_DIR=$work/softcap/kernels$cap timeout 120 "$py" bench/model_coverage_bench.py \
+          --quick --models gemma-2-9b --parts timing --variants chunk-recurrent --fresh --time-budget 100 \
+          > "$work/softcap/kernels$cap/bench.log" 2>&1 || status=1
+        log "soft-capped layers on the kernels: $cap"
+        tail -2 "$work/softcap/kernels$cap/model_coverage.md" 2>/dev/null || tail -5 "$work/softcap/kernels$cap/bench.log"
+      done ;;
     models)
       mkdir -p "$work/models"
       if [ "${COVERAGE_QUICK:-0}" = 1 ]; then coverage="--quick"; else coverage="--models ${COVERAGE_MODELS:-qwen3-8b}"; fi
