@@ -144,17 +144,20 @@ def test_forward_and_backward_match_reference(dtype, shape, softcap):
         assert torch.equal(pool[untouched], before[untouched])
 
 
-def test_chunk_attention_gradcheck():
+@pytest.mark.parametrize("softcap", [0.0, 0.6])
+def test_chunk_attention_gradcheck(softcap):
     generator = torch.Generator().manual_seed(3)
     q, k, v = make_chunk(5, 4, 2, 3, torch.float64, generator)
     k_pool, k_index, v_pool, v_index = make_history(7, 3, 2, 3, torch.float64, generator)
     history = PagedHistory(k_pool, k_index, v_pool, v_index, 7)
     inputs = tuple(t.clone().requires_grad_() for t in (q, k, v))
-    assert torch.autograd.gradcheck(lambda a, b, c: ChunkAttention.apply(a, b, c, history), inputs)
+    assert torch.autograd.gradcheck(lambda a, b, c: ChunkAttention.apply(a, b, c, history, None, False, softcap),
+                                    inputs)
     # Sparse, with its selection reused by the backward.
     history.selected_pages = torch.tensor([[2, -1], [0, 1], [-1, -1]], dtype=torch.int32)
     history.query_tile_tokens = 2
-    assert torch.autograd.gradcheck(lambda a, b, c: ChunkAttention.apply(a, b, c, history), inputs)
+    assert torch.autograd.gradcheck(lambda a, b, c: ChunkAttention.apply(a, b, c, history, None, False, softcap),
+                                    inputs)
 
 
 def test_chunk_attention_history_grads_match_reference_and_accumulate():

@@ -275,21 +275,24 @@ class PagedHistory:
 class ChunkAttention(torch.autograd.Function):
     """out = attention(q, [history keys, k_chunk], [history values, v_chunk]) for one chunk.
 
-    forward(q, k_chunk, v_chunk, history: PagedHistory, softmax_scale=None, deterministic=False)
-    returns out [Tc, Hq, D]. backward returns dq, dk_chunk, dv_chunk and adds the history's
+    forward(q, k_chunk, v_chunk, history: PagedHistory, softmax_scale=None, deterministic=False,
+    logit_softcap=0.0) returns out [Tc, Hq, D] (logit_softcap > 0: Gemma 2's soft-capped scores). backward returns dq, dk_chunk, dv_chunk and adds the history's
     dK/dV into history.dk_pool / history.dv_pool (in place, outside autograd).
     """
 
     @staticmethod
-    def forward(ctx, q, k_chunk, v_chunk, history: PagedHistory, softmax_scale=None, deterministic=False):
+    def forward(ctx, q, k_chunk, v_chunk, history: PagedHistory, softmax_scale=None, deterministic=False,
+                logit_softcap=0.0):
         scale = _scale(q.shape[-1], softmax_scale)
         out, lse = _ops.paged_attention_forward(
             q, k_chunk, v_chunk, history.k_pool, history.k_page_index, history.v_pool, history.v_page_index,
-            int(history.history_tokens), scale, history.selected_pages, int(history.query_tile_tokens))
+            int(history.history_tokens), scale, history.selected_pages, int(history.query_tile_tokens),
+            logit_softcap=float(logit_softcap))
         ctx.save_for_backward(q, k_chunk, v_chunk, out, lse)
         ctx.history = history
         ctx.scale = scale
         ctx.deterministic = bool(deterministic)
+        ctx.logit_softcap = float(logit_softcap)
         return out
 
     @staticmethod
@@ -301,14 +304,15 @@ class ChunkAttention(torch.autograd.Function):
             q, k_chunk, v_chunk, history.k_pool, history.k_page_index, history.v_pool, history.v_page_index,
             out, dout.contiguous(), lse, dk_pool, dk_page_index, dv_pool, dv_page_index,
             int(history.history_tokens), ctx.scale, history.selected_pages, int(history.query_tile_tokens),
-            ctx.deterministic)
-        return dq, dk_chunk, dv_chunk, None, None, None
+            ctx.deterministic, logit_softcap=ctx.logit_softcap)
+        return dq, dk_chunk, dv_chunk, None, None, None, None
 
 
 def chunk_attention(q: torch.Tensor, k_chunk: torch.Tensor, v_chunk: torch.Tensor, history: PagedHistory,
-                    softmax_scale: Optional[float] = None, deterministic: bool = False) -> torch.Tensor:
+                    softmax_scale: Optional[float] = None, deterministic: bool = False,
+                    logit_softcap: float = 0.0) -> torch.Tensor:
     """Autograd-aware paged attention of one chunk (see ChunkAttention)."""
-    return ChunkAttention.apply(q, k_chunk, v_chunk, history, softmax_scale, deterministic)
+    return ChunkAttention.apply(q, k_chunk, v_chunk, history, softmax_scale, deterministic, logit_softcap)
 
 
 def _gather_history(pool: torch.Tensor, page_index: torch.Tensor, history_tokens: int) -> torch.Tensor:
