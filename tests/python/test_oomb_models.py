@@ -23,7 +23,7 @@ import transformers
 from membar.oomb import OOMBConfig, OOMBTrainer
 from membar.oomb.baseline import full_sequence_step
 from membar.oomb.hf_attention import ChunkContext
-from membar.oomb.models import TESTED_FAMILIES
+from membar.oomb.models import TESTED_FAMILIES, LayerAttention, check_layers
 
 VOCAB = 101          # odd on purpose
 LONG, SHORT = 10_000, 3_000
@@ -256,6 +256,12 @@ def test_soft_capped_layers_take_the_kernels_where_they_are_verified(monkeypatch
     assert not context.torch_path(1, cuda)
     monkeypatch.setenv("MEMBAR_CUDA_SOFTCAP", "0")
     assert context.torch_path(1, cuda) and not context.torch_path(1, cpu)
+    # The PyTorch path takes no selection: sparse mode with capped layers needs the kernels.
+    capped_only = [LayerAttention(layer=0, num_q_heads=4, num_kv_heads=2, head_dim=8, scaling=0.3, softcap=2.0)]
+    with pytest.raises(ValueError, match="MEMBAR_CUDA_SOFTCAP=0"):
+        check_layers(capped_only, "sparse")
+    monkeypatch.setenv("MEMBAR_CUDA_SOFTCAP", "1")
+    check_layers(capped_only, "sparse")
 
 
 def test_models_that_cannot_train_exactly_get_a_sentence():

@@ -204,6 +204,13 @@ def check_layers(layers: list[LayerAttention], mode: str) -> None:
     if mode == "sparse" and special:
         raise ValueError(f"sparse mode selects history pages with the paged kernels, which do not express the "
                          f"sliding windows of layers {special}: use mode='dense'.")
+    from . import kernels  # here: kernels imports the ops, which this module does not need
+
+    capped = [record.layer for record in layers if record.softcap is not None]
+    if mode == "sparse" and capped and not kernels.cuda_softcap_kernels():
+        raise ValueError(f"sparse mode needs the paged kernels for the soft-capped layers {capped}, and "
+                         f"MEMBAR_CUDA_SOFTCAP=0 sends them to the PyTorch path, which takes no selection: unset "
+                         f"it or use mode='dense'.")
 
 
 # -- RoPE ----------------------------------------------------------------------------------------
