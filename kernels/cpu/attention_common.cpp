@@ -27,6 +27,12 @@ const char* paged_attention_check_shape(const PagedAttentionShape& shape) {
   if (shape.logit_softcap > 0.f && shape.logit_softcap < 1e-6f) {
     return "logit_softcap must be 0 (no soft-cap) or at least 1e-6.";
   }
+  // Note [Sliding window] in attention.h.
+  if (shape.sliding_window < 0) return "sliding_window must be 0 (no window) or a positive number of positions.";
+  if (shape.sliding_window > 0 && !shape.attend_chunk) {
+    return "a sliding window needs attend_chunk: a call over a block of history alone does not know the "
+           "queries' positions relative to it.";
+  }
   switch (shape.dtype) {
     case DType::kFloat32:
     case DType::kFloat16:
@@ -47,6 +53,7 @@ const char* paged_attention_check_shape(const PagedAttentionShape& shape) {
 
 const char* page_selection_check(const PagedAttentionShape& shape, const PageSelection& selection) {
   if (!selection.enabled()) return "";
+  if (shape.sliding_window > 0) return "a sliding window cannot be combined with a sparse page selection.";
   if (selection.selected_per_tile < 1) return "a sparse selection must list at least one page per tile.";
   if (selection.query_tile_tokens < 1) return "query_tile_tokens must be at least 1.";
   const int32_t num_pages = shape.num_history_pages();

@@ -27,6 +27,9 @@
 //     otherwise: pass 1 also accumulates dQ += dS K into a per-worker copy of dq (compute type), and the
 //     copies are summed at the end. 5 block products, but dq's rounding depends on which worker
 //     ran which block (with one worker it is deterministic too).
+// A sliding window (Note [Sliding window] in attention.h) skips the key blocks no row of a query
+// block can see (in both passes: a key-block task visits only the query blocks that see it) and
+// masks the scores of the blocks that straddle the window's edge, after the soft-cap.
 // Limitations: compute is fp32 for fp32/bf16/fp16 inputs and fp64 for fp64 inputs; P is never
 // rounded to 16 bits (the CPU results are slightly more exact than the GPU kernels').
 #include <algorithm>
@@ -66,13 +69,16 @@ constexpr double kMaxDqPartialBytes = 256.0 * 1024 * 1024;
 
 // One key block: `rows` keys of one kv head. Row r's key is k[r * row_stride .. + head_dim].
 // For chunk keys, first_chunk_key is the chunk position of row 0 and the causal mask applies;
-// for history keys it is -1 and every query sees every row.
+// for history keys it is -1 and every query sees every row (but for a sliding window).
+// first_position is the position of row 0 (Note [Sliding window] in attention.h): history row t
+// is at t, chunk key j at history_tokens + j.
 template <typename Element>
 struct KeyBlock {
   const Element* k = nullptr;
   const Element* v = nullptr;
   int rows = 0;
   int32_t first_chunk_key = -1;
+  int32_t first_position = 0;
 };
 
 // A block of queries of one GQA group: tokens [query_begin, query_end), all q heads of kv head
@@ -128,6 +134,7 @@ struct Problem {
     const int32_t first_row = part * kMaxKeyBlock;
     KeyBlock<Element> block;
     block.rows = std::min(kMaxKeyBlock, valid_rows_of_page(page) - first_row);
+    block.first_position = page * shape.page_tokens + first_row;
     const int64_t row_offset = int64_t(first_row) * kv_row_stride + int64_t(kv_head) * shape.head_dim;
     const int64_t page_elements = int64_t(shape.page_tokens) * kv_row_stride;
     block.k = k_pool + int64_t(k_page_index[page]) * page_elements + row_offset;
@@ -141,17 +148,48 @@ struct Problem {
     KeyBlock<Element> block;
     block.rows = std::min(kChunkKeyBlock, shape.chunk_tokens - first_key);
     block.first_chunk_key = first_key;
+    block.first_position = shape.history_tokens + first_key;
     const int64_t offset = int64_t(first_key) * kv_row_stride + int64_t(kv_head) * shape.head_dim;
     block.k = k_chunk + offset;
     block.v = v_chunk + offset;
     return block;
   }
 
+  // With a sliding window: whether some query of tokens [query_begin, query_end) sees a key at
+  // positions [first_position, first_position + rows) (the causal side is the callers' business).
+  bool window_reaches(int32_t query_begin, int32_t first_position, int rows) const {
+    if (shape.sliding_window <= 0) return true;
+    // The first query sees the most keys of the past: positions > its position - W.
+    return int64_t(first_position) + rows - 1 > int64_t(shape.history_tokens) + query_begin - shape.sliding_window;
+  }
+
+  // With a sliding window: the end of the chunk tokens whose queries can see a key at position
+  // `last_position` (queries at positions <= last_position + W - 1); chunk_tokens without one.
+  int32_t window_query_end(int32_t last_position) const {
+    if (shape.sliding_window <= 0) return shape.chunk_tokens;
+    const int64_t end = int64_t(last_position) + shape.sliding_window - shape.history_tokens;
+    return int32_t(std::clamp<int64_t>(end, 0, shape.chunk_tokens));
+  }
+
   // Calls visit(block) for every key block the queries of `query` see, in a fixed order: the
   // history pages (all of them ascending, or the tile's selection in slot order), then (with
-  // attend_chunk) the chunk keys ascending up to the block's last query.
+  // attend_chunk) the chunk keys ascending up to the block's last query. A sliding window skips
+  // the blocks that lie wholly before every query's window.
   template <typename Visit>
   void for_each_key_block(const QueryBlock& query, Visit&& visit) const {
+    if (shape.sliding_window > 0) {  // dense only (page_selection_check)
+      for (int32_t page = 0; page < num_pages; ++page) {
+        for (int32_t part = 0; part < parts_of_page(page); ++part) {
+          const KeyBlock<Element> block = history_block(page, part, query.kv_head);
+          if (window_reaches(query.query_begin, block.first_position, block.rows)) visit(block);
+        }
+      }
+      for (int32_t first_key = 0; first_key < query.query_end; first_key += kChunkKeyBlock) {
+        const KeyBlock<Element> block = chunk_block(first_key, query.kv_head);
+        if (window_reaches(query.query_begin, block.first_position, block.rows)) visit(block);
+      }
+      return;
+    }
     if (selection.enabled()) {
       const int32_t* row = selection.selected_pages + int64_t(query.tile) * selection.selected_per_tile;
       for (int32_t slot = 0; slot < selection.selected_per_tile; ++slot) {
@@ -263,6 +301,23 @@ void apply_causal_mask(Compute* scores_transposed, int keys, int rows, int group
   }
 }
 
+// Note [Sliding window] in attention.h: sets scores[c][r] to -inf where key c (at position
+// first_position + c) lies at or before row r's position minus `window` (row r is token
+// query_begin + r / group, at position history_tokens + that). Applies only to keys some row of
+// the block cannot see.
+template <typename Compute>
+void apply_window_mask(Compute* scores_transposed, int keys, int rows, int group, int32_t query_begin,
+                       int32_t history_tokens, int32_t first_position, int32_t window) {
+  if (window <= 0) return;
+  for (int c = 0; c < keys; ++c) {
+    // Tokens t with history_tokens + t >= position + window cannot see key c: rows from the first such token on.
+    const int64_t first_hidden_token = int64_t(first_position) + c + window - history_tokens;
+    const int64_t first_hidden_row = std::clamp<int64_t>((first_hidden_token - query_begin) * group, 0, rows);
+    Compute* row = scores_transposed + int64_t(c) * rows;
+    for (int64_t r = first_hidden_row; r < rows; ++r) row[r] = -std::numeric_limits<Compute>::infinity();
+  }
+}
+
 // Note [Soft-capped scores] in attention.h: every scaled score s of a [n][rows] block becomes
 // cap * tanh(s / cap); with `slopes` its derivative 1 - tanh^2 is kept there for the backward.
 template <typename Compute>
@@ -305,6 +360,8 @@ void forward_query_block(const Problem<Element>& problem, const QueryBlock& bloc
       apply_softcap(scores.data(), n, rows, Compute(problem.shape.logit_softcap), static_cast<Compute*>(nullptr));
     }
     apply_causal_mask(scores.data(), n, rows, problem.group, block.query_begin, key_block.first_chunk_key);
+    apply_window_mask(scores.data(), n, rows, problem.group, block.query_begin, problem.shape.history_tokens,
+                      key_block.first_position, problem.shape.sliding_window);
     std::copy(running_max.begin(), running_max.end(), block_max.begin());
     for (int c = 0; c < n; ++c) {
       const Compute* score_row = scores.data() + int64_t(c) * rows;
@@ -444,6 +501,8 @@ void recompute_probabilities_and_score_grads(const Problem<Element>& problem, co
     apply_softcap(probabilities, n, rows, Compute(problem.shape.logit_softcap), buffers.softcap_slopes.data());
   }
   apply_causal_mask(probabilities, n, rows, problem.group, block.query_begin, key_block.first_chunk_key);
+  apply_window_mask(probabilities, n, rows, problem.group, block.query_begin, problem.shape.history_tokens,
+                    key_block.first_position, problem.shape.sliding_window);
   exp_subtract_columns(probabilities, n, rows, buffers.row_lse.data(), static_cast<Compute*>(nullptr));
   matmul(n, rows, head_dim, buffers.values.data(), head_dim, buffers.output_grads_transposed.data(), rows, score_grads,
          rows, false);
@@ -593,8 +652,10 @@ int backward_typed(const PagedAttentionBackwardParams& params, int64_t thread_li
     load_backward_key_block(problem, key_block, buffers);
 
     std::vector<QueryBlock> blocks;
+    // A sliding window ends the queries that see the block at its last key's position + W - 1.
+    const int32_t query_end = problem.window_query_end(key_block.first_position + n - 1);
     if (!is_history) {
-      problem.append_query_blocks(task.chunk_first_key, chunk_tokens, 0, task.kv_head, blocks);
+      problem.append_query_blocks(task.chunk_first_key, std::max(task.chunk_first_key, query_end), 0, task.kv_head, blocks);
     } else if (problem.selection.enabled()) {
       for (int32_t tile : tiles_of_page[size_t(task.page)]) {
         problem.append_query_blocks(tile * problem.tile_tokens,
@@ -602,7 +663,7 @@ int backward_typed(const PagedAttentionBackwardParams& params, int64_t thread_li
                                     blocks);
       }
     } else {
-      problem.append_query_blocks(0, chunk_tokens, 0, task.kv_head, blocks);
+      problem.append_query_blocks(0, query_end, 0, task.kv_head, blocks);
     }
     for (const QueryBlock& block : blocks) {
       const int rows = (block.query_end - block.query_begin) * problem.group;

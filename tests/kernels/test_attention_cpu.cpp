@@ -89,12 +89,14 @@ struct Case {
   int32_t selected_per_tile = 0;
   uint32_t seed = 0;
   float logit_softcap = 0.f;  // Note [Soft-capped scores] in attention.h
+  int32_t sliding_window = 0;  // Note [Sliding window] in attention.h
 
   std::string name() const {
     return "Tc" + std::to_string(chunk_tokens) + "_hist" + std::to_string(history_tokens) + "_page" +
            std::to_string(page_tokens) + "_Hq" + std::to_string(num_q_heads) + "_Hkv" + std::to_string(num_kv_heads) +
            "_D" + std::to_string(head_dim) + (sparse ? "_sparse" + std::to_string(query_tile_tokens) : "_dense") +
-           (logit_softcap > 0.f ? "_softcap" + std::to_string(int(logit_softcap * 10)) : "");
+           (logit_softcap > 0.f ? "_softcap" + std::to_string(int(logit_softcap * 10)) : "") +
+           (sliding_window > 0 ? "_window" + std::to_string(sliding_window) : "");
   }
 };
 
@@ -116,7 +118,13 @@ struct Problem {
     const int32_t page = token / shape.page_tokens, row = token % shape.page_tokens;
     return ((int64_t(index[page]) * shape.page_tokens + row) * shape.num_kv_heads + kv_head) * shape.head_dim;
   }
+  // The sliding window (Note [Sliding window] in attention.h): HF's kv_idx > q_idx - window, with
+  // history token t at position t and chunk token i at history_tokens + i.
+  bool in_window(int32_t query_position, int32_t key_position) const {
+    return shape.sliding_window <= 0 || key_position > query_position - shape.sliding_window;
+  }
   bool sees_history_token(int32_t query, int32_t token) const {
+    if (!in_window(shape.history_tokens + query, token)) return false;
     if (selected_pages.empty()) return true;
     const int32_t tile = query / query_tile_tokens, page = token / shape.page_tokens;
     const int32_t* row = selected_pages.data() + int64_t(tile) * selected_per_tile;
@@ -136,6 +144,7 @@ Problem make_problem(const Case& c, DType grad_page_dtype) {
   shape.head_dim = c.head_dim;
   shape.softmax_scale = float(1.0 / std::sqrt(double(c.head_dim)));
   shape.logit_softcap = c.logit_softcap;
+  shape.sliding_window = c.sliding_window;
   shape.dtype = ElementTraits<Element>::dtype;
 
   std::mt19937 generator(c.seed);
@@ -249,6 +258,7 @@ Result naive_attention(const Problem& p, double (*round_output)(double), double 
         value_grads.push_back(dv_history.data() + (int64_t(t) * s.num_kv_heads + kv_head) * D);
       }
       for (int32_t j = 0; j <= i; ++j) {
+        if (!p.in_window(s.history_tokens + i, s.history_tokens + j)) continue;
         const int64_t offset = (int64_t(j) * s.num_kv_heads + kv_head) * D;
         keys.push_back(p.k_chunk.data() + offset);
         values.push_back(p.v_chunk.data() + offset);
@@ -480,6 +490,19 @@ std::vector<Case> shape_grid() {
   cases.push_back(Case{70, 150, 64, 8, 4, 256, false, 0, 0, 109, 1.5f});
   cases.push_back(Case{40, 200, 37, 4, 2, 128, true, 16, 2, 110, 1.5f});
   cases.push_back(Case{33, 0, 64, 2, 1, 64, false, 0, 0, 111, 50.f});
+  // Sliding windows (Note [Sliding window] in attention.h): smaller than a page, not a multiple of
+  // the page, larger than a key block, larger than the whole history (no effect), a page split in
+  // key blocks, a chunk only with a window below the chunk's key block, a window of one (each query
+  // sees itself), and with a soft-cap.
+  cases.push_back(Case{70, 150, 64, 8, 4, 128, false, 0, 0, 120, 0.f, 40});
+  cases.push_back(Case{77, 200, 64, 4, 2, 64, false, 0, 0, 121, 0.f, 100});
+  cases.push_back(Case{90, 260, 32, 4, 1, 96, false, 0, 0, 122, 0.f, 150});
+  cases.push_back(Case{40, 90, 32, 4, 1, 64, false, 0, 0, 123, 0.f, 500});
+  cases.push_back(Case{45, 300, 200, 4, 2, 256, false, 0, 0, 124, 0.f, 170});
+  cases.push_back(Case{150, 0, 64, 2, 1, 64, false, 0, 0, 125, 0.f, 17});
+  cases.push_back(Case{20, 30, 16, 2, 1, 32, false, 0, 0, 126, 0.f, 1});
+  cases.push_back(Case{70, 150, 64, 8, 4, 256, false, 0, 0, 127, 1.5f, 90});
+  cases.push_back(Case{33, 129, 64, 4, 2, 40, false, 0, 0, 128, 0.f, 33});
   return cases;
 }
 
@@ -553,11 +576,14 @@ TEST(AttentionCpu, Float16WithinTwicePlainError) {
   check_against_naive<Float16>(Case{60, 130, 64, 4, 2, 96, false, 0, 0, 12}, DType::kFloat32, false, false);
   check_against_naive<Float16>(Case{30, 140, 128, 4, 1, 256, true, 16, 2, 13}, DType::kFloat32, false, true);
   check_against_naive<Float16>(Case{60, 130, 64, 8, 4, 256, false, 0, 0, 14, 2.f}, DType::kFloat32, false, false);
+  check_against_naive<Float16>(Case{60, 130, 64, 8, 4, 128, false, 0, 0, 15, 0.f, 50}, DType::kFloat32, false, true);
+  check_against_naive<Float16>(Case{60, 130, 64, 8, 4, 256, false, 0, 0, 16, 2.f, 100}, DType::kFloat32, false, false);
 }
 
 TEST(AttentionCpu, BFloat16GradPagesWithinTwicePlainError) {
   check_against_naive<BFloat16>(Case{50, 200, 64, 4, 1, 64, false, 0, 0, 10}, DType::kBFloat16, false, false);
   check_against_naive<BFloat16>(Case{50, 200, 37, 8, 1, 128, true, 16, 3, 11}, DType::kBFloat16, false, true);
+  check_against_naive<BFloat16>(Case{50, 200, 64, 4, 1, 64, false, 0, 0, 17, 0.f, 90}, DType::kBFloat16, false, false);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -566,7 +592,8 @@ TEST(AttentionCpu, BFloat16GradPagesWithinTwicePlainError) {
 TEST(AttentionCpu, BackwardMatchesFiniteDifferences) {
   for (const Case& c : {Case{5, 3, 2, 2, 1, 4, false, 0, 0, 21}, Case{6, 7, 2, 4, 2, 3, true, 2, 2, 22},
                         Case{3, 0, 4, 3, 3, 5, false, 0, 0, 23}, Case{5, 6, 4, 2, 1, 6, false, 0, 0, 24, 0.7f},
-                        Case{6, 7, 2, 4, 2, 3, true, 2, 2, 25, 0.5f}}) {
+                        Case{6, 7, 2, 4, 2, 3, true, 2, 2, 25, 0.5f}, Case{5, 6, 4, 2, 1, 6, false, 0, 0, 26, 0.f, 4},
+                        Case{6, 7, 2, 4, 2, 3, false, 0, 0, 27, 0.5f, 3}}) {
     SCOPED_TRACE(c.name());
     Problem problem = make_problem<double>(c, DType::kFloat64);
     const Result analytic = run_kernels<double>(problem, DType::kFloat64, true, /*deterministic=*/c.seed % 2 == 0);
@@ -855,6 +882,15 @@ TEST(AttentionCpu, CheckShapeRejectsBadShapes) {
   EXPECT_NE(rejected([](PagedAttentionShape& s) { s.softmax_scale = std::numeric_limits<float>::infinity(); }), "");
   EXPECT_NE(rejected([](PagedAttentionShape& s) { s.softmax_scale = std::numeric_limits<float>::quiet_NaN(); }), "");
   EXPECT_NE(rejected([](PagedAttentionShape& s) { s.dtype = static_cast<DType>(9); }), "");
+  // Note [Sliding window] in attention.h: W >= 0, and a window needs the chunk in the call.
+  EXPECT_NE(rejected([](PagedAttentionShape& s) { s.sliding_window = -1; }), "");
+  EXPECT_EQ(rejected([](PagedAttentionShape& s) { s.sliding_window = 1; }), "");
+  EXPECT_EQ(rejected([](PagedAttentionShape& s) { s.attend_chunk = false; }), "");
+  EXPECT_NE(rejected([](PagedAttentionShape& s) {
+              s.sliding_window = 4096;
+              s.attend_chunk = false;
+            }),
+            "");
 }
 
 TEST(AttentionCpu, SelectionCheckRejectsBadSelections) {
@@ -870,6 +906,11 @@ TEST(AttentionCpu, SelectionCheckRejectsBadSelections) {
   EXPECT_STRNE(page_selection_check(shape, PageSelection{negative.data(), 3, 8}), "");
   EXPECT_STRNE(page_selection_check(shape, PageSelection{pages.data(), 0, 8}), "");
   EXPECT_STRNE(page_selection_check(shape, PageSelection{pages.data(), 3, 0}), "");
+  // A sliding window with a sparse selection is refused (Note [Sliding window] in attention.h).
+  PagedAttentionShape windowed = shape;
+  windowed.sliding_window = 16;
+  EXPECT_STRNE(page_selection_check(windowed, PageSelection{pages.data(), 3, 8}), "");
+  EXPECT_STREQ(page_selection_check(windowed, PageSelection{}), "");
 }
 
 TEST(AttentionCpu, KernelsRejectBadParamsWithoutWriting) {

@@ -52,6 +52,21 @@
 // the capped score, far below bf16 rounding), not with tanh.approx (~5e-4). A cap changes no other rule:
 // blocked history, sparse selections and lse = -inf for rows that see no key hold as before.
 //
+// Note [Sliding window]
+// Mistral v0.1, Gemma 2/3's local layers and Qwen2 with use_sliding_window let a query see only the
+// last W positions: HF masks key position p for the query at position q unless p > q - W (and
+// p <= q, the causal rule). With shape.sliding_window = W > 0 the kernels apply the same rule with
+// these positions: history key t (in page-table order) is at t, chunk key j at history_tokens + j,
+// chunk query i at history_tokens + i. Positions are relative: a caller whose early history no
+// query of the chunk can see passes only the pages from the first visible one (history_tokens then
+// counts from that page's first row), and the distances, hence the mask, stay right. The window
+// masks after the soft-cap (the cap is elementwise, so the order only matters for clarity) and
+// before the softmax; in the backward a masked score contributes nothing to dQ, dK or dV. Every
+// query sees at least itself, so no row of a windowed call has lse = -inf. Not supported (refused
+// by the checks below): a sparse selection (its tiles pick pages by score, not by distance), and
+// attend_chunk == false (a block of history does not know where the queries sit relative to it;
+// a caller streaming history in blocks keeps windowed layers elsewhere).
+//
 // Element types: q, k_chunk, v_chunk, pages, out and dout share `dtype` (bf16 or fp16 on the GPU;
 // the CPU reference also takes fp32 and fp64). Accumulation is fp32 (fp64 for fp64 inputs).
 // lse is fp32 (fp64 for fp64 inputs), natural log, [num_q_heads, chunk_tokens].
@@ -87,6 +102,9 @@ struct PagedAttentionShape {
   // s = softmax_scale * q.k into cap * tanh(s / cap) before the masks and the softmax, and the
   // backward multiplies dS by its derivative 1 - tanh^2 (Note [Soft-capped scores]).
   float logit_softcap = 0.f;
+  // Sliding-window (local) attention: 0 = none; W > 0 lets the query at position q see only the
+  // keys at positions p > q - W (besides p <= q), as HF's sliding_window (Note [Sliding window]).
+  int32_t sliding_window = 0;
   // false: attend only the history pages (Note [Blocked history]); k_chunk/v_chunk and
   // dk_chunk/dv_chunk are then neither read nor written and may be null.
   bool attend_chunk = true;
@@ -224,15 +242,16 @@ inline constexpr int kCpuOutOfMemory = 2;      // the value of cudaErrorMemoryAl
 // Validates params; returns an empty string when they are usable, else a sentence saying what is
 // wrong (used by the bindings and the launchers before any memory is touched). It checks what
 // every backend needs: positive sizes, num_q_heads a multiple of num_kv_heads, 1 <= head_dim <=
-// 256, a finite positive softmax_scale and sizes whose products fit the index types. Backends
+// 256, a finite positive softmax_scale, a sliding_window >= 0 (and none without attend_chunk)
+// and sizes whose products fit the index types. Backends
 // with narrower support (the CUDA kernels: paged_attention_cuda_check in
 // membar/kernels/attention_cuda.h) check that on top.
 const char* paged_attention_check_shape(const PagedAttentionShape& shape);
 
 // Validates a sparse selection held in HOST memory: selected_per_tile >= 1, query_tile_tokens >= 1,
 // every entry -1 or a history page number in [0, num_history_pages), and no page listed twice
-// for one tile. Returns an empty string when usable, else a sentence. A disabled selection
-// (selected_pages == nullptr) is always usable.
+// for one tile, and no sliding window (Note [Sliding window]). Returns an empty string when usable,
+// else a sentence. A disabled selection (selected_pages == nullptr) is always usable.
 const char* page_selection_check(const PagedAttentionShape& shape, const PageSelection& selection);
 
 // Number of query tiles of a chunk: ceil(chunk_tokens / query_tile_tokens).
