@@ -42,7 +42,9 @@ evict; MEMBAR_DISPLACE_RANK, Note [Eviction order]: fewer GPU map calls for some
 history in blocks as offloaded pages are read (what the blocks cost without a copy or a wait);
 "+asyncmaps" maps frames on a thread of the client library's own (MEMBAR_ASYNC_MAPS=1; "+syncmaps":
 =0, the default) instead of the thread that receives the runtime's events (Note [Maps off the
-caller's thread] in libclient/memory.cpp);
+caller's thread] in libclient/memory.cpp); "+copyeach" hands each copy to the driver in a call of its
+own (MEMBAR_BATCH_COPIES=0) instead of a batch's copies in one cudaMemcpyBatchAsync call (Note [Copies
+handed over in one call] in engine/cuda/cuda_backend.cpp);
 "+profile" records the timed step with torch.profiler and
 writes its busiest operations (self device time, calls) to profile-VARIANT-TOKENS.txt beside the
 results (the profiler slows the step: its time is not comparable); "@8K" sets the variant's history block.
@@ -326,6 +328,12 @@ def run_one(model, spec: dict) -> dict:
             os.environ["MEMBAR_TIME_STREAM_WAITS"] = "1"
         else:
             os.environ.pop("MEMBAR_TIME_STREAM_WAITS", None)
+        # "+copyeach": the CUDA backend hands a batch's copies to the driver one cudaMemcpyAsync each, as
+        # before Note [Copies handed over in one call] (MEMBAR_BATCH_COPIES=0, read when the runtime starts).
+        if "+copyeach" in result["variant"]:
+            os.environ["MEMBAR_BATCH_COPIES"] = "0"
+        else:
+            os.environ.pop("MEMBAR_BATCH_COPIES", None)
         # "+asyncmaps" / "+syncmaps": frame maps on the client's mapping thread or on the thread that
         # receives the runtime's events (Note [Maps off the caller's thread]; MEMBAR_ASYNC_MAPS, read when
         # the runtime starts).

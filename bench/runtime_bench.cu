@@ -10,6 +10,10 @@
 //       host slab (Note [Frames, slabs and renewal]: what a frame costs when it changes hands).
 //   (c) a kernel loop timed alone vs while the backend streams a known schedule in and out;
 //       a compute-bound and an HBM-bound kernel. Goal >= 0.97x.
+//   (d) the host time of handing copies over: enqueue_copies of k scattered 2 MiB frame copies
+//       (nothing merges), with the copies of a batch in one cudaMemcpyBatchAsync call (the
+//       default) and one cudaMemcpyAsync each (BackendConfig::batch_copies = false), beside the raw
+//       driver calls on the same frame pointers; microseconds of the caller's thread per copy.
 // Writes runtime_bench.json and runtime_bench.txt to $MEMBAR_RESULTS_DIR
 // (default bench/results/latest). Usage: runtime_bench [--quick]
 #include <cuda_runtime.h>
@@ -437,6 +441,107 @@ int run(bool quick) {
   }
   backend.drain();
 
+  // (d) Host time of handing copies over (Note [Copies handed over in one call]).
+  std::vector<Row> handoff_rows;
+  {
+    runtimed::BackendConfig per_copy_config = config;
+    per_copy_config.batch_copies = false;
+    Result<std::unique_ptr<DeviceBackend>> per_copy_made = runtimed::make_cuda_backend(per_copy_config);
+    check_status(per_copy_made.status(), "make_cuda_backend (one call per copy)");
+    DeviceBackend& per_copy = *per_copy_made.value();
+    CompletionCounter prepared;
+    for (uint64_t slab = 0; slab < per_copy.host_slab_count(); ++slab) {
+      check_status(per_copy.renew(Tier::kHost, static_cast<uint32_t>(slab), prepared.callback()), "renew");
+    }
+    prepared.wait_for(per_copy.host_slab_count());
+    cudaStream_t stream = nullptr;
+    BENCH_CHECK_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+    const int rounds = quick ? 4 : 8;
+    // Host microseconds per copy of enqueue_copies over every batch of `batches`, median of rounds.
+    auto time_backend = [&](DeviceBackend& target, const std::vector<std::vector<CopyOp>>& batches) {
+      std::vector<double> per_copy_us;
+      for (int round = 0; round < rounds; ++round) {
+        CompletionCounter counter;
+        double handing = 0;
+        uint64_t copies = 0;
+        for (const auto& batch : batches) {
+          auto began = std::chrono::steady_clock::now();
+          check_status(target.enqueue_copies(batch, counter.callback()), "enqueue_copies");
+          handing += seconds_since(began);
+          copies += batch.size();
+        }
+        counter.wait_for(batches.size());
+        per_copy_us.push_back(handing * 1e6 / double(copies));
+      }
+      return median(per_copy_us);
+    };
+    // The same copies as raw driver calls on the backend's frame pointers.
+    auto time_raw = [&](DeviceBackend& target, const std::vector<std::vector<CopyOp>>& batches, bool batched) {
+      std::vector<double> per_copy_us;
+      std::vector<void*> destinations;
+      std::vector<const void*> sources;
+      std::vector<size_t> sizes;
+      for (int round = 0; round < rounds; ++round) {
+        double handing = 0;
+        uint64_t copies = 0;
+        for (const auto& batch : batches) {
+          destinations.clear();
+          sources.clear();
+          sizes.clear();
+          for (const CopyOp& op : batch) {
+            destinations.push_back(static_cast<char*>(target.frame_pointer(op.dst_tier, op.dst_frame)) + op.dst_offset);
+            sources.push_back(static_cast<char*>(target.frame_pointer(op.src_tier, op.src_frame)) + op.src_offset);
+            sizes.push_back(op.bytes);
+          }
+          auto began = std::chrono::steady_clock::now();
+          if (batched && batch.size() > 1) {
+            cudaMemcpyAttributes attributes = {};
+            attributes.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
+            size_t first = 0;
+            BENCH_CHECK_CUDA(cudaMemcpyBatchAsync(destinations.data(), sources.data(), sizes.data(), batch.size(),
+                                                  &attributes, &first, 1, stream));
+          } else {
+            for (size_t i = 0; i < batch.size(); ++i) {
+              BENCH_CHECK_CUDA(cudaMemcpyAsync(destinations[i], sources[i], sizes[i], cudaMemcpyDefault, stream));
+            }
+          }
+          handing += seconds_since(began);
+          copies += batch.size();
+        }
+        BENCH_CHECK_CUDA(cudaStreamSynchronize(stream));
+        per_copy_us.push_back(handing * 1e6 / double(copies));
+      }
+      return median(per_copy_us);
+    };
+    for (uint64_t batch_frames : {1ull, 4ull, 16ull, 64ull}) {
+      for (bool inbound : {true, false}) {
+        Layout copies_layout{layout.frames, batch_frames};
+        auto batches = make_batches(copies_layout, kFrameBytes, inbound, true, 7 + batch_frames);
+        (void)time_backend(backend, batches);  // warm-up
+        double batched_us = time_backend(backend, batches);
+        double one_by_one_us = time_backend(per_copy, batches);
+        double raw_batched_us = time_raw(backend, batches, true);
+        double raw_one_by_one_us = time_raw(backend, batches, false);
+        std::string name = std::string(inbound ? "host_to_gpu" : "gpu_to_host") + "/" + std::to_string(batch_frames) +
+                           "_frames";
+        handoff_rows.push_back(Row{name,
+                                   {{"copies_per_batch", double(batch_frames)},
+                                    {"backend_batched_us", batched_us},
+                                    {"backend_one_by_one_us", one_by_one_us},
+                                    {"raw_batched_us", raw_batched_us},
+                                    {"raw_one_by_one_us", raw_one_by_one_us},
+                                    {"ratio", one_by_one_us / batched_us}}});
+        std::printf("[handoff] %-24s us per copy: backend batched %.2f, one by one %.2f; raw batched %.2f, "
+                    "one by one %.2f\n",
+                    name.c_str(), batched_us, one_by_one_us, raw_batched_us, raw_one_by_one_us);
+        std::fflush(stdout);
+      }
+    }
+    per_copy.drain();
+    backend.drain();
+    BENCH_CHECK_CUDA(cudaStreamDestroy(stream));
+  }
+
   // Results.
   const char* directory_variable = std::getenv("MEMBAR_RESULTS_DIR");
   std::string directory = directory_variable != nullptr && *directory_variable != 0 ? directory_variable : "bench/results/latest";
@@ -485,6 +590,7 @@ int run(bool quick) {
   section("bandwidth", bandwidth_rows, false);
   section("mapping", map_rows, false);
   section("overlap", overlap_rows, false);
+  section("handoff", handoff_rows, false);
   json << "  \"goals\": {\"bandwidth_ratio_min\": 0.9, \"bandwidth_ratio_worst\": " << worst_bandwidth
        << ", \"overlap_ratio_min\": 0.97, \"overlap_ratio_worst\": " << worst_overlap << "}\n}\n";
 
@@ -514,6 +620,13 @@ int run(bool quick) {
   for (const Row& row : overlap_rows) {
     std::snprintf(line, sizeof(line), "%-14s alone %.3f s, with transfers %.3f s, streamed %.1f GB/s: ratio %.3f\n",
                   row.name.c_str(), row.values[0].second, row.values[1].second, row.values[3].second, row.values[2].second);
+    text << line;
+  }
+  text << "\n(d) host time of handing scattered 2 MiB copies over, us per copy (batched = cudaMemcpyBatchAsync)\n";
+  for (const Row& row : handoff_rows) {
+    std::snprintf(line, sizeof(line), "%-24s backend batched %6.2f, one by one %6.2f; raw batched %6.2f, one by one %6.2f\n",
+                  row.name.c_str(), row.values[1].second, row.values[2].second, row.values[3].second,
+                  row.values[4].second);
     text << line;
   }
   std::snprintf(line, sizeof(line), "\nworst bandwidth ratio %.3f (goal 0.9), worst overlap ratio %.3f (goal 0.97)\n",

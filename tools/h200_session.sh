@@ -110,6 +110,10 @@
 #   enqueue   bench/probes/enqueue_probe.py: host time of each cudaMemcpyAsync in bursts of 2, 8 and 64 MiB
 #             host-to-GPU copies (4 GiB each): does handing copies to a stream block once it holds
 #             enough queued work (the offloaded step's "enqueue" time, session 16)?
+#   handoff   Note [Copies handed over in one call]: build-gpu/bin/test_cuda_backend, runtime_bench --quick
+#             (its (d): host us per copy handed over, cudaMemcpyBatchAsync against one call per copy), then
+#             7B dense-offload at HANDOFF_CONTEXTS (128K) with batched hand-off (default) and one call per
+#             copy ("+copyeach", MEMBAR_BATCH_COPIES=0) beside plain tensors read in blocks, one run
 #   hostpool  membard --gpu-pool 100GiB --host-pool 100GiB under ulimit -n 1024: time to serve,
 #             time until the host pool is pinned, open descriptors
 #
@@ -249,6 +253,16 @@ for step in "$@"; do
       bench asyncmaps --contexts "${ASYNC_CONTEXTS:-64K}" --time-budget "${ASYNC_BUDGET:-420}" --time-limit 200 \
         --variants "${ASYNC_VARIANTS:-dense+plain+streamed@16K:64K,dense-offload@16K:64K,dense-offload+asyncmaps@16K:64K,dense-offload+displaceall@16K:64K,dense-offload+displaceall+asyncmaps@16K:64K}"
       "$py" tools/waits_summary.py "$work/asyncmaps/oomb_bench.json" ;;
+    handoff)
+      mkdir -p "$work/handoff"
+      "$bin/test_cuda_backend" > "$work/handoff/test_cuda_backend.log" 2>&1 || status=1
+      tail -3 "$work/handoff/test_cuda_backend.log"
+      MEMBAR_RESULTS_DIR=$work/handoff timeout 240 "$bin/runtime_bench" --quick > "$work/handoff/runtime_bench.log" 2>&1 \
+        || status=1
+      grep '^\[handoff\]' "$work/handoff/runtime_bench.log"
+      bench handoff --contexts "${HANDOFF_CONTEXTS:-128K}" --time-budget "${HANDOFF_BUDGET:-330}" --time-limit 200 \
+        --variants "${HANDOFF_VARIANTS:-dense+plain+streamed,dense-offload,dense-offload+copyeach}"
+      "$py" tools/waits_summary.py "$work/handoff/oomb_bench.json" ;;
     asyncdepth)
       # The mapping thread with a deeper lookahead (it waited for most maps at depth 2, session 16):
       # "+depthN" also grows the default GPU budget to match, so compare against "+depth4" alone.

@@ -23,6 +23,7 @@
 //     prefetch and offload use both copy engines at once. Ops of a batch are sorted and
 //     adjacent ones merged (never across a slab, a registration of its own): 64 KiB copies run at
 //     a third of PCIe speed, merged ones at full.
+//   - Copies handed over in one call: Note [Copies handed over in one call] below.
 //   - Completion: an event per stream per batch, waited on by one completion thread per
 //     stream (events are blocking-sync, so the threads sleep instead of spinning). The thread
 //     that finishes a batch's last part calls `done`. cudaLaunchHostFunc is not used because
@@ -43,6 +44,8 @@
 #include <algorithm>
 #include <atomic>
 #include <condition_variable>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <deque>
 #include <map>
@@ -257,7 +260,9 @@ class CudaVmmBackend final : public DeviceBackend {
   Result<int> export_host_slab(uint32_t slab) override;
   Status release_host_slab(uint32_t slab, std::function<void(Status)> done) override;
   Status renew(Tier tier, uint32_t index, std::function<void(Status)> done) override;
-  BackendCounters counters() const override { return {0, 0, 0, 0, renewals_.load()}; }
+  BackendCounters counters() const override {
+    return {copy_ops_.load(), transfers_.load(), bytes_copied_.load(), zero_fills_.load(), renewals_.load()};
+  }
   void* frame_pointer(Tier tier, FrameIndex frame) override;
   Status enqueue_copies(std::vector<CopyOp> ops, std::function<void(Status)> done,
                         const DeviceOrder& order) override;
@@ -307,6 +312,8 @@ class CudaVmmBackend final : public DeviceBackend {
   // Records an event on each stream in `streams`, queues one part per stream and counts the
   // batch as outstanding. Called with mutex_ held, after the batch's work is enqueued.
   Status finish_enqueue(const std::vector<int>& streams, std::function<void(Status)> done);
+  // Hands one stream's merged transfers to the driver (caller holds mutex_).
+  Status issue_transfers(int stream, const std::vector<Transfer>& transfers);
   Result<cudaEvent_t> take_event();
   void give_event(cudaEvent_t event);
   void completion_loop(int stream);
@@ -363,10 +370,22 @@ class CudaVmmBackend final : public DeviceBackend {
   CudaEvent signal_after_[kCopyStreamCount];  // re-recorded for every signal
   CudaEvent order_after_[kCopyStreamCount];   // re-recorded for every after_enqueued order
   bool stream_mem_ops_ = false;               // CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS
+  // Note [Copies handed over in one call]: whether to use cudaMemcpyBatchAsync, whether a call of
+  // it has succeeded yet, and its argument arrays (reused, under mutex_).
+  bool batch_copies_ = true;
+  bool batch_copies_worked_ = false;
+  std::vector<void*> batch_destinations_;
+  std::vector<const void*> batch_sources_;
+  std::vector<size_t> batch_sizes_;
   std::vector<CudaEvent> events_;             // every event made, destroyed at the end
   std::vector<cudaEvent_t> free_events_;
   std::map<uint32_t, std::unique_ptr<SignalBlock>> signal_blocks_;
   uint32_t next_signal_block_ = 1;
+
+  std::atomic<uint64_t> copy_ops_{0};
+  std::atomic<uint64_t> transfers_{0};
+  std::atomic<uint64_t> bytes_copied_{0};
+  std::atomic<uint64_t> zero_fills_{0};
 
   std::mutex outstanding_mutex_;
   std::condition_variable outstanding_zero_;
@@ -382,6 +401,8 @@ Result<std::unique_ptr<DeviceBackend>> CudaVmmBackend::create(const BackendConfi
                             std::to_string(config.host_pool_bytes) + " bytes)");
   }
   std::unique_ptr<CudaVmmBackend> backend(new CudaVmmBackend(config));
+  const char* batch_env = std::getenv("MEMBAR_BATCH_COPIES");
+  backend->batch_copies_ = config.batch_copies && !(batch_env != nullptr && std::string(batch_env) == "0");
   MEMBAR_RETURN_IF_ERROR(backend->initialize());
   return std::unique_ptr<DeviceBackend>(std::move(backend));
 }
@@ -777,9 +798,61 @@ Status CudaVmmBackend::apply_order(int stream, const DeviceOrder& order) {
   return Status::Ok();
 }
 
+// Note [Copies handed over in one call]
+// Rationale: the offloaded 7B step at 128K hands ~326K frame copies to the driver, and the
+// trainer's thread spent 10.9 s doing it (session 16) while cudaMemcpyAsync alone measured ~5 us a
+// call (bench/probes/enqueue_probe.py): per-call driver work (pointer lookups of VMM and
+// registered memory, stream bookkeeping) repeated for every 2 MiB copy of a batch whose copies
+// are all independent (the engine never puts two ops on one frame in a batch).
+// Approach: after merging, one stream's transfers of a batch go to the driver in one
+// cudaMemcpyBatchAsync call (CUDA 12.8+; one attribute set: source read in stream order), which
+// runs them in stream order as a whole and in any order among themselves. A single transfer keeps
+// cudaMemcpyAsync. If the first batched call fails with "not supported" or "invalid value" (a
+// driver or platform without it), the backend says so once on stderr and hands copies over one by
+// one from then on; once a batched call has worked, any later error is the copy's error.
+// BackendConfig::batch_copies = false or MEMBAR_BATCH_COPIES=0 turns it off (to compare).
+Status CudaVmmBackend::issue_transfers(int stream, const std::vector<Transfer>& transfers) {
+  cudaStream_t copy_stream = copy_streams_[stream].get();
+  transfers_ += transfers.size();
+  if (batch_copies_ && transfers.size() > 1) {
+    batch_destinations_.clear();
+    batch_sources_.clear();
+    batch_sizes_.clear();
+    for (const Transfer& transfer : transfers) {
+      batch_destinations_.push_back(transfer.destination);
+      batch_sources_.push_back(transfer.source);
+      batch_sizes_.push_back(transfer.bytes);
+    }
+    cudaMemcpyAttributes attributes = {};
+    attributes.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
+    size_t first_copy = 0;
+    cudaError_t error = cudaMemcpyBatchAsync(batch_destinations_.data(), batch_sources_.data(), batch_sizes_.data(),
+                                             transfers.size(), &attributes, &first_copy, 1, copy_stream);
+    if (error == cudaSuccess) {
+      batch_copies_worked_ = true;
+      return Status::Ok();
+    }
+    if (batch_copies_worked_ || (error != cudaErrorNotSupported && error != cudaErrorInvalidValue)) {
+      return runtime_status(error, "cudaMemcpyBatchAsync on a copy stream");
+    }
+    (void)cudaGetLastError();
+    batch_copies_ = false;
+    std::fprintf(stderr, "membar: cudaMemcpyBatchAsync is not usable here (%s); copies go to the driver one by one\n",
+                 cudaGetErrorString(error));
+  }
+  for (const Transfer& transfer : transfers) {
+    MEMBAR_RETURN_IF_ERROR(runtime_status(
+        cudaMemcpyAsync(transfer.destination, transfer.source, transfer.bytes, cudaMemcpyDefault, copy_stream),
+        "cudaMemcpyAsync on a copy stream"));
+  }
+  return Status::Ok();
+}
+
 Status CudaVmmBackend::enqueue_copies(std::vector<CopyOp> ops, std::function<void(Status)> done,
                                       const DeviceOrder& order) {
   if (!done) return invalid_argument("enqueue_copies needs a completion callback");
+  copy_ops_ += ops.size();
+  for (const CopyOp& op : ops) bytes_copied_ += op.bytes;
   std::vector<Transfer> by_stream[kCopyStreamCount];
   for (const CopyOp& op : ops) {
     MEMBAR_RETURN_IF_ERROR(check_range(op.src_tier, op.src_frame, op.src_offset, op.bytes, "copy source"));
@@ -803,13 +876,10 @@ Status CudaVmmBackend::enqueue_copies(std::vector<CopyOp> ops, std::function<voi
   std::lock_guard<std::mutex> lock(mutex_);
   std::vector<int> streams;
   for (int stream = 0; stream < kCopyStreamCount; ++stream) {
-    if (!by_stream[stream].empty()) MEMBAR_RETURN_IF_ERROR(apply_order(stream, order));
-    for (const Transfer& transfer : by_stream[stream]) {
-      MEMBAR_RETURN_IF_ERROR(runtime_status(cudaMemcpyAsync(transfer.destination, transfer.source, transfer.bytes,
-                                                            cudaMemcpyDefault, copy_streams_[stream].get()),
-                                            "cudaMemcpyAsync on a copy stream"));
-    }
-    if (!by_stream[stream].empty()) streams.push_back(stream);
+    if (by_stream[stream].empty()) continue;
+    MEMBAR_RETURN_IF_ERROR(apply_order(stream, order));
+    MEMBAR_RETURN_IF_ERROR(issue_transfers(stream, by_stream[stream]));
+    streams.push_back(stream);
   }
   // An empty batch still completes once, from a backend thread, in stream order (after what its
   // order names).
@@ -823,6 +893,7 @@ Status CudaVmmBackend::enqueue_copies(std::vector<CopyOp> ops, std::function<voi
 Status CudaVmmBackend::enqueue_zero(Tier tier, FrameIndex frame, uint64_t offset, uint64_t bytes,
                                     std::function<void(Status)> done, const DeviceOrder& order) {
   if (!done) return invalid_argument("enqueue_zero needs a completion callback");
+  ++zero_fills_;
   MEMBAR_RETURN_IF_ERROR(check_range(tier, frame, offset, bytes, "zero fill"));
   MEMBAR_RETURN_IF_ERROR(bind_device());
   char* target = pointer(tier, frame) + offset;

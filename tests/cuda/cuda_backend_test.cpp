@@ -271,6 +271,35 @@ TEST_F(CudaBackendTest, PagesRoundTripAtEveryPageSize) {
   }
 }
 
+// Note [Copies handed over in one call]: the round trips above hand each batch's scattered
+// copies to the driver in one cudaMemcpyBatchAsync call; the same with one call per copy, and the
+// counters of what was issued.
+TEST(CudaBackendCopies, PagesRoundTripWithOneDriverCallPerCopy) {
+  BackendConfig config = small_config();
+  config.batch_copies = false;
+  Result<std::unique_ptr<DeviceBackend>> made = make_cuda_backend(config);
+  if (!made.ok() && made.status().code() == StatusCode::UNAVAILABLE) GTEST_SKIP() << made.status().to_string();
+  ASSERT_TRUE(made.ok()) << made.status().to_string();
+  prepare_slabs(*made.value());
+  uint64_t seed = std::random_device{}();
+  for (uint64_t page_bytes : {64ull << 10, 2ull << 20}) {
+    SCOPED_TRACE(page_bytes);
+    round_trip(*made.value(), page_bytes, seed + page_bytes);
+  }
+}
+
+TEST_F(CudaBackendTest, CountersSayWhatWasIssued) {
+  BackendCounters before = backend_->counters();
+  uint64_t seed = std::random_device{}();
+  round_trip(*backend_, 64ull << 10, seed);
+  BackendCounters after = backend_->counters();
+  uint64_t pages = (kGpuFrames / 2) * (kFrameBytes / (64ull << 10));
+  EXPECT_EQ(after.copy_ops - before.copy_ops, 2 * pages);   // in and out
+  EXPECT_EQ(after.bytes_copied - before.bytes_copied, 2 * pages * (64ull << 10));
+  EXPECT_GT(after.transfers - before.transfers, 2u);         // scattered runs of 4 pages: many transfers
+  EXPECT_LT(after.transfers - before.transfers, 2 * pages);  // merged where adjacent
+}
+
 TEST_F(CudaBackendTest, BothDirectionsInOneBatch) {
   uint64_t seed = std::random_device{}();
   // GPU frames 0..3 get host frames 0..3 while GPU frames 4..7 (filled first) go to host 8..11.

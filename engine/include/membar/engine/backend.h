@@ -46,6 +46,10 @@ struct BackendConfig {
   // Fault injection for tests: the first N attempts at renewing a GPU frame fail with
   // RESOURCE_EXHAUSTED, as when a client that was killed still holds its old frames. 0 = never.
   uint64_t fail_renewal_attempts = 0;
+  // CUDA: a batch's copies of one direction go to the driver in one cudaMemcpyBatchAsync call
+  // (Note [Copies handed over in one call] in engine/cuda/cuda_backend.cpp); false: one
+  // cudaMemcpyAsync per copy. The environment's MEMBAR_BATCH_COPIES=0 turns it off.
+  bool batch_copies = true;
 };
 
 // Runs `attempt` (one renewal) until it succeeds, fails with anything but RESOURCE_EXHAUSTED,
