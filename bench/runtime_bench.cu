@@ -101,6 +101,66 @@ class CompletionCounter {
   uint64_t completed_ = 0;
 };
 
+// Waits for events on a thread of its own, as the CUDA backend's completion threads do: with
+// cudaEventSynchronize on blocking-sync events, or by polling cudaEventQuery (section (d): does
+// the waiting thread slow the thread that hands copies over?).
+class EventWaiter {
+ public:
+  explicit EventWaiter(bool poll) : poll_(poll), thread_([this] { loop(); }) {}
+  ~EventWaiter() {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      stopping_ = true;
+    }
+    ready_.notify_one();
+    thread_.join();
+  }
+  void add(cudaEvent_t event) {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      events_.push_back(event);
+    }
+    ready_.notify_one();
+  }
+  void wait_idle() {
+    std::unique_lock<std::mutex> lock(mutex_);
+    idle_.wait(lock, [&] { return events_.empty() && !busy_; });
+  }
+
+ private:
+  void loop() {
+    BENCH_CHECK_CUDA(cudaSetDevice(0));
+    for (;;) {
+      cudaEvent_t event = nullptr;
+      {
+        std::unique_lock<std::mutex> lock(mutex_);
+        ready_.wait(lock, [&] { return stopping_ || !events_.empty(); });
+        if (events_.empty()) return;
+        event = events_.front();
+        events_.erase(events_.begin());
+        busy_ = true;
+      }
+      if (poll_) {
+        while (cudaEventQuery(event) == cudaErrorNotReady) std::this_thread::sleep_for(std::chrono::microseconds(20));
+      } else {
+        BENCH_CHECK_CUDA(cudaEventSynchronize(event));
+      }
+      {
+        std::lock_guard<std::mutex> lock(mutex_);
+        busy_ = false;
+      }
+      idle_.notify_all();
+    }
+  }
+  bool poll_;
+  std::mutex mutex_;
+  std::condition_variable ready_, idle_;
+  std::vector<cudaEvent_t> events_;
+  bool busy_ = false;
+  bool stopping_ = false;
+  std::thread thread_;
+};
+
 struct Layout {
   uint64_t frames = 0;        // frames per direction
   uint64_t batch_frames = 0;  // frames per enqueue_copies batch (one schedule step)
@@ -476,7 +536,16 @@ int run(bool quick) {
       return median(per_copy_us);
     };
     // The same copies as raw driver calls on the backend's frame pointers.
-    auto time_raw = [&](DeviceBackend& target, const std::vector<std::vector<CopyOp>>& batches, bool batched) {
+    // waiter: 0 none; 1 an event per batch waited for with cudaEventSynchronize on another thread
+    // (the backend's way); 2 the same events polled with cudaEventQuery.
+    std::vector<cudaEvent_t> batch_events(layout.frames);
+    for (auto& event : batch_events) {
+      BENCH_CHECK_CUDA(cudaEventCreateWithFlags(&event, cudaEventDisableTiming | cudaEventBlockingSync));
+    }
+    auto time_raw = [&](DeviceBackend& target, const std::vector<std::vector<CopyOp>>& batches, bool batched,
+                        int waiter_kind = 0) {
+      std::unique_ptr<EventWaiter> waiter;
+      if (waiter_kind != 0) waiter = std::make_unique<EventWaiter>(waiter_kind == 2);
       std::vector<double> per_copy_us;
       std::vector<void*> destinations;
       std::vector<const void*> sources;
@@ -505,10 +574,16 @@ int run(bool quick) {
               BENCH_CHECK_CUDA(cudaMemcpyAsync(destinations[i], sources[i], sizes[i], cudaMemcpyDefault, stream));
             }
           }
+          if (waiter) {
+            cudaEvent_t event = batch_events[(&batch - batches.data()) % batch_events.size()];
+            BENCH_CHECK_CUDA(cudaEventRecord(event, stream));
+            waiter->add(event);
+          }
           handing += seconds_since(began);
           copies += batch.size();
         }
         BENCH_CHECK_CUDA(cudaStreamSynchronize(stream));
+        if (waiter) waiter->wait_idle();
         per_copy_us.push_back(handing * 1e6 / double(copies));
       }
       return median(per_copy_us);
@@ -522,6 +597,8 @@ int run(bool quick) {
         double one_by_one_us = time_backend(per_copy, batches);
         double raw_batched_us = time_raw(backend, batches, true);
         double raw_one_by_one_us = time_raw(backend, batches, false);
+        double raw_waited_us = time_raw(backend, batches, false, 1);
+        double raw_polled_us = time_raw(backend, batches, false, 2);
         std::string name = std::string(inbound ? "host_to_gpu" : "gpu_to_host") + "/" + std::to_string(batch_frames) +
                            "_frames";
         handoff_rows.push_back(Row{name,
@@ -530,15 +607,19 @@ int run(bool quick) {
                                     {"backend_one_by_one_us", one_by_one_us},
                                     {"raw_batched_us", raw_batched_us},
                                     {"raw_one_by_one_us", raw_one_by_one_us},
+                                    {"raw_event_waited_us", raw_waited_us},
+                                    {"raw_event_polled_us", raw_polled_us},
                                     {"ratio", one_by_one_us / batched_us}}});
         std::printf("[handoff] %-24s us per copy: backend batched %.2f, one by one %.2f; raw batched %.2f, "
-                    "one by one %.2f\n",
-                    name.c_str(), batched_us, one_by_one_us, raw_batched_us, raw_one_by_one_us);
+                    "one by one %.2f, + an event per batch waited on a thread %.2f / polled %.2f\n",
+                    name.c_str(), batched_us, one_by_one_us, raw_batched_us, raw_one_by_one_us, raw_waited_us,
+                    raw_polled_us);
         std::fflush(stdout);
       }
     }
     per_copy.drain();
     backend.drain();
+    for (auto& event : batch_events) BENCH_CHECK_CUDA(cudaEventDestroy(event));
     BENCH_CHECK_CUDA(cudaStreamDestroy(stream));
   }
 
@@ -624,9 +705,11 @@ int run(bool quick) {
   }
   text << "\n(d) host time of handing scattered 2 MiB copies over, us per copy (batched = cudaMemcpyBatchAsync)\n";
   for (const Row& row : handoff_rows) {
-    std::snprintf(line, sizeof(line), "%-24s backend batched %6.2f, one by one %6.2f; raw batched %6.2f, one by one %6.2f\n",
+    std::snprintf(line, sizeof(line),
+                  "%-24s backend batched %6.2f, one by one %6.2f; raw batched %6.2f, one by one %6.2f, with events "
+                  "waited %6.2f / polled %6.2f\n",
                   row.name.c_str(), row.values[1].second, row.values[2].second, row.values[3].second,
-                  row.values[4].second);
+                  row.values[4].second, row.values[5].second, row.values[6].second);
     text << line;
   }
   std::snprintf(line, sizeof(line), "\nworst bandwidth ratio %.3f (goal 0.9), worst overlap ratio %.3f (goal 0.97)\n",
