@@ -765,11 +765,16 @@ Status CudaVmmBackend::finish_enqueue(const std::vector<int>& streams, std::func
   }
   for (size_t part = 0; part < streams.size(); ++part) {
     CompletionQueue& queue = completion_[streams[part]];
+    bool was_empty = false;
     {
       std::lock_guard<std::mutex> lock(queue.mutex);
+      was_empty = queue.parts.empty();
       queue.parts.push_back(PendingPart{events[part], batch});
     }
-    queue.ready.notify_one();
+    // A part leaves its queue only once the completion thread has finished it, and the thread
+    // sleeps only on an empty queue: only a part into an empty queue needs to wake it (a wake is a
+    // system call on the thread that hands copies over, once per batch otherwise).
+    if (was_empty) queue.ready.notify_one();
   }
   return Status::Ok();
 }
@@ -927,12 +932,14 @@ void CudaVmmBackend::completion_loop(int stream) {
       std::unique_lock<std::mutex> lock(queue.mutex);
       queue.ready.wait(lock, [&] { return queue.stopping || !queue.parts.empty(); });
       if (queue.parts.empty()) return;  // stopping, and nothing left
-      part = std::move(queue.parts.front());
-      queue.parts.pop_front();
+      part = queue.parts.front();       // stays queued until finished (finish_enqueue's wake)
     }
     Status status = runtime_status(cudaEventSynchronize(part.event), "a transfer on the daemon's copy stream");
     give_event(part.event);
     finish_part(part.batch, std::move(status));
+    part.batch.reset();
+    std::lock_guard<std::mutex> lock(queue.mutex);
+    queue.parts.pop_front();
   }
 }
 
