@@ -74,6 +74,8 @@
 #             step alone), COVERAGE_MERGE names an earlier model_coverage.json to merge the rows into
 #   softcap   Gemma-2-9B shape, 4 layers, 32K, chunk-recurrent step: its soft-capped global layers on the
 #             paged kernels (Note [Soft-capped scores]) against the PyTorch path (MEMBAR_CUDA_SOFTCAP=0)
+#   window    Gemma-2-9B shape, 4 layers, 32K, chunk-recurrent step: its sliding-window layers on the paged
+#             kernels (Note [Sliding window]) against the PyTorch path (MEMBAR_CUDA_WINDOW=0)
 #   dp        7B at 32K: one process against data parallel with world size 1 (NCCL), in one run
 #   cli       membar-train as a user runs it, 7B at CLI_SEQ (default 32K), 3 steps: embedded and
 #             through membard (--socket), dense and --offload, in one call (steps 2-3 compared);
@@ -304,6 +306,18 @@ for step in "$@"; do
           > "$work/softcap/kernels$cap/bench.log" 2>&1 || status=1
         log "soft-capped layers on the kernels: $cap"
         tail -2 "$work/softcap/kernels$cap/model_coverage.md" 2>/dev/null || tail -5 "$work/softcap/kernels$cap/bench.log"
+      done ;;
+    window)
+      # Gemma 2 (4 layers of the 9B shape, 32K, chunk-recurrent): its sliding-window layers on the paged
+      # kernels (Note [Sliding window]) against the PyTorch path (MEMBAR_CUDA_WINDOW=0), soft-capped
+      # layers on the kernels in both, in one call.
+      for window in 1 0; do
+        mkdir -p "$work/window/kernels$window"
+        MEMBAR_CUDA_WINDOW=$window MEMBAR_RESULTS_DIR=$work/window/kernels$window timeout 120 "$py" bench/model_coverage_bench.py \
+          --quick --models gemma-2-9b --parts timing --variants chunk-recurrent --fresh --time-budget 100 \
+          > "$work/window/kernels$window/bench.log" 2>&1 || status=1
+        log "sliding-window layers on the kernels: $window"
+        tail -2 "$work/window/kernels$window/model_coverage.md" 2>/dev/null || tail -5 "$work/window/kernels$window/bench.log"
       done ;;
     models)
       mkdir -p "$work/models"
