@@ -44,7 +44,9 @@ history in blocks as offloaded pages are read (what the blocks cost without a co
 =0, the default) instead of the thread that receives the runtime's events (Note [Maps off the
 caller's thread] in libclient/memory.cpp); "+copyeach" hands each copy to the driver in a call of its
 own (MEMBAR_BATCH_COPIES=0) instead of a batch's copies in one cudaMemcpyBatchAsync call (Note [Copies
-handed over in one call] in engine/cuda/cuda_backend.cpp);
+handed over in one call] in engine/cuda/cuda_backend.cpp); "+mapeach" maps each frame as its event
+arrives (MEMBAR_DEFER_MAPS=0) instead of at the next call that hands pages out, adjacent positions in
+one run (Note [Maps in runs] in libclient/memory.cpp);
 "+profile" records the timed step with torch.profiler and
 writes its busiest operations (self device time, calls) to profile-VARIANT-TOKENS.txt beside the
 results (the profiler slows the step: its time is not comparable); "@8K" sets the variant's history block.
@@ -334,6 +336,12 @@ def run_one(model, spec: dict) -> dict:
             os.environ["MEMBAR_BATCH_COPIES"] = "0"
         else:
             os.environ.pop("MEMBAR_BATCH_COPIES", None)
+        # "+mapeach": the client maps each frame as the runtime's event arrives, as before Note [Maps in
+        # runs] (MEMBAR_DEFER_MAPS=0, read when the runtime starts).
+        if "+mapeach" in result["variant"]:
+            os.environ["MEMBAR_DEFER_MAPS"] = "0"
+        else:
+            os.environ.pop("MEMBAR_DEFER_MAPS", None)
         # "+asyncmaps" / "+syncmaps": frame maps on the client's mapping thread or on the thread that
         # receives the runtime's events (Note [Maps off the caller's thread]; MEMBAR_ASYNC_MAPS, read when
         # the runtime starts).

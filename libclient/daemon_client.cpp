@@ -804,7 +804,7 @@ Status DaemonClient::handshake(const std::string& socket_path, const ConnectOpti
     gpu_mapper = make_mmap_mapper();
   }
   memory_ = std::make_unique<ClientMemory>(std::move(gpu_mapper), make_mmap_mapper(), host_slab_frames_,
-                                           async_maps_from_env());
+                                           async_maps_from_env(), deferred_maps_from_env());
   return Status::Ok();
 }
 

@@ -100,7 +100,7 @@ class EmbeddedClient final : public Client {
 #endif
     if (!gpu_mapper) gpu_mapper = make_mmap_mapper();
     client->memory_ = std::make_unique<ClientMemory>(std::move(gpu_mapper), make_mmap_mapper(), slab_frames,
-                                                     async_maps_from_env());
+                                                     async_maps_from_env(), deferred_maps_from_env());
     ClientMemory* memory = client->memory_.get();
     runtimed::ClientEvents events;
     auto note = [memory](Status status) {

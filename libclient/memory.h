@@ -55,11 +55,17 @@ Result<std::unique_ptr<FrameMapper>> make_cuda_mapper(int device);
 
 // Whether ClientMemory applies events on a thread of its own: MEMBAR_ASYNC_MAPS=1 (default off).
 bool async_maps_from_env();
+// Whether a synchronous ClientMemory keeps events until a call settles and maps them in runs
+// (Note [Maps in runs] in libclient/memory.cpp): on unless MEMBAR_DEFER_MAPS=0.
+bool deferred_maps_from_env();
 
 class ClientMemory {
  public:
+  // asynchronous: events applied on a mapping thread (Note [Maps off the caller's thread]);
+  // deferred (synchronous only): events kept until a call settles, then applied with maps in runs
+  // (Note [Maps in runs]); neither: each event applied as it is given.
   ClientMemory(std::unique_ptr<FrameMapper> gpu, std::unique_ptr<FrameMapper> host, uint32_t host_slab_frames,
-               bool asynchronous = false);
+               bool asynchronous = false, bool deferred = false);
   ~ClientMemory();
 
   // Waits until every event given so far is applied; then reports what could not be (take_error).
@@ -111,6 +117,11 @@ class ClientMemory {
   Status give(Op op);
   Status apply(const Op& op);
   Status apply_map_run(const Op* ops, size_t count);
+  // Note [Maps in runs]: applies the events kept so far (deferred mode), under flush_mutex_.
+  void flush_pending();
+  // Applies ops in order, except that each stretch of maps and unmaps has its unmaps first and its
+  // maps in position order, adjacent positions as one run; errors are noted. Adds what it mapped.
+  void apply_in_runs(std::vector<Op>& ops, uint64_t* maps, uint64_t* runs);
   void run_mapper();
   void wait_applied(uint64_t sequence);
   void wait_all_applied();
@@ -144,6 +155,11 @@ class ClientMemory {
   std::unordered_map<SpaceId, uint64_t> page_bytes_;      // for settle_ranges
   MapCounters counters_;                                  // under queue_mutex_
   std::thread mapper_;
+  // Deferred mode (Note [Maps in runs]): events given and not yet applied (under queue_mutex_);
+  // flush_mutex_ keeps two flushes from interleaving.
+  const bool deferred_;
+  std::vector<Op> pending_;
+  std::mutex flush_mutex_;
 };
 
 }  // namespace membar

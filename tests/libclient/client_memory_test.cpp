@@ -182,5 +182,82 @@ TEST(ClientMemory, SynchronousModeAppliesOnTheCallersThread) {
   EXPECT_EQ(counters.maps, 1u);
 }
 
+// Note [Maps in runs]: deferred events wait for a settle, then a block's placements ("unmap the
+// position's old frame, map the new one", one after the other) map as one run.
+TEST(ClientMemory, DeferredPlacementsMapAsRunsAtTheNextSettle) {
+  auto mapper = std::make_unique<HeldMapper>(/*held=*/1000);   // never held: counts runs
+  HeldMapper* counted = mapper.get();
+  ClientMemory memory(std::move(mapper), make_mmap_mapper(), 1, /*asynchronous=*/false, /*deferred=*/true);
+  ASSERT_TRUE(memory.add_space(1, kFrameBytes, 8).ok());
+  for (uint32_t w = 1; w <= 9; ++w) ASSERT_TRUE(memory.gpu_frame_granted(w, tagged_frame(300 + w)).ok());
+  // Frames 1-4 at positions 0-3, each placement as the runtime gives it.
+  for (uint32_t p = 0; p < 4; ++p) {
+    ASSERT_TRUE(memory.unmapped(Tier::kGpu, 9, 1, p).ok());   // nothing there yet: a no-op
+    ASSERT_TRUE(memory.mapped(Tier::kGpu, 1 + p, 1, p).ok());
+  }
+  EXPECT_EQ(memory.counters().events_applied, 0u);   // nothing applied before a settle
+  PageRange pages{1, 0, 4};
+  ASSERT_TRUE(memory.settle_ranges(&pages, 1).ok());
+  SpaceView view = memory.view(1).value();
+  for (uint32_t p = 0; p < 4; ++p) EXPECT_EQ(word_at(view, p), 301u + p);
+  EXPECT_EQ(counted->runs_, (std::vector<size_t>{4}));
+  // The same positions again with frames 5-8 (each unmaps its old frame first), given in reverse:
+  // still one run, and every position ends with its new frame.
+  for (uint32_t p = 4; p-- > 0;) {
+    ASSERT_TRUE(memory.unmapped(Tier::kGpu, 1 + p, 1, p).ok());
+    ASSERT_TRUE(memory.mapped(Tier::kGpu, 5 + p, 1, p).ok());
+  }
+  ASSERT_TRUE(memory.settle().ok());
+  for (uint32_t p = 0; p < 4; ++p) EXPECT_EQ(word_at(view, p), 305u + p);
+  EXPECT_EQ(counted->runs_, (std::vector<size_t>{4, 4}));
+  MapCounters counters = memory.counters();
+  EXPECT_EQ(counters.maps, 8u);
+  EXPECT_EQ(counters.map_runs, 2u);
+  EXPECT_FALSE(counters.asynchronous);
+}
+
+TEST(ClientMemory, DeferredEventsEndAsGivenWhereOrderMatters) {
+  ClientMemory memory(make_mmap_mapper(), make_mmap_mapper(), 1, /*asynchronous=*/false, /*deferred=*/true);
+  ASSERT_TRUE(memory.add_space(1, kFrameBytes, 8).ok());
+  for (uint32_t w = 1; w <= 4; ++w) ASSERT_TRUE(memory.gpu_frame_granted(w, tagged_frame(500 + w)).ok());
+  // Position 2: frame 1, unmapped, then frame 2 (the unmap must not run before the first map).
+  ASSERT_TRUE(memory.mapped(Tier::kGpu, 1, 1, 2).ok());
+  ASSERT_TRUE(memory.unmapped(Tier::kGpu, 1, 1, 2).ok());
+  ASSERT_TRUE(memory.mapped(Tier::kGpu, 2, 1, 2).ok());
+  // Position 5: frame 3, then frame 4 over it (a later map of a position wins).
+  ASSERT_TRUE(memory.mapped(Tier::kGpu, 3, 1, 5).ok());
+  ASSERT_TRUE(memory.mapped(Tier::kGpu, 4, 1, 5).ok());
+  // Position 6: frame 3 and unmapped again: nothing there in the end.
+  ASSERT_TRUE(memory.mapped(Tier::kGpu, 3, 1, 6).ok());
+  ASSERT_TRUE(memory.unmapped(Tier::kGpu, 3, 1, 6).ok());
+  // A revoke after a map of the frame: the frame leaves every position it was mapped at.
+  ASSERT_TRUE(memory.mapped(Tier::kGpu, 1, 1, 7).ok());
+  ASSERT_TRUE(memory.gpu_frame_revoked(1).ok());
+  ASSERT_TRUE(memory.settle().ok());
+  SpaceView view = memory.view(1).value();
+  EXPECT_EQ(word_at(view, 2), 502u);
+  EXPECT_EQ(word_at(view, 5), 504u);
+  for (uint32_t unmapped : {6u, 7u}) {
+    EXPECT_EXIT(
+        {
+          volatile char c = static_cast<char*>(view.gpu)[uint64_t(unmapped) * kFrameBytes];
+          (void)c;
+          std::exit(0);
+        },
+        ::testing::KilledBySignal(SIGSEGV), "")
+        << "position " << unmapped;
+  }
+  // An event that cannot be applied is reported by the settle that applies it, once.
+  ASSERT_TRUE(memory.mapped(Tier::kGpu, 9, 1, 0).ok());   // frame 9 was never granted
+  Status status = memory.settle();
+  EXPECT_EQ(status.code(), StatusCode::INTERNAL);
+  EXPECT_NE(status.message().find("never granted"), std::string::npos) << status.to_string();
+  EXPECT_TRUE(memory.settle().ok());
+  // Removing a space applies what is kept first.
+  ASSERT_TRUE(memory.mapped(Tier::kGpu, 2, 1, 0).ok());
+  ASSERT_TRUE(memory.remove_space(1).ok());
+  EXPECT_FALSE(memory.view(1).ok());
+}
+
 }  // namespace
 }  // namespace membar
