@@ -112,7 +112,7 @@
 #   enqueue   bench/probes/enqueue_probe.py: host time of each cudaMemcpyAsync in bursts of 2, 8 and 64 MiB
 #             host-to-GPU copies (4 GiB each): does handing copies to a stream block once it holds
 #             enough queued work (the offloaded step's "enqueue" time, session 16)?
-#   handoff   Note [Copies handed over in one call]: build-gpu/bin/test_cuda_backend, runtime_bench --quick
+#   handoff   Note [Copies handed over in one call]: the gpu ctest but attention's, runtime_bench --quick
 #             (its (d): host us per copy handed over, cudaMemcpyBatchAsync against one call per copy), then
 #             7B dense-offload at HANDOFF_CONTEXTS (128K) with batched hand-off (default) and one call per
 #             copy ("+copyeach", MEMBAR_BATCH_COPIES=0) and with each frame mapped as its event arrives
@@ -258,8 +258,9 @@ for step in "$@"; do
       "$py" tools/waits_summary.py "$work/asyncmaps/oomb_bench.json" ;;
     handoff)
       mkdir -p "$work/handoff"
-      "$bin/test_cuda_backend" > "$work/handoff/test_cuda_backend.log" 2>&1 || status=1
-      tail -3 "$work/handoff/test_cuda_backend.log"
+      ctest --test-dir build-gpu -L gpu -E "Attention|attention" --output-on-failure --timeout 200 \
+        > "$work/handoff/gpu_ctest.log" 2>&1 || status=1
+      tail -4 "$work/handoff/gpu_ctest.log"
       MEMBAR_RESULTS_DIR=$work/handoff timeout 240 "$bin/runtime_bench" --quick > "$work/handoff/runtime_bench.log" 2>&1 \
         || status=1
       grep '^\[handoff\]' "$work/handoff/runtime_bench.log"
