@@ -48,6 +48,19 @@ struct OwnedKeys {
   WorkList work;
 };
 
+// The chunk-relative position of the owned keys' first row (history keys are negative).
+template <typename Element>
+__device__ __forceinline__ int owned_window_start(const PagedAttentionShape& shape, const OwnedKeys<Element>& owned) {
+  return owned.chunk_block ? owned.first_key : owned.page * shape.page_tokens + owned.first_key - shape.history_tokens;
+}
+
+// The window edge of the owned keys (window_edge in attention_common.cuh): query row r of the chunk
+// sees owned key row k iff k + edge > r; kNoWindowEdge without a window.
+template <typename Element>
+__device__ __forceinline__ int owned_window_edge(const PagedAttentionShape& shape, const OwnedKeys<Element>& owned) {
+  return window_edge(shape, owned_window_start(shape, owned));
+}
+
 // CTAs own the chunk's blocks first (num_chunk_blocks of them), then every part of every history
 // page: kKeys divides page_tokens (the layouts' fits check it).
 template <int kKeys>
@@ -109,6 +122,14 @@ __device__ __forceinline__ OwnedKeys<Element> own_keys(const PagedAttentionBackw
     } else {
       owned.work.per_head = num_query_blocks;
     }
+  }
+  if (shape.sliding_window > 0) {
+    // Only the query blocks up to the last query that sees the last key (Note [Sliding window in
+    // the kernels] in attention_common.cuh; dense only): a history page no query sees gets no work.
+    const int last_key = owned_window_start(shape, owned) + owned.valid_keys - 1;
+    const int last_query = last_key + min(shape.sliding_window, kNoWindowEdge) - 1;
+    const int end_block = last_query < 0 ? 0 : min(num_query_blocks, last_query / kQueries + 1);
+    owned.work.per_head = max(0, end_block - owned.work.first_query_block);
   }
   owned.work.count = owned.work.per_head * (shape.num_q_heads / shape.num_kv_heads);
   return owned;

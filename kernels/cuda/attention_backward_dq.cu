@@ -5,7 +5,9 @@
 // cp.async, and per block computes S = Q K^T, P = exp(S * scale - lse), dP = dO V^T,
 // dS = P o (dP - delta), dQ += dS K, all per warp in registers. dQ is written once, so its bits
 // do not depend on scheduling. With kSoftcap S is capped before P and dS multiplied by the cap's
-// slope (Note [Soft-capped scores in raw units] in attention_common.cuh).
+// slope (Note [Soft-capped scores in raw units] in attention_common.cuh). A sliding window starts
+// the loop at the first block the CTA's first query sees and sets P = 0 for the hidden pairs of
+// blocks that straddle a warp's window edge (Note [Sliding window in the kernels]).
 #include <cuda_runtime.h>
 
 #include <cmath>
@@ -78,10 +80,13 @@ __global__ void __launch_bounds__(kDqWarps * 32) paged_attention_backward_dq_ker
   const auto keys =
       key_sequence_for_tile<Element, kKeys, false, kHeadDim>(params, q_head / group, first_query, selected, &selected_count);
   const int last_query = min(first_query + kDqRows, chunk_tokens) - 1;
-  const int num_blocks = keys.num_history_blocks + (shape.attend_chunk ? last_query / kKeys + 1 : 0);
+  // Loop index i is key-sequence block first_block + i: a sliding window skips the blocks no query
+  // of the CTA sees.
+  const int first_block = window_first_block<kKeys>(shape, keys.num_history_blocks, first_query);
+  const int num_blocks = keys.num_history_blocks + (shape.attend_chunk ? last_query / kKeys + 1 : 0) - first_block;
   const int64_t kv_row_stride = int64_t(shape.num_kv_heads) * kHeadDim;
   auto load_block = [&](int index, int stage) {
-    const KeyBlock<Element> block = keys.block(index);
+    const KeyBlock<Element> block = keys.block(first_block + index);
     load_tile_async<Element, kKeys, kHeadDim, kThreads, kPadded>(k_tiles + stage * kKeys * kStride, block.k_base,
                                                                  kv_row_stride, block.valid_rows, thread);
     load_tile_async<Element, kKeys, kHeadDim, kThreads, kPadded>(v_tiles + stage * kKeys * kStride, block.v_base,
@@ -125,10 +130,12 @@ __global__ void __launch_bounds__(kDqWarps * 32) paged_attention_backward_dq_ker
     if constexpr (kSoftcap) soft_cap_scores(scores, soft_cap);
     warp_matmul_shared_nt<Element, kKeys, kHeadDim, kHeadDim, kHeadDim, kPadded>(dscores, dout_tile, warp * 16, v_tile, 0,
                                                                                 lane);
-    const KeyBlock<Element> block = keys.block(index);
+    const KeyBlock<Element> block = keys.block(first_block + index);
     const bool chunk_block = block.first_position >= 0;
+    const int window_edge = window_edge_of_block<kKeys>(shape, first_block + index, block.first_position);
+    const bool window_cuts = window_edge <= first_query + warp * 16 + 15;
     const bool may_cut = block.valid_rows < kKeys ||
-                         (chunk_block && block.first_position + kKeys - 1 > first_query + warp * 16);
+                         (chunk_block && block.first_position + kKeys - 1 > first_query + warp * 16) || window_cuts;
 #pragma unroll
     for (int n = 0; n < kKeys / 8; ++n) {
 #pragma unroll
@@ -138,6 +145,7 @@ __global__ void __launch_bounds__(kDqWarps * 32) paged_attention_backward_dq_ker
         if (may_cut) {
           bool visible = key < block.valid_rows;
           if (chunk_block) visible = visible && block.first_position + key <= query_position[j >> 1];
+          if (window_cuts) visible = visible && key + window_edge > query_position[j >> 1];
           if (!visible) p = 0.f;
         }
         dscores[n][j] = p * (dscores[n][j] - row_delta[j >> 1]);

@@ -28,7 +28,9 @@
 // walks its pairs once per part of the columns, recomputing S^T and dP^T each time (1.4x the
 // products for two parts) and adding that part's dK, dV and dQ.
 // With kSoftcap S^T is capped before P is formed and dS^T is multiplied by the cap's slope
-// (Note [Soft-capped scores in raw units] in attention_common.cuh).
+// (Note [Soft-capped scores in raw units] in attention_common.cuh). With a sliding window the work
+// list ends at the last query block that sees the CTA's keys (own_keys), and items that straddle
+// the window's edge set P = 0 for the hidden pairs (Note [Sliding window in the kernels]).
 // Limitations: the chunk blocks have unequal work (causal); they run first in the grid so the
 // uniform history blocks fill in behind them.
 #pragma once
@@ -152,8 +154,13 @@ __global__ void __launch_bounds__(Tiling::kTile.threads(), 1)
   const int valid_keys = owned.valid_keys;
   const int first_key = owned.first_key;
   const WorkList work = owned.work;
-  // A page no query tile selected receives nothing: adding zeros is a no-op.
+  // A page no query tile selected (or, with a sliding window, no query sees) receives nothing:
+  // adding zeros is a no-op.
   if (work.count == 0) return;
+  // The owned keys' window edge (Note [Sliding window in the kernels]), read after the barrier of
+  // each item.
+  __shared__ int shared_window_edge;
+  if (thread == 0) shared_window_edge = owned_window_edge(shape, owned);
 
   const Element* q = static_cast<const Element*>(params.q);
   const Element* dout = static_cast<const Element*>(params.dout);
@@ -252,6 +259,25 @@ __global__ void __launch_bounds__(Tiling::kTile.threads(), 1)
         warp_matmul_shared_nt<Element, kQueries, kHeadDim, kHeadDim, kHeadDim, kPadded>(scores, k_tile, warp * 16,
                                                                                        q_tile, 0, lane);
         if constexpr (kSoftcap) soft_cap_scores(scores, soft_cap);
+        // Note [Sliding window in the kernels]: the scores of the pairs the window hides become -inf
+        // (P = 0, and dS = 0: the cap's slope is 0 there), where the item's last query does not see
+        // the first key (a uniform branch). Here, before dP exists, the fewest values are live (these
+        // kernels sit at 255 registers), and the edge comes from shared memory, so that no register
+        // holds it across items.
+        if (shape.sliding_window > 0) {
+          const int window_edge = shared_window_edge;
+          if (window_edge <= first_query + kQueries - 1) {
+#pragma unroll
+            for (int n = 0; n < kQueries / 8; ++n) {
+#pragma unroll
+              for (int j = 0; j < 4; ++j) {
+                const int query = n * 8 + 2 * (lane % 4) + (j & 1);
+                const int key = key_row + (j >> 1) * 8;
+                if (key + window_edge <= first_query + query) scores[n][j] = -INFINITY;
+              }
+            }
+          }
+        }
         warp_matmul_shared_nt<Element, kQueries, kHeadDim, kHeadDim, kHeadDim, kPadded>(dscores, v_tile, warp * 16,
                                                                                        dout_tile, 0, lane);
         const bool may_cut = valid_keys < kKeys || (chunk_block && first_key + kKeys - 1 > first_query);
@@ -396,7 +422,8 @@ __device__ __forceinline__ void warp_matmul_two_tiles_nt(float (&acc)[2][4][4], 
 //      workspace (skipped in deterministic mode).
 // The next item's first barrier orders phase 3's reads of dS^T before phase 1 rewrites it.
 // With kSoftcap phase 1 caps S^T before P^T and multiplies dS^T by the cap's slope (Note
-// [Soft-capped scores in raw units] in attention_common.cuh).
+// [Soft-capped scores in raw units] in attention_common.cuh). A sliding window bounds the work
+// list and sets P^T = 0 for hidden pairs in phase 1, as in the kernel above.
 // Limitations: 128-key pages only (a CTA owns one page); head_dim 128.
 // The layout is a BackwardSplitTile.
 template <typename Element, int kHeadDim, typename Tiling, bool kSoftcap = false>
@@ -540,7 +567,11 @@ __global__ void __launch_bounds__(256, 1)
         soft_cap_scores(scores[1], soft_cap);
       }
       warp_matmul_two_tiles_nt<Element, kHeadDim, kPadded>(dscores, v_tile, key_base, dout_tile, query_base, lane);
-      const bool may_cut = owned.valid_keys < kKeys || (owned.chunk_block && owned.first_key + kKeys - 1 > first_query);
+      // The window hides some pair of the item when its last query does not see the first key.
+      const int window_edge = owned_window_edge(shape, owned);
+      const bool window_cuts = window_edge <= first_query + kQueries - 1;
+      const bool may_cut = owned.valid_keys < kKeys ||
+                           (owned.chunk_block && owned.first_key + kKeys - 1 > first_query) || window_cuts;
       // The eight query columns this thread holds: their lse and delta, read once per item.
       float2 column_lse[4], column_delta[4];
 #pragma unroll
@@ -565,6 +596,7 @@ __global__ void __launch_bounds__(256, 1)
               if (may_cut) {
                 bool visible = key < owned.valid_keys;
                 if (owned.chunk_block) visible = visible && owned.first_key + key <= first_query + query + j;
+                if (window_cuts) visible = visible && key + window_edge > first_query + query + j;
                 if (!visible) p[j] = 0.f;
               }
               ds[j] = p[j] * (dscores[t][n][2 * half + j] - delta_pair[j]);

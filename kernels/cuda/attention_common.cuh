@@ -436,6 +436,55 @@ __device__ __forceinline__ KeySequence<Element, kKeys, kShiftIndexing> key_seque
 
 inline constexpr float kLog2e = 1.4426950408889634f;
 
+// Note [Sliding window in the kernels]
+// Note [Sliding window] (membar/kernels/attention.h) lets chunk query row r (position
+// history_tokens + r) see key position p only if p > history_tokens + r - W. A window is a runtime
+// value (shape.sliding_window, read from the parameter bank), not a template flag: it changes
+// which blocks a loop visits and adds a mask in the blocks that straddle the window's edge, both
+// behind uniform branches, so the kernels without a window run the same loops (one more uniform
+// branch per block) and nothing is compiled twice. Windows come only with dense calls that attend
+// the chunk (the checks refuse the rest), so a key sequence's block i holds history tokens
+// i * kKeys .. (dense) and chunk blocks their first_position.
+//   Which blocks: a query-major loop (forward, dQ pass) starts at the first block holding the
+//   lowest position its first query sees (window_first_block); a key-major CTA (dK/dV) visits
+//   only the query blocks up to the last query that sees its last key (own_keys).
+//   Which scores: in chunk-row units a block's edge is e = (its first key's position -
+//   history_tokens) + W, and row r sees key k of the block iff k + e > r (window_edge); a block
+//   needs the mask only where e <= the last row of the warp (or item), a uniform test.
+//   Rows with nothing visible in a block: the forward's online softmax already keeps such rows
+//   finite (a running maximum of -inf is replaced by 0 before exponentiating, as FlashAttention
+//   does), and every row sees at least its own key, so no lse is -inf. The backward masks P
+//   (P = 0, hence dS = 0) rather than the score, so that a soft-cap's slope never meets -inf.
+inline constexpr int kNoWindowEdge = 1 << 30;
+
+// The first block of a dense key sequence of kKeys-key blocks that queries from chunk row
+// first_query on can see (0 without a window): the one holding position history_tokens +
+// first_query - W + 1.
+template <int kKeys, typename Shape>
+__device__ __forceinline__ int window_first_block(const Shape& shape, int num_history_blocks, int first_query) {
+  if (shape.sliding_window <= 0) return 0;
+  const int lowest = shape.history_tokens + first_query - shape.sliding_window + 1;
+  if (lowest <= 0) return 0;
+  if (lowest < shape.history_tokens) return lowest / kKeys;
+  return num_history_blocks + (lowest - shape.history_tokens) / kKeys;
+}
+
+// The edge e of a block whose first key is at chunk-relative position `start` (history keys are
+// negative): row r sees key k of the block iff k + e > r; kNoWindowEdge without a window. Windows
+// past 2^30 are clamped (they hide nothing a chunk can hold) so that e never overflows.
+template <typename Shape>
+__device__ __forceinline__ int window_edge(const Shape& shape, int start) {
+  if (shape.sliding_window <= 0) return kNoWindowEdge;
+  return start + min(shape.sliding_window, kNoWindowEdge);
+}
+
+// window_edge of block `index` of a dense key sequence (first_position: the KeyBlock's, -1 for
+// history blocks).
+template <int kKeys, typename Shape>
+__device__ __forceinline__ int window_edge_of_block(const Shape& shape, int index, int first_position) {
+  return window_edge(shape, first_position >= 0 ? first_position : index * kKeys - shape.history_tokens);
+}
+
 // Note [Soft-capped scores in raw units]
 // Note [Soft-capped scores] (membar/kernels/attention.h) caps every scaled score s = scale * r
 // (r = q.k) at cap * tanh(s / cap). The kernels keep scores in raw units (r; the scale goes into
@@ -466,10 +515,12 @@ struct SoftCap {
     const float complement = __fdividef(2.f, exp2f(raw * raw_to_exponent) + 1.f);  // 1 - tanh(x)
     return raw_cap - raw_cap * complement;
   }
-  // d tanh(x) / dx = 1 - tanh(x)^2 at a capped score r'.
+  // d tanh(x) / dx = 1 - tanh(x)^2 at a capped score r'. tanh^2 is held to 1, so that a score a
+  // sliding window masked to -inf gets slope 0, not -inf (whose product with P = 0 would be NaN;
+  // Note [Sliding window in the kernels]); a capped score's |tanh| is at most 1 anyway.
   __device__ __forceinline__ float slope(float capped_score) const {
     const float tanh_x = capped_score * raw_to_tanh;
-    return 1.f - tanh_x * tanh_x;
+    return 1.f - fminf(tanh_x * tanh_x, 1.f);
   }
 };
 

@@ -22,6 +22,7 @@ const char* paged_attention_cuda_check(const PagedAttentionShape& shape, const P
     return "the CUDA attention kernels support page_tokens 64 or 128.";
   }
   if (selection.enabled()) {
+    if (shape.sliding_window > 0) return "a sliding window cannot be combined with a sparse page selection.";
     if (selection.selected_per_tile < 1) return "a sparse selection must list at least one page per tile.";
     if (selection.query_tile_tokens < kQueryBlockTokens || selection.query_tile_tokens % kQueryBlockTokens != 0) {
       return "the CUDA attention kernels need query_tile_tokens to be a multiple of 64.";

@@ -22,7 +22,9 @@
 // than the multiplications they save, see Note [Lazy rescale] for the form that decides before
 // any exponential). At the end each row is divided by its softmax sum and
 // lse = max * scale + log(sum) is written. With kSoftcap every score is capped before its masks
-// (Note [Soft-capped scores in raw units] in attention_common.cuh).
+// (Note [Soft-capped scores in raw units] in attention_common.cuh). A sliding window starts the
+// loop at the first block the CTA's first query sees and masks the blocks that straddle a warp's
+// window edge (Note [Sliding window in the kernels] in attention_common.cuh).
 //
 // Note [Forward pipelining]
 // Within a warp the three steps of a block depend on each other (S, then its softmax, then P V),
@@ -154,22 +156,25 @@ __global__ void __launch_bounds__(Tiling::kTile.threads(), Tiling::kTile.ctas_pe
       key_sequence_for_tile<Element, kKeys, Tiling::kTile.shift_indexing, kHeadDim>(params, kv_head, first_query, selected, &selected_count);
   const int last_query = min(first_query + kRows, chunk_tokens) - 1;
   // Without attend_chunk only the history blocks (Note [Blocked history] in attention.h); a CTA
-  // with no block at all writes out = 0 and lse = -inf.
-  const int num_blocks = keys.num_history_blocks + (shape.attend_chunk ? last_query / kKeys + 1 : 0);
+  // with no block at all writes out = 0 and lse = -inf. With a sliding window the loop skips the
+  // first_block blocks no query of the CTA sees: loop index i is key-sequence block first_block + i
+  // (Note [Sliding window in the kernels]).
+  const int first_block = window_first_block<kKeys>(shape, keys.num_history_blocks, first_query);
+  const int num_blocks = keys.num_history_blocks + (shape.attend_chunk ? last_query / kKeys + 1 : 0) - first_block;
   const int64_t kv_row_stride = int64_t(shape.num_kv_heads) * kHeadDim;
 
   auto load_keys = [&](int index, int stage) {
-    const KeyBlock<Element> block = keys.block(index);
+    const KeyBlock<Element> block = keys.block(first_block + index);
     load_tile_async<Element, kKeys, kHeadDim, kThreads, kPadded>(k_tiles + stage * kKeys * kStride, block.k_base,
                                                           kv_row_stride, block.valid_rows, thread);
   };
   auto load_values = [&](int index, int stage) {
-    const KeyBlock<Element> block = keys.block(index);
+    const KeyBlock<Element> block = keys.block(first_block + index);
     load_tile_async<Element, kKeys, kHeadDim, kThreads, kPadded>(v_tiles + stage * kKeys * kStride, block.v_base,
                                                           kv_row_stride, block.valid_rows, thread);
   };
   auto load_block = [&](int index, int stage) {
-    const KeyBlock<Element> block = keys.block(index);
+    const KeyBlock<Element> block = keys.block(first_block + index);
     load_tile_async<Element, kKeys, kHeadDim, kThreads, kPadded>(k_tiles + stage * kKeys * kStride, block.k_base,
                                                           kv_row_stride, block.valid_rows, thread);
     load_tile_async<Element, kKeys, kHeadDim, kThreads, kPadded>(v_tiles + stage * kKeys * kStride, block.v_base,
@@ -255,8 +260,9 @@ __global__ void __launch_bounds__(Tiling::kTile.threads(), Tiling::kTile.ctas_pe
     }
   };
   // Mask and online softmax of row tile t of a block's scores; P goes to p as A fragments.
-  auto softmax_tile = [&](Scores& scores, int t, const KeyBlock<Element>& block, bool needs_mask,
-                          uint32_t (&p)[kKeys / 16][4]) {
+  // window_edge: the block's (Note [Sliding window in the kernels]), used when window_cuts.
+  auto softmax_tile = [&](Scores& scores, int t, const KeyBlock<Element>& block, bool needs_mask, bool window_cuts,
+                          int window_edge, uint32_t (&p)[kKeys / 16][4]) {
     const bool chunk_block = block.first_position >= 0;
     const int row_position = first_query + warp_row + t * 16 + lane / 4;
     if constexpr (kSoftcap) soft_cap_scores(scores[t], soft_cap);
@@ -269,6 +275,16 @@ __global__ void __launch_bounds__(Tiling::kTile.threads(), Tiling::kTile.ctas_pe
           bool visible = key < block.valid_rows;
           if (chunk_block) visible = visible && block.first_position + key <= row_position + (j >> 1) * 8;
           if (!visible) scores[t][n][j] = -INFINITY;
+        }
+      }
+    }
+    if (window_cuts) {
+#pragma unroll
+      for (int n = 0; n < kKeys / 8; ++n) {
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const int key = n * 8 + 2 * (lane % 4) + (j & 1);
+          if (key + window_edge <= row_position + (j >> 1) * 8) scores[t][n][j] = -INFINITY;
         }
       }
     }
@@ -356,6 +372,9 @@ __global__ void __launch_bounds__(Tiling::kTile.threads(), Tiling::kTile.ctas_pe
     return block.valid_rows < kKeys ||
            (block.first_position >= 0 && block.first_position + kKeys - 1 > first_query + warp_row);
   };
+  // Whether the window hides some key of the block from some row of this warp: the last row does
+  // not see the block's first key.
+  auto window_cuts_block = [&](int window_edge) { return window_edge <= first_query + warp_row + kWarpRows - 1; };
   using Probabilities = uint32_t[kRowTiles][kKeys / 16][4];
   auto multiply_values = [&](Probabilities& p_fragments, const Element* v_tile) {
     // O += P V: every V fragment serves all row tiles of the warp.
@@ -377,11 +396,15 @@ __global__ void __launch_bounds__(Tiling::kTile.threads(), Tiling::kTile.ctas_pe
   };
   // Mask, online softmax and O += P V of block `index` (in `stage`), from its scores.
   auto accumulate_block = [&](Scores& scores, int index, int stage) {
-    const KeyBlock<Element> block = keys.block(index);
+    const KeyBlock<Element> block = keys.block(first_block + index);
     const bool needs_mask = block_needs_mask(block);
+    const int window_edge = window_edge_of_block<kKeys>(shape, first_block + index, block.first_position);
+    const bool window_cuts = window_cuts_block(window_edge);
     Probabilities p_fragments;
 #pragma unroll
-    for (int t = 0; t < kRowTiles; ++t) softmax_tile(scores, t, block, needs_mask, p_fragments[t]);
+    for (int t = 0; t < kRowTiles; ++t) {
+      softmax_tile(scores, t, block, needs_mask, window_cuts, window_edge, p_fragments[t]);
+    }
     if constexpr (kStages == 1) {
       copy_async_wait<0>();
       __syncthreads();
@@ -438,13 +461,15 @@ __global__ void __launch_bounds__(Tiling::kTile.threads(), Tiling::kTile.ctas_pe
       Scores scores;
       if constexpr (Tiling::kTile.sequential_row_tiles) {
         // One row tile at a time up to its P, so that only one tile's scores are live.
-        const KeyBlock<Element> block = keys.block(index);
+        const KeyBlock<Element> block = keys.block(first_block + index);
         const bool needs_mask = block_needs_mask(block);
+        const int window_edge = window_edge_of_block<kKeys>(shape, first_block + index, block.first_position);
+        const bool window_cuts = window_cuts_block(window_edge);
         Probabilities p_fragments;
 #pragma unroll
         for (int t = 0; t < kRowTiles; ++t) {
           compute_scores(scores, stage, t);
-          softmax_tile(scores, t, block, needs_mask, p_fragments[t]);
+          softmax_tile(scores, t, block, needs_mask, window_cuts, window_edge, p_fragments[t]);
         }
         multiply_values(p_fragments, v_tiles + stage * kKeys * kStride);
       } else {

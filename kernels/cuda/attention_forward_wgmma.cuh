@@ -159,12 +159,15 @@ __global__ void __launch_bounds__(kThreads, Tiling::kTile.ctas_per_sm)
       key_sequence_for_tile<Element, kKeys, true, kHeadDim>(params, kv_head, first_query, selected, selected_count);
   const int last_query = min(first_query + kRows, chunk_tokens) - 1;
   // Without attend_chunk only the history blocks (Note [Blocked history] in attention.h); a CTA
-  // with no block at all writes out = 0 and lse = -inf.
-  const int num_blocks = keys.num_history_blocks + (shape.attend_chunk ? last_query / kKeys + 1 : 0);
+  // with no block at all writes out = 0 and lse = -inf. With a sliding window the loop skips the
+  // first_block blocks no query of the CTA sees: loop index i is key-sequence block first_block + i
+  // (Note [Sliding window in the kernels] in attention_common.cuh).
+  const int first_block = window_first_block<kKeys>(shape, keys.num_history_blocks, first_query);
+  const int num_blocks = keys.num_history_blocks + (shape.attend_chunk ? last_query / kKeys + 1 : 0) - first_block;
   const int64_t kv_row_stride = int64_t(shape.num_kv_heads) * kHeadDim;
 
   auto load_block = [&](int index, int stage) {
-    const KeyBlock<Element> block = keys.block(index);
+    const KeyBlock<Element> block = keys.block(first_block + index);
     load_swizzled_rows<kKeys, kHeadDim, kThreads>(k_tiles + stage * kTileBytes, block.k_base, kv_row_stride,
                                                   block.valid_rows, thread);
     load_swizzled_rows<kKeys, kHeadDim, kThreads>(v_tiles + stage * kTileBytes, block.v_base, kv_row_stride,
@@ -206,8 +209,8 @@ __global__ void __launch_bounds__(kThreads, Tiling::kTile.ctas_per_sm)
   };
   // The block's cap (kSoftcap), masks and online softmax on its (finished) scores, the output
   // rescaled, and P as A fragments of the element type: k step kk (16 keys) is score tiles 2 kk
-  // and 2 kk + 1.
-  auto softmax_block = [&](float (&scores)[kKeys / 8][4], const KeyBlock<Element>& block,
+  // and 2 kk + 1. `index`: the block's loop index (for its window edge).
+  auto softmax_block = [&](float (&scores)[kKeys / 8][4], const KeyBlock<Element>& block, int index,
                            uint32_t (&p)[kKeys / 16][4]) {
     // Note [Soft-capped scores in raw units] (attention_common.cuh): before the masks.
     if constexpr (kSoftcap) soft_cap_scores(scores, soft_cap);
@@ -225,6 +228,20 @@ __global__ void __launch_bounds__(kThreads, Tiling::kTile.ctas_per_sm)
           bool visible = key < block.valid_rows;
           if (chunk_block) visible = visible && block.first_position + key <= row_position + (j >> 1) * 8;
           if (!visible) scores[n][j] = -INFINITY;
+        }
+      }
+    }
+    // The sliding window, where it hides some key of the block from some row of this warp (Note
+    // [Sliding window in the kernels] in attention_common.cuh). A row may then see no key of the
+    // block: the -INFINITY guard on the running maximum below keeps it finite.
+    const int window_edge = window_edge_of_block<kKeys>(shape, first_block + index, block.first_position);
+    if (window_edge <= first_query + warp_row + 15) {
+#pragma unroll
+      for (int n = 0; n < kKeys / 8; ++n) {
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const int key = n * 8 + 2 * (lane % 4) + (j & 1);
+          if (key + window_edge <= row_position + (j >> 1) * 8) scores[n][j] = -INFINITY;
         }
       }
     }
@@ -308,7 +325,7 @@ __global__ void __launch_bounds__(kThreads, Tiling::kTile.ctas_per_sm)
         if (index + 1 < num_blocks) load_block(index + 1, (index + 1) % kStages);
         copy_async_commit();
       }
-      const KeyBlock<Element> block = keys.block(index);
+      const KeyBlock<Element> block = keys.block(first_block + index);
       if (!computes(block)) continue;
 
       float scores[kKeys / 8][4];
@@ -316,7 +333,7 @@ __global__ void __launch_bounds__(kThreads, Tiling::kTile.ctas_per_sm)
       wgmma_wait<0>();
       fence_registers(scores);
       uint32_t p[kKeys / 16][4];
-      softmax_block(scores, block, p);
+      softmax_block(scores, block, index, p);
       issue_values(p, stage);
       wgmma_wait<0>();
       fence_registers(output);
@@ -336,7 +353,7 @@ __global__ void __launch_bounds__(kThreads, Tiling::kTile.ctas_per_sm)
     __syncthreads();
     float scores[kKeys / 8][4];
     float next_scores[kKeys / 8][4];
-    KeyBlock<Element> block = keys.block(0);
+    KeyBlock<Element> block = keys.block(first_block);
     if (num_blocks > 0 && computes(block)) issue_scores(scores, 0);
     for (int index = 0; index < num_blocks; ++index) {
       copy_async_wait<0>();   // block index + 1
@@ -344,7 +361,7 @@ __global__ void __launch_bounds__(kThreads, Tiling::kTile.ctas_per_sm)
       __syncthreads();
       if (index + 2 < num_blocks) load_block(index + 2, (index + 2) % kStages);
       copy_async_commit();
-      const KeyBlock<Element> next_block = keys.block(index + 1);
+      const KeyBlock<Element> next_block = keys.block(first_block + index + 1);
       const bool next = index + 1 < num_blocks && computes(next_block);
       if (next) issue_scores(next_scores, (index + 1) % kStages);
       if (computes(block)) {
@@ -355,7 +372,7 @@ __global__ void __launch_bounds__(kThreads, Tiling::kTile.ctas_per_sm)
         }
         fence_registers(scores);
         uint32_t p[kKeys / 16][4];
-        softmax_block(scores, block, p);
+        softmax_block(scores, block, index, p);
         issue_values(p, index % kStages);
       }
       wgmma_wait<0>();

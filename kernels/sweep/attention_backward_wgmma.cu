@@ -384,7 +384,8 @@ bool backward_wgmma_w8_k128_fits(const PagedAttentionBackwardParams& params) {
   const PagedAttentionShape& shape = params.shape;
   const CudaTarget target = current_cuda_target();
   return shape.dtype == DType::kBFloat16 && shape.head_dim == kHeadDim && shape.page_tokens == kKeys &&
-         shape.logit_softcap == 0.f && target.compute_capability == 90 && target.warpgroup_kernels;
+         shape.logit_softcap == 0.f && shape.sliding_window == 0 && target.compute_capability == 90 &&
+         target.warpgroup_kernels;
 }
 
 int backward_wgmma_w8_k128_run(const PagedAttentionBackwardParams& params, void* stream) {

@@ -72,10 +72,11 @@ constexpr Standing standing_of(const char* name) {
 }
 
 // Both kinds of layout own one page of keys per CTA: 128 keys here. The sweep compiles its
-// layouts without a cap (Note [Soft-capped scores in raw units]).
+// layouts without a cap (Note [Soft-capped scores in raw units]) and times them without a sliding
+// window.
 bool fits_pages_of_128(const PagedAttentionBackwardParams& params) {
   return params.shape.dtype == DType::kBFloat16 && params.shape.head_dim == kHeadDim &&
-         params.shape.page_tokens == 128 && params.shape.logit_softcap == 0.f;
+         params.shape.page_tokens == 128 && params.shape.logit_softcap == 0.f && params.shape.sliding_window == 0;
 }
 
 template <detail::KvLaunch kLaunch>

@@ -112,6 +112,7 @@ struct Case {
   float logit_softcap = 0.f;  // Note [Soft-capped scores] in attention.h; 0: none
   float scale_factor = 1.f;   // softmax_scale = scale_factor / sqrt(head_dim): > 1 makes |s| >> cap
   bool attend_chunk = true;   // false: history only (Note [Blocked history])
+  int32_t sliding_window = 0;  // Note [Sliding window] in attention.h; 0: none
 };
 
 void PrintTo(const Case& c, std::ostream* os) { *os << c.name; }
@@ -153,6 +154,7 @@ Problem make_problem(const Case& c, uint32_t seed) {
   p.shape.dtype = c.dtype;
   p.shape.logit_softcap = c.logit_softcap;
   p.shape.attend_chunk = c.attend_chunk;
+  p.shape.sliding_window = c.sliding_window;
   p.num_pages = p.shape.num_history_pages();
   p.pool_pages = p.num_pages + 3;
   const size_t q_elements = size_t(c.chunk_tokens) * c.num_q_heads * c.head_dim;
@@ -427,6 +429,14 @@ TEST_P(PagedAttentionCuda, ForwardAndBackwardMatchReference) {
     const Results plain = run_cpu(uncapped, true);
     EXPECT_GT(max_abs_difference(plain.out, truth.out), 0.02 * max_abs(truth.out)) << "the cap hardly matters here";
   }
+  if (c.sliding_window > 0 && c.sliding_window < c.history_tokens + c.chunk_tokens) {
+    // A window that hides keys must change the answer (else a kernel ignoring it would pass).
+    Problem unwindowed = p;
+    unwindowed.shape.sliding_window = 0;
+    const Results plain = run_cpu(unwindowed, true);
+    EXPECT_GT(max_abs_difference(plain.out, truth.out), 0.02 * max_abs(truth.out)) << "the window hardly matters here";
+    EXPECT_GT(max_abs_difference(plain.dq, truth.dq), 0.02 * max_abs(truth.dq)) << "the window hardly matters here";
+  }
   for (bool deterministic : {false, true}) {
     std::printf(" deterministic=%d\n", int(deterministic));
     const Results gpu = run_gpu(p, deterministic);
@@ -561,6 +571,45 @@ const Case kSoftcapCases[] = {
 INSTANTIATE_TEST_SUITE_P(SoftCapped, PagedAttentionCuda, ::testing::ValuesIn(kSoftcapCases),
                          [](const ::testing::TestParamInfo<Case>& info) { return std::string(info.param.name); });
 
+// Sliding windows (Note [Sliding window] in attention.h; Note [Sliding window in the kernels] in
+// kernels/cuda/attention_common.cuh): every head size, bf16 and fp16, windows smaller than a key
+// block (64 or 128), between the two, larger than a page and several pages long, of one position,
+// past the whole history (hides nothing), with Gemma 2's soft-cap, without history, and chunks of
+// several query tiles whose later tiles skip whole history pages and chunk blocks (the forward's
+// first block, the dK/dV work lists' ends). Every other compiled layout runs them too.
+const Case kWindowCases[] = {
+    {"window30_gqa4_d128_p128", 300, 500, 128, 8, 2, 128, 0, 0, DType::kFloat32, DType::kBFloat16, 0.f, 1.f, true, 30},
+    {"window100_gqa2_d128_p64_fp16", 260, 400, 64, 8, 4, 128, 0, 0, DType::kFloat32, DType::kFloat16, 0.f, 1.f, true,
+     100},
+    {"window700_gqa4_d128_p128_bf16pages", 400, 1000, 128, 8, 2, 128, 0, 0, DType::kBFloat16, DType::kBFloat16, 0.f,
+     1.f, true, 700},
+    {"window150_gqa4_d128_p64_long_chunk", 700, 800, 64, 8, 2, 128, 0, 0, DType::kFloat32, DType::kBFloat16, 0.f, 1.f,
+     true, 150},
+    {"window200_gqa2_d64_p128", 300, 600, 128, 4, 2, 64, 0, 0, DType::kFloat32, DType::kBFloat16, 0.f, 1.f, true, 200},
+    {"window129_gqa4_d64_p64_fp16", 200, 300, 64, 8, 2, 64, 0, 0, DType::kFloat32, DType::kFloat16, 0.f, 1.f, true,
+     129},
+    {"window77_gqa2_d96_p128", 250, 300, 128, 4, 2, 96, 0, 0, DType::kFloat32, DType::kBFloat16, 0.f, 1.f, true, 77},
+    {"window300_gqa2_d96_p64_fp16", 300, 700, 64, 4, 2, 96, 0, 0, DType::kFloat32, DType::kFloat16, 0.f, 1.f, true,
+     300},
+    {"window64_gqa2_d256_p128", 200, 400, 128, 4, 2, 256, 0, 0, DType::kFloat32, DType::kBFloat16, 0.f, 1.f, true, 64},
+    {"window500_gqa2_d256_p64_fp16_bf16pages", 300, 900, 64, 4, 2, 256, 0, 0, DType::kBFloat16, DType::kFloat16, 0.f,
+     1.f, true, 500},
+    {"softcap50_window90_gqa2_d256_p128", 260, 600, 128, 8, 4, 256, 0, 0, DType::kFloat32, DType::kBFloat16, 50.f,
+     10.f, true, 90},
+    {"softcap5_window1000_gqa2_d128_p64_fp16", 400, 1500, 64, 8, 4, 128, 0, 0, DType::kFloat32, DType::kFloat16, 5.f,
+     6.f, true, 1000},
+    {"softcap5_window40_gqa4_d64_p128", 200, 300, 128, 8, 2, 64, 0, 0, DType::kFloat32, DType::kBFloat16, 5.f, 6.f,
+     true, 40},
+    {"window1_gqa1_d128_p128", 150, 200, 128, 2, 2, 128, 0, 0, DType::kFloat32, DType::kBFloat16, 0.f, 1.f, true, 1},
+    {"window50_gqa2_d128_no_history", 300, 0, 128, 4, 2, 128, 0, 0, DType::kFloat32, DType::kBFloat16, 0.f, 1.f, true,
+     50},
+    {"window5000_hides_nothing_d128_p128", 200, 300, 128, 4, 2, 128, 0, 0, DType::kFloat32, DType::kBFloat16, 0.f, 1.f,
+     true, 5000},
+};
+
+INSTANTIATE_TEST_SUITE_P(Windowed, PagedAttentionCuda, ::testing::ValuesIn(kWindowCases),
+                         [](const ::testing::TestParamInfo<Case>& info) { return std::string(info.param.name); });
+
 // ---------------------------------------------------------------------------------------------
 // Page summary and page select.
 
@@ -660,6 +709,17 @@ TEST(PagedAttentionCudaChecks, RejectsUnsupportedShapes) {
   shape.logit_softcap = 50.f;
   EXPECT_STREQ("", mk::paged_attention_check_shape(shape));
   EXPECT_STREQ("", mk::cuda::paged_attention_cuda_check(shape, {}));
+  // A sliding window: >= 0, with the chunk in the call, and not with a sparse selection.
+  shape.sliding_window = 64;
+  EXPECT_STREQ("", mk::paged_attention_check_shape(shape));
+  EXPECT_STREQ("", mk::cuda::paged_attention_cuda_check(shape, {}));
+  mk::PageSelection tiles{reinterpret_cast<const int32_t*>(16), 4, 128};
+  EXPECT_STRNE("", mk::cuda::paged_attention_cuda_check(shape, tiles));
+  shape.attend_chunk = false;
+  EXPECT_STRNE("", mk::paged_attention_check_shape(shape));
+  shape.attend_chunk = true;
+  shape.sliding_window = -1;
+  EXPECT_STRNE("", mk::paged_attention_check_shape(shape));
 }
 
 }  // namespace
