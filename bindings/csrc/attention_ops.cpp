@@ -4,9 +4,10 @@
 //
 //   paged_attention_forward(q, k_chunk, v_chunk, k_pool, k_page_index, v_pool, v_page_index,
 //       history_tokens, softmax_scale, selected_pages?, query_tile_tokens, attend_chunk, layout,
-//       logit_softcap) -> (out, lse)
+//       logit_softcap, sliding_window) -> (out, lse)
 //   paged_attention_backward(..., out, dout, lse, dk_pool!, dk_page_index, dv_pool!,
-//       dv_page_index, ..., deterministic, attend_chunk, layout, logit_softcap) -> (dq, dk_chunk, dv_chunk); ADDS
+//       dv_page_index, ..., deterministic, attend_chunk, layout, logit_softcap, sliding_window)
+//       -> (dq, dk_chunk, dv_chunk); ADDS
 //       the history's dK/dV into the grad pools in place. attend_chunk=False: the queries attend
 //       only the history (Note [Blocked history] in membar/kernels/attention.h); dk_chunk/dv_chunk
 //       are then zeros.
@@ -66,12 +67,12 @@ std::tuple<at::Tensor, at::Tensor> forward_cpu(const at::Tensor& q, const at::Te
                                                int64_t history_tokens, double softmax_scale,
                                                const std::optional<at::Tensor>& selected_pages,
                                                int64_t query_tile_tokens, bool attend_chunk, const std::string& layout,
-                                               double logit_softcap) {
+                                               double logit_softcap, int64_t sliding_window) {
   check_cpu(q, "paged_attention_forward");
   check_no_layout(layout, "paged_attention_forward");
   ForwardCall call = prepare_forward(q, k_chunk, v_chunk, k_pool, k_page_index, v_pool, v_page_index, history_tokens,
-                                     softmax_scale, logit_softcap, selected_pages, query_tile_tokens, attend_chunk,
-                                     /*check_index_values=*/true);
+                                     softmax_scale, logit_softcap, sliding_window, selected_pages, query_tile_tokens,
+                                     attend_chunk, /*check_index_values=*/true);
   check_kernel_status(k::cpu::paged_attention_forward(call.params, cpu_options()), "paged_attention_forward");
   return {call.out, call.lse};
 }
@@ -82,13 +83,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_cpu(
     const at::Tensor& dout, const at::Tensor& lse, at::Tensor& dk_pool, const at::Tensor& dk_page_index,
     at::Tensor& dv_pool, const at::Tensor& dv_page_index, int64_t history_tokens, double softmax_scale,
     const std::optional<at::Tensor>& selected_pages, int64_t query_tile_tokens, bool deterministic,
-    bool attend_chunk, const std::string& layout, double logit_softcap) {
+    bool attend_chunk, const std::string& layout, double logit_softcap, int64_t sliding_window) {
   check_cpu(q, "paged_attention_backward");
   check_no_layout(layout, "paged_attention_backward");
   BackwardCall call = prepare_backward(q, k_chunk, v_chunk, k_pool, k_page_index, v_pool, v_page_index, out, dout, lse,
                                        dk_pool, dk_page_index, dv_pool, dv_page_index, history_tokens, softmax_scale,
-                                       logit_softcap, selected_pages, query_tile_tokens, deterministic, attend_chunk,
-                                       /*check_index_values=*/true);
+                                       logit_softcap, sliding_window, selected_pages, query_tile_tokens, deterministic,
+                                       attend_chunk, /*check_index_values=*/true);
   check_kernel_status(k::cpu::paged_attention_backward(call.params, cpu_options()), "paged_attention_backward");
   return {call.dq, call.dk_chunk, call.dv_chunk};
 }
@@ -113,7 +114,7 @@ at::Tensor select_cpu(const at::Tensor& q, const at::Tensor& mean, const std::op
 std::tuple<at::Tensor, at::Tensor> forward_meta(const at::Tensor& q, const at::Tensor&, const at::Tensor&,
                                                 const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                                 const at::Tensor&, int64_t, double, const std::optional<at::Tensor>&,
-                                                int64_t, bool, const std::string&, double) {
+                                                int64_t, bool, const std::string&, double, int64_t) {
   TORCH_CHECK(q.dim() == 3, "paged attention: q must have 3 dimensions [chunk_tokens, q_heads, head_dim].");
   return {at::empty_like(q, at::MemoryFormat::Contiguous),
           at::empty({q.size(1), q.size(0)}, q.options().dtype(lse_dtype_for(q.scalar_type())))};
@@ -123,7 +124,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_meta(
     const at::Tensor& q, const at::Tensor& k_chunk, const at::Tensor& v_chunk, const at::Tensor&, const at::Tensor&,
     const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, at::Tensor&,
     const at::Tensor&, at::Tensor&, const at::Tensor&, int64_t, double, const std::optional<at::Tensor>&, int64_t, bool,
-    bool, const std::string&, double) {
+    bool, const std::string&, double, int64_t) {
   return {at::empty_like(q, at::MemoryFormat::Contiguous), at::empty_like(k_chunk, at::MemoryFormat::Contiguous),
           at::empty_like(v_chunk, at::MemoryFormat::Contiguous)};
 }
@@ -153,13 +154,14 @@ TORCH_LIBRARY_FRAGMENT(membar, m) {
       "paged_attention_forward(Tensor q, Tensor k_chunk, Tensor v_chunk, Tensor k_pool, Tensor k_page_index, "
       "Tensor v_pool, Tensor v_page_index, int history_tokens, float softmax_scale, "
       "Tensor? selected_pages=None, int query_tile_tokens=128, bool attend_chunk=True, str layout=\"\", "
-      "float logit_softcap=0.) -> (Tensor out, Tensor lse)");
+      "float logit_softcap=0., int sliding_window=0) -> (Tensor out, Tensor lse)");
   m.def(
       "paged_attention_backward(Tensor q, Tensor k_chunk, Tensor v_chunk, Tensor k_pool, Tensor k_page_index, "
       "Tensor v_pool, Tensor v_page_index, Tensor out, Tensor dout, Tensor lse, "
       "Tensor(a!) dk_pool, Tensor dk_page_index, Tensor(b!) dv_pool, Tensor dv_page_index, "
       "int history_tokens, float softmax_scale, Tensor? selected_pages=None, int query_tile_tokens=128, "
-      "bool deterministic=False, bool attend_chunk=True, str layout=\"\", float logit_softcap=0.) "
+      "bool deterministic=False, bool attend_chunk=True, str layout=\"\", float logit_softcap=0., "
+      "int sliding_window=0) "
       "-> (Tensor dq, Tensor dk_chunk, Tensor dv_chunk)");
   m.def(
       "page_summary(Tensor k_pool, Tensor k_page_index, int history_tokens, bool with_bounds=False) "

@@ -39,8 +39,9 @@ struct ForwardCall {
 ForwardCall prepare_forward(const at::Tensor& q, const at::Tensor& k_chunk, const at::Tensor& v_chunk,
                             const at::Tensor& k_pool, const at::Tensor& k_page_index, const at::Tensor& v_pool,
                             const at::Tensor& v_page_index, int64_t history_tokens, double softmax_scale,
-                            double logit_softcap, const std::optional<at::Tensor>& selected_pages,
-                            int64_t query_tile_tokens, bool attend_chunk, bool check_index_values);
+                            double logit_softcap, int64_t sliding_window,
+                            const std::optional<at::Tensor>& selected_pages, int64_t query_tile_tokens,
+                            bool attend_chunk, bool check_index_values);
 
 struct BackwardCall {
   kernels::PagedAttentionBackwardParams params;
@@ -53,7 +54,7 @@ BackwardCall prepare_backward(const at::Tensor& q, const at::Tensor& k_chunk, co
                               const at::Tensor& v_page_index, const at::Tensor& out, const at::Tensor& dout,
                               const at::Tensor& lse, const at::Tensor& dk_pool, const at::Tensor& dk_page_index,
                               const at::Tensor& dv_pool, const at::Tensor& dv_page_index, int64_t history_tokens,
-                              double softmax_scale, double logit_softcap,
+                              double softmax_scale, double logit_softcap, int64_t sliding_window,
                               const std::optional<at::Tensor>& selected_pages, int64_t query_tile_tokens,
                               bool deterministic, bool attend_chunk, bool check_index_values);
 

@@ -3,6 +3,7 @@
 // bindings/csrc/sweep/. No op is registered here (attention_ops.cpp holds the schemas).
 #include "attention_ops.h"
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <vector>
@@ -103,8 +104,9 @@ k::DType to_kernel_dtype(at::ScalarType type, const char* what) {
 ForwardCall prepare_forward(const at::Tensor& q, const at::Tensor& k_chunk, const at::Tensor& v_chunk,
                             const at::Tensor& k_pool, const at::Tensor& k_page_index, const at::Tensor& v_pool,
                             const at::Tensor& v_page_index, int64_t history_tokens, double softmax_scale,
-                            double logit_softcap, const std::optional<at::Tensor>& selected_pages,
-                            int64_t query_tile_tokens, bool attend_chunk, bool check_index_values) {
+                            double logit_softcap, int64_t sliding_window,
+                            const std::optional<at::Tensor>& selected_pages, int64_t query_tile_tokens,
+                            bool attend_chunk, bool check_index_values) {
   check_dims(q, 3, "q", "[chunk_tokens, q_heads, head_dim]");
   check_dims(k_chunk, 3, "k_chunk", "[chunk_tokens, kv_heads, head_dim]");
   check_dims(v_chunk, 3, "v_chunk", "[chunk_tokens, kv_heads, head_dim]");
@@ -129,6 +131,9 @@ ForwardCall prepare_forward(const at::Tensor& q, const at::Tensor& k_chunk, cons
               "positive number (got ", softmax_scale, ").");
   TORCH_CHECK(std::isfinite(logit_softcap) && logit_softcap >= 0, "paged attention: logit_softcap must be 0 (no "
               "soft-cap) or a finite positive number (got ", logit_softcap, ").");
+  // Note [Sliding window] in membar/kernels/attention.h; the shape check below refuses the rest.
+  TORCH_CHECK(sliding_window >= 0, "paged attention: sliding_window must be 0 (no window) or a positive number of "
+              "positions (got ", sliding_window, ").");
 
   ForwardCall call;
   k::PagedAttentionShape& shape = call.params.shape;
@@ -140,6 +145,8 @@ ForwardCall prepare_forward(const at::Tensor& q, const at::Tensor& k_chunk, cons
   shape.head_dim = checked_int32(q.size(2), "head_dim");
   shape.softmax_scale = static_cast<float>(softmax_scale);
   shape.logit_softcap = static_cast<float>(logit_softcap);
+  // A window past int32 hides nothing a chunk can hold.
+  shape.sliding_window = static_cast<int32_t>(std::min<int64_t>(sliding_window, std::numeric_limits<int32_t>::max()));
   shape.dtype = kernel_dtype;
   shape.attend_chunk = attend_chunk;
   const char* problem = k::paged_attention_check_shape(shape);
@@ -194,13 +201,13 @@ BackwardCall prepare_backward(const at::Tensor& q, const at::Tensor& k_chunk, co
                               const at::Tensor& v_page_index, const at::Tensor& out, const at::Tensor& dout,
                               const at::Tensor& lse, const at::Tensor& dk_pool, const at::Tensor& dk_page_index,
                               const at::Tensor& dv_pool, const at::Tensor& dv_page_index, int64_t history_tokens,
-                              double softmax_scale, double logit_softcap,
+                              double softmax_scale, double logit_softcap, int64_t sliding_window,
                               const std::optional<at::Tensor>& selected_pages, int64_t query_tile_tokens,
                               bool deterministic, bool attend_chunk, bool check_index_values) {
   BackwardCall call;
   call.forward = prepare_forward(q, k_chunk, v_chunk, k_pool, k_page_index, v_pool, v_page_index, history_tokens,
-                                 softmax_scale, logit_softcap, selected_pages, query_tile_tokens, attend_chunk,
-                                 check_index_values);
+                                 softmax_scale, logit_softcap, sliding_window, selected_pages, query_tile_tokens,
+                                 attend_chunk, check_index_values);
   // The forward's own outputs are not needed.
   call.forward.out = at::Tensor();
   call.forward.lse = at::Tensor();

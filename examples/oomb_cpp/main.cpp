@@ -39,14 +39,14 @@ using ForwardSignature = std::tuple<Tensor, Tensor>(
     const Tensor& q, const Tensor& k_chunk, const Tensor& v_chunk, const Tensor& k_pool, const Tensor& k_page_index,
     const Tensor& v_pool, const Tensor& v_page_index, int64_t history_tokens, double softmax_scale,
     const std::optional<Tensor>& selected_pages, int64_t query_tile_tokens, bool attend_chunk,
-    const std::string& layout, double logit_softcap);
+    const std::string& layout, double logit_softcap, int64_t sliding_window);
 using BackwardSignature = std::tuple<Tensor, Tensor, Tensor>(
     const Tensor& q, const Tensor& k_chunk, const Tensor& v_chunk, const Tensor& k_pool, const Tensor& k_page_index,
     const Tensor& v_pool, const Tensor& v_page_index, const Tensor& out, const Tensor& dout, const Tensor& lse,
     Tensor& dk_pool, const Tensor& dk_page_index, Tensor& dv_pool, const Tensor& dv_page_index,
     int64_t history_tokens, double softmax_scale, const std::optional<Tensor>& selected_pages,
     int64_t query_tile_tokens, bool deterministic, bool attend_chunk, const std::string& layout,
-    double logit_softcap);
+    double logit_softcap, int64_t sliding_window);
 
 struct Ops {
   c10::TypedOperatorHandle<ForwardSignature> forward;
@@ -116,7 +116,7 @@ class PagedAttention : public torch::autograd::Function<PagedAttention> {
     auto [k_pool, v_pool, index] = history_of(*state, state->pages->k, state->pages->v, layer);
     auto [out, lse] = ops().forward.call(q, k, v, k_pool, index, v_pool, index, state->history_tokens, state->scale,
                                          std::nullopt, 128, /*attend_chunk=*/true, /*layout=*/"",
-                                         /*logit_softcap=*/0.0);
+                                         /*logit_softcap=*/0.0, /*sliding_window=*/0);
     ctx->save_for_backward({q, k, v, out, lse});
     ctx->saved_data["state"] = reinterpret_cast<int64_t>(state);
     ctx->saved_data["layer"] = layer;
@@ -133,7 +133,7 @@ class PagedAttention : public torch::autograd::Function<PagedAttention> {
                                             grad_outputs[0].contiguous(), saved[4], dk_pool, grad_index, dv_pool,
                                             grad_index, state->history_tokens, state->scale, std::nullopt, 128,
                                             /*deterministic=*/true, /*attend_chunk=*/true, /*layout=*/"",
-                                            /*logit_softcap=*/0.0);
+                                            /*logit_softcap=*/0.0, /*sliding_window=*/0);
     return {dq, dk, dv, Tensor(), Tensor()};
   }
 };
@@ -238,7 +238,8 @@ struct TinyLMImpl : torch::nn::Module {
         auto [k_pool, v_pool, index] = history_of(*state, state->pages->k, state->pages->v, layer);
         attended = std::get<0>(ops().forward.call(queries, keys, values, k_pool, index, v_pool, index,
                                                   state->history_tokens, state->scale, std::nullopt, 128,
-                                                  /*attend_chunk=*/true, /*layout=*/"", /*logit_softcap=*/0.0));
+                                                  /*attend_chunk=*/true, /*layout=*/"", /*logit_softcap=*/0.0,
+                                                  /*sliding_window=*/0));
         SequencePages::rows(state->pages->k[layer], state->first_page, tokens).copy_(keys);
         SequencePages::rows(state->pages->v[layer], state->first_page, tokens).copy_(values);
       } else {

@@ -52,8 +52,10 @@ def gathered(pool, index, history_tokens):
     return pool.index_select(0, index.long()).reshape(-1, *pool.shape[2:])[:history_tokens]
 
 
-def visibility_mask(chunk_tokens, history_tokens, page_tokens, selection, tile, device):
-    """[Tc, history + Tc] bool: history visible (or the tile's selected pages), chunk causal."""
+def visibility_mask(chunk_tokens, history_tokens, page_tokens, selection, tile, device, window=0):
+    """[Tc, history + Tc] bool: history visible (or the tile's selected pages), chunk causal; with a
+    window, Hugging Face's kv_idx > q_idx - window (history at positions 0.., chunk token i at
+    history_tokens + i)."""
     history = torch.ones(chunk_tokens, history_tokens, dtype=torch.bool, device=device)
     if selection is not None:
         history = torch.zeros_like(history)
@@ -62,12 +64,18 @@ def visibility_mask(chunk_tokens, history_tokens, page_tokens, selection, tile, 
                 if page >= 0:
                     history[t * tile:(t + 1) * tile, page * page_tokens:(page + 1) * page_tokens] = True
     causal = torch.ones(chunk_tokens, chunk_tokens, dtype=torch.bool, device=device).tril()
-    return torch.cat([history, causal], dim=1)
+    mask = torch.cat([history, causal], dim=1)
+    if window:
+        q_idx = history_tokens + torch.arange(chunk_tokens, device=device)[:, None]
+        kv_idx = torch.arange(history_tokens + chunk_tokens, device=device)[None, :]
+        mask &= kv_idx > q_idx - window
+    return mask
 
 
-def reference(p, selection=None, tile=128, softcap=0.0):
+def reference(p, selection=None, tile=128, softcap=0.0, window=0):
     """fp32 attention over [history; chunk] with autograd: out, lse, and the gradients (softcap > 0:
-    scores through softcap * tanh(s / softcap) first, Gemma 2's soft-cap)."""
+    scores through softcap * tanh(s / softcap) first, Gemma 2's soft-cap; window > 0: a sliding
+    window)."""
     history_tokens = p["history_tokens"]
     page_tokens = p["k_pool"].shape[1]
     q = p["q"].float().requires_grad_()
@@ -81,7 +89,7 @@ def reference(p, selection=None, tile=128, softcap=0.0):
     scores = torch.einsum("thd,shd->hts", q, keys) * p["scale"]
     if softcap:
         scores = torch.tanh(scores / softcap) * softcap
-    mask = visibility_mask(q.shape[0], history_tokens, page_tokens, selection, tile, q.device)
+    mask = visibility_mask(q.shape[0], history_tokens, page_tokens, selection, tile, q.device, window)
     scores = scores.masked_fill(~mask, float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)
     out = torch.einsum("hts,shd->thd", torch.softmax(scores, dim=-1), values)
@@ -90,16 +98,16 @@ def reference(p, selection=None, tile=128, softcap=0.0):
             "dk_hist": k_hist.grad, "dv_hist": v_hist.grad}
 
 
-def run_ops(p, grad_dtype, selection=None, tile=128, deterministic=False, softcap=0.0):
+def run_ops(p, grad_dtype, selection=None, tile=128, deterministic=False, softcap=0.0, window=0):
     out, lse = ops.paged_attention_forward(p["q"], p["k"], p["v"], p["k_pool"], p["k_index"], p["v_pool"],
                                            p["v_index"], p["history_tokens"], p["scale"], selection, tile,
-                                           logit_softcap=softcap)
+                                           logit_softcap=softcap, sliding_window=window)
     dk_pool = p["dk_pool0"].to(grad_dtype).clone()
     dv_pool = p["dv_pool0"].to(grad_dtype).clone()
     dq, dk, dv = ops.paged_attention_backward(p["q"], p["k"], p["v"], p["k_pool"], p["k_index"], p["v_pool"],
                                               p["v_index"], out, p["dout"], lse, dk_pool, p["dk_index"], dv_pool,
                                               p["dv_index"], p["history_tokens"], p["scale"], selection, tile,
-                                              deterministic, logit_softcap=softcap)
+                                              deterministic, logit_softcap=softcap, sliding_window=window)
     history_tokens = p["history_tokens"]
     return {"out": out, "lse": lse, "dq": dq, "dk": dk, "dv": dv,
             "dk_hist": gathered(dk_pool, p["dk_index"], history_tokens).double()
@@ -145,6 +153,27 @@ SOFTCAP_CASES = [
 ]
 
 
+# Sliding windows (Note [Sliding window] in membar/kernels/attention.h) at every head size, bf16 and
+# fp16: below a 64-key block, between 64 and 128, past a page, several pages, one position, with a
+# soft-cap, without history, and long chunks whose later tiles skip whole pages. (..., cap, window)
+WINDOW_CASES = [
+    (300, 500, 128, 8, 2, 128, 0, 0, torch.bfloat16, 0.0, 30),
+    (260, 400, 64, 8, 4, 128, 0, 0, torch.float16, 0.0, 100),
+    (700, 800, 64, 8, 2, 128, 0, 0, torch.bfloat16, 0.0, 150),
+    (400, 1000, 128, 8, 2, 128, 0, 0, torch.bfloat16, 0.0, 700),
+    (300, 600, 128, 4, 2, 64, 0, 0, torch.bfloat16, 0.0, 200),
+    (200, 300, 64, 8, 2, 64, 0, 0, torch.float16, 0.0, 129),
+    (250, 300, 128, 4, 2, 96, 0, 0, torch.bfloat16, 0.0, 77),
+    (300, 700, 64, 4, 2, 96, 0, 0, torch.float16, 0.0, 300),
+    (200, 400, 128, 4, 2, 256, 0, 0, torch.bfloat16, 0.0, 64),
+    (300, 900, 64, 4, 2, 256, 0, 0, torch.float16, 0.0, 500),
+    (260, 600, 128, 8, 4, 256, 0, 0, torch.bfloat16, 2.0, 90),
+    (200, 300, 128, 8, 2, 128, 0, 0, torch.float16, 2.0, 45),
+    (150, 200, 128, 2, 2, 128, 0, 0, torch.bfloat16, 0.0, 1),
+    (300, 0, 128, 4, 2, 128, 0, 0, torch.bfloat16, 0.0, 50),
+]
+
+
 @pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("case", CASES)
 def test_ops_match_reference(case, grad_dtype):
@@ -156,7 +185,25 @@ def test_soft_capped_ops_match_reference(case):
     check_case(case[:-1], torch.float32, softcap=case[-1])
 
 
-def check_case(case, grad_dtype, softcap=0.0):
+@pytest.mark.parametrize("case", WINDOW_CASES)
+def test_windowed_ops_match_reference(case):
+    """The windowed ops against the fp32 reference with Hugging Face's mask; the window must change
+    the reference's answer (else a kernel ignoring it would pass)."""
+    check_case(case[:-2], torch.float32, softcap=case[-2], window=case[-1])
+
+
+def test_windowed_ops_refuse_sparse_and_blocked_calls():
+    generator = torch.Generator().manual_seed(5)
+    p = to_device(make_problem(128, 256, 128, 4, 2, 128, generator), DEVICE)
+    selection = torch.tensor([[0, 1]], dtype=torch.int32, device=DEVICE)
+    arguments = (p["q"], p["k"], p["v"], p["k_pool"], p["k_index"], p["v_pool"], p["v_index"], 256, p["scale"])
+    with pytest.raises(RuntimeError, match="sparse"):
+        ops.paged_attention_forward(*arguments, selection, 128, sliding_window=64)
+    with pytest.raises(RuntimeError, match="attend_chunk"):
+        ops.paged_attention_forward(*arguments, None, 128, False, sliding_window=64)
+
+
+def check_case(case, grad_dtype, softcap=0.0, window=0):
     chunk_tokens, history_tokens, page_tokens, q_heads, kv_heads, head_dim, tile, top_k, dtype = case
     generator = torch.Generator().manual_seed(torch.seed() % (2**31))
     host = make_problem(chunk_tokens, history_tokens, page_tokens, q_heads, kv_heads, head_dim, generator, dtype)
@@ -176,10 +223,13 @@ def check_case(case, grad_dtype, softcap=0.0):
     gpu = to_device(host, DEVICE)
     gpu_selection = selection.to(DEVICE) if selection is not None else None
 
-    truth = reference(gpu, gpu_selection, tile_or_default, softcap)
-    cpu = run_ops(host, grad_dtype, selection, tile_or_default, softcap=softcap)
+    truth = reference(gpu, gpu_selection, tile_or_default, softcap, window)
+    if window:
+        unwindowed = reference(gpu, gpu_selection, tile_or_default, softcap)
+        assert max_error(unwindowed["out"], truth["out"]) > 0.02 * truth["out"].abs().max().item()
+    cpu = run_ops(host, grad_dtype, selection, tile_or_default, softcap=softcap, window=window)
     for deterministic in (False, True):
-        result = run_ops(gpu, grad_dtype, gpu_selection, tile_or_default, deterministic, softcap)
+        result = run_ops(gpu, grad_dtype, gpu_selection, tile_or_default, deterministic, softcap, window)
         for name in ("out", "lse", "dq", "dk", "dv", "dk_hist", "dv_hist"):
             if truth[name] is None or truth[name].numel() == 0:
                 continue

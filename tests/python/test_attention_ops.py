@@ -144,6 +144,105 @@ def test_forward_and_backward_match_reference(dtype, shape, softcap):
         assert torch.equal(pool[untouched], before[untouched])
 
 
+WINDOW_SHAPES = [
+    # (chunk_tokens, history_tokens, page_tokens, q_heads, kv_heads, head_dim, sliding_window): windows
+    # below a page, off the page grid, past the whole history (no effect), of one position, chunk only.
+    (50, 100, 64, 8, 2, 64, 30),
+    (20, 77, 16, 7, 1, 128, 41),
+    (33, 150, 37, 8, 1, 64, 400),
+    (45, 130, 32, 4, 2, 48, 1),
+    (37, 0, 64, 4, 4, 64, 10),
+    (1, 20, 8, 4, 1, 32, 5),
+]
+
+
+def hf_windowed_attention(q, k, v, history_k, history_v, window, softcap, scale):
+    """Float64 attention over [history rows; chunk] with Hugging Face's sliding-window mask written
+    out independently of membar.attention: key position kv_idx is visible to query position q_idx
+    iff kv_idx <= q_idx and kv_idx > q_idx - window (history rows at 0.., chunk token i at
+    history_tokens + i). Differentiable; returns out [Tc, Hq, D]."""
+    history_tokens, chunk_tokens = history_k.shape[0], q.shape[0]
+    group = q.shape[1] // k.shape[1]
+    keys = torch.cat([history_k, k]).repeat_interleave(group, dim=1)
+    values = torch.cat([history_v, v]).repeat_interleave(group, dim=1)
+    scores = torch.einsum("thd,lhd->htl", q, keys) * scale
+    if softcap:
+        scores = softcap * torch.tanh(scores / softcap)
+    q_idx = history_tokens + torch.arange(chunk_tokens)[:, None]
+    kv_idx = torch.arange(history_tokens + chunk_tokens)[None, :]
+    visible = (kv_idx <= q_idx) & (kv_idx > q_idx - window)
+    probabilities = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
+    return torch.einsum("htl,lhd->thd", probabilities, values)
+
+
+@pytest.mark.parametrize("softcap", [0.0, 1.5], ids=["plain", "softcap"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", WINDOW_SHAPES)
+def test_sliding_window_matches_hugging_face_mask(dtype, shape, softcap):
+    """Note [Sliding window] in membar/kernels/attention.h: the windowed ops against float64
+    autograd through an attention masked as Hugging Face masks (float64 inputs: to 1e-10; bf16 and
+    float32: within twice the error of the plain windowed reference in the same precision). The
+    window must change the answer wherever it hides a key."""
+    chunk_tokens, history_tokens, page_tokens, q_heads, kv_heads, head_dim, window = shape
+    generator = torch.Generator().manual_seed(hash(shape) % 1000 + 29)
+    q, k, v = make_chunk(chunk_tokens, q_heads, kv_heads, head_dim, dtype, generator)
+    k_pool, k_index, v_pool, v_index = make_history(history_tokens, page_tokens, kv_heads, head_dim, dtype, generator)
+    num_pages = k_index.shape[0]
+    dout = torch.randn(q.shape, generator=generator, dtype=torch.float64).to(dtype)
+    out, lse = attention.paged_attention_forward(q, k, v, k_pool, k_index, v_pool, v_index, history_tokens,
+                                                 logit_softcap=softcap, sliding_window=window)
+    grad_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+    dk_pool = torch.zeros((num_pages + 1,) + k_pool.shape[1:], dtype=grad_dtype)
+    dv_pool = torch.zeros_like(dk_pool)
+    dk_index = torch.randperm(num_pages + 1, generator=generator)[:num_pages].to(torch.int32)
+    dq, dk, dv = attention.paged_attention_backward(
+        q, k, v, k_pool, k_index, v_pool, v_index, out, dout, lse, dk_pool, dk_index, dv_pool, dk_index,
+        history_tokens, logit_softcap=softcap, sliding_window=window)
+    got_dk_rows = gathered_rows(dk_pool, dk_index, history_tokens)
+    got_dv_rows = gathered_rows(dv_pool, dk_index, history_tokens)
+
+    leaves = [t.detach().double().requires_grad_() for t in
+              (q, k, v, gathered_rows(k_pool, k_index, history_tokens), gathered_rows(v_pool, v_index, history_tokens))]
+    scale = attention._scale(head_dim, None)
+    want_out = hf_windowed_attention(*leaves, window, softcap, scale)
+    want_out.backward(dout.double())
+    wants = [want_out, leaves[0].grad, leaves[1].grad, leaves[2].grad, leaves[3].grad, leaves[4].grad]
+    gots = [out, dq, dk, dv, got_dk_rows, got_dv_rows]
+    names = ["out", "dq", "dk_chunk", "dv_chunk", "dk_pages", "dv_pages"]
+    # The window changes the answer where it hides a key (the last query sees window keys).
+    without = hf_windowed_attention(*[leaf.detach() for leaf in leaves], history_tokens + chunk_tokens + 1, softcap,
+                                    scale)
+    hides = history_tokens + chunk_tokens > window
+    assert hides == bool((without - want_out.detach()).abs().max() > 1e-6), (hides, window)
+    if dtype == torch.float64:
+        for name, got, want in zip(names, gots, wants):
+            torch.testing.assert_close(got.double(), want.double(), rtol=1e-10, atol=1e-10, msg=name)
+        return
+    plain_out, _ = reference_chunk_attention(q, k, v, k_pool, k_index, v_pool, v_index, history_tokens,
+                                             logit_softcap=softcap, sliding_window=window)
+    plain = [plain_out, *attention.reference_chunk_attention_backward(
+        q, k, v, k_pool, k_index, v_pool, v_index, plain_out, dout, history_tokens, logit_softcap=softcap,
+        sliding_window=window)]
+    for name, got, plain_value, want in zip(names, gots, plain, wants):
+        if want.numel() == 0:
+            continue
+        got_error = (got.double() - want).abs().max().item()
+        plain_error = (plain_value.double() - want).abs().max().item()
+        floor = 1e-5 * max(1.0, want.abs().max().item())
+        assert got_error <= 2 * plain_error + floor, (name, got_error, plain_error)
+
+
+def test_reference_takes_the_window_as_hugging_face_does():
+    generator = torch.Generator().manual_seed(12)
+    q, k, v = make_chunk(30, 4, 2, 16, torch.float64, generator)
+    k_pool, k_index, v_pool, v_index = make_history(45, 8, 2, 16, torch.float64, generator)
+    got, _ = reference_chunk_attention(q, k, v, k_pool.nan_to_num(), k_index, v_pool.nan_to_num(), v_index, 45,
+                                       sliding_window=20, logit_softcap=2.0)
+    want = hf_windowed_attention(q, k, v, gathered_rows(k_pool, k_index, 45), gathered_rows(v_pool, v_index, 45), 20,
+                                 2.0, attention._scale(16, None))
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
 @pytest.mark.parametrize("softcap", [0.0, 0.6])
 def test_chunk_attention_gradcheck(softcap):
     generator = torch.Generator().manual_seed(3)
@@ -158,6 +257,34 @@ def test_chunk_attention_gradcheck(softcap):
     history.query_tile_tokens = 2
     assert torch.autograd.gradcheck(lambda a, b, c: ChunkAttention.apply(a, b, c, history, None, False, softcap),
                                     inputs)
+
+
+@pytest.mark.parametrize("softcap", [0.0, 0.625])   # a cap float32 holds exactly, as the kernels take it
+@pytest.mark.parametrize("window", [1, 3, 8])
+def test_chunk_attention_gradcheck_with_a_window(window, softcap):
+    """Windows of one position, shorter than the chunk and reaching into the history (7 tokens in
+    pages of 3), through chunk_attention, deterministic and not; the history's gradients too."""
+    generator = torch.Generator().manual_seed(13)
+    q, k, v = make_chunk(5, 4, 2, 3, torch.float64, generator)
+    k_pool, k_index, v_pool, v_index = make_history(7, 3, 2, 3, torch.float64, generator)
+    k_pool, v_pool = k_pool.nan_to_num(), v_pool.nan_to_num()
+    inputs = tuple(t.clone().requires_grad_() for t in (q, k, v))
+    pages = PagedHistory(k_pool, k_index, v_pool, v_index, 7)
+    for deterministic in (False, True):
+        assert torch.autograd.gradcheck(
+            lambda a, b, c: attention.chunk_attention(a, b, c, pages, None, deterministic, softcap, window), inputs)
+    # The history's dK/dV (added into grad pools) against float64 autograd of the reference.
+    dk_pool, dv_pool = torch.zeros(k_pool.shape, dtype=torch.float64), torch.zeros(v_pool.shape, dtype=torch.float64)
+    history = PagedHistory(k_pool, k_index, v_pool, v_index, 7, dk_pool, k_index, dv_pool, v_index)
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    attention.chunk_attention(*leaves, history, logit_softcap=softcap, sliding_window=window).sum().backward()
+    ref_leaves = [t.detach().clone().requires_grad_() for t in (q, k, v, k_pool, v_pool)]
+    reference, _ = reference_chunk_attention(*ref_leaves[:3], ref_leaves[3], k_index, ref_leaves[4], v_index, 7,
+                                             logit_softcap=softcap, sliding_window=window)
+    reference.sum().backward()
+    torch.testing.assert_close(dk_pool, ref_leaves[3].grad, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(dv_pool, ref_leaves[4].grad, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(leaves[0].grad, ref_leaves[0].grad, rtol=1e-10, atol=1e-10)
 
 
 def test_chunk_attention_history_grads_match_reference_and_accumulate():
@@ -345,6 +472,10 @@ def _good_call_arguments():
     (lambda a: a.update(softmax_scale=-1.0), "softmax_scale"),
     (lambda a: a.update(logit_softcap=-2.0), "logit_softcap must be 0"),
     (lambda a: a.update(logit_softcap=float("nan")), "logit_softcap must be 0"),
+    (lambda a: a.update(sliding_window=-1), "sliding_window must be 0"),
+    (lambda a: a.update(sliding_window=4, attend_chunk=False), "sliding window needs attend_chunk"),
+    (lambda a: a.update(sliding_window=4, selected_pages=torch.tensor([[1, 0]], dtype=torch.int32),
+                        query_tile_tokens=16), "sliding window cannot be combined with a sparse"),
     (lambda a: a.update(selected_pages=torch.tensor([[0, 5]], dtype=torch.int32), query_tile_tokens=16), "past the end"),
     (lambda a: a.update(selected_pages=torch.tensor([[1, 1]], dtype=torch.int32), query_tile_tokens=16), "twice"),
     (lambda a: a.update(selected_pages=torch.tensor([[1, 0]], dtype=torch.int32), query_tile_tokens=4), "shape"),
@@ -436,6 +567,12 @@ def test_opcheck_schemas_and_fake_tensors():
     opcheck(ops.paged_attention_backward.default,
             (q, k, v, k_pool, k_index, v_pool, v_index, out, torch.randn(out.shape, generator=generator), lse,
              dk_pool, k_index, dv_pool, v_index, 12, 0.25), test_utils=utils)
+    # With a soft-cap and a sliding window (the schemas' trailing arguments).
+    opcheck(ops.paged_attention_forward.default, (q, k, v, k_pool, k_index, v_pool, v_index, 12, 0.25),
+            dict(logit_softcap=1.5, sliding_window=7), test_utils=utils)
+    opcheck(ops.paged_attention_backward.default,
+            (q, k, v, k_pool, k_index, v_pool, v_index, out, torch.randn(out.shape, generator=generator), lse,
+             dk_pool, k_index, dv_pool, v_index, 12, 0.25), dict(sliding_window=7), test_utils=utils)
     opcheck(ops.page_summary.default, (k_pool, k_index, 12, True), test_utils=utils)
     mean = ops.page_summary(k_pool, k_index, 12, False)[0]
     opcheck(ops.page_select.default, (q, mean, None, None, 1, 4), test_utils=utils)

@@ -126,14 +126,14 @@ std::tuple<at::Tensor, at::Tensor> forward_cuda(const at::Tensor& q, const at::T
                                                 int64_t history_tokens, double softmax_scale,
                                                 const std::optional<at::Tensor>& selected_pages,
                                                 int64_t query_tile_tokens, bool attend_chunk, const std::string& layout,
-                                                double logit_softcap) {
+                                                double logit_softcap, int64_t sliding_window) {
   constexpr const char* kOp = "paged_attention_forward";
   check_cuda(q, kOp);
   const k::CudaOptions options = layout_options(layout, /*forward=*/true, kOp);
   const c10::cuda::CUDAGuard guard(q.device());
   ForwardCall call = prepare_forward(q, k_chunk, v_chunk, k_pool, k_page_index, v_pool, v_page_index, history_tokens,
-                                     softmax_scale, logit_softcap, selected_pages, query_tile_tokens, attend_chunk,
-                                     /*check_index_values=*/false);
+                                     softmax_scale, logit_softcap, sliding_window, selected_pages, query_tile_tokens,
+                                     attend_chunk, /*check_index_values=*/false);
   const k::PagedAttentionForwardParams& p = call.params;
   check_supported(p.shape, p.selection, kOp);
   check_aligned({{p.q, "q"}, {p.k_chunk, "k_chunk"}, {p.v_chunk, "v_chunk"}, {p.history.k_pool, "k_pool"},
@@ -151,15 +151,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_cuda(
     const at::Tensor& dout, const at::Tensor& lse, at::Tensor& dk_pool, const at::Tensor& dk_page_index,
     at::Tensor& dv_pool, const at::Tensor& dv_page_index, int64_t history_tokens, double softmax_scale,
     const std::optional<at::Tensor>& selected_pages, int64_t query_tile_tokens, bool deterministic,
-    bool attend_chunk, const std::string& layout, double logit_softcap) {
+    bool attend_chunk, const std::string& layout, double logit_softcap, int64_t sliding_window) {
   constexpr const char* kOp = "paged_attention_backward";
   check_cuda(q, kOp);
   const k::CudaOptions options = layout_options(layout, /*forward=*/false, kOp);
   const c10::cuda::CUDAGuard guard(q.device());
   BackwardCall call = prepare_backward(q, k_chunk, v_chunk, k_pool, k_page_index, v_pool, v_page_index, out, dout, lse,
                                        dk_pool, dk_page_index, dv_pool, dv_page_index, history_tokens, softmax_scale,
-                                       logit_softcap, selected_pages, query_tile_tokens, deterministic, attend_chunk,
-                                       /*check_index_values=*/false);
+                                       logit_softcap, sliding_window, selected_pages, query_tile_tokens, deterministic,
+                                       attend_chunk, /*check_index_values=*/false);
   k::PagedAttentionBackwardParams& p = call.params;
   check_supported(p.shape, p.selection, kOp);
   TORCH_CHECK(p.grad_page_dtype == k::DType::kFloat32 || p.grad_page_dtype == k::DType::kBFloat16, kOp,

@@ -96,8 +96,8 @@ std::tuple<at::Tensor, at::Tensor> forward(const std::string& layout, const at::
   const sweep::ForwardEntry& entry = forward_entry(layout);
   const c10::cuda::CUDAGuard guard(q.device());
   ForwardCall call = prepare_forward(q, k_chunk, v_chunk, k_pool, k_page_index, v_pool, v_page_index, history_tokens,
-                                     softmax_scale, /*logit_softcap=*/0.0, selected_pages, query_tile_tokens,
-                                     attend_chunk, /*check_index_values=*/false);
+                                     softmax_scale, /*logit_softcap=*/0.0, /*sliding_window=*/0, selected_pages,
+                                     query_tile_tokens, attend_chunk, /*check_index_values=*/false);
   check_supported(call.params.shape, call.params.selection, kOp);
   TORCH_CHECK(entry.fits(call.params), kOp, ": the layout ", layout, " does not fit this call or device.");
   const int error = entry.run(call.params, at::cuda::getCurrentCUDAStream().stream());
@@ -119,8 +119,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward(
   const c10::cuda::CUDAGuard guard(q.device());
   BackwardCall call = prepare_backward(q, k_chunk, v_chunk, k_pool, k_page_index, v_pool, v_page_index, out, dout, lse,
                                        dk_pool, dk_page_index, dv_pool, dv_page_index, history_tokens, softmax_scale,
-                                       /*logit_softcap=*/0.0, selected_pages, query_tile_tokens, deterministic, attend_chunk,
-                                       /*check_index_values=*/false);
+                                       /*logit_softcap=*/0.0, /*sliding_window=*/0, selected_pages, query_tile_tokens,
+                                       deterministic, attend_chunk, /*check_index_values=*/false);
   k::PagedAttentionBackwardParams& p = call.params;
   check_supported(p.shape, p.selection, kOp);
   TORCH_CHECK(entry.fits(p), kOp, ": the layout ", layout, " does not fit this call or device.");

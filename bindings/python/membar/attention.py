@@ -12,7 +12,10 @@ kernels when built with CUDA). Shapes::
     selected_pages    int32 [ceil(chunk_tokens / query_tile_tokens), k], -1 = padding
 
 Every query sees every history token (or, with ``selected_pages``, the pages its query tile
-selected) and the chunk's own keys up to its position (causal). The backward ADDS the history's
+selected) and the chunk's own keys up to its position (causal). With ``sliding_window`` W > 0 the
+query at position q (history tokens are positions 0.., chunk token i is history_tokens + i) sees only
+keys at positions p > q - W, as Hugging Face's sliding windows (Note [Sliding window] in
+kernels/include/membar/kernels/attention.h; dense calls that attend the chunk only). The backward ADDS the history's
 dK/dV into the grad pools in place (float32 or bfloat16 pools) and returns the chunk's dq, dk, dv.
 
 Blocked history: with ``attend_chunk=False`` the queries attend only the given history pages, so
@@ -77,10 +80,13 @@ def paged_attention_forward(
     query_tile_tokens: int = 128,
     attend_chunk: bool = True,
     logit_softcap: float = 0.0,
+    sliding_window: int = 0,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Returns (out [Tc, Hq, D], lse [Hq, Tc]). softmax_scale defaults to 1/sqrt(head_dim).
     logit_softcap > 0 (Gemma 2's attn_logit_softcapping) turns every scaled score s into
     cap * tanh(s / cap) before the softmax (Note [Soft-capped scores] in membar/kernels/attention.h).
+    sliding_window W > 0 hides from each query the keys W or more positions before it (Note
+    [Sliding window]); it needs attend_chunk and no selected_pages.
 
     attend_chunk=False: the queries attend only the given history pages (one block of a history
     streamed in blocks); a row that sees no key gets out 0 and lse -inf. Merge the blocks' results
@@ -88,7 +94,7 @@ def paged_attention_forward(
     return _ops.paged_attention_forward(
         q, k_chunk, v_chunk, k_pool, k_page_index, v_pool, v_page_index, int(history_tokens),
         _scale(q.shape[-1], softmax_scale), selected_pages, int(query_tile_tokens), bool(attend_chunk), "",
-        float(logit_softcap))
+        float(logit_softcap), int(sliding_window))
 
 
 def paged_attention_backward(
@@ -113,9 +119,10 @@ def paged_attention_backward(
     deterministic: bool = False,
     attend_chunk: bool = True,
     logit_softcap: float = 0.0,
+    sliding_window: int = 0,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Returns (dq, dk_chunk, dv_chunk) and ADDS the history's dK/dV into dk_pool/dv_pool.
-    logit_softcap: the forward's.
+    logit_softcap and sliding_window: the forward's.
 
     attend_chunk=False (one block of a streamed history): ``out`` and ``lse`` must be the FINAL
     merged ones of the rows; dq is this block's contribution and dk_chunk/dv_chunk are zeros."""
@@ -123,7 +130,7 @@ def paged_attention_backward(
         q, k_chunk, v_chunk, k_pool, k_page_index, v_pool, v_page_index, out, dout, lse,
         dk_pool, dk_page_index, dv_pool, dv_page_index, int(history_tokens),
         _scale(q.shape[-1], softmax_scale), selected_pages, int(query_tile_tokens), bool(deterministic),
-        bool(attend_chunk), "", float(logit_softcap))
+        bool(attend_chunk), "", float(logit_softcap), int(sliding_window))
 
 
 def merge_attention_into(total: torch.Tensor, total_lse: torch.Tensor, out: torch.Tensor,
@@ -276,23 +283,26 @@ class ChunkAttention(torch.autograd.Function):
     """out = attention(q, [history keys, k_chunk], [history values, v_chunk]) for one chunk.
 
     forward(q, k_chunk, v_chunk, history: PagedHistory, softmax_scale=None, deterministic=False,
-    logit_softcap=0.0) returns out [Tc, Hq, D] (logit_softcap > 0: Gemma 2's soft-capped scores). backward returns dq, dk_chunk, dv_chunk and adds the history's
-    dK/dV into history.dk_pool / history.dv_pool (in place, outside autograd).
+    logit_softcap=0.0, sliding_window=0) returns out [Tc, Hq, D] (logit_softcap > 0: Gemma 2's
+    soft-capped scores; sliding_window > 0: each query sees only the keys less than that many
+    positions before it). backward returns dq, dk_chunk, dv_chunk and adds the history's dK/dV into
+    history.dk_pool / history.dv_pool (in place, outside autograd).
     """
 
     @staticmethod
     def forward(ctx, q, k_chunk, v_chunk, history: PagedHistory, softmax_scale=None, deterministic=False,
-                logit_softcap=0.0):
+                logit_softcap=0.0, sliding_window=0):
         scale = _scale(q.shape[-1], softmax_scale)
         out, lse = _ops.paged_attention_forward(
             q, k_chunk, v_chunk, history.k_pool, history.k_page_index, history.v_pool, history.v_page_index,
             int(history.history_tokens), scale, history.selected_pages, int(history.query_tile_tokens),
-            logit_softcap=float(logit_softcap))
+            logit_softcap=float(logit_softcap), sliding_window=int(sliding_window))
         ctx.save_for_backward(q, k_chunk, v_chunk, out, lse)
         ctx.history = history
         ctx.scale = scale
         ctx.deterministic = bool(deterministic)
         ctx.logit_softcap = float(logit_softcap)
+        ctx.sliding_window = int(sliding_window)
         return out
 
     @staticmethod
@@ -304,15 +314,16 @@ class ChunkAttention(torch.autograd.Function):
             q, k_chunk, v_chunk, history.k_pool, history.k_page_index, history.v_pool, history.v_page_index,
             out, dout.contiguous(), lse, dk_pool, dk_page_index, dv_pool, dv_page_index,
             int(history.history_tokens), ctx.scale, history.selected_pages, int(history.query_tile_tokens),
-            ctx.deterministic, logit_softcap=ctx.logit_softcap)
-        return dq, dk_chunk, dv_chunk, None, None, None, None
+            ctx.deterministic, logit_softcap=ctx.logit_softcap, sliding_window=ctx.sliding_window)
+        return dq, dk_chunk, dv_chunk, None, None, None, None, None
 
 
 def chunk_attention(q: torch.Tensor, k_chunk: torch.Tensor, v_chunk: torch.Tensor, history: PagedHistory,
                     softmax_scale: Optional[float] = None, deterministic: bool = False,
-                    logit_softcap: float = 0.0) -> torch.Tensor:
+                    logit_softcap: float = 0.0, sliding_window: int = 0) -> torch.Tensor:
     """Autograd-aware paged attention of one chunk (see ChunkAttention)."""
-    return ChunkAttention.apply(q, k_chunk, v_chunk, history, softmax_scale, deterministic, logit_softcap)
+    return ChunkAttention.apply(q, k_chunk, v_chunk, history, softmax_scale, deterministic, logit_softcap,
+                                sliding_window)
 
 
 def _gather_history(pool: torch.Tensor, page_index: torch.Tensor, history_tokens: int) -> torch.Tensor:
@@ -322,7 +333,8 @@ def _gather_history(pool: torch.Tensor, page_index: torch.Tensor, history_tokens
 
 
 def _reference_probabilities(q, k_chunk, v_chunk, k_pool, k_page_index, v_pool, v_page_index, history_tokens,
-                             softmax_scale, selected_pages, query_tile_tokens, compute_dtype, logit_softcap=0.0):
+                             softmax_scale, selected_pages, query_tile_tokens, compute_dtype, logit_softcap=0.0,
+                             sliding_window=0):
     """Materialised attention: (scores [Hq, Tc, L] with -inf where hidden, keys and values
     [L, Hq, D] expanded to the q heads, the soft-cap's slopes 1 - tanh^2 [Hq, Tc, L] or None),
     L = history_tokens + Tc, all in compute_dtype."""
@@ -357,6 +369,11 @@ def _reference_probabilities(q, k_chunk, v_chunk, k_pool, k_page_index, v_pool, 
         page_of_token = torch.arange(history_tokens, device=device) // page_tokens
         history_visible = chosen[:, :num_pages][tile_of_query][:, page_of_token]
     visible = torch.cat([history_visible, chunk_visible], dim=1)  # [Tc, L]
+    if sliding_window:
+        # Hugging Face's kv_idx > q_idx - window, positions: history tokens 0.., chunk token i at
+        # history_tokens + i.
+        key_positions = torch.arange(history_tokens + chunk_tokens, device=device)
+        visible = visible & (key_positions[None, :] > (history_tokens + query_positions)[:, None] - sliding_window)
     return scores.masked_fill(~visible[None], float("-inf")), keys, values, slopes
 
 
@@ -374,6 +391,7 @@ def reference_chunk_attention(
     query_tile_tokens: int = 128,
     compute_dtype: Optional[torch.dtype] = None,
     logit_softcap: float = 0.0,
+    sliding_window: int = 0,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Plain-torch paged attention with every score materialised (for tests only).
 
@@ -385,7 +403,7 @@ def reference_chunk_attention(
         compute_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     scores, _, values, _ = _reference_probabilities(q, k_chunk, v_chunk, k_pool, k_page_index, v_pool, v_page_index,
                                                     history_tokens, softmax_scale, selected_pages, query_tile_tokens,
-                                                    compute_dtype, logit_softcap)
+                                                    compute_dtype, logit_softcap, sliding_window)
     lse = torch.logsumexp(scores, dim=-1)  # [Hq, Tc]
     probabilities = torch.exp(scores - lse[..., None])
     out = torch.einsum("htl,lhd->thd", probabilities, values)
@@ -408,6 +426,7 @@ def reference_chunk_attention_backward(
     query_tile_tokens: int = 128,
     compute_dtype: Optional[torch.dtype] = None,
     logit_softcap: float = 0.0,
+    sliding_window: int = 0,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Plain-torch attention backward with materialised probabilities (for tests only), using
     the given (stored, possibly rounded) ``out`` for D_i = rowsum(dO_i * O_i) as a kernel does.
@@ -421,7 +440,8 @@ def reference_chunk_attention_backward(
     scale = _scale(head_dim, softmax_scale)
     scores, keys, values, slopes = _reference_probabilities(q, k_chunk, v_chunk, k_pool, k_page_index, v_pool,
                                                             v_page_index, history_tokens, softmax_scale, selected_pages,
-                                                            query_tile_tokens, compute_dtype, logit_softcap)
+                                                            query_tile_tokens, compute_dtype, logit_softcap,
+                                                            sliding_window)
     probabilities = torch.softmax(scores, dim=-1)  # [Hq, Tc, L]
     dout_c = dout.to(compute_dtype)
     delta = (dout_c * out.to(compute_dtype)).sum(-1).transpose(0, 1)  # [Hq, Tc]
