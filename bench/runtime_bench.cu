@@ -12,7 +12,8 @@
 //       a compute-bound and an HBM-bound kernel. Goal >= 0.97x.
 //   (d) the host time of handing copies over: enqueue_copies of k scattered 2 MiB frame copies
 //       (nothing merges), with the copies of a batch in one cudaMemcpyBatchAsync call (the
-//       default) and one cudaMemcpyAsync each (BackendConfig::batch_copies = false), beside the raw
+//       default) and one cudaMemcpyAsync each (BackendConfig::batch_copies = false), completion by
+//       words (the default) and by events (BackendConfig::completion_words = false), beside the raw
 //       driver calls on the same frame pointers; microseconds of the caller's thread per copy.
 // Writes runtime_bench.json and runtime_bench.txt to $MEMBAR_RESULTS_DIR
 // (default bench/results/latest). Usage: runtime_bench [--quick]
@@ -509,11 +510,19 @@ int run(bool quick) {
     Result<std::unique_ptr<DeviceBackend>> per_copy_made = runtimed::make_cuda_backend(per_copy_config);
     check_status(per_copy_made.status(), "make_cuda_backend (one call per copy)");
     DeviceBackend& per_copy = *per_copy_made.value();
-    CompletionCounter prepared;
-    for (uint64_t slab = 0; slab < per_copy.host_slab_count(); ++slab) {
-      check_status(per_copy.renew(Tier::kHost, static_cast<uint32_t>(slab), prepared.callback()), "renew");
+    // Completion by CUDA events instead of completion words (Note [Completion words]).
+    runtimed::BackendConfig events_config = config;
+    events_config.completion_words = false;
+    Result<std::unique_ptr<DeviceBackend>> events_made = runtimed::make_cuda_backend(events_config);
+    check_status(events_made.status(), "make_cuda_backend (completion events)");
+    DeviceBackend& with_events = *events_made.value();
+    for (DeviceBackend* other : {&per_copy, &with_events}) {
+      CompletionCounter prepared;
+      for (uint64_t slab = 0; slab < other->host_slab_count(); ++slab) {
+        check_status(other->renew(Tier::kHost, static_cast<uint32_t>(slab), prepared.callback()), "renew");
+      }
+      prepared.wait_for(other->host_slab_count());
     }
-    prepared.wait_for(per_copy.host_slab_count());
     cudaStream_t stream = nullptr;
     BENCH_CHECK_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
     const int rounds = quick ? 4 : 8;
@@ -595,6 +604,7 @@ int run(bool quick) {
         (void)time_backend(backend, batches);  // warm-up
         double batched_us = time_backend(backend, batches);
         double one_by_one_us = time_backend(per_copy, batches);
+        double events_us = time_backend(with_events, batches);
         double raw_batched_us = time_raw(backend, batches, true);
         double raw_one_by_one_us = time_raw(backend, batches, false);
         double raw_waited_us = time_raw(backend, batches, false, 1);
@@ -605,19 +615,22 @@ int run(bool quick) {
                                    {{"copies_per_batch", double(batch_frames)},
                                     {"backend_batched_us", batched_us},
                                     {"backend_one_by_one_us", one_by_one_us},
+                                    {"backend_events_us", events_us},
                                     {"raw_batched_us", raw_batched_us},
                                     {"raw_one_by_one_us", raw_one_by_one_us},
                                     {"raw_event_waited_us", raw_waited_us},
                                     {"raw_event_polled_us", raw_polled_us},
                                     {"ratio", one_by_one_us / batched_us}}});
-        std::printf("[handoff] %-24s us per copy: backend batched %.2f, one by one %.2f; raw batched %.2f, "
-                    "one by one %.2f, + an event per batch waited on a thread %.2f / polled %.2f\n",
-                    name.c_str(), batched_us, one_by_one_us, raw_batched_us, raw_one_by_one_us, raw_waited_us,
-                    raw_polled_us);
+        std::printf("[handoff] %-24s us per copy: backend batched %.2f, one by one %.2f, with completion events "
+                    "%.2f; raw batched %.2f, one by one %.2f, + an event per batch waited on a thread %.2f / polled "
+                    "%.2f\n",
+                    name.c_str(), batched_us, one_by_one_us, events_us, raw_batched_us, raw_one_by_one_us,
+                    raw_waited_us, raw_polled_us);
         std::fflush(stdout);
       }
     }
     per_copy.drain();
+    with_events.drain();
     backend.drain();
     for (auto& event : batch_events) BENCH_CHECK_CUDA(cudaEventDestroy(event));
     BENCH_CHECK_CUDA(cudaStreamDestroy(stream));
@@ -706,10 +719,10 @@ int run(bool quick) {
   text << "\n(d) host time of handing scattered 2 MiB copies over, us per copy (batched = cudaMemcpyBatchAsync)\n";
   for (const Row& row : handoff_rows) {
     std::snprintf(line, sizeof(line),
-                  "%-24s backend batched %6.2f, one by one %6.2f; raw batched %6.2f, one by one %6.2f, with events "
-                  "waited %6.2f / polled %6.2f\n",
+                  "%-24s backend batched %6.2f, one by one %6.2f, completion events %6.2f; raw batched %6.2f, one by "
+                  "one %6.2f, with events waited %6.2f / polled %6.2f\n",
                   row.name.c_str(), row.values[1].second, row.values[2].second, row.values[3].second,
-                  row.values[4].second, row.values[5].second, row.values[6].second);
+                  row.values[4].second, row.values[5].second, row.values[6].second, row.values[7].second);
     text << line;
   }
   std::snprintf(line, sizeof(line), "\nworst bandwidth ratio %.3f (goal 0.9), worst overlap ratio %.3f (goal 0.97)\n",

@@ -24,8 +24,9 @@
 //     adjacent ones merged (never across a slab, a registration of its own): 64 KiB copies run at
 //     a third of PCIe speed, merged ones at full.
 //   - Copies handed over in one call: Note [Copies handed over in one call] below.
-//   - Completion: an event per stream per batch, waited on by one completion thread per
-//     stream (events are blocking-sync, so the threads sleep instead of spinning). The thread
+//   - Completion: a word per stream written in stream order after each batch (Note [Completion
+//     words]), or where that is off an event per stream per batch, waited on by one completion
+//     thread per stream (events are blocking-sync, so the threads sleep instead of spinning). The thread
 //     that finishes a batch's last part calls `done`. cudaLaunchHostFunc is not used because
 //     `done` may enqueue more work, and CUDA calls are not allowed inside a host function.
 //   - Signal blocks: sealed memfd pages, registered with CU_MEMHOSTREGISTER_DEVICEMAP; a
@@ -43,6 +44,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <cstdio>
 #include <cstdlib>
@@ -240,7 +242,8 @@ struct Batch {
 };
 
 struct PendingPart {
-  cudaEvent_t event = nullptr;
+  cudaEvent_t event = nullptr;  // or, with completion words, null and:
+  uint64_t sequence = 0;        // the value the stream's completion word reaches after this part
   std::shared_ptr<Batch> batch;
 };
 
@@ -374,6 +377,13 @@ class CudaVmmBackend final : public DeviceBackend {
   // it has succeeded yet, and its argument arrays (reused, under mutex_).
   bool batch_copies_ = true;
   bool batch_copies_worked_ = false;
+  // Note [Completion words]: host-mapped words, one per copy stream, the last value written to each
+  // (under mutex_), and whether they are used.
+  bool completion_words_ = false;
+  std::unique_ptr<SignalBlock> completion_block_;
+  uint64_t completion_sequence_[2] = {0, 0};
+  // Waits until stream `stream`'s completion word reaches `sequence` (completion threads).
+  Status wait_completion_word(int stream, uint64_t sequence);
   std::vector<void*> batch_destinations_;
   std::vector<const void*> batch_sources_;
   std::vector<size_t> batch_sizes_;
@@ -403,6 +413,8 @@ Result<std::unique_ptr<DeviceBackend>> CudaVmmBackend::create(const BackendConfi
   std::unique_ptr<CudaVmmBackend> backend(new CudaVmmBackend(config));
   const char* batch_env = std::getenv("MEMBAR_BATCH_COPIES");
   backend->batch_copies_ = config.batch_copies && !(batch_env != nullptr && std::string(batch_env) == "0");
+  const char* events_env = std::getenv("MEMBAR_COPY_EVENTS");
+  backend->completion_words_ = config.completion_words && !(events_env != nullptr && std::string(events_env) == "1");
   MEMBAR_RETURN_IF_ERROR(backend->initialize());
   return std::unique_ptr<DeviceBackend>(std::move(backend));
 }
@@ -641,6 +653,24 @@ Status CudaVmmBackend::start() {
   stream_mem_ops_ = api_->cuDeviceGetAttribute(&mem_ops, CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS,
                                                context_.device()) == CUDA_SUCCESS &&
                     mem_ops != 0;
+  if (completion_words_ && stream_mem_ops_) {
+    // Two words in host memory the GPU writes (Note [Completion words]).
+    uint64_t page = static_cast<uint64_t>(sysconf(_SC_PAGESIZE));
+    auto block = std::make_unique<SignalBlock>();
+    MEMBAR_ASSIGN_OR_RETURN(block->memory, create_shared_memory("membar-completion", page));
+    void* words = block->memory.mapping.get();
+    std::memset(words, 0, page);
+    MEMBAR_RETURN_IF_ERROR(driver_status(
+        api_.get(), api_->cuMemHostRegister(words, page, CU_MEMHOSTREGISTER_PORTABLE | CU_MEMHOSTREGISTER_DEVICEMAP),
+        "cuMemHostRegister of the completion words"));
+    block->registration = HostRegistration(api_.get(), words);
+    MEMBAR_RETURN_IF_ERROR(driver_status(api_.get(), api_->cuMemHostGetDevicePointer(&block->device_words, words, 0),
+                                         "cuMemHostGetDevicePointer of the completion words"));
+    block->words = kCopyStreamCount;
+    completion_block_ = std::move(block);
+  } else {
+    completion_words_ = false;
+  }
   MEMBAR_ASSIGN_OR_RETURN(zero_source_, DeviceBuffer::create(kFrameBytes));
   MEMBAR_RETURN_IF_ERROR(runtime_status(cudaMemset(zero_source_.get(), 0, kFrameBytes), "cudaMemset"));
   MEMBAR_RETURN_IF_ERROR(runtime_status(cudaDeviceSynchronize(), "cudaDeviceSynchronize"));
@@ -741,11 +771,62 @@ void CudaVmmBackend::give_event(cudaEvent_t event) {
   free_events_.push_back(event);
 }
 
+// Note [Completion words]
+// Rationale: a batch's completion was a CUDA event recorded after its copies and waited for with
+// cudaEventSynchronize on a completion thread. With small batches that costs the thread handing
+// copies over ~20 us a batch: on the H200 (runtime_bench (d), session 19) one 2 MiB cudaMemcpyAsync
+// took 2.7 us a call alone and 24 us with an event recorded per copy and waited for on another
+// thread (25 us when the other thread polled cudaEventQuery instead): the driver calls of the two
+// threads slow each other, not the wake-up.
+// Approach: each copy stream has a 64-bit word in pinned, device-mapped host memory; after a
+// batch's copies the stream writes the stream's next sequence number there
+// (cuStreamWriteValue64, in stream order: it lands after the copies before it), and the completion
+// thread reads the word from host memory, no driver call, spinning briefly and then sleeping in
+// short steps while a part is pending (it sleeps on its queue when none is). Every few hundred
+// milliseconds of waiting it asks cudaStreamQuery whether the stream failed, so a device error still
+// reaches the batch as its status.
+// Limitations: needs 64-bit stream memory operations (events are used where the device lacks
+// them, or with MEMBAR_COPY_EVENTS=1 / BackendConfig::completion_words = false); a completion is seen
+// up to one sleep step (~20-80 us) after it happened.
+Status CudaVmmBackend::wait_completion_word(int stream, uint64_t sequence) {
+  const volatile uint64_t* word = static_cast<const volatile uint64_t*>(completion_block_->memory.mapping.get()) + stream;
+  auto started = std::chrono::steady_clock::now();
+  auto checked = started;
+  for (uint32_t spins = 0;; ++spins) {
+    if (__atomic_load_n(const_cast<const uint64_t*>(word), __ATOMIC_ACQUIRE) >= sequence) return Status::Ok();
+    if (spins < 64) continue;
+    std::this_thread::sleep_for(std::chrono::microseconds(20));
+    auto now = std::chrono::steady_clock::now();
+    if (now - checked > std::chrono::milliseconds(250)) {
+      checked = now;
+      cudaError_t state = cudaStreamQuery(copy_streams_[stream].get());
+      if (state != cudaSuccess && state != cudaErrorNotReady) {
+        return runtime_status(state, "a transfer on the daemon's copy stream");
+      }
+    }
+  }
+}
+
 Status CudaVmmBackend::finish_enqueue(const std::vector<int>& streams, std::function<void(Status)> done) {
+  std::vector<uint64_t> sequences;
+  if (completion_words_) {
+    // A word per stream written after its copies; if a write fails, nothing is queued and `done` is
+    // never called (the async contract).
+    for (int stream : streams) {
+      CUdeviceptr word = completion_block_->device_words + static_cast<CUdeviceptr>(stream) * sizeof(uint64_t);
+      uint64_t sequence = completion_sequence_[stream] + 1;
+      MEMBAR_RETURN_IF_ERROR(driver_status(
+          api_.get(),
+          api_->cuStreamWriteValue64(copy_streams_[stream].get(), word, sequence, CU_STREAM_WRITE_VALUE_DEFAULT),
+          "cuStreamWriteValue64 of a completion word"));
+      completion_sequence_[stream] = sequence;
+      sequences.push_back(sequence);
+    }
+  }
   // Record every event before queueing any part: if a record fails, nothing is queued and
   // `done` is never called (the async contract).
   std::vector<cudaEvent_t> events;
-  for (int stream : streams) {
+  for (int stream : completion_words_ ? std::vector<int>{} : streams) {
     Result<cudaEvent_t> event = take_event();
     Status status = event.ok() ? runtime_status(cudaEventRecord(event.value(), copy_streams_[stream].get()),
                                                 "cudaEventRecord on a copy stream")
@@ -769,7 +850,8 @@ Status CudaVmmBackend::finish_enqueue(const std::vector<int>& streams, std::func
     {
       std::lock_guard<std::mutex> lock(queue.mutex);
       was_empty = queue.parts.empty();
-      queue.parts.push_back(PendingPart{events[part], batch});
+      queue.parts.push_back(completion_words_ ? PendingPart{nullptr, sequences[part], batch}
+                                              : PendingPart{events[part], 0, batch});
     }
     // A part leaves its queue only once the completion thread has finished it, and the thread
     // sleeps only on an empty queue: only a part into an empty queue needs to wake it (a wake is a
@@ -934,8 +1016,13 @@ void CudaVmmBackend::completion_loop(int stream) {
       if (queue.parts.empty()) return;  // stopping, and nothing left
       part = queue.parts.front();       // stays queued until finished (finish_enqueue's wake)
     }
-    Status status = runtime_status(cudaEventSynchronize(part.event), "a transfer on the daemon's copy stream");
-    give_event(part.event);
+    Status status;
+    if (part.event == nullptr) {
+      status = wait_completion_word(stream, part.sequence);
+    } else {
+      status = runtime_status(cudaEventSynchronize(part.event), "a transfer on the daemon's copy stream");
+      give_event(part.event);
+    }
     finish_part(part.batch, std::move(status));
     part.batch.reset();
     std::lock_guard<std::mutex> lock(queue.mutex);

@@ -288,6 +288,22 @@ TEST(CudaBackendCopies, PagesRoundTripWithOneDriverCallPerCopy) {
   }
 }
 
+// Note [Completion words]: the tests above see batches complete through the streams' completion
+// words (the default); the same round trips and completions with CUDA events.
+TEST(CudaBackendCopies, PagesRoundTripWithCompletionEvents) {
+  BackendConfig config = small_config();
+  config.completion_words = false;
+  Result<std::unique_ptr<DeviceBackend>> made = make_cuda_backend(config);
+  if (!made.ok() && made.status().code() == StatusCode::UNAVAILABLE) GTEST_SKIP() << made.status().to_string();
+  ASSERT_TRUE(made.ok()) << made.status().to_string();
+  prepare_slabs(*made.value());
+  uint64_t seed = std::random_device{}();
+  for (uint64_t page_bytes : {64ull << 10, 2ull << 20}) {
+    SCOPED_TRACE(page_bytes);
+    round_trip(*made.value(), page_bytes, seed + page_bytes);
+  }
+}
+
 TEST_F(CudaBackendTest, CountersSayWhatWasIssued) {
   BackendCounters before = backend_->counters();
   uint64_t seed = std::random_device{}();

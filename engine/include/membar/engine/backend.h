@@ -50,6 +50,11 @@ struct BackendConfig {
   // (Note [Copies handed over in one call] in engine/cuda/cuda_backend.cpp); false: one
   // cudaMemcpyAsync per copy. The environment's MEMBAR_BATCH_COPIES=0 turns it off.
   bool batch_copies = true;
+  // CUDA: a batch's completion is a 64-bit word the copy stream writes in order
+  // (cuStreamWriteValue64) and a completion thread reads from host memory, instead of a CUDA event
+  // it waits for (Note [Completion words] in engine/cuda/cuda_backend.cpp). Needs 64-bit stream
+  // memory operations (events otherwise). The environment's MEMBAR_COPY_EVENTS=1 turns it off.
+  bool completion_words = true;
 };
 
 // Runs `attempt` (one renewal) until it succeeds, fails with anything but RESOURCE_EXHAUSTED,
