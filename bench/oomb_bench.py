@@ -46,7 +46,9 @@ caller's thread] in libclient/memory.cpp); "+copyeach" hands each copy to the dr
 own (MEMBAR_BATCH_COPIES=0) instead of a batch's copies in one cudaMemcpyBatchAsync call (Note [Copies
 handed over in one call] in engine/cuda/cuda_backend.cpp); "+mapeach" maps each frame as its event
 arrives (MEMBAR_DEFER_MAPS=0) instead of at the next call that hands pages out, adjacent positions in
-one run (Note [Maps in runs] in libclient/memory.cpp);
+one run (Note [Maps in runs] in libclient/memory.cpp); "+copyevents" has the CUDA backend wait for
+each batch's CUDA event instead of reading the copy stream's completion word (MEMBAR_COPY_EVENTS=1,
+Note [Completion words] in engine/cuda/cuda_backend.cpp);
 "+profile" records the timed step with torch.profiler and
 writes its busiest operations (self device time, calls) to profile-VARIANT-TOKENS.txt beside the
 results (the profiler slows the step: its time is not comparable); "@8K" sets the variant's history block.
@@ -336,6 +338,12 @@ def run_one(model, spec: dict) -> dict:
             os.environ["MEMBAR_BATCH_COPIES"] = "0"
         else:
             os.environ.pop("MEMBAR_BATCH_COPIES", None)
+        # "+copyevents": the CUDA backend sees batches complete through CUDA events, as before Note
+        # [Completion words] (MEMBAR_COPY_EVENTS=1, read when the runtime starts).
+        if "+copyevents" in result["variant"]:
+            os.environ["MEMBAR_COPY_EVENTS"] = "1"
+        else:
+            os.environ.pop("MEMBAR_COPY_EVENTS", None)
         # "+mapeach": the client maps each frame as the runtime's event arrives, as before Note [Maps in
         # runs] (MEMBAR_DEFER_MAPS=0, read when the runtime starts).
         if "+mapeach" in result["variant"]:
