@@ -235,15 +235,18 @@ def test_history_first_page_of_a_window():
     assert context(2048).history_first_page(1) == 10 and context(2048).history_first_page(0) == 0
     assert [access.first_page for access in context(2048).history_accesses(1, "stage1")] == [10]
     # The window hides keys inside the first chunk already (its last query sees 324 .. 1023) ...
-    assert context(0).torch_path(1) and not context(0).torch_path(0)
-    # ... but not inside a first chunk of 512 tokens: the paged kernels run it.
-    assert not context(0, chunk_tokens=512).torch_path(1) and context(512, chunk_tokens=512).torch_path(1)
+    assert context(0).window_hides(1) and not context(0).window_hides(0)
+    assert context(0).sliding_window(1) == WINDOW and context(0).sliding_window(0) == 0
+    # ... but not inside a first chunk of 512 tokens: the kernels run it without a window.
+    assert not context(0, chunk_tokens=512).window_hides(1) and context(512, chunk_tokens=512).window_hides(1)
+    assert context(0, chunk_tokens=512).sliding_window(1) == 0
 
 
 def test_soft_capped_layers_take_the_kernels_where_they_are_verified(monkeypatch):
     """Gemma 2's global layers soft-cap their scores: the paged kernels take the cap on the CPU; on
     CUDA they do where kernels.cuda_softcap_kernels() says so (MEMBAR_CUDA_SOFTCAP overrides), else
-    the PyTorch path runs them. Local layers go to PyTorch once their window hides a key."""
+    the PyTorch path runs them."""
+    monkeypatch.delenv("MEMBAR_CUDA_WINDOW", raising=False)
     config, _ = family_config("gemma2")
     trainer = OOMBTrainer(build(config), OOMBConfig(chunk_tokens=1024, page_tokens=128))
     assert [record.sliding_window for record in trainer.layers] == [WINDOW, None]
@@ -251,7 +254,7 @@ def test_soft_capped_layers_take_the_kernels_where_they_are_verified(monkeypatch
     context = ChunkContext(store=trainer.store, config=trainer.config, layers=trainer.layers, stage=1, chunk=1,
                            first_token=1024, chunk_tokens=1024, sequence_tokens=3000)
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    assert context.torch_path(0, cpu) and not context.torch_path(1, cpu) and context.softcap(1) == 2.0
+    assert not context.torch_path(0, cpu) and not context.torch_path(1, cpu) and context.softcap(1) == 2.0
     monkeypatch.setenv("MEMBAR_CUDA_SOFTCAP", "1")
     assert not context.torch_path(1, cuda)
     monkeypatch.setenv("MEMBAR_CUDA_SOFTCAP", "0")
@@ -262,6 +265,68 @@ def test_soft_capped_layers_take_the_kernels_where_they_are_verified(monkeypatch
         check_layers(capped_only, "sparse")
     monkeypatch.setenv("MEMBAR_CUDA_SOFTCAP", "1")
     check_layers(capped_only, "sparse")
+
+
+def test_windowed_layers_take_the_kernels_where_they_are_verified(monkeypatch):
+    """A local layer whose window hides keys runs on the paged kernels (Note [Sliding window] in
+    membar/kernels/attention.h) when its visible history goes to one call with the chunk: always on
+    the CPU; on CUDA where kernels.cuda_window_kernels() says so (MEMBAR_CUDA_WINDOW overrides; off
+    by default until the GPU tests pass), else the PyTorch path. A history streamed in blocks keeps
+    the PyTorch path (a block alone does not know where the queries sit), and so does a window that
+    hides nothing (then the kernels run without it). Sparse mode refuses windowed layers."""
+    from membar.oomb import kernels
+
+    monkeypatch.delenv("MEMBAR_CUDA_WINDOW", raising=False)
+    config, _ = family_config("gemma2")
+    trainer = OOMBTrainer(build(config), OOMBConfig(chunk_tokens=1024, page_tokens=128))
+    context = ChunkContext(store=trainer.store, config=trainer.config, layers=trainer.layers, stage=1, chunk=1,
+                           first_token=1024, chunk_tokens=1024, sequence_tokens=3000)
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert context.window_hides(0) and context.sliding_window(0) == WINDOW and context.sliding_window(1) == 0
+    assert not context.torch_path(0, cpu) and not context.torch_path(0)
+    assert not kernels.cuda_window_kernels() and context.torch_path(0, cuda)
+    monkeypatch.setenv("MEMBAR_CUDA_WINDOW", "1")
+    assert kernels.cuda_window_kernels() and not context.torch_path(0, cuda)
+    monkeypatch.setenv("MEMBAR_CUDA_WINDOW", "0")
+    assert context.torch_path(0, cuda) and not context.torch_path(0, cpu)
+    # The global layer never takes the PyTorch path for a window it does not have.
+    assert not context.torch_path(1, cuda)
+    # Offloaded history streamed in blocks of 2 pages (the window reaches 6 pages back): PyTorch.
+    streamed = OOMBTrainer(build(config), OOMBConfig(chunk_tokens=1024, page_tokens=128, offload=True,
+                                                     history_block_tokens=256))
+    streaming = ChunkContext(store=streamed.store, config=streamed.config, layers=streamed.layers, stage=1,
+                             chunk=2, first_token=2048, chunk_tokens=1024, sequence_tokens=4000)
+    assert streaming.streams(0) and streaming.torch_path(0, cpu)
+    with pytest.raises(ValueError, match="sparse mode"):
+        check_layers([LayerAttention(layer=0, num_q_heads=4, num_kv_heads=2, head_dim=8, scaling=0.3,
+                                     sliding_window=64)], "sparse")
+
+
+@pytest.mark.parametrize("case", ["qwen2-sliding", "gemma2", "gemma3_text"])
+def test_windowed_layers_run_on_the_cpu_kernels(monkeypatch, case):
+    """The local layers' chunks whose window hides keys go to the windowed paged kernels on the CPU
+    (none to the PyTorch path), and the gradients equal full-sequence training."""
+    from membar import attention
+    from membar.oomb import torch_attention
+
+    windows = []
+    forward = attention.paged_attention_forward
+
+    def counting_forward(*args, **kwargs):
+        windows.append(kwargs.get("sliding_window", 0))
+        return forward(*args, **kwargs)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a windowed layer took the PyTorch path")
+
+    monkeypatch.setattr(attention, "paged_attention_forward", counting_forward)
+    monkeypatch.setattr(torch_attention, "forward", refuse)
+    monkeypatch.setattr(torch_attention, "backward", refuse)
+    config, tokens = family_config(case)
+    loss, loss_full, error, _ = compare(build(config), tokens)
+    assert abs(loss - loss_full) <= 1e-5 * abs(loss_full), (loss, loss_full)
+    assert error <= 1e-4, f"{case}: max relative gradient error {error:.3g}"
+    assert WINDOW in windows, windows
 
 
 def test_models_that_cannot_train_exactly_get_a_sentence():

@@ -143,20 +143,40 @@ class ChunkContext:
             return 0
         return min(max(0, self.first_token - window + 1) // self.page_tokens, self.history_pages)
 
+    def window_hides(self, layer: int) -> bool:
+        """Whether the layer's sliding window hides keys from some query of this chunk (the last one
+        sees keys from first_token + chunk_tokens - window on)."""
+        window = self.layers[layer].sliding_window
+        return window is not None and self.first_token + self.chunk_tokens > window
+
     def torch_path(self, layer: int, device: torch.device | None = None) -> bool:
-        """Whether this layer's attention in this chunk runs in PyTorch: its window hides keys from
-        some query of the chunk (the last one sees keys from first_token + chunk_tokens - window
-        on). A soft-cap alone runs on the paged kernels (Note [Soft-capped scores]), on a CUDA
-        `device` where kernels.cuda_softcap_kernels() says so."""
+        """Whether this layer's attention in this chunk runs in PyTorch (Note [Attention in PyTorch]
+        in torch_attention.py) rather than on the paged kernels. A soft-cap runs on the kernels (Note
+        [Soft-capped scores]), on a CUDA `device` where kernels.cuda_softcap_kernels() says so. A
+        window that hides keys runs on the kernels (Note [Sliding window] in
+        membar/kernels/attention.h), on a CUDA `device` where kernels.cuda_window_kernels() says so,
+        when the layer's visible history goes to one call with the chunk: not when it is streamed
+        in blocks (a block alone does not know where the queries sit; Note [Streaming a layer's
+        history]). Sparse mode refuses windowed layers (models.check_layers)."""
         record = self.layers[layer]
         if (record.softcap is not None and device is not None and device.type == "cuda"
                 and not kernels.cuda_softcap_kernels()):
             return True
-        return record.sliding_window is not None and self.first_token + self.chunk_tokens > record.sliding_window
+        if not self.window_hides(layer):
+            return False
+        if device is not None and device.type == "cuda" and not kernels.cuda_window_kernels():
+            return True
+        return self.streams(layer)
 
     def softcap(self, layer: int) -> float:
         """The layer's attention-logit soft-cap for the paged kernels (0.0: none)."""
         return self.layers[layer].softcap or 0.0
+
+    def sliding_window(self, layer: int) -> int:
+        """The layer's window for the paged kernels: 0 where it hides no key of this chunk. The
+        kernels count positions from the first page of the call's history (history_first_page),
+        which keeps every distance, hence the mask, as Hugging Face's."""
+        return self.layers[layer].sliding_window if self.window_hides(layer) else 0
 
     def streams(self, layer: int) -> bool:
         """Whether this layer's history goes through the GPU in several blocks: it is offloaded and
@@ -270,13 +290,15 @@ def chunk_context(context: ChunkContext):
 
 def _attention_forward(context: ChunkContext, layer: int, q, k, v, history: kernels.HistoryView, scale: float,
                        selection, attend_chunk: bool = True):
-    """One attention call of the layer: the paged kernels (soft-capped for Gemma 2), or PyTorch for
-    a layer whose window they do not express (Note [Attention in PyTorch] in torch_attention.py)."""
+    """One attention call of the layer: the paged kernels (soft-capped for Gemma 2, windowed for local
+    layers), or PyTorch where they do not take the call (ChunkContext.torch_path; Note [Attention in
+    PyTorch] in torch_attention.py)."""
     if context.torch_path(layer, q.device):
         return torch_attention.forward(q, k, v, history, scale, _positions(context, layer, history), attend_chunk)
     return kernels.attention_forward(q, k, v, history, scale, selection, context.query_tile_tokens,
                                      attend_chunk=attend_chunk, kernel=context.dense_kernel,
-                                     deterministic=context.deterministic, logit_softcap=context.softcap(layer))
+                                     deterministic=context.deterministic, logit_softcap=context.softcap(layer),
+                                     sliding_window=context.sliding_window(layer))
 
 
 def _attention_backward(context: ChunkContext, layer: int, q, k, v, history: kernels.HistoryView, scale: float,
@@ -287,7 +309,8 @@ def _attention_backward(context: ChunkContext, layer: int, q, k, v, history: ker
                                         _positions(context, layer, history), attend_chunk)
     return kernels.attention_backward(q, k, v, history, scale, out, dout, lse, grads, selection,
                                       context.query_tile_tokens, context.deterministic, attend_chunk=attend_chunk,
-                                      kernel=context.dense_kernel, logit_softcap=context.softcap(layer))
+                                      kernel=context.dense_kernel, logit_softcap=context.softcap(layer),
+                                      sliding_window=context.sliding_window(layer))
 
 
 def _positions(context: ChunkContext, layer: int, history: kernels.HistoryView) -> torch_attention.Positions:

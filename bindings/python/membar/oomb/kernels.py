@@ -36,6 +36,21 @@ def cuda_softcap_kernels() -> bool:
 CUDA_SOFTCAP_DEFAULT = True
 
 
+def cuda_window_kernels() -> bool:
+    """Whether sliding-window layers (Mistral v0.1, Gemma 2/3 local layers, Qwen2) whose window hides
+    keys run on the CUDA paged kernels (Note [Sliding window] in membar/kernels/attention.h) rather
+    than the PyTorch path (Note [Attention in PyTorch]), where the call takes the layer's visible
+    history in one call with the chunk. MEMBAR_CUDA_WINDOW=1 / 0 overrides the default. On the CPU
+    the kernels always take the window."""
+    value = os.environ.get("MEMBAR_CUDA_WINDOW", "")
+    return value == "1" if value in ("0", "1") else CUDA_WINDOW_DEFAULT
+
+
+# Off until the windowed CUDA kernels pass their GPU tests (tests/gpu/test_attention_cuda.cpp's
+# Windowed suite, the window cases of tests/python/test_attention_cuda.py).
+CUDA_WINDOW_DEFAULT = False
+
+
 @dataclass
 class HistoryView:
     """History K/V pages as the kernels see them: pools plus the page index of each history page."""
@@ -105,7 +120,8 @@ def _history_rows(history: HistoryView):
 
 def attention_forward(q, k, v, history: HistoryView, softmax_scale: float,
                       selected: torch.Tensor | None, query_tile_tokens: int, attend_chunk: bool = True,
-                      kernel: str = "membar", deterministic: bool = False, logit_softcap: float = 0.0):
+                      kernel: str = "membar", deterministic: bool = False, logit_softcap: float = 0.0,
+                      sliding_window: int = 0):
     """Returns (out [Tc, Hq, D], lse [Hq, Tc] float32). Does not block on the GPU.
 
     attend_chunk=False: attend only the history's pages (one block of a streamed history; rows
@@ -113,8 +129,9 @@ def attention_forward(q, k, v, history: HistoryView, softmax_scale: float,
     kernel="auto": dense calls on consecutive pages go through cuDNN where it applies
     (Note [cuDNN for dense history]); "membar": membar's paged kernels always. logit_softcap > 0:
     Gemma 2's soft-capped scores (Note [Soft-capped scores] in membar/kernels/attention.h; membar's
-    kernels only, cuDNN takes no cap)."""
-    if (not logit_softcap and (attend_chunk or history.history_tokens > 0)
+    kernels only, cuDNN takes no cap). sliding_window > 0: a local layer's window, positions counted
+    from the view's first history token (Note [Sliding window]; membar's kernels only)."""
+    if (not logit_softcap and not sliding_window and (attend_chunk or history.history_tokens > 0)
             and cudnn_attention.usable(q, history, selected, deterministic, kernel, k, "forward")):
         history_k, history_v = _history_rows(history)
         result = cudnn_attention.attempt("forward", q, k, lambda: cudnn_attention.forward(
@@ -124,18 +141,19 @@ def attention_forward(q, k, v, history: HistoryView, softmax_scale: float,
     return attention.paged_attention_forward(
         q, k, v, history.k_pool, history.page_index, history.v_pool, history.v_index, history.history_tokens,
         softmax_scale=softmax_scale, selected_pages=history.remap_selection(selected),
-        query_tile_tokens=query_tile_tokens, attend_chunk=attend_chunk, logit_softcap=logit_softcap)
+        query_tile_tokens=query_tile_tokens, attend_chunk=attend_chunk, logit_softcap=logit_softcap,
+        sliding_window=sliding_window)
 
 
 def attention_backward(q, k, v, history: HistoryView, softmax_scale: float, out, dout, lse,
                        grads: GradView, selected: torch.Tensor | None, query_tile_tokens: int,
                        deterministic: bool, attend_chunk: bool = True, kernel: str = "membar",
-                       logit_softcap: float = 0.0):
+                       logit_softcap: float = 0.0, sliding_window: int = 0):
     """Returns (dq, dk, dv) of the chunk and ADDS the history's dK/dV into grads' pools.
 
     attend_chunk=False: out/lse must be the rows' FINAL merged ones; dq is this block's part and
-    dk/dv are zeros. kernel, logit_softcap: as in attention_forward."""
-    if (not logit_softcap and (attend_chunk or history.history_tokens > 0)
+    dk/dv are zeros. kernel, logit_softcap, sliding_window: as in attention_forward."""
+    if (not logit_softcap and not sliding_window and (attend_chunk or history.history_tokens > 0)
             and cudnn_attention.usable(q, history, selected, deterministic, kernel, k, "backward")
             and (history.history_tokens == 0 or (grads.first_row is not None and grads.dv_page_index is None))):
         history_k, history_v = _history_rows(history)
@@ -153,7 +171,7 @@ def attention_backward(q, k, v, history: HistoryView, softmax_scale: float, out,
         grads.dk_pool, grads.page_index, grads.dv_pool, grads.dv_index, history.history_tokens,
         softmax_scale=softmax_scale, selected_pages=history.remap_selection(selected),
         query_tile_tokens=query_tile_tokens, deterministic=deterministic, attend_chunk=attend_chunk,
-        logit_softcap=logit_softcap)
+        logit_softcap=logit_softcap, sliding_window=sliding_window)
 
 
 def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -64,10 +64,12 @@ class LayerAttention:
 
     @property
     def needs_torch_path(self) -> bool:
-        """Whether the layer's attention has an option the paged kernels do not express, a sliding
-        window (then it runs in PyTorch once the window hides keys, Note [Attention in PyTorch] in
-        torch_attention.py). A soft-cap alone runs on the kernels (Note [Soft-capped scores] in
-        membar/kernels/attention.h)."""
+        """Whether the layer's attention may run in PyTorch (Note [Attention in PyTorch] in
+        torch_attention.py): it has a sliding window, which the paged kernels take only over the
+        whole visible history in one call with the chunk, on CUDA only where
+        kernels.cuda_window_kernels() says so (ChunkContext.torch_path decides per chunk; Note
+        [Sliding window] in membar/kernels/attention.h). A soft-cap alone runs on the kernels (Note
+        [Soft-capped scores])."""
         return self.sliding_window is not None
 
 
@@ -202,8 +204,8 @@ def check_layers(layers: list[LayerAttention], mode: str) -> None:
     """Raises ValueError for a configuration the records rule out."""
     special = [record.layer for record in layers if record.needs_torch_path]
     if mode == "sparse" and special:
-        raise ValueError(f"sparse mode selects history pages with the paged kernels, which do not express the "
-                         f"sliding windows of layers {special}: use mode='dense'.")
+        raise ValueError(f"sparse mode selects history pages with the paged kernels, which take no selection "
+                         f"with a sliding window (layers {special}): use mode='dense'.")
     from . import kernels  # here: kernels imports the ops, which this module does not need
 
     capped = [record.layer for record in layers if record.softcap is not None]
