@@ -160,7 +160,7 @@ __global__ void __launch_bounds__(Tiling::kTile.threads(), 1)
   // The owned keys' window edge (Note [Sliding window in the kernels]), read after the barrier of
   // each item.
   __shared__ int shared_window_edge;
-  if (thread == 0) shared_window_edge = owned_window_edge(shape, owned);
+  if (thread == 0) shared_window_edge = owned_window_edge(shape, owned);  // kNoWindowEdge without a window
 
   const Element* q = static_cast<const Element*>(params.q);
   const Element* dout = static_cast<const Element*>(params.dout);
@@ -259,12 +259,16 @@ __global__ void __launch_bounds__(Tiling::kTile.threads(), 1)
         warp_matmul_shared_nt<Element, kQueries, kHeadDim, kHeadDim, kHeadDim, kPadded>(scores, k_tile, warp * 16,
                                                                                        q_tile, 0, lane);
         if constexpr (kSoftcap) soft_cap_scores(scores, soft_cap);
-        // Note [Sliding window in the kernels]: the scores of the pairs the window hides become -inf
-        // (P = 0, and dS = 0: the cap's slope is 0 there), where the item's last query does not see
-        // the first key (a uniform branch). Here, before dP exists, the fewest values are live (these
-        // kernels sit at 255 registers), and the edge comes from shared memory, so that no register
-        // holds it across items.
-        if (shape.sliding_window > 0) {
+        // Note [Sliding window in the kernels]: the pairs the window hides, where the item's last
+        // query does not see the first key (a uniform branch), get P = 0 and dS = 0. These kernels
+        // sit at 255 registers, and where that happens decides what ptxas spills (nvcc 13.0,
+        // docs/kernels.md): with one pass over the columns the scores become -inf here, before dP
+        // exists (the fewest values live; the cap's slope is 0 there), and no layout spills on sm_90a;
+        // with dim_parts (head_dim 256) P is zeroed with the other masks below, which spills less
+        // than before the window on both architectures. The edge comes from shared memory, so that no
+        // register holds it across items.
+        constexpr bool kMaskScores = kDimParts == 1;
+        if (kMaskScores && shape.sliding_window > 0) {
           const int window_edge = shared_window_edge;
           if (window_edge <= first_query + kQueries - 1) {
 #pragma unroll
@@ -280,7 +284,10 @@ __global__ void __launch_bounds__(Tiling::kTile.threads(), 1)
         }
         warp_matmul_shared_nt<Element, kQueries, kHeadDim, kHeadDim, kHeadDim, kPadded>(dscores, v_tile, warp * 16,
                                                                                        dout_tile, 0, lane);
-        const bool may_cut = valid_keys < kKeys || (chunk_block && first_key + kKeys - 1 > first_query);
+        const int window_edge = kMaskScores ? kNoWindowEdge : shared_window_edge;
+        const bool window_cuts = !kMaskScores && window_edge <= first_query + kQueries - 1;
+        const bool may_cut =
+            valid_keys < kKeys || (chunk_block && first_key + kKeys - 1 > first_query) || window_cuts;
 #pragma unroll
         for (int n = 0; n < kQueries / 8; ++n) {
 #pragma unroll
@@ -291,6 +298,7 @@ __global__ void __launch_bounds__(Tiling::kTile.threads(), 1)
             if (may_cut) {
               bool visible = key < valid_keys;
               if (chunk_block) visible = visible && first_key + key <= first_query + query;
+              if (window_cuts) visible = visible && key + window_edge > first_query + query;
               if (!visible) p = 0.f;
             }
             if constexpr (kSoftcap) {

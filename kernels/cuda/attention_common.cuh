@@ -454,9 +454,11 @@ inline constexpr float kLog2e = 1.4426950408889634f;
 //   Rows with nothing visible in a block: the forward's online softmax already keeps such rows
 //   finite (a running maximum of -inf is replaced by 0 before exponentiating, as FlashAttention
 //   does), and every row sees at least its own key, so no lse is -inf. The backward gets P = 0,
-//   hence dS = 0, for hidden pairs: the dQ pass and the split dK/dV kernel set P = 0 where they
-//   apply the other masks; the one-warp-per-16-keys dK/dV kernels, at 255 registers, set the
-//   hidden scores to -inf right after S (the fewest values live; SoftCap::slope is 0 there).
+//   hence dS = 0, for hidden pairs: the dQ pass, the split dK/dV kernel and the head_dim-256
+//   dK/dV kernel (dim_parts) set P = 0 where they apply the other masks; the other
+//   one-warp-per-16-keys dK/dV kernels, at 255 registers, set the hidden scores to -inf right after
+//   S (the fewest values live; SoftCap::slope is 0 there): the placements that spill least
+//   (docs/kernels.md).
 //   Limitations: windows combine with dense calls that attend the chunk only; the skipped blocks
 //   save the work outside the window, but a straddling block computes all of its scores.
 inline constexpr int kNoWindowEdge = 1 << 30;
