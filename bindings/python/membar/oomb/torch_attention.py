@@ -1,13 +1,15 @@
-"""Attention of a chunk over its history pages in plain PyTorch, for the option membar's paged
-kernels do not express: sliding windows (with Gemma 2's attention-logit soft-cap where a local layer
-has one).
+"""Attention of a chunk over its history pages in plain PyTorch, for the sliding-window calls
+membar's paged kernels do not take (with Gemma 2's attention-logit soft-cap where a local layer has
+one).
 
 Note [Attention in PyTorch]
   Rationale: a local layer (Mistral v0.1, Gemma 2/3, Qwen2 with use_sliding_window, Phi-3 with a
   sliding_window) lets a query at position p see keys p - W + 1 .. p only, and Gemma 2 passes every
   score s through softcap * tanh(s / softcap) before the softmax. The paged kernels take the
-  soft-cap (Note [Soft-capped scores] in membar/kernels/attention.h; Gemma 2's global layers run
-  there) but not windows, and correctness comes before speed.
+  soft-cap (Note [Soft-capped scores] in membar/kernels/attention.h) and a window over the whole
+  visible history in one call with the chunk (Note [Sliding window]; on CUDA where
+  kernels.cuda_window_kernels() says so), but not a window over one block of a streamed history,
+  which this path serves (ChunkContext.torch_path decides), and correctness comes before speed.
   Approach: the same contract as the paged kernels (kernels.attention_forward / _backward), so the
   chunk-recurrent machinery around it (stages, streaming blocks merged by log-sum-exp, the access
   plan, offload) is unchanged. The trainer asks the store only for the pages a chunk's window
