@@ -369,7 +369,31 @@ gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU
 def test_gpu_bf16_error_at_most_twice_full_sequence_bf16(case):
     """CUDA, bf16: chunk-recurrent gradients against a float32 full-sequence reference are at most
     2x as far off as full-sequence bf16 training's (head size 128: the kernels' and cuDNN's size;
-    Gemma 2 on the PyTorch path)."""
+    local layers where kernels.cuda_window_kernels() sends them, by default the PyTorch path)."""
+    full_error, oomb_error = _gpu_bf16_errors(case)
+    assert oomb_error <= 2 * full_error
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("case", ["mistral", "gemma2", "gemma3_text"])
+def test_gpu_bf16_windowed_kernels_error_at_most_twice_full_sequence_bf16(monkeypatch, case):
+    """The same with the local layers on the windowed CUDA kernels (MEMBAR_CUDA_WINDOW=1; Note
+    [Sliding window] in membar/kernels/attention.h), none on the PyTorch path."""
+    from membar.oomb import torch_attention
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a windowed layer took the PyTorch path")
+
+    monkeypatch.setenv("MEMBAR_CUDA_WINDOW", "1")
+    monkeypatch.setattr(torch_attention, "forward", refuse)
+    monkeypatch.setattr(torch_attention, "backward", refuse)
+    full_error, oomb_error = _gpu_bf16_errors(case)
+    assert oomb_error <= 2 * full_error
+
+
+def _gpu_bf16_errors(case):
+    """(full-sequence bf16, chunk-recurrent bf16) max relative gradient errors against float32."""
     config, _ = family_config(case)
     for field, value in dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=128,
                              intermediate_size=512).items():
@@ -390,4 +414,4 @@ def test_gpu_bf16_error_at_most_twice_full_sequence_bf16(case):
     oomb_error = max_relative_error({n: g.float() for n, g in grads_of(bf16).items()}, reference)
     print(f"\n{case} bf16 max relative gradient error: full sequence {full_error:.3g}, "
           f"chunk-recurrent {oomb_error:.3g}")
-    assert oomb_error <= 2 * full_error
+    return full_error, oomb_error
