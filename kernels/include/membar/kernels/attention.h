@@ -161,7 +161,8 @@ enum class BackwardLayout : int32_t {
 
 // How a call runs, apart from what it computes (the params). Like ggml's compute plan (its thread
 // count), these stay out of the params: the CUDA kernels take their params by value, and a
-// forward params struct past 128 bytes makes the tuned mma.sync layout spill.
+// forward params struct past 128 bytes once made a tuned mma.sync layout spill (with
+// sliding_window it is 136 bytes, and no forward layout spills: docs/kernels.md).
 struct CpuOptions {
   // Worker threads at most, the calling thread included (0: std::thread::hardware_concurrency()).
   int32_t max_threads = 0;
