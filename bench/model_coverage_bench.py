@@ -103,14 +103,18 @@ def full_attention(model, gemma_full: str) -> str | None:
 
 
 def attention_path(model) -> str:
+    """Where the model's attention runs in the chunk-recurrent step on CUDA (Note [Soft-capped scores],
+    Note [Sliding window]; MEMBAR_CUDA_SOFTCAP / MEMBAR_CUDA_WINDOW send them to the PyTorch path)."""
+    from membar.oomb.kernels import cuda_softcap_kernels, cuda_window_kernels
     from membar.oomb.models import attention_softcaps
 
     text = model.config
+    parts = []
     if attention_softcaps(model):
-        return "PyTorch (soft-cap)"
+        parts.append("soft-cap on " + ("membar kernels" if cuda_softcap_kernels() else "PyTorch"))
     if getattr(text, "sliding_window", None):
-        return "PyTorch where the window bites"
-    return "cuDNN / membar kernels"
+        parts.append("windows on " + ("membar kernels" if cuda_window_kernels() else "PyTorch"))
+    return "; ".join(parts) if parts else "cuDNN / membar kernels"
 
 
 def release(device) -> None:

@@ -270,8 +270,8 @@ def test_soft_capped_layers_take_the_kernels_where_they_are_verified(monkeypatch
 def test_windowed_layers_take_the_kernels_where_they_are_verified(monkeypatch):
     """A local layer whose window hides keys runs on the paged kernels (Note [Sliding window] in
     membar/kernels/attention.h) when its visible history goes to one call with the chunk: always on
-    the CPU; on CUDA where kernels.cuda_window_kernels() says so (MEMBAR_CUDA_WINDOW overrides; off
-    by default until the GPU tests pass), else the PyTorch path. A history streamed in blocks keeps
+    the CPU; on CUDA where kernels.cuda_window_kernels() says so (MEMBAR_CUDA_WINDOW overrides; on
+    by default since the GPU tests passed), else the PyTorch path. A history streamed in blocks keeps
     the PyTorch path (a block alone does not know where the queries sit), and so does a window that
     hides nothing (then the kernels run without it). Sparse mode refuses windowed layers."""
     from membar.oomb import kernels
@@ -284,7 +284,7 @@ def test_windowed_layers_take_the_kernels_where_they_are_verified(monkeypatch):
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     assert context.window_hides(0) and context.sliding_window(0) == WINDOW and context.sliding_window(1) == 0
     assert not context.torch_path(0, cpu) and not context.torch_path(0)
-    assert not kernels.cuda_window_kernels() and context.torch_path(0, cuda)
+    assert kernels.cuda_window_kernels() and not context.torch_path(0, cuda)
     monkeypatch.setenv("MEMBAR_CUDA_WINDOW", "1")
     assert kernels.cuda_window_kernels() and not context.torch_path(0, cuda)
     monkeypatch.setenv("MEMBAR_CUDA_WINDOW", "0")
@@ -369,7 +369,7 @@ gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU
 def test_gpu_bf16_error_at_most_twice_full_sequence_bf16(case):
     """CUDA, bf16: chunk-recurrent gradients against a float32 full-sequence reference are at most
     2x as far off as full-sequence bf16 training's (head size 128: the kernels' and cuDNN's size;
-    local layers where kernels.cuda_window_kernels() sends them, by default the PyTorch path)."""
+    local layers where kernels.cuda_window_kernels() sends them, by default the kernels)."""
     full_error, oomb_error = _gpu_bf16_errors(case)
     assert oomb_error <= 2 * full_error
 

@@ -24,6 +24,15 @@ void check_cuda(const at::Tensor& tensor, const char* op) {
   TORCH_CHECK(tensor.is_cuda(), op, ": the CUDA implementation got a tensor on ", tensor.device(), ".");
 }
 
+// A window without attend_chunk, refused before anything else: on the H200 (session 19) this call
+// crashed the process (segmentation fault) where the same refusal from prepare_forward's shape check
+// raises on the CPU; not yet understood (bench/probes/window_refusal_probe.py reproduces it), so the
+// CUDA ops refuse it here first, as the shape check would.
+void check_window_call(int64_t sliding_window, bool attend_chunk, const char* op) {
+  TORCH_CHECK(sliding_window <= 0 || attend_chunk, op, ": a sliding window needs attend_chunk: a call over a block of "
+              "history alone does not know the queries' positions relative to it.");
+}
+
 void check_launch(int error, const char* op) {
   TORCH_CHECK(error == 0, op, ": the CUDA kernel failed to launch: ", cudaGetErrorString(static_cast<cudaError_t>(error)),
               ".");
@@ -129,6 +138,7 @@ std::tuple<at::Tensor, at::Tensor> forward_cuda(const at::Tensor& q, const at::T
                                                 double logit_softcap, int64_t sliding_window) {
   constexpr const char* kOp = "paged_attention_forward";
   check_cuda(q, kOp);
+  check_window_call(sliding_window, attend_chunk, kOp);
   const k::CudaOptions options = layout_options(layout, /*forward=*/true, kOp);
   const c10::cuda::CUDAGuard guard(q.device());
   ForwardCall call = prepare_forward(q, k_chunk, v_chunk, k_pool, k_page_index, v_pool, v_page_index, history_tokens,
@@ -154,6 +164,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_cuda(
     bool attend_chunk, const std::string& layout, double logit_softcap, int64_t sliding_window) {
   constexpr const char* kOp = "paged_attention_backward";
   check_cuda(q, kOp);
+  check_window_call(sliding_window, attend_chunk, kOp);
   const k::CudaOptions options = layout_options(layout, /*forward=*/false, kOp);
   const c10::cuda::CUDAGuard guard(q.device());
   BackwardCall call = prepare_backward(q, k_chunk, v_chunk, k_pool, k_page_index, v_pool, v_page_index, out, dout, lse,
