@@ -97,6 +97,21 @@ WARMUP_SECONDS = 4.0
 MODEL_BUILD_SECONDS = {"qwen2.5-7b": 35.0}
 
 
+# Variant flags that set an environment variable the runtime reads when it starts (flag, variable, value):
+# "+hostorder" orders the embedded engine's copies on the host, as before Note [Device-ordered copies]
+# (the trainer waits on the host); "+timewaits" puts CUDA events around each GPU-side wait for pages;
+# "+copyeach" hands a batch's copies to the driver one call each (Note [Copies handed over in one
+# call]); "+copyevents" sees batches complete through CUDA events (Note [Completion words]); "+mapeach"
+# maps each frame as its event arrives (Note [Maps in runs]).
+_RUNTIME_SWITCHES = [
+    ("+hostorder", "MEMBAR_DEVICE_ORDER", "0"),
+    ("+timewaits", "MEMBAR_TIME_STREAM_WAITS", "1"),
+    ("+copyeach", "MEMBAR_BATCH_COPIES", "0"),
+    ("+copyevents", "MEMBAR_COPY_EVENTS", "1"),
+    ("+mapeach", "MEMBAR_DEFER_MAPS", "0"),
+]
+
+
 def parse_tokens(text: str) -> int:
     text = text.strip().upper()
     scale = {"K": K, "M": K * K}.get(text[-1], 1)
@@ -314,12 +329,12 @@ def run_one(model, spec: dict) -> dict:
 
             store = PlainKVStore(device, streamed="+streamed" in result["variant"])
         group = data_parallel_group(cuda) if "+dp" in result["variant"] else None
-        # "+hostorder": the embedded engine orders its copies on the host, as before device order
-        # (Note [Device-ordered copies] in engine/batches.cpp), and the trainer waits on the host.
-        if "+hostorder" in result["variant"]:
-            os.environ["MEMBAR_DEVICE_ORDER"] = "0"
-        else:
-            os.environ.pop("MEMBAR_DEVICE_ORDER", None)
+        # Runtime switches read when the runtime starts: the variant's flag sets the variable, else it goes.
+        for flag, variable, value in _RUNTIME_SWITCHES:
+            if flag in result["variant"]:
+                os.environ[variable] = value
+            else:
+                os.environ.pop(variable, None)
         # "+displace8": the engine's displace_rank (Note [Eviction order]): a frame already mapped at a
         # page's position serves it when its occupant is among MIN's first 8 candidates.
         displace = re.search(r"\+displace(\d+|all)", result["variant"])
@@ -327,29 +342,6 @@ def run_one(model, spec: dict) -> dict:
             os.environ["MEMBAR_DISPLACE_RANK"] = displace.group(1)
         else:
             os.environ.pop("MEMBAR_DISPLACE_RANK", None)
-        # "+timewaits": CUDA events around each GPU-side wait for pages (MEMBAR_TIME_STREAM_WAITS=1).
-        if "+timewaits" in result["variant"]:
-            os.environ["MEMBAR_TIME_STREAM_WAITS"] = "1"
-        else:
-            os.environ.pop("MEMBAR_TIME_STREAM_WAITS", None)
-        # "+copyeach": the CUDA backend hands a batch's copies to the driver one cudaMemcpyAsync each, as
-        # before Note [Copies handed over in one call] (MEMBAR_BATCH_COPIES=0, read when the runtime starts).
-        if "+copyeach" in result["variant"]:
-            os.environ["MEMBAR_BATCH_COPIES"] = "0"
-        else:
-            os.environ.pop("MEMBAR_BATCH_COPIES", None)
-        # "+copyevents": the CUDA backend sees batches complete through CUDA events, as before Note
-        # [Completion words] (MEMBAR_COPY_EVENTS=1, read when the runtime starts).
-        if "+copyevents" in result["variant"]:
-            os.environ["MEMBAR_COPY_EVENTS"] = "1"
-        else:
-            os.environ.pop("MEMBAR_COPY_EVENTS", None)
-        # "+mapeach": the client maps each frame as the runtime's event arrives, as before Note [Maps in
-        # runs] (MEMBAR_DEFER_MAPS=0, read when the runtime starts).
-        if "+mapeach" in result["variant"]:
-            os.environ["MEMBAR_DEFER_MAPS"] = "0"
-        else:
-            os.environ.pop("MEMBAR_DEFER_MAPS", None)
         # "+asyncmaps" / "+syncmaps": frame maps on the client's mapping thread or on the thread that
         # receives the runtime's events (Note [Maps off the caller's thread]; MEMBAR_ASYNC_MAPS, read when
         # the runtime starts).

@@ -74,8 +74,8 @@
 #             step alone), COVERAGE_MERGE names an earlier model_coverage.json to merge the rows into
 #   softcap   Gemma-2-9B shape, 4 layers, 32K, chunk-recurrent step: its soft-capped global layers on the
 #             paged kernels (Note [Soft-capped scores]) against the PyTorch path (MEMBAR_CUDA_SOFTCAP=0)
-#   wintests  every gpu C++ test, then the Python attention tests and the trainer's bf16 gradient errors
-#             with sliding-window layers on the kernels (MEMBAR_CUDA_WINDOW=1)
+#   wintests  every gpu C++ test, then the Python attention tests and the model tests' bf16 gradient
+#             errors (local layers on the windowed kernels, and on the PyTorch path)
 #   window    Gemma-2-9B shape, 4 layers, 32K, chunk-recurrent step: its sliding-window layers on the paged
 #             kernels (Note [Sliding window]) against the PyTorch path (MEMBAR_CUDA_WINDOW=0)
 #   dp        7B at 32K: one process against data parallel with world size 1 (NCCL), in one run
@@ -158,6 +158,18 @@ bench() {   # bench STEP ARGS...: bench/oomb_bench.py at the 7B shape into $work
     > "$work/$step/bench.log" 2>&1 || status=1
   grep -vE '^\[|^ +' "$work/$step/oomb_bench.txt" 2>/dev/null || tail -20 "$work/$step/bench.log"
   grep '^\[oomb\]' "$work/$step/bench.log" 2>/dev/null | tail -2
+}
+
+gemma_kernels_or_pytorch() {   # STEP VARIABLE WHAT: Gemma 2's quick 32K step with VARIABLE=1, then =0
+  local step=$1 variable=$2 what=$3 on
+  for on in 1 0; do
+    mkdir -p "$work/$step/kernels$on"
+    env "$variable=$on" MEMBAR_RESULTS_DIR="$work/$step/kernels$on" timeout 120 "$py" bench/model_coverage_bench.py \
+      --quick --models gemma-2-9b --parts timing --variants chunk-recurrent --fresh --time-budget 100 \
+      > "$work/$step/kernels$on/bench.log" 2>&1 || status=1
+    log "$what: $on"
+    tail -2 "$work/$step/kernels$on/model_coverage.md" 2>/dev/null || tail -5 "$work/$step/kernels$on/bench.log"
+  done
 }
 
 start_daemon() {   # start_daemon SOCKET ARGS...: membard on the CUDA backend, waits for its socket
@@ -305,36 +317,22 @@ for step in "$@"; do
     softcap)
       # Gemma 2 (4 layers of the 9B shape, 32K, chunk-recurrent): soft-capped global layers on the
       # paged kernels against the PyTorch path (MEMBAR_CUDA_SOFTCAP=0), in one call.
-      for cap in 1 0; do
-        mkdir -p "$work/softcap/kernels$cap"
-        MEMBAR_CUDA_SOFTCAP=$cap MEMBAR_RESULTS_DIR=$work/softcap/kernels$cap timeout 120 "$py" bench/model_coverage_bench.py \
-          --quick --models gemma-2-9b --parts timing --variants chunk-recurrent --fresh --time-budget 100 \
-          > "$work/softcap/kernels$cap/bench.log" 2>&1 || status=1
-        log "soft-capped layers on the kernels: $cap"
-        tail -2 "$work/softcap/kernels$cap/model_coverage.md" 2>/dev/null || tail -5 "$work/softcap/kernels$cap/bench.log"
-      done ;;
+      gemma_kernels_or_pytorch softcap MEMBAR_CUDA_SOFTCAP "soft-capped layers on the kernels" ;;
     wintests)
       # The sliding-window kernels (Note [Sliding window in the kernels]): every gpu C++ test, then the
       # Python attention tests and the trainer's bf16 gradient errors with windowed layers on the kernels.
       mkdir -p "$work/wintests"
       ctest --test-dir build-gpu -L gpu --output-on-failure --timeout 300 > "$work/wintests/gpu_ctest.log" 2>&1 || status=1
       tail -4 "$work/wintests/gpu_ctest.log"
-      MEMBAR_CUDA_WINDOW=1 timeout ${PYTEST_TIMEOUT:-240} "$py" -m pytest -q -m gpu tests/python/test_attention_cuda.py \
-        tests/python/test_oomb.py -k "window or Window or bf16 or softcap" -p no:cacheprovider --durations=8 \
+      timeout ${PYTEST_TIMEOUT:-240} "$py" -m pytest -q -m gpu tests/python/test_attention_cuda.py \
+        tests/python/test_oomb_models.py -p no:cacheprovider --durations=8 \
         > "$work/wintests/gpu_pytest.log" 2>&1 || status=1
       tail -14 "$work/wintests/gpu_pytest.log" ;;
     window)
       # Gemma 2 (4 layers of the 9B shape, 32K, chunk-recurrent): its sliding-window layers on the paged
       # kernels (Note [Sliding window]) against the PyTorch path (MEMBAR_CUDA_WINDOW=0), soft-capped
       # layers on the kernels in both, in one call.
-      for window in 1 0; do
-        mkdir -p "$work/window/kernels$window"
-        MEMBAR_CUDA_WINDOW=$window MEMBAR_RESULTS_DIR=$work/window/kernels$window timeout 120 "$py" bench/model_coverage_bench.py \
-          --quick --models gemma-2-9b --parts timing --variants chunk-recurrent --fresh --time-budget 100 \
-          > "$work/window/kernels$window/bench.log" 2>&1 || status=1
-        log "sliding-window layers on the kernels: $window"
-        tail -2 "$work/window/kernels$window/model_coverage.md" 2>/dev/null || tail -5 "$work/window/kernels$window/bench.log"
-      done ;;
+      gemma_kernels_or_pytorch window MEMBAR_CUDA_WINDOW "sliding-window layers on the kernels" ;;
     models)
       mkdir -p "$work/models"
       if [ "${COVERAGE_QUICK:-0}" = 1 ]; then coverage="--quick"; else coverage="--models ${COVERAGE_MODELS:-qwen3-8b}"; fi

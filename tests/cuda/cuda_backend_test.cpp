@@ -271,12 +271,19 @@ TEST_F(CudaBackendTest, PagesRoundTripAtEveryPageSize) {
   }
 }
 
-// Note [Copies handed over in one call]: the round trips above hand each batch's scattered
-// copies to the driver in one cudaMemcpyBatchAsync call; the same with one call per copy, and the
-// counters of what was issued.
-TEST(CudaBackendCopies, PagesRoundTripWithOneDriverCallPerCopy) {
+// The round trips above hand each batch's scattered copies to the driver in one
+// cudaMemcpyBatchAsync call (Note [Copies handed over in one call]) and see batches complete through
+// the streams' completion words (Note [Completion words]); the same round trips with one driver
+// call per copy, and with a CUDA event per batch.
+class CudaBackendOptions : public ::testing::TestWithParam<bool> {};
+
+TEST_P(CudaBackendOptions, PagesRoundTrip) {
   BackendConfig config = small_config();
-  config.batch_copies = false;
+  if (GetParam()) {
+    config.batch_copies = false;
+  } else {
+    config.completion_words = false;
+  }
   Result<std::unique_ptr<DeviceBackend>> made = make_cuda_backend(config);
   if (!made.ok() && made.status().code() == StatusCode::UNAVAILABLE) GTEST_SKIP() << made.status().to_string();
   ASSERT_TRUE(made.ok()) << made.status().to_string();
@@ -288,21 +295,10 @@ TEST(CudaBackendCopies, PagesRoundTripWithOneDriverCallPerCopy) {
   }
 }
 
-// Note [Completion words]: the tests above see batches complete through the streams' completion
-// words (the default); the same round trips and completions with CUDA events.
-TEST(CudaBackendCopies, PagesRoundTripWithCompletionEvents) {
-  BackendConfig config = small_config();
-  config.completion_words = false;
-  Result<std::unique_ptr<DeviceBackend>> made = make_cuda_backend(config);
-  if (!made.ok() && made.status().code() == StatusCode::UNAVAILABLE) GTEST_SKIP() << made.status().to_string();
-  ASSERT_TRUE(made.ok()) << made.status().to_string();
-  prepare_slabs(*made.value());
-  uint64_t seed = std::random_device{}();
-  for (uint64_t page_bytes : {64ull << 10, 2ull << 20}) {
-    SCOPED_TRACE(page_bytes);
-    round_trip(*made.value(), page_bytes, seed + page_bytes);
-  }
-}
+INSTANTIATE_TEST_SUITE_P(CudaBackendCopies, CudaBackendOptions, ::testing::Bool(),
+                         [](const ::testing::TestParamInfo<bool>& info) {
+                           return std::string(info.param ? "OneDriverCallPerCopy" : "CompletionEvents");
+                         });
 
 TEST_F(CudaBackendTest, CountersSayWhatWasIssued) {
   BackendCounters before = backend_->counters();
