@@ -44,9 +44,9 @@ history in blocks as offloaded pages are read (what the blocks cost without a co
 =0, the default) instead of the thread that receives the runtime's events (Note [Maps off the
 caller's thread] in libclient/memory.cpp); "+copyeach" hands each copy to the driver in a call of its
 own (MEMBAR_BATCH_COPIES=0) instead of a batch's copies in one cudaMemcpyBatchAsync call (Note [Copies
-handed over in one call] in engine/cuda/cuda_backend.cpp); "+mapeach" maps each frame as its event
-arrives (MEMBAR_DEFER_MAPS=0) instead of at the next call that hands pages out, adjacent positions in
-one run (Note [Maps in runs] in libclient/memory.cpp); "+copyevents" has the CUDA backend wait for
+handed over in one call] in engine/cuda/cuda_backend.cpp); "+mapruns" maps frames at the next call that
+hands pages out, adjacent positions in one run (MEMBAR_DEFER_MAPS=1, Note [Maps in runs] in
+libclient/memory.cpp), instead of each as its event arrives; "+copyevents" has the CUDA backend wait for
 each batch's CUDA event instead of reading the copy stream's completion word (MEMBAR_COPY_EVENTS=1,
 Note [Completion words] in engine/cuda/cuda_backend.cpp);
 "+profile" records the timed step with torch.profiler and
@@ -101,14 +101,14 @@ MODEL_BUILD_SECONDS = {"qwen2.5-7b": 35.0}
 # "+hostorder" orders the embedded engine's copies on the host, as before Note [Device-ordered copies]
 # (the trainer waits on the host); "+timewaits" puts CUDA events around each GPU-side wait for pages;
 # "+copyeach" hands a batch's copies to the driver one call each (Note [Copies handed over in one
-# call]); "+copyevents" sees batches complete through CUDA events (Note [Completion words]); "+mapeach"
-# maps each frame as its event arrives (Note [Maps in runs]).
+# call]); "+copyevents" sees batches complete through CUDA events (Note [Completion words]); "+mapruns"
+# keeps frame events until a call settles and maps adjacent positions as one run (Note [Maps in runs]).
 _RUNTIME_SWITCHES = [
     ("+hostorder", "MEMBAR_DEVICE_ORDER", "0"),
     ("+timewaits", "MEMBAR_TIME_STREAM_WAITS", "1"),
     ("+copyeach", "MEMBAR_BATCH_COPIES", "0"),
     ("+copyevents", "MEMBAR_COPY_EVENTS", "1"),
-    ("+mapeach", "MEMBAR_DEFER_MAPS", "0"),
+    ("+mapruns", "MEMBAR_DEFER_MAPS", "1"),
 ]
 
 

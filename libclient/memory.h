@@ -56,7 +56,7 @@ Result<std::unique_ptr<FrameMapper>> make_cuda_mapper(int device);
 // Whether ClientMemory applies events on a thread of its own: MEMBAR_ASYNC_MAPS=1 (default off).
 bool async_maps_from_env();
 // Whether a synchronous ClientMemory keeps events until a call settles and maps them in runs
-// (Note [Maps in runs] in libclient/memory.cpp): on unless MEMBAR_DEFER_MAPS=0.
+// (Note [Maps in runs] in libclient/memory.cpp): MEMBAR_DEFER_MAPS=1 (default off).
 bool deferred_maps_from_env();
 
 class ClientMemory {

@@ -117,8 +117,9 @@
 #   handoff   Note [Copies handed over in one call]: the gpu ctest but attention's, runtime_bench --quick
 #             (its (d): host us per copy handed over, cudaMemcpyBatchAsync against one call per copy), then
 #             7B dense-offload at HANDOFF_CONTEXTS (128K) with batched hand-off (default) and one call per
-#             copy ("+copyeach", MEMBAR_BATCH_COPIES=0) and with each frame mapped as its event arrives
-#             ("+mapeach", MEMBAR_DEFER_MAPS=0: Note [Maps in runs]) beside plain tensors read in blocks, one run
+#             copy ("+copyeach", MEMBAR_BATCH_COPIES=0), with CUDA events for completion ("+copyevents") and
+#             with maps in runs ("+mapruns", MEMBAR_DEFER_MAPS=1: Note [Maps in runs]) beside plain tensors
+#             read in blocks, one run
 #   hostpool  membard --gpu-pool 100GiB --host-pool 100GiB under ulimit -n 1024: time to serve,
 #             time until the host pool is pinned, open descriptors
 #
@@ -281,7 +282,7 @@ for step in "$@"; do
         || status=1
       grep '^\[handoff\]' "$work/handoff/runtime_bench.log"
       bench handoff --contexts "${HANDOFF_CONTEXTS:-128K}" --time-budget "${HANDOFF_BUDGET:-330}" --time-limit 200 \
-        --variants "${HANDOFF_VARIANTS:-dense+plain+streamed,dense-offload,dense-offload+mapeach,dense-offload+copyeach}"
+        --variants "${HANDOFF_VARIANTS:-dense+plain+streamed,dense-offload,dense-offload+mapruns,dense-offload+copyeach,dense-offload+copyevents}"
       "$py" tools/waits_summary.py "$work/handoff/oomb_bench.json" ;;
     asyncdepth)
       # The mapping thread with a deeper lookahead (it waited for most maps at depth 2, session 16):
