@@ -5,7 +5,8 @@
 #   tools/h200_session.sh STEP...
 #
 # Give it MEMBAR_COMMIT (the commit whose files the device runs: its copy of .git can be older than
-# the files, session 17); every bench writes it into its results.
+# the files, session 17); every bench writes it into its results. tools/device_tree.sh prepares a
+# call (the dependency bundle, the committed tree of HEAD in .deps) and prints its command line.
 #
 #   build     CUDA build (tools/gpu_check.sh's build stage, sm_90a)
 #   tests     gpu-labelled C++ tests and gpu-marked Python tests
