@@ -317,13 +317,7 @@ void ClientMemory::run_mapper() {
           ++end;
         }
         maps = end - i;
-        Status status = apply_map_run(&batch[i], maps);
-        // One by one after a failed run: the error names the frame, and the others are mapped.
-        for (size_t j = i; !status.ok() && maps > 1 && j < end; ++j) {
-          Status one = apply_map_run(&batch[j], 1);
-          if (!one.ok()) note_error(one);
-        }
-        if (!status.ok() && maps == 1) note_error(status);
+        apply_map_run_noting_errors(&batch[i], maps);
       } else {
         Status status = apply(batch[i]);
         if (!status.ok()) note_error(status);
@@ -339,6 +333,17 @@ void ClientMemory::run_mapper() {
       applied_.notify_all();
       i = end;
     }
+  }
+}
+
+void ClientMemory::apply_map_run_noting_errors(const Op* ops, size_t count) {
+  Status status = apply_map_run(ops, count);
+  if (status.ok()) return;
+  if (count == 1) return note_error(status);
+  // One by one after a failed run: the error names the frame, and the others are mapped.
+  for (size_t j = 0; j < count; ++j) {
+    Status one = apply_map_run(&ops[j], 1);
+    if (!one.ok()) note_error(one);
   }
 }
 
@@ -404,13 +409,7 @@ void ClientMemory::apply_in_runs(std::vector<Op>& ops, uint64_t* maps, uint64_t*
         ++run_end;
       }
       size_t count = run_end - k;
-      Status status = apply_map_run(&stretch_maps[k], count);
-      // One by one after a failed run: the error names the frame, and the others are mapped.
-      for (size_t j = k; !status.ok() && count > 1 && j < run_end; ++j) {
-        Status one = apply_map_run(&stretch_maps[j], 1);
-        if (!one.ok()) note_error(one);
-      }
-      if (!status.ok() && count == 1) note_error(status);
+      apply_map_run_noting_errors(&stretch_maps[k], count);
       *maps += count;
       *runs += 1;
       k = run_end;

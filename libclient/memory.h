@@ -117,6 +117,8 @@ class ClientMemory {
   Status give(Op op);
   Status apply(const Op& op);
   Status apply_map_run(const Op* ops, size_t count);
+  // apply_map_run, and after a failed run each map on its own; errors are noted (note_error).
+  void apply_map_run_noting_errors(const Op* ops, size_t count);
   // Note [Maps in runs]: applies the events kept so far (deferred mode), under flush_mutex_.
   void flush_pending();
   // Applies ops in order, except that each stretch of maps and unmaps has its unmaps first and its

@@ -310,6 +310,9 @@ class CudaVmmBackend final : public DeviceBackend {
   Status check_range(Tier tier, FrameIndex frame, uint64_t offset, uint64_t bytes, const char* what) const;
   // Makes copy stream `stream` wait on the device for what `order` names (caller holds mutex_).
   Status apply_order(int stream, const DeviceOrder& order);
+  // Zeroed words in a sealed memfd, pinned and mapped for the device: a signal block's memory (the
+  // clients' and the copy streams' completion words).
+  Result<std::unique_ptr<SignalBlock>> make_signal_memory(const char* name, uint32_t words);
   // The device address of word `index` of signal block `block` (caller holds mutex_).
   Result<CUdeviceptr> signal_word_address(uint32_t block, uint32_t index) const;
   // Records an event on each stream in `streams`, queues one part per stream and counts the
@@ -654,20 +657,8 @@ Status CudaVmmBackend::start() {
                                                context_.device()) == CUDA_SUCCESS &&
                     mem_ops != 0;
   if (completion_words_ && stream_mem_ops_) {
-    // Two words in host memory the GPU writes (Note [Completion words]).
-    uint64_t page = static_cast<uint64_t>(sysconf(_SC_PAGESIZE));
-    auto block = std::make_unique<SignalBlock>();
-    MEMBAR_ASSIGN_OR_RETURN(block->memory, create_shared_memory("membar-completion", page));
-    void* words = block->memory.mapping.get();
-    std::memset(words, 0, page);
-    MEMBAR_RETURN_IF_ERROR(driver_status(
-        api_.get(), api_->cuMemHostRegister(words, page, CU_MEMHOSTREGISTER_PORTABLE | CU_MEMHOSTREGISTER_DEVICEMAP),
-        "cuMemHostRegister of the completion words"));
-    block->registration = HostRegistration(api_.get(), words);
-    MEMBAR_RETURN_IF_ERROR(driver_status(api_.get(), api_->cuMemHostGetDevicePointer(&block->device_words, words, 0),
-                                         "cuMemHostGetDevicePointer of the completion words"));
-    block->words = kCopyStreamCount;
-    completion_block_ = std::move(block);
+    // One word per copy stream in host memory the GPU writes (Note [Completion words]).
+    MEMBAR_ASSIGN_OR_RETURN(completion_block_, make_signal_memory("membar-completion", kCopyStreamCount));
   } else {
     completion_words_ = false;
   }
@@ -823,10 +814,11 @@ Status CudaVmmBackend::finish_enqueue(const std::vector<int>& streams, std::func
       sequences.push_back(sequence);
     }
   }
-  // Record every event before queueing any part: if a record fails, nothing is queued and
-  // `done` is never called (the async contract).
+  // Without completion words, record every event before queueing any part: if a record fails,
+  // nothing is queued and `done` is never called (the async contract).
   std::vector<cudaEvent_t> events;
-  for (int stream : completion_words_ ? std::vector<int>{} : streams) {
+  for (size_t i = 0; !completion_words_ && i < streams.size(); ++i) {
+    const int stream = streams[i];
     Result<cudaEvent_t> event = take_event();
     Status status = event.ok() ? runtime_status(cudaEventRecord(event.value(), copy_streams_[stream].get()),
                                                 "cudaEventRecord on a copy stream")
@@ -1065,26 +1057,31 @@ void CudaVmmBackend::drain() {
   }
 }
 
+Result<std::unique_ptr<SignalBlock>> CudaVmmBackend::make_signal_memory(const char* name, uint32_t words) {
+  uint64_t page = static_cast<uint64_t>(sysconf(_SC_PAGESIZE));
+  uint64_t bytes = (static_cast<uint64_t>(words) * sizeof(uint64_t) + page - 1) / page * page;
+  auto block = std::make_unique<SignalBlock>();
+  MEMBAR_ASSIGN_OR_RETURN(block->memory, create_shared_memory(name, bytes));
+  void* words_pointer = block->memory.mapping.get();
+  MEMBAR_RETURN_IF_ERROR(driver_status(
+      api_.get(),
+      api_->cuMemHostRegister(words_pointer, bytes, CU_MEMHOSTREGISTER_PORTABLE | CU_MEMHOSTREGISTER_DEVICEMAP),
+      std::string("cuMemHostRegister of ") + name));
+  block->registration = HostRegistration(api_.get(), words_pointer);
+  MEMBAR_RETURN_IF_ERROR(driver_status(api_.get(),
+                                       api_->cuMemHostGetDevicePointer(&block->device_words, words_pointer, 0),
+                                       std::string("cuMemHostGetDevicePointer of ") + name));
+  block->words = words;
+  return block;
+}
+
 Result<uint32_t> CudaVmmBackend::create_signal_block(uint32_t words) {
   if (words == 0 || words > kMaxSignalWords) {
     return invalid_argument("a signal block has 1.." + std::to_string(kMaxSignalWords) + " words, not " +
                             std::to_string(words));
   }
   MEMBAR_RETURN_IF_ERROR(bind_device());
-  uint64_t page = static_cast<uint64_t>(sysconf(_SC_PAGESIZE));
-  uint64_t bytes = (static_cast<uint64_t>(words) * sizeof(uint64_t) + page - 1) / page * page;
-  auto block = std::make_unique<SignalBlock>();
-  MEMBAR_ASSIGN_OR_RETURN(block->memory, create_shared_memory("membar-signals", bytes));
-  void* words_pointer = block->memory.mapping.get();
-  MEMBAR_RETURN_IF_ERROR(driver_status(
-      api_.get(),
-      api_->cuMemHostRegister(words_pointer, bytes, CU_MEMHOSTREGISTER_PORTABLE | CU_MEMHOSTREGISTER_DEVICEMAP),
-      "cuMemHostRegister of a signal block"));
-  block->registration = HostRegistration(api_.get(), words_pointer);
-  MEMBAR_RETURN_IF_ERROR(driver_status(api_.get(),
-                                       api_->cuMemHostGetDevicePointer(&block->device_words, words_pointer, 0),
-                                       "cuMemHostGetDevicePointer of a signal block"));
-  block->words = words;
+  MEMBAR_ASSIGN_OR_RETURN(std::unique_ptr<SignalBlock> block, make_signal_memory("membar-signals", words));
   std::lock_guard<std::mutex> lock(mutex_);
   uint32_t id = next_signal_block_++;
   signal_blocks_.emplace(id, std::move(block));

@@ -58,6 +58,18 @@ SHAPES = [
 ]
 
 
+def _assert_within_twice_plain(results):
+    """Each (name, got, plain, want): got is at most twice as far from want (float64) as the plain
+    reference computed in the same precision, plus a floor of 1e-5 relative."""
+    for name, got, plain, want in results:
+        if want.numel() == 0:
+            continue
+        got_error = (got.double() - want).abs().max().item()
+        plain_error = (plain.double() - want).abs().max().item()
+        floor = 1e-5 * max(1.0, want.abs().max().item())
+        assert got_error <= 2 * plain_error + floor, (name, got_error, plain_error)
+
+
 @pytest.mark.parametrize("softcap", [0.0, 1.5], ids=["plain", "softcap"])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", SHAPES)
@@ -127,13 +139,7 @@ def test_forward_and_backward_match_reference(dtype, shape, softcap):
             ("dk_pages", got_dk_rows, plain_dk_rows, ref_dk_rows),
             ("dv_pages", got_dv_rows, plain_dv_rows, ref_dv_rows),
         ]
-        for name, got, plain, want in triples:
-            if want.numel() == 0:
-                continue
-            got_error = (got.double() - want).abs().max().item()
-            plain_error = (plain.double() - want).abs().max().item()
-            floor = 1e-5 * max(1.0, want.abs().max().item())
-            assert got_error <= 2 * plain_error + floor, (name, got_error, plain_error)
+        _assert_within_twice_plain(triples)
 
     # Grad pool rows that hold no history row stay as they were.
     for pool, before, index in ((dk_pool, dk_before, dk_index), (dv_pool, dv_before, dv_index)):
@@ -223,13 +229,7 @@ def test_sliding_window_matches_hugging_face_mask(dtype, shape, softcap):
     plain = [plain_out, *attention.reference_chunk_attention_backward(
         q, k, v, k_pool, k_index, v_pool, v_index, plain_out, dout, history_tokens, logit_softcap=softcap,
         sliding_window=window)]
-    for name, got, plain_value, want in zip(names, gots, plain, wants):
-        if want.numel() == 0:
-            continue
-        got_error = (got.double() - want).abs().max().item()
-        plain_error = (plain_value.double() - want).abs().max().item()
-        floor = 1e-5 * max(1.0, want.abs().max().item())
-        assert got_error <= 2 * plain_error + floor, (name, got_error, plain_error)
+    _assert_within_twice_plain(zip(names, gots, plain, wants))
 
 
 def test_reference_takes_the_window_as_hugging_face_does():
