@@ -117,10 +117,13 @@ void EngineImpl::attach_frame(uint64_t batch_id, Tier tier, FrameIndex index) {
 // Makes the builder's current batch the one an operation on these frames joins: a new batch when
 // the current one already touches one of them (ops within a batch are unordered), with
 // dependencies on every unfinished batch that touched them before.
-void EngineImpl::prepare(Builder& builder, std::initializer_list<std::pair<Tier, FrameIndex>> frames) {
+void EngineImpl::prepare(Builder& builder, std::initializer_list<std::pair<Tier, FrameIndex>> frames,
+                         bool split_on_reuse) {
   bool conflict = builder.current == kNoBatch;
   for (auto [tier, index] : frames) {
-    if (frame_of(tier, index).last_batch == builder.current && builder.current != kNoBatch) conflict = true;
+    if (split_on_reuse && frame_of(tier, index).last_batch == builder.current && builder.current != kNoBatch) {
+      conflict = true;
+    }
   }
   if (conflict) {
     seal(builder);

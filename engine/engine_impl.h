@@ -1,4 +1,4 @@
-// EngineImpl: the Engine (membar/engine/engine.h), declared once and defined in four parts, one
+// EngineImpl: the Engine (membar/engine/engine.h), declared once and defined in five parts, one
 // concern each with its Note:
 //   engine.cpp    the public API: clients, spaces, acquire/release and the other calls, stats
 //                 (Note [Space layout], Note [Counters])
@@ -8,6 +8,7 @@
 //   batches.cpp   batches of copies, tickets, release fences, the dispatcher thread and event
 //                 delivery (Note [Batches and tickets], Note [Stream-ordered release],
 //                 Note [Event delivery])
+//   page_copies.cpp  copy_pages: pages copied into other pages (Note [Copied pages])
 // Private to engine/. Every method below that is not a public Engine method expects mutex_ held
 // unless it says otherwise.
 #pragma once
@@ -75,6 +76,8 @@ class EngineImpl final : public Engine {
                                 std::optional<uint32_t> advance_step) override;
   Status release_ranges(ClientId id, const std::vector<PageRange>& ranges, bool dirty,
                         std::optional<uint64_t> marker) override;
+  Result<Ticket> copy_pages(ClientId id, const std::vector<PageRange>& pairs,
+                            std::optional<uint64_t> after_marker) override;
   Result<Ticket> prefetch(ClientId id, PageRange range) override;
   Result<Ticket> offload(ClientId id, PageRange range) override;
   Status free_pages(ClientId id, PageRange range) override;
@@ -193,7 +196,10 @@ class EngineImpl final : public Engine {
   bool is_pending(uint64_t batch_id) const;
   void depend(uint64_t batch_id, uint64_t dependency);
   void attach_frame(uint64_t batch_id, Tier tier, FrameIndex index);
-  void prepare(Builder& builder, std::initializer_list<std::pair<Tier, FrameIndex>> frames);
+  // split_on_reuse false: the caller's operations on a frame the current batch already touches
+  // write disjoint bytes (copy_pages), so they may share the batch.
+  void prepare(Builder& builder, std::initializer_list<std::pair<Tier, FrameIndex>> frames,
+               bool split_on_reuse = true);
   bool fence_met(ClientState& client, uint64_t marker);
   bool release_fences(ClientState& client);
   void add_copy(Builder& builder, Space& space, uint32_t g, Tier from, FrameIndex source, Tier to,

@@ -17,7 +17,7 @@ mkdir -p "$out/session-corpus"
 binary="$out/session_fuzzer"
 sources=("$root/fuzz/session_fuzzer.cpp"
          "$root/common/protocol.cpp" "$root/common/wire_socket.cpp" "$root/common/status.cpp" "$root/common/human_bytes.cpp"
-         "$root/engine/engine.cpp" "$root/engine/frames.cpp" "$root/engine/eviction.cpp" "$root/engine/batches.cpp"
+         "$root/engine/engine.cpp" "$root/engine/frames.cpp" "$root/engine/eviction.cpp" "$root/engine/batches.cpp" "$root/engine/page_copies.cpp"
          "$root/engine/channels.cpp" "$root/engine/backend.cpp" "$root/engine/host_share.cpp" "$root/engine/numa.cpp" "$root/engine/host/host_backend.cpp"
          "$root/runtimed/daemon/session.cpp" "$root/runtimed/daemon/shared_segment.cpp")
 headers=$(ls "$root"/include/membar/*.h "$root"/include/membar/protocol/*.h "$root"/common/include/membar/common/*.h \

@@ -232,7 +232,8 @@ class World {
                   std::min<size_t>(payload.size(), layout.request_payload_bytes));
     }
     request.sequence = ++client.sequence;
-    if ((request.flags & v2::kReleaseAfterMarker) != 0 && request.opcode == uint16_t(v2::Opcode::kRelease)) {
+    if ((request.flags & v2::kReleaseAfterMarker) != 0 && (request.opcode == uint16_t(v2::Opcode::kRelease) ||
+                                                            request.opcode == uint16_t(v2::Opcode::kCopyPages))) {
       client.marker = std::max<uint64_t>(client.marker, request.argument);
     }
     if (!client.requests.try_push(request)) {
@@ -338,6 +339,17 @@ class World {
       case v2::Opcode::kCloseChannel: case v2::Opcode::kPublishChannel:
         request.argument = 1 + in.u8() % 8;
         break;
+      case v2::Opcode::kCopyPages: {   // (source, destination) pairs, sometimes after a marker
+        std::vector<PageRange> pairs(2 * (1 + in.u8() % 3) - (in.u8() % 16 == 0 ? 1 : 0));
+        for (PageRange& range : pairs) range = PageRange{1u + in.u8() % 4, in.u8() % 64u, 1u + in.u8() % 16u};
+        payload = v2::encode_ranges(pairs);
+        request.payload_bytes = uint32_t(payload.size());
+        if (in.u8() % 2) {
+          request.flags = v2::kCopyAfterMarker;
+          request.argument = client.marker + 1 + in.u8() % 2;
+        }
+        break;
+      }
       default: {  // the page-range opcodes
         request.space = 1 + in.u8() % 4;
         request.first_page = in.u8() % 64;

@@ -164,6 +164,29 @@ class DaemonClient final : public Client {
     return call(request, v2::encode_ranges(ranges)).status();
   }
 
+  // Note [Copied pages] in engine/page_copies.cpp. With a stream, the stream writes a release
+  // marker first and the daemon holds the copies until it sees it.
+  Result<Ticket> copy_pages(const std::vector<PageRange>& pairs, std::optional<void*> after_stream) override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    v2::RequestV2 request = make_request(v2::Opcode::kCopyPages);
+    if (after_stream.has_value()) {
+#if defined(MEMBAR_WITH_CUDA)
+      if (!stream_signals_) {
+        return unimplemented("copy_pages after a stream needs the CUDA backend; this client runs on " + describe());
+      }
+      uint64_t marker = ++release_marker_;
+      MEMBAR_RETURN_IF_ERROR(stream_signals_->stream_write(kSignalReleasedWord, marker, *after_stream));
+      request.flags = v2::kCopyAfterMarker;
+      request.argument = marker;
+#else
+      return unimplemented("copy_pages after a stream needs the CUDA backend; this client runs on " + describe());
+#endif
+    }
+    MEMBAR_ASSIGN_OR_RETURN(Reply reply, retried([&] { return call(request, v2::encode_ranges(pairs)); }));
+    MEMBAR_RETURN_IF_ERROR(memory_->settle());   // host frames a destination took
+    return reply.ticket;
+  }
+
   Result<Ticket> prefetch(PageRange range) override {
     std::lock_guard<std::mutex> lock(mutex_);
     MEMBAR_ASSIGN_OR_RETURN(Reply reply, retried([&] { return call(range_request(v2::Opcode::kPrefetch, range)); }));

@@ -182,6 +182,27 @@ class EmbeddedClient final : public Client {
     return engine_->release_ranges(id_, ranges, dirty, std::nullopt);
   }
 
+  // Note [Copied pages] in engine/page_copies.cpp. With a stream, the stream writes a release
+  // marker first and the copies wait for it (on the device when copies are ordered there).
+  Result<Ticket> copy_pages(const std::vector<PageRange>& pairs, std::optional<void*> after_stream) override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    std::optional<uint64_t> marker;
+    if (after_stream.has_value()) {
+#if defined(MEMBAR_WITH_CUDA)
+      if (!stream_signals_) {
+        return unimplemented("copy_pages after a stream needs the CUDA backend; this client runs on " + describe());
+      }
+      marker = ++release_marker_;
+      MEMBAR_RETURN_IF_ERROR(stream_signals_->stream_write(runtimed::kSignalReleased, *marker, *after_stream));
+#else
+      return unimplemented("copy_pages after a stream needs the CUDA backend; this client runs on " + describe());
+#endif
+    }
+    MEMBAR_ASSIGN_OR_RETURN(Ticket ticket, retried([&] { return engine_->copy_pages(id_, pairs, marker); }));
+    MEMBAR_RETURN_IF_ERROR(memory_->settle());   // host frames a destination took
+    return ticket;
+  }
+
   Result<Ticket> prefetch(PageRange range) override {
     std::lock_guard<std::mutex> lock(mutex_);
     MEMBAR_ASSIGN_OR_RETURN(Ticket ticket, retried([&] { return engine_->prefetch(id_, range); }));

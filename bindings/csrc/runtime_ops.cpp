@@ -244,6 +244,14 @@ class Runtime : public torch::CustomClassHolder {
     return int64_t(take(client_->acquire_ranges(make_ranges(ranges, "acquire_ranges"), flags, step), "acquire_ranges"));
   }
 
+  // pairs: a flat list of (space, first, count) triples, source then destination (Note [Copied
+  // pages]); after_stream: the copies wait for the work enqueued on cuda_stream so far.
+  int64_t copy_pages(std::vector<int64_t> pairs, bool after_stream, int64_t cuda_stream) {
+    std::optional<void*> stream;
+    if (after_stream) stream = reinterpret_cast<void*>(cuda_stream);
+    return int64_t(take(client_->copy_pages(make_ranges(pairs, "copy_pages"), stream), "copy_pages"));
+  }
+
   void release_ranges(std::vector<int64_t> ranges, bool dirty) {
     check_ok(client_->release_ranges(make_ranges(ranges, "release_ranges"), dirty), "release_ranges");
   }
@@ -407,6 +415,7 @@ TORCH_LIBRARY_FRAGMENT(membar, m) {
       .def("acquire", &Runtime::acquire)
       .def("release", &Runtime::release)
       .def("acquire_ranges", &Runtime::acquire_ranges)
+      .def("copy_pages", &Runtime::copy_pages)
       .def("release_ranges", &Runtime::release_ranges)
       .def("stream_release_ranges", &Runtime::stream_release_ranges)
       .def("prefetch", &Runtime::prefetch)

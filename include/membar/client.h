@@ -133,6 +133,19 @@ class Client {
                                         std::optional<uint32_t> advance_step = std::nullopt) = 0;
   virtual Status release_ranges(const std::vector<PageRange>& ranges, bool dirty) = 0;
 
+  // Copies the contents of pages into other pages of this client's spaces (Note [Copied pages] in
+  // engine/page_copies.cpp): pairs[2i] names source pages, pairs[2i + 1] as many destination pages
+  // of a space with the same page size (not overlapping the source). Sources keep their
+  // residency and are read where their newest contents are (pages without contents read as
+  // zeros); each destination frame is written where it lives: the GPU frame when resident, else
+  // the host frame. So a trainer can stream pages that stay in host memory through a few
+  // GPU-resident pages it keeps acquired, with no frame placed or mapped per read. With
+  // `after_stream` (CUDA backend) the copies run only after the work enqueued on that stream so far
+  // (the client writes a release marker on it), so a kernel that read or wrote the destination
+  // before is done (a cudaStream_t; null is the legacy default stream); nullopt: at once.
+  // Returns the ticket (wait / stream_wait). At most 2048 pairs per call.
+  virtual Result<Ticket> copy_pages(const std::vector<PageRange>& pairs, std::optional<void*> after_stream) = 0;
+
   // Asynchronous hints; return when accepted.
   virtual Result<Ticket> prefetch(PageRange range) = 0;   // bring to GPU, do not pin
   virtual Result<Ticket> offload(PageRange range) = 0;    // write back to host, free GPU frames

@@ -337,6 +337,14 @@ Status RingServer::handle_ReleaseRanges(const v2::RequestV2& request, Answer&) {
   return engine_.release_ranges(client_, ranges, (request.flags & v2::kReleaseDirty) != 0, marker);
 }
 
+Status RingServer::handle_CopyPages(const v2::RequestV2& request, Answer& answer) {
+  MEMBAR_ASSIGN_OR_RETURN(std::vector<PageRange> pairs, v2::decode_ranges(request_payload_));
+  std::optional<uint64_t> marker;
+  if ((request.flags & v2::kCopyAfterMarker) != 0) marker = request.argument;
+  MEMBAR_ASSIGN_OR_RETURN(answer.ticket, engine_.copy_pages(client_, pairs, marker));
+  return Status::Ok();
+}
+
 Status RingServer::handle_Prefetch(const v2::RequestV2& request, Answer& answer) {
   MEMBAR_ASSIGN_OR_RETURN(answer.ticket, engine_.prefetch(client_, range_of(request)));
   return Status::Ok();

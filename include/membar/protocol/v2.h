@@ -290,6 +290,10 @@ inline constexpr uint32_t kReleaseDirty = 1u << 0;
 // Stream-ordered release: the pages stay in use until the client's stream writes `argument`
 // (>= 1) into its released signal word (Note [Stream-ordered release] in engine/engine.cpp).
 inline constexpr uint32_t kReleaseAfterMarker = 1u << 1;
+// copy_pages (Note [Copied pages] in engine/page_copies.cpp): the copies run once the client's
+// stream has written `argument` (>= 1) into its released word; the same bit as kReleaseAfterMarker.
+inline constexpr uint32_t kCopyAfterMarker = 1u << 1;
+static_assert(kCopyAfterMarker == kReleaseAfterMarker, "ArgumentRule::kMarker reads this bit");
 // set_schedule: more parts follow (Note [A schedule in parts] in runtimed/daemon/session.cpp): the
 // daemon keeps this part's steps and installs the whole schedule with the first part without it.
 inline constexpr uint32_t kScheduleMoreFlag = 1u << 0;
@@ -347,7 +351,8 @@ enum class ArgumentRule : uint8_t {
   X(PublishChannel, 17, "publish_channel", kNone, 0u, kNone, kChannel)                                  \
   X(AcquireRanges, 18, "acquire_ranges", kNone, kAcquireWriteFlag | kAcquireZeroNewFlag | kAcquireAdvanceFlag, \
     kRanges, kAdvanceTo)                                                                                \
-  X(ReleaseRanges, 19, "release_ranges", kNone, kReleaseDirty | kReleaseAfterMarker, kRanges, kMarker)
+  X(ReleaseRanges, 19, "release_ranges", kNone, kReleaseDirty | kReleaseAfterMarker, kRanges, kMarker)      \
+  X(CopyPages, 20, "copy_pages", kNone, kCopyAfterMarker, kRanges, kMarker)
 
 enum class Opcode : uint16_t {
 #define MEMBAR_OPCODE_ENUM(Name, number, text, range, flags, payload, argument) k##Name = number,
@@ -355,7 +360,7 @@ enum class Opcode : uint16_t {
 #undef MEMBAR_OPCODE_ENUM
 };
 inline constexpr uint16_t kFirstOpcode = 1;
-inline constexpr uint16_t kLastOpcode = 19;
+inline constexpr uint16_t kLastOpcode = 20;
 
 struct RequestV2 {
   uint64_t sequence;       // per client, increasing; echoed in the completion

@@ -40,9 +40,35 @@ Note [Runtime pages]
   stream waits are reported to the runtime (Runtime.add_stall_ns) as they finish, read at each
   `stats`, so the runtime's stall time (membarctl) holds both; StoreStats.stall_ns stays the host's.
   Grad pages are counted as contents once a backward acquired them (zero-filled on first use).
+  With offload, history blocks are staged by default (Note [Staged history]).
   On the meta device (shapes without bits: how tests measure what a step keeps on the device at
   any length) the runtime runs on its host backend for the bookkeeping and the pools are meta
   tensors of the same shape; reserve() before a measured step keeps their creation out of it.
+
+Note [Staged history]
+  Rationale: a layer's history is read once per later chunk, block by block. Acquired as pages of
+  its own spaces, each block's frames are placed on the GPU and mapped at the block's position:
+  at 128K tokens of a 7B model ~220K placements a step, ~16 s of the trainer's thread in cuMemMap
+  and cuMemUnmap (H200, session 19), which is what kept offload below plain tensors.
+  Approach: with offload, the store keeps four staging spaces (K, V, dK, dV), each of
+  `slots` blocks of rows (prefetch_depth + 1), acquired once per sequence layout and held: mapped
+  once, never evicted. A dense history access (kind "kv" or "dkv", no selection) takes a free slot
+  of its kind and asks the runtime to copy the block's pages into the slot's rows (copy_pages,
+  Note [Copied pages] in engine/page_copies.cpp: the pages stay in host memory, or are read on
+  the GPU where still resident); the view's rows are the slot's, one strided tensor as before
+  (first_row). Releasing a dK/dV view copies the slot's rows back into the layer's dK/dV pages;
+  releasing a K/V view only frees the slot. Every copy waits on the device for the work the
+  trainer's stream enqueued before it (a release marker), so a slot is refilled only after the
+  kernels that read it; copies out of and into one slot are ordered by the runtime's frame
+  dependencies. Ahead of use, the store issues the copies of the next planned accesses while a
+  slot of their kind is free, unless an earlier unreleased dK/dV access overlaps their pages (its
+  write-back must land first) or a K/V block is not written yet: those wait for their turn.
+  Accesses with a selection (sparse), blocks larger than a slot, and accesses out of the plan when
+  no slot is free keep the acquire path, as do the chunk's own pages (write, chunk_grad), which the
+  runtime's schedule still covers. MEMBAR_STAGED_HISTORY=0 turns staging off.
+  Limitations: a slot pool per kind means the history of a backward (K/V and dK/dV of one block)
+  holds two slots; the staging rows take (prefetch_depth + 1) history blocks of K, V, dK and dV
+  out of the GPU budget, which store_sizes already sized as prefetch_depth + 3 of them.
 """
 from __future__ import annotations
 
@@ -167,6 +193,42 @@ def plan_in_daemon(socket: str, device, tokens: int, model_config, page_tokens: 
     return plan, gpu_left, host_left
 
 
+class _Staging:
+    """The staging rows of Note [Staged history] and what they hold. Kinds: "kv" (K and V rows),
+    "dkv" (dK and dV rows); a slot is rows [slot * block_pages, (slot + 1) * block_pages)."""
+
+    def __init__(self, spaces: dict, pools: dict, slots: int, block_pages: int, device: torch.device):
+        self.spaces = spaces            # "k", "v", "dk", "dv" -> Space
+        self.pools = pools              # the same keys -> pool tensor
+        self.slots = slots
+        self.block_pages = block_pages
+        self.rows = torch.arange(slots * block_pages, dtype=torch.int32, device=device)
+        self.hits = 0                   # accesses whose copies were issued ahead
+        self.misses = 0                 # ... issued when the access came
+        self.plan([])
+
+    def plan(self, accesses: list, barriers: dict | None = None) -> None:
+        """A new plan: copies issued for the old one are forgotten (their slots' next copies wait
+        for them in the runtime); views still out keep their slots. barriers: staged dK/dV access
+        key -> the key of the last dK/dV access of its layer before it that is not staged (a sparse
+        selection): its copies are issued ahead only once that one is released."""
+        self.order = accesses           # the planned staged accesses, in order
+        self.barriers = barriers or {}
+        self.released_unstaged: set = set()
+        self.next = 0                   # first planned position not looked at by stage_ahead
+        self.issued: dict = {}          # key -> (slot, ticket): copies issued, view not taken yet
+        held = getattr(self, "held", {})
+        self.held: dict = held          # key -> (kind, slot): views out
+        pending = getattr(self, "dkv_pending", {})
+        self.dkv_pending = {key: pages for key, pages in pending.items() if key in held}
+        taken = {kind: {slot for k, slot in held.values() if k == kind} for kind in ("kv", "dkv")}
+        self.free = {kind: [slot for slot in range(self.slots) if slot not in taken[kind]] for kind in ("kv", "dkv")}
+
+    def slot_rows(self, slot: int, pages: int) -> torch.Tensor:
+        start = slot * self.block_pages
+        return self.rows[start: start + pages]
+
+
 class RuntimeKVStore(KVStore):
     """Pages in membar's runtime (Note [Runtime pages]).
 
@@ -221,6 +283,9 @@ class RuntimeKVStore(KVStore):
         self._meta = self.device.type == "meta"
         self._own = StoreStats()
         self._baseline: dict | None = None
+        # Note [Staged history]: with offload, history blocks are copied through staging rows.
+        self.staged = offload and os.environ.get("MEMBAR_STAGED_HISTORY", "1") != "0" and not self._meta
+        self._staging: _Staging | None = None
 
     # -- connection and spaces --------------------------------------------------------------------
 
@@ -286,6 +351,7 @@ class RuntimeKVStore(KVStore):
                 sizes = store_sizes(layout, self.offload, self._block_pages(layout), self.prefetch_depth,
                                     self.gpu_budget_bytes, self.gpu_resident_layers, chunk_pages, selection)
             self._selection_room = selection
+            self._close_staging()
             for layer_spaces in self.spaces:
                 for space in layer_spaces.values():
                     self._free_live(space)
@@ -310,10 +376,159 @@ class RuntimeKVStore(KVStore):
                 self.spaces.append(spaces)
                 self.pools.append(pools)
             self._page_numbers = torch.arange(layout.num_pages, dtype=torch.int32, device=self.device)
+            self._open_staging(layout, sizes[0])
             self._capacity = layout
+        if self._staging is not None:
+            self._staging.plan([])   # a sequence without a plan stages on demand
         self.layout = layout
         self._step_of = {}
         self._own.pages_allocated(layout.num_pages)
+
+    # -- staging rows (Note [Staged history]) -----------------------------------------------------
+
+    def _open_staging(self, layout: PageLayout, gpu_budget: int) -> None:
+        block = min(self._block_pages(layout) or layout.num_pages, layout.num_pages)
+        if not self.staged or block >= layout.num_pages:
+            return   # one block is the whole history: the history's own pages serve as well
+        kv, grad = layout.page_bytes(layout.dtype), layout.page_bytes(layout.grad_dtype)
+        chunk = min(-(-self.chunk_tokens // layout.page_tokens) if self.chunk_tokens else block, layout.num_pages)
+        # What the acquire path still holds at once: a chunk's K and V (write) or dK and dV
+        # (chunk_grad); in sparse mode a selection's K, V, dK and dV beside the chunk's dK and dV.
+        working = 2 * _FRAME * max(_frames_spanned(chunk, kv, layout.num_pages),
+                                   _frames_spanned(chunk, grad, layout.num_pages))
+        if self.selection_pages:
+            working = (access_bytes(block, self._selection_room, kv, grad, layout.num_pages)
+                       + 2 * _FRAME * _frames_spanned(chunk, grad, layout.num_pages))
+        slots = (self.prefetch_depth or 2) + 1
+        while slots >= 2 and (2 * _space_bytes(slots * block, kv) + 2 * _space_bytes(slots * block, grad)
+                              + working > gpu_budget):
+            slots -= 1
+        if slots < 2:
+            return   # a GPU budget this small streams through the history's own pages
+        page_shape = (layout.page_tokens, layout.num_kv_heads, layout.head_dim)
+        spaces, pools, flat = {}, {}, []
+        for kind, dtype in (("k", layout.dtype), ("v", layout.dtype), ("dk", layout.grad_dtype),
+                            ("dv", layout.grad_dtype)):
+            space = self.runtime.space(f"stage.{kind}", page_shape=page_shape, dtype=dtype, pages=slots * block)
+            spaces[kind] = space
+            pools[kind] = space.pool()
+            flat += [space.id, 0, slots * block]
+        # Held for the layout's life: mapped once, never evicted (released in _close_staging).
+        ticket = self.runtime._native.acquire_ranges(flat, True, True, -1)
+        self.runtime._native.wait(ticket)
+        self._staging = _Staging(spaces, pools, slots, block, self.device)
+        self._staging_ranges = flat
+
+    def _close_staging(self) -> None:
+        staging, self._staging = self._staging, None
+        if staging is None:
+            return
+        native = self.runtime._native
+        if self._cuda:
+            native.stream_release_ranges(self._staging_ranges, False, torch.cuda.current_stream(self.device).cuda_stream)
+        else:
+            native.release_ranges(self._staging_ranges, False)
+        for space in staging.spaces.values():
+            space.destroy()
+
+    def _stageable(self, access: Access) -> bool:
+        staging = self._staging
+        return (staging is not None and access.kind in ("kv", "dkv") and access.selected is None
+                and access.num_pages <= staging.block_pages)
+
+    def _stage_kinds(self, access: Access) -> tuple[str, str]:
+        return ("k", "v") if access.kind == "kv" else ("dk", "dv")
+
+    def _issue_stage(self, access: Access, slot: int) -> int:
+        """Copies the access's pages into the slot's rows; returns the ticket."""
+        staging = self._staging
+        start = slot * staging.block_pages
+        flat = []
+        for kind in self._stage_kinds(access):
+            flat += [self.spaces[access.layer][kind].id, access.first_page, access.num_pages,
+                     staging.spaces[kind].id, start, access.num_pages]
+        started = time.perf_counter_ns()
+        stream = torch.cuda.current_stream(self.device).cuda_stream if self._cuda else 0
+        ticket = self.runtime._native.copy_pages(flat, self._cuda, stream)
+        self._own.host_ns += time.perf_counter_ns() - started
+        if access.kind == "dkv":
+            staging.dkv_pending[access.key] = (access.layer, access.first_page, access.first_page + access.num_pages)
+        return ticket
+
+    def _ready_to_stage(self, access: Access) -> bool:
+        """Whether the access's copies may be issued now: its K/V pages are written, or no earlier
+        dK/dV access that is not written back yet overlaps its pages."""
+        end = access.first_page + access.num_pages
+        if access.kind == "kv":
+            return all(bool(self._live[self.spaces[access.layer][kind].id][access.first_page: end].all())
+                       for kind in ("k", "v"))
+        staging = self._staging
+        barrier = staging.barriers.get(access.key)
+        if barrier is not None and barrier not in staging.released_unstaged:
+            return False
+        return not any(layer == access.layer and first < end and access.first_page < last
+                       for layer, first, last in staging.dkv_pending.values())
+
+    def _stage_ahead(self) -> None:
+        """Issues the copies of the next planned staged accesses while slots of their kind are free."""
+        staging = self._staging
+        while staging.next < len(staging.order):
+            access = staging.order[staging.next]
+            if access.key in staging.issued or access.key in staging.held:
+                staging.next += 1
+                continue
+            free = staging.free[access.kind]
+            if not free or not self._ready_to_stage(access):
+                return
+            slot = free.pop(0)
+            staging.issued[access.key] = (slot, self._issue_stage(access, slot))
+            staging.next += 1
+
+    def _staged_view(self, access: Access, history_tokens: int | None):
+        """The view of a staged access (its copies issued ahead or now), or None when no slot is free."""
+        staging = self._staging
+        entry = staging.issued.pop(access.key, None)
+        if entry is None:
+            free = staging.free[access.kind]
+            if not free:
+                return None
+            slot = free.pop(0)
+            ticket = self._issue_stage(access, slot)
+            staging.misses += 1
+        else:
+            slot, ticket = entry
+            staging.hits += 1
+        staging.held[access.key] = (access.kind, slot)
+        self._count_read([0, 0, access.num_pages] * 2)
+        self._wait_ticket(ticket, f"{access.kind}:{access.phase}")
+        rows = staging.slot_rows(slot, access.num_pages)
+        start = slot * staging.block_pages
+        pools = staging.pools
+        handles = ("staged", access)
+        if access.kind == "kv":
+            return HistoryView(pools["k"], pools["v"], rows, history_tokens, handles=handles, first_row=start)
+        return GradView(pools["dk"], pools["dv"], rows, handles=handles, first_row=start)
+
+    def _release_staged(self, access: Access) -> None:
+        staging = self._staging
+        _, slot = staging.held.pop(access.key)
+        if access.kind == "dkv":
+            # The slot's rows back into the layer's dK/dV pages, behind the kernels that wrote them.
+            start = slot * staging.block_pages
+            flat = []
+            for kind in ("dk", "dv"):
+                flat += [staging.spaces[kind].id, start, access.num_pages,
+                         self.spaces[access.layer][kind].id, access.first_page, access.num_pages]
+                self._live[self.spaces[access.layer][kind].id][access.first_page: access.first_page + access.num_pages] = True
+            started = time.perf_counter_ns()
+            stream = torch.cuda.current_stream(self.device).cuda_stream if self._cuda else 0
+            ticket = self.runtime._native.copy_pages(flat, self._cuda, stream)
+            if not self._cuda:
+                self.runtime._native.wait(ticket)
+            self._own.host_ns += time.perf_counter_ns() - started
+            staging.dkv_pending.pop(access.key, None)
+        staging.free[access.kind].append(slot)
+        self._stage_ahead()
 
     def close_sequence(self) -> None:
         if self.layout is None:
@@ -360,6 +575,17 @@ class RuntimeKVStore(KVStore):
         if write or zero:
             for i in range(0, len(flat), 3):
                 self._live[flat[i]][flat[i + 1]: flat[i + 1] + flat[i + 2]] = True
+        self._wait_ticket_timed(ticket, label)
+
+    def _wait_ticket(self, ticket: int, label: str) -> None:
+        started = time.perf_counter_ns()
+        try:
+            self._wait_ticket_timed(ticket, label)
+        finally:
+            self._own.host_ns += time.perf_counter_ns() - started
+
+    def _wait_ticket_timed(self, ticket: int, label: str) -> None:
+        native = self.runtime._native
         if self._cuda:
             if native.completed_ticket() < ticket:
                 if self._gpu_waits:
@@ -437,6 +663,10 @@ class RuntimeKVStore(KVStore):
         self._own.pages_read += sum(flat[2::3])
 
     def history(self, access: Access, history_tokens: int) -> HistoryView:
+        if self._stageable(access):
+            view = self._staged_view(access, history_tokens)
+            if view is not None:
+                return view
         flat = self._ranges(access.layer, ("k", "v"), self._page_runs(access))
         self._count_read(flat)
         self._acquire(flat, write=False, zero=False, step=self._step_of.get(access.key),
@@ -446,6 +676,10 @@ class RuntimeKVStore(KVStore):
                            handles=(flat, False), first_row=access.first_page)
 
     def grad_history(self, access: Access) -> GradView:
+        if self._stageable(access):
+            view = self._staged_view(access, None)
+            if view is not None:
+                return view
         flat = self._ranges(access.layer, ("dk", "dv"), self._page_runs(access))
         self._count_read(flat)
         self._acquire(flat, write=True, zero=True, step=self._step_of.get(access.key),
@@ -476,9 +710,15 @@ class RuntimeKVStore(KVStore):
             return
         handles = getattr(view, "handles", None)
         if handles:
-            flat, dirty = handles
             view.handles = None
+            if handles[0] == "staged":
+                self._release_staged(handles[1])
+                return
+            flat, dirty = handles
             self._release(flat, dirty)
+            if self._staging is not None and access.kind == "dkv":
+                self._staging.released_unstaged.add(access.key)
+                self._stage_ahead()
 
     def free_pages(self, first_page: int, num_pages: int) -> None:
         for layer_spaces in self.spaces:
@@ -495,6 +735,17 @@ class RuntimeKVStore(KVStore):
     def plan(self, accesses: list[Access]) -> None:
         steps, self._step_of = [], {}
         kinds = {"kv": ("k", "v"), "dkv": ("dk", "dv"), "chunk_grad": ("dk", "dv")}
+        if self._staging is not None:   # staged accesses are the store's to prefetch, not the schedule's
+            staged, barriers, last_unstaged = [], {}, {}
+            for access in accesses:
+                if self._stageable(access):
+                    staged.append(access)
+                    if access.kind == "dkv" and access.layer in last_unstaged:
+                        barriers[access.key] = last_unstaged[access.layer]
+                elif access.kind == "dkv":
+                    last_unstaged[access.layer] = access.key
+            self._staging.plan(staged, barriers)
+            accesses = [access for access in accesses if not self._stageable(access)]
         for access in accesses:
             self._step_of[access.key] = len(steps)
             # Flat (space id, first, count) triples straight to the native call: a 1M-token sparse
@@ -503,6 +754,8 @@ class RuntimeKVStore(KVStore):
         started = time.perf_counter_ns()
         self.runtime._native.set_schedule(steps)
         self._own.host_ns += time.perf_counter_ns() - started
+        if self._staging is not None:
+            self._stage_ahead()
 
     def reserve(self, layout: PageLayout) -> None:
         self.open_sequence(layout)
@@ -553,6 +806,9 @@ class RuntimeKVStore(KVStore):
         stats.pages_to_host = stats.bytes_to_host // page
         stats.prefetch_hits = int(client.get("prefetch_hits", 0))
         stats.prefetch_misses = int(client.get("prefetch_misses", 0))
+        if self._staging is not None:   # staged accesses: copies issued ahead, or when the access came
+            stats.prefetch_hits += self._staging.hits
+            stats.prefetch_misses += self._staging.misses
         stats.gpu_maps = int(client.get("gpu_maps", 0))
         stats.fence_waits = int(client.get("fence_waits", 0))
         stats.fence_wait_ns = int(client.get("fence_wait_ns", 0))

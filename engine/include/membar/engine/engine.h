@@ -182,6 +182,16 @@ class Engine {
   // are checked before any is released.
   virtual Status release_ranges(ClientId client, const std::vector<PageRange>& ranges, bool dirty,
                                 std::optional<uint64_t> marker) = 0;
+  // Copies the contents of pages into other pages of the same client (Note [Copied pages] in
+  // engine/page_copies.cpp): pairs[2i] names source pages, pairs[2i + 1] as many destination pages
+  // of a space with the same page size. Sources keep their residency and are read where their
+  // newest contents are (pages without contents, or freed, read as zeros); each destination frame
+  // is written where it lives (its GPU frame when resident, else its host frame). With
+  // `after_marker`, the copies run only once the client's stream has passed that release marker
+  // (the caller's kernels that read or wrote these pages before are done). The ticket completes
+  // when the destination pages hold the copies.
+  virtual Result<Ticket> copy_pages(ClientId client, const std::vector<PageRange>& pairs,
+                                    std::optional<uint64_t> after_marker) = 0;
   virtual Result<Ticket> prefetch(ClientId client, PageRange range) = 0;
   virtual Result<Ticket> offload(ClientId client, PageRange range) = 0;
   virtual Status free_pages(ClientId client, PageRange range) = 0;
