@@ -290,6 +290,8 @@ for step in "$@"; do
       # against blocks acquired as the history's own pages (+acquired), beside plain tensors; then
       # the gpu tests of the runtime store (offload, daemon) with staging on.
       mkdir -p "$work/staged"
+      "$bin/test_cuda_client_integrity" --gtest_filter="*Staged*:*Embedded*" > "$work/staged/client_integrity.log" 2>&1 || status=1
+      tail -3 "$work/staged/client_integrity.log"
       timeout ${PYTEST_TIMEOUT:-200} "$py" -m pytest -q -m gpu tests/python/test_oomb.py tests/python/test_runtime_gpu.py \
         -p no:cacheprovider > "$work/staged/gpu_pytest.log" 2>&1 || status=1
       tail -3 "$work/staged/gpu_pytest.log"

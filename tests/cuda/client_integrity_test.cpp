@@ -232,6 +232,83 @@ TEST(CudaClientIntegrity, EmbeddedCuda) {
   EXPECT_GT(stats.value().clients[0].bytes_gpu_to_host, 0u);
 }
 
+// Note [Copied pages]: history pages that live on the host stream through staging pages held on
+// the GPU, block after block, each copy waiting for the stream's read of the previous block in the
+// same rows (a slow host function delays every read); then the staging rows, changed on the
+// GPU, are copied back into host-only pages. No history frame is ever placed on the GPU.
+TEST(CudaClientIntegrity, StagedCopiesFollowTheStream) {
+  if (!gpu_present()) GTEST_SKIP() << "no CUDA GPU";
+  EmbeddedConfig config;
+  config.backend = BackendKind::kCuda;
+  config.gpu_pool_bytes = 8 * kFrameBytes;
+  config.host_pool_bytes = 32 * kFrameBytes;
+  Result<std::unique_ptr<Client>> made = make_embedded_client(config);
+  ASSERT_TRUE(made.ok()) << made.status().to_string();
+  Client& client = *made.value();
+  constexpr uint32_t kBlock = 8;        // pages per block: 2 MiB
+  constexpr uint32_t kBlocks = 6;
+  Result<SpaceId> history = client.create_space("staged.history", kPageBytes, kBlock * kBlocks);
+  Result<SpaceId> stage = client.create_space("staged.rows", kPageBytes, kBlock);
+  ASSERT_TRUE(history.ok() && stage.ok());
+  uint64_t seed = std::random_device{}();
+  // The history, written from the host (it never has a GPU frame).
+  for (uint32_t b = 0; b < kBlocks; ++b) {
+    PageRange range{history.value(), b * kBlock, kBlock};
+    Result<void*> host = client.acquire_host(range);
+    ASSERT_TRUE(host.ok()) << host.status().to_string();
+    for (uint32_t i = 0; i < kBlock; ++i) fill_pattern(static_cast<char*>(host.value()) + i * kPageBytes, seed, b * kBlock + i, 1);
+    ASSERT_TRUE(client.release_host(range, true).ok());
+  }
+  cudaStream_t stream = nullptr;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
+  PageRange rows{stage.value(), 0, kBlock};
+  Result<Acquired> held = client.acquire(rows, kAcquireWrite | kAcquireZeroNew);
+  ASSERT_TRUE(held.ok()) << held.status().to_string();
+  ASSERT_TRUE(wait_on_stream(client, held.value().ticket, stream).ok());
+  uint8_t* read = nullptr;
+  ASSERT_EQ(cudaMallocHost(&read, uint64_t(kBlocks) * kBlock * kPageBytes), cudaSuccess);
+  for (uint32_t b = 0; b < kBlocks; ++b) {
+    Result<Ticket> copied = client.copy_pages({PageRange{history.value(), b * kBlock, kBlock}, rows}, stream);
+    ASSERT_TRUE(copied.ok()) << copied.status().to_string();
+    ASSERT_TRUE(client.stream_wait(copied.value(), stream).ok());
+    // The "kernel" reading the rows runs late: the next block's copy must wait for it.
+    cudaLaunchHostFunc(stream, sleep_on_stream, reinterpret_cast<void*>(uintptr_t{5}));
+    ASSERT_EQ(cudaMemcpyAsync(read + uint64_t(b) * kBlock * kPageBytes, held.value().pointer, kBlock * kPageBytes,
+                              cudaMemcpyDeviceToHost, stream), cudaSuccess);
+  }
+  // The rows changed on the GPU, then copied back into the history's first block (host only).
+  std::vector<uint8_t> changed(kBlock * kPageBytes);
+  for (uint32_t i = 0; i < kBlock; ++i) fill_pattern(changed.data() + i * kPageBytes, seed, i, 2);
+  ASSERT_EQ(cudaMemcpyAsync(held.value().pointer, changed.data(), changed.size(), cudaMemcpyHostToDevice, stream),
+            cudaSuccess);
+  Result<Ticket> back = client.copy_pages({rows, PageRange{history.value(), 0, kBlock}}, stream);
+  ASSERT_TRUE(back.ok()) << back.status().to_string();
+  ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+  ASSERT_TRUE(client.wait(back.value()).ok());
+  std::vector<uint8_t> expected(kPageBytes);
+  uint64_t corrupted = 0;
+  for (uint32_t p = 0; p < kBlock * kBlocks; ++p) {
+    fill_pattern(expected.data(), seed, p, 1);
+    if (std::memcmp(read + uint64_t(p) * kPageBytes, expected.data(), kPageBytes) != 0) ++corrupted;
+  }
+  EXPECT_EQ(corrupted, 0u) << "pages read from the staging rows differ from the history";
+  Result<RuntimeStats> stats = client.stats();
+  ASSERT_TRUE(stats.ok());
+  for (const SpaceInfo& space : stats.value().spaces) {
+    if (space.name == "staged.history") {
+      EXPECT_EQ(space.bytes_gpu + space.bytes_both, 0u) << "a history frame was placed on the GPU";
+    }
+  }
+  Result<void*> host = client.acquire_host(PageRange{history.value(), 0, kBlock});
+  ASSERT_TRUE(host.ok()) << host.status().to_string();
+  EXPECT_EQ(std::memcmp(host.value(), changed.data(), changed.size()), 0) << "the copy back did not land";
+  ASSERT_TRUE(client.release_host(PageRange{history.value(), 0, kBlock}, false).ok());
+  ASSERT_TRUE(client.stream_release(rows, false, stream).ok());
+  cudaStreamSynchronize(stream);
+  cudaFreeHost(read);
+  cudaStreamDestroy(stream);
+}
+
 #if defined(MEMBAR_MEMBARD_PATH)
 // Kills and reaps a process when the test stops early.
 struct ProcessGuard {
