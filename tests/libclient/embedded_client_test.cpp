@@ -1,7 +1,8 @@
 // The embedded client end to end on the host backend: the space layout (one contiguous range per
 // space and tier, Note [Space layout]), channels, and random acquire / release / offload /
 // prefetch / free / host-access cycles from several threads with every page's contents
-// checksummed, under GPU pressure (evictions, page sizes that do not divide a frame).
+// checksummed, under GPU pressure (evictions, page sizes that do not divide a frame), and
+// copy_pages between pages on either tier.
 #include <sys/mman.h>
 
 #include <atomic>
@@ -301,6 +302,182 @@ TEST(EmbeddedClient, RandomCyclesFromFourThreadsLoseNothing) {
   EXPECT_GT(checked, 2000u);
   EXPECT_GT(stats.evictions, 100u);
   EXPECT_LT(exhausted, cycles / 10);
+}
+
+// copy_pages through the client API (Note [Copied pages] in engine/page_copies.cpp), with fresh
+// random bytes (never zero) for each test: the seed is in every failure's trace.
+class RandomBytes {
+ public:
+  RandomBytes() : seed_(std::random_device{}()), random_(seed_) {}
+  uint64_t seed() const { return seed_; }
+  std::vector<uint8_t> next(uint64_t count) {
+    std::vector<uint8_t> bytes(count);
+    for (uint64_t i = 0; i < count; ++i) {
+      uint8_t byte = uint8_t(random_());
+      bytes[i] = byte == 0 ? 0x3c : byte;
+    }
+    return bytes;
+  }
+
+ private:
+  uint64_t seed_;
+  std::mt19937_64 random_;
+};
+
+// Whether `actual` holds `expected` byte for byte; otherwise where the first difference is.
+::testing::AssertionResult same_bytes(const void* actual, const std::vector<uint8_t>& expected, uint64_t page_bytes) {
+  const auto* bytes = static_cast<const uint8_t*>(actual);
+  if (std::memcmp(bytes, expected.data(), expected.size()) == 0) return ::testing::AssertionSuccess();
+  uint64_t first = 0;
+  while (bytes[first] == expected[first]) ++first;
+  return ::testing::AssertionFailure() << "the first difference is at byte " << first << " (page " << first / page_bytes
+                                       << " + " << first % page_bytes << "): expected " << int(expected[first])
+                                       << ", got " << int(bytes[first]);
+}
+
+// The bytes of pages [first, first + count) of `bytes`, and `bytes` with them replaced.
+std::vector<uint8_t> slice(const std::vector<uint8_t>& bytes, uint64_t page_bytes, uint32_t first, uint32_t count) {
+  return {bytes.begin() + uint64_t(first) * page_bytes, bytes.begin() + uint64_t(first + count) * page_bytes};
+}
+std::vector<uint8_t> replaced(std::vector<uint8_t> bytes, uint64_t page_bytes, uint32_t first,
+                              const std::vector<uint8_t>& pages) {
+  std::memcpy(bytes.data() + uint64_t(first) * page_bytes, pages.data(), pages.size());
+  return bytes;
+}
+
+// GPU-resident bytes of a space (GPU only or both tiers), from the client's stats.
+uint64_t gpu_resident_bytes(Client& client, SpaceId space) {
+  auto stats = client.stats();
+  EXPECT_TRUE(stats.ok()) << stats.status().to_string();
+  if (!stats.ok()) return ~0ull;
+  for (const SpaceInfo& info : stats.value().spaces) {
+    if (info.id == space) return info.bytes_gpu + info.bytes_both;
+  }
+  ADD_FAILURE() << "no stats for space " << space;
+  return ~0ull;
+}
+
+// Writes `bytes` through host access (released dirty), or reads the range's bytes through it.
+::testing::AssertionResult write_on_host(Client& client, PageRange range, const std::vector<uint8_t>& bytes) {
+  auto host = client.acquire_host(range);
+  if (!host.ok()) return ::testing::AssertionFailure() << host.status().to_string();
+  std::memcpy(host.value(), bytes.data(), bytes.size());
+  Status released = client.release_host(range, true);
+  if (!released.ok()) return ::testing::AssertionFailure() << released.to_string();
+  return ::testing::AssertionSuccess();
+}
+std::vector<uint8_t> read_on_host(Client& client, PageRange range, uint64_t page_bytes) {
+  std::vector<uint8_t> bytes(uint64_t(range.page_count) * page_bytes);
+  auto host = client.acquire_host(range);
+  EXPECT_TRUE(host.ok()) << host.status().to_string();
+  if (!host.ok()) return bytes;
+  std::memcpy(bytes.data(), host.value(), bytes.size());
+  EXPECT_TRUE(client.release_host(range, false).ok());
+  return bytes;
+}
+
+// Acquires the range on the GPU for writing, waits, and returns its first page (nullptr on failure).
+char* acquire_now(Client& client, PageRange range) {
+  auto acquired = client.acquire(range, kAcquireWrite | kAcquireZeroNew);
+  EXPECT_TRUE(acquired.ok()) << acquired.status().to_string();
+  if (!acquired.ok()) return nullptr;
+  Status waited = client.wait(acquired.value().ticket);
+  EXPECT_TRUE(waited.ok()) << waited.to_string();
+  return static_cast<char*>(acquired.value().pointer);
+}
+
+// History pages that live on the host only, copied into staging pages kept acquired on the GPU:
+// the stage holds them after wait(ticket), the history stays on the host. Bad calls (a stream on
+// the host backend, an odd number of ranges, a destination overlapping its source, a page range
+// past the end) are refused and change nothing.
+TEST(EmbeddedClient, CopyPagesFromHostPagesIntoAcquiredPages) {
+  RandomBytes random;
+  SCOPED_TRACE("random seed " + std::to_string(random.seed()));
+  auto client = make_client(8, 32);
+  constexpr uint64_t kPage = 96 << 10;
+  auto history = client->create_space("L00.k.history", kPage, 48);
+  auto stage = client->create_space("L00.k.stage", kPage, 32);
+  ASSERT_TRUE(history.ok() && stage.ok());
+  PageRange all_history{history.value(), 0, 48}, all_stage{stage.value(), 0, 32};
+  std::vector<uint8_t> history_bytes = random.next(48 * kPage);
+  ASSERT_TRUE(write_on_host(*client, all_history, history_bytes));
+  auto offloaded = client->offload(all_history);
+  ASSERT_TRUE(offloaded.ok() && client->wait(offloaded.value()).ok());
+  ASSERT_EQ(gpu_resident_bytes(*client, history.value()), 0u);
+  char* staged = acquire_now(*client, all_stage);
+  ASSERT_NE(staged, nullptr);
+  std::vector<uint8_t> stage_bytes = random.next(32 * kPage);
+  std::memcpy(staged, stage_bytes.data(), stage_bytes.size());
+
+  std::vector<PageRange> pairs = {{history.value(), 15, 12}, {stage.value(), 12, 12}};
+  auto with_stream = client->copy_pages(pairs, static_cast<void*>(nullptr));
+  EXPECT_EQ(with_stream.status().code(), StatusCode::UNIMPLEMENTED) << with_stream.status().to_string();
+  EXPECT_EQ(client->copy_pages({pairs[0]}, std::nullopt).status().code(), StatusCode::INVALID_ARGUMENT);
+  EXPECT_EQ(client->copy_pages({}, std::nullopt).status().code(), StatusCode::INVALID_ARGUMENT);
+  EXPECT_EQ(client->copy_pages({{stage.value(), 0, 8}, {stage.value(), 4, 8}}, std::nullopt).status().code(),
+            StatusCode::INVALID_ARGUMENT);
+  Status past_end = client->copy_pages({{history.value(), 40, 12}, {stage.value(), 0, 12}}, std::nullopt).status();
+  EXPECT_TRUE(past_end.code() == StatusCode::OUT_OF_RANGE || past_end.code() == StatusCode::INVALID_ARGUMENT)
+      << past_end.to_string();
+  EXPECT_TRUE(same_bytes(staged, stage_bytes, kPage)) << "a refused copy changed the stage";
+
+  auto copied = client->copy_pages(pairs, std::nullopt);
+  ASSERT_TRUE(copied.ok()) << copied.status().to_string();
+  ASSERT_TRUE(client->wait(copied.value()).ok());
+  EXPECT_GE(client->completed_ticket(), copied.value());
+  EXPECT_TRUE(same_bytes(staged, replaced(stage_bytes, kPage, 12, slice(history_bytes, kPage, 15, 12)), kPage));
+  EXPECT_EQ(gpu_resident_bytes(*client, history.value()), 0u) << "copy_pages placed the source on the GPU";
+  EXPECT_TRUE(same_bytes(read_on_host(*client, all_history, kPage).data(), history_bytes, kPage));
+  ASSERT_TRUE(client->release(all_stage, true).ok());
+}
+
+// Pages of 3000 bytes, ranges crossing frame boundaries at different offsets: pages resident on
+// the GPU copied into pages that never had contents (written on the host, zero elsewhere), then a
+// write-back round trip of host pages through an acquired stage; the host pages not copied back
+// keep their bytes.
+TEST(EmbeddedClient, CopyPagesOfThreeThousandBytesBothWays) {
+  RandomBytes random;
+  SCOPED_TRACE("random seed " + std::to_string(random.seed()));
+  auto client = make_client(8, 32);
+  constexpr uint64_t kPage = 3000;   // page 699 straddles the first frame boundary, page 1398 the second
+  auto resident = client->create_space("resident", kPage, 1500);
+  auto history = client->create_space("history", kPage, 2100);
+  auto stage = client->create_space("stage", kPage, 800);
+  ASSERT_TRUE(resident.ok() && history.ok() && stage.ok());
+  PageRange all_resident{resident.value(), 0, 1500}, all_history{history.value(), 0, 2100};
+  char* resident_pages = acquire_now(*client, all_resident);
+  ASSERT_NE(resident_pages, nullptr);
+  std::vector<uint8_t> resident_bytes = random.next(1500 * kPage);
+  std::memcpy(resident_pages, resident_bytes.data(), resident_bytes.size());
+  ASSERT_TRUE(client->release(all_resident, true).ok());
+
+  // Resident pages [690, 710) into the history's pages [1390, 1410), which have no contents yet.
+  auto copied = client->copy_pages({{resident.value(), 690, 20}, {history.value(), 1390, 20}}, std::nullopt);
+  ASSERT_TRUE(copied.ok()) << copied.status().to_string();
+  ASSERT_TRUE(client->wait(copied.value()).ok());
+  EXPECT_EQ(gpu_resident_bytes(*client, history.value()), 0u);
+  std::vector<uint8_t> history_expected =
+      replaced(std::vector<uint8_t>(2100 * kPage, 0), kPage, 1390, slice(resident_bytes, kPage, 690, 20));
+  EXPECT_TRUE(same_bytes(read_on_host(*client, all_history, kPage).data(), history_expected, kPage));
+
+  // The round trip: history [1380, 1420) -> stage [680, 720) -> changed -> back.
+  std::vector<uint8_t> history_bytes = random.next(2100 * kPage);
+  ASSERT_TRUE(write_on_host(*client, all_history, history_bytes));
+  char* staged = acquire_now(*client, {stage.value(), 0, 800});
+  ASSERT_NE(staged, nullptr);
+  copied = client->copy_pages({{history.value(), 1380, 40}, {stage.value(), 680, 40}}, std::nullopt);
+  ASSERT_TRUE(copied.ok()) << copied.status().to_string();
+  ASSERT_TRUE(client->wait(copied.value()).ok());
+  ASSERT_TRUE(same_bytes(staged + 680 * kPage, slice(history_bytes, kPage, 1380, 40), kPage));
+  std::vector<uint8_t> changed = random.next(40 * kPage);
+  std::memcpy(staged + 680 * kPage, changed.data(), changed.size());
+  copied = client->copy_pages({{stage.value(), 680, 40}, {history.value(), 1380, 40}}, std::nullopt);
+  ASSERT_TRUE(copied.ok()) << copied.status().to_string();
+  ASSERT_TRUE(client->wait(copied.value()).ok());
+  EXPECT_EQ(gpu_resident_bytes(*client, history.value()), 0u);
+  EXPECT_TRUE(same_bytes(read_on_host(*client, all_history, kPage).data(),
+                         replaced(history_bytes, kPage, 1380, changed), kPage));
+  ASSERT_TRUE(client->release({stage.value(), 0, 800}, true).ok());
 }
 
 }  // namespace

@@ -5,6 +5,8 @@
 #include <arpa/inet.h>
 #include <netinet/in.h>
 
+#include <random>
+
 #include "daemon_harness.h"
 
 namespace membar::integration {
@@ -666,6 +668,247 @@ TEST_F(DaemonTest, ConnectPrefersTheNamedDaemonAndFallsBackToEmbeddedOnlyWhenAll
   ASSERT_FALSE(missing.ok());
   EXPECT_EQ(missing.status().code(), StatusCode::UNAVAILABLE);
   EXPECT_NE(missing.status().message().find("nobody.sock"), std::string::npos);
+}
+
+// copy_pages through membard (Note [Copied pages] in engine/page_copies.cpp, opcode copy_pages):
+// fresh random bytes (never zero) per test, compared byte for byte.
+std::vector<uint8_t> random_bytes(std::mt19937_64& random, uint64_t count) {
+  std::vector<uint8_t> bytes(count);
+  for (uint8_t& byte : bytes) {
+    byte = static_cast<uint8_t>(random());
+    if (byte == 0) byte = 0x3c;
+  }
+  return bytes;
+}
+
+::testing::AssertionResult same_bytes(const void* actual, const std::vector<uint8_t>& expected, uint64_t page_bytes) {
+  const auto* bytes = static_cast<const uint8_t*>(actual);
+  if (std::memcmp(bytes, expected.data(), expected.size()) == 0) return ::testing::AssertionSuccess();
+  uint64_t first = 0;
+  while (bytes[first] == expected[first]) ++first;
+  return ::testing::AssertionFailure() << "the first difference is at byte " << first << " (page " << first / page_bytes
+                                       << " + " << first % page_bytes << "): expected " << int(expected[first])
+                                       << ", got " << int(bytes[first]);
+}
+
+// GPU-resident bytes of one of the client's spaces (GPU only or both tiers).
+uint64_t gpu_resident_bytes(Client& client, SpaceId space) {
+  auto stats = client.stats();
+  EXPECT_TRUE(stats.ok()) << stats.status().to_string();
+  if (!stats.ok()) return ~0ull;
+  for (const SpaceInfo& info : stats.value().spaces) {
+    if (info.id == space) return info.bytes_gpu + info.bytes_both;
+  }
+  ADD_FAILURE() << "no stats for space " << space;
+  return ~0ull;
+}
+
+// History pages that live on the host only, copied by membard into pages the client keeps acquired
+// on the GPU: the stage holds them once the ticket completes, the history stays on the host. Bad
+// calls are refused (the opcode's payload rules and the engine's checks) and change nothing.
+TEST_F(DaemonTest, CopyPagesBringsHostPagesIntoAcquiredPages) {
+  start_daemon();
+  uint64_t seed = std::random_device{}();
+  SCOPED_TRACE("random seed " + std::to_string(seed));
+  std::mt19937_64 random(seed);
+  auto client = connect_client("trainer");
+  ASSERT_TRUE(client);
+  constexpr uint64_t kPage = 96 << 10;   // pages straddle frames
+  auto history = client->create_space("L00.k.history", kPage, 48);
+  auto stage = client->create_space("L00.k.stage", kPage, 32);
+  ASSERT_TRUE(history.ok() && stage.ok());
+  PageRange all_history{history.value(), 0, 48}, all_stage{stage.value(), 0, 32};
+  std::vector<uint8_t> history_bytes = random_bytes(random, 48 * kPage);
+  auto host = client->acquire_host(all_history);
+  ASSERT_TRUE(host.ok()) << host.status().to_string();
+  std::memcpy(host.value(), history_bytes.data(), history_bytes.size());
+  ASSERT_TRUE(client->release_host(all_history, true).ok());
+  auto offloaded = client->offload(all_history);
+  ASSERT_TRUE(offloaded.ok() && client->wait(offloaded.value()).ok());
+  ASSERT_EQ(gpu_resident_bytes(*client, history.value()), 0u);
+  auto acquired = client->acquire(all_stage, kAcquireWrite | kAcquireZeroNew);
+  ASSERT_TRUE(acquired.ok()) << acquired.status().to_string();
+  ASSERT_TRUE(client->wait(acquired.value().ticket).ok());
+  char* staged = static_cast<char*>(acquired.value().pointer);
+  std::vector<uint8_t> stage_bytes = random_bytes(random, 32 * kPage);
+  std::memcpy(staged, stage_bytes.data(), stage_bytes.size());
+
+  // Bad calls first.
+  std::vector<PageRange> pairs = {{history.value(), 15, 12}, {stage.value(), 12, 12}};
+  EXPECT_EQ(client->copy_pages({}, std::nullopt).status().code(), StatusCode::INVALID_ARGUMENT);
+  EXPECT_EQ(client->copy_pages({pairs[0]}, std::nullopt).status().code(), StatusCode::INVALID_ARGUMENT);
+  EXPECT_EQ(client->copy_pages({{history.value(), 0, 4}, {stage.value(), 0, 5}}, std::nullopt).status().code(),
+            StatusCode::INVALID_ARGUMENT);
+  EXPECT_EQ(client->copy_pages({{stage.value(), 0, 8}, {stage.value(), 4, 8}}, std::nullopt).status().code(),
+            StatusCode::INVALID_ARGUMENT);
+  std::vector<PageRange> too_many;
+  for (uint32_t p = 0; p < 2049; ++p) {
+    too_many.push_back({history.value(), p % 48, 1});
+    too_many.push_back({stage.value(), p % 32, 1});
+  }
+  EXPECT_EQ(client->copy_pages(too_many, std::nullopt).status().code(), StatusCode::INVALID_ARGUMENT);
+  Status unknown = client->copy_pages({{stage.value() + 7, 0, 4}, {stage.value(), 0, 4}}, std::nullopt).status();
+  EXPECT_TRUE(unknown.code() == StatusCode::NOT_FOUND || unknown.code() == StatusCode::INVALID_ARGUMENT)
+      << unknown.to_string();
+  Status past_end = client->copy_pages({{history.value(), 40, 12}, {stage.value(), 0, 12}}, std::nullopt).status();
+  EXPECT_TRUE(past_end.code() == StatusCode::OUT_OF_RANGE || past_end.code() == StatusCode::INVALID_ARGUMENT)
+      << past_end.to_string();
+  EXPECT_EQ(client->copy_pages(pairs, static_cast<void*>(nullptr)).status().code(), StatusCode::UNIMPLEMENTED)
+      << "a stream on the host backend";
+  EXPECT_TRUE(same_bytes(staged, stage_bytes, kPage)) << "a refused copy changed the stage";
+
+  auto copied = client->copy_pages(pairs, std::nullopt);
+  ASSERT_TRUE(copied.ok()) << copied.status().to_string();
+  ASSERT_TRUE(client->wait(copied.value()).ok());
+  std::vector<uint8_t> expected = stage_bytes;
+  std::memcpy(expected.data() + 12 * kPage, history_bytes.data() + 15 * kPage, 12 * kPage);
+  EXPECT_TRUE(same_bytes(staged, expected, kPage));
+  EXPECT_EQ(gpu_resident_bytes(*client, history.value()), 0u) << "membard placed the source on the GPU";
+  ASSERT_TRUE(client->release(all_stage, true).ok());
+  host = client->acquire_host(all_history);
+  ASSERT_TRUE(host.ok()) << host.status().to_string();
+  EXPECT_TRUE(same_bytes(host.value(), history_bytes, kPage)) << "the source changed";
+  EXPECT_TRUE(client->release_host(all_history, false).ok());
+}
+
+// Space ids are per client: client B naming ids that only client A has is refused in either role,
+// B's copies within its own spaces (whose ids A's spaces also have) carry only B's bytes, and A's
+// bytes stay as they were.
+TEST_F(DaemonTest, CopyPagesCannotReachAnotherClientsPages) {
+  start_daemon();
+  auto owner = connect_client("owner");
+  auto intruder = connect_client("intruder");
+  ASSERT_TRUE(owner && intruder);
+  constexpr uint64_t kPage = 64 << 10;
+  constexpr uint32_t kOwner = 0xa11ce, kIntruder = 0xb0b;
+  std::vector<SpaceId> owned;
+  for (int s = 0; s < 3; ++s) {
+    auto space = owner->create_space("secret" + std::to_string(s), kPage, 32);
+    ASSERT_TRUE(space.ok());
+    owned.push_back(space.value());
+    auto host = owner->acquire_host({space.value(), 0, 32});
+    ASSERT_TRUE(host.ok()) << host.status().to_string();
+    fill_signed(host.value(), 32 * kPage, kOwner, s);
+    ASSERT_TRUE(owner->release_host({space.value(), 0, 32}, true).ok());
+  }
+  auto own = intruder->create_space("mine", kPage, 32);
+  auto spare = intruder->create_space("spare", kPage, 32);
+  ASSERT_TRUE(own.ok() && spare.ok());
+  auto acquired = intruder->acquire({own.value(), 0, 32}, kAcquireWrite | kAcquireZeroNew);
+  ASSERT_TRUE(acquired.ok() && intruder->wait(acquired.value().ticket).ok());
+  fill_signed(acquired.value().pointer, 32 * kPage, kIntruder, 0);
+  SpaceId foreign = owned.back();
+  ASSERT_TRUE(foreign != own.value() && foreign != spare.value()) << "the owner's third space id is its own";
+
+  auto is_refused = [](const Status& status) {
+    return status.code() == StatusCode::NOT_FOUND || status.code() == StatusCode::INVALID_ARGUMENT;
+  };
+  Status reading = intruder->copy_pages({{foreign, 0, 8}, {own.value(), 0, 8}}, std::nullopt).status();
+  EXPECT_TRUE(is_refused(reading)) << reading.to_string();
+  Status writing = intruder->copy_pages({{own.value(), 0, 8}, {foreign, 0, 8}}, std::nullopt).status();
+  EXPECT_TRUE(is_refused(writing)) << writing.to_string();
+  EXPECT_TRUE(check_signed(acquired.value().pointer, 32 * kPage, kIntruder, 0)) << "a refused copy changed B's pages";
+  // B's own copies (its space ids are A's too): only B's bytes, wherever they go.
+  auto copied = intruder->copy_pages({{own.value(), 0, 16}, {spare.value(), 8, 16}}, std::nullopt);
+  ASSERT_TRUE(copied.ok()) << copied.status().to_string();
+  ASSERT_TRUE(intruder->wait(copied.value()).ok());
+  ASSERT_TRUE(intruder->release({own.value(), 0, 32}, true).ok());
+  auto seen = intruder->acquire_host({spare.value(), 0, 32});
+  ASSERT_TRUE(seen.ok()) << seen.status().to_string();
+  EXPECT_EQ(foreign_words(seen.value(), 32 * kPage, kIntruder), 0u) << "B read bytes that are not its own";
+  EXPECT_TRUE(check_signed(static_cast<char*>(seen.value()) + 8 * kPage, 16 * kPage, kIntruder, 0));
+  EXPECT_TRUE(intruder->release_host({spare.value(), 0, 32}, false).ok());
+  for (int s = 0; s < 3; ++s) {
+    auto host = owner->acquire_host({owned[s], 0, 32});
+    ASSERT_TRUE(host.ok()) << host.status().to_string();
+    EXPECT_TRUE(check_signed(host.value(), 32 * kPage, kOwner, s)) << "the owner's space " << s << " changed";
+    EXPECT_TRUE(owner->release_host({owned[s], 0, 32}, false).ok());
+  }
+}
+
+// The copy_pages opcode on the ring, spoken by hand: its request rules (no space or pages in the
+// header, only the after-marker flag, a marker of at least 1 with it, ranges in the payload), and a
+// copy after a marker held by membard until the client's released word reaches it.
+TEST_F(DaemonTest, CopyPagesRequestsAreCheckedOnTheRingAndWaitForTheMarker) {
+  start_daemon();
+  RawPeer peer;
+  // The handshake of RawPeer, keeping the signal block (the hello reply's first descriptor).
+  peer.fd = connect_unix(socket_path_);
+  ASSERT_GE(peer.fd, 0);
+  v2::HelloV2 hello{};
+  v2::copy_text(hello.client_name, sizeof(hello.client_name), "raw-copies");
+  ASSERT_TRUE(peer.send_raw(v2::encode_message(v2::MessageType::kHello, hello)));
+  auto reply = read_one(peer.fd, peer.assembler);
+  ASSERT_TRUE(reply && reply->header.type == static_cast<uint16_t>(v2::MessageType::kHelloReply));
+  auto decoded = v2::decode_hello_reply(reply->payload);
+  ASSERT_TRUE(decoded.ok() && decoded.value().status == 0 && reply->fds.size() == 2);
+  peer.hello_reply = decoded.value();
+  peer.segment_bytes = peer.hello_reply.segment_bytes;
+  void* segment = ::mmap(nullptr, peer.segment_bytes, PROT_READ | PROT_WRITE, MAP_SHARED, reply->fds[1].get(), 0);
+  ASSERT_NE(segment, MAP_FAILED);
+  peer.segment = segment;
+  uint64_t signal_bytes = uint64_t(peer.hello_reply.signal_words) * 8;
+  ASSERT_GT(peer.hello_reply.signal_words, 1u);
+  void* signals = ::mmap(nullptr, signal_bytes, PROT_READ | PROT_WRITE, MAP_SHARED, reply->fds[0].get(), 0);
+  ASSERT_NE(signals, MAP_FAILED);
+  auto layout = v2::read_segment_header(peer.segment, peer.segment_bytes);
+  ASSERT_TRUE(layout.ok()) << layout.status().to_string();
+  peer.layout = layout.value();
+  auto* base = static_cast<uint8_t*>(peer.segment);
+  peer.requests = protocol::RingEnd<v2::RequestV2>(base + peer.layout.request_ring_offset, peer.layout.ring_capacity);
+  peer.completions =
+      protocol::RingEnd<v2::CompletionV2>(base + peer.layout.completion_ring_offset, peer.layout.ring_capacity);
+
+  auto created = peer.create_space("source", 64 << 10, 32);
+  ASSERT_EQ(created.code, StatusCode::OK) << created.message;
+  SpaceId source = SpaceId(created.value);
+  created = peer.create_space("target", 64 << 10, 32);
+  ASSERT_EQ(created.code, StatusCode::OK) << created.message;
+  SpaceId target = SpaceId(created.value);
+  auto host = peer.call(RawPeer::make(v2::Opcode::kAcquireHost, source, 0, 32));
+  ASSERT_EQ(host.code, StatusCode::OK) << host.message;
+  ASSERT_TRUE(peer.wait(host.ticket));
+  v2::RequestV2 release_host = RawPeer::make(v2::Opcode::kReleaseHost, source, 0, 32);
+  release_host.flags = v2::kReleaseDirty;
+  ASSERT_EQ(peer.call(release_host).code, StatusCode::OK);
+
+  std::vector<uint8_t> encoded = v2::encode_ranges({{source, 0, 8}, {target, 8, 8}});
+  std::string payload(encoded.begin(), encoded.end());
+  auto copy_request = [&](uint32_t flags, uint64_t argument) {
+    v2::RequestV2 request = RawPeer::make(v2::Opcode::kCopyPages);
+    request.flags = flags;
+    request.argument = argument;
+    request.payload_bytes = uint32_t(payload.size());
+    return request;
+  };
+  EXPECT_EQ(peer.call(copy_request(v2::kCopyAfterMarker, 0), payload).code, StatusCode::INVALID_ARGUMENT)
+      << "a marker of 0";
+  EXPECT_EQ(peer.call(copy_request(0, 5), payload).code, StatusCode::INVALID_ARGUMENT)
+      << "an argument without the flag";
+  EXPECT_EQ(peer.call(copy_request(1u << 0, 0), payload).code, StatusCode::INVALID_ARGUMENT) << "an unknown flag";
+  v2::RequestV2 with_space = copy_request(0, 0);
+  with_space.space = source;
+  EXPECT_EQ(peer.call(with_space, payload).code, StatusCode::INVALID_ARGUMENT) << "a space in the header";
+  v2::RequestV2 no_payload = copy_request(0, 0);
+  no_payload.payload_bytes = 0;
+  EXPECT_EQ(peer.call(no_payload).code, StatusCode::INVALID_ARGUMENT) << "no ranges";
+  v2::RequestV2 truncated = copy_request(0, 0);
+  truncated.payload_bytes = uint32_t(payload.size() - 3);
+  EXPECT_EQ(peer.call(truncated, payload.substr(0, payload.size() - 3)).code, StatusCode::INVALID_ARGUMENT)
+      << "ranges cut short";
+
+  // After marker 1: held until the released word (signal word 1) reaches it.
+  auto held = peer.call(copy_request(v2::kCopyAfterMarker, 1), payload);
+  ASSERT_EQ(held.code, StatusCode::OK) << held.message;
+  ASSERT_GT(held.ticket, 0u);
+  EXPECT_FALSE(peer.wait(held.ticket, 0.05)) << "the copy ran before the stream passed the marker";
+  std::atomic_ref<uint64_t>(static_cast<uint64_t*>(signals)[1]).store(1, std::memory_order_release);
+  EXPECT_TRUE(peer.wait(held.ticket)) << "the copy never ran after the marker";
+  auto now = peer.call(copy_request(0, 0), payload);
+  ASSERT_EQ(now.code, StatusCode::OK) << now.message;
+  EXPECT_GT(now.ticket, held.ticket);
+  EXPECT_TRUE(peer.wait(now.ticket));
+  ::munmap(signals, signal_bytes);
 }
 
 #else  // MEMBAR_DAEMON_GPU_TESTS: the same daemon on the CUDA VMM backend (label gpu).
