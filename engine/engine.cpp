@@ -665,6 +665,13 @@ void EngineImpl::unfree_pages(ClientState& client, Builder& builder, const Frame
           f.dirty = true;
           f.host_valid = false;
         });
+      } else if (frame.gpu != kNoFrame && frame.pins == 0) {
+        // The host copy is now the newer one (a host access: no GPU pins): the GPU copy still
+        // holds the freed pages' old bytes and must not serve a later acquire.
+        eviction_erase(client, frame);
+        clear_gpu(client, space, g);
+        frame.prefetched = false;
+        change(client, space, g, [](SpaceFrame& f) { f.dirty = false; });
       }
     }
   }

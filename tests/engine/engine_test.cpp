@@ -1174,5 +1174,28 @@ TEST(Engine, DevicesShareOneHostPool) {
   EXPECT_EQ(share->left(), 0u);
 }
 
+// Freed pages of a frame resident on both tiers, read through a host access (zeros there), then
+// acquired on the GPU with zero-fill: the GPU copy, which still held the old bytes, must not serve
+// (found by the copy_pages tests' random model).
+TEST(Engine, FreedPagesReadOnTheHostAreZerosOnTheGpuToo) {
+  constexpr uint64_t k96K = 96 << 10;
+  auto engine = make_engine(8, 32);
+  auto client = MappedClient::open(*engine);
+  SpaceId space = client->space("s", k96K, 48);
+  char* pages = client->acquire({space, 0, 48}, kEngineAcquireWrite | kEngineAcquireZeroNew);
+  ASSERT_NE(pages, nullptr);
+  fill_pattern(pages, 48 * k96K, 5);
+  ASSERT_TRUE(engine->release(client->id, {space, 0, 48}, true).ok());
+  ASSERT_TRUE(engine->free_pages(client->id, {space, 3, 13}).ok());
+  char* host = client->acquire_host({space, 0, 48});
+  ASSERT_NE(host, nullptr);
+  EXPECT_TRUE(is_zero(host + 3 * k96K, 13 * k96K)) << "host access";
+  ASSERT_TRUE(engine->release_host(client->id, {space, 0, 48}, false).ok());
+  pages = client->acquire({space, 14, 11}, kEngineAcquireWrite | kEngineAcquireZeroNew);
+  ASSERT_NE(pages, nullptr);
+  EXPECT_TRUE(is_zero(pages, 2 * k96K)) << "GPU acquire with zero-fill after a host access";
+  ASSERT_TRUE(engine->release(client->id, {space, 14, 11}, false).ok());
+}
+
 }  // namespace
 }  // namespace membar::runtimed
