@@ -88,15 +88,17 @@ def test_offload_through_a_small_budget_changes_no_gradient_bit(kind, mode):
     assert store.stats.pages_live["current"] == 0
 
 
-@pytest.mark.parametrize("mode", ["dense", "sparse"])
-def test_staged_history_gives_the_same_bits_with_fewer_placements(mode):
+@pytest.mark.parametrize("mode,checkpoint", [("dense", False), ("dense", True), ("sparse", False)])
+def test_staged_history_gives_the_same_bits_with_fewer_placements(mode, checkpoint):
     """Note [Staged history]: history blocks copied through staging rows (copy_pages), ahead of use,
     give the bits of blocks acquired as the history's own pages, through a GPU budget smaller than
-    the pages; two steps in a row (the second reuses the staging rows). In sparse mode selections
+    the pages; two steps in a row (the second reuses the staging rows); with layer checkpointing a
+    block read by a layer's recompute and then its backward is copied once. In sparse mode selections
     keep the acquire path beside staged blocks (the dK/dV barriers of Note [Staged history])."""
     model = model_for_runtime("qwen2", head_dim=256, kv_heads=4)
     input_ids = torch.randint(0, 97, (1, 1100), generator=torch.Generator().manual_seed(2))
-    options = dict(chunk_tokens=128, mode=mode, top_k=2, query_tile_tokens=64, history_block_tokens=256)
+    options = dict(chunk_tokens=128, mode=mode, top_k=2, query_tile_tokens=64, history_block_tokens=256,
+                   checkpoint_layers=checkpoint)
     _, resident, _ = grads_after(model, input_ids, RuntimeKVStore("cpu"), **options)
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("MEMBAR_STAGED_HISTORY", "0")
@@ -113,6 +115,8 @@ def test_staged_history_gives_the_same_bits_with_fewer_placements(mode):
         assert max_relative_error(grads, resident) <= 2e-5
     stats = staged.stats
     assert staged._staging.hits > 0 and stats.prefetch_hits > stats.prefetch_misses   # copies issued ahead
+    if checkpoint:   # a layer's recompute and backward read one block one after the other: one copy
+        assert staged._staging.shared > 0
     assert stats.pages_live["current"] == 0
 
 

@@ -51,9 +51,11 @@ Note [Staged history]
   at 128K tokens of a 7B model ~220K placements a step, ~16 s of the trainer's thread in cuMemMap
   and cuMemUnmap (H200, session 19), which is what kept offload below plain tensors.
   Approach: with offload, the store keeps four staging spaces (K, V, dK, dV), each of
-  `slots` blocks of rows (prefetch_depth + 1), acquired once per sequence layout and held: mapped
-  once, never evicted. A dense history access (kind "kv" or "dkv", no selection) takes a free slot
-  of its kind and asks the runtime to copy the block's pages into the slot's rows (copy_pages,
+  `slots` blocks of rows (prefetch_depth + 2, fewer when the GPU budget is small), acquired once
+  per sequence layout and held: mapped once, never evicted. A dense history access (kind "kv" or
+  "dkv", no selection) takes a free slot of its kind (a K/V access shares the slot that already
+  holds its pages: a layer's recompute and backward read one block one after the other; K/V pages
+  are written once a step) and asks the runtime to copy the block's pages into the slot's rows (copy_pages,
   Note [Copied pages] in engine/page_copies.cpp: the pages stay in host memory, or are read on
   the GPU where still resident); the view's rows are the slot's, one strided tensor as before
   (first_row). Releasing a dK/dV view copies the slot's rows back into the layer's dK/dV pages;
@@ -67,8 +69,9 @@ Note [Staged history]
   no slot is free keep the acquire path, as do the chunk's own pages (write, chunk_grad), which the
   runtime's schedule still covers. MEMBAR_STAGED_HISTORY=0 turns staging off.
   Limitations: a slot pool per kind means the history of a backward (K/V and dK/dV of one block)
-  holds two slots; the staging rows take (prefetch_depth + 1) history blocks of K, V, dK and dV
-  out of the GPU budget, which store_sizes already sized as prefetch_depth + 3 of them.
+  holds two slots; the staging rows take prefetch_depth + 2 history blocks of K, V, dK and dV out
+  of the GPU budget, which store_sizes sizes as prefetch_depth + 3 of them. Every dK/dV access
+  copies its block in and out, where pages acquired in place may stay on the GPU between uses.
 """
 from __future__ import annotations
 
@@ -195,7 +198,10 @@ def plan_in_daemon(socket: str, device, tokens: int, model_config, page_tokens: 
 
 class _Staging:
     """The staging rows of Note [Staged history] and what they hold. Kinds: "kv" (K and V rows),
-    "dkv" (dK and dV rows); a slot is rows [slot * block_pages, (slot + 1) * block_pages)."""
+    "dkv" (dK and dV rows); a slot is rows [slot * block_pages, (slot + 1) * block_pages). A K/V
+    slot remembers which pages it holds: an access to the same pages (a layer's recompute and
+    backward of one block, one after the other) shares it without a copy (K/V pages are written
+    once a step, in stage 1)."""
 
     def __init__(self, spaces: dict, pools: dict, slots: int, block_pages: int, device: torch.device):
         self.spaces = spaces            # "k", "v", "dk", "dv" -> Space
@@ -203,26 +209,81 @@ class _Staging:
         self.slots = slots
         self.block_pages = block_pages
         self.rows = torch.arange(slots * block_pages, dtype=torch.int32, device=device)
-        self.hits = 0                   # accesses whose copies were issued ahead
+        self.hits = 0                   # accesses whose copies were issued ahead (or shared)
         self.misses = 0                 # ... issued when the access came
+        self.shared = 0                 # accesses served by a slot already holding their pages
+        self.refs = {kind: [0] * slots for kind in ("kv", "dkv")}
+        self.free = {kind: list(range(slots)) for kind in ("kv", "dkv")}   # least recently freed first
+        self.content: list = [None] * slots     # K/V slot -> (layer, first, count) it holds
+        self.where: dict = {}                   # (layer, first, count) -> K/V slot holding it
+        self.filled: list = [0] * slots         # K/V slot -> ticket of the copy that filled it
+        self.issued: dict = {}          # key -> (slot, ticket): copies issued, view not taken yet
+        self.held: dict = {}            # key -> (kind, slot): views out
+        self.dkv_pending: dict = {}     # key -> (layer, first, end): dK/dV not yet written back
         self.plan([])
 
     def plan(self, accesses: list, barriers: dict | None = None) -> None:
-        """A new plan: copies issued for the old one are forgotten (their slots' next copies wait
+        """A new plan: copies issued for the old one are given up (their slots' next copies wait
         for them in the runtime); views still out keep their slots. barriers: staged dK/dV access
         key -> the key of the last dK/dV access of its layer before it that is not staged (a sparse
         selection): its copies are issued ahead only once that one is released."""
         self.order = accesses           # the planned staged accesses, in order
+        self.next = 0                   # first planned position not looked at by stage_ahead
         self.barriers = barriers or {}
         self.released_unstaged: set = set()
-        self.next = 0                   # first planned position not looked at by stage_ahead
-        self.issued: dict = {}          # key -> (slot, ticket): copies issued, view not taken yet
-        held = getattr(self, "held", {})
-        self.held: dict = held          # key -> (kind, slot): views out
-        pending = getattr(self, "dkv_pending", {})
-        self.dkv_pending = {key: pages for key, pages in pending.items() if key in held}
-        taken = {kind: {slot for k, slot in held.values() if k == kind} for kind in ("kv", "dkv")}
-        self.free = {kind: [slot for slot in range(self.slots) if slot not in taken[kind]] for kind in ("kv", "dkv")}
+        for key, (slot, _) in list(self.issued.items()):
+            kind = key[0]
+            self.give(kind, slot)
+            self.dkv_pending.pop(key, None)
+        self.issued = {}
+
+    def forget(self) -> None:
+        """A new sequence: no K/V slot holds its pages yet."""
+        self.content = [None] * self.slots
+        self.where = {}
+
+    def take(self, access) -> tuple[int, int] | None:
+        """A slot for the access: (slot, ticket of the copy filling it, or -1 when the caller must
+        copy), or None when every slot of its kind is in use."""
+        kind = access.kind
+        if kind == "kv":
+            pages = (access.layer, access.first_page, access.num_pages)
+            slot = self.where.get(pages)
+            if slot is not None:
+                if self.refs[kind][slot] == 0:
+                    self.free[kind].remove(slot)
+                self.refs[kind][slot] += 1
+                self.shared += 1
+                return slot, self.filled[slot]
+        if not self.free[kind]:
+            return None
+        slot = self.free[kind].pop(0)
+        self.refs[kind][slot] = 1
+        if kind == "kv":
+            old = self.content[slot]
+            if old is not None:
+                self.where.pop(old, None)
+            self.content[slot] = None
+        return slot, -1
+
+    def filled_with(self, access, slot: int, ticket: int) -> None:
+        if access.kind == "kv":
+            pages = (access.layer, access.first_page, access.num_pages)
+            self.content[slot] = pages
+            self.where[pages] = slot
+            self.filled[slot] = ticket
+
+    def give(self, kind: str, slot: int) -> None:
+        self.refs[kind][slot] -= 1
+        if self.refs[kind][slot] == 0:
+            self.free[kind].append(slot)
+
+    def written(self, layer: int, first: int, end: int) -> None:
+        """K/V pages [first, end) of `layer` were written: no slot holds their new contents."""
+        for pages, slot in list(self.where.items()):
+            if pages[0] == layer and pages[1] < end and first < pages[1] + pages[2]:
+                del self.where[pages]
+                self.content[slot] = None
 
     def slot_rows(self, slot: int, pages: int) -> torch.Tensor:
         start = slot * self.block_pages
@@ -380,6 +441,7 @@ class RuntimeKVStore(KVStore):
             self._capacity = layout
         if self._staging is not None:
             self._staging.plan([])   # a sequence without a plan stages on demand
+            self._staging.forget()
         self.layout = layout
         self._step_of = {}
         self._own.pages_allocated(layout.num_pages)
@@ -399,7 +461,7 @@ class RuntimeKVStore(KVStore):
         if self.selection_pages:
             working = (access_bytes(block, self._selection_room, kv, grad, layout.num_pages)
                        + 2 * _FRAME * _frames_spanned(chunk, grad, layout.num_pages))
-        slots = (self.prefetch_depth or 2) + 1
+        slots = (self.prefetch_depth or 2) + 2
         while slots >= 2 and (2 * _space_bytes(slots * block, kv) + 2 * _space_bytes(slots * block, grad)
                               + working > gpu_budget):
             slots -= 1
@@ -477,11 +539,16 @@ class RuntimeKVStore(KVStore):
             if access.key in staging.issued or access.key in staging.held:
                 staging.next += 1
                 continue
-            free = staging.free[access.kind]
-            if not free or not self._ready_to_stage(access):
+            if not self._ready_to_stage(access):
                 return
-            slot = free.pop(0)
-            staging.issued[access.key] = (slot, self._issue_stage(access, slot))
+            taken = staging.take(access)
+            if taken is None:
+                return
+            slot, ticket = taken
+            if ticket < 0:
+                ticket = self._issue_stage(access, slot)
+                staging.filled_with(access, slot, ticket)
+            staging.issued[access.key] = (slot, ticket)
             staging.next += 1
 
     def _staged_view(self, access: Access, history_tokens: int | None):
@@ -489,12 +556,16 @@ class RuntimeKVStore(KVStore):
         staging = self._staging
         entry = staging.issued.pop(access.key, None)
         if entry is None:
-            free = staging.free[access.kind]
-            if not free:
+            taken = staging.take(access)
+            if taken is None:
                 return None
-            slot = free.pop(0)
-            ticket = self._issue_stage(access, slot)
-            staging.misses += 1
+            slot, ticket = taken
+            if ticket < 0:
+                ticket = self._issue_stage(access, slot)
+                staging.filled_with(access, slot, ticket)
+                staging.misses += 1
+            else:
+                staging.hits += 1
         else:
             slot, ticket = entry
             staging.hits += 1
@@ -527,7 +598,7 @@ class RuntimeKVStore(KVStore):
                 self.runtime._native.wait(ticket)
             self._own.host_ns += time.perf_counter_ns() - started
             staging.dkv_pending.pop(access.key, None)
-        staging.free[access.kind].append(slot)
+        staging.give(access.kind, slot)
         self._stage_ahead()
 
     def close_sequence(self) -> None:
@@ -655,6 +726,8 @@ class RuntimeKVStore(KVStore):
             pools["k"].view(-1, layout.num_kv_heads, layout.head_dim)[first_row: first_row + tokens].copy_(k)
             pools["v"].view(-1, layout.num_kv_heads, layout.head_dim)[first_row: first_row + tokens].copy_(v)
         self._release(flat, dirty=True)
+        if self._staging is not None:
+            self._staging.written(layer, first_page, first_page + pages)
 
     def _view_rows(self, access: Access) -> torch.Tensor:
         return self._page_numbers[access.first_page: access.first_page + access.num_pages]
