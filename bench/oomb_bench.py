@@ -109,7 +109,7 @@ _RUNTIME_SWITCHES = [
     ("+copyeach", "MEMBAR_BATCH_COPIES", "0"),
     ("+copyevents", "MEMBAR_COPY_EVENTS", "1"),
     ("+mapruns", "MEMBAR_DEFER_MAPS", "1"),
-    ("+acquired", "MEMBAR_STAGED_HISTORY", "0"),   # history blocks acquired as their own pages
+    ("+staged", "MEMBAR_STAGED_HISTORY", "1"),   # history blocks copied through staging rows
 ]
 
 

@@ -286,17 +286,17 @@ for step in "$@"; do
         --variants "${HANDOFF_VARIANTS:-dense+plain+streamed,dense-offload,dense-offload+mapruns,dense-offload+copyeach,dense-offload+copyevents}"
       "$py" tools/waits_summary.py "$work/handoff/oomb_bench.json" ;;
     staged)
-      # Note [Staged history]: offloaded history blocks copied through staging rows (the default)
-      # against blocks acquired as the history's own pages (+acquired), beside plain tensors; then
-      # the gpu tests of the runtime store (offload, daemon) with staging on.
+      # Note [Staged history]: offloaded history blocks copied through staging rows (+staged)
+      # against blocks acquired as the history's own pages (the default), beside plain tensors;
+      # first the staged-copies gpu test and the runtime store's gpu tests.
       mkdir -p "$work/staged"
       "$bin/test_cuda_client_integrity" --gtest_filter="*Staged*:*Embedded*" > "$work/staged/client_integrity.log" 2>&1 || status=1
       tail -3 "$work/staged/client_integrity.log"
-      timeout ${PYTEST_TIMEOUT:-200} "$py" -m pytest -q -m gpu tests/python/test_oomb.py tests/python/test_runtime_gpu.py \
-        -p no:cacheprovider > "$work/staged/gpu_pytest.log" 2>&1 || status=1
+      MEMBAR_STAGED_HISTORY=1 timeout ${PYTEST_TIMEOUT:-200} "$py" -m pytest -q -m gpu tests/python/test_oomb.py \
+        tests/python/test_runtime_gpu.py -p no:cacheprovider > "$work/staged/gpu_pytest.log" 2>&1 || status=1
       tail -3 "$work/staged/gpu_pytest.log"
       bench staged --contexts "${STAGED_CONTEXTS:-128K}" --time-budget "${STAGED_BUDGET:-400}" --time-limit 200 \
-        --variants "${STAGED_VARIANTS:-dense+plain+streamed,dense-offload,dense-offload+acquired}"
+        --variants "${STAGED_VARIANTS:-dense+plain+streamed,dense-offload+staged,dense-offload}"
       "$py" tools/waits_summary.py "$work/staged/oomb_bench.json" ;;
     asyncdepth)
       # The mapping thread with a deeper lookahead (it waited for most maps at depth 2, session 16):

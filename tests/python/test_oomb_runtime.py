@@ -105,7 +105,9 @@ def test_staged_history_gives_the_same_bits_with_fewer_placements(mode, checkpoi
         acquired = RuntimeKVStore("cpu", offload=True, gpu_budget_bytes=36 * _MIB)
         _, plain, _ = grads_after(model, input_ids, acquired, **options)
     assert acquired._staging is None
-    staged = RuntimeKVStore("cpu", offload=True, gpu_budget_bytes=36 * _MIB)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("MEMBAR_STAGED_HISTORY", "1")
+        staged = RuntimeKVStore("cpu", offload=True, gpu_budget_bytes=36 * _MIB)
     for step in range(2):
         _, grads, _ = grads_after(model, input_ids, staged, **options)
         assert staged._staging is not None
