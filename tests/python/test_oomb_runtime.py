@@ -94,10 +94,10 @@ def test_staged_history_gives_the_same_bits_with_fewer_placements(mode, checkpoi
     give the bits of blocks acquired as the history's own pages, through a GPU budget smaller than
     the pages; two steps in a row (the second reuses the staging rows); with layer checkpointing a
     block read by a layer's recompute and then its backward is copied once. In sparse mode selections
-    keep the acquire path beside staged blocks (the dK/dV barriers of Note [Staged history])."""
+    copy only their pages into the slot's first rows (page_map numbers them)."""
     model = model_for_runtime("qwen2", head_dim=256, kv_heads=4)
     input_ids = torch.randint(0, 97, (1, 1100), generator=torch.Generator().manual_seed(2))
-    options = dict(chunk_tokens=128, mode=mode, top_k=2, query_tile_tokens=64, history_block_tokens=256,
+    options = dict(chunk_tokens=128, mode=mode, top_k=1, query_tile_tokens=64, history_block_tokens=512,
                    checkpoint_layers=checkpoint)
     _, resident, _ = grads_after(model, input_ids, RuntimeKVStore("cpu"), **options)
     with pytest.MonkeyPatch.context() as patch:
@@ -119,6 +119,8 @@ def test_staged_history_gives_the_same_bits_with_fewer_placements(mode, checkpoi
     assert staged._staging.hits > 0 and stats.prefetch_hits > stats.prefetch_misses   # copies issued ahead
     if checkpoint:   # a layer's recompute and backward read one block one after the other: one copy
         assert staged._staging.shared > 0
+    if mode == "sparse":   # selections copy their pages only, page by page (not their frames)
+        assert staged._staging.selections > 0
     assert stats.pages_live["current"] == 0
 
 

@@ -65,14 +65,19 @@ Note [Staged history]
   dependencies. Ahead of use, the store issues the copies of the next planned accesses while a
   slot of their kind is free, unless an earlier unreleased dK/dV access overlaps their pages (its
   write-back must land first) or a K/V block is not written yet: those wait for their turn.
-  Accesses with a selection (sparse), blocks larger than a slot, and accesses out of the plan when
-  no slot is free keep the acquire path, as do the chunk's own pages (write, chunk_grad), which the
-  runtime's schedule still covers. Opt-in (MEMBAR_STAGED_HISTORY=1): measured on the H200 (7B
+  A sparse access copies only its selected pages, page by page, into the slot's first rows (the
+  view's page_map numbers the access's pages into them; dK/dV go back the same way), where
+  acquiring moves whole 2 MiB frames for 128 KiB pages. Blocks larger than a slot, selections of
+  more than 1024 runs and accesses out of the plan when no slot is free keep the acquire path, as
+  do the chunk's own pages (write, chunk_grad), which the runtime's schedule still covers; a staged
+  dK/dV access after an acquired one of its layer waits for that one's release before its copies
+  go ahead. Opt-in (MEMBAR_STAGED_HISTORY=1): measured on the H200 (7B
   shape, 128K, blocks of 64K tokens, session 20) it cuts frame maps from ~217K to ~10K and the
   trainer's host time in runtime calls from 29 to 22 s, but the step took 53.5 s against 47.4 s
   acquiring the history's own pages (46.5 s plain tensors): it moved 747 against 636 GiB, since
   every access copies its block while pages acquired in place stay on the GPU between nearby uses,
-  and handing its copies over cost 15.9 s against 3.7 s.
+  and handing its copies over cost 15.9 s against 3.7 s. Sparse selections through staging have
+  not run on a GPU yet.
   Limitations: a slot pool per kind means the history of a backward (K/V and dK/dV of one block)
   holds two slots; the staging rows take prefetch_depth + 2 history blocks of K, V, dK and dV out
   of the GPU budget, which store_sizes sizes as prefetch_depth + 3 of them. Every dK/dV access
@@ -92,6 +97,7 @@ from .kv_store import _CALL_PARTS, Access, KVStore, PageLayout, StoreStats, _run
 
 _MIB = 1 << 20
 _FRAME = 2 * _MIB
+_MAX_COPY_PAIRS = 2048   # copy_pages' limit per call (engine/page_copies.cpp)
 _SLACK = 4 * _MIB   # on top of each tier's budget: ranges straddling frames
 
 
@@ -217,6 +223,7 @@ class _Staging:
         self.hits = 0                   # accesses whose copies were issued ahead (or shared)
         self.misses = 0                 # ... issued when the access came
         self.shared = 0                 # accesses served by a slot already holding their pages
+        self.selections = 0             # accesses of a sparse selection (its pages only copied)
         self.refs = {kind: [0] * slots for kind in ("kv", "dkv")}
         self.free = {kind: list(range(slots)) for kind in ("kv", "dkv")}   # least recently freed first
         self.content: list = [None] * slots     # K/V slot -> (layer, first, count) it holds
@@ -252,7 +259,7 @@ class _Staging:
         copy), or None when every slot of its kind is in use."""
         kind = access.kind
         if kind == "kv":
-            pages = (access.layer, access.first_page, access.num_pages)
+            pages = (access.layer, access.first_page, access.num_pages, access.selected)
             slot = self.where.get(pages)
             if slot is not None:
                 if self.refs[kind][slot] == 0:
@@ -273,7 +280,7 @@ class _Staging:
 
     def filled_with(self, access, slot: int, ticket: int) -> None:
         if access.kind == "kv":
-            pages = (access.layer, access.first_page, access.num_pages)
+            pages = (access.layer, access.first_page, access.num_pages, access.selected)
             self.content[slot] = pages
             self.where[pages] = slot
             self.filled[slot] = ticket
@@ -500,8 +507,30 @@ class RuntimeKVStore(KVStore):
 
     def _stageable(self, access: Access) -> bool:
         staging = self._staging
-        return (staging is not None and access.kind in ("kv", "dkv") and access.selected is None
-                and access.num_pages <= staging.block_pages)
+        if staging is None or access.kind not in ("kv", "dkv") or access.num_pages > staging.block_pages:
+            return False
+        # A selection's runs, K and V (or dK and dV) each, in one copy_pages call (2048 pairs at most).
+        return access.selected is None or len(_runs(list(access.selected))) <= _MAX_COPY_PAIRS // 2
+
+    @staticmethod
+    def _stage_runs(access: Access) -> list[tuple[int, int]]:
+        """The access's pages as runs, in the order they take the slot's rows."""
+        if access.selected is None:
+            return [(access.first_page, access.num_pages)]
+        return _runs(list(access.selected))
+
+    def _stage_pairs(self, access: Access, slot: int, into_rows: bool) -> list[int]:
+        """copy_pages pairs between the access's pages and the slot's rows (into the rows, or back)."""
+        staging = self._staging
+        flat = []
+        for kind in self._stage_kinds(access):
+            row = slot * staging.block_pages
+            for first, count in self._stage_runs(access):
+                pages = [self.spaces[access.layer][kind].id, first, count]
+                rows = [staging.spaces[kind].id, row, count]
+                flat += pages + rows if into_rows else rows + pages
+                row += count
+        return flat
 
     def _stage_kinds(self, access: Access) -> tuple[str, str]:
         return ("k", "v") if access.kind == "kv" else ("dk", "dv")
@@ -509,11 +538,7 @@ class RuntimeKVStore(KVStore):
     def _issue_stage(self, access: Access, slot: int) -> int:
         """Copies the access's pages into the slot's rows; returns the ticket."""
         staging = self._staging
-        start = slot * staging.block_pages
-        flat = []
-        for kind in self._stage_kinds(access):
-            flat += [self.spaces[access.layer][kind].id, access.first_page, access.num_pages,
-                     staging.spaces[kind].id, start, access.num_pages]
+        flat = self._stage_pairs(access, slot, into_rows=True)
         started = time.perf_counter_ns()
         stream = torch.cuda.current_stream(self.device).cuda_stream if self._cuda else 0
         ticket = self.runtime._native.copy_pages(flat, self._cuda, stream)
@@ -575,14 +600,25 @@ class RuntimeKVStore(KVStore):
             slot, ticket = entry
             staging.hits += 1
         staging.held[access.key] = (access.kind, slot)
-        self._count_read([0, 0, access.num_pages] * 2)
+        count = access.num_pages if access.selected is None else len(access.selected)
+        staging.selections += access.selected is not None
+        self._count_read([0, 0, count] * 2)
         self._wait_ticket(ticket, f"{access.kind}:{access.phase}")
-        rows = staging.slot_rows(slot, access.num_pages)
-        start = slot * staging.block_pages
+        rows = staging.slot_rows(slot, count)
+        # Whole blocks are one strided tensor (first_row); a selection's pages sit in the slot's
+        # first rows in order, and page_map numbers the access's pages into them.
+        start = slot * staging.block_pages if access.selected is None else None
         pools = staging.pools
         handles = ("staged", access)
         if access.kind == "kv":
-            return HistoryView(pools["k"], pools["v"], rows, history_tokens, handles=handles, first_row=start)
+            if access.selected is not None:   # the view holds the selected (whole) pages only
+                history_tokens = count * self.layout.page_tokens
+            view = HistoryView(pools["k"], pools["v"], rows, history_tokens, handles=handles, first_row=start)
+            if access.selected is not None:
+                page_map = torch.full((access.num_pages,), -1, dtype=torch.int64)
+                page_map[torch.tensor(access.selected, dtype=torch.int64) - access.first_page] = torch.arange(count)
+                view.page_map = page_map
+            return view
         return GradView(pools["dk"], pools["dv"], rows, handles=handles, first_row=start)
 
     def _release_staged(self, access: Access) -> None:
@@ -590,12 +626,11 @@ class RuntimeKVStore(KVStore):
         _, slot = staging.held.pop(access.key)
         if access.kind == "dkv":
             # The slot's rows back into the layer's dK/dV pages, behind the kernels that wrote them.
-            start = slot * staging.block_pages
-            flat = []
+            flat = self._stage_pairs(access, slot, into_rows=False)
             for kind in ("dk", "dv"):
-                flat += [staging.spaces[kind].id, start, access.num_pages,
-                         self.spaces[access.layer][kind].id, access.first_page, access.num_pages]
-                self._live[self.spaces[access.layer][kind].id][access.first_page: access.first_page + access.num_pages] = True
+                live = self._live[self.spaces[access.layer][kind].id]
+                for first, count in self._stage_runs(access):
+                    live[first: first + count] = True
             started = time.perf_counter_ns()
             stream = torch.cuda.current_stream(self.device).cuda_stream if self._cuda else 0
             ticket = self.runtime._native.copy_pages(flat, self._cuda, stream)
