@@ -164,27 +164,43 @@ class DaemonClient final : public Client {
     return call(request, v2::encode_ranges(ranges)).status();
   }
 
-  // Note [Copied pages] in engine/page_copies.cpp. With a stream, the stream writes a release
-  // marker first and the daemon holds the copies until it sees it.
-  Result<Ticket> copy_pages(const std::vector<PageRange>& pairs, std::optional<void*> after_stream) override {
+  // Note [Copied pages] in engine/page_copies.cpp. With a marker, the daemon holds the copies until
+  // it sees the client's released word reach it.
+  Result<Ticket> copy_pages(const std::vector<PageRange>& pairs, std::optional<uint64_t> after_marker) override {
     std::lock_guard<std::mutex> lock(mutex_);
     v2::RequestV2 request = make_request(v2::Opcode::kCopyPages);
-    if (after_stream.has_value()) {
-#if defined(MEMBAR_WITH_CUDA)
-      if (!stream_signals_) {
-        return unimplemented("copy_pages after a stream needs the CUDA backend; this client runs on " + describe());
-      }
-      uint64_t marker = ++release_marker_;
-      MEMBAR_RETURN_IF_ERROR(stream_signals_->stream_write(kSignalReleasedWord, marker, *after_stream));
+    if (after_marker.has_value()) {
+      MEMBAR_RETURN_IF_ERROR(check_marker(*after_marker));
       request.flags = v2::kCopyAfterMarker;
-      request.argument = marker;
-#else
-      return unimplemented("copy_pages after a stream needs the CUDA backend; this client runs on " + describe());
-#endif
+      request.argument = *after_marker;
     }
     MEMBAR_ASSIGN_OR_RETURN(Reply reply, retried([&] { return call(request, v2::encode_ranges(pairs)); }));
     MEMBAR_RETURN_IF_ERROR(memory_->settle());   // host frames a destination took
     return reply.ticket;
+  }
+
+  Result<uint64_t> stream_mark(void* cuda_stream) override {
+#if defined(MEMBAR_WITH_CUDA)
+    if (stream_signals_) {
+      std::lock_guard<std::mutex> lock(mutex_);
+      uint64_t marker = ++release_marker_;
+      MEMBAR_RETURN_IF_ERROR(stream_signals_->stream_write(kSignalReleasedWord, marker, cuda_stream));
+      return marker;
+    }
+#endif
+    (void)cuda_stream;
+    return unimplemented("stream_mark needs the CUDA backend; this client runs on " + describe());
+  }
+
+  // A marker copy_pages may wait for: one stream_mark or stream_release wrote (0 is none; a later one
+  // would never be reached and hold the copies forever).
+  Status check_marker(uint64_t marker) const {
+    if (marker == 0 || marker > release_marker_) {
+      return invalid_argument("copy_pages: after_marker " + std::to_string(marker) +
+                              " was not written by this client's stream_mark or stream_release (the last was " +
+                              std::to_string(release_marker_) + ")");
+    }
+    return Status::Ok();
   }
 
   Result<Ticket> prefetch(PageRange range) override {
@@ -711,8 +727,8 @@ class DaemonClient final : public Client {
   Status dead_status_;
 #if defined(MEMBAR_WITH_CUDA)
   std::unique_ptr<StreamSignals> stream_signals_;
-  uint64_t release_marker_ = 0;
 #endif
+  uint64_t release_marker_ = 0;   // the last marker a stream of this client was given (CUDA only)
 };
 
 // Reads socket messages until the hello reply arrives (or an error, EOF or the deadline).

@@ -182,25 +182,31 @@ class EmbeddedClient final : public Client {
     return engine_->release_ranges(id_, ranges, dirty, std::nullopt);
   }
 
-  // Note [Copied pages] in engine/page_copies.cpp. With a stream, the stream writes a release
-  // marker first and the copies wait for it (on the device when copies are ordered there).
-  Result<Ticket> copy_pages(const std::vector<PageRange>& pairs, std::optional<void*> after_stream) override {
+  // Note [Copied pages] in engine/page_copies.cpp. With a marker, the copies wait for it (on the
+  // device when copies are ordered there).
+  Result<Ticket> copy_pages(const std::vector<PageRange>& pairs, std::optional<uint64_t> after_marker) override {
     std::lock_guard<std::mutex> lock(mutex_);
-    std::optional<uint64_t> marker;
-    if (after_stream.has_value()) {
-#if defined(MEMBAR_WITH_CUDA)
-      if (!stream_signals_) {
-        return unimplemented("copy_pages after a stream needs the CUDA backend; this client runs on " + describe());
-      }
-      marker = ++release_marker_;
-      MEMBAR_RETURN_IF_ERROR(stream_signals_->stream_write(runtimed::kSignalReleased, *marker, *after_stream));
-#else
-      return unimplemented("copy_pages after a stream needs the CUDA backend; this client runs on " + describe());
-#endif
+    if (after_marker.has_value() && (*after_marker == 0 || *after_marker > release_marker_)) {
+      return invalid_argument("copy_pages: after_marker " + std::to_string(*after_marker) +
+                              " was not written by this client's stream_mark or stream_release (the last was " +
+                              std::to_string(release_marker_) + ")");
     }
-    MEMBAR_ASSIGN_OR_RETURN(Ticket ticket, retried([&] { return engine_->copy_pages(id_, pairs, marker); }));
+    MEMBAR_ASSIGN_OR_RETURN(Ticket ticket, retried([&] { return engine_->copy_pages(id_, pairs, after_marker); }));
     MEMBAR_RETURN_IF_ERROR(memory_->settle());   // host frames a destination took
     return ticket;
+  }
+
+  Result<uint64_t> stream_mark(void* cuda_stream) override {
+#if defined(MEMBAR_WITH_CUDA)
+    if (stream_signals_) {
+      std::lock_guard<std::mutex> lock(mutex_);
+      uint64_t marker = ++release_marker_;
+      MEMBAR_RETURN_IF_ERROR(stream_signals_->stream_write(runtimed::kSignalReleased, marker, cuda_stream));
+      return marker;
+    }
+#endif
+    (void)cuda_stream;
+    return unimplemented("stream_mark needs the CUDA backend; this client runs on " + describe());
   }
 
   Result<Ticket> prefetch(PageRange range) override {
@@ -409,8 +415,8 @@ class EmbeddedClient final : public Client {
   ChannelTable channels_;  // guarded by mutex_
 #if defined(MEMBAR_WITH_CUDA)
   std::unique_ptr<StreamSignals> stream_signals_;
-  uint64_t release_marker_ = 0;
 #endif
+  uint64_t release_marker_ = 0;   // the last marker a stream of this client was given (CUDA only)
 };
 
 }  // namespace

@@ -245,11 +245,18 @@ class Runtime : public torch::CustomClassHolder {
   }
 
   // pairs: a flat list of (space, first, count) triples, source then destination (Note [Copied
-  // pages]); after_stream: the copies wait for the work enqueued on cuda_stream so far.
-  int64_t copy_pages(std::vector<int64_t> pairs, bool after_stream, int64_t cuda_stream) {
-    std::optional<void*> stream;
-    if (after_stream) stream = reinterpret_cast<void*>(cuda_stream);
-    return int64_t(take(client_->copy_pages(make_ranges(pairs, "copy_pages"), stream), "copy_pages"));
+  // pages]); after_marker > 0: the copies wait for that stream_mark / stream_release marker.
+  int64_t copy_pages(std::vector<int64_t> pairs, int64_t after_marker) {
+    TORCH_CHECK(after_marker >= 0, "membar runtime copy_pages: after_marker must be >= 0 (0: none), got ",
+                after_marker, ".");
+    std::optional<uint64_t> marker;
+    if (after_marker > 0) marker = uint64_t(after_marker);
+    return int64_t(take(client_->copy_pages(make_ranges(pairs, "copy_pages"), marker), "copy_pages"));
+  }
+
+  // Enqueues a release marker on the stream and returns it (Client::stream_mark).
+  int64_t stream_mark(int64_t cuda_stream) {
+    return int64_t(take(client_->stream_mark(reinterpret_cast<void*>(cuda_stream)), "stream_mark"));
   }
 
   void release_ranges(std::vector<int64_t> ranges, bool dirty) {
@@ -416,6 +423,7 @@ TORCH_LIBRARY_FRAGMENT(membar, m) {
       .def("release", &Runtime::release)
       .def("acquire_ranges", &Runtime::acquire_ranges)
       .def("copy_pages", &Runtime::copy_pages)
+      .def("stream_mark", &Runtime::stream_mark)
       .def("release_ranges", &Runtime::release_ranges)
       .def("stream_release_ranges", &Runtime::stream_release_ranges)
       .def("prefetch", &Runtime::prefetch)

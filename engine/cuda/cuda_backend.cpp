@@ -936,8 +936,10 @@ Status CudaVmmBackend::enqueue_copies(std::vector<CopyOp> ops, std::function<voi
   for (const CopyOp& op : ops) {
     MEMBAR_RETURN_IF_ERROR(check_range(op.src_tier, op.src_frame, op.src_offset, op.bytes, "copy source"));
     MEMBAR_RETURN_IF_ERROR(check_range(op.dst_tier, op.dst_frame, op.dst_offset, op.bytes, "copy destination"));
-    // Host-to-GPU (and host-to-host) on one engine, GPU-to-host (and GPU-to-GPU) on the other.
-    int stream = op.src_tier == Tier::kHost ? kHostToDevice : kDeviceToHost;
+    // Into the GPU (from the host, or GPU-to-GPU: copy_pages from pages still resident) on one
+    // stream, out of it (and host-to-host) on the other: a copy into staging rows must not queue
+    // behind write-backs that wait for the trainer's release markers.
+    int stream = op.dst_tier == Tier::kGpu ? kHostToDevice : kDeviceToHost;
     by_stream[stream].push_back(Transfer{pointer(op.src_tier, op.src_frame) + op.src_offset,
                                          pointer(op.dst_tier, op.dst_frame) + op.dst_offset, op.bytes});
   }

@@ -140,11 +140,15 @@ class Client {
   // zeros); each destination frame is written where it lives: the GPU frame when resident, else
   // the host frame. So a trainer can stream pages that stay in host memory through a few
   // GPU-resident pages it keeps acquired, with no frame placed or mapped per read. With
-  // `after_stream` (CUDA backend) the copies run only after the work enqueued on that stream so far
-  // (the client writes a release marker on it), so a kernel that read or wrote the destination
-  // before is done (a cudaStream_t; null is the legacy default stream); nullopt: at once.
-  // Returns the ticket (wait / stream_wait). At most 2048 pairs per call.
-  virtual Result<Ticket> copy_pages(const std::vector<PageRange>& pairs, std::optional<void*> after_stream) = 0;
+  // `after_marker` (CUDA backend: a marker stream_mark returned) the copies run only once the
+  // stream that wrote the marker has passed it, so the kernels it names (those that read or wrote
+  // the destination before) are done; nullopt: at once. Returns the ticket (wait / stream_wait).
+  // At most 2048 pairs per call.
+  virtual Result<Ticket> copy_pages(const std::vector<PageRange>& pairs, std::optional<uint64_t> after_marker) = 0;
+  // Enqueues a release marker on `cuda_stream` (as stream_release does, naming no pages) and
+  // returns it: work ordered after it (copy_pages' after_marker) waits for what the stream had
+  // enqueued before this call, not for what it enqueues later. UNIMPLEMENTED on the host backend.
+  virtual Result<uint64_t> stream_mark(void* cuda_stream) = 0;
 
   // Asynchronous hints; return when accepted.
   virtual Result<Ticket> prefetch(PageRange range) = 0;   // bring to GPU, do not pin

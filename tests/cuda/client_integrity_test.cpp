@@ -235,7 +235,8 @@ TEST(CudaClientIntegrity, EmbeddedCuda) {
 // Note [Copied pages]: history pages that live on the host stream through staging pages held on
 // the GPU, block after block, each copy waiting for the stream's read of the previous block in the
 // same rows (a slow host function delays every read); then the staging rows, changed on the
-// GPU, are copied back into host-only pages. No history frame is ever placed on the GPU.
+// GPU, are copied back into host-only pages. Each copy waits for the marker the stream wrote
+// after the previous read (stream_mark). No history frame is ever placed on the GPU.
 TEST(CudaClientIntegrity, StagedCopiesFollowTheStream) {
   if (!gpu_present()) GTEST_SKIP() << "no CUDA GPU";
   EmbeddedConfig config;
@@ -267,21 +268,27 @@ TEST(CudaClientIntegrity, StagedCopiesFollowTheStream) {
   ASSERT_TRUE(wait_on_stream(client, held.value().ticket, stream).ok());
   uint8_t* read = nullptr;
   ASSERT_EQ(cudaMallocHost(&read, uint64_t(kBlocks) * kBlock * kPageBytes), cudaSuccess);
+  std::optional<uint64_t> read_done;   // the marker after the last read of the rows
   for (uint32_t b = 0; b < kBlocks; ++b) {
-    Result<Ticket> copied = client.copy_pages({PageRange{history.value(), b * kBlock, kBlock}, rows}, stream);
+    Result<Ticket> copied = client.copy_pages({PageRange{history.value(), b * kBlock, kBlock}, rows}, read_done);
     ASSERT_TRUE(copied.ok()) << copied.status().to_string();
     ASSERT_TRUE(client.stream_wait(copied.value(), stream).ok());
     // The "kernel" reading the rows runs late: the next block's copy must wait for it.
     cudaLaunchHostFunc(stream, sleep_on_stream, reinterpret_cast<void*>(uintptr_t{5}));
     ASSERT_EQ(cudaMemcpyAsync(read + uint64_t(b) * kBlock * kPageBytes, held.value().pointer, kBlock * kPageBytes,
                               cudaMemcpyDeviceToHost, stream), cudaSuccess);
+    Result<uint64_t> marker = client.stream_mark(stream);
+    ASSERT_TRUE(marker.ok()) << marker.status().to_string();
+    read_done = marker.value();
   }
   // The rows changed on the GPU, then copied back into the history's first block (host only).
   std::vector<uint8_t> changed(kBlock * kPageBytes);
   for (uint32_t i = 0; i < kBlock; ++i) fill_pattern(changed.data() + i * kPageBytes, seed, i, 2);
   ASSERT_EQ(cudaMemcpyAsync(held.value().pointer, changed.data(), changed.size(), cudaMemcpyHostToDevice, stream),
             cudaSuccess);
-  Result<Ticket> back = client.copy_pages({rows, PageRange{history.value(), 0, kBlock}}, stream);
+  Result<uint64_t> written = client.stream_mark(stream);
+  ASSERT_TRUE(written.ok()) << written.status().to_string();
+  Result<Ticket> back = client.copy_pages({rows, PageRange{history.value(), 0, kBlock}}, written.value());
   ASSERT_TRUE(back.ok()) << back.status().to_string();
   ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
   ASSERT_TRUE(client.wait(back.value()).ok());

@@ -410,8 +410,10 @@ TEST(EmbeddedClient, CopyPagesFromHostPagesIntoAcquiredPages) {
   std::memcpy(staged, stage_bytes.data(), stage_bytes.size());
 
   std::vector<PageRange> pairs = {{history.value(), 15, 12}, {stage.value(), 12, 12}};
-  auto with_stream = client->copy_pages(pairs, static_cast<void*>(nullptr));
-  EXPECT_EQ(with_stream.status().code(), StatusCode::UNIMPLEMENTED) << with_stream.status().to_string();
+  auto marked = client->stream_mark(nullptr);
+  EXPECT_EQ(marked.status().code(), StatusCode::UNIMPLEMENTED) << marked.status().to_string();
+  auto unmarked = client->copy_pages(pairs, uint64_t{1});   // no stream ever wrote marker 1
+  EXPECT_EQ(unmarked.status().code(), StatusCode::INVALID_ARGUMENT) << unmarked.status().to_string();
   EXPECT_EQ(client->copy_pages({pairs[0]}, std::nullopt).status().code(), StatusCode::INVALID_ARGUMENT);
   EXPECT_EQ(client->copy_pages({}, std::nullopt).status().code(), StatusCode::INVALID_ARGUMENT);
   EXPECT_EQ(client->copy_pages({{stage.value(), 0, 8}, {stage.value(), 4, 8}}, std::nullopt).status().code(),

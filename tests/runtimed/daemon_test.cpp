@@ -753,8 +753,9 @@ TEST_F(DaemonTest, CopyPagesBringsHostPagesIntoAcquiredPages) {
   Status past_end = client->copy_pages({{history.value(), 40, 12}, {stage.value(), 0, 12}}, std::nullopt).status();
   EXPECT_TRUE(past_end.code() == StatusCode::OUT_OF_RANGE || past_end.code() == StatusCode::INVALID_ARGUMENT)
       << past_end.to_string();
-  EXPECT_EQ(client->copy_pages(pairs, static_cast<void*>(nullptr)).status().code(), StatusCode::UNIMPLEMENTED)
-      << "a stream on the host backend";
+  EXPECT_EQ(client->stream_mark(nullptr).status().code(), StatusCode::UNIMPLEMENTED) << "a stream on the host backend";
+  EXPECT_EQ(client->copy_pages(pairs, uint64_t{1}).status().code(), StatusCode::INVALID_ARGUMENT)
+      << "a marker no stream of this client wrote";
   EXPECT_TRUE(same_bytes(staged, stage_bytes, kPage)) << "a refused copy changed the stage";
 
   auto copied = client->copy_pages(pairs, std::nullopt);

@@ -59,10 +59,12 @@ Note [Staged history]
   Note [Copied pages] in engine/page_copies.cpp: the pages stay in host memory, or are read on
   the GPU where still resident); the view's rows are the slot's, one strided tensor as before
   (first_row). Releasing a dK/dV view copies the slot's rows back into the layer's dK/dV pages;
-  releasing a K/V view only frees the slot. Every copy waits on the device for the work the
-  trainer's stream enqueued before it (a release marker), so a slot is refilled only after the
-  kernels that read it; copies out of and into one slot are ordered by the runtime's frame
-  dependencies. Ahead of use, the store issues the copies of the next planned accesses while a
+  releasing a K/V view only frees the slot. A release writes a marker on the trainer's stream
+  (stream_mark) and a slot's next copies wait on the device for that marker, so a slot is refilled
+  only after the kernels that read it, and no later: a marker written when the copy is issued
+  would also cover the accesses enqueued since (the host runs ahead of the GPU), and the copy
+  could no longer hide behind them (session 20's first runs did that). Copies out of and into one
+  slot are ordered by the runtime's frame dependencies. Ahead of use, the store issues the copies of the next planned accesses while a
   slot of their kind is free, unless an earlier unreleased dK/dV access overlaps their pages (its
   write-back must land first) or a K/V block is not written yet: those wait for their turn.
   A sparse access copies only its selected pages, page by page, into the slot's first rows (the
@@ -76,8 +78,9 @@ Note [Staged history]
   trainer's host time in runtime calls from 29 to 22 s, but the step took 53.5 s against 47.4 s
   acquiring the history's own pages (46.5 s plain tensors): it moved 747 against 636 GiB, since
   every access copies its block while pages acquired in place stay on the GPU between nearby uses,
-  and handing its copies over cost 15.9 s against 3.7 s. Sparse selections through staging have
-  not run on a GPU yet.
+  and handing its copies over cost 15.9 s against 3.7 s. Those runs made each copy wait for a marker
+  written when it was issued (fixed since, above); that, GPU-to-GPU copies on the copy stream into
+  the GPU, and sparse selections through staging have not run on a GPU yet.
   Limitations: a slot pool per kind means the history of a backward (K/V and dK/dV of one block)
   holds two slots; the staging rows take prefetch_depth + 2 history blocks of K, V, dK and dV out
   of the GPU budget, which store_sizes sizes as prefetch_depth + 3 of them. Every dK/dV access
@@ -229,6 +232,8 @@ class _Staging:
         self.content: list = [None] * slots     # K/V slot -> (layer, first, count) it holds
         self.where: dict = {}                   # (layer, first, count) -> K/V slot holding it
         self.filled: list = [0] * slots         # K/V slot -> ticket of the copy that filled it
+        # kind -> slot -> the stream marker its last reader left at release (0: none yet).
+        self.marker = {kind: [0] * slots for kind in ("kv", "dkv")}
         self.issued: dict = {}          # key -> (slot, ticket): copies issued, view not taken yet
         self.held: dict = {}            # key -> (kind, slot): views out
         self.dkv_pending: dict = {}     # key -> (layer, first, end): dK/dV not yet written back
@@ -540,8 +545,10 @@ class RuntimeKVStore(KVStore):
         staging = self._staging
         flat = self._stage_pairs(access, slot, into_rows=True)
         started = time.perf_counter_ns()
-        stream = torch.cuda.current_stream(self.device).cuda_stream if self._cuda else 0
-        ticket = self.runtime._native.copy_pages(flat, self._cuda, stream)
+        # Behind the marker the slot's last reader left at its release, not behind everything the
+        # stream holds now (the host runs ahead of the GPU: that would wait for the accesses just
+        # before this one and leave the copy no time to hide behind them).
+        ticket = self.runtime._native.copy_pages(flat, staging.marker[access.kind][slot])
         self._own.host_ns += time.perf_counter_ns() - started
         if access.kind == "dkv":
             staging.dkv_pending[access.key] = (access.layer, access.first_page, access.first_page + access.num_pages)
@@ -624,6 +631,10 @@ class RuntimeKVStore(KVStore):
     def _release_staged(self, access: Access) -> None:
         staging = self._staging
         _, slot = staging.held.pop(access.key)
+        started = time.perf_counter_ns()
+        # The stream's marker after this access's kernels: the slot's next copies wait for it.
+        marker = self.runtime._native.stream_mark(torch.cuda.current_stream(self.device).cuda_stream) if self._cuda else 0
+        staging.marker[access.kind][slot] = max(staging.marker[access.kind][slot], marker)
         if access.kind == "dkv":
             # The slot's rows back into the layer's dK/dV pages, behind the kernels that wrote them.
             flat = self._stage_pairs(access, slot, into_rows=False)
@@ -631,13 +642,11 @@ class RuntimeKVStore(KVStore):
                 live = self._live[self.spaces[access.layer][kind].id]
                 for first, count in self._stage_runs(access):
                     live[first: first + count] = True
-            started = time.perf_counter_ns()
-            stream = torch.cuda.current_stream(self.device).cuda_stream if self._cuda else 0
-            ticket = self.runtime._native.copy_pages(flat, self._cuda, stream)
+            ticket = self.runtime._native.copy_pages(flat, marker)
             if not self._cuda:
                 self.runtime._native.wait(ticket)
-            self._own.host_ns += time.perf_counter_ns() - started
             staging.dkv_pending.pop(access.key, None)
+        self._own.host_ns += time.perf_counter_ns() - started
         staging.give(access.kind, slot)
         self._stage_ahead()
 
