@@ -23,6 +23,7 @@ using membar::testing::fill_pattern;
 using membar::testing::is_zero;
 using membar::testing::make_engine;
 using membar::testing::MappedClient;
+using membar::testing::ReleasedWord;
 using membar::testing::pools_settle;
 using membar::testing::retrying;
 
@@ -35,23 +36,6 @@ bool contains(const Status& status, const std::string& text) {
   return status.message().find(text) != std::string::npos;
 }
 
-// Maps the client's signal block; word kSignalReleased is what a CUDA stream would write.
-struct ReleasedWord {
-  void* mapped = MAP_FAILED;
-  explicit ReleasedWord(Engine& engine, ClientId id) {
-    auto fd = engine.client_signal_fd(id);
-    EXPECT_TRUE(fd.ok());
-    mapped = ::mmap(nullptr, 4096, PROT_READ | PROT_WRITE, MAP_SHARED, fd.value(), 0);
-    ::close(fd.value());
-    EXPECT_NE(mapped, MAP_FAILED);
-  }
-  ~ReleasedWord() {
-    if (mapped != MAP_FAILED) ::munmap(mapped, 4096);
-  }
-  void set(uint64_t value) {
-    __atomic_store_n(static_cast<uint64_t*>(mapped) + kSignalReleased, value, __ATOMIC_RELEASE);
-  }
-};
 
 TEST(Engine, BadInputGetsClearErrors) {
   constexpr uint64_t kMaxStepUsesInTest = 32;

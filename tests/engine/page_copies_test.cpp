@@ -25,6 +25,7 @@ namespace {
 
 using membar::testing::make_engine;
 using membar::testing::MappedClient;
+using membar::testing::ReleasedWord;
 using membar::testing::retrying;
 
 constexpr uint64_t k64K = 64 << 10;
@@ -35,24 +36,6 @@ constexpr uint64_t kOddPage = 3000;   // page 699 holds the first frame boundary
 
 using Bytes = std::vector<uint8_t>;
 
-// Maps the client's signal block; word kSignalReleased is what a CUDA stream would write.
-struct ReleasedWord {
-  void* mapped = MAP_FAILED;
-  ReleasedWord(Engine& engine, ClientId id) {
-    auto fd = engine.client_signal_fd(id);
-    EXPECT_TRUE(fd.ok());
-    if (!fd.ok()) return;
-    mapped = ::mmap(nullptr, 4096, PROT_READ | PROT_WRITE, MAP_SHARED, fd.value(), 0);
-    ::close(fd.value());
-    EXPECT_NE(mapped, MAP_FAILED);
-  }
-  ~ReleasedWord() {
-    if (mapped != MAP_FAILED) ::munmap(mapped, 4096);
-  }
-  void set(uint64_t value) {
-    __atomic_store_n(static_cast<uint64_t*>(mapped) + kSignalReleased, value, __ATOMIC_RELEASE);
-  }
-};
 
 // One engine (8 GPU frames, 32 host frames; copies ordered on the host as in membard, or on the
 // "device" as in an embedded client: Note [Device-ordered copies]) and one client whose frames are

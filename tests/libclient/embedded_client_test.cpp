@@ -10,6 +10,7 @@
 #include <random>
 #include <thread>
 
+#include "client_test_util.h"
 #include "membar/client.h"
 #include "runtime_test_util.h"
 
@@ -345,17 +346,7 @@ std::vector<uint8_t> replaced(std::vector<uint8_t> bytes, uint64_t page_bytes, u
   return bytes;
 }
 
-// GPU-resident bytes of a space (GPU only or both tiers), from the client's stats.
-uint64_t gpu_resident_bytes(Client& client, SpaceId space) {
-  auto stats = client.stats();
-  EXPECT_TRUE(stats.ok()) << stats.status().to_string();
-  if (!stats.ok()) return ~0ull;
-  for (const SpaceInfo& info : stats.value().spaces) {
-    if (info.id == space) return info.bytes_gpu + info.bytes_both;
-  }
-  ADD_FAILURE() << "no stats for space " << space;
-  return ~0ull;
-}
+using membar::testing::gpu_resident_bytes;
 
 // Writes `bytes` through host access (released dirty), or reads the range's bytes through it.
 ::testing::AssertionResult write_on_host(Client& client, PageRange range, const std::vector<uint8_t>& bytes) {

@@ -7,6 +7,7 @@
 
 #include <random>
 
+#include "client_test_util.h"
 #include "daemon_harness.h"
 
 namespace membar::integration {
@@ -691,17 +692,7 @@ std::vector<uint8_t> random_bytes(std::mt19937_64& random, uint64_t count) {
                                        << ", got " << int(bytes[first]);
 }
 
-// GPU-resident bytes of one of the client's spaces (GPU only or both tiers).
-uint64_t gpu_resident_bytes(Client& client, SpaceId space) {
-  auto stats = client.stats();
-  EXPECT_TRUE(stats.ok()) << stats.status().to_string();
-  if (!stats.ok()) return ~0ull;
-  for (const SpaceInfo& info : stats.value().spaces) {
-    if (info.id == space) return info.bytes_gpu + info.bytes_both;
-  }
-  ADD_FAILURE() << "no stats for space " << space;
-  return ~0ull;
-}
+using membar::testing::gpu_resident_bytes;
 
 // History pages that live on the host only, copied by membard into pages the client keeps acquired
 // on the GPU: the stage holds them once the ticket completes, the history stays on the host. Bad

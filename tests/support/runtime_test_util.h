@@ -6,6 +6,8 @@
 
 #include <dirent.h>
 #include <gtest/gtest.h>
+#include <sys/mman.h>
+#include <unistd.h>
 
 #include <atomic>
 #include <chrono>
@@ -268,5 +270,27 @@ inline bool pools_settle(runtimed::Engine& engine, uint64_t gpu_frames, uint64_t
     return stats.tiers[0].frames_free == gpu_frames && stats.tiers[1].frames_free == host_frames;
   });
 }
+
+// Maps an engine client's signal block; word kSignalReleased is what a CUDA stream would write
+// (Note [Stream-ordered release] in engine/batches.cpp): set() plays the stream passing a marker.
+struct ReleasedWord {
+  void* mapped = MAP_FAILED;
+  ReleasedWord(runtimed::Engine& engine, ClientId id) {
+    auto fd = engine.client_signal_fd(id);
+    EXPECT_TRUE(fd.ok());
+    if (!fd.ok()) return;
+    mapped = ::mmap(nullptr, 4096, PROT_READ | PROT_WRITE, MAP_SHARED, fd.value(), 0);
+    ::close(fd.value());
+    EXPECT_NE(mapped, MAP_FAILED);
+  }
+  ReleasedWord(const ReleasedWord&) = delete;
+  ReleasedWord& operator=(const ReleasedWord&) = delete;
+  ~ReleasedWord() {
+    if (mapped != MAP_FAILED) ::munmap(mapped, 4096);
+  }
+  void set(uint64_t value) {
+    __atomic_store_n(static_cast<uint64_t*>(mapped) + runtimed::kSignalReleased, value, __ATOMIC_RELEASE);
+  }
+};
 
 }  // namespace membar::testing
