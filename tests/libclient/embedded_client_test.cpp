@@ -325,16 +325,7 @@ class RandomBytes {
   std::mt19937_64 random_;
 };
 
-// Whether `actual` holds `expected` byte for byte; otherwise where the first difference is.
-::testing::AssertionResult same_bytes(const void* actual, const std::vector<uint8_t>& expected, uint64_t page_bytes) {
-  const auto* bytes = static_cast<const uint8_t*>(actual);
-  if (std::memcmp(bytes, expected.data(), expected.size()) == 0) return ::testing::AssertionSuccess();
-  uint64_t first = 0;
-  while (bytes[first] == expected[first]) ++first;
-  return ::testing::AssertionFailure() << "the first difference is at byte " << first << " (page " << first / page_bytes
-                                       << " + " << first % page_bytes << "): expected " << int(expected[first])
-                                       << ", got " << int(bytes[first]);
-}
+using membar::testing::same_bytes;
 
 // The bytes of pages [first, first + count) of `bytes`, and `bytes` with them replaced.
 std::vector<uint8_t> slice(const std::vector<uint8_t>& bytes, uint64_t page_bytes, uint32_t first, uint32_t count) {

@@ -682,15 +682,7 @@ std::vector<uint8_t> random_bytes(std::mt19937_64& random, uint64_t count) {
   return bytes;
 }
 
-::testing::AssertionResult same_bytes(const void* actual, const std::vector<uint8_t>& expected, uint64_t page_bytes) {
-  const auto* bytes = static_cast<const uint8_t*>(actual);
-  if (std::memcmp(bytes, expected.data(), expected.size()) == 0) return ::testing::AssertionSuccess();
-  uint64_t first = 0;
-  while (bytes[first] == expected[first]) ++first;
-  return ::testing::AssertionFailure() << "the first difference is at byte " << first << " (page " << first / page_bytes
-                                       << " + " << first % page_bytes << "): expected " << int(expected[first])
-                                       << ", got " << int(bytes[first]);
-}
+using membar::testing::same_bytes;
 
 using membar::testing::gpu_resident_bytes;
 
