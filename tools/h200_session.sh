@@ -298,6 +298,12 @@ for step in "$@"; do
       bench staged --contexts "${STAGED_CONTEXTS:-128K}" --time-budget "${STAGED_BUDGET:-400}" --time-limit 200 \
         --variants "${STAGED_VARIANTS:-dense+plain+streamed,dense-offload+staged,dense-offload}"
       "$py" tools/waits_summary.py "$work/staged/oomb_bench.json" ;;
+    stagedsparse)
+      # Sparse offload with its selections staged page by page (Note [Staged history]) against whole
+      # frames acquired (the default): bytes moved, prefetch hits, step time, one call.
+      bench stagedsparse --contexts "${STAGED_CONTEXTS:-256K}" --time-budget "${STAGED_BUDGET:-420}" --time-limit 240 \
+        --variants "${STAGED_VARIANTS:-sparse-offload,sparse-offload+staged}"
+      "$py" tools/waits_summary.py "$work/stagedsparse/oomb_bench.json" ;;
     asyncdepth)
       # The mapping thread with a deeper lookahead (it waited for most maps at depth 2, session 16):
       # "+depthN" also grows the default GPU budget to match, so compare against "+depth4" alone.
