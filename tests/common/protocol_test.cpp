@@ -309,6 +309,11 @@ TEST(Request, AcceptsValidRequestsOfEveryOpcode) {
       case Opcode::kAcquireRanges: case Opcode::kReleaseRanges:
         request.payload_bytes = static_cast<uint32_t>(encode_ranges({{1, 0, 1}}).size());
         break;
+      case Opcode::kCopyPages:   // a (source, destination) pair, after a marker
+        request.payload_bytes = static_cast<uint32_t>(encode_ranges({{1, 0, 1}, {2, 0, 1}}).size());
+        request.flags = kCopyAfterMarker;
+        request.argument = 3;
+        break;
       default:
         request.space = 1;
         request.page_count = 1;
