@@ -110,6 +110,7 @@ _RUNTIME_SWITCHES = [
     ("+copyevents", "MEMBAR_COPY_EVENTS", "1"),
     ("+mapruns", "MEMBAR_DEFER_MAPS", "1"),
     ("+staged", "MEMBAR_STAGED_HISTORY", "1"),   # history blocks copied through staging rows
+    ("+kvstaged", "MEMBAR_STAGED_HISTORY", "kv"),   # ... K/V only (dK/dV acquired in place)
 ]
 
 
@@ -331,11 +332,11 @@ def run_one(model, spec: dict) -> dict:
             store = PlainKVStore(device, streamed="+streamed" in result["variant"])
         group = data_parallel_group(cuda) if "+dp" in result["variant"] else None
         # Runtime switches read when the runtime starts: the variant's flag sets the variable, else it goes.
+        for _, variable, _ in _RUNTIME_SWITCHES:   # (two switches may set one variable)
+            os.environ.pop(variable, None)
         for flag, variable, value in _RUNTIME_SWITCHES:
             if flag in result["variant"]:
                 os.environ[variable] = value
-            else:
-                os.environ.pop(variable, None)
         # "+displace8": the engine's displace_rank (Note [Eviction order]): a frame already mapped at a
         # page's position serves it when its occupant is among MIN's first 8 candidates.
         displace = re.search(r"\+displace(\d+|all)", result["variant"])

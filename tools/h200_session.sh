@@ -296,7 +296,7 @@ for step in "$@"; do
         tests/python/test_runtime_gpu.py -p no:cacheprovider > "$work/staged/gpu_pytest.log" 2>&1 || status=1
       tail -3 "$work/staged/gpu_pytest.log"
       bench staged --contexts "${STAGED_CONTEXTS:-128K}" --time-budget "${STAGED_BUDGET:-400}" --time-limit 200 \
-        --variants "${STAGED_VARIANTS:-dense+plain+streamed,dense-offload+staged,dense-offload}"
+        --variants "${STAGED_VARIANTS:-dense+plain+streamed,dense-offload+staged,dense-offload+kvstaged,dense-offload}"
       "$py" tools/waits_summary.py "$work/staged/oomb_bench.json" ;;
     stagedsparse)
       # Sparse offload with its selections staged page by page (Note [Staged history]) against whole

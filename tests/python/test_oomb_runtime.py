@@ -88,8 +88,9 @@ def test_offload_through_a_small_budget_changes_no_gradient_bit(kind, mode):
     assert store.stats.pages_live["current"] == 0
 
 
-@pytest.mark.parametrize("mode,checkpoint", [("dense", False), ("dense", True), ("sparse", False)])
-def test_staged_history_gives_the_same_bits_with_fewer_placements(mode, checkpoint):
+@pytest.mark.parametrize("mode,checkpoint,kinds", [("dense", False, "1"), ("dense", True, "1"), ("sparse", False, "1"),
+                                                   ("dense", True, "kv"), ("sparse", False, "kv")])
+def test_staged_history_gives_the_same_bits_with_fewer_placements(mode, checkpoint, kinds):
     """Note [Staged history]: history blocks copied through staging rows (copy_pages), ahead of use,
     give the bits of blocks acquired as the history's own pages, through a GPU budget smaller than
     the pages; two steps in a row (the second reuses the staging rows); with layer checkpointing a
@@ -106,7 +107,7 @@ def test_staged_history_gives_the_same_bits_with_fewer_placements(mode, checkpoi
         _, plain, _ = grads_after(model, input_ids, acquired, **options)
     assert acquired._staging is None
     with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("MEMBAR_STAGED_HISTORY", "1")
+        patch.setenv("MEMBAR_STAGED_HISTORY", kinds)   # "kv": K/V staged, dK/dV acquired in place
         staged = RuntimeKVStore("cpu", offload=True, gpu_budget_bytes=36 * _MIB)
     for step in range(2):
         _, grads, _ = grads_after(model, input_ids, staged, **options)
@@ -117,9 +118,13 @@ def test_staged_history_gives_the_same_bits_with_fewer_placements(mode, checkpoi
         assert max_relative_error(grads, resident) <= 2e-5
     stats = staged.stats
     assert staged._staging.hits > 0 and stats.prefetch_hits > stats.prefetch_misses   # copies issued ahead
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("MEMBAR_STAGED_HISTORY", "yes")
+        with pytest.raises(ValueError, match="MEMBAR_STAGED_HISTORY"):
+            RuntimeKVStore("cpu", offload=True)
     if checkpoint:   # a layer's recompute and backward read one block one after the other: one copy
         assert staged._staging.shared > 0
-    if mode == "sparse":   # selections copy their pages only, page by page (not their frames)
+    if mode == "sparse" and kinds != "kv":   # selections copy their pages only (not their frames)
         assert staged._staging.selections > 0
     assert stats.pages_live["current"] == 0
 

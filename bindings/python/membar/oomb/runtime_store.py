@@ -40,7 +40,7 @@ Note [Runtime pages]
   stream waits are reported to the runtime (Runtime.add_stall_ns) as they finish, read at each
   `stats`, so the runtime's stall time (membarctl) holds both; StoreStats.stall_ns stays the host's.
   Grad pages are counted as contents once a backward acquired them (zero-filled on first use).
-  With offload and MEMBAR_STAGED_HISTORY=1, history blocks are staged (Note [Staged history]).
+  With offload and MEMBAR_STAGED_HISTORY=1 (or kv), history blocks are staged (Note [Staged history]).
   On the meta device (shapes without bits: how tests measure what a step keeps on the device at
   any length) the runtime runs on its host backend for the bookkeeping and the pools are meta
   tensors of the same shape; reserve() before a measured step keeps their creation out of it.
@@ -64,14 +64,16 @@ Note [Staged history]
   only after the kernels that read it, and no later: a marker written when the copy is issued
   would also cover the accesses enqueued since (the host runs ahead of the GPU), and the copy
   could no longer hide behind them (session 20's first runs did that). Copies out of and into one
-  slot are ordered by the runtime's frame dependencies. Ahead of use, the store issues the copies of the next planned accesses while a
-  slot of their kind is free, unless an earlier unreleased dK/dV access overlaps their pages (its
+  slot are ordered by the runtime's frame dependencies. Ahead of use, the store issues the copies
+  of the next planned accesses while a slot of their kind is free, unless an earlier unreleased dK/dV access overlaps their pages (its
   write-back must land first) or a K/V block is not written yet: those wait for their turn.
   A sparse access copies only its selected pages, page by page, into the slot's first rows (the
   view's page_map numbers the access's pages into them; dK/dV go back the same way), where
   acquiring moves whole 2 MiB frames for 128 KiB pages. Blocks larger than a slot, selections of
   more than 1024 runs and accesses out of the plan when no slot is free keep the acquire path, as
-  do the chunk's own pages (write, chunk_grad), which the runtime's schedule still covers; a staged
+  do the chunk's own pages (write, chunk_grad), which the runtime's schedule still covers
+  (MEMBAR_STAGED_HISTORY=kv stages the K/V history only, whole blocks, and acquires dK/dV and
+  selections in place, where nearby uses stay on the GPU); a staged
   dK/dV access after an acquired one of its layer waits for that one's release before its copies
   go ahead. Opt-in (MEMBAR_STAGED_HISTORY=1): measured on the H200 (7B
   shape, 128K, blocks of 64K tokens, session 20) it cuts frame maps from ~217K to ~10K and the
@@ -362,7 +364,12 @@ class RuntimeKVStore(KVStore):
         self._own = StoreStats()
         self._baseline: dict | None = None
         # Note [Staged history]: with offload, history blocks are copied through staging rows.
-        self.staged = offload and os.environ.get("MEMBAR_STAGED_HISTORY") == "1" and not self._meta
+        staged = os.environ.get("MEMBAR_STAGED_HISTORY", "0")
+        if staged not in ("0", "1", "kv"):
+            raise ValueError(f"MEMBAR_STAGED_HISTORY={staged!r}: use 1 (K/V and dK/dV history staged), kv (K/V "
+                             f"only, dK/dV acquired in place) or 0 (none).")
+        self.staged = offload and staged != "0" and not self._meta
+        self._staged_kinds = ("kv",) if staged == "kv" else ("kv", "dkv")
         self._staging: _Staging | None = None
 
     # -- connection and spaces --------------------------------------------------------------------
@@ -512,10 +519,13 @@ class RuntimeKVStore(KVStore):
 
     def _stageable(self, access: Access) -> bool:
         staging = self._staging
-        if staging is None or access.kind not in ("kv", "dkv") or access.num_pages > staging.block_pages:
+        if staging is None or access.kind not in self._staged_kinds or access.num_pages > staging.block_pages:
             return False
-        # A selection's runs, K and V (or dK and dV) each, in one copy_pages call (2048 pairs at most).
-        return access.selected is None or len(_runs(list(access.selected))) <= _MAX_COPY_PAIRS // 2
+        # A selection's runs, K and V (or dK and dV) each, in one copy_pages call (2048 pairs at most);
+        # a backward's K/V and dK/dV views number a selection's pages alike: both staged, or neither.
+        if access.selected is None:
+            return True
+        return "dkv" in self._staged_kinds and len(_runs(list(access.selected))) <= _MAX_COPY_PAIRS // 2
 
     @staticmethod
     def _stage_runs(access: Access) -> list[tuple[int, int]]:
