@@ -527,20 +527,14 @@ class RuntimeKVStore(KVStore):
             return True
         return "dkv" in self._staged_kinds and len(_runs(list(access.selected))) <= _MAX_COPY_PAIRS // 2
 
-    @staticmethod
-    def _stage_runs(access: Access) -> list[tuple[int, int]]:
-        """The access's pages as runs, in the order they take the slot's rows."""
-        if access.selected is None:
-            return [(access.first_page, access.num_pages)]
-        return _runs(list(access.selected))
-
     def _stage_pairs(self, access: Access, slot: int, into_rows: bool) -> list[int]:
-        """copy_pages pairs between the access's pages and the slot's rows (into the rows, or back)."""
+        """copy_pages pairs between the access's pages and the slot's rows (into the rows, or back):
+        its runs (_page_runs) take the slot's rows in order."""
         staging = self._staging
         flat = []
         for kind in self._stage_kinds(access):
             row = slot * staging.block_pages
-            for first, count in self._stage_runs(access):
+            for first, count in self._page_runs(access):
                 pages = [self.spaces[access.layer][kind].id, first, count]
                 rows = [staging.spaces[kind].id, row, count]
                 flat += pages + rows if into_rows else rows + pages
@@ -619,7 +613,7 @@ class RuntimeKVStore(KVStore):
         staging.held[access.key] = (access.kind, slot)
         count = access.num_pages if access.selected is None else len(access.selected)
         staging.selections += access.selected is not None
-        self._count_read([0, 0, count] * 2)
+        self._own.pages_read += 2 * count   # K and V (or dK and dV) pages
         self._wait_ticket(ticket, f"{access.kind}:{access.phase}")
         rows = staging.slot_rows(slot, count)
         # Whole blocks are one strided tensor (first_row); a selection's pages sit in the slot's
@@ -650,7 +644,7 @@ class RuntimeKVStore(KVStore):
             flat = self._stage_pairs(access, slot, into_rows=False)
             for kind in ("dk", "dv"):
                 live = self._live[self.spaces[access.layer][kind].id]
-                for first, count in self._stage_runs(access):
+                for first, count in self._page_runs(access):
                     live[first: first + count] = True
             ticket = self.runtime._native.copy_pages(flat, marker)
             if not self._cuda:
@@ -868,16 +862,18 @@ class RuntimeKVStore(KVStore):
         steps, self._step_of = [], {}
         kinds = {"kv": ("k", "v"), "dkv": ("dk", "dv"), "chunk_grad": ("dk", "dv")}
         if self._staging is not None:   # staged accesses are the store's to prefetch, not the schedule's
-            staged, barriers, last_unstaged = [], {}, {}
+            staged, unstaged, barriers, last_unstaged = [], [], {}, {}
             for access in accesses:
                 if self._stageable(access):
                     staged.append(access)
                     if access.kind == "dkv" and access.layer in last_unstaged:
                         barriers[access.key] = last_unstaged[access.layer]
-                elif access.kind == "dkv":
-                    last_unstaged[access.layer] = access.key
+                else:
+                    unstaged.append(access)
+                    if access.kind == "dkv":
+                        last_unstaged[access.layer] = access.key
             self._staging.plan(staged, barriers)
-            accesses = [access for access in accesses if not self._stageable(access)]
+            accesses = unstaged
         for access in accesses:
             self._step_of[access.key] = len(steps)
             # Flat (space id, first, count) triples straight to the native call: a 1M-token sparse
