@@ -430,6 +430,7 @@ def main(argv=None) -> int:
         rows = merge(rows, row)
         write(rows, out, commit)
         print(json.dumps(row), flush=True)
+        print(f"[{time.time() - deadline + args.time_budget:.0f} s since start]", file=sys.stderr, flush=True)
 
     for name in args.models.split(","):
         if "errors" in parts:

@@ -360,7 +360,7 @@ for step in "$@"; do
       if [ -n "${COVERAGE_MERGE:-}" ]; then cp "$COVERAGE_MERGE" "$work/models/model_coverage.json" || status=1; fi
       # shellcheck disable=SC2086  # COVERAGE_ARGS is a list of options
       MEMBAR_RESULTS_DIR=$work/models timeout 560 "$py" bench/model_coverage_bench.py $coverage ${COVERAGE_ARGS:-} \
-        --time-budget 500 > "$work/models/bench.log" 2>&1 || status=1
+        --time-budget "${COVERAGE_BUDGET:-500}" > "$work/models/bench.log" 2>&1 || status=1
       tail -15 "$work/models/model_coverage.md" 2>/dev/null || tail -20 "$work/models/bench.log" ;;
     dp)
       bench dp --contexts 32K --time-budget 300 --variants "dense,dense+dp" ;;
