@@ -301,7 +301,10 @@ for step in "$@"; do
     stagedsparse)
       # Sparse offload with its selections staged page by page (Note [Staged history]) against whole
       # frames acquired (the default): bytes moved, prefetch hits, step time, one call.
+      # One selection per 4096-token chunk (--query-tile 4096), as sparseblocks and session 13's 80.2 s:
+      # the default tiles of 128 queries select per tile (session 21: 193.4 s, 2,885 GiB moved).
       bench stagedsparse --contexts "${STAGED_CONTEXTS:-256K}" --time-budget "${STAGED_BUDGET:-420}" --time-limit 240 \
+        --query-tile 4096 \
         --variants "${STAGED_VARIANTS:-sparse-offload,sparse-offload+staged}"
       "$py" tools/waits_summary.py "$work/stagedsparse/oomb_bench.json" ;;
     asyncdepth)
