@@ -80,9 +80,9 @@ Note [Staged history]
   trainer's host time in runtime calls from 29 to 22 s, but the step took 53.5 s against 47.4 s
   acquiring the history's own pages (46.5 s plain tensors): it moved 747 against 636 GiB, since
   every access copies its block while pages acquired in place stay on the GPU between nearby uses,
-  and handing its copies over cost 15.9 s against 3.7 s. Those runs made each copy wait for a marker
-  written when it was issued (fixed since, above); that, GPU-to-GPU copies on the copy stream into
-  the GPU, and sparse selections through staging have not run on a GPU yet.
+  and handing its copies over cost 15.9 s against 3.7 s. With the slot markers above (session 21):
+  staged 52.9 s, K/V staged with dK/dV acquired (=kv) 49.9 s, acquired 46.6 s, plain 46.1 s; sparse
+  offload at 256K staged 83.9 s and 905 GiB against 80.2 s and 756 GiB acquired (session 13).
   Limitations: a slot pool per kind means the history of a backward (K/V and dK/dV of one block)
   holds two slots; the staging rows take prefetch_depth + 2 history blocks of K, V, dK and dV out
   of the GPU budget, which store_sizes sizes as prefetch_depth + 3 of them. Every dK/dV access
