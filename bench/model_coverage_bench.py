@@ -422,7 +422,8 @@ def main(argv=None) -> int:
     existing = out / "model_coverage.json"
     if existing.exists() and not args.fresh:
         rows = json.loads(existing.read_text()).get("rows", [])
-    deadline = time.time() + args.time_budget
+    started = time.time()
+    deadline = started + args.time_budget
     parts = args.parts.split(",")
 
     def record(row: dict) -> None:
@@ -430,7 +431,7 @@ def main(argv=None) -> int:
         rows = merge(rows, row)
         write(rows, out, commit)
         print(json.dumps(row), flush=True)
-        print(f"[{time.time() - deadline + args.time_budget:.0f} s since start]", file=sys.stderr, flush=True)
+        print(f"[{time.time() - started:.0f} s since start]", file=sys.stderr, flush=True)
 
     for name in args.models.split(","):
         if "errors" in parts:

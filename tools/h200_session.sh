@@ -360,6 +360,8 @@ for step in "$@"; do
     models)
       mkdir -p "$work/models"
       if [ "${COVERAGE_QUICK:-0}" = 1 ]; then coverage="--quick"; else coverage="--models ${COVERAGE_MODELS:-qwen3-8b}"; fi
+      # COVERAGE_MERGE: a results file to add rows to; it must travel with the call (the device tree
+      # leaves bench/results out, tools/device_tree.sh): merge earlier calls' rows here instead.
       if [ -n "${COVERAGE_MERGE:-}" ]; then cp "$COVERAGE_MERGE" "$work/models/model_coverage.json" || status=1; fi
       # shellcheck disable=SC2086  # COVERAGE_ARGS is a list of options
       MEMBAR_RESULTS_DIR=$work/models timeout 560 "$py" bench/model_coverage_bench.py $coverage ${COVERAGE_ARGS:-} \

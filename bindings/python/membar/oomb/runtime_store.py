@@ -65,20 +65,21 @@ Note [Staged history]
   would also cover the accesses enqueued since (the host runs ahead of the GPU), and the copy
   could no longer hide behind them (session 20's first runs did that). Copies out of and into one
   slot are ordered by the runtime's frame dependencies. Ahead of use, the store issues the copies
-  of the next planned accesses while a slot of their kind is free, unless an earlier unreleased dK/dV access overlaps their pages (its
-  write-back must land first) or a K/V block is not written yet: those wait for their turn.
+  of the next planned accesses while a slot of their kind is free, unless an earlier unreleased
+  dK/dV access overlaps their pages (its write-back must land first) or a K/V block is not written
+  yet: those wait for their turn.
   A sparse access copies only its selected pages, page by page, into the slot's first rows (the
   view's page_map numbers the access's pages into them; dK/dV go back the same way), where
   acquiring moves whole 2 MiB frames for 128 KiB pages. Blocks larger than a slot, selections of
   more than 1024 runs and accesses out of the plan when no slot is free keep the acquire path, as
   do the chunk's own pages (write, chunk_grad), which the runtime's schedule still covers
   (MEMBAR_STAGED_HISTORY=kv stages the K/V history only, whole blocks, and acquires dK/dV and
-  selections in place, where nearby uses stay on the GPU); a staged
-  dK/dV access after an acquired one of its layer waits for that one's release before its copies
-  go ahead. Opt-in (MEMBAR_STAGED_HISTORY=1): measured on the H200 (7B
-  shape, 128K, blocks of 64K tokens, session 20) it cuts frame maps from ~217K to ~10K and the
-  trainer's host time in runtime calls from 29 to 22 s, but the step took 53.5 s against 47.4 s
-  acquiring the history's own pages (46.5 s plain tensors): it moved 747 against 636 GiB, since
+  selections in place, where nearby uses stay on the GPU); a staged dK/dV access after an acquired
+  one of its layer waits for that one's release before its copies go ahead. Opt-in
+  (MEMBAR_STAGED_HISTORY=1): measured on the H200 (7B shape, 128K, blocks of 64K tokens, session
+  20) it cuts frame maps from ~217K to ~10K and the trainer's host time in runtime calls from 29 to
+  22 s, but the step took 53.5 s against 47.4 s acquiring the history's own pages (46.5 s plain
+  tensors): it moved 747 against 636 GiB, since
   every access copies its block while pages acquired in place stay on the GPU between nearby uses,
   and handing its copies over cost 15.9 s against 3.7 s. With the slot markers above (session 21):
   staged 52.9 s, K/V staged with dK/dV acquired (=kv) 49.9 s, acquired 46.6 s, plain 46.1 s; sparse
