@@ -36,6 +36,8 @@ column); "+depth4" copies pages in 4 accesses ahead (default 2)
 and grows the default GPU budget with it; "+piece4096" computes the loss 4096 tokens at a time
 (default 512); "+blockwise" streams sparse selections block by block even where their pages fit
 one block's room (as before session 12); "+reuse" has stage 2 take stage 1's attention outputs (Note [Stage 1's attention in stage 2]);
+"+nopredict" copies no guessed stage-1 selection ahead (MEMBAR_PREDICT_SELECTIONS=0, Note [Predicted
+selections] in hf_attention.py);
 "+displace8" lets a frame already mapped at a page's position serve it when its
 occupant is among the first 8 of MIN's eviction candidates ("+displaceall": any occupant a prefetch may
 evict; MEMBAR_DISPLACE_RANK, Note [Eviction order]: fewer GPU map calls for some extra copies); "+streamed" after "+plain" reads the plain tensors'
@@ -111,6 +113,7 @@ _RUNTIME_SWITCHES = [
     ("+mapruns", "MEMBAR_DEFER_MAPS", "1"),
     ("+staged", "MEMBAR_STAGED_HISTORY", "1"),   # history blocks copied through staging rows
     ("+kvstaged", "MEMBAR_STAGED_HISTORY", "kv"),   # ... K/V only (dK/dV acquired in place)
+    ("+nopredict", "MEMBAR_PREDICT_SELECTIONS", "0"),   # no stage-1 selection guessed ahead (Note [Predicted selections])
 ]
 
 
@@ -433,6 +436,7 @@ def run_one(model, spec: dict) -> dict:
                       host_pool_gib=stats["host_pool_bytes"] / 2**30,
                       device_pool_gib=stats["device_pool_bytes"] / 2**30,
                       prefetch_hits=stats["prefetch_hits"], prefetch_misses=stats["prefetch_misses"],
+                      predicted_frames=stats.get("predicted_frames", 0),
                       stage1_seconds=stats["stage1_seconds"], stage2_seconds=stats["stage2_seconds"],
                       **{key: stats[key] for key in ("partial_step", "stage2_chunks_run", "stage2_chunks_total",
                                                      "stage2_to_stage1_ratio", "estimated_step_seconds",

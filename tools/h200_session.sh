@@ -55,6 +55,8 @@
 #             dense-offload at 64K (blocks of 16K) with maps on the receiving thread (default) and on the
 #             mapping thread ("+asyncmaps"), each also with displace_rank all, beside plain tensors read in
 #             blocks, in one run (ASYNC_CONTEXTS / ASYNC_VARIANTS for others)
+#   predict   7B sparse-offload at 256K, one selection per chunk: stage 1's selections guessed from the
+#             chunk before and copied ahead (default, Note [Predicted selections]) against "+nopredict"
 #   asyncdepth  the mapping thread with the lookahead 4 and 8 accesses ahead ("+asyncmaps+depth4/8") against
 #             depth 4 alone and the default, 7B dense-offload at 64K (blocks of 16K), plain tensors beside
 #   gpuwait   the stream's own wait for pages, timed with CUDA events ("+timewaits", MEMBAR_TIME_STREAM_WAITS=1;
@@ -307,6 +309,18 @@ for step in "$@"; do
         --query-tile 4096 \
         --variants "${STAGED_VARIANTS:-sparse-offload,sparse-offload+staged}"
       "$py" tools/waits_summary.py "$work/stagedsparse/oomb_bench.json" ;;
+    predict)
+      # Note [Predicted selections]: sparse offload at 256K (one selection per chunk) with stage 1's
+      # selections guessed from the chunk before and copied ahead (default) against without
+      # ("+nopredict"): prefetch hits, bytes moved, step time, one run each in one call; first the
+      # trainer's gpu tests (sparse offload changes no gradient bit with the guesses on).
+      mkdir -p "$work/predict"
+      timeout ${PYTEST_TIMEOUT:-150} "$py" -m pytest -q -m gpu tests/python/test_oomb.py -p no:cacheprovider \
+        > "$work/predict/gpu_pytest.log" 2>&1 || status=1
+      tail -3 "$work/predict/gpu_pytest.log"
+      bench predict --contexts "${PREDICT_CONTEXTS:-256K}" --time-budget "${PREDICT_BUDGET:-300}" --time-limit 200 \
+        --query-tile 4096 --variants "${PREDICT_VARIANTS:-sparse-offload+timewaits,sparse-offload+nopredict+timewaits}"
+      "$py" tools/waits_summary.py "$work/predict/oomb_bench.json" ;;
     asyncdepth)
       # The mapping thread with a deeper lookahead (it waited for most maps at depth 2, session 16):
       # "+depthN" also grows the default GPU budget to match, so compare against "+depth4" alone.

@@ -24,6 +24,10 @@ def summary(path: str) -> list[str]:
             host += (f", {row['fence_waits']} fence waits ({row.get('store_fence_wait_seconds', 0.0):.2f} s)")
         if "bytes_moved_gib" in row:
             host += f", {row['bytes_moved_gib']:.1f} GiB moved"
+        if row.get("prefetch_hits") is not None:
+            looked = row["prefetch_hits"] + row.get("prefetch_misses", 0)
+            host += (f", prefetch hits {row['prefetch_hits'] / looked:.1%} of {looked} frame acquires" if looked else "")
+            host += f" ({row['predicted_frames']} frames predicted)" if row.get("predicted_frames") else ""
         calls = row.get("store_call_seconds")
         if calls and any(calls.values()):
             host += (f"; runtime calls: lock wait {calls['lock_wait']:.2f} s, locked {calls['locked']:.2f} s "

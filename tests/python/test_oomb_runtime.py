@@ -452,3 +452,25 @@ def test_timed_stream_waits_count_only_finished_waits(monkeypatch):
     # store's stall_ns stays the host's own.
     assert store.runtime.stats()["clients"][0]["stall_ns"] == runtime_stall + 10_750_000
     assert store.stats.stall_ns == host_stall
+
+
+def test_predicted_selections_copy_ahead_and_change_no_gradient_bit(monkeypatch):
+    """Note [Predicted selections]: with offload, stage 1 of a sparse step copies the frames of each
+    layer's previous selection ahead of the layer's own selection. More of its accesses find their
+    frames on the GPU, and no gradient bit changes (a guess only ever adds copies)."""
+    model = model_for_runtime("qwen2", head_dim=256, kv_heads=4)
+    input_ids = torch.randint(0, 97, (1, 2200), generator=torch.Generator().manual_seed(7))
+    options = dict(chunk_tokens=128, mode="sparse", top_k=2, query_tile_tokens=128, history_block_tokens=256)
+    runs = {}
+    for predict in ("0", "1"):
+        monkeypatch.setenv("MEMBAR_PREDICT_SELECTIONS", predict)
+        store = RuntimeKVStore("cpu", offload=True, gpu_budget_bytes=24 * _MIB)
+        loss, grads, trainer = grads_after(model, input_ids, store, **options)
+        runs[predict] = (loss, grads, dict(trainer.stats))
+    (loss_off, grads_off, off), (loss_on, grads_on, on) = runs["0"], runs["1"]
+    assert loss_on == loss_off
+    assert all(torch.equal(grads_on[name], grads_off[name]) for name in grads_off)
+    assert off["predicted_frames"] == 0 and on["predicted_frames"] > 0
+    print(f"prefetch hits {off['prefetch_hits']} -> {on['prefetch_hits']}, misses {off['prefetch_misses']} -> "
+          f"{on['prefetch_misses']}, {on['predicted_frames']} frames predicted")
+    assert on["prefetch_hits"] > off["prefetch_hits"] and on["prefetch_misses"] < off["prefetch_misses"]

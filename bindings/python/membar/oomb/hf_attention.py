@@ -469,7 +469,61 @@ def _stage1_attention(context: ChunkContext, layer: int, q, k, v, scale: float):
     store.write_chunk(layer, context.first_page, k, v)
     if context.mode == "sparse" and context.later_chunks:
         _summarise_chunk(context, layer, k)
+    if context.mode == "sparse":
+        _predict_next_selection(context, layer)
     return out
+
+
+# Note [Predicted selections]
+#   Rationale: stage 1 of a sparse step chooses a chunk's history pages only once the chunk's
+#   queries of that layer exist, so its plan cannot name them: with offload every frame they read
+#   was copied when the attention asked for it, the stream waiting (73% prefetch hits over a 256K
+#   step, all of stage 2's accesses hitting and none of stage 1's: H200, session 13). But
+#   consecutive chunks' queries score the history's mean keys alike, and pages travel as whole
+#   2 MiB frames (16 pages of the 7B shape), so the frames a layer read in the previous chunk are
+#   a good guess for the frames it reads next.
+#   Approach: once a layer's stage-1 attention is enqueued, the store is asked to predict
+#   (KVStore.predict) the next layer's selection of this chunk (after the last layer, the first
+#   layer's of the next chunk): the frames of that layer's selection in the chunk before, and of
+#   that chunk's own pages (recent keys, not yet in the summaries it chose from). The copies
+#   start behind the acquire of this layer's pages and run while this layer and the next one's
+#   projections and selection compute. Where the selection lands in a copied frame, its access
+#   finds the frame on the GPU; a frame guessed wrong is a copy for nothing (prefetch is a hint:
+#   nothing is pinned, the access acquires what it really needs, gradients cannot change). Only
+#   where the target chunk's history is longer than top_k (shorter ones read it whole, planned)
+#   and the guess fits one access's room. MEMBAR_PREDICT_SELECTIONS=0 turns it off.
+#   Limitations: a guess, not a plan: its accuracy depends on the data (not on the method).
+
+
+def _predict_next_selection(context: ChunkContext, layer: int) -> None:
+    store = context.store
+    if os.environ.get("MEMBAR_PREDICT_SELECTIONS", "1") == "0":
+        return
+    target, first_token = layer + 1, context.first_token
+    if target == len(context.layers):
+        if not context.later_chunks:
+            return
+        target, first_token = 0, first_token + context.chunk_tokens
+    if not store.reads_selected_pages(target):
+        return
+    page_tokens, chunk_tokens = context.page_tokens, context.config.chunk_tokens
+    window = context.layers[target].sliding_window
+    visible = 0 if window is None else max(0, first_token - window + 1) // page_tokens
+    history = first_token // page_tokens
+    if history - visible <= context.top_k:
+        return   # read whole, as the plan names it
+    before = first_token // chunk_tokens - 1   # the chunk before the target (whole, page-aligned)
+    previous_first = before * chunk_tokens // page_tokens
+    selection = context.selections.get((target, before))
+    if (target, before) not in context.selections:
+        guess = set()
+    elif selection is None:   # that chunk read its whole visible history
+        guess = set(range(visible, previous_first))
+    else:
+        union = context.selection_unions.get((target, before))   # stage 1 kept it (ChunkContext._selected)
+        guess = set(union[0] if union is not None else selected_pages(selection))
+    guess.update(range(previous_first, history))
+    store.predict(target, sorted(page for page in guess if visible <= page < history))
 
 
 # Note [Stage 1's attention in stage 2]

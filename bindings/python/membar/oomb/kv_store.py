@@ -106,6 +106,7 @@ class StoreStats:
     # ... by access kind and phase when timed: label -> [ns, waits, longest wait ns]
     stream_wait_by_kind: dict = field(default_factory=dict)
     pages_read: int = 0          # history pages the attention acquired (K and V each counted)
+    predicted_frames: int = 0    # frames copied ahead on a guess (KVStore.predict), K and V each counted
     host_ns: int = 0             # the trainer's host time inside the store's runtime calls
     gpu_maps: int = 0            # GPU frames mapped at a new position (Note [Remapping a position])
     fence_waits: int = 0         # runtime calls that waited on the host for the trainer's stream to pass
@@ -140,6 +141,7 @@ class StoreStats:
             "prefetch_hits": self.prefetch_hits, "prefetch_misses": self.prefetch_misses,
             "host_pool_bytes": self.host_pool_bytes, "device_pool_bytes": self.device_pool_bytes,
             "stall_ns": self.stall_ns, "stream_wait_ns": self.stream_wait_ns, "pages_read": self.pages_read,
+            "predicted_frames": self.predicted_frames,
             "host_ns": self.host_ns, "gpu_maps": self.gpu_maps,
             "fence_waits": self.fence_waits, "fence_wait_ns": self.fence_wait_ns, "call_ns": dict(self.call_ns),
             "map_apply_ns": self.map_apply_ns, "map_wait_ns": self.map_wait_ns, "map_runs": self.map_runs,
@@ -220,6 +222,11 @@ class KVStore(abc.ABC):
 
     def plan(self, accesses: list[Access]) -> None:
         """The accesses to come, in order (a prefetch hint)."""
+
+    def predict(self, layer: int, pages: list[int]) -> None:
+        """A guess at the K/V pages of an access the plan could not name (a sparse selection of
+        stage 1, Note [Predicted selections] in hf_attention.py): a store whose pages travel may
+        start copying them now. A hint: nothing is pinned, a wrong guess costs only copies."""
 
 
 def _runs(pages: list[int]) -> list[tuple[int, int]]:

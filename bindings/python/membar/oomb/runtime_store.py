@@ -886,6 +886,29 @@ class RuntimeKVStore(KVStore):
         if self._staging is not None:
             self._stage_ahead()
 
+    def predict(self, layer: int, pages: list[int]) -> None:
+        # Whole frames are what travels: the guess's frames, as page ranges over the K and V spaces
+        # (a few runs where the selection is dense in its frames), each one prefetch call. A guess
+        # with more frames than one access's room is dropped: it would evict what it has to keep.
+        if not self.offload or self.runtime is None or self._meta or not pages:
+            return
+        layout = self.layout
+        size = layout.page_bytes(layout.dtype)
+        frames = sorted({frame for page in pages
+                         for frame in range(page * size // _FRAME, ((page + 1) * size - 1) // _FRAME + 1)})
+        block = min(self._block_pages(layout) or layout.num_pages, layout.num_pages)
+        if len(frames) > room_frames(block, self._selection_room, size, layout.num_pages):
+            return
+        started = time.perf_counter_ns()
+        native = self.runtime._native
+        for first, count in _runs(frames):
+            first_page = first * _FRAME // size
+            end_page = min(layout.num_pages, -(-(first + count) * _FRAME // size))
+            for kind in ("k", "v"):
+                native.prefetch(self.spaces[layer][kind].id, first_page, end_page - first_page)
+        self._own.predicted_frames += 2 * len(frames)
+        self._own.host_ns += time.perf_counter_ns() - started
+
     def reserve(self, layout: PageLayout) -> None:
         self.open_sequence(layout)
         self.close_sequence()
@@ -922,7 +945,8 @@ class RuntimeKVStore(KVStore):
     @property
     def stats(self) -> StoreStats:
         """Page traffic as the runtime counts it (this client), plus the store's page bookkeeping."""
-        stats = StoreStats(pages_live=self._own.pages_live, pages_read=self._own.pages_read, host_ns=self._own.host_ns)
+        stats = StoreStats(pages_live=self._own.pages_live, pages_read=self._own.pages_read, host_ns=self._own.host_ns,
+                           predicted_frames=self._own.predicted_frames)
         if self.runtime is None or self._capacity is None:
             return stats
         self._collect_stream_waits()   # first: they reach the runtime's stall counter with this stats call

@@ -328,6 +328,7 @@ class OOMBTrainer:
             "pages_read": store_after["pages_read"] - store_before["pages_read"],
             "prefetch_hits": store_after["prefetch_hits"] - store_before["prefetch_hits"],
             "prefetch_misses": store_after["prefetch_misses"] - store_before["prefetch_misses"],
+            "predicted_frames": store_after["predicted_frames"] - store_before["predicted_frames"],
             "host_pool_bytes": store_after["host_pool_bytes"],
             "device_pool_bytes": store_after["device_pool_bytes"],
             "stall_seconds": (store_after["stall_ns"] - store_before["stall_ns"]) * 1e-9,
