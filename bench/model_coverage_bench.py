@@ -258,6 +258,10 @@ def measure_step(model, name: str, variant: str, tokens: int, args, device) -> d
             row["skipped"] = "--gemma-full skip (SDPA ignores the soft-cap; eager needs O(tokens^2) memory)"
             return row
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if attention == "flex_attention":
+            # flex attention compiles for each new sequence length: a short warm-up left the timed
+            # step compiling (gemma-2-9b at 32K "took" 56.7 s, session 22). Warm up at the length timed.
+            warmup = ids
         ids, warmup = ids.to(device), warmup.to(device)
 
         def step(sequence):
