@@ -210,6 +210,16 @@ class DaemonClient final : public Client {
     return reply.ticket;
   }
 
+  Result<Ticket> prefetch_ranges(const std::vector<PageRange>& ranges) override {
+    if (ranges.empty()) return Ticket{0};
+    std::lock_guard<std::mutex> lock(mutex_);
+    v2::RequestV2 request = make_request(v2::Opcode::kPrefetchRanges);
+    std::vector<uint8_t> payload = v2::encode_ranges(ranges);
+    MEMBAR_ASSIGN_OR_RETURN(Reply reply, retried([&] { return call(request, payload); }));
+    MEMBAR_RETURN_IF_ERROR(memory_->settle());
+    return reply.ticket;
+  }
+
   Result<Ticket> offload(PageRange range) override {
     std::lock_guard<std::mutex> lock(mutex_);
     MEMBAR_ASSIGN_OR_RETURN(Reply reply, retried([&] { return call(range_request(v2::Opcode::kOffload, range)); }));

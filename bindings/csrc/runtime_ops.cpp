@@ -277,6 +277,11 @@ class Runtime : public torch::CustomClassHolder {
     return int64_t(take(client_->prefetch(make_range(space, first, count)), "prefetch"));
   }
 
+  // ranges: a flat list of (space, first, count) triples, prefetched in one call (a hint).
+  int64_t prefetch_ranges(std::vector<int64_t> ranges) {
+    return int64_t(take(client_->prefetch_ranges(make_ranges(ranges, "prefetch_ranges")), "prefetch_ranges"));
+  }
+
   int64_t offload(int64_t space, int64_t first, int64_t count) {
     return int64_t(take(client_->offload(make_range(space, first, count)), "offload"));
   }
@@ -427,6 +432,7 @@ TORCH_LIBRARY_FRAGMENT(membar, m) {
       .def("release_ranges", &Runtime::release_ranges)
       .def("stream_release_ranges", &Runtime::stream_release_ranges)
       .def("prefetch", &Runtime::prefetch)
+      .def("prefetch_ranges", &Runtime::prefetch_ranges)
       .def("offload", &Runtime::offload)
       .def("free_pages", &Runtime::free_pages)
       .def("acquire_host", &Runtime::acquire_host)

@@ -18,6 +18,7 @@
 // is retried inside the client for up to $MEMBAR_RETRY_MS (default 60000) milliseconds.
 #pragma once
 
+#include <algorithm>
 #include <memory>
 #include <optional>
 #include <span>
@@ -152,6 +153,17 @@ class Client {
 
   // Asynchronous hints; return when accepted.
   virtual Result<Ticket> prefetch(PageRange range) = 0;   // bring to GPU, do not pin
+  // prefetch of several ranges in one call (through membard: one round trip); the ticket covers
+  // every copy issued. A range that fails stops the call with its error (the earlier ones stay
+  // prefetched: a hint).
+  virtual Result<Ticket> prefetch_ranges(const std::vector<PageRange>& ranges) {
+    Ticket last = 0;
+    for (const PageRange& range : ranges) {
+      MEMBAR_ASSIGN_OR_RETURN(Ticket ticket, prefetch(range));
+      last = std::max(last, ticket);
+    }
+    return last;
+  }
   virtual Result<Ticket> offload(PageRange range) = 0;    // write back to host, free GPU frames
   virtual Status free_pages(PageRange range) = 0;         // drop contents in both tiers
 

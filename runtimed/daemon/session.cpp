@@ -350,6 +350,17 @@ Status RingServer::handle_Prefetch(const v2::RequestV2& request, Answer& answer)
   return Status::Ok();
 }
 
+Status RingServer::handle_PrefetchRanges(const v2::RequestV2& request, Answer& answer) {
+  MEMBAR_ASSIGN_OR_RETURN(std::vector<PageRange> ranges, v2::decode_ranges(request_payload_));
+  Ticket last = 0;
+  for (const PageRange& range : ranges) {
+    MEMBAR_ASSIGN_OR_RETURN(Ticket ticket, engine_.prefetch(client_, range));
+    last = std::max(last, ticket);
+  }
+  answer.ticket = last;
+  return Status::Ok();
+}
+
 Status RingServer::handle_Offload(const v2::RequestV2& request, Answer& answer) {
   MEMBAR_ASSIGN_OR_RETURN(answer.ticket, engine_.offload(client_, range_of(request)));
   return Status::Ok();

@@ -454,10 +454,11 @@ def test_timed_stream_waits_count_only_finished_waits(monkeypatch):
     assert store.stats.stall_ns == host_stall
 
 
-def test_predicted_selections_copy_ahead_and_change_no_gradient_bit(monkeypatch):
+def test_predicted_selections_copy_ahead_and_change_no_gradient_bit(monkeypatch, membard):
     """Note [Predicted selections]: with offload, stage 1 of a sparse step copies the frames of each
     layer's previous selection ahead of the layer's own selection. More of its accesses find their
-    frames on the GPU, and no gradient bit changes (a guess only ever adds copies)."""
+    frames on the GPU, and no gradient bit changes (a guess only ever adds copies), embedded or
+    through membard (one prefetch_ranges request per guess)."""
     model = model_for_runtime("qwen2", head_dim=256, kv_heads=4)
     input_ids = torch.randint(0, 97, (1, 2200), generator=torch.Generator().manual_seed(7))
     options = dict(chunk_tokens=128, mode="sparse", top_k=2, query_tile_tokens=128, history_block_tokens=256)
@@ -474,3 +475,10 @@ def test_predicted_selections_copy_ahead_and_change_no_gradient_bit(monkeypatch)
     print(f"prefetch hits {off['prefetch_hits']} -> {on['prefetch_hits']}, misses {off['prefetch_misses']} -> "
           f"{on['prefetch_misses']}, {on['predicted_frames']} frames predicted")
     assert on["prefetch_hits"] > off["prefetch_hits"] and on["prefetch_misses"] < off["prefetch_misses"]
+    socket = membard(gpu_pool="64MiB", host_pool="256MiB")
+    store = RuntimeKVStore("cpu", offload=True, gpu_budget_bytes=24 * _MIB, socket=socket, name="pytest-predict")
+    loss_daemon, grads_daemon, trainer = grads_after(model, input_ids, store, **options)
+    assert trainer.store.runtime.describe().startswith("daemon:")
+    assert loss_daemon == loss_on and all(torch.equal(grads_daemon[name], grads_on[name]) for name in grads_on)
+    assert trainer.stats["predicted_frames"] == on["predicted_frames"]
+    assert trainer.stats["prefetch_hits"] == on["prefetch_hits"]

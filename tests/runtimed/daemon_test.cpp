@@ -261,6 +261,7 @@ TEST_F(DaemonTest, AClientCannotReachAnotherClientsPages) {
   EXPECT_TRUE(is_refused(intruder->acquire_host(stolen).status()));
   EXPECT_EQ(intruder->space_view(space.value()).status().code(), StatusCode::NOT_FOUND);
   EXPECT_TRUE(is_refused(intruder->prefetch(stolen).status()));
+  EXPECT_TRUE(is_refused(intruder->prefetch_ranges({stolen}).status()));
   EXPECT_TRUE(is_refused(intruder->offload(stolen).status()));
   EXPECT_TRUE(is_refused(intruder->free_pages(stolen)));
   EXPECT_TRUE(is_refused(intruder->release(stolen, true)));
@@ -753,6 +754,63 @@ TEST_F(DaemonTest, CopyPagesBringsHostPagesIntoAcquiredPages) {
   ASSERT_TRUE(host.ok()) << host.status().to_string();
   EXPECT_TRUE(same_bytes(host.value(), history_bytes, kPage)) << "the source changed";
   EXPECT_TRUE(client->release_host(all_history, false).ok());
+}
+
+// prefetch_ranges: several ranges of two spaces in one ring request. The frames come back to the GPU
+// ahead of the acquire (which then counts them as prefetch hits), the bytes are the ones written,
+// and a request naming a range past a space's end is refused with a clear error.
+TEST_F(DaemonTest, PrefetchRangesBringsOffloadedPagesBackInOneCall) {
+  start_daemon();
+  uint64_t seed = std::random_device{}();
+  SCOPED_TRACE("random seed " + std::to_string(seed));
+  std::mt19937_64 random(seed);
+  auto client = connect_client("trainer");
+  ASSERT_TRUE(client);
+  constexpr uint64_t kPage = 512 << 10;   // 4 pages a frame
+  auto k = client->create_space("L00.k", kPage, 32);
+  auto v = client->create_space("L00.v", kPage, 32);
+  ASSERT_TRUE(k.ok() && v.ok());
+  std::vector<std::vector<uint8_t>> bytes;
+  for (SpaceId space : {k.value(), v.value()}) {
+    PageRange all{space, 0, 32};
+    bytes.push_back(random_bytes(random, 32 * kPage));
+    auto host = client->acquire_host(all);
+    ASSERT_TRUE(host.ok()) << host.status().to_string();
+    std::memcpy(host.value(), bytes.back().data(), bytes.back().size());
+    ASSERT_TRUE(client->release_host(all, true).ok());
+    auto offloaded = client->offload(all);
+    ASSERT_TRUE(offloaded.ok() && client->wait(offloaded.value()).ok());
+    ASSERT_EQ(gpu_resident_bytes(*client, space), 0u);
+  }
+  EXPECT_EQ(client->prefetch_ranges({{k.value(), 0, 4}, {v.value(), 30, 4}}).status().code(),
+            StatusCode::OUT_OF_RANGE);
+  // Frames 0 and 5 of K (pages 0-3 and 20-23), frame 2 of V (pages 8-11).
+  std::vector<PageRange> wanted = {{k.value(), 0, 4}, {k.value(), 20, 4}, {v.value(), 8, 4}};
+  auto before = client->stats();
+  ASSERT_TRUE(before.ok());
+  auto prefetched = client->prefetch_ranges(wanted);
+  ASSERT_TRUE(prefetched.ok()) << prefetched.status().to_string();
+  ASSERT_TRUE(client->wait(prefetched.value()).ok());
+  EXPECT_EQ(gpu_resident_bytes(*client, k.value()), 2 * 4 * kPage);
+  EXPECT_EQ(gpu_resident_bytes(*client, v.value()), 4 * kPage);
+  auto hits = [](const RuntimeStats& stats) {
+    for (const ClientStats& c : stats.clients) {
+      if (c.name == "trainer") return c.prefetch_hits;
+    }
+    return uint64_t{0};
+  };
+  for (size_t i = 0; i < wanted.size(); ++i) {
+    auto acquired = client->acquire(wanted[i], 0);
+    ASSERT_TRUE(acquired.ok()) << acquired.status().to_string();
+    ASSERT_TRUE(client->wait(acquired.value().ticket).ok());
+    const std::vector<uint8_t>& expected = bytes[i < 2 ? 0 : 1];
+    EXPECT_EQ(std::memcmp(acquired.value().pointer, expected.data() + wanted[i].first_page * kPage, 4 * kPage), 0)
+        << "range " << i;
+    ASSERT_TRUE(client->release(wanted[i], false).ok());
+  }
+  auto after = client->stats();
+  ASSERT_TRUE(after.ok());
+  EXPECT_EQ(hits(after.value()) - hits(before.value()), 3u) << "each prefetched frame found on the GPU";
 }
 
 // Space ids are per client: client B naming ids that only client A has is refused in either role,

@@ -352,7 +352,8 @@ enum class ArgumentRule : uint8_t {
   X(AcquireRanges, 18, "acquire_ranges", kNone, kAcquireWriteFlag | kAcquireZeroNewFlag | kAcquireAdvanceFlag, \
     kRanges, kAdvanceTo)                                                                                \
   X(ReleaseRanges, 19, "release_ranges", kNone, kReleaseDirty | kReleaseAfterMarker, kRanges, kMarker)      \
-  X(CopyPages, 20, "copy_pages", kNone, kCopyAfterMarker, kRanges, kMarker)
+  X(CopyPages, 20, "copy_pages", kNone, kCopyAfterMarker, kRanges, kMarker)                           \
+  X(PrefetchRanges, 21, "prefetch_ranges", kNone, 0u, kRanges, kZero)
 
 enum class Opcode : uint16_t {
 #define MEMBAR_OPCODE_ENUM(Name, number, text, range, flags, payload, argument) k##Name = number,
@@ -360,7 +361,7 @@ enum class Opcode : uint16_t {
 #undef MEMBAR_OPCODE_ENUM
 };
 inline constexpr uint16_t kFirstOpcode = 1;
-inline constexpr uint16_t kLastOpcode = 20;
+inline constexpr uint16_t kLastOpcode = 21;
 
 struct RequestV2 {
   uint64_t sequence;       // per client, increasing; echoed in the completion

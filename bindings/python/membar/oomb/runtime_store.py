@@ -900,12 +900,12 @@ class RuntimeKVStore(KVStore):
         if len(frames) > room_frames(block, self._selection_room, size, layout.num_pages):
             return
         started = time.perf_counter_ns()
-        native = self.runtime._native
+        pages = []
         for first, count in _runs(frames):
             first_page = first * _FRAME // size
-            end_page = min(layout.num_pages, -(-(first + count) * _FRAME // size))
-            for kind in ("k", "v"):
-                native.prefetch(self.spaces[layer][kind].id, first_page, end_page - first_page)
+            pages.append((first_page, min(layout.num_pages, -(-(first + count) * _FRAME // size)) - first_page))
+        # One call for the K and V ranges (through membard: one round trip).
+        self.runtime._native.prefetch_ranges(self._ranges(layer, ("k", "v"), pages))
         self._own.predicted_frames += 2 * len(frames)
         self._own.host_ns += time.perf_counter_ns() - started
 
