@@ -350,6 +350,13 @@ class World {
         }
         break;
       }
+      case v2::Opcode::kPrefetchRanges: {   // 1-4 ranges, any space id, some past a space's end
+        std::vector<PageRange> ranges(1 + in.u8() % 4);
+        for (PageRange& range : ranges) range = PageRange{1u + in.u8() % 4, in.u8() % 64u, 1u + in.u8() % 16u};
+        payload = v2::encode_ranges(ranges);
+        request.payload_bytes = uint32_t(payload.size());
+        break;
+      }
       default: {  // the page-range opcodes
         request.space = 1 + in.u8() % 4;
         request.first_page = in.u8() % 64;

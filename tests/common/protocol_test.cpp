@@ -306,7 +306,7 @@ TEST(Request, AcceptsValidRequestsOfEveryOpcode) {
       case Opcode::kCloseChannel: case Opcode::kPublishChannel:
         request.argument = 3;
         break;
-      case Opcode::kAcquireRanges: case Opcode::kReleaseRanges:
+      case Opcode::kAcquireRanges: case Opcode::kReleaseRanges: case Opcode::kPrefetchRanges:
         request.payload_bytes = static_cast<uint32_t>(encode_ranges({{1, 0, 1}}).size());
         break;
       case Opcode::kCopyPages:   // a (source, destination) pair, after a marker
