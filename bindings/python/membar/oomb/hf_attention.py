@@ -492,7 +492,10 @@ def _stage1_attention(context: ChunkContext, layer: int, q, k, v, scale: float):
 #   nothing is pinned, the access acquires what it really needs, gradients cannot change). Only
 #   where the target chunk's history is longer than top_k (shorter ones read it whole, planned)
 #   and the guess fits one access's room. MEMBAR_PREDICT_SELECTIONS=0 turns it off.
-#   Limitations: a guess, not a plan: its accuracy depends on the data (not on the method).
+#   Measured (H200, session 22, 7B sparse-offload at 256K, one selection per chunk): prefetch hits
+#   73% -> 84%, stage 1's stream waits 0.90 -> 0.35 s, the step 73.5 -> 72.3 s, 14% more bytes.
+#   Limitations: a guess, not a plan: right about half the time at frame level there, and its
+#   accuracy depends on the data (not on the method).
 
 
 def _predict_next_selection(context: ChunkContext, layer: int) -> None:

@@ -888,8 +888,9 @@ class RuntimeKVStore(KVStore):
 
     def predict(self, layer: int, pages: list[int]) -> None:
         # Whole frames are what travels: the guess's frames, as page ranges over the K and V spaces
-        # (a few runs where the selection is dense in its frames), each one prefetch call. A guess
-        # with more frames than one access's room is dropped: it would evict what it has to keep.
+        # (a few runs where the selection is dense in its frames), all in one prefetch_ranges call.
+        # A guess with more frames than one access's room is dropped: it would evict what it has
+        # to keep.
         if not self.offload or self.runtime is None or self._meta or not pages:
             return
         layout = self.layout
