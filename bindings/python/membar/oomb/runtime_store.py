@@ -123,6 +123,12 @@ def _frames_spanned(pages: int, page_bytes: int, space_pages: int) -> int:
     return min(spanned, _space_bytes(space_pages, page_bytes) // _FRAME)
 
 
+def _frames_of(pages, page_bytes: int) -> set[int]:
+    """The 2 MiB frames of a space holding these pages (a page may straddle two)."""
+    return {frame for page in pages
+            for frame in range(page * page_bytes // _FRAME, ((page + 1) * page_bytes - 1) // _FRAME + 1)}
+
+
 def room_frames(block_pages: int, selection_pages: int, page_bytes: int, space_pages: int) -> int:
     """The frames of one space that one access of an offloaded layer may touch: those a history
     block of block_pages consecutive pages can span, or, for a sparse selection of at most
@@ -757,10 +763,7 @@ class RuntimeKVStore(KVStore):
         layout = self.layout
         for dtype in (layout.dtype, layout.grad_dtype):
             size = layout.page_bytes(dtype)
-            frames = set()
-            for page in pages:
-                frames.update(range(page * size // _FRAME, ((page + 1) * size - 1) // _FRAME + 1))
-            if len(frames) > room_frames(block_pages, self._selection_room, size, layout.num_pages):
+            if len(_frames_of(pages, size)) > room_frames(block_pages, self._selection_room, size, layout.num_pages):
                 return False
         return True
 
@@ -895,8 +898,7 @@ class RuntimeKVStore(KVStore):
             return
         layout = self.layout
         size = layout.page_bytes(layout.dtype)
-        frames = sorted({frame for page in pages
-                         for frame in range(page * size // _FRAME, ((page + 1) * size - 1) // _FRAME + 1)})
+        frames = sorted(_frames_of(pages, size))
         block = min(self._block_pages(layout) or layout.num_pages, layout.num_pages)
         if len(frames) > room_frames(block, self._selection_room, size, layout.num_pages):
             return
