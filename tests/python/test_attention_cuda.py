@@ -327,3 +327,26 @@ def test_bad_page_index_is_a_clear_error():
     with pytest.raises(RuntimeError, match="k_page_index"):
         ops.paged_attention_forward(p["q"], p["k"], p["v"], p["k_pool"], bad_index, p["v_pool"], p["v_index"],
                                     256, p["scale"], None, 128)
+
+
+def test_checked_page_index_is_read_again_after_an_in_place_write():
+    """Note [Checked page indices]: a storage's bounds are remembered per version, so a view of a
+    checked index passes without a read, a view of a storage with values outside the pool is judged
+    by its own values, and an in-place write (which bumps the version) is seen."""
+    generator = torch.Generator().manual_seed(3)
+    p = to_device(make_problem(64, 256, 128, 2, 2, 64, generator), DEVICE)   # 2 history pages, pool of 5
+
+    def forward(k_index):
+        return ops.paged_attention_forward(p["q"], p["k"], p["v"], p["k_pool"], k_index, p["v_pool"], p["v_index"],
+                                           256, p["scale"], None, 128)[0]
+
+    expected = forward(p["k_index"])
+    numbers = torch.arange(64, dtype=torch.int32, device=DEVICE)
+    numbers[:2] = p["k_index"]
+    assert torch.equal(forward(numbers[:2]), expected)   # the storage holds up to 63, the view fits
+    index = p["k_index"].clone()
+    assert torch.equal(forward(index), expected)
+    assert torch.equal(forward(index[:]), expected)      # remembered
+    index[1] = 1000
+    with pytest.raises(RuntimeError, match=r"k_page_index holds values in \[\d+, 1000\] but its pool has 5 pages"):
+        forward(index)

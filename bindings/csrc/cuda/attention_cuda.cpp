@@ -2,14 +2,18 @@
 // bindings/csrc/attention_ops.cpp, shared validation in attention_prepare.cpp): validate, fill the
 // kernel's params, launch on the current stream of q's device. The shape checks of prepare_* run
 // first; then what the CUDA kernels support on top (paged_attention_cuda_check of
-// membar/kernels/attention_cuda.h); then the page index values, read back in one small transfer,
-// so that a bad index is an error and never an out-of-bounds access.
+// membar/kernels/attention_cuda.h); then the page index values, read back in one small transfer
+// once per index storage and version (Note [Checked page indices]), so that a bad index is an error
+// and never an out-of-bounds access.
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 
+#include <mutex>
+#include <optional>
 #include <string>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #include "attention_ops.h"
@@ -54,30 +58,128 @@ void check_aligned(std::initializer_list<std::pair<const void*, const char*>> te
   TORCH_CHECK(problem[0] == '\0', op, ": ", problem);
 }
 
-// Every page index value must name a row of its pool: [min, max] of each index, read back in
-// one transfer. Returns an empty string, or a sentence naming the first index out of range (the
-// caller raises it).
+// Every page index value must name a row of its pool (Note [Checked page indices]).
 struct IndexRange {
   const at::Tensor* index;
   int64_t pool_pages;
   const char* name;
 };
+
+// Note [Checked page indices]
+//   Rationale: a page index value outside its pool would make the kernels read or write out of
+//   bounds, so every call checks them; but reading an index's [min, max] back to the host waits for
+//   the GPU, and the trainer makes thousands of calls a step (every sparse history read, every page
+//   summary), each then draining the stream and exposing the host's work between calls.
+//   What: the trainer's indices are views of a few long-lived tensors (a store's page numbers, a
+//   staging area's rows). So the bounds are read once per storage and version: on a call whose
+//   index's storage is not known, the [min, max] of the whole storage (as int32) is read with the
+//   call's own check, in the same transfer, and remembered with a weak reference to the storage (its
+//   address cannot be reused while the entry lives) and the version counter's value. A later call
+//   with any view of that storage at that version passes without a read when the storage's bounds
+//   fit the pool. An in-place write through torch bumps the version (views share the counter) and
+//   the next call reads again. Not seen: writes that bypass the version counter (raw pointers from
+//   outside torch); inference tensors have no version counter and are read every call.
+//   Where: check_index_ranges; CheckedStorages holds at most kCheckedStorages entries.
+struct CheckedStorage {
+  c10::weak_intrusive_ptr<c10::StorageImpl> storage;
+  uint32_t version = 0;
+  int64_t low = 0, high = 0;
+};
+
+constexpr size_t kCheckedStorages = 64;
+constexpr int64_t kMaxCheckedStorageValues = int64_t(1) << 24;   // bigger storages are read per call
+
+class CheckedStorages {
+ public:
+  // The remembered bounds of index's storage, when known at its current version.
+  std::optional<std::pair<int64_t, int64_t>> bounds(const at::Tensor& index) {
+    if (!cacheable(index)) return std::nullopt;
+    const std::lock_guard<std::mutex> lock(mutex_);
+    const c10::StorageImpl* storage = index.storage().unsafeGetStorageImpl();
+    const uint32_t version = index.unsafeGetTensorImpl()->version_counter().current_version();
+    for (auto entry = entries_.begin(); entry != entries_.end();) {
+      if (entry->storage.expired()) {
+        entry = entries_.erase(entry);
+        continue;
+      }
+      if (entry->storage._unsafe_get_target() == storage && entry->version == version) {
+        return std::make_pair(entry->low, entry->high);
+      }
+      ++entry;
+    }
+    return std::nullopt;
+  }
+
+  void remember(const at::Tensor& index, int64_t low, int64_t high) {
+    const std::lock_guard<std::mutex> lock(mutex_);
+    const c10::StorageImpl* storage = index.storage().unsafeGetStorageImpl();
+    for (auto entry = entries_.begin(); entry != entries_.end(); ++entry) {
+      if (entry->storage._unsafe_get_target() == storage) {
+        entries_.erase(entry);
+        break;
+      }
+    }
+    if (entries_.size() >= kCheckedStorages) entries_.erase(entries_.begin());   // the oldest
+    entries_.push_back({index.storage().getWeakStorageImpl(),
+                        index.unsafeGetTensorImpl()->version_counter().current_version(), low, high});
+  }
+
+  static bool cacheable(const at::Tensor& index) {
+    return index.unsafeGetTensorImpl()->version_counter().enabled() && !index.is_inference() &&
+           index.storage().nbytes() % sizeof(int32_t) == 0 &&
+           int64_t(index.storage().nbytes() / sizeof(int32_t)) <= kMaxCheckedStorageValues;
+  }
+
+  // The whole storage of index as an int32 tensor.
+  static at::Tensor whole(const at::Tensor& index) {
+    const int64_t values = int64_t(index.storage().nbytes() / sizeof(int32_t));
+    return at::empty({0}, index.options()).set_(index.storage(), 0, {values}, {1});
+  }
+
+ private:
+  std::mutex mutex_;
+  std::vector<CheckedStorage> entries_;
+};
+
+CheckedStorages& checked_storages() {
+  static CheckedStorages storages;
+  return storages;
+}
+
+// Returns an empty string, or a sentence naming the first index out of range (the caller raises
+// it). Indices whose storage's remembered bounds fit their pool need no read; the others' own
+// [min, max] (and, where remembered later, their storage's) come back in one transfer.
 std::string index_range_problem(const std::vector<IndexRange>& indices) {
+  CheckedStorages& storages = checked_storages();
   std::vector<at::Tensor> bounds;
-  for (const IndexRange& range : indices) {
-    if (range.index->numel() > 0) bounds.push_back(at::stack({range.index->min(), range.index->max()}));
+  std::vector<int> slot_of(indices.size(), -1), storage_slot_of(indices.size(), -1);
+  for (size_t i = 0; i < indices.size(); ++i) {
+    const at::Tensor& index = *indices[i].index;
+    if (index.numel() == 0) continue;
+    const auto known = storages.bounds(index);
+    if (known && known->first >= 0 && known->second < indices[i].pool_pages) continue;
+    slot_of[i] = int(bounds.size());
+    bounds.push_back(at::stack({index.min(), index.max()}).to(at::kLong));
+    if (!known && CheckedStorages::cacheable(index)) {
+      const at::Tensor whole = CheckedStorages::whole(index);
+      storage_slot_of[i] = int(bounds.size());
+      bounds.push_back(at::stack({whole.min(), whole.max()}).to(at::kLong));
+    }
   }
   if (bounds.empty()) return "";
-  const at::Tensor host = at::stack(bounds).to(at::kCPU, at::kLong).contiguous();
+  const at::Tensor host = at::stack(bounds).to(at::kCPU).contiguous();
   const int64_t* values = host.data_ptr<int64_t>();
-  size_t slot = 0;
-  for (const IndexRange& range : indices) {
-    if (range.index->numel() == 0) continue;
-    const int64_t low = values[2 * slot], high = values[2 * slot + 1];
-    ++slot;
-    if (low < 0 || high >= range.pool_pages) {
-      return std::string(range.name) + " holds values in [" + std::to_string(low) + ", " + std::to_string(high) +
-             "] but its pool has " + std::to_string(range.pool_pages) + " pages.";
+  for (size_t i = 0; i < indices.size(); ++i) {
+    if (storage_slot_of[i] >= 0) {
+      storages.remember(*indices[i].index, values[2 * storage_slot_of[i]], values[2 * storage_slot_of[i] + 1]);
+    }
+  }
+  for (size_t i = 0; i < indices.size(); ++i) {
+    if (slot_of[i] < 0) continue;
+    const int64_t low = values[2 * slot_of[i]], high = values[2 * slot_of[i] + 1];
+    if (low < 0 || high >= indices[i].pool_pages) {
+      return std::string(indices[i].name) + " holds values in [" + std::to_string(low) + ", " + std::to_string(high) +
+             "] but its pool has " + std::to_string(indices[i].pool_pages) + " pages.";
     }
   }
   return "";

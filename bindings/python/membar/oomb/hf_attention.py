@@ -583,6 +583,20 @@ def _select_pages(context: ChunkContext, layer: int, q) -> torch.Tensor | None:
     return attention.page_select(q, mean, top_k=context.top_k, query_tile_tokens=context.query_tile_tokens)
 
 
+_PAGE_NUMBERS: dict[torch.device, torch.Tensor] = {}
+
+
+def _page_numbers(pages: int, device: torch.device) -> torch.Tensor:
+    """int32 [pages], 0..pages-1: a view of one tensor per device, so that the CUDA ops read its
+    values back once rather than every call (Note [Checked page indices] in
+    bindings/csrc/cuda/attention_cuda.cpp)."""
+    numbers = _PAGE_NUMBERS.get(device)
+    if numbers is None or numbers.shape[0] < pages:
+        numbers = torch.arange(max(pages, 256), dtype=torch.int32, device=device)
+        _PAGE_NUMBERS[device] = numbers
+    return numbers[:pages]
+
+
 def _summarise_chunk(context: ChunkContext, layer: int, k) -> None:
     """Records the mean key of each of the chunk's pages in the layer's page summaries (host
     memory for offloaded layers, copied there behind the compute stream)."""
@@ -592,8 +606,7 @@ def _summarise_chunk(context: ChunkContext, layer: int, k) -> None:
     padded = k.new_zeros((pages * page_tokens, heads, dim))
     padded[:tokens] = k
     pool = padded.view(pages, page_tokens, heads, dim)
-    index = torch.arange(pages, dtype=torch.int32, device=k.device)
-    mean, _, _ = attention.page_summary(pool, index, tokens)   # [pages, Hkv, D]
+    mean, _, _ = attention.page_summary(pool, _page_numbers(pages, k.device), tokens)   # [pages, Hkv, D]
     summaries = context.summaries.get(layer)
     if summaries is None:
         shape = (context.store.layout.num_pages, heads, dim)
