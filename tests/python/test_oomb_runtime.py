@@ -88,6 +88,34 @@ def test_offload_through_a_small_budget_changes_no_gradient_bit(kind, mode):
     assert store.stats.pages_live["current"] == 0
 
 
+def test_resident_layers_leave_no_host_pool_behind_them():
+    """With gpu_resident_layers the host tier is sized for the other layers' pages and the streamed
+    working set, not for every page (store_sizes): a 4-layer model with 2 layers resident trains
+    through that smaller host pool with the bits of a budget that holds every page."""
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(Qwen2Config(hidden_size=128, num_hidden_layers=4, num_attention_heads=4,
+                                         num_key_value_heads=4, head_dim=256, intermediate_size=128, vocab_size=97,
+                                         attn_implementation="sdpa"))
+    input_ids = torch.randint(0, 97, (1, 3500), generator=torch.Generator().manual_seed(1))
+    options = dict(chunk_tokens=512, history_block_tokens=256)
+    _, reference, _ = grads_after(model, input_ids, RuntimeKVStore("cpu", offload=True, gpu_budget_bytes=1 << 30),
+                                  **options)
+    store = RuntimeKVStore("cpu", offload=True, gpu_resident_layers=2)
+    _, grads, trainer = grads_after(model, input_ids, store, **options)
+    for name in reference:
+        assert torch.equal(grads[name], reference[name]), f"{name} differs with 2 resident layers"
+    assert trainer.stats["pages_to_host"] > 0
+    # Every page: 4 layers x K, V, dK, dV, each 28 float32 pages of 128 x 4 x 256 x 4 bytes = 512 KiB.
+    every_page = 4 * 4 * _frames(28 * 512 * 1024) * 2 * _MIB
+    host = next(tier for tier in store.runtime.stats()["tiers"] if tier["tier"] == "host")
+    assert host["frames_total"] * 2 * _MIB < 0.8 * every_page
+    assert 0 < host["frames_used"] <= host["frames_total"]
+
+
+def _frames(nbytes: int) -> int:
+    return -(-nbytes // (2 * _MIB))
+
+
 @pytest.mark.parametrize("mode,checkpoint,kinds", [("dense", False, "1"), ("dense", True, "1"), ("sparse", False, "1"),
                                                    ("dense", True, "kv"), ("sparse", False, "kv")])
 def test_staged_history_gives_the_same_bits_with_fewer_placements(mode, checkpoint, kinds):

@@ -153,11 +153,18 @@ def store_sizes(layout: PageLayout, offload: bool, block_pages: int, prefetch_de
                 gpu_budget_bytes: int | None = None, gpu_resident_layers: int = 0,
                 chunk_pages: int = 0, selection_pages: int = 0) -> tuple[int, int]:
     """(GPU bytes, host bytes) the runtime needs for a sequence of this layout: without offload
-    every page on the GPU; with offload every page in host memory and a GPU budget of
+    every page on the GPU; with offload a host tier for the pages that leave the GPU and a GPU budget of
     gpu_budget_bytes, or else a working set (prefetch_depth + 3 accesses of a history block's K, V,
     dK and dV, or of a sparse selection's where that is more: access_bytes) plus
     gpu_resident_layers whole layers. A budget below what one step acquires at once is a
-    ValueError."""
+    ValueError.
+
+    The host tier takes a frame only for what leaves the GPU, so with gpu_resident_layers (and no
+    explicit budget) it is sized for the other layers' pages plus the streamed working set, not for
+    every page: the 7B 1M sparse step through membard (session 13, 14 of 28 layers on the GPU, bf16
+    grad pages) used 54.5 GiB of host frames for 14 x 4 GiB of pages. Sized for every page, the
+    Gemma-2-9B 128K step (42 layers x 3 GiB, 32 of them planned on the GPU) pinned 126 GiB of a
+    128 GiB machine and was killed (session 23)."""
     kv, grad = layout.page_bytes(layout.dtype), layout.page_bytes(layout.grad_dtype)
     layer = 2 * _space_bytes(layout.num_pages, kv) + 2 * _space_bytes(layout.num_pages, grad)
     total = layout.num_layers * layer
@@ -166,11 +173,14 @@ def store_sizes(layout: PageLayout, offload: bool, block_pages: int, prefetch_de
     pages = layout.num_pages
     block = min(block_pages or pages, pages)
     access = access_bytes(block, selection_pages, kv, grad, pages)
+    host = total
     if gpu_budget_bytes is None:
         # A block's bytes, and what a sparse selection's room adds to a block's frames.
         extra = access - access_bytes(block, 0, kv, grad, pages)
         streamed = 2 * _space_bytes(block, kv) + 2 * _space_bytes(block, grad) + extra
         gpu_budget_bytes = (prefetch_depth + 3) * streamed + gpu_resident_layers * layer
+        host = min(total, total - min(gpu_resident_layers, layout.num_layers) * layer
+                   + (prefetch_depth + 3) * streamed)
     budget = min(total, _round_up(gpu_budget_bytes, _FRAME))
     # What a backward holds at once: one access's K, V, dK and dV and the chunk's dK and dV.
     chunk = min(chunk_pages or pages, pages)
@@ -179,7 +189,7 @@ def store_sizes(layout: PageLayout, offload: bool, block_pages: int, prefetch_de
         raise ValueError(f"a GPU budget of {human_bytes(gpu_budget_bytes)} cannot hold what one step acquires at "
                          f"once ({human_bytes(least)}: a history block's K, V, dK and dV and a chunk's dK and dV); "
                          f"raise gpu_budget_bytes or lower history_block_tokens.")
-    return budget, total
+    return budget, host
 
 
 def plan_in_daemon(socket: str, device, tokens: int, model_config, page_tokens: int, dtype, grad_page_dtype,
