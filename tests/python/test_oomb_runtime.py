@@ -112,6 +112,21 @@ def test_resident_layers_leave_no_host_pool_behind_them():
     assert 0 < host["frames_used"] <= host["frames_total"]
 
 
+def test_pools_larger_than_the_machine_are_a_sentence_before_anything_is_pinned(monkeypatch):
+    """A store whose own pools would not fit the host's available memory says so before pinning
+    (pinning them would have the OOM killer stop the process, as Gemma-2-9B at 128K did)."""
+    import membar.oomb.config as config
+
+    model = model_for_runtime("qwen2", head_dim=256, kv_heads=4)
+    input_ids = torch.randint(0, 97, (1, 1100), generator=torch.Generator().manual_seed(1))
+    monkeypatch.setattr(config, "host_available_bytes", lambda: 32 * _MIB)
+    store = RuntimeKVStore("cpu", offload=True, gpu_resident_layers=1)
+    with pytest.raises(ValueError, match=r"would pin .* of host memory .* more than 92% of the 32.0 MiB this machine "
+                                         r"has available: keep more layers on the GPU"):
+        grads_after(model, input_ids, store, chunk_tokens=128)
+    assert store.runtime is None
+
+
 def _frames(nbytes: int) -> int:
     return -(-nbytes // (2 * _MIB))
 

@@ -192,6 +192,25 @@ def store_sizes(layout: PageLayout, offload: bool, block_pages: int, prefetch_de
     return budget, host
 
 
+def _check_host_room(pinned: int, gpu_bytes: int, host_bytes: int, cuda: bool, margin: float = 0.92) -> None:
+    """A sentence, before anything is pinned, when the pools this store would pin on this machine
+    exceed `margin` of its available memory: pinning them would have the kernel's OOM killer stop
+    the process instead (Gemma-2-9B at 128K, session 23, before store_sizes left resident layers
+    out of the host tier)."""
+    from membar.oomb.config import host_available_bytes
+
+    available = host_available_bytes()
+    if not available or pinned <= margin * available:
+        return
+    what = (f"a host tier of {human_bytes(host_bytes)} for the pages that leave the GPU" if cuda
+            else f"{human_bytes(gpu_bytes)} of pages and a host tier of {human_bytes(host_bytes)}")
+    raise ValueError(
+        f"the runtime would pin {human_bytes(pinned)} of host memory ({what}), more than {margin:.0%} of the "
+        f"{human_bytes(available)} this machine has available: keep more layers on the GPU "
+        f"(gpu_resident_layers, membar-train --gpu-resident-layers auto), use bfloat16 gradient pages, shorten "
+        f"the sequence, or train through a membard whose --host-pool fits (--socket).")
+
+
 def plan_in_daemon(socket: str, device, tokens: int, model_config, page_tokens: int, dtype, grad_page_dtype,
                    block_tokens: int, prefetch_depth: int = 2, tensor_parallel: int = 1, selection_pages: int = 0):
     """plan_gpu_resident_layers against what membard's pools at `socket` have left for `device`
@@ -397,6 +416,8 @@ class RuntimeKVStore(KVStore):
         gpu = _round_up(max(gpu_bytes, _FRAME) + _SLACK + self.extra_bytes[0], _FRAME)
         host = _round_up(max(host_bytes, _FRAME) + _SLACK + self.extra_bytes[1], _FRAME)
         backend = "cuda" if self._cuda else "host"
+        if self.socket in (None, "private"):   # pools of this store's own: pinned now, on this machine
+            _check_host_room(host + (0 if self._cuda else gpu), gpu_bytes, host_bytes, self._cuda)
         # A CUDA model asks the daemon for its GPU; a CPU one takes the daemon's first device.
         device = (self.device.index or 0) if self._cuda else None
         if self.socket == "private":   # a membard of this store's own, sized like an embedded runtime
