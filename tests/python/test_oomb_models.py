@@ -273,7 +273,7 @@ def test_windowed_layers_take_the_kernels_where_they_are_verified(monkeypatch):
     the CPU; on CUDA where kernels.cuda_window_kernels() says so (MEMBAR_CUDA_WINDOW overrides; on
     by default since the GPU tests passed), else the PyTorch path. A history streamed in blocks keeps
     the PyTorch path (a block alone does not know where the queries sit), and so does a window that
-    hides nothing (then the kernels run without it). Sparse mode refuses windowed layers."""
+    hides nothing (then the kernels run without it)."""
     from membar.oomb import kernels
 
     monkeypatch.delenv("MEMBAR_CUDA_WINDOW", raising=False)
@@ -297,9 +297,8 @@ def test_windowed_layers_take_the_kernels_where_they_are_verified(monkeypatch):
     streaming = ChunkContext(store=streamed.store, config=streamed.config, layers=streamed.layers, stage=1,
                              chunk=2, first_token=2048, chunk_tokens=1024, sequence_tokens=4000)
     assert streaming.streams(0) and streaming.torch_path(0, cpu)
-    with pytest.raises(ValueError, match="sparse mode"):
-        check_layers([LayerAttention(layer=0, num_q_heads=4, num_kv_heads=2, head_dim=8, scaling=0.3,
-                                     sliding_window=64)], "sparse")
+    check_layers([LayerAttention(layer=0, num_q_heads=4, num_kv_heads=2, head_dim=8, scaling=0.3,
+                                 sliding_window=64)], "sparse")   # Note [Local layers in sparse mode]
 
 
 @pytest.mark.parametrize("case", ["qwen2-sliding", "gemma2", "gemma3_text"])
@@ -340,8 +339,6 @@ def test_models_that_cannot_train_exactly_get_a_sentence():
         OOMBTrainer(build(t.Gemma3TextConfig(**_small(), use_bidirectional_attention=True)))
     with pytest.raises(ValueError, match="load-balancing loss"):
         OOMBTrainer(build(t.MixtralConfig(**_small(), num_local_experts=4, output_router_logits=True)))
-    with pytest.raises(ValueError, match="sparse mode"):
-        OOMBTrainer(build(t.MistralConfig(**_small(), sliding_window=WINDOW)), OOMBConfig(mode="sparse"))
     with pytest.raises(ValueError, match="attention_dropout"):
         OOMBTrainer(build(t.LlamaConfig(**_small(), attention_dropout=0.1)))
 
@@ -415,3 +412,38 @@ def _gpu_bf16_errors(case):
     print(f"\n{case} bf16 max relative gradient error: full sequence {full_error:.3g}, "
           f"chunk-recurrent {oomb_error:.3g}")
     return full_error, oomb_error
+
+
+def test_local_layers_read_their_window_in_sparse_mode():
+    """Note [Local layers in sparse mode]: with a global and a local layer (Qwen2 with
+    use_sliding_window), sparse mode selects pages for the global layer only; the gradients equal
+    full-sequence training with the global layer's selections as a mask and the local layer's
+    window, and the local layer's stage-1 window reads are in the step's plan."""
+    from test_oomb import _MASKS, _masked_attention, _sparse_masks
+    from transformers import AttentionInterface
+
+    config, tokens = family_config("qwen2-sliding")
+    model = build(config)
+    chunk_tokens, page_tokens, tile = 1024, 128, 256
+    input_ids = torch.randint(0, VOCAB, (1, tokens), generator=torch.Generator().manual_seed(3))
+    trainer = OOMBTrainer(model, OOMBConfig(chunk_tokens=chunk_tokens, page_tokens=page_tokens, mode="sparse",
+                                            top_k=3, query_tile_tokens=tile))
+    loss = trainer.step(input_ids)
+    sparse = grads_of(model)
+    selections = trainer.last_selections
+    assert any(selections.get((0, chunk)) is not None for chunk in range(3)), "the global layer selected nothing"
+    assert all(selections.get((1, chunk)) is None for chunk in range(3)), "the local layer selected pages"
+    plan = trainer._stage1_plan(trainer._chunks(tokens), {"summaries": {}, "selections": {}})
+    assert any(access.layer == 1 and access.chunk == 2 for access in plan)
+    assert not any(access.layer == 0 and access.chunk == 2 for access in plan)
+    masks = _sparse_masks(selections, tokens, chunk_tokens, page_tokens, tile, 2)
+    positions = torch.arange(tokens)
+    masks[1] &= (positions.unsqueeze(1) - positions.unsqueeze(0)) < WINDOW
+    _MASKS.clear()
+    _MASKS.update(masks)
+    AttentionInterface.register("membar_test_masked", _masked_attention)
+    model.zero_grad()
+    loss_masked = full_sequence_step(model, input_ids, attn_implementation="membar_test_masked")
+    masked = grads_of(model)
+    assert abs(loss - loss_masked) <= 1e-5 * abs(loss_masked), (loss, loss_masked)
+    assert max_relative_error(sparse, masked) <= 1e-4

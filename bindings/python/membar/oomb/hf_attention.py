@@ -90,6 +90,12 @@ class ChunkContext:
     def mode(self) -> str:
         return self.config.mode
 
+    def sparse(self, layer: int) -> bool:
+        """Whether the layer's chunks read a top-k selection of their history: in sparse mode, every
+        layer without a sliding window. A local layer reads its whole window (Note [Local layers in
+        sparse mode])."""
+        return self.config.mode == "sparse" and self.layers[layer].sliding_window is None
+
     @property
     def top_k(self) -> int:
         return self.config.top_k
@@ -157,7 +163,8 @@ class ChunkContext:
         membar/kernels/attention.h), on a CUDA `device` where kernels.cuda_window_kernels() says so,
         when the layer's visible history goes to one call with the chunk: not when it is streamed
         in blocks (a block alone does not know where the queries sit; Note [Streaming a layer's
-        history]). Sparse mode refuses windowed layers (models.check_layers)."""
+        history]). In sparse mode a windowed layer reads its whole window (Note [Local layers in
+        sparse mode])."""
         record = self.layers[layer]
         if (record.softcap is not None and device is not None and device.type == "cuda"
                 and not kernels.cuda_softcap_kernels()):
@@ -456,7 +463,7 @@ def _stage1_attention(context: ChunkContext, layer: int, q, k, v, scale: float):
     chooses the history pages each query tile sees and keeps the choice for stage 2)."""
     store = context.store
     selection = None
-    if context.mode == "sparse":
+    if context.sparse(layer):
         selection = _select_pages(context, layer, q)
         if selection is not None and store.reads_selected_pages(layer):
             # The store copies only the selected pages, so their union must be known on the host:
@@ -467,7 +474,7 @@ def _stage1_attention(context: ChunkContext, layer: int, q, k, v, scale: float):
     if context.stage1_outputs is not None:
         _keep_stage1_output(context, layer, out, lse)
     store.write_chunk(layer, context.first_page, k, v)
-    if context.mode == "sparse" and context.later_chunks:
+    if context.sparse(layer) and context.later_chunks:
         _summarise_chunk(context, layer, k)
     if context.mode == "sparse":
         _predict_next_selection(context, layer)
@@ -498,6 +505,19 @@ def _stage1_attention(context: ChunkContext, layer: int, q, k, v, scale: float):
 #   accuracy depends on the data (not on the method).
 
 
+# Note [Local layers in sparse mode]
+#   Rationale: models that train long contexts interleave local (sliding-window) layers with global
+#   ones (Gemma 2 one in two, Gemma 3 five in six, Qwen2 with use_sliding_window), and sparse mode
+#   exists to bound what a global layer reads of a long history. A local layer already reads at
+#   most its window, a few pages; the kernels take no window and a selection together.
+#   What: in sparse mode only the layers without a window select top-k pages (ChunkContext.sparse):
+#   a local layer's chunks read every page of their window, exactly as in dense mode (summaries,
+#   selections and guesses are made for the global layers only; the local layers' window accesses
+#   are in the step's plan, stage 1 included). A model whose layers are all local trains as in dense
+#   mode. Gradients equal full-sequence training's with the global layers' selections as masks
+#   and the local layers' windows (test_local_layers_read_their_window_in_sparse_mode).
+
+
 def _predict_next_selection(context: ChunkContext, layer: int) -> None:
     store = context.store
     if os.environ.get("MEMBAR_PREDICT_SELECTIONS", "1") == "0":
@@ -507,8 +527,8 @@ def _predict_next_selection(context: ChunkContext, layer: int) -> None:
         if not context.later_chunks:
             return
         target, first_token = 0, first_token + context.chunk_tokens
-    if not store.reads_selected_pages(target):
-        return
+    if not context.sparse(target) or not store.reads_selected_pages(target):
+        return   # a local layer's window is in the plan
     page_tokens, chunk_tokens = context.page_tokens, context.config.chunk_tokens
     window = context.layers[target].sliding_window
     visible = 0 if window is None else max(0, first_token - window + 1) // page_tokens

@@ -202,15 +202,12 @@ def probe_layers(decoder, num_layers: int, device: torch.device) -> list[LayerAt
 
 def check_layers(layers: list[LayerAttention], mode: str) -> None:
     """Raises ValueError for a configuration the records rule out."""
-    special = [record.layer for record in layers if record.needs_torch_path]
-    if mode == "sparse" and special:
-        raise ValueError(f"sparse mode selects history pages with the paged kernels, which take no selection "
-                         f"with a sliding window (layers {special}): use mode='dense'.")
     from . import kernels  # here: kernels imports the ops, which this module does not need
 
-    capped = [record.layer for record in layers if record.softcap is not None]
+    # Local layers read their whole window in sparse mode (Note [Local layers in sparse mode]).
+    capped = [record.layer for record in layers if record.softcap is not None and record.sliding_window is None]
     if mode == "sparse" and capped and not kernels.cuda_softcap_kernels():
-        raise ValueError(f"sparse mode needs the paged kernels for the soft-capped layers {capped}, and "
+        raise ValueError(f"sparse mode needs the paged kernels for the soft-capped global layers {capped}, and "
                          f"MEMBAR_CUDA_SOFTCAP=0 sends them to the PyTorch path, which takes no selection: unset "
                          f"it or use mode='dense'.")
 

@@ -465,9 +465,10 @@ class OOMBTrainer:
         plan = []
         for chunk in range(len(chunks)):
             context = self._context(1, chunk, chunks, shared)
-            if self.config.mode == "sparse" and context.history_pages > self.config.top_k:
-                continue   # the pages are chosen only when the chunk's queries exist
+            selecting = context.history_pages > self.config.top_k
             for layer in range(self.num_layers):
+                if selecting and context.sparse(layer):
+                    continue   # the pages are chosen only when the chunk's queries exist
                 plan += context.history_accesses(layer, "stage1")
         return plan
 
