@@ -163,8 +163,8 @@ def store_sizes(layout: PageLayout, offload: bool, block_pages: int, prefetch_de
     explicit budget) it is sized for the other layers' pages plus the streamed working set, not for
     every page: the 7B 1M sparse step through membard (session 13, 14 of 28 layers on the GPU, bf16
     grad pages) used 54.5 GiB of host frames for 14 x 4 GiB of pages. Sized for every page, the
-    Gemma-2-9B 128K step (42 layers x 3 GiB, 32 of them planned on the GPU) pinned 126 GiB of a
-    128 GiB machine and was killed (session 23)."""
+    Gemma-2-9B 128K step (42 layers x 3 GiB, some of them planned on the GPU) asked for a 126 GiB
+    host pool on a 128 GiB machine and was killed while pinning it (session 23)."""
     kv, grad = layout.page_bytes(layout.dtype), layout.page_bytes(layout.grad_dtype)
     layer = 2 * _space_bytes(layout.num_pages, kv) + 2 * _space_bytes(layout.num_pages, grad)
     total = layout.num_layers * layer
