@@ -320,9 +320,22 @@ for step in "$@"; do
       timeout ${PYTEST_TIMEOUT:-150} "$py" -m pytest -q -m gpu tests/python/test_oomb.py -p no:cacheprovider \
         > "$work/predict/gpu_pytest.log" 2>&1 || status=1
       tail -3 "$work/predict/gpu_pytest.log"
-      bench predict --contexts "${PREDICT_CONTEXTS:-256K}" --time-budget "${PREDICT_BUDGET:-300}" --time-limit 200 \
-        --query-tile 4096 --variants "${PREDICT_VARIANTS:-sparse-offload+timewaits,sparse-offload+nopredict+timewaits}"
-      "$py" tools/waits_summary.py "$work/predict/oomb_bench.json" ;;
+      # PREDICT_DAEMON=1: through a membard started for it (the guesses then go over its ring as one
+      # prefetch_ranges request each) instead of the embedded runtime.
+      predict_socket=embedded
+      if [ "${PREDICT_DAEMON:-0}" = 1 ]; then
+        predict_socket=/tmp/membar-predict.sock
+        start_daemon "$predict_socket" --gpu-pool "${PREDICT_GPU_POOL:-24GiB}" --host-pool "${PREDICT_HOST_POOL:-64GiB}" \
+          || { status=1; continue; }
+      fi
+      MEMBAR_SOCKET=$predict_socket bench predict --contexts "${PREDICT_CONTEXTS:-256K}" --time-budget "${PREDICT_BUDGET:-300}" \
+        --time-limit 200 --query-tile 4096 \
+        --variants "${PREDICT_VARIANTS:-sparse-offload+timewaits,sparse-offload+nopredict+timewaits}"
+      "$py" tools/waits_summary.py "$work/predict/oomb_bench.json"
+      if [ "$predict_socket" != embedded ]; then
+        "$bin/membarctl" --socket "$predict_socket" stats --json > "$work/predict/membarctl_stats.json" 2>&1
+        kill "$daemon"; wait "$daemon" 2>/dev/null
+      fi ;;
     asyncdepth)
       # The mapping thread with a deeper lookahead (it waited for most maps at depth 2, session 16):
       # "+depthN" also grows the default GPU budget to match, so compare against "+depth4" alone.
