@@ -77,8 +77,9 @@ struct IndexRange {
 //   address cannot be reused while the entry lives) and the version counter's value. A later call
 //   with any view of that storage at that version passes without a read when the storage's bounds
 //   fit the pool. An in-place write through torch bumps the version (views share the counter) and
-//   the next call reads again. Not seen: writes that bypass the version counter (raw pointers from
-//   outside torch); inference tensors have no version counter and are read every call.
+//   the next call reads again. Not seen: writes that bypass the index's version counter (raw
+//   pointers from outside torch, or a write through `.data`, which has a counter of its own);
+//   inference tensors have no version counter and are read every call.
 //   Where: check_index_ranges; CheckedStorages holds at most kCheckedStorages entries.
 struct CheckedStorage {
   c10::weak_intrusive_ptr<c10::StorageImpl> storage;
