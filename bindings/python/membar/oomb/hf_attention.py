@@ -530,23 +530,21 @@ def _predict_next_selection(context: ChunkContext, layer: int) -> None:
     if not context.sparse(target) or not store.reads_selected_pages(target):
         return   # a local layer's window is in the plan
     page_tokens, chunk_tokens = context.page_tokens, context.config.chunk_tokens
-    window = context.layers[target].sliding_window
-    visible = 0 if window is None else max(0, first_token - window + 1) // page_tokens
     history = first_token // page_tokens
-    if history - visible <= context.top_k:
+    if history <= context.top_k:
         return   # read whole, as the plan names it
     before = first_token // chunk_tokens - 1   # the chunk before the target (whole, page-aligned)
     previous_first = before * chunk_tokens // page_tokens
     selection = context.selections.get((target, before))
     if (target, before) not in context.selections:
         guess = set()
-    elif selection is None:   # that chunk read its whole visible history
-        guess = set(range(visible, previous_first))
+    elif selection is None:   # that chunk read its whole history
+        guess = set(range(previous_first))
     else:
         union = context.selection_unions.get((target, before))   # stage 1 kept it (ChunkContext._selected)
         guess = set(union[0] if union is not None else selected_pages(selection))
     guess.update(range(previous_first, history))
-    store.predict(target, sorted(page for page in guess if visible <= page < history))
+    store.predict(target, sorted(page for page in guess if page < history))
 
 
 # Note [Stage 1's attention in stage 2]
