@@ -210,6 +210,7 @@ def oomb_config(model, tokens: int, args, device):
     from membar.oomb import OOMBConfig, plan_gpu_resident_layers, pool_bytes_per_layer
     from membar.oomb.config import host_available_bytes
     from membar.oomb.models import text_config
+    from membar.oomb.runtime_store import streamed_bytes
 
     text = text_config(model.config)
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
@@ -228,9 +229,12 @@ def oomb_config(model, tokens: int, args, device):
                                            grad_dtype)
         if layer_bytes * text.num_hidden_layers + reserve <= free:
             return OOMBConfig(**options, grad_page_dtype=grad_dtype), f"gpu ({str(grad_dtype)[6:]} grad pages)"
+        # The streamed history blocks take GPU room beside the resident layers (OOMBConfig's defaults).
+        streamed = streamed_bytes(tokens, model.config, args.page_tokens, dtype, grad_dtype,
+                                  OOMBConfig(**options).history_block_tokens, OOMBConfig.prefetch_depth)
         try:
-            plan = plan_gpu_resident_layers(tokens, model.config, args.page_tokens, dtype, grad_dtype, free, reserve,
-                                            host_available_bytes())
+            plan = plan_gpu_resident_layers(tokens, model.config, args.page_tokens, dtype, grad_dtype, free,
+                                            reserve + streamed, host_available_bytes())
         except ValueError:
             continue
         return (OOMBConfig(**options, grad_page_dtype=grad_dtype, offload=True,
@@ -288,6 +292,11 @@ def measure_step(model, name: str, variant: str, tokens: int, args, device) -> d
     row.update(step_seconds=time.perf_counter() - started, peak_gpu_gib=peak_gib(device))
     if variant != "full":
         stats = trainer.stats
+        # The pages live in the runtime's own GPU frames, which PyTorch's peak does not count
+        # (session 24: rows before then gave PyTorch's peak alone for chunk-recurrent training).
+        row.update(peak_gpu_torch_gib=row["peak_gpu_gib"],
+                   runtime_gpu_gib=stats.get("device_pool_bytes", 0) / 2**30,
+                   peak_gpu_gib=stats.get("peak_gpu_bytes_total", 0) / 2**30 or row["peak_gpu_gib"])
         row.update(stage1_seconds=stats["stage1_seconds"], pages_moved=stats["pages_moved"],
                    cudnn_attention_calls=stats["cudnn_attention_calls"])
         if partial:
@@ -305,6 +314,11 @@ def row_key(row: dict) -> tuple:
 
 
 def merge(rows: list[dict], new: dict) -> list[dict]:
+    """rows with `new` in place of its configuration's row; a configuration skipped for time keeps
+    the row an earlier run measured."""
+    if new.get("skipped") == "time budget spent" and any(row_key(row) == row_key(new) and not row.get("skipped")
+                                                         for row in rows):
+        return rows
     return [row for row in rows if row_key(row) != row_key(new)] + [new]
 
 
@@ -319,7 +333,9 @@ def _cell(row: dict | None) -> str:
         return "error"
     seconds = row.get("estimated_step_seconds", row["step_seconds"])
     mark = "~" if row.get("partial_step") else ""
-    return f"{mark}{seconds:.1f} s, {row['peak_gpu_gib']:.1f} GiB"
+    # A chunk-recurrent row from before session 24 gave PyTorch's peak alone, without the pages.
+    torch_only = "*" if row["variant"] == "chunk-recurrent" and "runtime_gpu_gib" not in row else ""
+    return f"{mark}{seconds:.1f} s, {row['peak_gpu_gib']:.1f} GiB{torch_only}"
 
 
 def markdown(rows: list[dict], commit: str) -> str:
@@ -332,7 +348,9 @@ def markdown(rows: list[dict], commit: str) -> str:
         header += [f"{human_tokens(tokens)} full sequence", f"{human_tokens(tokens)} chunk-recurrent"]
     lines = [f"Model coverage (bench/model_coverage_bench.py, commit {commit}): bf16, random init.",
              "Errors: max over parameters of max |g - g_fp32| / max |g_fp32| (relative L2 in brackets). "
-             "Timing: one forward + backward step, peak GPU memory; ~ marks a partial step's estimate.", "",
+             "Timing: one forward + backward step, peak GPU memory (chunk-recurrent: PyTorch's peak plus the "
+             "runtime's GPU frames); ~ marks a partial step's estimate; * marks a peak without the runtime's "
+             "frames (PyTorch's alone: rows measured before session 24).", "",
              "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for name in models:
         errors = next((row for row in rows if row["model"] == name and row["part"] == "errors"), None)

@@ -266,7 +266,7 @@ def run_one(model, spec: dict) -> dict:
     from membar.oomb import OOMBConfig, OOMBTrainer, plan_gpu_resident_layers
     from membar.oomb.config import host_available_bytes, selection_pages
     from membar.oomb.baseline import full_sequence_step
-    from membar.oomb.runtime_store import plan_in_daemon
+    from membar.oomb.runtime_store import plan_in_daemon, streamed_bytes
     from membar.oomb.trainer import host_memory
 
     tokens, variant = spec["tokens"], spec["variant"]
@@ -304,8 +304,15 @@ def run_one(model, spec: dict) -> dict:
                     result.update(planned_against="membard")
                 else:
                     device_bytes = (torch.cuda.mem_get_info()[1] if cuda else host_available_bytes()) - weights_bytes
+                    selection = selection_pages("sparse" if variant.startswith("sparse") else "dense", spec["top_k"],
+                                                spec["chunk"], spec.get("query_tile_tokens") or spec["page_tokens"])
+                    # The reserve is for activations; the streamed history blocks take room beside it.
+                    streamed = streamed_bytes(tokens, model.config, spec["page_tokens"], torch.bfloat16, torch.float32,
+                                              spec["history_block_tokens"], prefetch_depth_of(result["variant"]),
+                                              selection_pages=selection)
                     plan = plan_gpu_resident_layers(tokens, model.config, spec["page_tokens"], torch.bfloat16,
-                                                    torch.float32, device_bytes, int(spec["gpu_reserve_gib"] * 2**30),
+                                                    torch.float32, device_bytes,
+                                                    int(spec["gpu_reserve_gib"] * 2**30) + streamed,
                                                     host_available_bytes())
             except ValueError as error:
                 result.update(error=str(error))

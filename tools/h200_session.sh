@@ -70,7 +70,7 @@
 #             flash, 32K history (bench/attention_bench.py; model-coverage issue: fwd >= 1.0x, bwd >= 0.8x);
 #             HEADS_DIMS / HEADS_DTYPES narrow it, HEADS_SOFTCAP=50 also times the soft-capped kernels (Gemma 2)
 #   models    the model-coverage table (bench/model_coverage_bench.py, issue "Train the models people
-#             actually use"): COVERAGE_MODELS (default qwen3-8b; one model per call) at 32K and 128K
+#             actually use"): COVERAGE_MODELS (default qwen3-8b; a comma list runs one process per model) at 32K and 128K
 #             beside full-sequence training, and its bf16 gradient errors; COVERAGE_QUICK=1 runs the
 #             four shapes' quick table instead (4 layers, 32K, < 5 minutes). COVERAGE_ARGS adds options
 #             (e.g. "--parts timing --contexts 128K --variants chunk-recurrent": the row's missing
@@ -388,13 +388,26 @@ for step in "$@"; do
       gemma_kernels_or_pytorch window MEMBAR_CUDA_WINDOW "sliding-window layers on the kernels" ;;
     models)
       mkdir -p "$work/models"
-      if [ "${COVERAGE_QUICK:-0}" = 1 ]; then coverage="--quick"; else coverage="--models ${COVERAGE_MODELS:-qwen3-8b}"; fi
+      coverage_models=""
+      if [ "${COVERAGE_QUICK:-0}" = 1 ]; then coverage="--quick"; else coverage_models=${COVERAGE_MODELS:-qwen3-8b}; coverage_models=${coverage_models//,/ }; fi
       # COVERAGE_MERGE: a results file to add rows to; it must travel with the call (the device tree
       # leaves bench/results out, tools/device_tree.sh): merge earlier calls' rows here instead.
       if [ -n "${COVERAGE_MERGE:-}" ]; then cp "$COVERAGE_MERGE" "$work/models/model_coverage.json" || status=1; fi
-      # shellcheck disable=SC2086  # COVERAGE_ARGS is a list of options
-      MEMBAR_RESULTS_DIR=$work/models timeout 560 "$py" bench/model_coverage_bench.py $coverage ${COVERAGE_ARGS:-} \
-        --time-budget "${COVERAGE_BUDGET:-500}" > "$work/models/bench.log" 2>&1 || status=1
+      # One process per model (each merges its rows into the same file): a model's OOM or failure
+      # cannot leave memory behind for the next one (session 24: Qwen3-8B after Gemma-2-9B's OOM).
+      models_started=$(date +%s)
+      for coverage_model in ${coverage_models:-}; do
+        left=$(( ${COVERAGE_BUDGET:-500} - ($(date +%s) - models_started) ))
+        [ "$left" -gt 0 ] || { log "models: no time left for $coverage_model"; continue; }
+        # shellcheck disable=SC2086  # COVERAGE_ARGS is a list of options
+        MEMBAR_RESULTS_DIR=$work/models timeout $(( left + 60 )) "$py" bench/model_coverage_bench.py \
+          --models "$coverage_model" ${COVERAGE_ARGS:-} --time-budget "$left" >> "$work/models/bench.log" 2>&1 || status=1
+      done
+      if [ -z "${coverage_models:-}" ]; then
+        # shellcheck disable=SC2086  # COVERAGE_ARGS is a list of options
+        MEMBAR_RESULTS_DIR=$work/models timeout 560 "$py" bench/model_coverage_bench.py $coverage ${COVERAGE_ARGS:-} \
+          --time-budget "${COVERAGE_BUDGET:-500}" > "$work/models/bench.log" 2>&1 || status=1
+      fi
       tail -15 "$work/models/model_coverage.md" 2>/dev/null || tail -20 "$work/models/bench.log" ;;
     dp)
       bench dp --contexts 32K --time-budget 300 --variants "dense,dense+dp" ;;

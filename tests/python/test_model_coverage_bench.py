@@ -64,3 +64,17 @@ def test_gemma_full_sequence_reference_is_never_sdpa():
     assert bench.full_attention(model, "flex") == "flex_attention" and bench.full_attention(model, "skip") is None
     assert bench.full_attention(bench.build(bench.shape_config("qwen3-8b", 2, True, 1024), torch.float32,
                                             torch.device("cpu")), "flex") == "sdpa"
+
+
+def test_a_row_skipped_for_time_keeps_the_measured_one_and_old_peaks_are_marked():
+    bench = load_bench()
+    key = {"model": "qwen3-8b", "part": "timing", "variant": "chunk-recurrent", "tokens": 32768}
+    measured = dict(key, step_seconds=8.3, peak_gpu_gib=41.1)
+    rows = bench.merge([], measured)
+    assert bench.merge(rows, dict(key, skipped="time budget spent")) == [measured]
+    # A failure or a new measurement replaces it.
+    assert bench.merge(rows, dict(key, oom=True, error="OOM")) == [dict(key, oom=True, error="OOM")]
+    # A chunk-recurrent peak without the runtime's GPU frames (rows before session 24) is marked.
+    assert bench._cell(measured) == "8.3 s, 41.1 GiB*"
+    assert bench._cell(dict(measured, peak_gpu_gib=53.2, runtime_gpu_gib=12.1)) == "8.3 s, 53.2 GiB"
+    assert bench._cell(dict(measured, variant="full")) == "8.3 s, 41.1 GiB"

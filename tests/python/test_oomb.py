@@ -426,6 +426,71 @@ def test_gpu_streamed_history_matches_one_call(mode):
         assert trainer.stats["pages_to_device"] > 0 and trainer.stats["prefetch_hits"] > 0
 
 
+def _fail_in_backward(model):
+    """A backward hook on the first layer's MLP that raises once (what an out-of-memory error in the
+    middle of stage 2 does to the trainer)."""
+    def hook(module, grad_input, grad_output):
+        handle.remove()
+        raise RuntimeError("injected failure in the backward")
+
+    handle = model.model.layers[0].mlp.register_full_backward_hook(hook)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("offload", [False, True])
+def test_gpu_failed_step_gives_its_memory_back(offload):
+    """CUDA: a step that fails in its backward (an OOM, session 24: Gemma-2-9B at 128K) leaves the
+    runtime usable, and a trainer dropped after it gives its GPU frames back: the next model of the
+    same process must not find them taken."""
+    import gc
+
+    def free_bytes():
+        gc.collect()
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        return torch.cuda.mem_get_info()[0]
+
+    model = gpu_bf16_model(seed=11)
+    input_ids = torch.randint(0, VOCAB, (1, 1500))
+    options = dict(chunk_tokens=256, page_tokens=64, offload=offload, **({"gpu_budget_bytes": 28 << 20} if offload else {}))
+    before = free_bytes()
+    trainer = OOMBTrainer(model, OOMBConfig(**options))
+    trainer.reserve(64 * 1024)   # 64K tokens x 3 layers of 128 KiB pages per 64 tokens: ~1.5 GiB
+    _fail_in_backward(model)
+    with pytest.raises(RuntimeError, match="injected failure"):
+        trainer.step(input_ids)
+    model.zero_grad(set_to_none=True)
+    # The same trainer trains the next step (no page left acquired, no copy left waiting).
+    loss = trainer.step(input_ids)
+    assert math.isfinite(loss)
+    del trainer
+    model.zero_grad(set_to_none=True)
+    after = free_bytes()
+    assert after >= before - (256 << 20), f"{(before - after) / 2**20:.0f} MiB of GPU memory not given back"
+
+
+def test_failed_step_leaves_the_trainer_usable_and_collectable():
+    """CPU: a step that fails in its backward frees its sequence's pages, the next step trains, and
+    the trainer and its store are collected once dropped."""
+    import gc
+    import weakref
+
+    model = tiny_model("qwen2")
+    input_ids = torch.randint(0, VOCAB, (1, 300))
+    trainer = OOMBTrainer(model, OOMBConfig(chunk_tokens=64, page_tokens=16))
+    _fail_in_backward(model)
+    with pytest.raises(RuntimeError, match="injected failure"):
+        trainer.step(input_ids)
+    assert trainer.store.stats.pages_live["current"] == 0
+    model.zero_grad(set_to_none=True)
+    assert math.isfinite(trainer.step(input_ids))
+    store = weakref.ref(trainer.store)
+    del trainer
+    gc.collect()
+    assert store() is None
+
+
 @pytest.mark.parametrize("tile", [16, 48])
 def test_page_selection_in_pytorch_trains_as_the_kernel_selects(tile, monkeypatch):
     """Note [Page selection in PyTorch]: the trainer's CUDA path (MEMBAR_PAGE_SELECT=pytorch runs it

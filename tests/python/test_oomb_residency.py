@@ -125,3 +125,29 @@ def test_cli_auto_residency_through_membard_plans_against_its_pools(membard, cap
     with pytest.raises(ValueError, match="planned against membard at .*: its pools have .* start it with a larger "
                                          "--host-pool"):
         run(common + ["--seq-len", "256K", "--steps", "1"])
+
+
+@pytest.mark.parametrize("tokens,selection", [(128 * 1024, 0), (1 << 20, 0), (256 * 1024, 64)])
+def test_a_plan_beside_the_streamed_blocks_fits_the_stores_gpu_budget(tokens, selection):
+    """The GPU budget an offloading store takes (store_sizes: the resident layers plus prefetch_depth
+    + 3 streamed accesses) fits in what a plan was given once streamed_bytes is added to its reserve
+    (Gemma-2-9B at 128K, session 24, ran out of GPU memory with a plan that left it out)."""
+    from membar.oomb import pool_bytes_per_layer
+    from membar.oomb.kv_store import PageLayout
+    from membar.oomb.runtime_store import store_sizes, streamed_bytes
+
+    config, block, depth = qwen25_7b_config(), 64 * 1024, 2
+    streamed = streamed_bytes(tokens, config, 128, torch.bfloat16, torch.float32, block, depth,
+                              selection_pages=selection)
+    # Room for about half of the layers beside 24 GiB of activations.
+    activations = 24 * GIB
+    free = activations + 14 * pool_bytes_per_layer(tokens, 128, 4, 128, torch.bfloat16, torch.float32)
+    plan = plan_gpu_resident_layers(tokens, config, 128, torch.bfloat16, torch.float32, free,
+                                    activations + streamed, 10_000 * GIB)
+    layout = PageLayout(28, tokens // 128, 128, 4, 128, torch.bfloat16, torch.float32, torch.device("cpu"))
+    gpu, _ = store_sizes(layout, True, block // 128, depth, gpu_resident_layers=plan.gpu_resident_layers,
+                         selection_pages=selection)
+    assert 0 < plan.gpu_resident_layers < 28
+    assert gpu <= free - activations, (gpu / GIB, (free - activations) / GIB)
+    # ...and the streamed room is not double counted: one more layer would not have fit.
+    assert gpu + plan.layer_bytes > free - activations

@@ -148,7 +148,9 @@ def _gib(value: float) -> str:
 
 def _resident_layers(args, model, device) -> int:
     """--gpu-resident-layers as a number: given, or planned from free GPU and host memory ('auto')."""
-    from membar.oomb.config import _GRAD_PAGE_DTYPES, host_available_bytes, plan_gpu_resident_layers
+    from membar.oomb.config import (_GRAD_PAGE_DTYPES, OOMBConfig, host_available_bytes, plan_gpu_resident_layers,
+                                    selection_pages)
+    from membar.oomb.runtime_store import streamed_bytes
 
     value = str(args.gpu_resident_layers).strip().lower()
     if value in ("0", ""):
@@ -174,8 +176,14 @@ def _resident_layers(args, model, device) -> int:
         # AdamW's two moments, each the size of the trained parameters.
         later = 3 * sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
         free = max(0, torch.cuda.mem_get_info(device)[0] - later)
+    # The reserve is for activations; the streamed history blocks take GPU room beside the layers too.
+    streamed = streamed_bytes(args.seq_len, model.config, args.page_tokens, model.dtype,
+                              _GRAD_PAGE_DTYPES[args.grad_dtype], args.history_block, OOMBConfig.prefetch_depth,
+                              getattr(args, "tensor_parallel", 1),
+                              selection_pages(args.mode, args.top_k, args.chunk, args.query_tile or args.page_tokens))
     plan = plan_gpu_resident_layers(args.seq_len, model.config, args.page_tokens, model.dtype,
-                                    _GRAD_PAGE_DTYPES[args.grad_dtype], free, int(args.gpu_reserve_gib * 2**30),
+                                    _GRAD_PAGE_DTYPES[args.grad_dtype], free,
+                                    int(args.gpu_reserve_gib * 2**30) + streamed,
                                     host_available_bytes() // max(local_ranks, 1),
                                     tensor_parallel=getattr(args, "tensor_parallel", 1))
     layers = model.config.num_hidden_layers

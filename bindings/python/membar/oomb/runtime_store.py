@@ -211,21 +211,16 @@ def _check_host_room(pinned: int, gpu_bytes: int, host_bytes: int, cuda: bool, m
         f"the sequence, or train through a membard whose --host-pool fits (--socket).")
 
 
-def plan_in_daemon(socket: str, device, tokens: int, model_config, page_tokens: int, dtype, grad_page_dtype,
-                   block_tokens: int, prefetch_depth: int = 2, tensor_parallel: int = 1, selection_pages: int = 0):
-    """plan_gpu_resident_layers against what membard's pools at `socket` have left for `device`
-    (they are allocated already, so this process's free memory does not count them), keeping room
-    in its GPU pool for the streamed history blocks (prefetch_depth + 3 accesses of a block, or of
-    a sparse selection of selection_pages pages where that is more, as store_sizes). Returns (plan,
-    GPU bytes left, host bytes left); the plan's ValueError names the daemon's pools."""
-    from membar.oomb.config import plan_gpu_resident_layers, pool_bytes_per_layer
-    from membar.runtime import Runtime
+def streamed_bytes(tokens: int, model_config, page_tokens: int, dtype, grad_page_dtype, block_tokens: int,
+                   prefetch_depth: int = 2, tensor_parallel: int = 1, selection_pages: int = 0) -> int:
+    """GPU bytes an offloading store holds beside its GPU-resident layers for the streamed history:
+    prefetch_depth + 3 accesses of a block's K, V, dK and dV (or of a sparse selection of
+    selection_pages pages where that is more), as store_sizes adds them to the GPU budget. A plan
+    of resident layers must leave this room too (Gemma-2-9B at 128K, session 24: planned beside 24
+    GiB for activations alone, its 26 resident layers and 7.5 GiB of streamed blocks ran the GPU
+    out of memory)."""
+    from membar.oomb.config import pool_bytes_per_layer
 
-    device = torch.device(device)
-    runtime = Runtime.connect(socket=socket, embedded=False, name="membar plan",
-                              device=(device.index or 0) if device.type == "cuda" else None)
-    gpu_left, host_left = runtime.pool_bytes_left()
-    del runtime
     text = getattr(model_config, "text_config", None) or model_config
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
     block = min(block_tokens or tokens, tokens)
@@ -235,8 +230,27 @@ def plan_in_daemon(socket: str, device, tokens: int, model_config, page_tokens: 
     pages, block_pages = -(-tokens // page_tokens), -(-block // page_tokens)
     extra = (access_bytes(block_pages, selection_pages, kv, grad, pages)
              - access_bytes(block_pages, 0, kv, grad, pages))
-    streamed = (prefetch_depth + 3) * (pool_bytes_per_layer(block, page_tokens, kv_heads, head_dim, dtype,
-                                                            grad_page_dtype) + extra)
+    return (prefetch_depth + 3) * (pool_bytes_per_layer(block, page_tokens, kv_heads, head_dim, dtype, grad_page_dtype)
+                                   + extra)
+
+
+def plan_in_daemon(socket: str, device, tokens: int, model_config, page_tokens: int, dtype, grad_page_dtype,
+                   block_tokens: int, prefetch_depth: int = 2, tensor_parallel: int = 1, selection_pages: int = 0):
+    """plan_gpu_resident_layers against what membard's pools at `socket` have left for `device`
+    (they are allocated already, so this process's free memory does not count them), keeping room
+    in its GPU pool for the streamed history blocks (prefetch_depth + 3 accesses of a block, or of
+    a sparse selection of selection_pages pages where that is more, as store_sizes). Returns (plan,
+    GPU bytes left, host bytes left); the plan's ValueError names the daemon's pools."""
+    from membar.oomb.config import plan_gpu_resident_layers
+    from membar.runtime import Runtime
+
+    device = torch.device(device)
+    runtime = Runtime.connect(socket=socket, embedded=False, name="membar plan",
+                              device=(device.index or 0) if device.type == "cuda" else None)
+    gpu_left, host_left = runtime.pool_bytes_left()
+    del runtime
+    streamed = streamed_bytes(tokens, model_config, page_tokens, dtype, grad_page_dtype, block_tokens, prefetch_depth,
+                              tensor_parallel, selection_pages)
     try:
         plan = plan_gpu_resident_layers(tokens, model_config, page_tokens, dtype, grad_page_dtype, gpu_left, streamed,
                                         host_left, tensor_parallel=tensor_parallel,
