@@ -446,6 +446,12 @@ def main(argv=None) -> int:
         rows = json.loads(existing.read_text()).get("rows", [])
     started = time.time()
     deadline = started + args.time_budget
+    if os.environ.get("MEMBAR_STACKS_EVERY"):
+        # Every thread's stack every N seconds: a step that runs far longer than expected shows
+        # whether it moves (different stacks) or waits (the same one).
+        import faulthandler
+
+        faulthandler.dump_traceback_later(float(os.environ["MEMBAR_STACKS_EVERY"]), repeat=True)
     parts = args.parts.split(",")
 
     def record(row: dict) -> None:

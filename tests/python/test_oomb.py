@@ -453,7 +453,8 @@ def test_gpu_failed_step_gives_its_memory_back(offload):
 
     model = gpu_bf16_model(seed=11)
     input_ids = torch.randint(0, VOCAB, (1, 1500))
-    options = dict(chunk_tokens=256, page_tokens=64, offload=offload, **({"gpu_budget_bytes": 28 << 20} if offload else {}))
+    options = dict(chunk_tokens=256, page_tokens=64, offload=offload,
+                   **({"gpu_budget_bytes": 28 << 20, "history_block_tokens": 256} if offload else {}))
     before = free_bytes()
     trainer = OOMBTrainer(model, OOMBConfig(**options))
     trainer.reserve(64 * 1024)   # 64K tokens x 3 layers of 128 KiB pages per 64 tokens: ~1.5 GiB
