@@ -273,6 +273,9 @@ class EngineImpl final : public Engine {
   std::deque<std::variant<BatchDone, RenewalDone>> completions_;
   bool stopping_ = false;
   std::thread dispatcher_;
+  // Set by the destructor before it closes the clients: memory is no longer renewed (Note
+  // [No renewal at teardown] in engine.cpp).
+  std::atomic<bool> tearing_down_{false};
 };
 
 // ---- Template definitions ---------------------------------------------------------------------

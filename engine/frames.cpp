@@ -266,6 +266,7 @@ uint64_t EngineImpl::reclaim_gpu_frames(ClientState& requester, uint64_t wanted)
 }
 
 void EngineImpl::renew_gpu_frame(FrameIndex index) {
+  if (tearing_down_) return;   // Note [No renewal at teardown] (engine.cpp)
   Frame& frame = frame_of(Tier::kGpu, index);
   if (!frame.renewing) {
     frame.renewing = true;
@@ -404,6 +405,7 @@ uint64_t EngineImpl::reclaim_slabs(ClientState& requester) {
 }
 
 void EngineImpl::renew_slab(uint32_t index) {
+  if (tearing_down_) return;   // Note [No renewal at teardown] (engine.cpp)
   Slab& slab = slabs_[index];
   if (slab.state != Slab::State::kPreparing) {
     slab.state = Slab::State::kPreparing;

@@ -42,10 +42,9 @@ class EmbeddedClient final : public Client {
  public:
   ~EmbeddedClient() override {
     process_channels().close_all(channel_owner_);
-    if (engine_) {
-      (void)engine_->client_close(id_);
-      engine_.reset();
-    }
+    // The engine closes this client as it goes, without renewing its memory (Note [No renewal at
+    // teardown] in engine/engine.cpp): closing it first would renew every frame and slab.
+    engine_.reset();
 #if defined(MEMBAR_WITH_CUDA)
     stream_signals_.reset();
 #endif

@@ -3,6 +3,7 @@
 // memory out of the pools (never handed out with old bytes), and several clients opening,
 // working and closing concurrently on one engine never see each other's data or lose their own.
 #include <atomic>
+#include <chrono>
 #include <mutex>
 #include <random>
 #include <thread>
@@ -331,6 +332,33 @@ TEST(EngineFaults, RenewalsWaitOutAShortageOfMemoryAndLoseNothing) {
       EXPECT_EQ(acquired.status().code(), StatusCode::RESOURCE_EXHAUSTED) << acquired.status().to_string();
     }
   }
+}
+
+// Note [No renewal at teardown]: an engine going away with a client still holding written frames
+// and slabs does not renew them (here every renewal would fail for memory for a minute: a renewal
+// at teardown would hold the destructor that long).
+TEST(EngineFaults, AnEngineGoingAwayRenewsNothing) {
+  BackendConfig backend_config;
+  backend_config.gpu_pool_bytes = 2 * kFrameBytes;
+  backend_config.host_pool_bytes = 2 * kFrameBytes;
+  backend_config.host_slab_frames = 1;
+  backend_config.fail_renewal_attempts = 1u << 30;
+  backend_config.renewal_patience_ms = 60000;
+  auto engine = Engine::create(make_host_backend(backend_config).value(), EngineConfig{}).value();
+  auto client = MappedClient::open(*engine);
+  SpaceId space = client->space("pages", 2 << 20, 4);   // 4 frames: 2 on the GPU tier, 2 in host slabs
+  char* pages = client->acquire({space, 0, 2}, kEngineAcquireWrite | kEngineAcquireZeroNew);
+  ASSERT_NE(pages, nullptr);
+  fill_pattern(pages, 4 << 20, 58);
+  ASSERT_TRUE(engine->release(client->id, {space, 0, 2}, true).ok());
+  pages = client->acquire({space, 2, 2}, kEngineAcquireWrite | kEngineAcquireZeroNew);   // evicts 0-1 to host
+  ASSERT_NE(pages, nullptr);
+  ASSERT_TRUE(engine->release(client->id, {space, 2, 2}, true).ok());
+  EXPECT_GT(engine->stats(0).value().tiers[1].frames_used, 0u);
+  const auto started = std::chrono::steady_clock::now();
+  engine.reset();   // closes the client
+  client->engine = nullptr;
+  EXPECT_LT(std::chrono::steady_clock::now() - started, std::chrono::seconds(10));
 }
 
 }  // namespace
