@@ -151,3 +151,21 @@ def test_a_plan_beside_the_streamed_blocks_fits_the_stores_gpu_budget(tokens, se
     assert gpu <= free - activations, (gpu / GIB, (free - activations) / GIB)
     # ...and the streamed room is not double counted: one more layer would not have fit.
     assert gpu + plan.layer_bytes > free - activations
+
+
+def test_cli_out_of_gpu_memory_is_one_sentence_naming_what_frees_memory(monkeypatch, capsys):
+    """A step that runs the GPU out of memory ends membar-train with exit status 4 and one sentence
+    (what PyTorch said, then the options that free GPU memory), not a traceback."""
+    from membar.oomb import OOMBTrainer
+
+    def step(self, *args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 3.91 GiB. GPU 0 has a total capacity "
+                                     "of 139.80 GiB of which 1.62 GiB is free.\nmore lines")
+
+    monkeypatch.setattr(OOMBTrainer, "step", step)
+    torch.set_num_threads(1)
+    assert main(["--model", "tiny-qwen2", "--seq-len", "1K", "--chunk", "256", "--page-tokens", "64", "--steps", "1",
+                 "--no-progress", "--device", "cpu"]) == 4
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("membar-train: the GPU ran out of memory (CUDA out of memory. Tried")
+    assert "--offload" in err[0] and "--grad-dtype bfloat16" in err[0] and "more lines" not in err[0]

@@ -897,6 +897,15 @@ def main(argv=None) -> int:
     except (ValueError, TypeError, OSError) as error:
         print(f"membar-train: {_rank_prefix()}{error}", file=sys.stderr)
         return _leave_job(2)
+    except torch.OutOfMemoryError as error:
+        # A long sequence that does not fit is the commonest failure: one sentence naming what
+        # frees GPU memory, instead of PyTorch's traceback.
+        said = str(error).strip().splitlines()[0] if str(error).strip() else "out of memory"
+        print(f"membar-train: {_rank_prefix()}the GPU ran out of memory ({said[:240]}). Keep pages off it with "
+              f"--offload (--gpu-resident-layers auto keeps what fits), store gradient pages in bfloat16 "
+              f"(--grad-dtype bfloat16), train with --optimizer logra (no AdamW moments), shorten --chunk or "
+              f"--seq-len, or train through a membard whose pools fit (--socket).", file=sys.stderr)
+        return _leave_job(4)
     except RuntimeError as error:
         if not _distributed_job():
             raise
