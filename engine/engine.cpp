@@ -108,10 +108,11 @@ EngineImpl::EngineImpl(std::unique_ptr<DeviceBackend> backend, const EngineConfi
 // and renewal]): a new GPU allocation per frame, a new pinned memfd per host slab. An engine
 // that is being destroyed hands nothing to anyone again, and its backend frees all of it a moment
 // later. Renewing there cost an embedded trainer's exit (and a stopping membard's) a second
-// allocation of every pool: on the H200 a Gemma-2-9B trainer with 59 GiB of pinned host slabs and
-// ~80 GiB of GPU frames had not finished dropping its store after 90 s (session 24), and with
-// PyTorch's cache holding the rest of the GPU the new frames fail for memory and wait out
-// Note [Renewal when memory is short] (2 minutes) while holding the old ones.
+// allocation of every pool while the old memory was still mapped in the trainer's process: on the
+// H200 a Gemma-2-9B trainer with 59 GiB of pinned host slabs and ~77 GiB of GPU frames was still
+// dropping its store 135 s into its process (session 24; with this Note the same run ended 83 s in,
+// step included), and with PyTorch's cache holding the rest of the GPU new frames can fail for
+// memory and wait out Note [Renewal when memory is short] (2 minutes).
 // Approach: the destructor sets tearing_down_ before it closes the clients; renew_gpu_frame and
 // renew_slab then do nothing, and the memory goes with the backend. The embedded client lets the
 // destructor close it instead of closing it first.
