@@ -69,6 +69,10 @@
 #   heads     attention kernels at every head size (64, 96, 128, 256) in bf16 and fp16 against SDPA
 #             flash, 32K history (bench/attention_bench.py; model-coverage issue: fwd >= 1.0x, bwd >= 0.8x);
 #             HEADS_DIMS / HEADS_DTYPES narrow it, HEADS_SOFTCAP=50 also times the soft-capped kernels (Gemma 2)
+#   attention the paged kernels against SDPA flash at 32K, 128K and 256K history (the Qwen2.5-7B
+#             attention shape; the kernels issue's table), the sparse call, then every head size in
+#             bf16 with the soft-capped kernels timed too (ATTENTION_HISTORIES, HEADS_DIMS, HEADS_DTYPES,
+#             HEADS_SOFTCAP narrow or widen it)
 #   models    the model-coverage table (bench/model_coverage_bench.py, issue "Train the models people
 #             actually use"): COVERAGE_MODELS (default qwen3-8b; a comma list runs one process per model) at 32K and 128K
 #             beside full-sequence training, and its bf16 gradient errors; COVERAGE_QUICK=1 runs the
@@ -111,8 +115,8 @@
 #             operations (Note [Page selection in PyTorch]), 7B shape, 32K-1M history (bench/probes/select_probe.py)
 #   wgsweep   the attention sweep module (kernels/sweep/) built, then bench/attention_sweep.py at 32K and
 #             128K on the warpgroup forward layouts (with the experimental wgmma_w8r64_k64_s3_overlap:
-#             Note [Softmax beside the next block's scores]) and the backward split layout beside the
-#             experimental wgmma_w8_k128 (SWEEP_FORWARD / SWEEP_BACKWARD for others); each experimental
+#             Note [Softmax beside the next block's scores]) and the shipped warpgroup backward beside the
+#             split layout it replaced on Hopper (SWEEP_FORWARD / SWEEP_BACKWARD for others); each experimental
 #             layout is checked against the shipped kernels before it is timed
 #   enqueue   bench/probes/enqueue_probe.py: host time of each cudaMemcpyAsync in bursts of 2, 8 and 64 MiB
 #             host-to-GPU copies (4 GiB each): does handing copies to a stream block once it holds
@@ -367,6 +371,13 @@ for step in "$@"; do
         --head-dims "${HEADS_DIMS:-64,96,128,256}" --head-dim-dtypes "${HEADS_DTYPES:-bfloat16,float16}" \
         --softcap "${HEADS_SOFTCAP:-0}" > "$work/heads/bench.log" 2>&1 || status=1
       tail -12 "$work/heads/attention.txt" 2>/dev/null || tail -20 "$work/heads/bench.log" ;;
+    attention)
+      mkdir -p "$work/attention"
+      MEMBAR_RESULTS_DIR=$work/attention timeout 300 "$py" bench/attention_bench.py \
+        --histories "${ATTENTION_HISTORIES:-32768,131072,262144}" --head-dims "${HEADS_DIMS:-64,96,128,256}" \
+        --head-dim-dtypes "${HEADS_DTYPES:-bfloat16}" --softcap "${HEADS_SOFTCAP:-50}" \
+        > "$work/attention/bench.log" 2>&1 || status=1
+      cat "$work/attention/attention.txt" 2>/dev/null || tail -20 "$work/attention/bench.log" ;;
     softcap)
       # Gemma 2 (4 layers of the 9B shape, 32K, chunk-recurrent): soft-capped global layers on the
       # paged kernels against the PyTorch path (MEMBAR_CUDA_SOFTCAP=0), in one call.
@@ -460,7 +471,7 @@ for step in "$@"; do
       MEMBAR_BUILD_DIR=$root/build-gpu MEMBAR_RESULTS_DIR=$work/wgsweep timeout 420 "$py" bench/attention_sweep.py \
         --histories 32768,131072 \
         --forward "${SWEEP_FORWARD:-wgmma_w8r64_k128_s2,wgmma_w8r64_k64_s3,wgmma_w8r64_k64_s3_overlap}" \
-        --backward "${SWEEP_BACKWARD:-w8_k128_split_s2_pad,wgmma_w8_k128}" > "$work/wgsweep/bench.log" 2>&1 || status=1
+        --backward "${SWEEP_BACKWARD:-wgmma_w8_k128,w8_k128_split_s2_pad}" > "$work/wgsweep/bench.log" 2>&1 || status=1
       tail -30 "$work/wgsweep/attention_sweep.txt" 2>/dev/null || tail -30 "$work/wgsweep/bench.log" ;;
     enqueue)
       mkdir -p "$work/enqueue"

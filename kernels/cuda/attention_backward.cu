@@ -1,12 +1,14 @@
 // Paged attention backward on CUDA: the dispatch to the shipped dK/dV layouts (attention_tiles.cuh;
 // Note [Layout choice] in membar/kernels/attention_cuda.h) and the passes around them (delta, the
-// inverse selection, dQ). The dK/dV kernels are attention_backward_kernel.cuh (Note [Backward kernel]);
-// docs/kernels.md says why these layouts won.
+// inverse selection, dQ). The dK/dV kernels are attention_backward_kernel.cuh (Note [Backward kernel])
+// and, on Hopper, attention_backward_wgmma.cuh (Note [Warpgroup backward]); docs/kernels.md says why
+// these layouts won.
 #include <cuda_runtime.h>
 
 #include <cmath>
 
 #include "attention_backward_kernel.cuh"
+#include "attention_backward_wgmma.cuh"
 #include "attention_common.cuh"
 #include "attention_cuda_internal.h"
 #include "attention_tiles.cuh"
@@ -151,6 +153,11 @@ detail::KvLaunch layout_launch(BackwardLayout layout) {
     case BackwardLayout::kMmaW4K64S2Halves:
       if constexpr (backward_layout_compiled(BackwardLayout::kMmaW4K64S2Halves, kDType, kHeadDim)) {
         return &detail::launch_kv<Element, kHeadDim, layouts::MmaW4K64S2Halves, kSoftcap>;
+      }
+      break;
+    case BackwardLayout::kWgmmaW8K128:
+      if constexpr (backward_layout_compiled(BackwardLayout::kWgmmaW8K128, kDType, kHeadDim)) {
+        return &detail::warpgroup::launch_backward_kv<Element, kHeadDim, kSoftcap>;
       }
       break;
     case BackwardLayout::kAuto:

@@ -1,5 +1,5 @@
 // Device pieces of the dK/dV kernels of attention_backward.cu (Note [Backward kernel]) that the
-// Hopper backward (attention_backward_wgmma.cu) shares: the work list of a CTA, the keys it owns
+// Hopper backward (attention_backward_wgmma.cuh) shares: the work list of a CTA, the keys it owns
 // and the epilogue that writes or ADDS its dK/dV. Moved verbatim out of attention_backward.cu.
 // Internal to kernels/cuda/.
 #pragma once

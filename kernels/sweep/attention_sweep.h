@@ -52,9 +52,4 @@ const ForwardEntry* forward_entry(int index);
 int backward_entry_count();
 const BackwardEntry* backward_entry(int index);
 
-// The experimental warpgroup backward of attention_backward_wgmma.cu (Note [Warpgroup backward]).
-bool backward_wgmma_w8_k128_fits(const PagedAttentionBackwardParams& params);
-int backward_wgmma_w8_k128_run(const PagedAttentionBackwardParams& params, void* stream);
-int backward_wgmma_w8_k128_resources(KernelResources* resources);
-
 }  // namespace membar::kernels::cuda::sweep

@@ -1,12 +1,13 @@
-// The backward entries of the sweep target (attention_sweep.h): the measured dK/dV layouts by name
-// and the experimental warpgroup one, for bf16 and head_dim 128. Each runs the whole backward of
-// the library (detail::run_backward) around its dK/dV kernel.
+// The backward entries of the sweep target (attention_sweep.h): the measured dK/dV layouts by name,
+// the shipped Hopper one (Note [Warpgroup backward]) first, for bf16 and head_dim 128. Each runs the
+// whole backward of the library (detail::run_backward) around its dK/dV kernel.
 #include <cuda_runtime.h>
 
 #include <cstddef>
 #include <utility>
 #include <vector>
 
+#include "attention_backward_wgmma.cuh"
 #include "attention_cuda_internal.h"
 #include "attention_sweep.h"
 #include "attention_sweep_names.h"
@@ -99,6 +100,26 @@ int keys_resources(KernelResources* resources) {
                       resources);
 }
 
+// The warpgroup layout runs on Hopper with the sm_90a body built (as the library's choice).
+bool fits_warpgroup(const PagedAttentionBackwardParams& params) {
+  const CudaTarget target = current_cuda_target();
+  return fits_pages_of_128(params) && target.compute_capability == 90 && target.warpgroup_kernels;
+}
+
+int warpgroup_run(const PagedAttentionBackwardParams& params, void* stream) {
+  const int error = backward_params_check(params);
+  if (error != cudaSuccess) return error;
+  if (!fits_warpgroup(params)) return cudaErrorInvalidValue;
+  return detail::run_backward(params, &detail::warpgroup::launch_backward_kv<Element, kHeadDim, false>,
+                              static_cast<cudaStream_t>(stream));
+}
+
+int warpgroup_resources(KernelResources* resources) {
+  return kernel_resources(
+      reinterpret_cast<const void*>(&detail::warpgroup::paged_attention_backward_wgmma_kernel<Element, false>),
+      resources);
+}
+
 template <std::size_t... kIndex>
 void append_split_entries(std::vector<BackwardEntry>& entries, std::index_sequence<kIndex...>) {
   (entries.push_back(BackwardEntry{kSplitNames[kIndex], standing_of(kSplitNames[kIndex]), &fits_pages_of_128,
@@ -118,10 +139,10 @@ void append_keys_entries(std::vector<BackwardEntry>& entries, std::index_sequenc
 const std::vector<BackwardEntry>& entries() {
   static const std::vector<BackwardEntry> all = [] {
     std::vector<BackwardEntry> list;
+    list.push_back(BackwardEntry{"wgmma_w8_k128", standing_of("wgmma_w8_k128"), &fits_warpgroup, &warpgroup_run,
+                                 &warpgroup_resources});
     append_split_entries(list, std::make_index_sequence<kSplitCount>());
     append_keys_entries(list, std::make_index_sequence<kKeysCount>());
-    list.push_back(BackwardEntry{"wgmma_w8_k128", Standing::kExperimental, &backward_wgmma_w8_k128_fits,
-                                 &backward_wgmma_w8_k128_run, &backward_wgmma_w8_k128_resources});
     return list;
   }();
   return all;

@@ -76,9 +76,14 @@ TEST(AttentionLayouts, OtherDevicesRunMmaSync) {
 }
 
 TEST(AttentionLayouts, BackwardFollowsThePageSizeAndHeadDim) {
-  for (const CudaTarget& target : {kHopper, kAmpere}) {
+  for (const CudaTarget& target : {kHopper, kHopperWithoutSm90a, kAmpere}) {
     for (DType dtype : {DType::kBFloat16, DType::kFloat16}) {
-      EXPECT_EQ(BackwardLayout::kMmaSplitK128S2, choose_backward_layout(target, LayoutQuery{dtype, 128, 128, 0}));
+      // Head size 128 in pages of 128: the warpgroup kernel on Hopper with the sm_90a build (dense
+      // and every sparse tile), the split mma.sync layout elsewhere.
+      for (int32_t tile : {0, 64, 128}) {
+        EXPECT_EQ(target.warpgroup_kernels ? BackwardLayout::kWgmmaW8K128 : BackwardLayout::kMmaSplitK128S2,
+                  choose_backward_layout(target, LayoutQuery{dtype, 128, 128, tile}));
+      }
       EXPECT_EQ(BackwardLayout::kMmaW4K64Padded, choose_backward_layout(target, LayoutQuery{dtype, 128, 64, 0}));
       EXPECT_EQ(BackwardLayout::kMmaSplitK128S2, choose_backward_layout(target, LayoutQuery{dtype, 64, 128, 128}));
       EXPECT_EQ(BackwardLayout::kMmaW4K64, choose_backward_layout(target, LayoutQuery{dtype, 64, 64, 64}));
@@ -138,6 +143,12 @@ TEST(AttentionLayouts, OnlyTheLayoutsDispatchReachesAreCompiled) {
   // The unpadded one-warp-per-16-keys kernel spills at head_dim 128: never compiled there.
   EXPECT_FALSE(backward_layout_compiled(BackwardLayout::kMmaW4K64, DType::kBFloat16, 128));
   EXPECT_FALSE(backward_layout_compiled(BackwardLayout::kMmaW8K128, DType::kBFloat16, 128));
+  // The warpgroup backward is built for head size 128 only, in both dtypes.
+  EXPECT_TRUE(backward_layout_compiled(BackwardLayout::kWgmmaW8K128, DType::kBFloat16, 128));
+  EXPECT_TRUE(backward_layout_compiled(BackwardLayout::kWgmmaW8K128, DType::kFloat16, 128));
+  for (int32_t head_dim : {64, 96, 256}) {
+    EXPECT_FALSE(backward_layout_compiled(BackwardLayout::kWgmmaW8K128, DType::kBFloat16, head_dim));
+  }
   // A head size the kernels do not support compiles nothing.
   for (int32_t head_dim : {32, 80, 160, 192}) {
     EXPECT_FALSE(mk::cuda::cuda_head_dim_supported(head_dim));
@@ -162,6 +173,14 @@ TEST(AttentionLayouts, AskingForALayoutRunsItOnlyWhereItIsCompiledAndFits) {
   const LayoutQuery pages_64{DType::kBFloat16, 128, 64, 0};
   EXPECT_EQ(ForwardLayout::kWgmmaW8R64K64S3, resolve_forward_layout(ForwardLayout::kWgmmaW8R64K128S2, kHopper, pages_64));
   EXPECT_EQ(BackwardLayout::kMmaW4K64Padded, resolve_backward_layout(BackwardLayout::kMmaSplitK128S2, kHopper, pages_64));
+  EXPECT_EQ(BackwardLayout::kMmaW4K64Padded, resolve_backward_layout(BackwardLayout::kWgmmaW8K128, kHopper, pages_64));
+  // The split layout asked for on Hopper runs (the tests compare it with the warpgroup one); the
+  // warpgroup layout asked for without the sm_90a build or before Hopper does not.
+  EXPECT_EQ(BackwardLayout::kMmaSplitK128S2, resolve_backward_layout(BackwardLayout::kMmaSplitK128S2, kHopper, bf16_128));
+  EXPECT_EQ(BackwardLayout::kWgmmaW8K128, resolve_backward_layout(BackwardLayout::kAuto, kHopper, bf16_128));
+  EXPECT_EQ(BackwardLayout::kMmaSplitK128S2, resolve_backward_layout(BackwardLayout::kWgmmaW8K128, kAmpere, bf16_128));
+  EXPECT_EQ(BackwardLayout::kMmaSplitK128S2,
+            resolve_backward_layout(BackwardLayout::kWgmmaW8K128, kHopperWithoutSm90a, bf16_128));
   EXPECT_EQ(ForwardLayout::kWgmmaW8R64K128S2, resolve_forward_layout(ForwardLayout::kAuto, kHopper, bf16_128));
 }
 
@@ -182,7 +201,9 @@ TEST(AttentionLayouts, NamesRoundTrip) {
   EXPECT_TRUE(mk::cuda::forward_layout_from_name("auto", &forward));
   EXPECT_FALSE(mk::cuda::forward_layout_from_name("w4r32_k64_s2_shift_2cta", &forward));  // a contender
   BackwardLayout backward = BackwardLayout::kAuto;
-  EXPECT_FALSE(mk::cuda::backward_layout_from_name("wgmma_w8_k128", &backward));  // experimental
+  EXPECT_TRUE(mk::cuda::backward_layout_from_name("wgmma_w8_k128", &backward));
+  EXPECT_EQ(BackwardLayout::kWgmmaW8K128, backward);
+  EXPECT_FALSE(mk::cuda::backward_layout_from_name("w8_k128_split_s3_pad", &backward));  // a contender
 }
 
 }  // namespace

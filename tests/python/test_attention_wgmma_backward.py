@@ -1,19 +1,20 @@
-"""The experimental Hopper (wgmma) backward layout wgmma_w8_k128 of the sweep target (Note [Warpgroup
-backward] in kernels/sweep/attention_backward_wgmma.cu) against the shipped backward and the
-float32 reference. It is not in the library users load, so it runs through the sweep module
-(torch.ops.membar_sweep, built by `cmake --build <build> --target membar_attention_sweep`); the
-tests skip when that module is not built.
+"""The Hopper (wgmma) backward layout wgmma_w8_k128 (Note [Warpgroup backward] in
+kernels/cuda/attention_backward_wgmma.cuh), which the library runs on Hopper for head_dim 128 and
+pages of 128, against the mma.sync split layout it replaced there (w8_k128_split_s2_pad, which
+other GPUs run) and the float32 reference. Both run through the library's op, asked for by name
+(its `layout` argument).
 
 Each check runs in a subprocess, so that an illegal memory access or a hang fails one test cleanly
 instead of poisoning the CUDA context of every later test. The child runs every case on fresh
 random inputs (several seeds; grad pages with random initial contents, so that the kernel must ADD
-into them) through the shipped backward and the wgmma one, in three modes (fp32 grad pages, bf16
-grad pages, fp32 pages deterministic), and prints one JSON line per (case, seed, mode) with both
+into them; bf16 and fp16 inputs) through both layouts, in three modes (fp32 grad pages, bf16 grad
+pages, fp32 pages deterministic), and prints one JSON line per (case, seed, dtype, mode) with both
 errors against the float32 reference (membar.attention.reference_chunk_attention_backward; a
 history-only reference for attend_chunk=False); the parent asserts. The layout's error may be at
-most twice the shipped one's, plus a small slack for rounding-order noise. `-s` also prints a
-timing line (backward TFLOP/s of the layout, the shipped one and SDPA flash at a 32K history,
-chunk 4096, 28/4 heads).
+most twice the split one's, plus a small slack for rounding-order noise. Soft-capped and windowed
+calls are checked against their references by test_attention_cuda.py (the chosen layout) and by
+the C++ gpu tests (every compiled layout that fits). `-s` also prints a timing line (backward
+TFLOP/s of both layouts and SDPA flash at a 32K history, chunk 4096, 28/4 heads).
 
 Run on an H200 (about a minute for the whole file):
     python3 -m pytest -s -m gpu tests/python/test_attention_wgmma_backward.py
@@ -28,6 +29,8 @@ import pytest
 import torch
 
 LAYOUT = "wgmma_w8_k128"
+SPLIT = "w8_k128_split_s2_pad"
+DTYPES = ("bfloat16", "float16")
 BENCH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "bench")
 
 # (chunk_tokens, history_tokens, page_tokens, q_heads, kv_heads, attend_chunk, sparse tile or 0, top_k)
@@ -50,14 +53,15 @@ OUTPUTS = ("dq", "dk", "dv", "dk_pool", "dv_pool")
 # ---------------------------------------------------------------------------------------------
 # Child: runs in its own process (python3 tests/python/test_attention_wgmma_backward.py <mode>).
 
-def make_problem(case, seed, device):
+def make_problem(case, seed, device, dtype="bfloat16"):
     chunk_tokens, history_tokens, page_tokens, q_heads, kv_heads, attend_chunk, tile, top_k = case
+    element = getattr(torch, dtype)
     generator = torch.Generator().manual_seed(seed)
     num_pages = (history_tokens + page_tokens - 1) // page_tokens
     pool_pages = num_pages + 3
 
     def randn(*shape, scale=1.0):
-        return (torch.randn(*shape, generator=generator) * scale).to(torch.bfloat16).to(device)
+        return (torch.randn(*shape, generator=generator) * scale).to(element).to(device)
 
     problem = {
         "q": randn(chunk_tokens, q_heads, 128, scale=1.5), "k": randn(chunk_tokens, kv_heads, 128),
@@ -96,7 +100,7 @@ def history_only_reference(p, case):
     scores = torch.einsum("thd,lhd->htl", q, wide_keys) * scale  # [Hq, Tc, history]
     lse = torch.logsumexp(scores, dim=-1)
     probabilities = torch.exp(scores - lse[..., None])
-    out = torch.einsum("htl,lhd->thd", probabilities, wide_values).to(torch.bfloat16)
+    out = torch.einsum("htl,lhd->thd", probabilities, wide_values).to(p["q"].dtype)
     delta = (dout * out.float()).sum(-1).transpose(0, 1)  # [Hq, Tc]
     dprobabilities = torch.einsum("thd,lhd->htl", dout, wide_values)
     dscores = probabilities * (dprobabilities - delta[..., None]) * scale
@@ -107,7 +111,7 @@ def history_only_reference(p, case):
 
 
 def reference(p, case):
-    """The float32 truth: (out bf16, lse, and the expected dq, dk, dv, dk_pool, dv_pool)."""
+    """The float32 truth: (out in the inputs' dtype, lse, and the expected dq, dk, dv, dk_pool, dv_pool)."""
     import membar.attention as attention
 
     chunk_tokens, history_tokens, page_tokens, q_heads, kv_heads, attend_chunk, tile, top_k = case
@@ -116,7 +120,7 @@ def reference(p, case):
              for name, value in p.items()}
         out, lse = attention.reference_chunk_attention(f["q"], f["k"], f["v"], f["k_pool"], f["k_index"], f["v_pool"],
                                                        f["v_index"], history_tokens, None, f["selection"], f["tile"])
-        out = out.to(torch.bfloat16)
+        out = out.to(p["q"].dtype)
         dq, dk, dv, dk_history, dv_history = attention.reference_chunk_attention_backward(
             f["q"], f["k"], f["v"], f["k_pool"], f["k_index"], f["v_pool"], f["v_index"], out.float(), f["dout"],
             history_tokens, None, f["selection"], f["tile"])
@@ -135,33 +139,18 @@ def reference(p, case):
     return out, lse.float(), truth
 
 
-def backward(p, case, out, lse, grad_dtype, deterministic, layout=None):
-    """The backward through the library (layout None) or the sweep module's `layout`."""
+def backward(p, case, out, lse, grad_dtype, deterministic, layout):
+    """The backward through the library's op with the CUDA layout named `layout`."""
     import membar.attention as attention
 
     history_tokens, attend_chunk = case[1], case[5]
     dtype = getattr(torch, grad_dtype)
     dk_pool, dv_pool = p["dk_pool0"].to(dtype).clone(), p["dv_pool0"].to(dtype).clone()
-    arguments = (p["q"], p["k"], p["v"], p["k_pool"], p["k_index"], p["v_pool"], p["v_index"], out, p["dout"], lse,
-                 dk_pool, p["dk_index"], dv_pool, p["dv_index"], history_tokens, attention._scale(128, None),
-                 p["selection"], p["tile"], deterministic, attend_chunk)
-    if layout is None:
-        dq, dk, dv = torch.ops.membar.paged_attention_backward(*arguments)
-    else:
-        dq, dk, dv = torch.ops.membar_sweep.paged_attention_backward(layout, *arguments)
+    dq, dk, dv = torch.ops.membar.paged_attention_backward(
+        p["q"], p["k"], p["v"], p["k_pool"], p["k_index"], p["v_pool"], p["v_index"], out, p["dout"], lse,
+        dk_pool, p["dk_index"], dv_pool, p["dv_index"], history_tokens, attention._scale(128, None),
+        p["selection"], p["tile"], deterministic, attend_chunk, layout=layout)
     return {"dq": dq, "dk": dk, "dv": dv, "dk_pool": dk_pool, "dv_pool": dv_pool}
-
-
-def load_sweep_module():
-    """Loads the sweep module into torch.ops.membar_sweep; False when it is not built."""
-    sys.path.insert(0, BENCH)
-    from attention_sweep import find_sweep_library
-
-    library = find_sweep_library()
-    if library is None:
-        return False
-    torch.ops.load_library(str(library))
-    return True
 
 
 def error(got, want):
@@ -175,49 +164,50 @@ def error(got, want):
 def child_check():
     import membar  # noqa: F401  (loads the ops library)
 
-    assert load_sweep_module(), "the sweep module is not built"
     for case in CASES:
         for seed in SEEDS:
-            problem = make_problem(case, seed, "cuda")
-            out, lse, truth = reference(problem, case)
-            for grad_dtype, deterministic in MODES:
-                default = backward(problem, case, out, lse, grad_dtype, deterministic)
-                got = backward(problem, case, out, lse, grad_dtype, deterministic, LAYOUT)
-                torch.cuda.synchronize()
-                record = {"case": list(case), "seed": seed, "grad_dtype": grad_dtype, "deterministic": deterministic}
-                for name in OUTPUTS:
-                    record[name] = error(got[name], truth[name])
-                    record["default_" + name] = error(default[name], truth[name])
-                    record["scale_" + name] = truth[name].abs().max().item() if truth[name].numel() else 0.0
-                print(json.dumps(record), flush=True)
+            for dtype in DTYPES:
+                problem = make_problem(case, seed, "cuda", dtype)
+                out, lse, truth = reference(problem, case)
+                for grad_dtype, deterministic in MODES:
+                    split = backward(problem, case, out, lse, grad_dtype, deterministic, SPLIT)
+                    got = backward(problem, case, out, lse, grad_dtype, deterministic, LAYOUT)
+                    torch.cuda.synchronize()
+                    record = {"case": list(case), "seed": seed, "dtype": dtype, "grad_dtype": grad_dtype,
+                              "deterministic": deterministic}
+                    for name in OUTPUTS:
+                        record[name] = error(got[name], truth[name])
+                        record["split_" + name] = error(split[name], truth[name])
+                        record["scale_" + name] = truth[name].abs().max().item() if truth[name].numel() else 0.0
+                    print(json.dumps(record), flush=True)
 
 
 def child_timing():
     import membar  # noqa: F401
 
-    assert load_sweep_module(), "the sweep module is not built"
+    sys.path.insert(0, BENCH)
     # The bench's inputs, runners and median of CUDA-event timings (bench/attention_bench.py).
     from attention_bench import CHUNK, forward_flops, make_inputs, membar_runner, sdpa_runner, time_ms
 
     history = 32768
     p = make_inputs(history)
     backward_flops = 2.5 * forward_flops(CHUNK, history)
-    forward, run_backward, state = membar_runner(p)
+    forward, _, state = membar_runner(p)
     forward()
-    default_ms = time_ms(run_backward)
     out, lse = state["out"], state["lse"]
     dk_pool = torch.zeros(p["k_pool"].shape, device="cuda", dtype=torch.float32)
     dv_pool = torch.zeros_like(dk_pool)
 
-    def run_layout():
-        torch.ops.membar_sweep.paged_attention_backward(
-            LAYOUT, p["q"], p["k"], p["v"], p["k_pool"], p["k_index"], p["v_pool"], p["v_index"], out, p["dout"], lse,
-            dk_pool, p["k_index"], dv_pool, p["v_index"], history, p["scale"], None, 128, False, True)
+    def runner(layout):
+        return lambda: torch.ops.membar.paged_attention_backward(
+            p["q"], p["k"], p["v"], p["k_pool"], p["k_index"], p["v_pool"], p["v_index"], out, p["dout"], lse,
+            dk_pool, p["k_index"], dv_pool, p["v_index"], history, p["scale"], None, 128, False, True, layout=layout)
 
-    layout_ms = time_ms(run_layout)
+    layout_ms = time_ms(runner(LAYOUT))
+    split_ms = time_ms(runner(SPLIT))
     sdpa_forward, sdpa_forward_backward, _ = sdpa_runner(p)
     sdpa_ms = time_ms(sdpa_forward_backward) - time_ms(sdpa_forward)
-    print(json.dumps({"default_tflops": backward_flops / default_ms / 1e9,
+    print(json.dumps({"split_tflops": backward_flops / split_ms / 1e9,
                       "layout_tflops": backward_flops / layout_ms / 1e9,
                       "sdpa_tflops": backward_flops / sdpa_ms / 1e9}), flush=True)
 
@@ -241,10 +231,6 @@ import membar  # noqa: E402,F401  (loads the ops library)
 
 if not hasattr(torch.ops.membar, "attention_cuda_layouts"):
     pytest.skip("the ops library was built without CUDA", allow_module_level=True)
-if not load_sweep_module():
-    pytest.skip("the sweep module is not built (cmake --build <build> --target membar_attention_sweep)",
-                allow_module_level=True)
-
 
 def run_child(mode, timeout):
     environment = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
@@ -254,28 +240,26 @@ def run_child(mode, timeout):
     return [json.loads(line) for line in finished.stdout.splitlines() if line.startswith("{")]
 
 
-def test_wgmma_backward_is_in_the_sweep_as_experimental():
-    names, standings = torch.ops.membar_sweep.layouts("backward")
-    assert LAYOUT in names, "no wgmma_w8_k128 in the sweep module"
-    assert standings[names.index(LAYOUT)] == "experimental"
-    assert LAYOUT not in torch.ops.membar.attention_cuda_layouts("backward"), "an unverified layout is shipped"
+def test_wgmma_backward_is_shipped():
+    names = torch.ops.membar.attention_cuda_layouts("backward")
+    assert LAYOUT in names and SPLIT in names, names
 
 
 def test_wgmma_backward_matches_reference():
     records = run_child("check", timeout=500)
-    assert len(records) == len(CASES) * len(SEEDS) * len(MODES), records
+    assert len(records) == len(CASES) * len(SEEDS) * len(DTYPES) * len(MODES), records
     for record in records:
-        label = (record["case"], record["seed"], record["grad_dtype"], record["deterministic"])
+        label = (record["case"], record["seed"], record["dtype"], record["grad_dtype"], record["deterministic"])
         for name in OUTPUTS:
-            assert record["default_" + name] is not None, ("default not finite", name, label, record)
+            assert record["split_" + name] is not None, ("split layout not finite", name, label, record)
             assert record[name] is not None, ("not finite", name, label, record)
             slack = 2e-3 * max(1.0, record["scale_" + name])
-            assert record[name] <= 2 * record["default_" + name] + slack, (name, label, record)
+            assert record[name] <= 2 * record["split_" + name] + slack, (name, label, record)
 
 
 def test_wgmma_backward_timing():
     (record,) = run_child("timing", timeout=300)
-    print(f"\n[wgmma backward timing] {LAYOUT}: {record['layout_tflops']:.0f} TFLOP/s; shipped "
-          f"{record['default_tflops']:.0f}; SDPA flash {record['sdpa_tflops']:.0f} "
+    print(f"\n[wgmma backward timing] {LAYOUT}: {record['layout_tflops']:.0f} TFLOP/s; {SPLIT} "
+          f"{record['split_tflops']:.0f}; SDPA flash {record['sdpa_tflops']:.0f} "
           f"(history 32768, chunk 4096, 28/4 heads, D 128)")
     assert math.isfinite(record["layout_tflops"]) and record["layout_tflops"] > 0

@@ -1,13 +1,15 @@
-// An experimental layout of the sweep target (Standing::kExperimental in attention_sweep.h): a
-// paged-attention dK/dV backward for Hopper (sm_90a) with warpgroup MMAs (wgmma) instead of
-// mma.sync. It stays out of the shipped library until it passes
-// tests/python/test_attention_wgmma_backward.py on a GPU and wins bench/attention_sweep.py.
+// The Hopper (sm_90a) dK/dV kernel of the paged-attention backward: warpgroup MMAs (wgmma) instead of
+// mma.sync. The shipped layout "wgmma_w8_k128" (BackwardLayout::kWgmmaW8K128) for head_dim 128 and
+// pages of 128 keys on Hopper (Note [Layout choice] in membar/kernels/attention_cuda.h); bf16 and
+// fp16, with or without a logit soft-cap, with or without a sliding window. Internal to kernels/cuda/.
 //
 // Note [Warpgroup backward]
 // Rationale: the mma.sync backward (Note [Backward split layout], attention_backward_kernel.cuh)
-// stays below torch SDPA flash on an H200 and well below cuDNN's Hopper backward: Hopper's tensor
-// cores reach their rate only through wgmma, as the warpgroup forward showed (Note [Warpgroup
-// forward], attention_forward_wgmma.cuh; docs/kernels.md has the numbers).
+// stays below torch SDPA flash on an H200 (0.78x at a 32K history): Hopper's tensor cores reach
+// their rate only through wgmma, as the warpgroup forward showed (Note [Warpgroup forward],
+// attention_forward_wgmma.cuh). Its first GPU run (session 25, bench/results/2026-12-04-h200-session25)
+// ran 338.8 TFLOP/s at 32K and 351.3 at 128K (1.07x SDPA flash) against the split layout's 247.8 and
+// 257.4, with errors against float32 within those of the split layout.
 // Approach: the work list, workspace, dQ atomics and epilogue of the split kernel (one CTA of
 // two warpgroups, 256 threads, per (128-key page or chunk block, kv head); per item of 64 queries
 // of one q head), with the four key-side products as wgmma. Warpgroup w owns keys 64 w .. 64 w + 63
@@ -16,10 +18,10 @@
 //   S^T[64 keys x 64 queries] = K Q^T and dP^T = V dO^T: eight wgmma m64n64k16 each, K / V (A)
 //     and Q / dO (B) K-major in shared memory (rows of head_dim), as Q and K in the forward;
 //   P^T = exp2(S^T * scale log2e - lse log2e), masked (partial last page, causal diagonal of chunk
-//     blocks), dS^T = P^T o (dP^T - delta), in fp32: per warp the accumulator layout is that of
+//     blocks, the sliding window's edge), dS^T = P^T o (dP^T - delta), in fp32: per warp the accumulator layout is that of
 //     mma.m16n8 over 16 keys x 64 queries, exactly the layout of the first kernel of
 //     attention_backward_kernel.cuh (key row 16 warp + lane / 4), whose masking code this reuses;
-//   dV += P^T dO and dK += dS^T Q: four wgmma m64n128k16 each, P^T and dS^T as bf16 register A
+//   dV += P^T dO and dK += dS^T Q: four wgmma m64n128k16 each, P^T and dS^T as register A
 //     fragments (as P in the forward), dO and Q as B MN-major (dims contiguous: the transpose bit,
 //     as V in the forward, leading byte offset = one 64-dim half of the 64-row tile);
 //   dQ: dS^T goes to shared memory ([128 keys, 64 queries], padded rows), a barrier, and the split
@@ -34,47 +36,49 @@
 // MMAs every warp waited for before passing that barrier (wgmma_wait<0> below). Every copy into a
 // stage is fenced (fence.proxy.async) before the barrier that publishes it to the tensor cores.
 // Shared memory (bytes, base aligned to 1024 for the 128-byte swizzle, Note [Warpgroup shared
-// layout]): K, V [2][128][64] bf16 (32 KiB each); Q, dO [2 stages][2][64][64] (16 KiB each per
-// stage); dS^T [128][72] bf16 (TileLayout<64, true>); lse, delta [2 stages][64] fp32: 148 KiB.
-// Limitations: bf16, head_dim 128, pages of 128 keys, no logit soft-cap, an sm_90 device with the
-// sm_90a body built.
+// layout]): K, V [2][128][64] (32 KiB each); Q, dO [2 stages][2][64][64] (16 KiB each per stage);
+// dS^T [128][72] (TileLayout<64, true>); lse, delta [2 stages][64] fp32: 148 KiB.
+// With kSoftcap S^T is capped and dS^T multiplied by the cap's slope (Note [Soft-capped scores in
+// raw units] in attention_common.cuh); the capped build waits for dP^T before it forms P^T, so that
+// the capped scores and dP^T are live together (no P^T math overlaps the MMAs there). A sliding
+// window bounds each CTA's work list (own_keys) and hides the pairs past its edge, as in the split
+// kernel (Note [Sliding window in the kernels]).
+// Limitations: head_dim 128 and pages of 128 keys, an sm_90 device with the sm_90a body built.
 // Every MMA batch is waited for in full (only the P^T math overlaps the dP^T MMAs); dQ still goes
 // through shared memory and mma.sync; at 255 registers a thread (0 spills, nvcc 13 for sm_90a)
 // there is no room for deeper tiles.
+#pragma once
+
 #include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <cmath>
 #include <cstdint>
 
 #include "attention_backward_common.cuh"
-#include "attention_backward_kernel.cuh"
 #include "attention_common.cuh"
 #include "attention_cuda_internal.h"
-#include "attention_sweep.h"
 #include "attention_wgmma.cuh"
 
-namespace membar::kernels::cuda::sweep {
-namespace {
+namespace membar::kernels::cuda::detail::warpgroup {
 
-using namespace detail;
-using Element = __nv_bfloat16;
+inline constexpr int kBackwardHeadDim = 128;
+inline constexpr int kBackwardKeys = 128;            // keys per CTA: one page
+inline constexpr int kBackwardWarpgroupKeys = 64;    // keys per warpgroup (the wgmma M)
+inline constexpr int kBackwardThreads = 256;         // two warpgroups
+static_assert(kBackwardKeys == 2 * kBackwardWarpgroupKeys && kBackwardThreads == 2 * 128,
+              "two warpgroups of 64 keys each");
+inline constexpr int kBackwardQueryStages = 2;       // Q / dO / lse / delta stages
+inline constexpr int kBackwardKeyTileBytes = kBackwardKeys * kBackwardHeadDim * 2;      // K or V, [2][128][64]
+inline constexpr int kBackwardQueryTileBytes = kQueries * kBackwardHeadDim * 2;         // Q or dO of one stage
+using BackwardScoreLayout = TileLayout<kQueries, true>;                                  // dS^T [128, 64], padded
 
-constexpr int kHeadDim = 128;
-constexpr int kKeys = 128;             // keys per CTA: one page
-constexpr int kWarpgroupKeys = 64;     // keys per warpgroup (the wgmma M)
-constexpr int kThreads = 256;          // two warpgroups
-static_assert(kKeys == 2 * kWarpgroupKeys && kThreads == 2 * 128, "two warpgroups of 64 keys each");
-constexpr int kQueryStages = 2;        // Q / dO / lse / delta stages
-constexpr int kKeyTileBytes = kKeys * kHeadDim * 2;       // K or V, [2][128][64]
-constexpr int kQueryTileBytes = kQueries * kHeadDim * 2;  // Q or dO of one stage, [2][64][64]
-using ScoreLayout = TileLayout<kQueries, true>;           // dS^T [128, 64], padded rows
-
-constexpr size_t wgmma_backward_shared_bytes() {
+constexpr size_t backward_shared_bytes() {
   // 1024 bytes of slack to align the base to a swizzle atom; K, V; Q, dO per stage; dS^T; lse and
   // delta per stage.
-  return 1024 + 2 * size_t(kKeyTileBytes) + 2 * size_t(kQueryStages) * kQueryTileBytes +
-         size_t(kKeys) * ScoreLayout::kStride * 2 + 2 * size_t(kQueryStages) * kQueries * 4;
+  return 1024 + 2 * size_t(kBackwardKeyTileBytes) + 2 * size_t(kBackwardQueryStages) * kBackwardQueryTileBytes +
+         size_t(kBackwardKeys) * BackwardScoreLayout::kStride * 2 + 2 * size_t(kBackwardQueryStages) * kQueries * 4;
 }
 
 #if MEMBAR_WGMMA_AVAILABLE
@@ -88,10 +92,18 @@ __device__ __forceinline__ int warpgroup_tile_offset(int row, int column) {
 }
 #endif  // MEMBAR_WGMMA_AVAILABLE
 
-__global__ void __launch_bounds__(kThreads, 1)
+template <typename Element, bool kSoftcap>
+__global__ void __launch_bounds__(kBackwardThreads, 1)
     paged_attention_backward_wgmma_kernel(const PagedAttentionBackwardParams params,
-                                          const BackwardWorkspacePointers workspace) {
+                                          const BackwardWorkspacePointers workspace, const SoftCap soft_cap) {
 #if MEMBAR_WGMMA_AVAILABLE
+  constexpr int kHeadDim = kBackwardHeadDim;
+  constexpr int kKeys = kBackwardKeys;
+  constexpr int kThreads = kBackwardThreads;
+  constexpr int kQueryStages = kBackwardQueryStages;
+  constexpr int kKeyTileBytes = kBackwardKeyTileBytes;
+  constexpr int kQueryTileBytes = kBackwardQueryTileBytes;
+  using ScoreLayout = BackwardScoreLayout;
   extern __shared__ unsigned char shared_raw[];
   // Align to 1024 bytes (the swizzle atom; the descriptors' base offset is then 0).
   const uint32_t raw_address = shared_address(shared_raw);
@@ -117,8 +129,14 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   const OwnedKeys<Element> owned = own_keys<Element, kHeadDim, kKeys>(params, workspace);
   const WorkList work = owned.work;
-  // A page no query tile selected receives nothing: adding zeros is a no-op.
+  // A page no query tile selected (or, with a sliding window, no query sees) receives nothing:
+  // adding zeros is a no-op.
   if (work.count == 0) return;
+  // The owned keys' window edge (Note [Sliding window in the kernels]), read after the first
+  // barrier of the loop; kNoWindowEdge without a window. In shared memory, so that no register
+  // holds it across the loop.
+  __shared__ int shared_window_edge;
+  if (thread == 0) shared_window_edge = owned_window_edge(shape, owned);
 
   const Element* q = static_cast<const Element*>(params.q);
   const Element* dout = static_cast<const Element*>(params.dout);
@@ -129,9 +147,10 @@ __global__ void __launch_bounds__(kThreads, 1)
     const int q_head = kv_head * group + head_in_group;
     const int64_t offset = int64_t(query_block) * kQueries * q_row_stride + int64_t(q_head) * kHeadDim;
     const int valid = chunk_tokens - query_block * kQueries;
-    load_swizzled_tile<kQueries, kThreads>(q_tiles + stage * kQueryTileBytes, q + offset, q_row_stride, valid, thread);
-    load_swizzled_tile<kQueries, kThreads>(dout_tiles + stage * kQueryTileBytes, dout + offset, q_row_stride, valid,
-                                           thread);
+    load_swizzled_rows<kQueries, kHeadDim, kThreads>(q_tiles + stage * kQueryTileBytes, q + offset, q_row_stride,
+                                                    valid, thread);
+    load_swizzled_rows<kQueries, kHeadDim, kThreads>(dout_tiles + stage * kQueryTileBytes, dout + offset,
+                                                    q_row_stride, valid, thread);
   };
   // lse (in log2 units) and delta of one query row; rows past the chunk get lse = +inf, so P = 0;
   // lse = -inf (the row sees no key, Note [Blocked history]) becomes +inf too.
@@ -150,8 +169,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
   };
 
-  load_swizzled_tile<kKeys, kThreads>(k_tile, owned.k_base, kv_row_stride, owned.valid_keys, thread);
-  load_swizzled_tile<kKeys, kThreads>(v_tile, owned.v_base, kv_row_stride, owned.valid_keys, thread);
+  load_swizzled_rows<kKeys, kHeadDim, kThreads>(k_tile, owned.k_base, kv_row_stride, owned.valid_keys, thread);
+  load_swizzled_rows<kKeys, kHeadDim, kThreads>(v_tile, owned.v_base, kv_row_stride, owned.valid_keys, thread);
   load_queries(0, 0);
   copy_async_commit();
   if (thread < kQueries) read_row_statistics(0, lse_tiles[thread], delta_tiles[thread]);
@@ -170,8 +189,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   clear(dv);
 
   // This warpgroup's 64 rows of K and V (A operands, K-major).
-  const uint32_t k_address = shared_address(k_tile) + warpgroup * kWarpgroupKeys * kRowBytes;
-  const uint32_t v_address = shared_address(v_tile) + warpgroup * kWarpgroupKeys * kRowBytes;
+  const uint32_t k_address = shared_address(k_tile) + warpgroup * kBackwardWarpgroupKeys * kRowBytes;
+  const uint32_t v_address = shared_address(v_tile) + warpgroup * kBackwardWarpgroupKeys * kRowBytes;
 
   for (int item = 0; item < work.count; ++item) {
     const int stage = item % kQueryStages;
@@ -198,7 +217,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 
     // S^T = K Q^T and dP^T = V dO^T, [64 keys, 64 queries] per warpgroup (Note [Warpgroup shared
     // layout]: the k step kk is half kk / 4, 32 bytes per step inside the row). Two commit groups:
-    // the softmax part waits for S^T only.
+    // the uncapped softmax part waits for S^T only.
     float scores[kQueries / 8][4];
     float dscores[kQueries / 8][4];
     wgmma_fence();
@@ -208,7 +227,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       const uint32_t column_bytes = (kk % 4) * 32;
       const uint64_t a = matrix_descriptor(k_address + half * kKeys * kRowBytes + column_bytes, 16, 1024);
       const uint64_t b = matrix_descriptor(q_stage + half * kQueries * kRowBytes + column_bytes, 16, 1024);
-      wgmma_m64n64k16_shared(scores, a, b, kk > 0 ? 1 : 0);
+      wgmma_shared<Element, 64>(scores, a, b, kk > 0 ? 1 : 0);
     }
     wgmma_commit();
 #pragma unroll
@@ -217,45 +236,71 @@ __global__ void __launch_bounds__(kThreads, 1)
       const uint32_t column_bytes = (kk % 4) * 32;
       const uint64_t a = matrix_descriptor(v_address + half * kKeys * kRowBytes + column_bytes, 16, 1024);
       const uint64_t b = matrix_descriptor(dout_stage + half * kQueries * kRowBytes + column_bytes, 16, 1024);
-      wgmma_m64n64k16_shared(dscores, a, b, kk > 0 ? 1 : 0);
+      wgmma_shared<Element, 64>(dscores, a, b, kk > 0 ? 1 : 0);
     }
     wgmma_commit();
-    wgmma_wait<1>();
-    fence_registers(scores);
 
-    // P^T (masked: the partial last page, the causal diagonal of chunk blocks).
-    const bool may_cut =
-        owned.valid_keys < kKeys || (owned.chunk_block && owned.first_key + kKeys - 1 > first_query);
+    // The pairs to hide: the partial last page, the causal diagonal of chunk blocks, and the
+    // window's edge when the item's last query does not see the first owned key.
+    const int window_edge = shared_window_edge;
+    const bool window_cuts = window_edge <= first_query + kQueries - 1;
+    const bool may_cut = owned.valid_keys < kKeys ||
+                         (owned.chunk_block && owned.first_key + kKeys - 1 > first_query) || window_cuts;
+    auto visible = [&](int key, int query) {
+      bool seen = key < owned.valid_keys;
+      if (owned.chunk_block) seen = seen && owned.first_key + key <= first_query + query;
+      if (window_cuts) seen = seen && key + window_edge > first_query + query;
+      return seen;
+    };
+    if constexpr (kSoftcap) {
+      // Capped: P^T and dS^T together, once dP^T is in (the slope needs the capped score).
+      wgmma_wait<0>();
+      fence_registers(scores);
+      fence_registers(dscores);
 #pragma unroll
-    for (int n = 0; n < kQueries / 8; ++n) {
+      for (int n = 0; n < kQueries / 8; ++n) {
 #pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const int query = n * 8 + 2 * (lane % 4) + (j & 1);
-        const int key = key_row + (j >> 1) * 8;
-        float p = exp2f(scores[n][j] * scale_log2 - row_lse[query]);
-        if (may_cut) {
-          bool visible = key < owned.valid_keys;
-          if (owned.chunk_block) visible = visible && owned.first_key + key <= first_query + query;
-          if (!visible) p = 0.f;
+        for (int j = 0; j < 4; ++j) {
+          const int query = n * 8 + 2 * (lane % 4) + (j & 1);
+          const int key = key_row + (j >> 1) * 8;
+          const float capped = soft_cap.capped(scores[n][j]);
+          float p = exp2f(capped * scale_log2 - row_lse[query]);
+          if (may_cut && !visible(key, query)) p = 0.f;
+          scores[n][j] = p;
+          dscores[n][j] = p * (dscores[n][j] - row_delta[query]) * soft_cap.slope(capped);
         }
-        scores[n][j] = p;
       }
-    }
-    wgmma_wait<0>();
-    fence_registers(dscores);
-    // dS^T = P^T o (dP^T - delta).
+    } else {
+      wgmma_wait<1>();
+      fence_registers(scores);
+      // P^T, while dP^T's MMAs run.
 #pragma unroll
-    for (int n = 0; n < kQueries / 8; ++n) {
+      for (int n = 0; n < kQueries / 8; ++n) {
 #pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const int query = n * 8 + 2 * (lane % 4) + (j & 1);
-        dscores[n][j] = scores[n][j] * (dscores[n][j] - row_delta[query]);
+        for (int j = 0; j < 4; ++j) {
+          const int query = n * 8 + 2 * (lane % 4) + (j & 1);
+          const int key = key_row + (j >> 1) * 8;
+          float p = exp2f(scores[n][j] * scale_log2 - row_lse[query]);
+          if (may_cut && !visible(key, query)) p = 0.f;
+          scores[n][j] = p;
+        }
+      }
+      wgmma_wait<0>();
+      fence_registers(dscores);
+      // dS^T = P^T o (dP^T - delta).
+#pragma unroll
+      for (int n = 0; n < kQueries / 8; ++n) {
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const int query = n * 8 + 2 * (lane % 4) + (j & 1);
+          dscores[n][j] = scores[n][j] * (dscores[n][j] - row_delta[query]);
+        }
       }
     }
 
-    // dV += P^T dO and dK += dS^T Q, [64 keys, 128 dims] per warpgroup: P^T and dS^T as bf16 A
-    // fragments (k step kk = score tiles 2 kk, 2 kk + 1), dO and Q MN-major (the k step kk, 16
-    // queries, starts kk * 16 rows in; leading byte offset = one 64-dim half of 64 rows).
+    // dV += P^T dO and dK += dS^T Q, [64 keys, 128 dims] per warpgroup: P^T and dS^T as A
+    // fragments in registers (k step kk = score tiles 2 kk, 2 kk + 1), dO and Q MN-major (the k
+    // step kk, 16 queries, starts kk * 16 rows in; leading byte offset = one 64-dim half of 64 rows).
     uint32_t p_fragments[kQueries / 16][4];
     uint32_t ds_fragments[kQueries / 16][4];
     accumulator_to_a_fragments<Element, kQueries>(p_fragments, scores);
@@ -266,12 +311,12 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
     for (int kk = 0; kk < kQueries / 16; ++kk) {
       const uint64_t b = matrix_descriptor(dout_stage + kk * 16 * kRowBytes, kQueries * kRowBytes, 1024);
-      wgmma_m64n128k16_registers_transposed_b(dv, p_fragments[kk], b);
+      wgmma_registers_transposed_b<Element, 128>(dv, p_fragments[kk], b);
     }
 #pragma unroll
     for (int kk = 0; kk < kQueries / 16; ++kk) {
       const uint64_t b = matrix_descriptor(q_stage + kk * 16 * kRowBytes, kQueries * kRowBytes, 1024);
-      wgmma_m64n128k16_registers_transposed_b(dk, ds_fragments[kk], b);
+      wgmma_registers_transposed_b<Element, 128>(dk, ds_fragments[kk], b);
     }
     wgmma_commit();
     wgmma_wait<0>();
@@ -358,45 +403,29 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
   }
 #else
-  // Built for a GPU without wgmma (an architecture list without sm_90a): fits() is false there, so
-  // reaching this is a bug; stop loudly rather than return a wrong result.
+  // Built for a GPU without wgmma (an architecture list without sm_90a): the layout choice never
+  // picks this layout there (CudaTarget::warpgroup_kernels), so reaching this is a bug; stop loudly
+  // rather than return a wrong result.
   __trap();
 #endif  // MEMBAR_WGMMA_AVAILABLE
 }
 
-cudaError_t launch_kv(const PagedAttentionBackwardParams& params, const BackwardWorkspacePointers& workspace,
-                      cudaStream_t stream) {
-  constexpr size_t kSharedBytes = wgmma_backward_shared_bytes();
-  auto kernel = paged_attention_backward_wgmma_kernel;
+// The dK/dV launch of the warpgroup backward (a detail::KvLaunch) for one dtype, capped or not.
+template <typename Element, int kHeadDim, bool kSoftcap>
+cudaError_t launch_backward_kv(const PagedAttentionBackwardParams& params, const BackwardWorkspacePointers& workspace,
+                               cudaStream_t stream) {
+  static_assert(kHeadDim == kBackwardHeadDim, "the warpgroup backward is built for head_dim 128");
+  constexpr size_t kSharedBytes = backward_shared_bytes();
+  auto kernel = paged_attention_backward_wgmma_kernel<Element, kSoftcap>;
   cudaError_t error = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kSharedBytes));
   if (error != cudaSuccess) return error;
   BackwardWorkspacePointers owners = workspace;
-  owners.num_chunk_blocks = chunk_owner_count<kKeys>(params.shape);
-  const dim3 grid(owner_count<kKeys>(params.shape, owners.num_chunk_blocks), params.shape.num_kv_heads);
+  owners.num_chunk_blocks = chunk_owner_count<kBackwardKeys>(params.shape);
+  const dim3 grid(owner_count<kBackwardKeys>(params.shape, owners.num_chunk_blocks), params.shape.num_kv_heads);
   if (grid.x == 0) return cudaSuccess;  // no key at all (attend_chunk false, empty history)
-  kernel<<<grid, kThreads, kSharedBytes, stream>>>(params, owners);
+  kernel<<<grid, kBackwardThreads, kSharedBytes, stream>>>(
+      params, owners, soft_cap_of(params.shape.softmax_scale, params.shape.logit_softcap));
   return cudaGetLastError();
 }
 
-}  // namespace
-
-bool backward_wgmma_w8_k128_fits(const PagedAttentionBackwardParams& params) {
-  const PagedAttentionShape& shape = params.shape;
-  const CudaTarget target = current_cuda_target();
-  return shape.dtype == DType::kBFloat16 && shape.head_dim == kHeadDim && shape.page_tokens == kKeys &&
-         shape.logit_softcap == 0.f && shape.sliding_window == 0 && target.compute_capability == 90 &&
-         target.warpgroup_kernels;
-}
-
-int backward_wgmma_w8_k128_run(const PagedAttentionBackwardParams& params, void* stream) {
-  const int error = backward_params_check(params);
-  if (error != cudaSuccess) return error;
-  if (!backward_wgmma_w8_k128_fits(params)) return cudaErrorInvalidValue;
-  return detail::run_backward(params, &launch_kv, static_cast<cudaStream_t>(stream));
-}
-
-int backward_wgmma_w8_k128_resources(KernelResources* resources) {
-  return kernel_resources(reinterpret_cast<const void*>(&paged_attention_backward_wgmma_kernel), resources);
-}
-
-}  // namespace membar::kernels::cuda::sweep
+}  // namespace membar::kernels::cuda::detail::warpgroup
