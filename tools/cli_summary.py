@@ -35,6 +35,9 @@ def main(folder: str) -> int:
               f"{rates['embedded-offload-streamwait'] / rates['embedded-offload']:.3f}")
     if "private-offload" in rates and "embedded-offload" in rates:
         print(f"offload: private membard / embedded = {rates['private-offload'] / rates['embedded-offload']:.3f}")
+    if "embedded-dense-splitbwd" in rates and "embedded-dense" in rates:
+        print(f"dense: warpgroup backward / split mma.sync backward = "
+              f"{rates['embedded-dense'] / rates['embedded-dense-splitbwd']:.3f}")
     for store in ("embedded", "membard"):
         if f"{store}-offload" in rates and f"{store}-dense" in rates:
             print(f"{store}: offload / dense = {rates[f'{store}-offload'] / rates[f'{store}-dense']:.3f}")

@@ -431,10 +431,16 @@ for step in "$@"; do
           dense) extra="" ;;
           sparse) extra="--mode sparse" ;;
           sparse-offload) extra="--mode sparse --offload" ;;
+          dense-splitbwd) extra="" ;;
           *) extra="--offload" ;;
         esac
         if [ $mode = offload-streamwait ]; then   # embedded only: its stream waits on the GPU (Note [Enqueued tickets])
           MEMBAR_STREAM_WAIT=1 timeout 240 "$py" $train $extra > "$work/cli/embedded-$mode.log" 2>&1 || status=1
+          continue
+        fi
+        if [ $mode = dense-splitbwd ]; then   # embedded only: the split mma.sync backward instead of the chosen one
+          MEMBAR_CUDA_BACKWARD_LAYOUT=w8_k128_split_s2_pad timeout 240 "$py" $train $extra \
+            > "$work/cli/embedded-$mode.log" 2>&1 || status=1
           continue
         fi
         if [ $mode = offload-private ]; then   # a membard of the run's own (--socket private)

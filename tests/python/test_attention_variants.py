@@ -150,3 +150,20 @@ def test_unknown_layout_is_a_clear_error(problems):
     _, p, _, _ = problems[0]
     with pytest.raises(RuntimeError, match="names no layout of the CUDA kernels"):
         run(p, "cuda", forward_layout="no_such_layout")
+
+
+def test_layout_from_the_environment(problems, monkeypatch):
+    """$MEMBAR_CUDA_BACKWARD_LAYOUT runs the layout it names where the op is given none (a whole
+    training step's A/B), the same bits as asking for it by name; a name it does not know is a
+    clear error naming the variable."""
+    _, p, _, _ = problems[0]
+    for name in BACKWARD_LAYOUTS:
+        asked = run(p, "cuda", deterministic=True, backward_layout=name)
+        monkeypatch.setenv("MEMBAR_CUDA_BACKWARD_LAYOUT", name)
+        from_environment = run(p, "cuda", deterministic=True)
+        monkeypatch.delenv("MEMBAR_CUDA_BACKWARD_LAYOUT")
+        for tensor in ("dq", "dk", "dv", "dk_pool", "dv_pool"):
+            assert torch.equal(asked[tensor], from_environment[tensor]), (name, tensor)
+    monkeypatch.setenv("MEMBAR_CUDA_FORWARD_LAYOUT", "no_such_layout")
+    with pytest.raises(RuntimeError, match=r"\$MEMBAR_CUDA_FORWARD_LAYOUT=\"no_such_layout\" names no layout"):
+        run(p, "cuda")

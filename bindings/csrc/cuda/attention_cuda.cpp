@@ -9,6 +9,7 @@
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 
+#include <cstdlib>
 #include <mutex>
 #include <optional>
 #include <string>
@@ -210,12 +211,20 @@ std::string joined(const std::vector<std::string>& names) {
   return text;
 }
 
-// The op's `layout` argument as CudaOptions: "" or "auto" leave the choice to the kernels.
+// The op's `layout` argument as CudaOptions: "" or "auto" leave the choice to the kernels, unless
+// $MEMBAR_CUDA_FORWARD_LAYOUT / $MEMBAR_CUDA_BACKWARD_LAYOUT name a layout: a whole training step
+// can then run another compiled layout (an A/B of a kernel inside the step, e.g. the split
+// mma.sync backward against the warpgroup one on Hopper). Where the named layout does not fit a
+// call, the chosen one runs (resolve_*_layout), as for the argument.
 k::CudaOptions layout_options(const std::string& layout, bool forward, const char* op) {
   k::CudaOptions options;
-  const bool known = forward ? k::cuda::forward_layout_from_name(layout.c_str(), &options.forward_layout)
-                             : k::cuda::backward_layout_from_name(layout.c_str(), &options.backward_layout);
-  TORCH_CHECK(known, op, ": layout=\"", layout, "\" names no layout of the CUDA kernels (known: ",
+  const char* variable = forward ? "MEMBAR_CUDA_FORWARD_LAYOUT" : "MEMBAR_CUDA_BACKWARD_LAYOUT";
+  const char* from_environment = layout.empty() ? std::getenv(variable) : nullptr;
+  const std::string name = from_environment != nullptr ? std::string(from_environment) : layout;
+  const bool known = forward ? k::cuda::forward_layout_from_name(name.c_str(), &options.forward_layout)
+                             : k::cuda::backward_layout_from_name(name.c_str(), &options.backward_layout);
+  TORCH_CHECK(known, op, ": ", from_environment != nullptr ? std::string("$") + variable : std::string("layout"),
+              "=\"", name, "\" names no layout of the CUDA kernels (known: ",
               joined(layout_names(forward ? "forward" : "backward")), ").");
   return options;
 }
