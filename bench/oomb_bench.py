@@ -37,7 +37,8 @@ and grows the default GPU budget with it; "+piece4096" computes the loss 4096 to
 (default 512); "+blockwise" streams sparse selections block by block even where their pages fit
 one block's room (as before session 12); "+reuse" has stage 2 take stage 1's attention outputs (Note [Stage 1's attention in stage 2]);
 "+nopredict" copies no guessed stage-1 selection ahead (MEMBAR_PREDICT_SELECTIONS=0, Note [Predicted
-selections] in hf_attention.py);
+selections] in hf_attention.py); "+splitbwd" runs membar's attention backward on the split mma.sync
+layout (MEMBAR_CUDA_BACKWARD_LAYOUT) instead of the chosen one (the warpgroup one on Hopper);
 "+displace8" lets a frame already mapped at a page's position serve it when its
 occupant is among the first 8 of MIN's eviction candidates ("+displaceall": any occupant a prefetch may
 evict; MEMBAR_DISPLACE_RANK, Note [Eviction order]: fewer GPU map calls for some extra copies); "+streamed" after "+plain" reads the plain tensors'
@@ -114,6 +115,9 @@ _RUNTIME_SWITCHES = [
     ("+staged", "MEMBAR_STAGED_HISTORY", "1"),   # history blocks copied through staging rows
     ("+kvstaged", "MEMBAR_STAGED_HISTORY", "kv"),   # ... K/V only (dK/dV acquired in place)
     ("+nopredict", "MEMBAR_PREDICT_SELECTIONS", "0"),   # no stage-1 selection guessed ahead (Note [Predicted selections])
+    # membar's attention backward on the split mma.sync layout instead of the one the kernels choose
+    # (on Hopper the warpgroup one, Note [Warpgroup backward]); read at every call
+    ("+splitbwd", "MEMBAR_CUDA_BACKWARD_LAYOUT", "w8_k128_split_s2_pad"),
 ]
 
 

@@ -73,6 +73,9 @@
 #             attention shape; the kernels issue's table), the sparse call, then every head size in
 #             bf16 with the soft-capped kernels timed too (ATTENTION_HISTORIES, HEADS_DIMS, HEADS_DTYPES,
 #             HEADS_SOFTCAP narrow or widen it)
+#   sparsebwd 7B sparse (top-64, pages on the GPU) at SPARSEBWD_CONTEXT (default 256K): membar's attention
+#             backward on the chosen layout (the warpgroup one on Hopper) against the split mma.sync
+#             one ("+splitbwd"), one run
 #   models    the model-coverage table (bench/model_coverage_bench.py, issue "Train the models people
 #             actually use"): COVERAGE_MODELS (default qwen3-8b; a comma list runs one process per model) at 32K and 128K
 #             beside full-sequence training, and its bf16 gradient errors; COVERAGE_QUICK=1 runs the
@@ -371,6 +374,8 @@ for step in "$@"; do
         --head-dims "${HEADS_DIMS:-64,96,128,256}" --head-dim-dtypes "${HEADS_DTYPES:-bfloat16,float16}" \
         --softcap "${HEADS_SOFTCAP:-0}" > "$work/heads/bench.log" 2>&1 || status=1
       tail -12 "$work/heads/attention.txt" 2>/dev/null || tail -20 "$work/heads/bench.log" ;;
+    sparsebwd)
+      bench sparsebwd --contexts "${SPARSEBWD_CONTEXT:-256K}" --variants "sparse,sparse+splitbwd" ;;
     attention)
       mkdir -p "$work/attention"
       MEMBAR_RESULTS_DIR=$work/attention timeout 300 "$py" bench/attention_bench.py \
