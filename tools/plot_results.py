@@ -63,6 +63,9 @@ def plot_attention(path: Path) -> Path:
     ax.plot(hist, [d["sdpa_forward_tflops"] for d in dense], "o--", label="SDPA flash forward", color="#729fcf")
     ax.plot(hist, [d["membar_backward_tflops"] for d in dense], "s-", label="membar backward", color="#cc0000")
     ax.plot(hist, [d["sdpa_backward_tflops"] for d in dense], "s--", label="SDPA flash backward", color="#ef2929")
+    if all("split_backward_tflops" in d for d in dense):   # the mma.sync backward Hopper ran before session 25
+        ax.plot(hist, [d["split_backward_tflops"] for d in dense], "s:", label="membar mma.sync backward (before)",
+                color="#888a85")
     ax.set_xlabel("history (K tokens), chunk of 4096 queries")
     ax.set_ylabel("TFLOP/s")
     ax.set_ylim(0, None)
