@@ -201,7 +201,7 @@ def bench_history(history, results):
     torch.cuda.empty_cache()
 
 
-def bench_head_dim(head_dim, dtype, history, results, try_layouts=(), softcap=0.0):
+def bench_head_dim(head_dim, dtype, history, results, try_layouts=(), softcap=0.0, try_backward=()):
     """Forward and backward TFLOP/s of membar and SDPA flash at one head size and dtype; with softcap
     also membar's soft-capped kernels (Gemma 2; SDPA has no soft-cap to compare with)."""
     p = make_inputs(history, head_dim=head_dim, dtype=dtype)
@@ -224,6 +224,15 @@ def bench_head_dim(head_dim, dtype, history, results, try_layouts=(), softcap=0.
         row["tried_forward_tflops"][name] = fwd_flops / (time_ms(tried_forward) * 1e-3) / 1e12
     forward()
     row["membar_backward_ms"] = time_ms(backward)
+    # Other compiled backward layouts by name (--try-backward-layouts; an opt-in layout of Note
+    # [Layout choice] before the choice takes it), through $MEMBAR_CUDA_BACKWARD_LAYOUT.
+    row["tried_backward_tflops"] = {}
+    for name in try_backward:
+        os.environ["MEMBAR_CUDA_BACKWARD_LAYOUT"] = name
+        try:
+            row["tried_backward_tflops"][name] = 2.5 * fwd_flops / (time_ms(backward) * 1e-3) / 1e12
+        finally:
+            del os.environ["MEMBAR_CUDA_BACKWARD_LAYOUT"]
     if softcap:
         capped_forward, capped_backward, _ = membar_runner(p, softcap=softcap)
         row["softcap"] = softcap
@@ -256,6 +265,9 @@ def main():
     parser.add_argument("--head-dim-history", type=int, default=32768)
     parser.add_argument("--try-layouts", default="",
                         help="forward layouts to time beside the chosen one, as HEAD_DIM=NAME,... (compiled ones)")
+    parser.add_argument("--try-backward-layouts", default="",
+                        help="backward layouts to time beside the chosen one, as HEAD_DIM=NAME,... (compiled ones, "
+                             "e.g. 64=wgmma_w8_k128, the opt-in warpgroup backward)")
     parser.add_argument("--softcap", type=float, default=0.0,
                         help="also time the soft-capped kernels (Gemma 2's attn_logit_softcapping, e.g. 50)")
     args = parser.parse_args()
@@ -291,7 +303,10 @@ def main():
         for dtype_name in [d for d in args.head_dim_dtypes.split(",") if d]:
             tried = [name for entry in args.try_layouts.split(",") if entry
                      for size, name in [entry.split("=")] if int(size) == head_dim]
-            bench_head_dim(head_dim, getattr(torch, dtype_name), args.head_dim_history, results, tried, args.softcap)
+            tried_backward = [name for entry in args.try_backward_layouts.split(",") if entry
+                              for size, name in [entry.split("=")] if int(size) == head_dim]
+            bench_head_dim(head_dim, getattr(torch, dtype_name), args.head_dim_history, results, tried, args.softcap,
+                           tried_backward)
 
     lines = [f"paged attention vs SDPA flash, {results['machine']}, commit {results['commit'][:12]}, {results['date']}",
              "Qwen2.5-7B attention: 28 q heads, 4 kv heads, D=128, bf16, chunk 4096, pages of 128, fp32 grad pages; "
@@ -330,6 +345,9 @@ def main():
                              f" {row['softcap_backward_tflops'] / row['membar_backward_tflops']:.2f}x uncapped")
             for name, tflops in row.get("tried_forward_tflops", {}).items():
                 lines.append(f"{'':>4} {'':>9} {tflops:>9.1f}  forward layout {name}")
+            for name, tflops in row.get("tried_backward_tflops", {}).items():
+                lines.append(f"{'':>4} {'':>9} {tflops:>9.1f}  backward layout {name}"
+                             f" ({tflops / row['sdpa_backward_tflops']:.2f}x SDPA flash)")
     text = "\n".join(lines) + "\n"
     print(text)
     out_dir = Path(os.environ.get("MEMBAR_RESULTS_DIR", Path(__file__).parent / "results" / "latest"))

@@ -1,7 +1,9 @@
 // The Hopper (sm_90a) dK/dV kernel of the paged-attention backward: warpgroup MMAs (wgmma) instead of
 // mma.sync. The shipped layout "wgmma_w8_k128" (BackwardLayout::kWgmmaW8K128) for head_dim 128 and
 // pages of 128 keys on Hopper (Note [Layout choice] in membar/kernels/attention_cuda.h); bf16 and
-// fp16, with or without a logit soft-cap, with or without a sliding window. Internal to kernels/cuda/.
+// fp16, with or without a logit soft-cap, with or without a sliding window. Head size 64 is
+// compiled opt-in (kOptInBackwardLayouts: asked for by name only, not yet run on a GPU). Internal
+// to kernels/cuda/.
 //
 // Note [Warpgroup backward]
 // Rationale: the mma.sync backward (Note [Backward split layout], attention_backward_kernel.cuh)
@@ -43,7 +45,10 @@
 // the capped scores and dP^T are live together (no P^T math overlaps the MMAs there). A sliding
 // window bounds each CTA's work list (own_keys) and hides the pairs past its edge, as in the split
 // kernel (Note [Sliding window in the kernels]).
-// Limitations: head_dim 128 and pages of 128 keys, an sm_90 device with the sm_90a body built.
+// Head size 64 is the same code with one 64-column half per tile, N = 64 for dV and dK, and 16 dQ
+// columns per warp (216 registers, 254 capped, no spills).
+// Limitations: head_dim 128 (64 opt-in) and pages of 128 keys, an sm_90 device with the sm_90a
+// body built; 96 would need dQ pieces of 8 columns, 256 does not fit dK/dV in registers.
 // Every MMA batch is waited for in full (only the P^T math overlaps the dP^T MMAs); dQ still goes
 // through shared memory and mma.sync; at 255 registers a thread (0 spills, nvcc 13 for sm_90a)
 // there is no room for deeper tiles.
@@ -63,21 +68,31 @@
 
 namespace membar::kernels::cuda::detail::warpgroup {
 
-inline constexpr int kBackwardHeadDim = 128;
 inline constexpr int kBackwardKeys = 128;            // keys per CTA: one page
 inline constexpr int kBackwardWarpgroupKeys = 64;    // keys per warpgroup (the wgmma M)
 inline constexpr int kBackwardThreads = 256;         // two warpgroups
 static_assert(kBackwardKeys == 2 * kBackwardWarpgroupKeys && kBackwardThreads == 2 * 128,
               "two warpgroups of 64 keys each");
 inline constexpr int kBackwardQueryStages = 2;       // Q / dO / lse / delta stages
-inline constexpr int kBackwardKeyTileBytes = kBackwardKeys * kBackwardHeadDim * 2;      // K or V, [2][128][64]
-inline constexpr int kBackwardQueryTileBytes = kQueries * kBackwardHeadDim * 2;         // Q or dO of one stage
 using BackwardScoreLayout = TileLayout<kQueries, true>;                                  // dS^T [128, 64], padded
 
+// The head sizes the kernel is written for: whole 64-column halves (the swizzled tiles), dK/dV of
+// 64 keys in registers (256 columns would not fit) and a dQ pass of whole 16-column pieces per
+// warp (head_dim / 4 a multiple of 16).
+constexpr bool warpgroup_backward_head_dim(int head_dim) { return head_dim == 64 || head_dim == 128; }
+
+// K or V of the CTA's page, [head_dim / 64][128][64]; Q or dO of one stage, [head_dim / 64][64][64].
+template <int kHeadDim>
+inline constexpr int kBackwardKeyTileBytes = kBackwardKeys * kHeadDim * 2;
+template <int kHeadDim>
+inline constexpr int kBackwardQueryTileBytes = kQueries * kHeadDim * 2;
+
+template <int kHeadDim>
 constexpr size_t backward_shared_bytes() {
   // 1024 bytes of slack to align the base to a swizzle atom; K, V; Q, dO per stage; dS^T; lse and
   // delta per stage.
-  return 1024 + 2 * size_t(kBackwardKeyTileBytes) + 2 * size_t(kBackwardQueryStages) * kBackwardQueryTileBytes +
+  return 1024 + 2 * size_t(kBackwardKeyTileBytes<kHeadDim>) +
+         2 * size_t(kBackwardQueryStages) * kBackwardQueryTileBytes<kHeadDim> +
          size_t(kBackwardKeys) * BackwardScoreLayout::kStride * 2 + 2 * size_t(kBackwardQueryStages) * kQueries * 4;
 }
 
@@ -92,26 +107,26 @@ __device__ __forceinline__ int warpgroup_tile_offset(int row, int column) {
 }
 #endif  // MEMBAR_WGMMA_AVAILABLE
 
-template <typename Element, bool kSoftcap>
+template <typename Element, int kHeadDim, bool kSoftcap>
 __global__ void __launch_bounds__(kBackwardThreads, 1)
     paged_attention_backward_wgmma_kernel(const PagedAttentionBackwardParams params,
                                           const BackwardWorkspacePointers workspace, const SoftCap soft_cap) {
+  static_assert(warpgroup_backward_head_dim(kHeadDim), "the warpgroup backward is written for head_dim 64 or 128");
 #if MEMBAR_WGMMA_AVAILABLE
-  constexpr int kHeadDim = kBackwardHeadDim;
   constexpr int kKeys = kBackwardKeys;
   constexpr int kThreads = kBackwardThreads;
   constexpr int kQueryStages = kBackwardQueryStages;
-  constexpr int kKeyTileBytes = kBackwardKeyTileBytes;
-  constexpr int kQueryTileBytes = kBackwardQueryTileBytes;
+  constexpr int kKeyTileBytes = kBackwardKeyTileBytes<kHeadDim>;
+  constexpr int kQueryTileBytes = kBackwardQueryTileBytes<kHeadDim>;
   using ScoreLayout = BackwardScoreLayout;
   extern __shared__ unsigned char shared_raw[];
   // Align to 1024 bytes (the swizzle atom; the descriptors' base offset is then 0).
   const uint32_t raw_address = shared_address(shared_raw);
   unsigned char* shared_base = shared_raw + (((raw_address + 1023u) & ~1023u) - raw_address);
-  unsigned char* k_tile = shared_base;                                        // [2][128][64]
-  unsigned char* v_tile = k_tile + kKeyTileBytes;                             // [2][128][64]
-  unsigned char* q_tiles = v_tile + kKeyTileBytes;                            // [stages][2][64][64]
-  unsigned char* dout_tiles = q_tiles + kQueryStages * kQueryTileBytes;       // [stages][2][64][64]
+  unsigned char* k_tile = shared_base;                                        // [D / 64][128][64]
+  unsigned char* v_tile = k_tile + kKeyTileBytes;                             // [D / 64][128][64]
+  unsigned char* q_tiles = v_tile + kKeyTileBytes;                            // [stages][D / 64][64][64]
+  unsigned char* dout_tiles = q_tiles + kQueryStages * kQueryTileBytes;       // [stages][D / 64][64][64]
   Element* dst_tile = reinterpret_cast<Element*>(dout_tiles + kQueryStages * kQueryTileBytes);  // [128, 64], dS^T
   float* lse_tiles = reinterpret_cast<float*>(dst_tile + kKeys * ScoreLayout::kStride);  // [stages, 64], log2 units
   float* delta_tiles = lse_tiles + kQueryStages * kQueries;                              // [stages, 64]
@@ -311,12 +326,12 @@ __global__ void __launch_bounds__(kBackwardThreads, 1)
 #pragma unroll
     for (int kk = 0; kk < kQueries / 16; ++kk) {
       const uint64_t b = matrix_descriptor(dout_stage + kk * 16 * kRowBytes, kQueries * kRowBytes, 1024);
-      wgmma_registers_transposed_b<Element, 128>(dv, p_fragments[kk], b);
+      wgmma_registers_transposed_b<Element, kHeadDim>(dv, p_fragments[kk], b);
     }
 #pragma unroll
     for (int kk = 0; kk < kQueries / 16; ++kk) {
       const uint64_t b = matrix_descriptor(q_stage + kk * 16 * kRowBytes, kQueries * kRowBytes, 1024);
-      wgmma_registers_transposed_b<Element, 128>(dk, ds_fragments[kk], b);
+      wgmma_registers_transposed_b<Element, kHeadDim>(dk, ds_fragments[kk], b);
     }
     wgmma_commit();
     wgmma_wait<0>();
@@ -414,9 +429,8 @@ __global__ void __launch_bounds__(kBackwardThreads, 1)
 template <typename Element, int kHeadDim, bool kSoftcap>
 cudaError_t launch_backward_kv(const PagedAttentionBackwardParams& params, const BackwardWorkspacePointers& workspace,
                                cudaStream_t stream) {
-  static_assert(kHeadDim == kBackwardHeadDim, "the warpgroup backward is built for head_dim 128");
-  constexpr size_t kSharedBytes = backward_shared_bytes();
-  auto kernel = paged_attention_backward_wgmma_kernel<Element, kSoftcap>;
+  constexpr size_t kSharedBytes = backward_shared_bytes<kHeadDim>();
+  auto kernel = paged_attention_backward_wgmma_kernel<Element, kHeadDim, kSoftcap>;
   cudaError_t error = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kSharedBytes));
   if (error != cudaSuccess) return error;
   BackwardWorkspacePointers owners = workspace;

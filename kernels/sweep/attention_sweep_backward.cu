@@ -116,7 +116,7 @@ int warpgroup_run(const PagedAttentionBackwardParams& params, void* stream) {
 
 int warpgroup_resources(KernelResources* resources) {
   return kernel_resources(
-      reinterpret_cast<const void*>(&detail::warpgroup::paged_attention_backward_wgmma_kernel<Element, false>),
+      reinterpret_cast<const void*>(&detail::warpgroup::paged_attention_backward_wgmma_kernel<Element, kHeadDim, false>),
       resources);
 }
 

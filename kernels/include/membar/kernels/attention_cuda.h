@@ -18,7 +18,11 @@
 // warpgroup kernels) and of the call (LayoutQuery: dtype, head_dim, page_tokens, sparse query
 // tiles). The launch functions call them with the current device. The library compiles exactly
 // their image (forward_layout_compiled, backward_layout_compiled): a layout no device and no call
-// gets for a (dtype, head_dim) is not built for it. CudaOptions may ask for another compiled layout
+// gets for a (dtype, head_dim) is not built for it, except the few opt-in pairs of
+// kOptInBackwardLayouts: a layout written for a head size it does not run yet, compiled there so
+// that the gpu tests (which run every compiled layout that fits a call against the chosen one and
+// the reference) check it and the benches time it by name, before the choice takes it. CudaOptions
+// may ask for another compiled layout
 // (resolve_forward_layout); the bindings expose that for tests. A logit soft-cap is a template flag
 // of the kernels, not a layout: every compiled layout is built twice, without and with a cap, and
 // a call with logit_softcap > 0 runs the capped build of the layout chosen or asked for (the
@@ -171,8 +175,19 @@ constexpr bool forward_layout_compiled(ForwardLayout layout, DType dtype, int32_
   return false;
 }
 
+// Opt-in (layout, head_dim) pairs (Note [Layout choice]), every supported dtype: the warpgroup
+// backward at head size 64 (written and compiled in session 25, not yet run on a GPU).
+struct OptInBackwardLayout {
+  BackwardLayout layout;
+  int32_t head_dim;
+};
+inline constexpr OptInBackwardLayout kOptInBackwardLayouts[] = {{BackwardLayout::kWgmmaW8K128, 64}};
+
 constexpr bool backward_layout_compiled(BackwardLayout layout, DType dtype, int32_t head_dim) {
   if (!cuda_dtype_supported(dtype) || !cuda_head_dim_supported(head_dim)) return false;
+  for (const OptInBackwardLayout& opt_in : kOptInBackwardLayouts) {
+    if (opt_in.layout == layout && opt_in.head_dim == head_dim) return true;
+  }
   for (const CudaTarget& target : layout_detail::kTargets) {
     for (int32_t page_tokens : layout_detail::kPageTokens) {
       for (int32_t tile : layout_detail::kSparseTiles) {
