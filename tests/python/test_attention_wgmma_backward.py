@@ -7,7 +7,8 @@ other GPUs run) and the float32 reference. Both run through the library's op, as
 Each check runs in a subprocess, so that an illegal memory access or a hang fails one test cleanly
 instead of poisoning the CUDA context of every later test. The child runs every case on fresh
 random inputs (several seeds; grad pages with random initial contents, so that the kernel must ADD
-into them; bf16 and fp16 inputs) through both layouts, in three modes (fp32 grad pages, bf16 grad
+into them; bf16 and fp16 inputs; head sizes 128 and 64, the latter compiled opt-in and run only by
+name) through both layouts, in three modes (fp32 grad pages, bf16 grad
 pages, fp32 pages deterministic), and prints one JSON line per (case, seed, dtype, mode) with both
 errors against the float32 reference (membar.attention.reference_chunk_attention_backward; a
 history-only reference for attend_chunk=False); the parent asserts. The layout's error may be at
@@ -31,6 +32,9 @@ import torch
 LAYOUT = "wgmma_w8_k128"
 SPLIT = "w8_k128_split_s2_pad"
 DTYPES = ("bfloat16", "float16")
+# Head size 128 is where the library chooses the layout; 64 is compiled opt-in (kOptInBackwardLayouts
+# in membar/kernels/attention_cuda.h) and runs only when asked for by name, as here.
+HEAD_DIMS = (128, 64)
 BENCH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "bench")
 
 # (chunk_tokens, history_tokens, page_tokens, q_heads, kv_heads, attend_chunk, sparse tile or 0, top_k)
@@ -53,7 +57,7 @@ OUTPUTS = ("dq", "dk", "dv", "dk_pool", "dv_pool")
 # ---------------------------------------------------------------------------------------------
 # Child: runs in its own process (python3 tests/python/test_attention_wgmma_backward.py <mode>).
 
-def make_problem(case, seed, device, dtype="bfloat16"):
+def make_problem(case, seed, device, dtype="bfloat16", head_dim=128):
     chunk_tokens, history_tokens, page_tokens, q_heads, kv_heads, attend_chunk, tile, top_k = case
     element = getattr(torch, dtype)
     generator = torch.Generator().manual_seed(seed)
@@ -64,13 +68,14 @@ def make_problem(case, seed, device, dtype="bfloat16"):
         return (torch.randn(*shape, generator=generator) * scale).to(element).to(device)
 
     problem = {
-        "q": randn(chunk_tokens, q_heads, 128, scale=1.5), "k": randn(chunk_tokens, kv_heads, 128),
-        "v": randn(chunk_tokens, kv_heads, 128), "dout": randn(chunk_tokens, q_heads, 128),
-        "k_pool": randn(pool_pages, page_tokens, kv_heads, 128), "v_pool": randn(pool_pages, page_tokens, kv_heads, 128),
+        "q": randn(chunk_tokens, q_heads, head_dim, scale=1.5), "k": randn(chunk_tokens, kv_heads, head_dim),
+        "v": randn(chunk_tokens, kv_heads, head_dim), "dout": randn(chunk_tokens, q_heads, head_dim),
+        "k_pool": randn(pool_pages, page_tokens, kv_heads, head_dim),
+        "v_pool": randn(pool_pages, page_tokens, kv_heads, head_dim),
         "selection": None, "tile": tile or 128,
         # Initial contents of the grad pages (the kernels ADD into them).
-        "dk_pool0": (torch.randn(pool_pages, page_tokens, kv_heads, 128, generator=generator) * 0.1).to(device),
-        "dv_pool0": (torch.randn(pool_pages, page_tokens, kv_heads, 128, generator=generator) * 0.1).to(device),
+        "dk_pool0": (torch.randn(pool_pages, page_tokens, kv_heads, head_dim, generator=generator) * 0.1).to(device),
+        "dv_pool0": (torch.randn(pool_pages, page_tokens, kv_heads, head_dim, generator=generator) * 0.1).to(device),
     }
     for name in ("k_index", "v_index", "dk_index", "dv_index"):
         problem[name] = torch.randperm(pool_pages, generator=generator)[:num_pages].to(torch.int32).to(device)
@@ -91,10 +96,11 @@ def history_only_reference(p, case):
     chunk_tokens, history_tokens, page_tokens, q_heads, kv_heads, attend_chunk, tile, top_k = case
     assert p["selection"] is None, "the history-only reference is dense"
     group = q_heads // kv_heads
-    scale = attention._scale(128, None)
+    head_dim = p["q"].shape[-1]
+    scale = attention._scale(head_dim, None)
     q, dout = p["q"].float(), p["dout"].float()
-    keys = p["k_pool"].float()[p["k_index"].long()].reshape(-1, kv_heads, 128)[:history_tokens]
-    values = p["v_pool"].float()[p["v_index"].long()].reshape(-1, kv_heads, 128)[:history_tokens]
+    keys = p["k_pool"].float()[p["k_index"].long()].reshape(-1, kv_heads, head_dim)[:history_tokens]
+    values = p["v_pool"].float()[p["v_index"].long()].reshape(-1, kv_heads, head_dim)[:history_tokens]
     wide_keys = keys.repeat_interleave(group, dim=1)      # [history, Hq, D]
     wide_values = values.repeat_interleave(group, dim=1)  # [history, Hq, D]
     scores = torch.einsum("thd,lhd->htl", q, wide_keys) * scale  # [Hq, Tc, history]
@@ -105,8 +111,8 @@ def history_only_reference(p, case):
     dprobabilities = torch.einsum("thd,lhd->htl", dout, wide_values)
     dscores = probabilities * (dprobabilities - delta[..., None]) * scale
     dq = torch.einsum("htl,lhd->thd", dscores, wide_keys)
-    dk = torch.einsum("htl,thd->lhd", dscores, q).reshape(history_tokens, kv_heads, group, 128).sum(2)
-    dv = torch.einsum("htl,thd->lhd", probabilities, dout).reshape(history_tokens, kv_heads, group, 128).sum(2)
+    dk = torch.einsum("htl,thd->lhd", dscores, q).reshape(history_tokens, kv_heads, group, head_dim).sum(2)
+    dv = torch.einsum("htl,thd->lhd", probabilities, dout).reshape(history_tokens, kv_heads, group, head_dim).sum(2)
     return out, lse, dq, dk, dv
 
 
@@ -148,7 +154,7 @@ def backward(p, case, out, lse, grad_dtype, deterministic, layout):
     dk_pool, dv_pool = p["dk_pool0"].to(dtype).clone(), p["dv_pool0"].to(dtype).clone()
     dq, dk, dv = torch.ops.membar.paged_attention_backward(
         p["q"], p["k"], p["v"], p["k_pool"], p["k_index"], p["v_pool"], p["v_index"], out, p["dout"], lse,
-        dk_pool, p["dk_index"], dv_pool, p["dv_index"], history_tokens, attention._scale(128, None),
+        dk_pool, p["dk_index"], dv_pool, p["dv_index"], history_tokens, attention._scale(p["q"].shape[-1], None),
         p["selection"], p["tile"], deterministic, attend_chunk, layout=layout)
     return {"dq": dq, "dk": dk, "dv": dv, "dk_pool": dk_pool, "dv_pool": dv_pool}
 
@@ -164,22 +170,27 @@ def error(got, want):
 def child_check():
     import membar  # noqa: F401  (loads the ops library)
 
-    for case in CASES:
-        for seed in SEEDS:
-            for dtype in DTYPES:
-                problem = make_problem(case, seed, "cuda", dtype)
-                out, lse, truth = reference(problem, case)
-                for grad_dtype, deterministic in MODES:
-                    split = backward(problem, case, out, lse, grad_dtype, deterministic, SPLIT)
-                    got = backward(problem, case, out, lse, grad_dtype, deterministic, LAYOUT)
-                    torch.cuda.synchronize()
-                    record = {"case": list(case), "seed": seed, "dtype": dtype, "grad_dtype": grad_dtype,
-                              "deterministic": deterministic}
-                    for name in OUTPUTS:
-                        record[name] = error(got[name], truth[name])
-                        record["split_" + name] = error(split[name], truth[name])
-                        record["scale_" + name] = truth[name].abs().max().item() if truth[name].numel() else 0.0
-                    print(json.dumps(record), flush=True)
+    for head_dim in HEAD_DIMS:
+        for case in CASES:
+            for seed in SEEDS:
+                for dtype in DTYPES:
+                    check_one(case, seed, dtype, head_dim)
+
+
+def check_one(case, seed, dtype, head_dim):
+    problem = make_problem(case, seed, "cuda", dtype, head_dim)
+    out, lse, truth = reference(problem, case)
+    for grad_dtype, deterministic in MODES:
+        split = backward(problem, case, out, lse, grad_dtype, deterministic, SPLIT)
+        got = backward(problem, case, out, lse, grad_dtype, deterministic, LAYOUT)
+        torch.cuda.synchronize()
+        record = {"case": list(case), "seed": seed, "dtype": dtype, "head_dim": head_dim, "grad_dtype": grad_dtype,
+                  "deterministic": deterministic}
+        for name in OUTPUTS:
+            record[name] = error(got[name], truth[name])
+            record["split_" + name] = error(split[name], truth[name])
+            record["scale_" + name] = truth[name].abs().max().item() if truth[name].numel() else 0.0
+        print(json.dumps(record), flush=True)
 
 
 def child_timing():
@@ -247,9 +258,10 @@ def test_wgmma_backward_is_shipped():
 
 def test_wgmma_backward_matches_reference():
     records = run_child("check", timeout=500)
-    assert len(records) == len(CASES) * len(SEEDS) * len(DTYPES) * len(MODES), records
+    assert len(records) == len(HEAD_DIMS) * len(CASES) * len(SEEDS) * len(DTYPES) * len(MODES), records
     for record in records:
-        label = (record["case"], record["seed"], record["dtype"], record["grad_dtype"], record["deterministic"])
+        label = (record["case"], record["head_dim"], record["seed"], record["dtype"], record["grad_dtype"],
+                 record["deterministic"])
         for name in OUTPUTS:
             assert record["split_" + name] is not None, ("split layout not finite", name, label, record)
             assert record[name] is not None, ("not finite", name, label, record)
