@@ -1,8 +1,8 @@
 // The Hopper (sm_90a) dK/dV kernel of the paged-attention backward: warpgroup MMAs (wgmma) instead of
 // mma.sync. The shipped layout "wgmma_w8_k128" (BackwardLayout::kWgmmaW8K128) for head_dim 128 and
 // pages of 128 keys on Hopper (Note [Layout choice] in membar/kernels/attention_cuda.h); bf16 and
-// fp16, with or without a logit soft-cap, with or without a sliding window. Head size 64 is
-// compiled opt-in (kOptInBackwardLayouts: asked for by name only, not yet run on a GPU). Internal
+// fp16, with or without a logit soft-cap, with or without a sliding window. Head sizes 64
+// and 96 are compiled opt-in (kOptInBackwardLayouts: asked for by name only, not yet run on a GPU). Internal
 // to kernels/cuda/.
 //
 // Note [Warpgroup backward]
@@ -46,9 +46,9 @@
 // window bounds each CTA's work list (own_keys) and hides the pairs past its edge, as in the split
 // kernel (Note [Sliding window in the kernels]).
 // Head size 64 is the same code with one 64-column half per tile, N = 64 for dV and dK, and 16 dQ
-// columns per warp (216 registers, 254 capped, no spills).
-// Limitations: head_dim 128 (64 opt-in) and pages of 128 keys, an sm_90 device with the sm_90a
-// body built; 96 would need dQ pieces of 8 columns, 256 does not fit dK/dV in registers.
+// columns per warp; 96 fills 1.5 halves (kBackwardTileDims) and 24 dQ columns per warp.
+// Limitations: head_dim 128 (64 and 96 opt-in) and pages of 128 keys, an sm_90 device with the
+// sm_90a body built; 256 does not fit dK/dV in registers.
 // Every MMA batch is waited for in full (only the P^T math overlaps the dP^T MMAs); dQ still goes
 // through shared memory and mma.sync; at 255 registers a thread (0 spills, nvcc 13 for sm_90a)
 // there is no room for deeper tiles.
@@ -76,16 +76,25 @@ static_assert(kBackwardKeys == 2 * kBackwardWarpgroupKeys && kBackwardThreads ==
 inline constexpr int kBackwardQueryStages = 2;       // Q / dO / lse / delta stages
 using BackwardScoreLayout = TileLayout<kQueries, true>;                                  // dS^T [128, 64], padded
 
-// The head sizes the kernel is written for: whole 64-column halves (the swizzled tiles), dK/dV of
-// 64 keys in registers (256 columns would not fit) and a dQ pass of whole 16-column pieces per
-// warp (head_dim / 4 a multiple of 16).
-constexpr bool warpgroup_backward_head_dim(int head_dim) { return head_dim == 64 || head_dim == 128; }
+// The head sizes the kernel is written for: dK/dV of 64 keys in registers (256 columns would not
+// fit) and a dQ pass of 8-column tiles, head_dim / 4 columns a warp.
+constexpr bool warpgroup_backward_head_dim(int head_dim) {
+  return head_dim == 64 || head_dim == 96 || head_dim == 128;
+}
 
-// K or V of the CTA's page, [head_dim / 64][128][64]; Q or dO of one stage, [head_dim / 64][64][64].
+// Columns of the tiles and of the dV / dK products: whole 64-column halves (the swizzled layout of
+// Note [Warpgroup shared layout]). Head size 96 fills 1.5 halves: the loads leave columns 96-127
+// of the second half unwritten, the S^T and dP^T products read only the first 96, and dV / dK run
+// 128 columns wide, whose last 32 (products with whatever those unwritten columns hold) no one
+// writes out: a column of dV or dK reads only its own column of dO or Q.
 template <int kHeadDim>
-inline constexpr int kBackwardKeyTileBytes = kBackwardKeys * kHeadDim * 2;
+inline constexpr int kBackwardTileDims = (kHeadDim + 63) / 64 * 64;
+
+// K or V of the CTA's page, [tile dims / 64][128][64]; Q or dO of one stage, [tile dims / 64][64][64].
 template <int kHeadDim>
-inline constexpr int kBackwardQueryTileBytes = kQueries * kHeadDim * 2;
+inline constexpr int kBackwardKeyTileBytes = kBackwardKeys * kBackwardTileDims<kHeadDim> * 2;
+template <int kHeadDim>
+inline constexpr int kBackwardQueryTileBytes = kQueries * kBackwardTileDims<kHeadDim> * 2;
 
 template <int kHeadDim>
 constexpr size_t backward_shared_bytes() {
@@ -111,7 +120,7 @@ template <typename Element, int kHeadDim, bool kSoftcap>
 __global__ void __launch_bounds__(kBackwardThreads, 1)
     paged_attention_backward_wgmma_kernel(const PagedAttentionBackwardParams params,
                                           const BackwardWorkspacePointers workspace, const SoftCap soft_cap) {
-  static_assert(warpgroup_backward_head_dim(kHeadDim), "the warpgroup backward is written for head_dim 64 or 128");
+  static_assert(warpgroup_backward_head_dim(kHeadDim), "the warpgroup backward is written for head_dim 64, 96 or 128");
 #if MEMBAR_WGMMA_AVAILABLE
   constexpr int kKeys = kBackwardKeys;
   constexpr int kThreads = kBackwardThreads;
@@ -197,9 +206,10 @@ __global__ void __launch_bounds__(kBackwardThreads, 1)
   // Phase 3 (the split kernel's): 32 queries x D / 4 columns per warp.
   const int query_base = (warp / 4) * 32;
   const int dq_dim_base = (warp % 4) * (kHeadDim / 4);
-  constexpr int kDqDimTiles = kHeadDim / 4 / 8;
-  float dk[kHeadDim / 8][4];
-  float dv[kHeadDim / 8][4];
+  constexpr int kDqDimTiles = kHeadDim / 4 / 8;        // 2, 3 or 4
+  constexpr int kProductDims = kBackwardTileDims<kHeadDim>;
+  float dk[kProductDims / 8][4];
+  float dv[kProductDims / 8][4];
   clear(dk);
   clear(dv);
 
@@ -326,12 +336,12 @@ __global__ void __launch_bounds__(kBackwardThreads, 1)
 #pragma unroll
     for (int kk = 0; kk < kQueries / 16; ++kk) {
       const uint64_t b = matrix_descriptor(dout_stage + kk * 16 * kRowBytes, kQueries * kRowBytes, 1024);
-      wgmma_registers_transposed_b<Element, kHeadDim>(dv, p_fragments[kk], b);
+      wgmma_registers_transposed_b<Element, kProductDims>(dv, p_fragments[kk], b);
     }
 #pragma unroll
     for (int kk = 0; kk < kQueries / 16; ++kk) {
       const uint64_t b = matrix_descriptor(q_stage + kk * 16 * kRowBytes, kQueries * kRowBytes, 1024);
-      wgmma_registers_transposed_b<Element, kHeadDim>(dk, ds_fragments[kk], b);
+      wgmma_registers_transposed_b<Element, kProductDims>(dk, ds_fragments[kk], b);
     }
     wgmma_commit();
     wgmma_wait<0>();
@@ -367,14 +377,16 @@ __global__ void __launch_bounds__(kBackwardThreads, 1)
                                                                  query_base + t * 16 + ((lane >> 3) & 1) * 8));
         }
 #pragma unroll
-        for (int nn = 0; nn < kDqDimTiles / 2; ++nn) {
+        for (int nn = 0; nn < (kDqDimTiles + 1) / 2; ++nn) {
+          // 16 columns of K (an odd last tile, head size 96: the next warp's 8 columns, or for the
+          // last warp 8 unwritten ones, loaded and not used).
           uint32_t b[4];
           ldmatrix_x4_trans(b, k_elements + warpgroup_tile_offset<kKeys>(kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8,
                                                                          dq_dim_base + nn * 16 + (lane >> 4) * 8));
 #pragma unroll
           for (int t = 0; t < 2; ++t) {
             ElementTraits<Element>::mma(dq[t][2 * nn], a[t], b[0], b[1]);
-            ElementTraits<Element>::mma(dq[t][2 * nn + 1], a[t], b[2], b[3]);
+            if (2 * nn + 1 < kDqDimTiles) ElementTraits<Element>::mma(dq[t][2 * nn + 1], a[t], b[2], b[3]);
           }
         }
       }

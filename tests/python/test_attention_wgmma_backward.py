@@ -7,8 +7,8 @@ other GPUs run) and the float32 reference. Both run through the library's op, as
 Each check runs in a subprocess, so that an illegal memory access or a hang fails one test cleanly
 instead of poisoning the CUDA context of every later test. The child runs every case on fresh
 random inputs (several seeds; grad pages with random initial contents, so that the kernel must ADD
-into them; bf16 and fp16 inputs; head sizes 128 and 64, the latter compiled opt-in and run only by
-name) through both layouts, in three modes (fp32 grad pages, bf16 grad
+into them; bf16 and fp16 inputs; head sizes 128, 64 and 96, the last two compiled opt-in and run
+only by name) through both layouts (at 96 the mma.sync layout the library chooses there), in three modes (fp32 grad pages, bf16 grad
 pages, fp32 pages deterministic), and prints one JSON line per (case, seed, dtype, mode) with both
 errors against the float32 reference (membar.attention.reference_chunk_attention_backward; a
 history-only reference for attend_chunk=False); the parent asserts. The layout's error may be at
@@ -32,9 +32,12 @@ import torch
 LAYOUT = "wgmma_w8_k128"
 SPLIT = "w8_k128_split_s2_pad"
 DTYPES = ("bfloat16", "float16")
-# Head size 128 is where the library chooses the layout; 64 is compiled opt-in (kOptInBackwardLayouts
-# in membar/kernels/attention_cuda.h) and runs only when asked for by name, as here.
-HEAD_DIMS = (128, 64)
+# Head size 128 is where the library chooses the layout; 64 and 96 are compiled opt-in
+# (kOptInBackwardLayouts in membar/kernels/attention_cuda.h) and run only when asked for by name, as
+# here. The split layout needs whole 64-column groups: at 96 the one-warp-per-16-keys layout is the
+# one to compare with.
+HEAD_DIMS = (128, 64, 96)
+BASELINE = {128: "w8_k128_split_s2_pad", 64: "w8_k128_split_s2_pad", 96: "w8_k128_dq64"}
 BENCH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "bench")
 
 # (chunk_tokens, history_tokens, page_tokens, q_heads, kv_heads, attend_chunk, sparse tile or 0, top_k)
@@ -181,7 +184,7 @@ def check_one(case, seed, dtype, head_dim):
     problem = make_problem(case, seed, "cuda", dtype, head_dim)
     out, lse, truth = reference(problem, case)
     for grad_dtype, deterministic in MODES:
-        split = backward(problem, case, out, lse, grad_dtype, deterministic, SPLIT)
+        split = backward(problem, case, out, lse, grad_dtype, deterministic, BASELINE[head_dim])
         got = backward(problem, case, out, lse, grad_dtype, deterministic, LAYOUT)
         torch.cuda.synchronize()
         record = {"case": list(case), "seed": seed, "dtype": dtype, "head_dim": head_dim, "grad_dtype": grad_dtype,

@@ -176,12 +176,13 @@ constexpr bool forward_layout_compiled(ForwardLayout layout, DType dtype, int32_
 }
 
 // Opt-in (layout, head_dim) pairs (Note [Layout choice]), every supported dtype: the warpgroup
-// backward at head size 64 (written and compiled in session 25, not yet run on a GPU).
+// backward at head sizes 64 and 96 (written and compiled in session 25, not yet run on a GPU).
 struct OptInBackwardLayout {
   BackwardLayout layout;
   int32_t head_dim;
 };
-inline constexpr OptInBackwardLayout kOptInBackwardLayouts[] = {{BackwardLayout::kWgmmaW8K128, 64}};
+inline constexpr OptInBackwardLayout kOptInBackwardLayouts[] = {{BackwardLayout::kWgmmaW8K128, 64},
+                                                              {BackwardLayout::kWgmmaW8K128, 96}};
 
 constexpr bool backward_layout_compiled(BackwardLayout layout, DType dtype, int32_t head_dim) {
   if (!cuda_dtype_supported(dtype) || !cuda_head_dim_supported(head_dim)) return false;
