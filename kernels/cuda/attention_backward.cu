@@ -160,6 +160,11 @@ detail::KvLaunch layout_launch(BackwardLayout layout) {
         return &detail::warpgroup::launch_backward_kv<Element, kHeadDim, kSoftcap>;
       }
       break;
+    case BackwardLayout::kWgmmaW8K128Overlap:
+      if constexpr (backward_layout_compiled(BackwardLayout::kWgmmaW8K128Overlap, kDType, kHeadDim)) {
+        return &detail::warpgroup::launch_backward_kv<Element, kHeadDim, kSoftcap, /*kOverlapDq=*/true>;
+      }
+      break;
     case BackwardLayout::kAuto:
       break;
   }

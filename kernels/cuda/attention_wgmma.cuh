@@ -53,6 +53,17 @@ __device__ __forceinline__ void fence_registers(float (&d)[kN][4]) {
   }
 }
 
+// The same for A fragments in registers that a wgmma still reads: placed after the wait, it keeps
+// their values where they are (no other value takes their registers) until the MMAs are done.
+template <int kN>
+__device__ __forceinline__ void fence_registers(uint32_t (&a)[kN][4]) {
+#pragma unroll
+  for (int n = 0; n < kN; ++n) {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) asm volatile("" : "+r"(a[n][j])::"memory");
+  }
+}
+
 // The wgmma operand lists. Accumulator tiles d[kOffset + n] (n < 8 or 16) hold columns
 // 8 (kOffset + n) .. 8 (kOffset + n) + 7 of the product (Note [Warpgroup forward]).
 #define MEMBAR_WGMMA_TILE(n) \

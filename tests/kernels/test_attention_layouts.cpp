@@ -151,6 +151,9 @@ TEST(AttentionLayouts, OnlyTheLayoutsDispatchReachesAreCompiled) {
     EXPECT_TRUE(backward_layout_compiled(BackwardLayout::kWgmmaW8K128, dtype, 96));
     EXPECT_FALSE(backward_layout_compiled(BackwardLayout::kWgmmaW8K128, dtype, 256));
   }
+  // Its variant with the dQ pass beside the dK MMAs: opt-in at 128 only.
+  EXPECT_TRUE(backward_layout_compiled(BackwardLayout::kWgmmaW8K128Overlap, DType::kFloat16, 128));
+  EXPECT_FALSE(backward_layout_compiled(BackwardLayout::kWgmmaW8K128Overlap, DType::kBFloat16, 64));
   const LayoutQuery bf16_64{DType::kBFloat16, 64, 128, 0};
   EXPECT_EQ(BackwardLayout::kMmaSplitK128S2, choose_backward_layout(kHopper, bf16_64));
   EXPECT_EQ(BackwardLayout::kWgmmaW8K128, resolve_backward_layout(BackwardLayout::kWgmmaW8K128, kHopper, bf16_64));

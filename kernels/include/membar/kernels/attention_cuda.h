@@ -147,6 +147,7 @@ constexpr bool backward_layout_fits(BackwardLayout layout, const CudaTarget& tar
     case BackwardLayout::kMmaW4K64S2Halves:
       return query.page_tokens % 64 == 0;
     case BackwardLayout::kWgmmaW8K128:
+    case BackwardLayout::kWgmmaW8K128Overlap:
       return target.compute_capability == 90 && target.warpgroup_kernels && query.page_tokens == 128;
     case BackwardLayout::kAuto:
       break;
@@ -176,13 +177,14 @@ constexpr bool forward_layout_compiled(ForwardLayout layout, DType dtype, int32_
 }
 
 // Opt-in (layout, head_dim) pairs (Note [Layout choice]), every supported dtype: the warpgroup
-// backward at head sizes 64 and 96 (written and compiled in session 25, not yet run on a GPU).
+// backward at head sizes 64 and 96, and its variant that runs the dQ pass beside the dK MMAs
+// (written and compiled in session 25, not yet run on a GPU).
 struct OptInBackwardLayout {
   BackwardLayout layout;
   int32_t head_dim;
 };
-inline constexpr OptInBackwardLayout kOptInBackwardLayouts[] = {{BackwardLayout::kWgmmaW8K128, 64},
-                                                              {BackwardLayout::kWgmmaW8K128, 96}};
+inline constexpr OptInBackwardLayout kOptInBackwardLayouts[] = {
+    {BackwardLayout::kWgmmaW8K128, 64}, {BackwardLayout::kWgmmaW8K128, 96}, {BackwardLayout::kWgmmaW8K128Overlap, 128}};
 
 constexpr bool backward_layout_compiled(BackwardLayout layout, DType dtype, int32_t head_dim) {
   if (!cuda_dtype_supported(dtype) || !cuda_head_dim_supported(head_dim)) return false;
@@ -227,7 +229,8 @@ inline constexpr ForwardLayout kForwardLayouts[] = {
     ForwardLayout::kMmaW4R16K128S1, ForwardLayout::kWgmmaW8R64K64S2, ForwardLayout::kWgmmaW8R64K64S3TwoCtas};
 inline constexpr BackwardLayout kBackwardLayouts[] = {BackwardLayout::kMmaSplitK128S2, BackwardLayout::kMmaW8K128,
                                                       BackwardLayout::kMmaW4K64, BackwardLayout::kMmaW4K64Padded,
-                                                      BackwardLayout::kMmaW4K64S2Halves, BackwardLayout::kWgmmaW8K128};
+                                                      BackwardLayout::kMmaW4K64S2Halves, BackwardLayout::kWgmmaW8K128,
+                                                      BackwardLayout::kWgmmaW8K128Overlap};
 
 constexpr const char* forward_layout_name(ForwardLayout layout) {
   switch (layout) {
@@ -254,6 +257,7 @@ constexpr const char* backward_layout_name(BackwardLayout layout) {
     case BackwardLayout::kMmaW4K64Padded: return "w4_k64_dq128_pad";
     case BackwardLayout::kMmaW4K64S2Halves: return "w4_k64_dq32_pad_s2_d2";
     case BackwardLayout::kWgmmaW8K128: return "wgmma_w8_k128";
+    case BackwardLayout::kWgmmaW8K128Overlap: return "wgmma_w8_k128_ovl";
   }
   return "unknown";
 }
