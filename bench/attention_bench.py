@@ -124,18 +124,24 @@ def sdpa_runner(p):
 SPLIT_BACKWARD = "w8_k128_split_s2_pad"
 
 
-def time_other_backward(backward, layout):
-    """Milliseconds of `backward` with the backward layout `layout` ($MEMBAR_CUDA_BACKWARD_LAYOUT,
-    which ops given no layout follow), or None where the kernels choose it anyway (or lack it)."""
-    if not hasattr(ops, "attention_cuda_layout") or layout not in ops.attention_cuda_layouts("backward"):
-        return None
-    if ops.attention_cuda_layout("backward", torch.bfloat16, HEAD_DIM, PAGE_TOKENS) == layout:
-        return None
+def time_backward_layout(backward, layout):
+    """Milliseconds of `backward` on the backward layout `layout` ($MEMBAR_CUDA_BACKWARD_LAYOUT,
+    which ops given no layout follow)."""
     os.environ["MEMBAR_CUDA_BACKWARD_LAYOUT"] = layout
     try:
         return time_ms(backward)
     finally:
         del os.environ["MEMBAR_CUDA_BACKWARD_LAYOUT"]
+
+
+def time_other_backward(backward, layout):
+    """time_backward_layout at the 7B shape, or None where the kernels choose `layout` anyway (or
+    lack it)."""
+    if not hasattr(ops, "attention_cuda_layout") or layout not in ops.attention_cuda_layouts("backward"):
+        return None
+    if ops.attention_cuda_layout("backward", torch.bfloat16, HEAD_DIM, PAGE_TOKENS) == layout:
+        return None
+    return time_backward_layout(backward, layout)
 
 
 def bench_history(history, results):
@@ -228,11 +234,8 @@ def bench_head_dim(head_dim, dtype, history, results, try_layouts=(), softcap=0.
     # [Layout choice] before the choice takes it), through $MEMBAR_CUDA_BACKWARD_LAYOUT.
     row["tried_backward_tflops"] = {}
     for name in try_backward:
-        os.environ["MEMBAR_CUDA_BACKWARD_LAYOUT"] = name
-        try:
-            row["tried_backward_tflops"][name] = 2.5 * fwd_flops / (time_ms(backward) * 1e-3) / 1e12
-        finally:
-            del os.environ["MEMBAR_CUDA_BACKWARD_LAYOUT"]
+        milliseconds = time_backward_layout(backward, name)
+        row["tried_backward_tflops"][name] = 2.5 * fwd_flops / (milliseconds * 1e-3) / 1e12
     if softcap:
         capped_forward, capped_backward, _ = membar_runner(p, softcap=softcap)
         row["softcap"] = softcap
