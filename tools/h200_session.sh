@@ -381,7 +381,7 @@ for step in "$@"; do
       MEMBAR_RESULTS_DIR=$work/attention timeout 300 "$py" bench/attention_bench.py \
         --histories "${ATTENTION_HISTORIES:-32768,131072,262144}" --head-dims "${HEADS_DIMS:-64,96,128,256}" \
         --head-dim-dtypes "${HEADS_DTYPES:-bfloat16}" --softcap "${HEADS_SOFTCAP:-50}" \
-        --try-backward-layouts "${TRY_BACKWARD:-64=wgmma_w8_k128,96=wgmma_w8_k128,128=wgmma_w8_k128_ovl}" \
+        --try-backward-layouts "${TRY_BACKWARD:-64=w8_k128_split_s2_pad,96=w8_k128_dq64,256=w4_k64_dq32_pad_s2_d2}" \
         > "$work/attention/bench.log" 2>&1 || status=1
       cat "$work/attention/attention.txt" 2>/dev/null || tail -20 "$work/attention/bench.log" ;;
     softcap)

@@ -9,6 +9,7 @@
 
 #include "attention_backward_kernel.cuh"
 #include "attention_backward_wgmma.cuh"
+#include "attention_backward_wgmma_d2.cuh"
 #include "attention_common.cuh"
 #include "attention_cuda_internal.h"
 #include "attention_tiles.cuh"
@@ -163,6 +164,11 @@ detail::KvLaunch layout_launch(BackwardLayout layout) {
     case BackwardLayout::kWgmmaW8K128Overlap:
       if constexpr (backward_layout_compiled(BackwardLayout::kWgmmaW8K128Overlap, kDType, kHeadDim)) {
         return &detail::warpgroup::launch_backward_kv<Element, kHeadDim, kSoftcap, /*kOverlapDq=*/true>;
+      }
+      break;
+    case BackwardLayout::kWgmmaW8K64D2:
+      if constexpr (backward_layout_compiled(BackwardLayout::kWgmmaW8K64D2, kDType, kHeadDim)) {
+        return &detail::warpgroup::launch_backward_kv_d2<Element, kHeadDim, kSoftcap>;
       }
       break;
     case BackwardLayout::kAuto:

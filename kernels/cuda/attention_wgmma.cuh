@@ -1,5 +1,5 @@
 // The warpgroup-MMA (wgmma) building blocks of the Hopper attention kernels: matrix descriptors,
-// wgmma fences, the m64n64k16 / m64n128k16 products in bf16 and fp16 and the swizzled tile copy of
+// wgmma fences, the m64n32k16 / m64n64k16 / m64n128k16 products in bf16 and fp16 and the swizzled tile copy of
 // Note [Warpgroup shared layout] (attention_forward_wgmma.cuh). Shared by the warpgroup forward
 // and the experimental warpgroup backward of the sweep target (kernels/sweep/). Internal to kernels/.
 #pragma once
@@ -68,12 +68,15 @@ __device__ __forceinline__ void fence_registers(uint32_t (&a)[kN][4]) {
 // 8 (kOffset + n) .. 8 (kOffset + n) + 7 of the product (Note [Warpgroup forward]).
 #define MEMBAR_WGMMA_TILE(n) \
   "+f"(d[kOffset + n][0]), "+f"(d[kOffset + n][1]), "+f"(d[kOffset + n][2]), "+f"(d[kOffset + n][3])
+#define MEMBAR_WGMMA_TILES_4 \
+  MEMBAR_WGMMA_TILE(0), MEMBAR_WGMMA_TILE(1), MEMBAR_WGMMA_TILE(2), MEMBAR_WGMMA_TILE(3)
 #define MEMBAR_WGMMA_TILES_8                                                                                \
   MEMBAR_WGMMA_TILE(0), MEMBAR_WGMMA_TILE(1), MEMBAR_WGMMA_TILE(2), MEMBAR_WGMMA_TILE(3), MEMBAR_WGMMA_TILE(4), \
       MEMBAR_WGMMA_TILE(5), MEMBAR_WGMMA_TILE(6), MEMBAR_WGMMA_TILE(7)
 #define MEMBAR_WGMMA_TILES_16                                                                                 \
   MEMBAR_WGMMA_TILES_8, MEMBAR_WGMMA_TILE(8), MEMBAR_WGMMA_TILE(9), MEMBAR_WGMMA_TILE(10), MEMBAR_WGMMA_TILE(11), \
       MEMBAR_WGMMA_TILE(12), MEMBAR_WGMMA_TILE(13), MEMBAR_WGMMA_TILE(14), MEMBAR_WGMMA_TILE(15)
+#define MEMBAR_WGMMA_REGISTERS_16 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}"
 #define MEMBAR_WGMMA_REGISTERS_32                                                                          \
   "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, " \
   "%23, %24, %25, %26, %27, %28, %29, %30, %31}"
@@ -87,6 +90,12 @@ __device__ __forceinline__ void fence_registers(uint32_t (&a)[kN][4]) {
                ".f32." types " " registers ", " a ", " b ", p, 1, 1, 0, 0;\n}\n"                 \
                : tiles                                                                           \
                : "l"(a_descriptor), "l"(b_descriptor), "r"(accumulate))
+// A and B from shared memory, either MN-major (the transpose immediates ta, tb: 0 or 1).
+#define MEMBAR_WGMMA_SS_TRANSPOSED(shape, types, registers, a, b, p, ta, tb, tiles)                      \
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, " p ", 0;\nwgmma.mma_async.sync.aligned." shape        \
+               ".f32." types " " registers ", " a ", " b ", p, 1, 1, " ta ", " tb ";\n}\n"              \
+               : tiles                                                                                 \
+               : "l"(a_descriptor), "l"(b_descriptor), "r"(accumulate), "n"(int(kTransposeA)), "n"(int(kTransposeB)))
 // A from registers, B from shared memory MN-major (the transpose bit); always accumulates.
 #define MEMBAR_WGMMA_RS_TRANSPOSED_B(shape, types, registers, a, b, p, tiles)                               \
   asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, " p ", 0;\nwgmma.mma_async.sync.aligned." shape          \
@@ -100,11 +109,15 @@ __device__ __forceinline__ void fence_registers(uint32_t (&a)[kN][4]) {
 template <typename Element, int kN, int kOffset = 0, int kTiles>
 __device__ __forceinline__ void wgmma_shared(float (&d)[kTiles][4], uint64_t a_descriptor, uint64_t b_descriptor,
                                              int accumulate) {
-  static_assert(kN == 64 || kN == 128, "the products of the attention kernels are 64 or 128 columns wide");
+  static_assert(kN == 32 || kN == 64 || kN == 128, "the products of the attention kernels are 32, 64 or 128 columns wide");
   static_assert(kOffset + kN / 8 <= kTiles, "the product's tiles lie inside d");
   constexpr bool kBf16 = std::is_same_v<Element, __nv_bfloat16>;
   static_assert(kBf16 || std::is_same_v<Element, __half>, "wgmma takes bf16 or fp16 operands here");
-  if constexpr (kN == 64 && kBf16) {
+  if constexpr (kN == 32 && kBf16) {
+    MEMBAR_WGMMA_SS("m64n32k16", "bf16.bf16", MEMBAR_WGMMA_REGISTERS_16, "%16", "%17", "%18", MEMBAR_WGMMA_TILES_4);
+  } else if constexpr (kN == 32) {
+    MEMBAR_WGMMA_SS("m64n32k16", "f16.f16", MEMBAR_WGMMA_REGISTERS_16, "%16", "%17", "%18", MEMBAR_WGMMA_TILES_4);
+  } else if constexpr (kN == 64 && kBf16) {
     MEMBAR_WGMMA_SS("m64n64k16", "bf16.bf16", MEMBAR_WGMMA_REGISTERS_32, "%32", "%33", "%34", MEMBAR_WGMMA_TILES_8);
   } else if constexpr (kN == 64) {
     MEMBAR_WGMMA_SS("m64n64k16", "f16.f16", MEMBAR_WGMMA_REGISTERS_32, "%32", "%33", "%34", MEMBAR_WGMMA_TILES_8);
@@ -112,6 +125,24 @@ __device__ __forceinline__ void wgmma_shared(float (&d)[kTiles][4], uint64_t a_d
     MEMBAR_WGMMA_SS("m64n128k16", "bf16.bf16", MEMBAR_WGMMA_REGISTERS_64, "%64", "%65", "%66", MEMBAR_WGMMA_TILES_16);
   } else {
     MEMBAR_WGMMA_SS("m64n128k16", "f16.f16", MEMBAR_WGMMA_REGISTERS_64, "%64", "%65", "%66", MEMBAR_WGMMA_TILES_16);
+  }
+}
+
+// d[64 x 128] (+)= A[64 x 16] * B[16 x 128], A and B from shared memory, each K-major or (with
+// kTransposeA / kTransposeB) MN-major, Element bf16 or fp16; with accumulate == 0 the previous d is
+// ignored. The head-size-256 backward's dV, dK and dQ products (attention_backward_wgmma_d2.cuh).
+template <typename Element, bool kTransposeA, bool kTransposeB>
+__device__ __forceinline__ void wgmma_shared_128(float (&d)[16][4], uint64_t a_descriptor, uint64_t b_descriptor,
+                                                 int accumulate) {
+  constexpr int kOffset = 0;
+  constexpr bool kBf16 = std::is_same_v<Element, __nv_bfloat16>;
+  static_assert(kBf16 || std::is_same_v<Element, __half>, "wgmma takes bf16 or fp16 operands here");
+  if constexpr (kBf16) {
+    MEMBAR_WGMMA_SS_TRANSPOSED("m64n128k16", "bf16.bf16", MEMBAR_WGMMA_REGISTERS_64, "%64", "%65", "%66", "%67",
+                               "%68", MEMBAR_WGMMA_TILES_16);
+  } else {
+    MEMBAR_WGMMA_SS_TRANSPOSED("m64n128k16", "f16.f16", MEMBAR_WGMMA_REGISTERS_64, "%64", "%65", "%66", "%67", "%68",
+                               MEMBAR_WGMMA_TILES_16);
   }
 }
 
@@ -140,11 +171,14 @@ __device__ __forceinline__ void wgmma_registers_transposed_b(float (&d)[kTiles][
 }
 
 #undef MEMBAR_WGMMA_RS_TRANSPOSED_B
+#undef MEMBAR_WGMMA_SS_TRANSPOSED
 #undef MEMBAR_WGMMA_SS
 #undef MEMBAR_WGMMA_REGISTERS_64
 #undef MEMBAR_WGMMA_REGISTERS_32
+#undef MEMBAR_WGMMA_REGISTERS_16
 #undef MEMBAR_WGMMA_TILES_16
 #undef MEMBAR_WGMMA_TILES_8
+#undef MEMBAR_WGMMA_TILES_4
 #undef MEMBAR_WGMMA_TILE
 
 // The bf16 products the sweep target's warpgroup backward calls by name.

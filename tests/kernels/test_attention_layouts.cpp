@@ -78,19 +78,24 @@ TEST(AttentionLayouts, OtherDevicesRunMmaSync) {
 TEST(AttentionLayouts, BackwardFollowsThePageSizeAndHeadDim) {
   for (const CudaTarget& target : {kHopper, kHopperWithoutSm90a, kAmpere}) {
     for (DType dtype : {DType::kBFloat16, DType::kFloat16}) {
-      // Head size 128 in pages of 128: the warpgroup kernel on Hopper with the sm_90a build (dense
-      // and every sparse tile), the split mma.sync layout elsewhere.
+      // Head sizes 64, 96 and 128 in pages of 128: the warpgroup kernel on Hopper with the sm_90a
+      // build (dense and every sparse tile), the mma.sync layouts elsewhere.
       for (int32_t tile : {0, 64, 128}) {
         EXPECT_EQ(target.warpgroup_kernels ? BackwardLayout::kWgmmaW8K128 : BackwardLayout::kMmaSplitK128S2,
                   choose_backward_layout(target, LayoutQuery{dtype, 128, 128, tile}));
+        EXPECT_EQ(target.warpgroup_kernels ? BackwardLayout::kWgmmaW8K128 : BackwardLayout::kMmaSplitK128S2,
+                  choose_backward_layout(target, LayoutQuery{dtype, 64, 128, tile}));
+        EXPECT_EQ(target.warpgroup_kernels ? BackwardLayout::kWgmmaW8K128 : BackwardLayout::kMmaW8K128,
+                  choose_backward_layout(target, LayoutQuery{dtype, 96, 128, tile}));
       }
       EXPECT_EQ(BackwardLayout::kMmaW4K64Padded, choose_backward_layout(target, LayoutQuery{dtype, 128, 64, 0}));
-      EXPECT_EQ(BackwardLayout::kMmaSplitK128S2, choose_backward_layout(target, LayoutQuery{dtype, 64, 128, 128}));
       EXPECT_EQ(BackwardLayout::kMmaW4K64, choose_backward_layout(target, LayoutQuery{dtype, 64, 64, 64}));
-      EXPECT_EQ(BackwardLayout::kMmaW8K128, choose_backward_layout(target, LayoutQuery{dtype, 96, 128, 0}));
       EXPECT_EQ(BackwardLayout::kMmaW4K64, choose_backward_layout(target, LayoutQuery{dtype, 96, 64, 0}));
-      EXPECT_EQ(BackwardLayout::kMmaW4K64S2Halves, choose_backward_layout(target, LayoutQuery{dtype, 256, 128, 0}));
-      EXPECT_EQ(BackwardLayout::kMmaW4K64S2Halves, choose_backward_layout(target, LayoutQuery{dtype, 256, 64, 64}));
+      // Head size 256, pages of 64 or 128: 64 keys a CTA, the columns split between warpgroups on
+      // Hopper with the sm_90a build, two passes of half the columns elsewhere.
+      const BackwardLayout wide = target.warpgroup_kernels ? BackwardLayout::kWgmmaW8K64D2 : BackwardLayout::kMmaW4K64S2Halves;
+      EXPECT_EQ(wide, choose_backward_layout(target, LayoutQuery{dtype, 256, 128, 0}));
+      EXPECT_EQ(wide, choose_backward_layout(target, LayoutQuery{dtype, 256, 64, 64}));
     }
   }
 }
@@ -143,20 +148,27 @@ TEST(AttentionLayouts, OnlyTheLayoutsDispatchReachesAreCompiled) {
   // The unpadded one-warp-per-16-keys kernel spills at head_dim 128: never compiled there.
   EXPECT_FALSE(backward_layout_compiled(BackwardLayout::kMmaW4K64, DType::kBFloat16, 128));
   EXPECT_FALSE(backward_layout_compiled(BackwardLayout::kMmaW8K128, DType::kBFloat16, 128));
-  // The warpgroup backward is chosen at head size 128 and compiled opt-in at 64 and 96 (asked for
-  // by name only), in both dtypes; 256 it cannot run.
+  // The warpgroup backward is chosen at head sizes 64, 96 and 128, in both dtypes; 256 it cannot run.
   for (DType dtype : {DType::kBFloat16, DType::kFloat16}) {
     EXPECT_TRUE(backward_layout_compiled(BackwardLayout::kWgmmaW8K128, dtype, 128));
     EXPECT_TRUE(backward_layout_compiled(BackwardLayout::kWgmmaW8K128, dtype, 64));
     EXPECT_TRUE(backward_layout_compiled(BackwardLayout::kWgmmaW8K128, dtype, 96));
     EXPECT_FALSE(backward_layout_compiled(BackwardLayout::kWgmmaW8K128, dtype, 256));
   }
+  // Head size 256's warpgroup layout: there only.
+  EXPECT_TRUE(backward_layout_compiled(BackwardLayout::kWgmmaW8K64D2, DType::kBFloat16, 256));
+  EXPECT_TRUE(backward_layout_compiled(BackwardLayout::kWgmmaW8K64D2, DType::kFloat16, 256));
+  EXPECT_FALSE(backward_layout_compiled(BackwardLayout::kWgmmaW8K64D2, DType::kBFloat16, 128));
   // Its variant with the dQ pass beside the dK MMAs: opt-in at 128 only.
   EXPECT_TRUE(backward_layout_compiled(BackwardLayout::kWgmmaW8K128Overlap, DType::kFloat16, 128));
   EXPECT_FALSE(backward_layout_compiled(BackwardLayout::kWgmmaW8K128Overlap, DType::kBFloat16, 64));
+  const LayoutQuery bf16_128{DType::kBFloat16, 128, 128, 0};
+  EXPECT_EQ(BackwardLayout::kWgmmaW8K128, choose_backward_layout(kHopper, bf16_128));
+  EXPECT_EQ(BackwardLayout::kWgmmaW8K128Overlap,
+            resolve_backward_layout(BackwardLayout::kWgmmaW8K128Overlap, kHopper, bf16_128));
+  // Asked for where it is not compiled, the chosen layout runs.
   const LayoutQuery bf16_64{DType::kBFloat16, 64, 128, 0};
-  EXPECT_EQ(BackwardLayout::kMmaSplitK128S2, choose_backward_layout(kHopper, bf16_64));
-  EXPECT_EQ(BackwardLayout::kWgmmaW8K128, resolve_backward_layout(BackwardLayout::kWgmmaW8K128, kHopper, bf16_64));
+  EXPECT_EQ(BackwardLayout::kWgmmaW8K128, resolve_backward_layout(BackwardLayout::kWgmmaW8K128Overlap, kHopper, bf16_64));
   // A head size the kernels do not support compiles nothing.
   for (int32_t head_dim : {32, 80, 160, 192}) {
     EXPECT_FALSE(mk::cuda::cuda_head_dim_supported(head_dim));

@@ -1,21 +1,22 @@
-"""The Hopper (wgmma) backward layout wgmma_w8_k128 (Note [Warpgroup backward] in
-kernels/cuda/attention_backward_wgmma.cuh), which the library runs on Hopper for head_dim 128 and
-pages of 128, against the mma.sync split layout it replaced there (w8_k128_split_s2_pad, which
-other GPUs run) and the float32 reference. Both run through the library's op, asked for by name
-(its `layout` argument).
+"""The Hopper (wgmma) backward layouts: wgmma_w8_k128 (Note [Warpgroup backward] in
+kernels/cuda/attention_backward_wgmma.cuh), which the library runs on Hopper for head sizes 64, 96 and
+128 in pages of 128, and wgmma_w8_k64_d2 (Note [Warpgroup backward at head size 256] in
+attention_backward_wgmma_d2.cuh) for head size 256, against the mma.sync layouts they replaced
+there (which other GPUs run) and the float32 reference. Both run through the library's op, asked for
+by name (its `layout` argument).
 
 Each check runs in a subprocess, so that an illegal memory access or a hang fails one test cleanly
 instead of poisoning the CUDA context of every later test. The child runs every case on fresh
 random inputs (several seeds; grad pages with random initial contents, so that the kernel must ADD
-into them; bf16 and fp16 inputs; head sizes 128, 64 and 96, the last two compiled opt-in and run
-only by name) through both layouts (at 96 the mma.sync layout the library chooses there), in three modes (fp32 grad pages, bf16 grad
-pages, fp32 pages deterministic), and prints one JSON line per (case, seed, dtype, mode) with both
-errors against the float32 reference (membar.attention.reference_chunk_attention_backward; a
-history-only reference for attend_chunk=False); the parent asserts. The layout's error may be at
-most twice the split one's, plus a small slack for rounding-order noise. Soft-capped and windowed
-calls are checked against their references by test_attention_cuda.py (the chosen layout) and by
-the C++ gpu tests (every compiled layout that fits). `-s` also prints a timing line (backward
-TFLOP/s of both layouts and SDPA flash at a 32K history, chunk 4096, 28/4 heads).
+into them; bf16 and fp16 inputs; head sizes 128, 64, 96 and 256) through both layouts, in three
+modes (fp32 grad pages, bf16 grad pages, fp32 pages deterministic), and prints one JSON line per
+(case, seed, dtype, mode) with both errors against the float32 reference
+(membar.attention.reference_chunk_attention_backward; a history-only reference for
+attend_chunk=False); the parent asserts. The layout's error may be at most twice the baseline's,
+plus a small slack for rounding-order noise. Soft-capped and windowed calls are checked against
+their references by test_attention_cuda.py (the chosen layout) and by the C++ gpu tests (every
+compiled layout that fits). `-s` also prints a timing line (backward TFLOP/s of both layouts and
+SDPA flash at a 32K history, chunk 4096, 28/4 heads, head size 128).
 
 Run on an H200 (about a minute for the whole file):
     python3 -m pytest -s -m gpu tests/python/test_attention_wgmma_backward.py
@@ -32,12 +33,11 @@ import torch
 LAYOUT = "wgmma_w8_k128"
 SPLIT = "w8_k128_split_s2_pad"
 DTYPES = ("bfloat16", "float16")
-# Head size 128 is where the library chooses the layout; 64 and 96 are compiled opt-in
-# (kOptInBackwardLayouts in membar/kernels/attention_cuda.h) and run only when asked for by name, as
-# here. The split layout needs whole 64-column groups: at 96 the one-warp-per-16-keys layout is the
-# one to compare with.
-HEAD_DIMS = (128, 64, 96)
-BASELINE = {128: "w8_k128_split_s2_pad", 64: "w8_k128_split_s2_pad", 96: "w8_k128_dq64"}
+HEAD_DIMS = (128, 64, 96, 256)
+# The layout under test and the mma.sync one it replaced, per head size (the split layout needs whole
+# 64-column groups: at 96 the one-warp-per-16-keys layout; at 256 the two-pass one).
+LAYOUTS = {128: LAYOUT, 64: LAYOUT, 96: LAYOUT, 256: "wgmma_w8_k64_d2"}
+BASELINE = {128: SPLIT, 64: SPLIT, 96: "w8_k128_dq64", 256: "w4_k64_dq32_pad_s2_d2"}
 BENCH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "bench")
 
 # (chunk_tokens, history_tokens, page_tokens, q_heads, kv_heads, attend_chunk, sparse tile or 0, top_k)
@@ -50,6 +50,11 @@ CASES = [
     (512, 2000, 128, 8, 8, True, 128, 4),         # sparse, tiles of 128
     (300, 1100, 128, 28, 4, True, 128, 3),        # sparse, the last tile partial
     (300, 1100, 128, 8, 8, True, 64, 3),          # sparse tiles of 64
+]
+# Head size 256 runs pages of 64 too (64 keys a CTA).
+CASES_256 = CASES + [
+    (300, 1000, 64, 8, 8, True, 0, 0),            # pages of 64, a partial last page
+    (512, 2000, 64, 8, 8, True, 128, 4),          # sparse over pages of 64
 ]
 SEEDS = (1, 2)
 # (grad page dtype, deterministic)
@@ -174,10 +179,14 @@ def child_check():
     import membar  # noqa: F401  (loads the ops library)
 
     for head_dim in HEAD_DIMS:
-        for case in CASES:
+        for case in cases_of(head_dim):
             for seed in SEEDS:
                 for dtype in DTYPES:
                     check_one(case, seed, dtype, head_dim)
+
+
+def cases_of(head_dim):
+    return CASES_256 if head_dim == 256 else CASES
 
 
 def check_one(case, seed, dtype, head_dim):
@@ -185,7 +194,7 @@ def check_one(case, seed, dtype, head_dim):
     out, lse, truth = reference(problem, case)
     for grad_dtype, deterministic in MODES:
         split = backward(problem, case, out, lse, grad_dtype, deterministic, BASELINE[head_dim])
-        got = backward(problem, case, out, lse, grad_dtype, deterministic, LAYOUT)
+        got = backward(problem, case, out, lse, grad_dtype, deterministic, LAYOUTS[head_dim])
         torch.cuda.synchronize()
         record = {"case": list(case), "seed": seed, "dtype": dtype, "head_dim": head_dim, "grad_dtype": grad_dtype,
                   "deterministic": deterministic}
@@ -256,12 +265,13 @@ def run_child(mode, timeout):
 
 def test_wgmma_backward_is_shipped():
     names = torch.ops.membar.attention_cuda_layouts("backward")
-    assert LAYOUT in names and SPLIT in names, names
+    assert all(name in names for name in [*LAYOUTS.values(), *BASELINE.values()]), names
 
 
 def test_wgmma_backward_matches_reference():
     records = run_child("check", timeout=500)
-    assert len(records) == len(HEAD_DIMS) * len(CASES) * len(SEEDS) * len(DTYPES) * len(MODES), records
+    cases = sum(len(cases_of(head_dim)) for head_dim in HEAD_DIMS)
+    assert len(records) == cases * len(SEEDS) * len(DTYPES) * len(MODES), records
     for record in records:
         label = (record["case"], record["head_dim"], record["seed"], record["dtype"], record["grad_dtype"],
                  record["deterministic"])

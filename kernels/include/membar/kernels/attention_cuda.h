@@ -92,12 +92,15 @@ constexpr ForwardLayout choose_forward_layout(const CudaTarget& target, const La
 }
 
 constexpr BackwardLayout choose_backward_layout(const CudaTarget& target, const LayoutQuery& query) {
-  // Hopper, head size 128, pages of 128: the warpgroup kernel (Note [Warpgroup backward]; 1.07x SDPA
-  // flash on the H200 against the split layout's 0.78x), every dtype, dense or sparse.
+  // Hopper, head sizes 64, 96 and 128, pages of 128: the warpgroup kernel (Note [Warpgroup
+  // backward]; on the H200 at 32K history 1.01x SDPA flash at 128 against the split layout's 0.78x,
+  // 0.83x at 64 against 0.70x, 0.95x at 96 against 0.74x: session 26), every dtype, dense or sparse.
   const bool hopper = target.compute_capability == 90 && target.warpgroup_kernels;
-  if (hopper && query.head_dim == 128 && query.page_tokens == 128) return BackwardLayout::kWgmmaW8K128;
-  // Head size 256: no CTA holds dK and dV of a whole page in registers; 64 keys a CTA, in two
-  // passes of half the columns.
+  if (hopper && query.head_dim != 256 && query.page_tokens == 128) return BackwardLayout::kWgmmaW8K128;
+  // Head size 256: no warpgroup holds dK and dV of 64 keys x 256 columns in registers. On Hopper
+  // 64 keys a CTA, each warpgroup keeping half the columns (Note [Warpgroup backward at head size
+  // 256]); elsewhere 64 keys a CTA, in two passes of half the columns.
+  if (hopper && query.head_dim == 256) return BackwardLayout::kWgmmaW8K64D2;
   if (query.head_dim == 256) return BackwardLayout::kMmaW4K64S2Halves;
   // Otherwise a CTA owns one page. At head_dim 128 the swizzled one-warp-per-16-keys kernel
   // spills; padded tiles or the split layout do not. The split layout needs whole 64-column
@@ -149,6 +152,8 @@ constexpr bool backward_layout_fits(BackwardLayout layout, const CudaTarget& tar
     case BackwardLayout::kWgmmaW8K128:
     case BackwardLayout::kWgmmaW8K128Overlap:
       return target.compute_capability == 90 && target.warpgroup_kernels && query.page_tokens == 128;
+    case BackwardLayout::kWgmmaW8K64D2:
+      return target.compute_capability == 90 && target.warpgroup_kernels && query.page_tokens % 64 == 0;
     case BackwardLayout::kAuto:
       break;
   }
@@ -177,14 +182,13 @@ constexpr bool forward_layout_compiled(ForwardLayout layout, DType dtype, int32_
 }
 
 // Opt-in (layout, head_dim) pairs (Note [Layout choice]), every supported dtype: the warpgroup
-// backward at head sizes 64 and 96, and its variant that runs the dQ pass beside the dK MMAs
-// (written and compiled in session 25, not yet run on a GPU).
+// backward's variant that runs the dQ pass beside the dK MMAs (written in session 25; on the H200 in
+// session 26 correct, and within noise of the chosen layout: 1.00-1.03x at 32K-256K history).
 struct OptInBackwardLayout {
   BackwardLayout layout;
   int32_t head_dim;
 };
-inline constexpr OptInBackwardLayout kOptInBackwardLayouts[] = {
-    {BackwardLayout::kWgmmaW8K128, 64}, {BackwardLayout::kWgmmaW8K128, 96}, {BackwardLayout::kWgmmaW8K128Overlap, 128}};
+inline constexpr OptInBackwardLayout kOptInBackwardLayouts[] = {{BackwardLayout::kWgmmaW8K128Overlap, 128}};
 
 constexpr bool backward_layout_compiled(BackwardLayout layout, DType dtype, int32_t head_dim) {
   if (!cuda_dtype_supported(dtype) || !cuda_head_dim_supported(head_dim)) return false;
@@ -230,7 +234,7 @@ inline constexpr ForwardLayout kForwardLayouts[] = {
 inline constexpr BackwardLayout kBackwardLayouts[] = {BackwardLayout::kMmaSplitK128S2, BackwardLayout::kMmaW8K128,
                                                       BackwardLayout::kMmaW4K64, BackwardLayout::kMmaW4K64Padded,
                                                       BackwardLayout::kMmaW4K64S2Halves, BackwardLayout::kWgmmaW8K128,
-                                                      BackwardLayout::kWgmmaW8K128Overlap};
+                                                      BackwardLayout::kWgmmaW8K128Overlap, BackwardLayout::kWgmmaW8K64D2};
 
 constexpr const char* forward_layout_name(ForwardLayout layout) {
   switch (layout) {
@@ -258,6 +262,7 @@ constexpr const char* backward_layout_name(BackwardLayout layout) {
     case BackwardLayout::kMmaW4K64S2Halves: return "w4_k64_dq32_pad_s2_d2";
     case BackwardLayout::kWgmmaW8K128: return "wgmma_w8_k128";
     case BackwardLayout::kWgmmaW8K128Overlap: return "wgmma_w8_k128_ovl";
+    case BackwardLayout::kWgmmaW8K64D2: return "wgmma_w8_k64_d2";
   }
   return "unknown";
 }
