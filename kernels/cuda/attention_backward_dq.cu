@@ -1,4 +1,6 @@
-// dQ of the deterministic backward (Note [Backward kernel] in attention_backward.cu).
+// dQ of the deterministic backward (Note [Backward kernel] in attention_backward.cu). On Hopper with
+// the sm_90a build, head sizes 64, 96 and 128 run the warpgroup kernel of Note [Warpgroup dQ pass]
+// (attention_backward_dq_wgmma.cuh); the kernel below runs the other GPUs and head size 256.
 //
 // One CTA per (block of 64 queries, q head), four warps of 16 query rows. The CTA walks the same
 // key sequence as the forward (KeySequence) in blocks of 64 keys, K and V double-buffered through
@@ -12,6 +14,7 @@
 
 #include <cmath>
 
+#include "attention_backward_dq_wgmma.cuh"
 #include "attention_common.cuh"
 #include "attention_cuda_internal.h"
 
@@ -177,6 +180,13 @@ __global__ void __launch_bounds__(kDqWarps * 32) paged_attention_backward_dq_ker
 
 template <typename Element, int kHeadDim, bool kSoftcap>
 cudaError_t launch(const PagedAttentionBackwardParams& params, const float* delta, cudaStream_t stream) {
+  if constexpr (warpgroup::warpgroup_backward_head_dim(kHeadDim)) {
+    // Hopper with the sm_90a build: the warpgroup dQ pass (Note [Warpgroup dQ pass]).
+    const cuda::CudaTarget target = current_cuda_target();
+    if (target.compute_capability == 90 && target.warpgroup_kernels) {
+      return warpgroup::launch_backward_dq_wgmma<Element, kHeadDim, kSoftcap>(params, delta, stream);
+    }
+  }
   const size_t shared_bytes = dq_shared_bytes_fixed<kHeadDim>() +
                               ((params.selection.selected_pages != nullptr) ? size_t(params.selection.selected_per_tile) * 4 : 0);
   auto kernel = paged_attention_backward_dq_kernel<Element, kHeadDim, kSoftcap>;
