@@ -1,6 +1,7 @@
 // Device pieces of the dK/dV kernels of attention_backward.cu (Note [Backward kernel]) that the
-// Hopper backward (attention_backward_wgmma.cuh) shares: the work list of a CTA, the keys it owns
-// and the epilogue that writes or ADDS its dK/dV. Moved verbatim out of attention_backward.cu.
+// Hopper backward (attention_backward_wgmma.cuh) shares: the work list of a CTA, its items' queries
+// and row statistics (also read by the deterministic dQ passes), the keys it owns and the epilogue
+// that writes or ADDS its dK/dV. Moved verbatim out of attention_backward.cu.
 // Internal to kernels/cuda/.
 #pragma once
 
@@ -33,6 +34,44 @@ struct WorkList {
     }
   }
 };
+
+// Work item `item` of a dK/dV CTA: its q head (of the CTA's kv head, `group` q heads a kv head), its
+// first query row and where row first_query of that head starts in Q and dO (rows q_row_stride
+// apart). The kernels pass what they already hold, so that nothing is recomputed from the params
+// (the mma.sync kernels at 255 registers spill more otherwise).
+struct WorkItem {
+  int q_head;
+  int first_query;
+  int64_t offset;
+};
+
+template <int kHeadDim>
+__device__ __forceinline__ WorkItem work_item(const WorkList& work, int item, int kv_head, int group,
+                                              int64_t q_row_stride) {
+  int head_in_group, query_block;
+  work.decode(item, head_in_group, query_block);
+  WorkItem result;
+  result.q_head = kv_head * group + head_in_group;
+  result.first_query = query_block * kQueries;
+  result.offset = int64_t(query_block) * kQueries * q_row_stride + int64_t(result.q_head) * kHeadDim;
+  return result;
+}
+
+// lse (in log2 units) and delta of query row `position` of q head `q_head` (a chunk of
+// chunk_tokens rows). Rows past the chunk get lse = +inf, so that P = 0; lse = -inf (the row sees
+// no key, Note [Blocked history]) becomes +inf too.
+__device__ __forceinline__ void query_row_statistics(const float* lse, const float* delta, int chunk_tokens,
+                                                     int q_head, int position, float& row_lse, float& row_delta) {
+  if (position < chunk_tokens) {
+    const int64_t index = int64_t(q_head) * chunk_tokens + position;
+    const float value = lse[index];
+    row_lse = value == -INFINITY ? INFINITY : value * kLog2e;
+    row_delta = delta[index];
+  } else {
+    row_lse = INFINITY;
+    row_delta = 0.f;
+  }
+}
 
 // The keys one CTA of a dK/dV kernel owns (kKeys rows of one kv head: a history page, a part of
 // one when kKeys < page_tokens, or a block of the chunk's own keys) and the (q head, query block)

@@ -102,11 +102,7 @@ __global__ void __launch_bounds__(kDqWarpgroupThreads, 2)
   float row_lse[2], row_delta[2];
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
-    const bool valid = query_position[half] < chunk_tokens;
-    const int64_t index = int64_t(q_head) * chunk_tokens + query_position[half];
-    const float value = valid ? lse[index] : INFINITY;
-    row_lse[half] = value == -INFINITY ? INFINITY : value * kLog2e;
-    row_delta[half] = valid ? delta[index] : 0.f;
+    query_row_statistics(lse, delta, chunk_tokens, q_head, query_position[half], row_lse[half], row_delta[half]);
   }
   const float scale_log2 = shape.softmax_scale * kLog2e;
   float dq[kDims / 8][4];

@@ -1,9 +1,9 @@
 // The Hopper (sm_90a) dK/dV kernel of the paged-attention backward: warpgroup MMAs (wgmma) instead of
 // mma.sync. The shipped layout "wgmma_w8_k128" (BackwardLayout::kWgmmaW8K128) for head_dim 128 and
 // pages of 128 keys on Hopper (Note [Layout choice] in membar/kernels/attention_cuda.h); bf16 and
-// fp16, with or without a logit soft-cap, with or without a sliding window. Head sizes 64
-// and 96 are compiled opt-in (kOptInBackwardLayouts: asked for by name only, not yet run on a GPU). Internal
-// to kernels/cuda/.
+// fp16, with or without a logit soft-cap, with or without a sliding window. The same layout runs
+// head sizes 64 and 96 (since session 26: 0.83x and 0.94x SDPA flash on the H200, against 0.70x
+// and 0.74x for the mma.sync layouts). Internal to kernels/cuda/.
 //
 // Note [Warpgroup backward]
 // Rationale: the mma.sync backward (Note [Backward split layout], attention_backward_kernel.cuh)
@@ -47,8 +47,9 @@
 // kernel (Note [Sliding window in the kernels]).
 // Head size 64 is the same code with one 64-column half per tile, N = 64 for dV and dK, and 16 dQ
 // columns per warp; 96 fills 1.5 halves (kBackwardTileDims) and 24 dQ columns per warp.
-// Limitations: head_dim 128 (64 and 96 opt-in) and pages of 128 keys, an sm_90 device with the
-// sm_90a body built; 256 does not fit dK/dV in registers.
+// Limitations: head_dim 64, 96 and 128 and pages of 128 keys, an sm_90 device with the sm_90a body
+// built; 256 does not fit dK/dV in registers (Note [Warpgroup backward at head size 256] in
+// attention_backward_wgmma_d2.cuh splits the columns between the warpgroups instead).
 // Every MMA batch is waited for in full (only the P^T math overlaps the dP^T MMAs); dQ still goes
 // through shared memory and mma.sync; at 255 registers a thread (0 spills, nvcc 13 for sm_90a)
 // there is no room for deeper tiles.
@@ -169,31 +170,19 @@ __global__ void __launch_bounds__(kBackwardThreads, 1)
   const Element* dout = static_cast<const Element*>(params.dout);
   const float* lse = static_cast<const float*>(params.lse);
   auto load_queries = [&](int item, int stage) {
-    int head_in_group, query_block;
-    work.decode(item, head_in_group, query_block);
-    const int q_head = kv_head * group + head_in_group;
-    const int64_t offset = int64_t(query_block) * kQueries * q_row_stride + int64_t(q_head) * kHeadDim;
-    const int valid = chunk_tokens - query_block * kQueries;
+    const WorkItem queries = work_item<kHeadDim>(work, item, kv_head, group, q_row_stride);
+    const int64_t offset = queries.offset;
+    const int valid = chunk_tokens - queries.first_query;
     load_swizzled_rows<kQueries, kHeadDim, kThreads>(q_tiles + stage * kQueryTileBytes, q + offset, q_row_stride,
                                                     valid, thread);
     load_swizzled_rows<kQueries, kHeadDim, kThreads>(dout_tiles + stage * kQueryTileBytes, dout + offset,
                                                     q_row_stride, valid, thread);
   };
-  // lse (in log2 units) and delta of one query row; rows past the chunk get lse = +inf, so P = 0;
-  // lse = -inf (the row sees no key, Note [Blocked history]) becomes +inf too.
+  // lse (in log2 units) and delta of the item's query row `thread` (query_row_statistics).
   auto read_row_statistics = [&](int item, float& row_lse, float& row_delta) {
-    int head_in_group, query_block;
-    work.decode(item, head_in_group, query_block);
-    const int q_head = kv_head * group + head_in_group;
-    const int position = query_block * kQueries + thread;
-    if (position < chunk_tokens) {
-      const float value = lse[int64_t(q_head) * chunk_tokens + position];
-      row_lse = value == -INFINITY ? INFINITY : value * kLog2e;
-      row_delta = workspace.delta[int64_t(q_head) * chunk_tokens + position];
-    } else {
-      row_lse = INFINITY;
-      row_delta = 0.f;
-    }
+    const WorkItem queries = work_item<kHeadDim>(work, item, kv_head, group, q_row_stride);
+    query_row_statistics(lse, workspace.delta, chunk_tokens, queries.q_head, queries.first_query + thread, row_lse,
+                         row_delta);
   };
 
   load_swizzled_rows<kKeys, kHeadDim, kThreads>(k_tile, owned.k_base, kv_row_stride, owned.valid_keys, thread);

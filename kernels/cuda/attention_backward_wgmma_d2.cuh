@@ -112,29 +112,19 @@ __global__ void __launch_bounds__(kWideThreads, 1)
   const Element* dout = static_cast<const Element*>(params.dout);
   const float* lse = static_cast<const float*>(params.lse);
   auto load_queries = [&](int item, int stage) {
-    int head_in_group, query_block;
-    work.decode(item, head_in_group, query_block);
-    const int q_head = kv_head * group + head_in_group;
-    const int64_t offset = int64_t(query_block) * kQueries * q_row_stride + int64_t(q_head) * kHeadDim;
-    const int valid = chunk_tokens - query_block * kQueries;
+    const WorkItem queries = work_item<kHeadDim>(work, item, kv_head, group, q_row_stride);
+    const int64_t offset = queries.offset;
+    const int valid = chunk_tokens - queries.first_query;
     load_swizzled_rows<kQueries, kHeadDim, kThreads>(q_tiles + stage * kWideQueryTileBytes, q + offset, q_row_stride,
                                                     valid, thread);
     load_swizzled_rows<kQueries, kHeadDim, kThreads>(dout_tiles + stage * kWideQueryTileBytes, dout + offset,
                                                     q_row_stride, valid, thread);
   };
+  // lse (in log2 units) and delta of the item's query row `thread` (query_row_statistics).
   auto read_row_statistics = [&](int item, float& row_lse, float& row_delta) {
-    int head_in_group, query_block;
-    work.decode(item, head_in_group, query_block);
-    const int q_head = kv_head * group + head_in_group;
-    const int position = query_block * kQueries + thread;
-    if (position < chunk_tokens) {
-      const float value = lse[int64_t(q_head) * chunk_tokens + position];
-      row_lse = value == -INFINITY ? INFINITY : value * kLog2e;
-      row_delta = workspace.delta[int64_t(q_head) * chunk_tokens + position];
-    } else {
-      row_lse = INFINITY;
-      row_delta = 0.f;
-    }
+    const WorkItem queries = work_item<kHeadDim>(work, item, kv_head, group, q_row_stride);
+    query_row_statistics(lse, workspace.delta, chunk_tokens, queries.q_head, queries.first_query + thread, row_lse,
+                         row_delta);
   };
 
   load_swizzled_rows<kKeys, kHeadDim, kThreads>(k_tile, owned.k_base, kv_row_stride, owned.valid_keys, thread);
