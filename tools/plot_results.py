@@ -74,6 +74,40 @@ def plot_attention(path: Path) -> Path:
     return _save(fig, "attention_tflops.png")
 
 
+def plot_head_sizes(path: Path) -> Path | None:
+    """Forward and backward TFLOP/s per head size beside SDPA flash (the bench's head-size table,
+    bf16 rows), with the backward layout the bench tried beside the chosen one where it did."""
+    data = json.loads(path.read_text())
+    rows = [r for r in data.get("head_dims", []) if r.get("dtype") == "bfloat16"]
+    if not rows:
+        return None
+    labels = [str(r["head_dim"]) for r in rows]
+    # Head size 128 is the main table's shape: its mma.sync (split) backward is timed there.
+    split = {d["history"]: d.get("split_backward_tflops", 0.0) for d in data.get("dense", [])}
+
+    def before(row):
+        tried = row.get("tried_backward_tflops") or {}
+        return next(iter(tried.values())) if tried else (split.get(row["history"], 0.0) if row["head_dim"] == 128 else 0.0)
+
+    series = [("membar forward", [r["membar_forward_tflops"] for r in rows], "#3465a4"),
+              ("SDPA flash forward", [r["sdpa_forward_tflops"] for r in rows], "#729fcf"),
+              ("membar backward", [r["membar_backward_tflops"] for r in rows], "#cc0000"),
+              ("SDPA flash backward", [r["sdpa_backward_tflops"] for r in rows], "#ef2929"),
+              ("membar mma.sync backward (before)", [before(r) for r in rows], "#888a85")]
+    fig, ax = plt.subplots(figsize=(8, 4))
+    width = 0.8 / len(series)
+    for index, (label, values, color) in enumerate(series):
+        ax.bar([i + (index - (len(series) - 1) / 2) * width for i in range(len(rows))], values, width,
+               label=label, color=color)
+    ax.set_xticks(range(len(rows)), labels)
+    ax.set_xlabel(f"head size (bf16, {rows[0]['history'] // 1024}K history, chunk of {rows[0]['chunk']} queries)")
+    ax.set_ylabel("TFLOP/s")
+    ax.set_title("Paged attention by head size, H200")
+    ax.set_ylim(0, 1.4 * max(max(values) for _, values, _ in series))
+    ax.legend(fontsize=8, ncol=2, loc="upper left")
+    return _save(fig, "attention_head_sizes.png")
+
+
 def plot_logra(path: Path) -> Path | None:
     data = json.loads(path.read_text())
     rows = data if isinstance(data, list) else data.get("results", [])
@@ -268,6 +302,7 @@ def main() -> int:
     IMG.mkdir(parents=True, exist_ok=True)
     made = []
     for pattern, plot in (("runtime_bench.json", plot_runtime), ("*attention*.json", plot_attention),
+                          ("*attention*.json", plot_head_sizes),
                           ("logra_bench.json", plot_logra),
                           ("oomb_bench.json", plot_oomb), ("cli-*", plot_store_paths),
                           ("order/oomb_bench.json", plot_device_order), ("bench.log", plot_sparse_1m)):
