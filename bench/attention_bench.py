@@ -270,7 +270,7 @@ def main():
                         help="forward layouts to time beside the chosen one, as HEAD_DIM=NAME,... (compiled ones)")
     parser.add_argument("--try-backward-layouts", default="",
                         help="backward layouts to time beside the chosen one, as HEAD_DIM=NAME,... (compiled ones, "
-                             "e.g. 64=wgmma_w8_k128, the opt-in warpgroup backward)")
+                             "e.g. 64=w8_k128_split_s2_pad, the mma.sync layout other GPUs run there)")
     parser.add_argument("--softcap", type=float, default=0.0,
                         help="also time the soft-capped kernels (Gemma 2's attn_logit_softcapping, e.g. 50)")
     args = parser.parse_args()

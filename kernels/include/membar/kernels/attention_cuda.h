@@ -30,9 +30,10 @@
 // the sweep target (kernels/sweep/, run by bench/attention_sweep.py); docs/kernels.md keeps their
 // measurements and one sentence each on why they lost.
 // Limitations: the layouts were swept on an H200 at the Qwen2.5-7B attention shape (bf16,
-// head_dim 128, pages of 128); on Hopper the forward at the other head sizes and fp16 was measured
-// against SDPA flash (docs/kernels.md), the backward and the other GPUs' layouts were not tuned
-// for them. The capped builds reuse the layouts that won without a cap; none was timed with one.
+// head_dim 128, pages of 128); on Hopper the warpgroup forward and backward at the other head
+// sizes and fp16 were measured against SDPA flash and the mma.sync layouts (docs/kernels.md), not
+// swept; the other GPUs' layouts were not tuned for them. The capped builds reuse the layouts that
+// won without a cap (timed beside the uncapped ones, not tuned).
 #pragma once
 
 #include <cstddef>
