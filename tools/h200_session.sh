@@ -57,6 +57,8 @@
 #             blocks, in one run (ASYNC_CONTEXTS / ASYNC_VARIANTS for others)
 #   predict   7B sparse-offload at 256K, one selection per chunk: stage 1's selections guessed from the
 #             chunk before and copied ahead (default, Note [Predicted selections]) against "+nopredict"
+#   sparsedaemon  the same sparse-offload step (guesses on) embedded and through a membard started for
+#             it, one run each (issue 11's ratio through membard)
 #   asyncdepth  the mapping thread with the lookahead 4 and 8 accesses ahead ("+asyncmaps+depth4/8") against
 #             depth 4 alone and the default, 7B dense-offload at 64K (blocks of 16K), plain tensors beside
 #   gpuwait   the stream's own wait for pages, timed with CUDA events ("+timewaits", MEMBAR_TIME_STREAM_WAITS=1;
@@ -343,6 +345,24 @@ for step in "$@"; do
         "$bin/membarctl" --socket "$predict_socket" stats --json > "$work/predict/membarctl_stats.json" 2>&1
         kill "$daemon"; wait "$daemon" 2>/dev/null
       fi ;;
+    sparsedaemon)
+      # 7B sparse-offload at 256K (top-64, one selection per chunk, stage 1's guesses on) embedded and
+      # through a membard started for it, one run each in one call: issue 11's membard ratio.
+      for where in embedded membard; do
+        socket=embedded
+        if [ $where = membard ]; then
+          socket=/tmp/membar-sparse.sock
+          start_daemon "$socket" --gpu-pool "${PREDICT_GPU_POOL:-24GiB}" --host-pool "${PREDICT_HOST_POOL:-64GiB}" \
+            || { status=1; continue; }
+        fi
+        MEMBAR_SOCKET=$socket bench "sparsedaemon/$where" --contexts "${PREDICT_CONTEXTS:-256K}" --time-budget 200 \
+          --time-limit 200 --query-tile 4096 --variants sparse-offload+timewaits
+        "$py" tools/waits_summary.py "$work/sparsedaemon/$where/oomb_bench.json"
+        if [ $where = membard ]; then
+          "$bin/membarctl" --socket "$socket" stats --json > "$work/sparsedaemon/membarctl_stats.json" 2>&1
+          kill "$daemon"; wait "$daemon" 2>/dev/null
+        fi
+      done ;;
     asyncdepth)
       # The mapping thread with a deeper lookahead (it waited for most maps at depth 2, session 16):
       # "+depthN" also grows the default GPU budget to match, so compare against "+depth4" alone.
