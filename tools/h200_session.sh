@@ -37,6 +37,9 @@
 #   waits256  7B at 256K: plain tensors, dense-offload and dense-offload with prefetch depth 4, both with
 #             their stream waits timed per access kind and phase (stream_wait_by_kind in oomb_bench.json):
 #             which accesses make the +4.5-6% at 256K, and does a deeper pipeline take it away?
+#   horizon   the runtime's prefetch horizon (Note [Eviction order], default 32 steps) against the strictly
+#             conservative lookahead ("+horizon0"): 7B dense-offload at HORIZON_CONTEXTS (128K) beside plain
+#             tensors, then sparse-offload at 256K with and without it (HORIZON_SPARSE=0 skips it); waits timed
 #   streamed256  7B at 256K: plain tensors read in one call, plain tensors read in history blocks as
 #             offloaded pages are ("+streamed": no copy, no wait) and dense-offload (waits timed), in one
 #             run: how much of the offload gap is the blocks' compute, how much the runtime
@@ -247,6 +250,18 @@ for step in "$@"; do
     blocks256)
       bench blocks256 --contexts 256K --time-budget "${BLOCKS_BUDGET:-560}" --time-limit 240 \
         --variants "dense+plain,dense-offload+timewaits,dense-offload+timewaits@128K,dense-offload+timewaits@256K" ;;
+    horizon)
+      # Note [Eviction order]'s prefetch horizon (default 32 steps) against the strictly conservative
+      # lookahead ("+horizon0"): 7B dense-offload at HORIZON_CONTEXTS (128K) beside plain tensors, then
+      # sparse-offload at 256K (top-64, one selection per chunk) with and without it; waits timed.
+      bench horizon --contexts "${HORIZON_CONTEXTS:-128K}" --time-budget 300 --time-limit 200 \
+        --variants "dense+plain,dense-offload+timewaits,dense-offload+timewaits+horizon0"
+      "$py" tools/waits_summary.py "$work/horizon/oomb_bench.json"
+      if [ "${HORIZON_SPARSE:-1}" = 1 ]; then
+        bench horizonsparse --contexts 256K --time-budget 280 --time-limit 200 --query-tile 4096 \
+          --variants "sparse-offload+timewaits,sparse-offload+timewaits+horizon0"
+        "$py" tools/waits_summary.py "$work/horizonsparse/oomb_bench.json"
+      fi ;;
     waits256)
       bench waits256 --contexts 256K --time-budget "${WAITS_BUDGET:-560}" --time-limit 240 \
         --variants "dense+plain,dense-offload+timewaits,dense-offload+depth4+timewaits"
