@@ -36,9 +36,8 @@ column); "+depth4" copies pages in 4 accesses ahead (default 2)
 and grows the default GPU budget with it; "+piece4096" computes the loss 4096 tokens at a time
 (default 512); "+blockwise" streams sparse selections block by block even where their pages fit
 one block's room (as before session 12); "+reuse" has stage 2 take stage 1's attention outputs (Note [Stage 1's attention in stage 2]);
-"+horizon0" has the runtime's lookahead wait for MIN's own victim however late its next use
-(MEMBAR_PREFETCH_HORIZON=0; the default lets a frame next used over 32 steps later go first, Note
-[Eviction order]); "+nopredict" copies no guessed stage-1 selection ahead (MEMBAR_PREDICT_SELECTIONS=0, Note [Predicted
+"+horizon32" lets the runtime's lookahead evict a frame next used over 32 steps later while
+MIN's own victim is still in use (MEMBAR_PREFETCH_HORIZON=32; off by default, Note [Eviction order]); "+nopredict" copies no guessed stage-1 selection ahead (MEMBAR_PREDICT_SELECTIONS=0, Note [Predicted
 selections] in hf_attention.py); "+splitbwd" runs membar's attention backward on the split mma.sync
 layout (MEMBAR_CUDA_BACKWARD_LAYOUT) instead of the chosen one (the warpgroup one on Hopper);
 "+displace8" lets a frame already mapped at a page's position serve it when its
@@ -117,8 +116,8 @@ _RUNTIME_SWITCHES = [
     ("+staged", "MEMBAR_STAGED_HISTORY", "1"),   # history blocks copied through staging rows
     ("+kvstaged", "MEMBAR_STAGED_HISTORY", "kv"),   # ... K/V only (dK/dV acquired in place)
     ("+nopredict", "MEMBAR_PREDICT_SELECTIONS", "0"),   # no stage-1 selection guessed ahead (Note [Predicted selections])
-    # a strictly conservative lookahead (Note [Eviction order]: the prefetch horizon off; default 32 steps)
-    ("+horizon0", "MEMBAR_PREFETCH_HORIZON", "0"),
+    # the lookahead's horizon of 32 steps (Note [Eviction order]; off by default)
+    ("+horizon32", "MEMBAR_PREFETCH_HORIZON", "32"),
     # membar's attention backward on the split mma.sync layout instead of the one the kernels choose
     # (on Hopper the warpgroup one, Note [Warpgroup backward]); read at every call
     ("+splitbwd", "MEMBAR_CUDA_BACKWARD_LAYOUT", "w8_k128_split_s2_pad"),

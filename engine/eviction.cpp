@@ -21,17 +21,16 @@
 // in, so prefetching can never displace something needed sooner, and only when MIN itself would
 // choose that victim at the step that needs the frame: if a frame the intervening steps still use will be needed even later, MIN
 // would evict that one once those steps ran, so the prefetch waits (conservative prefetching,
-// after Cao et al.: the same replacements as MIN, made earlier), up to a horizon: a frame next
-// used more than EngineConfig::prefetch_horizon_steps (MEMBAR_PREFETCH_HORIZON, 32 by default)
-// after the step that needs the incoming one may go even so, the first such in MIN's order. The
-// trainer's plans are why: a chunk's own grad pages follow its layer's history blocks, whose
-// frames MIN would evict next, so a strictly conservative prefetch of them could start only once
-// the last block was released, i.e. when the stream already needed them (H200, 7B dense offload
-// at 256K, session 22: 0.65 s of the stream's 1.75 s of waits, ~0.4 ms each, the time of the
-// copy itself; the first block of the next layer waited likewise). Past the horizon the swap
-// rarely costs a load: a frame next used that late is evicted on the way by MIN too wherever the
-// quota turns over in fewer steps (streamed history); where it does not, the frame comes back once
-// (a prefetch, like any, 2 steps ahead). Acquire, which must succeed,
+// after Cao et al.: the same replacements as MIN, made earlier). EngineConfig::
+// prefetch_horizon_steps (MEMBAR_PREFETCH_HORIZON, 0 = off by default) relaxes this past a
+// horizon: a frame next used more than that many steps after the step that needs the incoming
+// one may go even so, the first such in MIN's order. It was meant for the trainer's plans, where a
+// chunk's own grad pages follow its layer's history blocks, whose frames MIN would evict next, so
+// their copy can start only once the last block is released (H200, 7B dense offload, session 22:
+// chunk_grad waited 0.65 s of the stream's 1.75 s at 256K). Measured with 32 (session 27, one
+// call at 128K): 47.0 s against 47.1 s, chunk_grad's waits 0.29 against 0.31 s, i.e. not what
+// holds those copies up; at 256K 153.3 s (0.964x plain tensors), waits 2.33 s, dK/dV's up. Off.
+// Acquire, which must succeed,
 // takes the first victim whatever its next use. The frame already mapped at a position serves it
 // again (Note [Remapping a position]) when its occupant is as good a victim as MIN's: its next
 // use is no sooner than the victim's (they tie; every "never" ties). MIN's load count is then

@@ -37,8 +37,8 @@
 #   waits256  7B at 256K: plain tensors, dense-offload and dense-offload with prefetch depth 4, both with
 #             their stream waits timed per access kind and phase (stream_wait_by_kind in oomb_bench.json):
 #             which accesses make the +4.5-6% at 256K, and does a deeper pipeline take it away?
-#   horizon   the runtime's prefetch horizon (Note [Eviction order], default 32 steps) against the strictly
-#             conservative lookahead ("+horizon0"): 7B dense-offload at HORIZON_CONTEXTS (128K) beside plain
+#   horizon   the runtime's prefetch horizon of 32 steps (Note [Eviction order], "+horizon32", off by default)
+#             against the strictly conservative lookahead: 7B dense-offload at HORIZON_CONTEXTS (128K) beside plain
 #             tensors, then sparse-offload at 256K with and without it (HORIZON_SPARSE=0 skips it); waits timed
 #   streamed256  7B at 256K: plain tensors read in one call, plain tensors read in history blocks as
 #             offloaded pages are ("+streamed": no copy, no wait) and dense-offload (waits timed), in one
@@ -62,6 +62,8 @@
 #             chunk before and copied ahead (default, Note [Predicted selections]) against "+nopredict"
 #   sparsedaemon  the same sparse-offload step (guesses on) embedded and through a membard started for
 #             it, one run each (issue 11's ratio through membard)
+#   sparseorder  7B sparse-offload at 256K through a membard first, then embedded with copies ordered on the
+#             host ("+hostorder") and on the device (the embedded default), one process: why membard was faster
 #   asyncdepth  the mapping thread with the lookahead 4 and 8 accesses ahead ("+asyncmaps+depth4/8") against
 #             depth 4 alone and the default, 7B dense-offload at 64K (blocks of 16K), plain tensors beside
 #   gpuwait   the stream's own wait for pages, timed with CUDA events ("+timewaits", MEMBAR_TIME_STREAM_WAITS=1;
@@ -251,15 +253,15 @@ for step in "$@"; do
       bench blocks256 --contexts 256K --time-budget "${BLOCKS_BUDGET:-560}" --time-limit 240 \
         --variants "dense+plain,dense-offload+timewaits,dense-offload+timewaits@128K,dense-offload+timewaits@256K" ;;
     horizon)
-      # Note [Eviction order]'s prefetch horizon (default 32 steps) against the strictly conservative
-      # lookahead ("+horizon0"): 7B dense-offload at HORIZON_CONTEXTS (128K) beside plain tensors, then
-      # sparse-offload at 256K (top-64, one selection per chunk) with and without it; waits timed.
+      # Note [Eviction order]'s prefetch horizon of 32 steps ("+horizon32", off by default) against the
+      # strictly conservative lookahead: 7B dense-offload at HORIZON_CONTEXTS (128K) beside plain
+      # tensors, then sparse-offload at 256K (top-64, one selection per chunk) with and without it.
       bench horizon --contexts "${HORIZON_CONTEXTS:-128K}" --time-budget 300 --time-limit 200 \
-        --variants "dense+plain,dense-offload+timewaits,dense-offload+timewaits+horizon0"
+        --variants "dense+plain,dense-offload+timewaits,dense-offload+timewaits+horizon32"
       "$py" tools/waits_summary.py "$work/horizon/oomb_bench.json"
       if [ "${HORIZON_SPARSE:-1}" = 1 ]; then
         bench horizonsparse --contexts 256K --time-budget 280 --time-limit 200 --query-tile 4096 \
-          --variants "sparse-offload+timewaits,sparse-offload+timewaits+horizon0"
+          --variants "sparse-offload+timewaits,sparse-offload+timewaits+horizon32"
         "$py" tools/waits_summary.py "$work/horizonsparse/oomb_bench.json"
       fi ;;
     waits256)
@@ -378,6 +380,23 @@ for step in "$@"; do
           kill "$daemon"; wait "$daemon" 2>/dev/null
         fi
       done ;;
+    sparseorder)
+      # Why the sparse-offload step at 256K ran faster through membard than embedded (session 27: 69.7 s
+      # against 82.5 s; the embedded engine's calls held its lock 22.1 s against 4.7 s in membard):
+      # membard first this time, then embedded with copies ordered on the host ("+hostorder", as
+      # membard orders them) and on the device (the embedded default), one process.
+      socket=/tmp/membar-sparse.sock
+      if start_daemon "$socket" --gpu-pool "${PREDICT_GPU_POOL:-24GiB}" --host-pool "${PREDICT_HOST_POOL:-64GiB}"; then
+        MEMBAR_SOCKET=$socket bench sparseorder/membard --contexts 256K --time-budget 200 --time-limit 200 \
+          --query-tile 4096 --variants sparse-offload+timewaits
+        "$py" tools/waits_summary.py "$work/sparseorder/membard/oomb_bench.json"
+        kill "$daemon"; wait "$daemon" 2>/dev/null
+      else
+        status=1
+      fi
+      MEMBAR_SOCKET=embedded bench sparseorder/embedded --contexts 256K --time-budget 400 --time-limit 200 \
+        --query-tile 4096 --variants sparse-offload+timewaits+hostorder,sparse-offload+timewaits
+      "$py" tools/waits_summary.py "$work/sparseorder/embedded/oomb_bench.json" ;;
     asyncdepth)
       # The mapping thread with a deeper lookahead (it waited for most maps at depth 2, session 16):
       # "+depthN" also grows the default GPU budget to match, so compare against "+depth4" alone.
