@@ -62,6 +62,8 @@
 #             chunk before and copied ahead (default, Note [Predicted selections]) against "+nopredict"
 #   sparsedaemon  the same sparse-offload step (guesses on) embedded and through a membard started for
 #             it, one run each (issue 11's ratio through membard)
+#   chunkearly  7B dense-offload at CHUNKEARLY_CONTEXT (64K, blocks of 16K) with a chunk's own dK/dV pages
+#             named by its layer's last dK/dV step (the default) against their own step only ("+nochunkearly")
 #   sparseorder  7B sparse-offload at 256K through a membard first, then embedded with copies ordered on the
 #             host ("+hostorder") and on the device (the embedded default), one process: why membard was faster
 #   asyncdepth  the mapping thread with the lookahead 4 and 8 accesses ahead ("+asyncmaps+depth4/8") against
@@ -380,6 +382,13 @@ for step in "$@"; do
           kill "$daemon"; wait "$daemon" 2>/dev/null
         fi
       done ;;
+    chunkearly)
+      # Note [Chunk grads with the last block] against its own step only ("+nochunkearly"): 7B
+      # dense-offload at CHUNKEARLY_CONTEXT (64K, blocks of 16K: 256K's pattern), waits timed, one process.
+      c=${CHUNKEARLY_CONTEXT:-64K}
+      BENCH_TIMEOUT=${CHUNKEARLY_TIMEOUT:-570} bench chunkearly --contexts "$c" --time-budget 400 --time-limit 200 \
+        --variants "dense-offload+timewaits+nochunkearly@16K:$c,dense-offload+timewaits@16K:$c"
+      "$py" tools/waits_summary.py "$work/chunkearly/oomb_bench.json" ;;
     sparseorder)
       # Why the sparse-offload step at 256K ran faster through membard than embedded (session 27: 69.7 s
       # against 82.5 s; the embedded engine's calls held its lock 22.1 s against 4.7 s in membard):

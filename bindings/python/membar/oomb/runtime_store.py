@@ -45,6 +45,22 @@ Note [Runtime pages]
   any length) the runtime runs on its host backend for the bookkeeping and the pools are meta
   tensors of the same shape; reserve() before a measured step keeps their creation out of it.
 
+Note [Chunk grads with the last block]
+  Rationale: a chunk's own dK/dV pages (its chunk_grad access, read once every later chunk has
+  added to them) come right after its layer's history blocks in the plan, and with offload they
+  have usually left the GPU since the chunk after it wrote them. The runtime's lookahead brings a
+  step's frames in only once MIN would evict for them (Note [Eviction order]), and MIN's victim
+  there is the last block's own frames, in use until the step before: traced on the host backend
+  (4 layers, 16 chunks, blocks of 4 chunks), 70 of 74 chunk_grad frames were placed by the advance
+  to their own step, so their copy started when the stream already needed them (on the H200 the
+  stream's longest waits with offload: 0.3 s at 128K, 0.6-0.9 s at 256K).
+  Approach: the schedule step of the layer's last dK/dV access of the chunk names the chunk's own
+  dK/dV pages as well (plan()), so the lookahead places them with that block, a step earlier; the
+  access itself still acquires only the block, and its chunk_grad step follows. Same trace: every
+  chunk_grad frame placed a step ahead, none at its own step. MEMBAR_CHUNK_GRADS_EARLY=0 turns it
+  off. Limitations: where the block itself is placed late (at its own advance) the chunk's copies
+  ride in the block's batch, and the block's kernels wait for them too.
+
 Note [Staged history]
   Rationale: a layer's history is read once per later chunk, block by block. Acquired as pages of
   its own spaces, each block's frames are placed on the GPU and mapped at the block's position:
@@ -397,6 +413,8 @@ class RuntimeKVStore(KVStore):
         # MEMBAR_TIME_STREAM_WAITS=1: time each GPU-side wait with a pair of CUDA events around it
         # (the stream's own stall; opt-in: two event records per access).
         self._time_waits = os.environ.get("MEMBAR_TIME_STREAM_WAITS") == "1"
+        # Note [Chunk grads with the last block] (MEMBAR_CHUNK_GRADS_EARLY=0 turns it off).
+        self._chunk_grads_early = os.environ.get("MEMBAR_CHUNK_GRADS_EARLY", "1") != "0"
         self._wait_events: list = []
         self._stream_wait_ns = 0
         self._stream_wait_by_kind: dict = {}   # access kind:phase -> [ns, waits, longest ns]
@@ -923,11 +941,21 @@ class RuntimeKVStore(KVStore):
                         last_unstaged[access.layer] = access.key
             self._staging.plan(staged, barriers)
             accesses = unstaged
+        last_dkv = {}   # (layer, chunk) -> the step of its latest dK/dV history access
         for access in accesses:
             self._step_of[access.key] = len(steps)
             # Flat (space id, first, count) triples straight to the native call: a 1M-token sparse
             # step's schedule has ~2.7M ranges, and Runtime.set_schedule's tuples cost seconds.
-            steps.append(self._ranges(access.layer, kinds[access.kind], self._page_runs(access)))
+            ranges = self._ranges(access.layer, kinds[access.kind], self._page_runs(access))
+            if access.kind == "dkv":
+                last_dkv[(access.layer, access.chunk)] = len(steps)
+            elif access.kind == "chunk_grad" and self._chunk_grads_early:
+                # Note [Chunk grads with the last block]: named by the step of the layer's last dK/dV
+                # access too, so the lookahead brings them in with that block.
+                before = last_dkv.get((access.layer, access.chunk))
+                if before is not None:
+                    steps[before] = steps[before] + ranges
+            steps.append(ranges)
         started = time.perf_counter_ns()
         self.runtime._native.set_schedule(steps)
         self._own.host_ns += time.perf_counter_ns() - started
