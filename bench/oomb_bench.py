@@ -36,7 +36,9 @@ column); "+depth4" copies pages in 4 accesses ahead (default 2)
 and grows the default GPU budget with it; "+piece4096" computes the loss 4096 tokens at a time
 (default 512); "+blockwise" streams sparse selections block by block even where their pages fit
 one block's room (as before session 12); "+reuse" has stage 2 take stage 1's attention outputs (Note [Stage 1's attention in stage 2]);
-"+nochunkearly" has the runtime's schedule name a chunk's own dK/dV pages only at their own
+"+defersubmit" has the embedded engine hand its device-ordered copies to CUDA on its dispatcher
+thread instead of the calling one (MEMBAR_DEFER_SUBMIT=1, Note [Hand-over on the dispatcher] in
+engine/batches.cpp); "+nochunkearly" has the runtime's schedule name a chunk's own dK/dV pages only at their own
 access (MEMBAR_CHUNK_GRADS_EARLY=0; by default the layer's last dK/dV block names them too, Note
 [Chunk grads with the last block] in runtime_store.py); "+horizon32" lets the runtime's lookahead evict a frame next used over 32 steps later while
 MIN's own victim is still in use (MEMBAR_PREFETCH_HORIZON=32; off by default, Note [Eviction order]); "+nopredict" copies no guessed stage-1 selection ahead (MEMBAR_PREDICT_SELECTIONS=0, Note [Predicted
@@ -118,6 +120,8 @@ _RUNTIME_SWITCHES = [
     ("+staged", "MEMBAR_STAGED_HISTORY", "1"),   # history blocks copied through staging rows
     ("+kvstaged", "MEMBAR_STAGED_HISTORY", "kv"),   # ... K/V only (dK/dV acquired in place)
     ("+nopredict", "MEMBAR_PREDICT_SELECTIONS", "0"),   # no stage-1 selection guessed ahead (Note [Predicted selections])
+    # the embedded engine's batches handed to CUDA by its dispatcher thread (Note [Hand-over on the dispatcher])
+    ("+defersubmit", "MEMBAR_DEFER_SUBMIT", "1"),
     # a chunk's own dK/dV pages prefetched as their own step only (Note [Chunk grads with the last block] off)
     ("+nochunkearly", "MEMBAR_CHUNK_GRADS_EARLY", "0"),
     # the lookahead's horizon of 32 steps (Note [Eviction order]; off by default)

@@ -65,6 +65,7 @@ EngineImpl::EngineImpl(std::unique_ptr<DeviceBackend> backend, const EngineConfi
     : backend_(std::move(backend)),
       config_(config),
       order_on_device_(config.order_on_device && backend_->orders_on_device()),
+      submit_on_dispatcher_(order_on_device_ && config.submit_on_dispatcher),
       next_client_(config.first_client_id) {
   TierPoolState& gpu = pools_[0];
   gpu.frames.resize(backend_->frame_count(Tier::kGpu));

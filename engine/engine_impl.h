@@ -208,6 +208,7 @@ class EngineImpl final : public Engine {
   void add_zero_bytes(Builder& builder, Tier tier, FrameIndex frame, uint64_t offset, uint64_t bytes);
   Ticket finish_builder(Builder& builder);
   void submit(uint64_t id);
+  void submit_deferred();   // the dispatcher's part (Note [Hand-over on the dispatcher])
   // Hands one batch to the backend; adds dependents it made ready to `ready` (device order).
   void submit_one(uint64_t id, std::vector<uint64_t>& ready);
   bool submittable(const Batch& batch) const;
@@ -228,6 +229,7 @@ class EngineImpl final : public Engine {
   std::unique_ptr<DeviceBackend> backend_;
   EngineConfig config_;
   bool order_on_device_ = false;   // Note [Device-ordered copies]
+  bool submit_on_dispatcher_ = false;   // Note [Hand-over on the dispatcher]
 
   std::mutex mutex_;  // guards everything below except the completion queue
   std::condition_variable ticket_done_;
@@ -256,6 +258,10 @@ class EngineImpl final : public Engine {
   std::atomic<uint64_t> spare_slabs_{0};
   std::atomic<uint32_t> release_requests_{0};   // other engines' asks not yet served
   std::atomic<bool> release_asked_{false};        // a new ask for the dispatcher thread
+  // Note [Hand-over on the dispatcher]: sealed batches the calls left for the dispatcher to hand
+  // to the backend (guarded by mutex_), and whether it has been told.
+  std::vector<uint64_t> deferred_submits_;
+  std::atomic<bool> submit_asked_{false};
 
   // What the dispatcher thread handles: a finished batch part, or a finished renewal.
   struct BatchDone {

@@ -62,6 +62,9 @@
 #             chunk before and copied ahead (default, Note [Predicted selections]) against "+nopredict"
 #   sparsedaemon  the same sparse-offload step (guesses on) embedded and through a membard started for
 #             it, one run each (issue 11's ratio through membard)
+#   defer     the embedded engine handing its copies over on its dispatcher thread ("+defersubmit", Note
+#             [Hand-over on the dispatcher]) against the default, 7B sparse-offload at DEFER_CONTEXT (256K),
+#             one process, then the same step through a membard (DEFER_DAEMON=0 skips it)
 #   chunkearly  7B dense-offload at CHUNKEARLY_CONTEXT (64K, blocks of 16K) with a chunk's own dK/dV pages
 #             named by its layer's last dK/dV step (the default) against their own step only ("+nochunkearly")
 #   sparseorder  7B sparse-offload at 256K through a membard first, then embedded with copies ordered on the
@@ -382,6 +385,23 @@ for step in "$@"; do
           kill "$daemon"; wait "$daemon" 2>/dev/null
         fi
       done ;;
+    defer)
+      # Note [Hand-over on the dispatcher] (MEMBAR_DEFER_SUBMIT=1, "+defersubmit") against the embedded
+      # default, 7B sparse-offload at DEFER_CONTEXT (256K), one process; then the same step through a membard.
+      c=${DEFER_CONTEXT:-256K}
+      MEMBAR_SOCKET=embedded bench defer --contexts "$c" --time-budget 400 --time-limit 200 --query-tile 4096 \
+        --variants "sparse-offload+timewaits+defersubmit,sparse-offload+timewaits"
+      "$py" tools/waits_summary.py "$work/defer/oomb_bench.json"
+      if [ "${DEFER_DAEMON:-1}" = 1 ]; then
+        socket=/tmp/membar-defer.sock
+        if start_daemon "$socket" --gpu-pool "${PREDICT_GPU_POOL:-24GiB}" --host-pool "${PREDICT_HOST_POOL:-64GiB}"; then
+          MEMBAR_SOCKET=$socket bench defer/membard --contexts "$c" --time-budget 200 --time-limit 200 \
+            --query-tile 4096 --variants sparse-offload+timewaits
+          kill "$daemon"; wait "$daemon" 2>/dev/null
+        else
+          status=1
+        fi
+      fi ;;
     chunkearly)
       # Note [Chunk grads with the last block] against its own step only ("+nochunkearly"): 7B
       # dense-offload at CHUNKEARLY_CONTEXT (64K, blocks of 16K: 256K's pattern), waits timed, one process.

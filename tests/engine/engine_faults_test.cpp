@@ -212,6 +212,14 @@ TEST(EngineFaults, ClientsComingAndGoingKeepTheirOwnDataOrderedOnDevice) {
   three_clients_coming_and_going(config, 4, 300);
 }
 
+// ... and with the batches handed over by the dispatcher thread (Note [Hand-over on the dispatcher]).
+TEST(EngineFaults, ClientsComingAndGoingKeepTheirOwnDataHandedOverOnTheDispatcher) {
+  runtimed::EngineConfig config;
+  config.order_on_device = true;
+  config.submit_on_dispatcher = true;
+  three_clients_coming_and_going(config, 4, 300);
+}
+
 // Note [One host pool for a node] under load: two devices' engines share 40 host slabs, 8 backed by
 // the first at start and 32 by the second; three clients live and die on the first device at once
 // (up to 36 host frames between them) and one on the second (up to 3), so host memory moves between

@@ -995,9 +995,12 @@ TEST(Engine, DeviceOrderedFencedCopiesAreEnqueuedAtOnceAndWaitForTheMarker) {
 // the marker of page p-2 only after page p was asked for, so every placement evicts a frame
 // whose writeback waits for a marker (and the copy into it for the writeback). Each ticket must
 // be enqueued at once, and every page keeps its bytes over rounds of writes.
-TEST(Engine, DeviceOrderedStreamingThroughTwoFramesKeepsEveryPage) {
+// on_dispatcher: the batches are handed over by the dispatcher thread (Note [Hand-over on the
+// dispatcher]); the tickets must still be enqueued without waiting for any copy.
+void stream_through_two_frames(bool on_dispatcher) {
   EngineConfig config;
   config.order_on_device = true;
+  config.submit_on_dispatcher = on_dispatcher;
   auto engine = make_engine(2, 24, config);
   ASSERT_TRUE(pools_settle(*engine, 2, 24));
   ClientConfig client_config;
@@ -1038,6 +1041,10 @@ TEST(Engine, DeviceOrderedStreamingThroughTwoFramesKeepsEveryPage) {
   ASSERT_TRUE(engine->release_host(id, {space, 0, kPages}, false).ok());
   EXPECT_GT(client->stats().bytes_gpu_to_host, 20 * k2M);
 }
+
+TEST(Engine, DeviceOrderedStreamingThroughTwoFramesKeepsEveryPage) { stream_through_two_frames(false); }
+
+TEST(Engine, DeviceOrderedStreamingHandedOverOnTheDispatcherKeepsEveryPage) { stream_through_two_frames(true); }
 
 // Note [Remapping a position]: placing a page at a position whose old mapping the client's kernels
 // may still read (its release marker not yet passed) waits on the host for the marker before the

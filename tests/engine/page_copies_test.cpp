@@ -41,7 +41,9 @@ using Bytes = std::vector<uint8_t>;
 // "device" as in an embedded client: Note [Device-ordered copies]) and one client whose frames are
 // mapped at their space positions (MappedClient), with a random byte source seeded afresh for each
 // test (MEMBAR_TEST_SEED replays a seed; every mismatch names it).
-class PageCopies : public ::testing::TestWithParam<bool> {
+// Param: 0 copies ordered on the host, 1 on the device, 2 on the device and handed over by the
+// dispatcher thread (Note [Hand-over on the dispatcher]).
+class PageCopies : public ::testing::TestWithParam<int> {
  protected:
   static constexpr uint64_t kGpuFrames = 8;
   static constexpr uint64_t kHostFrames = 32;
@@ -52,7 +54,8 @@ class PageCopies : public ::testing::TestWithParam<bool> {
     random_.seed(seed_);
     RecordProperty("random_seed", std::to_string(seed_));
     EngineConfig config;
-    config.order_on_device = GetParam();
+    config.order_on_device = GetParam() != 0;
+    config.submit_on_dispatcher = GetParam() == 2;
     engine_ = make_engine(kGpuFrames, kHostFrames, config);
     ASSERT_NE(engine_, nullptr);
     client_ = MappedClient::open(*engine_);
@@ -837,9 +840,10 @@ TEST_P(PageCopies, RandomOperationsAgreeWithAModel) {
   EXPECT_GT(client->stats().evictions, 0u);
 }
 
-INSTANTIATE_TEST_SUITE_P(Order, PageCopies, ::testing::Bool(),
-                         [](const ::testing::TestParamInfo<bool>& info) {
-                           return std::string(info.param ? "OnTheDevice" : "OnTheHost");
+INSTANTIATE_TEST_SUITE_P(Order, PageCopies, ::testing::Values(0, 1, 2),
+                         [](const ::testing::TestParamInfo<int>& info) {
+                           return std::string(info.param == 0 ? "OnTheHost"
+                                              : info.param == 1 ? "OnTheDevice" : "OnTheDeviceHandedOverByTheDispatcher");
                          });
 
 }  // namespace

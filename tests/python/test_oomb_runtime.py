@@ -525,3 +525,35 @@ def test_predicted_selections_copy_ahead_and_change_no_gradient_bit(monkeypatch,
     assert loss_daemon == loss_on and all(torch.equal(grads_daemon[name], grads_on[name]) for name in grads_on)
     assert trainer.stats["predicted_frames"] == on["predicted_frames"]
     assert trainer.stats["prefetch_hits"] == on["prefetch_hits"]
+
+
+def test_a_chunks_own_grad_pages_are_named_by_its_last_dkv_step():
+    """Note [Chunk grads with the last block]: the schedule step of a layer's last dK/dV access of a
+    chunk also names the chunk's own dK/dV pages, so the lookahead brings them in with that block;
+    no other step changes, and MEMBAR_CHUNK_GRADS_EARLY=0 (chunk_grads_early=False) keeps them apart."""
+    from membar.oomb.kv_store import Access
+    from membar.oomb.runtime_store import schedule_steps
+
+    plan = []
+    for chunk in (2, 1):   # stage 2 walks the chunks last first
+        for layer in (1, 0):
+            for block in range(chunk):   # one history block per earlier chunk
+                plan.append(Access("kv", layer, chunk, "backward", 4 * block, 4, block=block))
+                plan.append(Access("dkv", layer, chunk, "backward", 4 * block, 4, block=block))
+            plan.append(Access("chunk_grad", layer, chunk, "backward", 4 * chunk, 4))
+
+    def ranges_of(access):
+        kind = {"kv": 10, "dkv": 20, "chunk_grad": 20}[access.kind]   # the dK/dV spaces are shared
+        return [kind + access.layer, access.first_page, access.num_pages]
+
+    apart, step_of = schedule_steps(plan, ranges_of, chunk_grads_early=False)
+    early, step_of_early = schedule_steps(plan, ranges_of)
+    assert step_of == step_of_early and len(early) == len(plan)
+    assert apart == [ranges_of(access) for access in plan]
+    for index, access in enumerate(plan):
+        last_dkv = (access.kind == "dkv" and plan[index + 1].kind == "chunk_grad")
+        if last_dkv:
+            assert early[index] == ranges_of(access) + ranges_of(plan[index + 1])
+        else:
+            assert early[index] == apart[index]
+    assert sum(len(step) for step in early) == sum(len(step) for step in apart) + 3 * 4   # 4 chunk_grads

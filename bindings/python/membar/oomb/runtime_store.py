@@ -145,6 +145,25 @@ def _frames_of(pages, page_bytes: int) -> set[int]:
             for frame in range(page * page_bytes // _FRAME, ((page + 1) * page_bytes - 1) // _FRAME + 1)}
 
 
+def schedule_steps(accesses, ranges_of, chunk_grads_early: bool = True) -> tuple[list[list[int]], dict]:
+    """The runtime schedule of a plan: one step per access, its flat (space, first, count) ranges
+    (ranges_of(access)), and each access's step by key. With chunk_grads_early, the step of a
+    layer's last dK/dV access of a chunk also names that chunk's own dK/dV pages (its chunk_grad
+    access's ranges: Note [Chunk grads with the last block])."""
+    steps, step_of, last_dkv = [], {}, {}
+    for access in accesses:
+        step_of[access.key] = len(steps)
+        ranges = ranges_of(access)
+        if access.kind == "dkv":
+            last_dkv[(access.layer, access.chunk)] = len(steps)
+        elif access.kind == "chunk_grad" and chunk_grads_early:
+            before = last_dkv.get((access.layer, access.chunk))
+            if before is not None:
+                steps[before] = steps[before] + ranges
+        steps.append(ranges)
+    return steps, step_of
+
+
 def room_frames(block_pages: int, selection_pages: int, page_bytes: int, space_pages: int) -> int:
     """The frames of one space that one access of an offloaded layer may touch: those a history
     block of block_pages consecutive pages can span, or, for a sparse selection of at most
@@ -926,7 +945,6 @@ class RuntimeKVStore(KVStore):
         self._own.pages_freed(num_pages)
 
     def plan(self, accesses: list[Access]) -> None:
-        steps, self._step_of = [], {}
         kinds = {"kv": ("k", "v"), "dkv": ("dk", "dv"), "chunk_grad": ("dk", "dv")}
         if self._staging is not None:   # staged accesses are the store's to prefetch, not the schedule's
             staged, unstaged, barriers, last_unstaged = [], [], {}, {}
@@ -941,21 +959,11 @@ class RuntimeKVStore(KVStore):
                         last_unstaged[access.layer] = access.key
             self._staging.plan(staged, barriers)
             accesses = unstaged
-        last_dkv = {}   # (layer, chunk) -> the step of its latest dK/dV history access
-        for access in accesses:
-            self._step_of[access.key] = len(steps)
-            # Flat (space id, first, count) triples straight to the native call: a 1M-token sparse
-            # step's schedule has ~2.7M ranges, and Runtime.set_schedule's tuples cost seconds.
-            ranges = self._ranges(access.layer, kinds[access.kind], self._page_runs(access))
-            if access.kind == "dkv":
-                last_dkv[(access.layer, access.chunk)] = len(steps)
-            elif access.kind == "chunk_grad" and self._chunk_grads_early:
-                # Note [Chunk grads with the last block]: named by the step of the layer's last dK/dV
-                # access too, so the lookahead brings them in with that block.
-                before = last_dkv.get((access.layer, access.chunk))
-                if before is not None:
-                    steps[before] = steps[before] + ranges
-            steps.append(ranges)
+        # Flat (space id, first, count) triples straight to the native call: a 1M-token sparse
+        # step's schedule has ~2.7M ranges, and Runtime.set_schedule's tuples cost seconds.
+        steps, self._step_of = schedule_steps(
+            accesses, lambda access: self._ranges(access.layer, kinds[access.kind], self._page_runs(access)),
+            self._chunk_grads_early)
         started = time.perf_counter_ns()
         self.runtime._native.set_schedule(steps)
         self._own.host_ns += time.perf_counter_ns() - started

@@ -78,6 +78,10 @@ struct EngineConfig {
   // the backend can. For an engine of one client (embedded in a trainer): a client's stream that
   // never reaches its marker would hold up every client's copies.
   bool order_on_device = false;
+  // With order_on_device: a call's batches go to the backend from the engine's dispatcher thread
+  // instead of the calling thread (Note [Hand-over on the dispatcher] in engine/batches.cpp;
+  // MEMBAR_DEFER_SUBMIT=1 in the embedded client). Off by default: not yet measured on a GPU.
+  bool submit_on_dispatcher = false;
   // Placing a space frame takes the GPU frame already mapped at its position when that frame's
   // occupant is among the first `displace_rank` frames of MIN's eviction order, not only when it
   // ties MIN's victim (0, the default): fewer map calls for some extra loads (Note [Eviction
