@@ -262,25 +262,39 @@ TEST(Eviction, WithoutAScheduleItIsLeastRecentlyUsed) {
   std::printf("steps where reusing a mapping differed from plain LRU: %d\n", mapped_reuses);
 }
 
+// Three one-frame pages on the host (page p holding pattern `pattern` + p), a client of two GPU
+// frames, and the schedule `refs` (one page a step).
+struct TwoFrameSchedule {
+  std::unique_ptr<Engine> engine;
+  std::unique_ptr<MappedClient> client;
+  SpaceId space = 0;
+};
+
+TwoFrameSchedule two_frames_scheduled(const EngineConfig& config, const std::vector<int>& refs, int pattern) {
+  TwoFrameSchedule run;
+  run.engine = make_engine(4, 8, config);
+  ClientConfig client_config;
+  client_config.gpu_quota_bytes = 2 * kFrameBytes;
+  run.client = MappedClient::open(*run.engine, client_config);
+  run.space = run.client->space("s", kPage, 3);
+  char* host = run.client->acquire_host({run.space, 0, 3});
+  EXPECT_NE(host, nullptr);
+  for (int p = 0; p < 3 && host != nullptr; ++p) fill_pattern(host + p * kPage, kPage, pattern + p);
+  EXPECT_TRUE(run.engine->release_host(run.client->id, {run.space, 0, 3}, true).ok());
+  std::vector<ScheduleStep> steps;
+  for (int page : refs) steps.push_back(ScheduleStep{{PageRange{run.space, uint32_t(page), 1}}});
+  EXPECT_TRUE(run.engine->set_schedule(run.client->id, steps).ok());
+  return run;
+}
+
 TEST(Eviction, LookaheadNeverDisplacesAPageNeededSooner) {
   // Capacity 2, schedule A B C A B C. At advance(1), evicting A (next use 3) for C (needed at 2)
   // would displace nothing needed sooner, yet MIN evicts B (next use 4) once step 1 has run:
   // lookahead must wait for that and load no more than MIN's four pages.
   EngineConfig config;
   config.prefetch_lookahead_steps = 4;
-  auto engine = make_engine(4, 8, config);
-  ClientConfig client_config;
-  client_config.gpu_quota_bytes = 2 * kFrameBytes;
-  auto client = MappedClient::open(*engine, client_config);
-  SpaceId space = client->space("s", kPage, 3);
-  char* host = client->acquire_host({space, 0, 3});
-  ASSERT_NE(host, nullptr);
-  for (int p = 0; p < 3; ++p) fill_pattern(host + p * kPage, kPage, 40 + p);
-  ASSERT_TRUE(engine->release_host(client->id, {space, 0, 3}, true).ok());
   std::vector<int> refs = {0, 1, 2, 0, 1, 2};
-  std::vector<ScheduleStep> steps;
-  for (int page : refs) steps.push_back(ScheduleStep{{PageRange{space, uint32_t(page), 1}}});
-  ASSERT_TRUE(engine->set_schedule(client->id, steps).ok());
+  auto [engine, client, space] = two_frames_scheduled(config, refs, 40);
   for (size_t i = 0; i < refs.size(); ++i) {
     ASSERT_TRUE(engine->advance(client->id, uint32_t(i)).ok());
     // The page of the current step is resident (prefetched) before acquire asks for it.
@@ -307,22 +321,11 @@ uint64_t lookahead_behind_a_busy_victim(uint32_t horizon, uint64_t* loaded) {
   EngineConfig config;
   config.prefetch_lookahead_steps = 2;
   config.prefetch_horizon_steps = horizon;
-  auto engine = make_engine(4, 8, config);
-  ClientConfig client_config;
-  client_config.gpu_quota_bytes = 2 * kFrameBytes;
-  auto client = MappedClient::open(*engine, client_config);
-  SpaceId space = client->space("s", kPage, 3);
-  char* host = client->acquire_host({space, 0, 3});
-  EXPECT_NE(host, nullptr);
-  for (int p = 0; p < 3; ++p) fill_pattern(host + p * kPage, kPage, 60 + p);
-  EXPECT_TRUE(engine->release_host(client->id, {space, 0, 3}, true).ok());
   std::vector<int> refs = {0, 1};
   for (int step = 2; step < 40; ++step) refs.push_back(2);
   refs.push_back(0);
   refs.push_back(1);
-  std::vector<ScheduleStep> steps;
-  for (int page : refs) steps.push_back(ScheduleStep{{PageRange{space, uint32_t(page), 1}}});
-  EXPECT_TRUE(engine->set_schedule(client->id, steps).ok());
+  auto [engine, client, space] = two_frames_scheduled(config, refs, 60);
   uint64_t after_advance_1 = 0;
   for (size_t i = 0; i < refs.size(); ++i) {
     EXPECT_TRUE(engine->advance(client->id, uint32_t(i)).ok());
