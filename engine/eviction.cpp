@@ -28,8 +28,11 @@
 // chunk's own grad pages follow its layer's history blocks, whose frames MIN would evict next, so
 // their copy can start only once the last block is released (H200, 7B dense offload, session 22:
 // chunk_grad waited 0.65 s of the stream's 1.75 s at 256K). Measured with 32 (session 27, one
-// call at 128K): 47.0 s against 47.1 s, chunk_grad's waits 0.29 against 0.31 s, i.e. not what
-// holds those copies up; at 256K 153.3 s (0.964x plain tensors), waits 2.33 s, dK/dV's up. Off.
+// call at 128K): 47.0 s against 47.1 s, chunk_grad's waits 0.29 against 0.31 s; at 256K 153.3 s
+// (0.964x plain tensors), waits 2.33 s, dK/dV's up. Off. What held those copies up was the
+// window itself, which stops at the first step it cannot place (usually the last dK/dV block):
+// the trainer now names a chunk's own pages in that block's step (Note [Chunk grads with the last
+// block] in runtime_store.py).
 // Acquire, which must succeed,
 // takes the first victim whatever its next use. The frame already mapped at a position serves it
 // again (Note [Remapping a position]) when its occupant is as good a victim as MIN's: its next
