@@ -195,6 +195,16 @@ gemma_kernels_or_pytorch() {   # STEP VARIABLE WHAT: Gemma 2's quick 32K step wi
   done
 }
 
+sparse_offload_through_membard() {   # STEP CONTEXT: 7B sparse-offload (top-64, waits timed) through a membard
+  local step=$1 context=$2 socket=/tmp/membar-sparse.sock    # of the predict step's pools, started and stopped here
+  start_daemon "$socket" --gpu-pool "${PREDICT_GPU_POOL:-24GiB}" --host-pool "${PREDICT_HOST_POOL:-64GiB}" \
+    || { status=1; return; }
+  MEMBAR_SOCKET=$socket bench "$step" --contexts "$context" --time-budget 200 --time-limit 200 --query-tile 4096 \
+    --variants sparse-offload+timewaits
+  "$py" tools/waits_summary.py "$work/$step/oomb_bench.json"
+  kill "$daemon"; wait "$daemon" 2>/dev/null
+}
+
 start_daemon() {   # start_daemon SOCKET ARGS...: membard on the CUDA backend, waits for its socket
   local socket=$1; shift
   rm -f "$socket"
@@ -393,14 +403,7 @@ for step in "$@"; do
         --variants "sparse-offload+timewaits+defersubmit,sparse-offload+timewaits"
       "$py" tools/waits_summary.py "$work/defer/oomb_bench.json"
       if [ "${DEFER_DAEMON:-1}" = 1 ]; then
-        socket=/tmp/membar-defer.sock
-        if start_daemon "$socket" --gpu-pool "${PREDICT_GPU_POOL:-24GiB}" --host-pool "${PREDICT_HOST_POOL:-64GiB}"; then
-          MEMBAR_SOCKET=$socket bench defer/membard --contexts "$c" --time-budget 200 --time-limit 200 \
-            --query-tile 4096 --variants sparse-offload+timewaits
-          kill "$daemon"; wait "$daemon" 2>/dev/null
-        else
-          status=1
-        fi
+        sparse_offload_through_membard defer/membard "$c"
       fi ;;
     chunkearly)
       # Note [Chunk grads with the last block] against its own step only ("+nochunkearly"): 7B
@@ -414,15 +417,7 @@ for step in "$@"; do
       # against 82.5 s; the embedded engine's calls held its lock 22.1 s against 4.7 s in membard):
       # membard first this time, then embedded with copies ordered on the host ("+hostorder", as
       # membard orders them) and on the device (the embedded default), one process.
-      socket=/tmp/membar-sparse.sock
-      if start_daemon "$socket" --gpu-pool "${PREDICT_GPU_POOL:-24GiB}" --host-pool "${PREDICT_HOST_POOL:-64GiB}"; then
-        MEMBAR_SOCKET=$socket bench sparseorder/membard --contexts 256K --time-budget 200 --time-limit 200 \
-          --query-tile 4096 --variants sparse-offload+timewaits
-        "$py" tools/waits_summary.py "$work/sparseorder/membard/oomb_bench.json"
-        kill "$daemon"; wait "$daemon" 2>/dev/null
-      else
-        status=1
-      fi
+      sparse_offload_through_membard sparseorder/membard 256K
       MEMBAR_SOCKET=embedded bench sparseorder/embedded --contexts 256K --time-budget 400 --time-limit 200 \
         --query-tile 4096 --variants sparse-offload+timewaits+hostorder,sparse-offload+timewaits
       "$py" tools/waits_summary.py "$work/sparseorder/embedded/oomb_bench.json" ;;
