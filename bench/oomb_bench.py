@@ -40,8 +40,7 @@ one block's room (as before session 12); "+reuse" has stage 2 take stage 1's att
 thread instead of the calling one (MEMBAR_DEFER_SUBMIT=1, Note [Hand-over on the dispatcher] in
 engine/batches.cpp); "+nochunkearly" has the runtime's schedule name a chunk's own dK/dV pages only at their own
 access (MEMBAR_CHUNK_GRADS_EARLY=0; by default the layer's last dK/dV block names them too, Note
-[Chunk grads with the last block] in runtime_store.py); "+horizon32" lets the runtime's lookahead evict a frame next used over 32 steps later while
-MIN's own victim is still in use (MEMBAR_PREFETCH_HORIZON=32; off by default, Note [Eviction order]); "+nopredict" copies no guessed stage-1 selection ahead (MEMBAR_PREDICT_SELECTIONS=0, Note [Predicted
+[Chunk grads with the last block] in runtime_store.py); "+nopredict" copies no guessed stage-1 selection ahead (MEMBAR_PREDICT_SELECTIONS=0, Note [Predicted
 selections] in hf_attention.py); "+splitbwd" runs membar's attention backward on the split mma.sync
 layout (MEMBAR_CUDA_BACKWARD_LAYOUT) instead of the chosen one (the warpgroup one on Hopper);
 "+displace8" lets a frame already mapped at a page's position serve it when its
@@ -124,8 +123,6 @@ _RUNTIME_SWITCHES = [
     ("+defersubmit", "MEMBAR_DEFER_SUBMIT", "1"),
     # a chunk's own dK/dV pages prefetched as their own step only (Note [Chunk grads with the last block] off)
     ("+nochunkearly", "MEMBAR_CHUNK_GRADS_EARLY", "0"),
-    # the lookahead's horizon of 32 steps (Note [Eviction order]; off by default)
-    ("+horizon32", "MEMBAR_PREFETCH_HORIZON", "32"),
     # membar's attention backward on the split mma.sync layout instead of the one the kernels choose
     # (on Hopper the warpgroup one, Note [Warpgroup backward]); read at every call
     ("+splitbwd", "MEMBAR_CUDA_BACKWARD_LAYOUT", "w8_k128_split_s2_pad"),

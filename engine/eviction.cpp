@@ -21,19 +21,7 @@
 // in, so prefetching can never displace something needed sooner, and only when MIN itself would
 // choose that victim at the step that needs the frame: if a frame the intervening steps still use will be needed even later, MIN
 // would evict that one once those steps ran, so the prefetch waits (conservative prefetching,
-// after Cao et al.: the same replacements as MIN, made earlier). EngineConfig::
-// prefetch_horizon_steps (MEMBAR_PREFETCH_HORIZON, 0 = off by default) relaxes this past a
-// horizon: a frame next used more than that many steps after the step that needs the incoming
-// one may go even so, the first such in MIN's order. It was meant for the trainer's plans, where a
-// chunk's own grad pages follow its layer's history blocks, whose frames MIN would evict next, so
-// their copy can start only once the last block is released (H200, 7B dense offload, session 22:
-// chunk_grad waited 0.65 s of the stream's 1.75 s at 256K). Measured with 32 (session 27, one
-// call at 128K): 47.0 s against 47.1 s, chunk_grad's waits 0.29 against 0.31 s; at 256K 153.3 s
-// (0.964x plain tensors), waits 2.33 s, dK/dV's up. Off. What held those copies up was the
-// window itself, which stops at the first step it cannot place (usually the last dK/dV block):
-// the trainer now names a chunk's own pages in that block's step (Note [Chunk grads with the last
-// block] in runtime_store.py).
-// Acquire, which must succeed,
+// after Cao et al.: the same replacements as MIN, made earlier). Acquire, which must succeed,
 // takes the first victim whatever its next use. The frame already mapped at a position serves it
 // again (Note [Remapping a position]) when its occupant is as good a victim as MIN's: its next
 // use is no sooner than the victim's (they tie; every "never" ties). MIN's load count is then
@@ -348,11 +336,6 @@ void EngineImpl::schedule_prefetch(ClientState& client) {
           if (space.frames[g].gpu != kNoFrame) limit.floor = std::max(limit.floor, next_use_from(space, g, s));
         }
       }
-    }
-    // The horizon: a frame next used after s + prefetch_horizon_steps may go now, even though MIN
-    // would first evict a frame the steps before s still hold.
-    if (config_.prefetch_horizon_steps != 0) {
-      limit.floor = std::min<uint64_t>(limit.floor, s + uint64_t(config_.prefetch_horizon_steps) + 1);
     }
     for (const PageRange& range : client.schedule[s].ranges) {
       Result<FrameSpan> span = check_range(client, range);

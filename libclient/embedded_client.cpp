@@ -88,10 +88,6 @@ class EmbeddedClient final : public Client {
     const char* defer_env = std::getenv("MEMBAR_DEFER_SUBMIT");
     engine_config.submit_on_dispatcher = defer_env != nullptr && std::string(defer_env) == "1";
     if (const char* rank_env = std::getenv("MEMBAR_DISPLACE_RANK")) engine_config.displace_rank = runtimed::parse_displace_rank(rank_env);
-    if (const char* horizon_env = std::getenv("MEMBAR_PREFETCH_HORIZON")) {
-      engine_config.prefetch_horizon_steps =
-          runtimed::parse_prefetch_horizon(horizon_env, engine_config.prefetch_horizon_steps);
-    }
     MEMBAR_ASSIGN_OR_RETURN(std::unique_ptr<Engine> engine, Engine::create(std::move(backend), engine_config));
 
     auto client = std::unique_ptr<EmbeddedClient>(new EmbeddedClient());

@@ -37,9 +37,6 @@
 #   waits256  7B at 256K: plain tensors, dense-offload and dense-offload with prefetch depth 4, both with
 #             their stream waits timed per access kind and phase (stream_wait_by_kind in oomb_bench.json):
 #             which accesses make the +4.5-6% at 256K, and does a deeper pipeline take it away?
-#   horizon   the runtime's prefetch horizon of 32 steps (Note [Eviction order], "+horizon32", off by default)
-#             against the strictly conservative lookahead: 7B dense-offload at HORIZON_CONTEXTS (128K) beside plain
-#             tensors, then sparse-offload at 256K with and without it (HORIZON_SPARSE=0 skips it); waits timed
 #   streamed256  7B at 256K: plain tensors read in one call, plain tensors read in history blocks as
 #             offloaded pages are ("+streamed": no copy, no wait) and dense-offload (waits timed), in one
 #             run: how much of the offload gap is the blocks' compute, how much the runtime
@@ -267,18 +264,6 @@ for step in "$@"; do
     blocks256)
       bench blocks256 --contexts 256K --time-budget "${BLOCKS_BUDGET:-560}" --time-limit 240 \
         --variants "dense+plain,dense-offload+timewaits,dense-offload+timewaits@128K,dense-offload+timewaits@256K" ;;
-    horizon)
-      # Note [Eviction order]'s prefetch horizon of 32 steps ("+horizon32", off by default) against the
-      # strictly conservative lookahead: 7B dense-offload at HORIZON_CONTEXTS (128K) beside plain
-      # tensors, then sparse-offload at 256K (top-64, one selection per chunk) with and without it.
-      bench horizon --contexts "${HORIZON_CONTEXTS:-128K}" --time-budget 300 --time-limit 200 \
-        --variants "dense+plain,dense-offload+timewaits,dense-offload+timewaits+horizon32"
-      "$py" tools/waits_summary.py "$work/horizon/oomb_bench.json"
-      if [ "${HORIZON_SPARSE:-1}" = 1 ]; then
-        bench horizonsparse --contexts 256K --time-budget 280 --time-limit 200 --query-tile 4096 \
-          --variants "sparse-offload+timewaits,sparse-offload+timewaits+horizon32"
-        "$py" tools/waits_summary.py "$work/horizonsparse/oomb_bench.json"
-      fi ;;
     waits256)
       bench waits256 --contexts 256K --time-budget "${WAITS_BUDGET:-560}" --time-limit 240 \
         --variants "dense+plain,dense-offload+timewaits,dense-offload+depth4+timewaits"

@@ -249,10 +249,6 @@ int run(int argc, char** argv) {
   engine_config.log_error = [](const std::string& message) { spdlog::error("{}", message); };
   // Note [Eviction order]'s displace_rank (an experiment's knob, as in the embedded engine).
   if (const char* rank = std::getenv("MEMBAR_DISPLACE_RANK")) engine_config.displace_rank = parse_displace_rank(rank);
-  // ... and its prefetch horizon (the same variable as the embedded engine's).
-  if (const char* horizon = std::getenv("MEMBAR_PREFETCH_HORIZON")) {
-    engine_config.prefetch_horizon_steps = parse_prefetch_horizon(horizon, engine_config.prefetch_horizon_steps);
-  }
   std::vector<ServedDevice> devices;
   for (size_t i = 0; i < device_count; ++i) {
     const BackendConfig& pool = pools[i];

@@ -311,47 +311,5 @@ TEST(Eviction, LookaheadNeverDisplacesAPageNeededSooner) {
   EXPECT_EQ(stats.bytes_host_to_gpu, uint64_t(optimal_misses(refs, 2)) * kPage);
 }
 
-// Page X is used at step 0 and again at 40, Y at 1 and 41, Z at 2 and through 39; two frames.
-// MIN evicts Y for Z (Y's next use, 41, is the later), but Y is step 1's: a strictly conservative
-// lookahead (horizon 0) cannot bring Z in until step 1 has run. With the horizon (X is next used
-// more than 32 steps after step 2) X goes instead, so Z's copy starts at advance(1), a step ahead,
-// and the step still loads what MIN loads (4 pages). Returns the GPU maps made by advance(1) (a
-// placement maps its frame at once; the copies' bytes are counted when they complete).
-uint64_t lookahead_behind_a_busy_victim(uint32_t horizon, uint64_t* loaded) {
-  EngineConfig config;
-  config.prefetch_lookahead_steps = 2;
-  config.prefetch_horizon_steps = horizon;
-  std::vector<int> refs = {0, 1};
-  for (int step = 2; step < 40; ++step) refs.push_back(2);
-  refs.push_back(0);
-  refs.push_back(1);
-  auto [engine, client, space] = two_frames_scheduled(config, refs, 60);
-  uint64_t after_advance_1 = 0;
-  for (size_t i = 0; i < refs.size(); ++i) {
-    EXPECT_TRUE(engine->advance(client->id, uint32_t(i)).ok());
-    if (i == 1) after_advance_1 = client->stats().gpu_maps;
-    char* page = client->acquire({space, uint32_t(refs[i]), 1}, 0);
-    EXPECT_NE(page, nullptr);
-    if (page != nullptr) EXPECT_TRUE(check_pattern(page, kPage, 60 + refs[i])) << "step " << i;
-    EXPECT_TRUE(engine->release(client->id, {space, uint32_t(refs[i]), 1}, false).ok());
-  }
-  *loaded = client->stats().bytes_host_to_gpu;
-  return after_advance_1;
-}
-
-TEST(Eviction, LookaheadPastTheHorizonStartsBeforeMinsVictimIsFree) {
-  uint64_t conservative_total = 0, horizon_total = 0;
-  uint64_t conservative = lookahead_behind_a_busy_victim(0, &conservative_total);
-  uint64_t horizon = lookahead_behind_a_busy_victim(32, &horizon_total);
-  EXPECT_EQ(conservative, 2u);   // X and Y: Z waits for step 1's release
-  EXPECT_EQ(horizon, 3u);        // Z too, a step ahead, in X's frame
-  EXPECT_EQ(conservative_total, 4 * kPage);
-  EXPECT_EQ(horizon_total, 4 * kPage);  // no load more than MIN's
-  // A horizon beyond X's next use keeps the conservative rule.
-  uint64_t far_total = 0;
-  EXPECT_EQ(lookahead_behind_a_busy_victim(64, &far_total), 2u);
-  EXPECT_EQ(far_total, 4 * kPage);
-}
-
 }  // namespace
 }  // namespace membar::runtimed

@@ -52,11 +52,6 @@ struct EngineConfig {
   uint64_t default_gpu_quota_bytes = 0;   // 0: the whole GPU pool
   uint64_t default_host_quota_bytes = 0;  // 0: the whole host pool
   uint32_t prefetch_lookahead_steps = 2;  // schedule steps prefetched ahead of advance()
-  // A lookahead prefetch for step s may evict a frame next used after s + prefetch_horizon_steps
-  // even while MIN's own victim is still in use by the steps before s (Note [Eviction order]: the
-  // horizon; MEMBAR_PREFETCH_HORIZON). 0, the default: strictly conservative, the same
-  // replacements as MIN made earlier (32 measured no gain on the H200, session 27).
-  uint32_t prefetch_horizon_steps = 0;
   uint32_t signal_words_per_client = 8;
   uint32_t max_spaces_per_client = 65536;
   // Space frames (2 MiB each) of all a client's spaces: ~100 bytes of page table each.
@@ -100,14 +95,6 @@ struct EngineConfig {
   std::shared_ptr<HostShare> host_share;
   uint64_t host_initial_slabs = 0;
 };
-
-// MEMBAR_PREFETCH_HORIZON's value: a count of steps (0 turns the horizon off); anything else
-// keeps `fallback`.
-inline uint32_t parse_prefetch_horizon(const char* text, uint32_t fallback) {
-  char* end = nullptr;
-  unsigned long value = std::strtoul(text, &end, 10);
-  return end != text && *end == '\0' && value <= (1u << 24) ? uint32_t(value) : fallback;
-}
 
 // MEMBAR_DISPLACE_RANK's value: a count, or "all" (UINT32_MAX); anything else is 0 (off).
 inline uint32_t parse_displace_rank(const char* text) {
