@@ -120,7 +120,8 @@ _RUNTIME_SWITCHES = [
     ("+kvstaged", "MEMBAR_STAGED_HISTORY", "kv"),   # ... K/V only (dK/dV acquired in place)
     ("+nopredict", "MEMBAR_PREDICT_SELECTIONS", "0"),   # no stage-1 selection guessed ahead (Note [Predicted selections])
     # the embedded engine's batches handed to CUDA by its dispatcher thread (Note [Hand-over on the dispatcher])
-    ("+defersubmit", "MEMBAR_DEFER_SUBMIT", "1"),
+    ("+defersubmit", "MEMBAR_DEFER_SUBMIT", "1"),   # (the default since session 28)
+    ("+nodefersubmit", "MEMBAR_DEFER_SUBMIT", "0"),   # ... the trainer's thread hands them over
     # a chunk's own dK/dV pages prefetched as their own step only (Note [Chunk grads with the last block] off)
     ("+nochunkearly", "MEMBAR_CHUNK_GRADS_EARLY", "0"),
     # membar's attention backward on the split mma.sync layout instead of the one the kernels choose

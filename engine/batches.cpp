@@ -241,8 +241,9 @@ Ticket EngineImpl::finish_builder(Builder& builder) {
 // themselves. A batch cancelled meanwhile (its client closed) is skipped.
 // Limitations: a call whose ticket the trainer waits for at once gains nothing (it waits for the
 // hand-over instead of doing it); what moves off its thread is the work of the calls it does not
-// wait for (lookahead prefetches, write-backs, releases' copies). Opt-in (MEMBAR_DEFER_SUBMIT=1):
-// tested on the host backend, not yet measured on a GPU.
+// wait for (lookahead prefetches, write-backs, releases' copies). The embedded client's default
+// (MEMBAR_DEFER_SUBMIT=0 turns it off): on the H200 the 256K sparse-offload step took 61.5 s against
+// 67.1 s without it, the lock held 8.2 s against 25.8 s (membard: 57.8 s; session 28).
 void EngineImpl::submit_deferred() {
   std::vector<uint64_t> ids;
   ids.swap(deferred_submits_);

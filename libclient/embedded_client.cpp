@@ -84,9 +84,9 @@ class EmbeddedClient final : public Client {
     const char* order_env = std::getenv("MEMBAR_DEVICE_ORDER");
     engine_config.order_on_device = config.order_on_device && !(order_env != nullptr && std::string(order_env) == "0");
     bool ordered = engine_config.order_on_device && backend->orders_on_device();
-    // Note [Hand-over on the dispatcher] (engine/batches.cpp): opt-in until measured on a GPU.
+    // Note [Hand-over on the dispatcher] (engine/batches.cpp): on by default, MEMBAR_DEFER_SUBMIT=0 off.
     const char* defer_env = std::getenv("MEMBAR_DEFER_SUBMIT");
-    engine_config.submit_on_dispatcher = defer_env != nullptr && std::string(defer_env) == "1";
+    engine_config.submit_on_dispatcher = !(defer_env != nullptr && std::string(defer_env) == "0");
     if (const char* rank_env = std::getenv("MEMBAR_DISPLACE_RANK")) engine_config.displace_rank = runtimed::parse_displace_rank(rank_env);
     MEMBAR_ASSIGN_OR_RETURN(std::unique_ptr<Engine> engine, Engine::create(std::move(backend), engine_config));
 

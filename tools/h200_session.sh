@@ -59,9 +59,10 @@
 #             chunk before and copied ahead (default, Note [Predicted selections]) against "+nopredict"
 #   sparsedaemon  the same sparse-offload step (guesses on) embedded and through a membard started for
 #             it, one run each (issue 11's ratio through membard)
-#   defer     the embedded engine handing its copies over on its dispatcher thread ("+defersubmit", Note
-#             [Hand-over on the dispatcher]) against the default, 7B sparse-offload at DEFER_CONTEXT (256K),
-#             one process, then the same step through a membard (DEFER_DAEMON=0 skips it)
+#   defer     the embedded engine handing its copies over on its dispatcher thread (the default, Note
+#             [Hand-over on the dispatcher]) against the trainer's thread ("+nodefersubmit"), 7B DEFER_KIND
+#             (sparse-offload; or dense-offload) at DEFER_CONTEXT (256K), one process, then the sparse
+#             step through a membard (DEFER_DAEMON=0 skips it)
 #   chunkearly  7B dense-offload at CHUNKEARLY_CONTEXT (64K, blocks of 16K) with a chunk's own dK/dV pages
 #             named by its layer's last dK/dV step (the default) against their own step only ("+nochunkearly")
 #   sparseorder  7B sparse-offload at 256K through a membard first, then embedded with copies ordered on the
@@ -381,13 +382,15 @@ for step in "$@"; do
         fi
       done ;;
     defer)
-      # Note [Hand-over on the dispatcher] (MEMBAR_DEFER_SUBMIT=1, "+defersubmit") against the embedded
-      # default, 7B sparse-offload at DEFER_CONTEXT (256K), one process; then the same step through a membard.
+      # Note [Hand-over on the dispatcher] (the embedded default since session 28) against the trainer's
+      # thread handing copies over ("+nodefersubmit"), 7B DEFER_KIND (sparse-offload) at DEFER_CONTEXT
+      # (256K), one process; then, for sparse-offload, the same step through a membard.
       c=${DEFER_CONTEXT:-256K}
+      kind=${DEFER_KIND:-sparse-offload}
       MEMBAR_SOCKET=embedded bench defer --contexts "$c" --time-budget 400 --time-limit 200 --query-tile 4096 \
-        --variants "sparse-offload+timewaits+defersubmit,sparse-offload+timewaits"
+        --variants "$kind+timewaits,$kind+timewaits+nodefersubmit"
       "$py" tools/waits_summary.py "$work/defer/oomb_bench.json"
-      if [ "${DEFER_DAEMON:-1}" = 1 ]; then
+      if [ "${DEFER_DAEMON:-1}" = 1 ] && [ "$kind" = sparse-offload ]; then
         sparse_offload_through_membard defer/membard "$c"
       fi ;;
     chunkearly)
