@@ -20,6 +20,7 @@ Writes attention.json and attention.txt into $MEMBAR_RESULTS_DIR (default bench/
 Usage: PYTHONPATH=bindings/python python3 bench/attention_bench.py [--histories 32768,131072,262144]
     [--head-dims 64,96,128,256] [--head-dim-dtypes bfloat16,float16] [--head-dim-history 32768]
     [--try-layouts 64=wgmma_w8r64_k64_s3_2cta,...]   (other compiled forward layouts, timed beside the chosen one)
+    [--try-dense-layouts wgmma_ws_w12r64_k128_s2]   (the same at every history, with the dense path's cuDNN forward)
 """
 import argparse
 import json
@@ -144,7 +145,43 @@ def time_other_backward(backward, layout):
     return time_backward_layout(backward, layout)
 
 
-def bench_history(history, results):
+def cudnn_dense_forward(p):
+    """The forward of OOMB's dense path (Note [cuDNN for dense history]): cuDNN over the history's
+    rows without a mask, cuDNN over the chunk causally, merged by log-sum-exp."""
+    from membar.oomb import cudnn_attention
+    # The history's rows in order (the runtime's pages lie at consecutive addresses).
+    history_k = p["k_pool"][p["k_index"].long()].reshape(-1, KV_HEADS, p["q"].shape[-1])
+    history_v = p["v_pool"][p["v_index"].long()].reshape(-1, KV_HEADS, p["q"].shape[-1])
+    state = {}
+
+    def forward():
+        state["out"], state["lse"] = cudnn_attention.forward(p["q"], p["k"], p["v"], history_k, history_v, p["scale"])
+
+    return forward, state
+
+
+def time_dense_forwards(p, row, fwd_flops, chosen_state, try_dense):
+    """Other compiled forward layouts at this history (--try-dense-layouts), each checked against
+    the chosen layout's output on the same inputs, and the cuDNN forward the dense path runs."""
+    row["tried_dense_forward"] = {}
+    for name in try_dense:
+        tried, _, tried_state = membar_runner(p, forward_layout=name)
+        milliseconds = time_ms(tried)
+        tried()
+        row["tried_dense_forward"][name] = {
+            "ms": milliseconds, "tflops": fwd_flops / (milliseconds * 1e-3) / 1e12,
+            "out_max_abs_diff_vs_chosen": (tried_state["out"].float() - chosen_state["out"].float()).abs().max().item(),
+            "lse_max_abs_diff_vs_chosen": (tried_state["lse"] - chosen_state["lse"]).abs().max().item()}
+    cudnn_forward, cudnn_state = cudnn_dense_forward(p)
+    milliseconds = time_ms(cudnn_forward)
+    cudnn_forward()
+    row["cudnn_dense_forward"] = {
+        "ms": milliseconds, "tflops": fwd_flops / (milliseconds * 1e-3) / 1e12,
+        "out_max_abs_diff_vs_chosen": (cudnn_state["out"].float() - chosen_state["out"].float()).abs().max().item()}
+    del cudnn_state
+
+
+def bench_history(history, results, try_dense=()):
     p = make_inputs(history)
     fwd_flops = forward_flops(CHUNK, history)
     bwd_flops = 2.5 * fwd_flops
@@ -153,6 +190,8 @@ def bench_history(history, results):
     forward, backward, state = membar_runner(p)
     row["membar_forward_ms"] = time_ms(forward)
     forward()
+    if try_dense:
+        time_dense_forwards(p, row, fwd_flops, state, try_dense)
     row["membar_backward_ms"] = time_ms(backward)
     membar_out = state["out"]
     # The mma.sync split backward that other GPUs run (and Hopper ran before the warpgroup one),
@@ -271,6 +310,9 @@ def main():
     parser.add_argument("--try-backward-layouts", default="",
                         help="backward layouts to time beside the chosen one, as HEAD_DIM=NAME,... (compiled ones, "
                              "e.g. 64=w8_k128_split_s2_pad, the mma.sync layout other GPUs run there)")
+    parser.add_argument("--try-dense-layouts", default="",
+                        help="forward layouts (head size 128) to time at every history beside the chosen one and "
+                             "the cuDNN forward of the dense path, each checked against the chosen one's output")
     parser.add_argument("--softcap", type=float, default=0.0,
                         help="also time the soft-capped kernels (Gemma 2's attn_logit_softcapping, e.g. 50)")
     args = parser.parse_args()
@@ -300,8 +342,9 @@ def main():
         "sparse": None,
         "head_dims": [],
     }
+    try_dense = [name for name in args.try_dense_layouts.split(",") if name]
     for history in histories:
-        bench_history(history, results)
+        bench_history(history, results, try_dense)
     for head_dim in [int(d) for d in args.head_dims.split(",") if d]:
         for dtype_name in [d for d in args.head_dim_dtypes.split(",") if d]:
             tried = [name for entry in args.try_layouts.split(",") if entry
@@ -323,6 +366,16 @@ def main():
                      f" {row['sdpa_backward_tflops']:>9.1f} {row['backward_ratio']:>6.2f}"
                      f" {row['membar_backward_deterministic_ms']:>10.1f} {row['membar_backward_bf16_pages_ms']:>13.1f}"
                      f" {row['max_abs_diff_vs_sdpa']:>8.4f}")
+        for name, tried in row.get("tried_dense_forward", {}).items():
+            lines.append(f"{'':>8} {tried['tflops']:>9.1f}  forward layout {name}"
+                         f" ({tried['tflops'] / row['membar_forward_tflops']:.2f}x chosen,"
+                         f" {tried['tflops'] / row['sdpa_forward_tflops']:.2f}x SDPA flash;"
+                         f" |out - chosen| {tried['out_max_abs_diff_vs_chosen']:.4f},"
+                         f" |lse - chosen| {tried['lse_max_abs_diff_vs_chosen']:.5f})")
+        if "cudnn_dense_forward" in row:
+            cudnn = row["cudnn_dense_forward"]
+            lines.append(f"{'':>8} {cudnn['tflops']:>9.1f}  cuDNN forward of the dense path (history + chunk, merged;"
+                         f" |out - chosen| {cudnn['out_max_abs_diff_vs_chosen']:.4f})")
     if results["sparse"]:
         s = results["sparse"]
         lines.append(f"sparse top-{s['top_k_pages']} pages at {s['history']}: fwd {s['forward_ms']:.2f} ms, "

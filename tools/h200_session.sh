@@ -83,6 +83,10 @@
 #             attention shape; the kernels issue's table), the sparse call, then every head size in
 #             bf16 with the soft-capped kernels timed too (ATTENTION_HISTORIES, HEADS_DIMS, HEADS_DTYPES,
 #             HEADS_SOFTCAP narrow or widen it)
+#   wsforward the warp-specialised forward (Note [Warp-specialised forward], opt-in layout
+#             wgmma_ws_w12r64_k128_s2): its isolated check against the reference, then (if it passed) its
+#             timing at ATTENTION_HISTORIES beside the chosen layout, SDPA flash and the dense path's cuDNN
+#             forward, and the gpu attention tests that run every compiled layout
 #   sparsebwd 7B sparse (top-64, pages on the GPU) at SPARSEBWD_CONTEXT (default 256K): membar's attention
 #             backward on the chosen layout (the warpgroup one on Hopper) against the split mma.sync
 #             one ("+splitbwd"), one run
@@ -450,6 +454,32 @@ for step in "$@"; do
         --try-backward-layouts "${TRY_BACKWARD:-64=w8_k128_split_s2_pad,96=w8_k128_dq64,256=w4_k64_dq32_pad_s2_d2}" \
         > "$work/attention/bench.log" 2>&1 || status=1
       cat "$work/attention/attention.txt" 2>/dev/null || tail -20 "$work/attention/bench.log" ;;
+    wsforward)
+      # Note [Warp-specialised forward]: first its subprocess-isolated check against the float32
+      # reference and the mma.sync layout (a hang or a fault fails one test), and only if that passes
+      # the in-process tests that run every compiled layout (C++ gpu attention tests, the Python
+      # variants) and the timing at 32K-256K beside the chosen layout, SDPA flash and the dense
+      # path's cuDNN forward.
+      mkdir -p "$work/wsforward"
+      layout=wgmma_ws_w12r64_k128_s2
+      timeout 300 "$py" -m pytest -q -s -m gpu tests/python/test_attention_wgmma.py -k "ws_w12" -p no:cacheprovider \
+        > "$work/wsforward/isolated_pytest.log" 2>&1
+      isolated=$?
+      tail -8 "$work/wsforward/isolated_pytest.log"
+      if [ $isolated = 0 ]; then
+        MEMBAR_RESULTS_DIR=$work/wsforward timeout 240 "$py" bench/attention_bench.py \
+          --histories "${ATTENTION_HISTORIES:-32768,131072,262144}" --head-dims "" --try-dense-layouts "$layout" \
+          > "$work/wsforward/bench.log" 2>&1 || status=1
+        cat "$work/wsforward/attention.txt" 2>/dev/null || tail -20 "$work/wsforward/bench.log"
+        ctest --test-dir build-gpu -L gpu -R "ttention" --output-on-failure --timeout 200 \
+          > "$work/wsforward/gpu_ctest.log" 2>&1 || status=1
+        tail -4 "$work/wsforward/gpu_ctest.log"; grep -E "Failed|\*\*\*" "$work/wsforward/gpu_ctest.log" | head -10
+        timeout 200 "$py" -m pytest -q -m gpu tests/python/test_attention_variants.py -k "$layout" -p no:cacheprovider \
+          > "$work/wsforward/variants_pytest.log" 2>&1 || status=1
+        tail -4 "$work/wsforward/variants_pytest.log"
+      else
+        status=1
+      fi ;;
     softcap)
       # Gemma 2 (4 layers of the 9B shape, 32K, chunk-recurrent): soft-capped global layers on the
       # paged kernels against the PyTorch path (MEMBAR_CUDA_SOFTCAP=0), in one call.

@@ -38,6 +38,12 @@ cudaError_t launch_layout(ForwardLayout layout, const PagedAttentionForwardParam
         return detail::warpgroup::launch_forward<Element, kHeadDim, layouts::WgmmaW8R64K64S2, kSoftcap>(params, stream);
       }
       break;
+    case ForwardLayout::kWgmmaWsW12R64K128S2:
+      if constexpr (forward_layout_compiled(ForwardLayout::kWgmmaWsW12R64K128S2, kDType, kHeadDim)) {
+        return detail::warpgroup_ws::launch_forward<Element, kHeadDim, layouts::WgmmaWsW12R64K128S2, kSoftcap>(
+            params, stream);
+      }
+      break;
     case ForwardLayout::kMmaW8R16K128S3:
       if constexpr (forward_layout_compiled(ForwardLayout::kMmaW8R16K128S3, kDType, kHeadDim)) {
         return detail::launch_forward<Element, kHeadDim, layouts::MmaW8R16K128S3, kSoftcap>(params, stream);

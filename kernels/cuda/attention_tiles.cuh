@@ -9,6 +9,7 @@
 #include "attention_backward_kernel.cuh"
 #include "attention_forward_kernel.cuh"
 #include "attention_forward_wgmma.cuh"
+#include "attention_forward_wgmma_ws.cuh"
 
 namespace membar::kernels::cuda::layouts {
 
@@ -50,6 +51,16 @@ struct WgmmaW8R64K64S3TwoCtas {
     tile.keys_per_block = 64;
     tile.stages = 3;
     tile.ctas_per_sm = 2;
+    return tile;
+  }();
+};
+
+struct WgmmaWsW12R64K128S2 {
+  static constexpr const char* kName = "wgmma_ws_w12r64_k128_s2";
+  static constexpr detail::warpgroup_ws::WarpSpecialisedForwardTile kTile = [] {
+    detail::warpgroup_ws::WarpSpecialisedForwardTile tile;
+    tile.keys_per_block = 128;
+    tile.stages = 2;
     return tile;
   }();
 };

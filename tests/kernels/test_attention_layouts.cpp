@@ -139,6 +139,18 @@ TEST(AttentionLayouts, OnlyTheLayoutsDispatchReachesAreCompiled) {
   EXPECT_FALSE(forward_layout_compiled(ForwardLayout::kMmaW8R16K128S3, DType::kBFloat16, 256));
   EXPECT_TRUE(forward_layout_compiled(ForwardLayout::kMmaW4R16K64S2, DType::kBFloat16, 256));
   EXPECT_FALSE(forward_layout_compiled(ForwardLayout::kMmaW4R16K64S2, DType::kBFloat16, 128));
+  // The warp-specialised forward: opt-in at head size 128 (both dtypes), never chosen yet; asked for
+  // on Hopper with pages of 128 it runs, elsewhere the choice does.
+  EXPECT_TRUE(forward_layout_compiled(ForwardLayout::kWgmmaWsW12R64K128S2, DType::kBFloat16, 128));
+  EXPECT_TRUE(forward_layout_compiled(ForwardLayout::kWgmmaWsW12R64K128S2, DType::kFloat16, 128));
+  EXPECT_FALSE(forward_layout_compiled(ForwardLayout::kWgmmaWsW12R64K128S2, DType::kBFloat16, 64));
+  EXPECT_FALSE(forward_layout_compiled(ForwardLayout::kWgmmaWsW12R64K128S2, DType::kBFloat16, 256));
+  EXPECT_EQ(ForwardLayout::kWgmmaWsW12R64K128S2,
+            resolve_forward_layout(ForwardLayout::kWgmmaWsW12R64K128S2, kHopper, LayoutQuery{DType::kBFloat16, 128, 128, 0}));
+  EXPECT_EQ(ForwardLayout::kWgmmaW8R64K64S3,
+            resolve_forward_layout(ForwardLayout::kWgmmaWsW12R64K128S2, kHopper, LayoutQuery{DType::kBFloat16, 128, 64, 0}));
+  EXPECT_EQ(ForwardLayout::kMmaW8R16K128S3, resolve_forward_layout(ForwardLayout::kWgmmaWsW12R64K128S2,
+                                                                   kHopperWithoutSm90a, LayoutQuery{DType::kBFloat16, 128, 128, 0}));
   EXPECT_TRUE(backward_layout_compiled(BackwardLayout::kMmaSplitK128S2, DType::kFloat16, 128));
   EXPECT_TRUE(backward_layout_compiled(BackwardLayout::kMmaSplitK128S2, DType::kBFloat16, 64));
   // The split layout needs whole 64-column groups.

@@ -118,6 +118,7 @@ constexpr bool forward_layout_fits(ForwardLayout layout, const CudaTarget& targe
   const auto tiles_hold = [&](int32_t rows) { return query.sparse_tile_tokens % rows == 0; };
   switch (layout) {
     case ForwardLayout::kWgmmaW8R64K128S2:
+    case ForwardLayout::kWgmmaWsW12R64K128S2:
       return target.compute_capability == 90 && target.warpgroup_kernels && tiles_hold(128) &&
              query.page_tokens % 128 == 0;
     case ForwardLayout::kWgmmaW8R64K64S3:
@@ -168,10 +169,23 @@ inline constexpr int32_t kPageTokens[] = {64, 128};
 inline constexpr int32_t kSparseTiles[] = {0, 64, 128};
 }  // namespace layout_detail
 
+// Opt-in forward (layout, head_dim) pairs (Note [Layout choice]), every supported dtype: the
+// warp-specialised forward (Note [Warp-specialised forward], session 29), compiled so that the gpu
+// tests check it and the attention bench times it by name before the choice takes it.
+struct OptInForwardLayout {
+  ForwardLayout layout;
+  int32_t head_dim;
+};
+inline constexpr OptInForwardLayout kOptInForwardLayouts[] = {{ForwardLayout::kWgmmaWsW12R64K128S2, 128}};
+
 // Whether the library compiles `layout` for this dtype and head_dim: whether they are supported
-// and choose_forward_layout returns it for some device and call of that dtype and head_dim.
+// and choose_forward_layout returns it for some device and call of that dtype and head_dim (or it
+// is opt-in there).
 constexpr bool forward_layout_compiled(ForwardLayout layout, DType dtype, int32_t head_dim) {
   if (!cuda_dtype_supported(dtype) || !cuda_head_dim_supported(head_dim)) return false;
+  for (const OptInForwardLayout& opt_in : kOptInForwardLayouts) {
+    if (opt_in.layout == layout && opt_in.head_dim == head_dim) return true;
+  }
   for (const CudaTarget& target : layout_detail::kTargets) {
     for (int32_t page_tokens : layout_detail::kPageTokens) {
       for (int32_t tile : layout_detail::kSparseTiles) {
@@ -231,7 +245,8 @@ constexpr BackwardLayout resolve_backward_layout(BackwardLayout requested, const
 inline constexpr ForwardLayout kForwardLayouts[] = {
     ForwardLayout::kWgmmaW8R64K128S2, ForwardLayout::kWgmmaW8R64K64S3, ForwardLayout::kMmaW8R16K128S3,
     ForwardLayout::kMmaW8R16K64S3, ForwardLayout::kMmaW4R16K64S3, ForwardLayout::kMmaW4R16K64S2,
-    ForwardLayout::kMmaW4R16K128S1, ForwardLayout::kWgmmaW8R64K64S2, ForwardLayout::kWgmmaW8R64K64S3TwoCtas};
+    ForwardLayout::kMmaW4R16K128S1, ForwardLayout::kWgmmaW8R64K64S2, ForwardLayout::kWgmmaW8R64K64S3TwoCtas,
+    ForwardLayout::kWgmmaWsW12R64K128S2};
 inline constexpr BackwardLayout kBackwardLayouts[] = {BackwardLayout::kMmaSplitK128S2, BackwardLayout::kMmaW8K128,
                                                       BackwardLayout::kMmaW4K64, BackwardLayout::kMmaW4K64Padded,
                                                       BackwardLayout::kMmaW4K64S2Halves, BackwardLayout::kWgmmaW8K128,
@@ -244,6 +259,7 @@ constexpr const char* forward_layout_name(ForwardLayout layout) {
     case ForwardLayout::kWgmmaW8R64K64S3: return "wgmma_w8r64_k64_s3";
     case ForwardLayout::kWgmmaW8R64K64S2: return "wgmma_w8r64_k64_s2";
     case ForwardLayout::kWgmmaW8R64K64S3TwoCtas: return "wgmma_w8r64_k64_s3_2cta";
+    case ForwardLayout::kWgmmaWsW12R64K128S2: return "wgmma_ws_w12r64_k128_s2";
     case ForwardLayout::kMmaW8R16K128S3: return "w8r16_k128_s3_qreg_shift";
     case ForwardLayout::kMmaW8R16K64S3: return "w8r16_k64_s3_qreg_shift";
     case ForwardLayout::kMmaW4R16K64S3: return "w4r16_k64_s3";
