@@ -468,7 +468,7 @@ for step in "$@"; do
       tail -8 "$work/wsforward/isolated_pytest.log"
       if [ $isolated = 0 ]; then
         MEMBAR_RESULTS_DIR=$work/wsforward timeout 240 "$py" bench/attention_bench.py \
-          --histories "${ATTENTION_HISTORIES:-32768,131072,262144}" --head-dims "" --try-dense-layouts "$layout" \
+          --histories "${ATTENTION_HISTORIES:-32768,131072,262144}" --head-dims "" --try-dense-layouts "$layout,${layout}_nofence" \
           > "$work/wsforward/bench.log" 2>&1 || status=1
         cat "$work/wsforward/attention.txt" 2>/dev/null || tail -20 "$work/wsforward/bench.log"
         ctest --test-dir build-gpu -L gpu -R "ttention" --output-on-failure --timeout 200 \

@@ -68,6 +68,9 @@ static_assert(128 * kProducerRegisters + 128 * kConsumers * kConsumerRegisters <
 struct WarpSpecialisedForwardTile {
   int keys_per_block = 128;
   int stages = 2;  // K stages, and V stages
+  // fence.proxy.async by each consumer after its wait for a full stage (see the Note); false: none
+  // (CUTLASS's and FlashAttention-3's cp.async pipelines fence nothing there). Experimental.
+  bool consumer_fence = true;
 };
 
 template <int kHeadDim, typename Tiling>
@@ -228,7 +231,7 @@ __global__ void __launch_bounds__(kThreads, 1) paged_attention_forward_ws_kernel
   };
   const auto wait_full = [&](uint32_t barrier, int index) {
     mbarrier_wait(barrier, (index / kStages) & 1);
-    fence_proxy_async_shared();
+    if constexpr (kTile.consumer_fence) fence_proxy_async_shared();
   };
 
   auto issue_scores = [&](float (&scores)[kKeys / 8][4], int stage) {

@@ -45,6 +45,7 @@ VARIANTS = {
     "wgmma_w8r64_k64_s2": [("bfloat16", 256), ("float16", 256)],
     # Opt-in (Note [Warp-specialised forward]): head size 128 only.
     "wgmma_ws_w12r64_k128_s2": [("bfloat16", 128), ("float16", 128)],
+    "wgmma_ws_w12r64_k128_s2_nofence": [("bfloat16", 128), ("float16", 128)],
 }
 
 

@@ -151,6 +151,8 @@ enum class ForwardLayout : int32_t {
   // "wgmma_ws_w12r64_k128_s2": a producer warpgroup and two consumer warpgroups of 64 rows taking
   // turns, 128-key blocks, 2 stages (Note [Warp-specialised forward]; opt-in)
   kWgmmaWsW12R64K128S2 = 10,
+  // "wgmma_ws_w12r64_k128_s2_nofence": the same without the consumers' proxy fence (experimental, opt-in)
+  kWgmmaWsW12R64K128S2NoFence = 11,
 };
 enum class BackwardLayout : int32_t {
   kAuto = 0,              // the layout choose_backward_layout picks
