@@ -231,7 +231,7 @@ __global__ void __launch_bounds__(kThreads, 1) paged_attention_forward_ws_kernel
   };
   const auto wait_full = [&](uint32_t barrier, int index) {
     mbarrier_wait(barrier, (index / kStages) & 1);
-    if constexpr (kTile.consumer_fence) fence_proxy_async_shared();
+    if constexpr (Tiling::kTile.consumer_fence) fence_proxy_async_shared();
   };
 
   auto issue_scores = [&](float (&scores)[kKeys / 8][4], int stage) {
