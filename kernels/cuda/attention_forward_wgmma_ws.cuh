@@ -28,8 +28,9 @@
 //     waits on named barrier 1 + c before it issues and arrives on the other's after, so one
 //     warpgroup's softmax runs while the other's MMAs keep the tensor cores busy. Both consumers
 //     pass the barriers once per block of the CTA, also for the chunk blocks above their rows'
-//     diagonal, which they skip (every later block is such a block); consumer 0 arrives on its
-//     own barrier once at the start and syncs once more at the end, so every arrival is matched.
+//     diagonal, which they skip (every later block is such a block); consumer 1 arrives once on
+//     consumer 0's barrier at the start (as FlashAttention-3 does: no warp arrives on a barrier it
+//     then waits on) and consumer 0 syncs once more at the end, so every arrival is matched.
 // The copies of a stage are made visible to wgmma (the async proxy) by fence.proxy.async, run by
 // each consumer thread after its wait on the stage's full barrier (the producer's copies complete
 // asynchronously, so it cannot fence after them).
@@ -336,7 +337,7 @@ __global__ void __launch_bounds__(kThreads, 1) paged_attention_forward_ws_kernel
 
   mbarrier_wait(q_full, 0);
   fence_proxy_async_shared();
-  if (consumer == 0) named_barrier_arrive(1, 2 * 128);  // consumer 0 takes the first turn
+  if (consumer == 1) named_barrier_arrive(1, 2 * 128);  // consumer 0 takes the first turn
 
   if (own_blocks > 0) {
     float scores[kKeys / 8][4];
@@ -392,7 +393,7 @@ __global__ void __launch_bounds__(kThreads, 1) paged_attention_forward_ws_kernel
     release(k_empty(stage));
     release(v_empty(stage));
   }
-  // Consumer 0's last wait matches consumer 1's last turn_pass (or, without blocks, its own first
+  // Consumer 0's last wait matches consumer 1's last turn_pass (or, without blocks, its first
   // arrival).
   if (consumer == 0) turn_wait();
 
