@@ -462,7 +462,7 @@ for step in "$@"; do
       # path's cuDNN forward.
       mkdir -p "$work/wsforward"
       layout=wgmma_ws_w12r64_k128_s2
-      timeout 300 "$py" -m pytest -q -s -m gpu tests/python/test_attention_wgmma.py -k "ws_w12" -p no:cacheprovider \
+      timeout 300 "$py" -m pytest -x -q -s -m gpu tests/python/test_attention_wgmma.py -k "ws_w12" -p no:cacheprovider \
         > "$work/wsforward/isolated_pytest.log" 2>&1
       isolated=$?
       tail -8 "$work/wsforward/isolated_pytest.log"

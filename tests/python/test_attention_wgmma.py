@@ -254,7 +254,7 @@ def test_wgmma_layouts_are_compiled_and_chosen():
                          [(layout, dtype, head_dim) for layout, variants in VARIANTS.items()
                           for dtype, head_dim in variants])
 def test_wgmma_forward_matches_reference(layout, dtype, head_dim):
-    records = run_child("check", layout, 400, dtype, head_dim)
+    records = run_child("check", layout, 150, dtype, head_dim)
     assert len(records) == len(CASES) * len(SEEDS), records
     for record in records:
         label = (layout, dtype, head_dim, record["case"], record["seed"])
@@ -269,7 +269,7 @@ def test_wgmma_forward_matches_reference(layout, dtype, head_dim):
 @pytest.mark.parametrize("layout", WGMMA_LAYOUTS)
 def test_wgmma_forward_timing(layout):
     dtype, head_dim = VARIANTS[layout][0]
-    (record,) = run_child("timing", layout, 300, dtype, head_dim)
+    (record,) = run_child("timing", layout, 150, dtype, head_dim)
     print(f"\n[wgmma timing] {layout}: {record['layout_tflops']:.0f} TFLOP/s; "
           f"{baseline_layout((0, 0, 128), head_dim)} {record['default_tflops']:.0f}; SDPA flash "
           f"{record['sdpa_tflops']:.0f} (history 32768, chunk 4096, 28/4 heads, {dtype}, D {head_dim})")
