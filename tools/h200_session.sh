@@ -83,9 +83,10 @@
 #             attention shape; the kernels issue's table), the sparse call, then every head size in
 #             bf16 with the soft-capped kernels timed too (ATTENTION_HISTORIES, HEADS_DIMS, HEADS_DTYPES,
 #             HEADS_SOFTCAP narrow or widen it)
-#   wsforward the warp-specialised forward (Note [Warp-specialised forward], opt-in layout
-#             wgmma_ws_w12r64_k128_s2): its isolated check against the reference, then (if it passed) its
-#             timing at ATTENTION_HISTORIES beside the chosen layout, SDPA flash and the dense path's cuDNN
+#   wsforward the warp-specialised forward (Note [Warp-specialised forward], wgmma_ws_w12r64_k128_s2,
+#             chosen at head_dim 128 on Hopper since session 29): its isolated check against the reference,
+#             then (if it passed) the attention bench at ATTENTION_HISTORIES with WSFORWARD_TRY's layouts
+#             (default the warpgroup forward it replaced) beside it, SDPA flash and the dense path's cuDNN
 #             forward, and the gpu attention tests that run every compiled layout
 #   sparsebwd 7B sparse (top-64, pages on the GPU) at SPARSEBWD_CONTEXT (default 256K): membar's attention
 #             backward on the chosen layout (the warpgroup one on Hopper) against the split mma.sync
@@ -462,13 +463,13 @@ for step in "$@"; do
       # path's cuDNN forward.
       mkdir -p "$work/wsforward"
       layout=wgmma_ws_w12r64_k128_s2
-      timeout 300 "$py" -m pytest -x -q -s -m gpu tests/python/test_attention_wgmma.py -k "ws_w12" -p no:cacheprovider \
+      timeout 300 "$py" -m pytest -x -q -s -m gpu tests/python/test_attention_wgmma.py -k "ws_w12 or compiled_and_chosen" -p no:cacheprovider \
         > "$work/wsforward/isolated_pytest.log" 2>&1
       isolated=$?
       tail -8 "$work/wsforward/isolated_pytest.log"
       if [ $isolated = 0 ]; then
         MEMBAR_RESULTS_DIR=$work/wsforward timeout 240 "$py" bench/attention_bench.py \
-          --histories "${ATTENTION_HISTORIES:-32768,131072,262144}" --head-dims "" --try-dense-layouts "$layout,${layout}_nofence" \
+          --histories "${ATTENTION_HISTORIES:-32768,131072,262144}" --head-dims "" --try-dense-layouts "${WSFORWARD_TRY:-wgmma_w8r64_k128_s2}" \
           > "$work/wsforward/bench.log" 2>&1 || status=1
         cat "$work/wsforward/attention.txt" 2>/dev/null || tail -20 "$work/wsforward/bench.log"
         ctest --test-dir build-gpu -L gpu -R "ttention" --output-on-failure --timeout 200 \

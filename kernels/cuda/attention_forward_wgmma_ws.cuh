@@ -33,11 +33,14 @@
 //     then waits on) and consumer 0 syncs once more at the end, so every arrival is matched.
 // The copies of a stage are made visible to wgmma (the async proxy) by fence.proxy.async, run by
 // each consumer thread after its wait on the stage's full barrier (the producer's copies complete
-// asynchronously, so it cannot fence after them).
+// asynchronously, so it cannot fence after them). A variant without these fences ran within noise
+// of it (0.97-1.03x, session 29) and was dropped.
 // Support: what the warpgroup forward supports at head_dim 64, 96 and 128 with pages of 128
 // (bf16 and fp16, sparse tiles of 128k rows, soft-caps, windows); head_dim 256 does not fit
-// (two consumers' output alone is 128 registers a thread). Opt-in (kOptInForwardLayouts) until
-// measured on a GPU.
+// (two consumers' output alone is 128 registers a thread). Compiled and chosen at head_dim 128
+// only, where it ran first (session 29, an H100: correct in every gpu attention test; 593 / 553 /
+// 522 TFLOP/s at 32K / 128K / 256K history against 421 / 431 / 420 for the warpgroup forward and
+// 617 / 598 / 584 for cuDNN's dense forward in the same call).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -69,9 +72,6 @@ static_assert(128 * kProducerRegisters + 128 * kConsumers * kConsumerRegisters <
 struct WarpSpecialisedForwardTile {
   int keys_per_block = 128;
   int stages = 2;  // K stages, and V stages
-  // fence.proxy.async by each consumer after its wait for a full stage (see the Note); false: none
-  // (CUTLASS's and FlashAttention-3's cp.async pipelines fence nothing there). Experimental.
-  bool consumer_fence = true;
 };
 
 template <int kHeadDim, typename Tiling>
@@ -232,7 +232,7 @@ __global__ void __launch_bounds__(kThreads, 1) paged_attention_forward_ws_kernel
   };
   const auto wait_full = [&](uint32_t barrier, int index) {
     mbarrier_wait(barrier, (index / kStages) & 1);
-    if constexpr (Tiling::kTile.consumer_fence) fence_proxy_async_shared();
+    fence_proxy_async_shared();
   };
 
   auto issue_scores = [&](float (&scores)[kKeys / 8][4], int stage) {

@@ -65,17 +65,6 @@ struct WgmmaWsW12R64K128S2 {
   }();
 };
 
-struct WgmmaWsW12R64K128S2NoFence {
-  static constexpr const char* kName = "wgmma_ws_w12r64_k128_s2_nofence";
-  static constexpr detail::warpgroup_ws::WarpSpecialisedForwardTile kTile = [] {
-    detail::warpgroup_ws::WarpSpecialisedForwardTile tile;
-    tile.keys_per_block = 128;
-    tile.stages = 2;
-    tile.consumer_fence = false;
-    return tile;
-  }();
-};
-
 struct MmaW8R16K128S3 {
   static constexpr const char* kName = "w8r16_k128_s3_qreg_shift";
   static constexpr detail::ForwardTile kTile = [] {

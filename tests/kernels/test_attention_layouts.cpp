@@ -30,9 +30,12 @@ constexpr CudaTarget kAmpere{80, false};
 TEST(AttentionLayouts, HopperRunsTheWarpgroupForwardForEveryDtypeAndHeadSize) {
   for (DType dtype : {DType::kBFloat16, DType::kFloat16}) {
     for (int32_t head_dim : {96, 128}) {
-      EXPECT_EQ(ForwardLayout::kWgmmaW8R64K128S2, choose_forward_layout(kHopper, LayoutQuery{dtype, head_dim, 128, 0}));
+      // Pages of 128: the warp-specialised forward at head size 128, the warpgroup one at 96.
+      const ForwardLayout pages_128 = head_dim == 128 ? ForwardLayout::kWgmmaWsW12R64K128S2 : ForwardLayout::kWgmmaW8R64K128S2;
+      EXPECT_EQ(pages_128, choose_forward_layout(kHopper, LayoutQuery{dtype, head_dim, 128, 0}));
       EXPECT_EQ(ForwardLayout::kWgmmaW8R64K64S3, choose_forward_layout(kHopper, LayoutQuery{dtype, head_dim, 64, 0}));
-      EXPECT_EQ(ForwardLayout::kWgmmaW8R64K128S2, choose_forward_layout(kHopper, LayoutQuery{dtype, head_dim, 128, 256}));
+      EXPECT_EQ(pages_128, choose_forward_layout(kHopper, LayoutQuery{dtype, head_dim, 128, 256}));
+      EXPECT_EQ(pages_128, choose_forward_layout(kHopper, LayoutQuery{dtype, head_dim, 128, 4096}));
     }
     for (int32_t head_dim : {64, 96, 128}) {
       // A CTA of 128 queries does not fit a sparse tile of 64 rows.
@@ -139,8 +142,11 @@ TEST(AttentionLayouts, OnlyTheLayoutsDispatchReachesAreCompiled) {
   EXPECT_FALSE(forward_layout_compiled(ForwardLayout::kMmaW8R16K128S3, DType::kBFloat16, 256));
   EXPECT_TRUE(forward_layout_compiled(ForwardLayout::kMmaW4R16K64S2, DType::kBFloat16, 256));
   EXPECT_FALSE(forward_layout_compiled(ForwardLayout::kMmaW4R16K64S2, DType::kBFloat16, 128));
-  // The warp-specialised forward: opt-in at head size 128 (both dtypes), never chosen yet; asked for
-  // on Hopper with pages of 128 it runs, elsewhere the choice does.
+  // The warp-specialised forward: chosen at head size 128 (both dtypes) only; the warpgroup forward
+  // it replaced there stays compiled (opt-in). Asked for on Hopper with pages of 128 it runs,
+  // elsewhere the choice does.
+  EXPECT_TRUE(forward_layout_compiled(ForwardLayout::kWgmmaW8R64K128S2, DType::kFloat16, 128));
+  EXPECT_FALSE(forward_layout_compiled(ForwardLayout::kWgmmaWsW12R64K128S2, DType::kFloat16, 96));
   EXPECT_TRUE(forward_layout_compiled(ForwardLayout::kWgmmaWsW12R64K128S2, DType::kBFloat16, 128));
   EXPECT_TRUE(forward_layout_compiled(ForwardLayout::kWgmmaWsW12R64K128S2, DType::kFloat16, 128));
   EXPECT_FALSE(forward_layout_compiled(ForwardLayout::kWgmmaWsW12R64K128S2, DType::kBFloat16, 64));
@@ -213,7 +219,8 @@ TEST(AttentionLayouts, AskingForALayoutRunsItOnlyWhereItIsCompiledAndFits) {
   EXPECT_EQ(BackwardLayout::kMmaSplitK128S2, resolve_backward_layout(BackwardLayout::kWgmmaW8K128, kAmpere, bf16_128));
   EXPECT_EQ(BackwardLayout::kMmaSplitK128S2,
             resolve_backward_layout(BackwardLayout::kWgmmaW8K128, kHopperWithoutSm90a, bf16_128));
-  EXPECT_EQ(ForwardLayout::kWgmmaW8R64K128S2, resolve_forward_layout(ForwardLayout::kAuto, kHopper, bf16_128));
+  EXPECT_EQ(ForwardLayout::kWgmmaWsW12R64K128S2, resolve_forward_layout(ForwardLayout::kAuto, kHopper, bf16_128));
+  EXPECT_EQ(ForwardLayout::kWgmmaW8R64K128S2, resolve_forward_layout(ForwardLayout::kWgmmaW8R64K128S2, kHopper, bf16_128));
 }
 
 TEST(AttentionLayouts, NamesRoundTrip) {
