@@ -86,7 +86,7 @@
 #   wsforward the warp-specialised forward (Note [Warp-specialised forward], wgmma_ws_w12r64_k128_s2,
 #             chosen at head_dim 128 on Hopper since session 29): its isolated check against the reference,
 #             then (if it passed) the attention bench at ATTENTION_HISTORIES with WSFORWARD_TRY's layouts
-#             (default the warpgroup forward it replaced) beside it, SDPA flash and the dense path's cuDNN
+#             (default the warpgroup forward it replaced and the opt-in three-K-stage one) beside it, SDPA flash and the dense path's cuDNN
 #             forward, and the gpu attention tests that run every compiled layout
 #   sparsebwd 7B sparse (top-64, pages on the GPU) at SPARSEBWD_CONTEXT (default 256K): membar's attention
 #             backward on the chosen layout (the warpgroup one on Hopper) against the split mma.sync
@@ -469,7 +469,7 @@ for step in "$@"; do
       tail -8 "$work/wsforward/isolated_pytest.log"
       if [ $isolated = 0 ]; then
         MEMBAR_RESULTS_DIR=$work/wsforward timeout 240 "$py" bench/attention_bench.py \
-          --histories "${ATTENTION_HISTORIES:-32768,131072,262144}" --head-dims "" --try-dense-layouts "${WSFORWARD_TRY:-wgmma_w8r64_k128_s2}" \
+          --histories "${ATTENTION_HISTORIES:-32768,131072,262144}" --head-dims "" --try-dense-layouts "${WSFORWARD_TRY:-wgmma_w8r64_k128_s2,wgmma_ws_w12r64_k128_k3v2}" \
           > "$work/wsforward/bench.log" 2>&1 || status=1
         cat "$work/wsforward/attention.txt" 2>/dev/null || tail -20 "$work/wsforward/bench.log"
         ctest --test-dir build-gpu -L gpu -R "ttention" --output-on-failure --timeout 200 \

@@ -12,7 +12,7 @@
 // Approach: one CTA of three warpgroups (384 threads) per (128 query rows, q head), as the
 // warpgroup forward walks the same key sequence (KeySequence) in 128-key blocks:
 //   - warpgroup 0, the producer, keeps 40 registers a thread (setmaxnreg) and copies Q, then
-//     each block's K and V tiles with cp.async into kStages stages of the swizzled layout of Note
+//     each block's K and V tiles with cp.async into the stages of the swizzled layout of Note
 //     [Warpgroup shared layout]; cp.async.mbarrier.arrive.noinc tells a stage's "full" mbarrier
 //     once its copies have landed, so no thread waits for its own copies. Before a stage is
 //     written again the producer waits for its "empty" mbarrier, which each consumer warp arrives
@@ -35,6 +35,12 @@
 // each consumer thread after its wait on the stage's full barrier (the producer's copies complete
 // asynchronously, so it cannot fence after them). A variant without these fences ran within noise
 // of it (0.97-1.03x, session 29) and was dropped.
+// Stages: a K stage is free only once both consumers' S of its block is done, so with two K stages
+// the producer has about one and a half block-times (~2 us) to read the page table and land
+// K_{i+2} before consumer 0 wants it; a V stage is free only after P V, a block later, so V has a
+// block more. Throughput fell 12% from 32K to 256K history (cuDNN's 5%), which a late K would
+// explain. wgmma_ws_w12r64_k128_k3v2 (opt-in, written after session 29's call, not yet run) gives
+// K a third stage: 197 KiB with Q and two V stages, 229 KiB with the largest sparse selection.
 // Support: what the warpgroup forward supports at head_dim 64, 96 and 128 with pages of 128
 // (bf16 and fp16, sparse tiles of 128k rows, soft-caps, windows); head_dim 256 does not fit
 // (two consumers' output alone is 128 registers a thread). Compiled and chosen at head_dim 128
@@ -68,18 +74,21 @@ inline constexpr int kConsumerRegisters = 232;
 static_assert(128 * kProducerRegisters + 128 * kConsumers * kConsumerRegisters <= 65536,
               "the three warpgroups' registers fit the SM's 64K");
 
-// A layout of the warp-specialised forward (wgmma_ws_w12r64_k<keys>_s<stages>).
+// A layout of the warp-specialised forward (wgmma_ws_w12r64_k<keys>_s<stages>, or
+// wgmma_ws_w12r64_k<keys>_k<K stages>v<V stages> when they differ).
 struct WarpSpecialisedForwardTile {
   int keys_per_block = 128;
-  int stages = 2;  // K stages, and V stages
+  int k_stages = 2;
+  int v_stages = 2;
 };
 
 template <int kHeadDim, typename Tiling>
 constexpr size_t ws_shared_bytes_fixed() {
   constexpr WarpSpecialisedForwardTile kTile = Tiling::kTile;
-  // Alignment slack, Q, K and V stages, the barriers (one Q, four per stage) and the selection count.
+  // Alignment slack, Q, K and V stages, the barriers (one Q, two per stage) and the selection count.
   return 1024 + size_t(kRows) * kStoredDim<kHeadDim> * 2 +
-         2 * size_t(kTile.stages) * kTile.keys_per_block * kStoredDim<kHeadDim> * 2 + 8 * (1 + 4 * kTile.stages) + 16;
+         size_t(kTile.k_stages + kTile.v_stages) * kTile.keys_per_block * kStoredDim<kHeadDim> * 2 +
+         8 * (1 + 2 * (kTile.k_stages + kTile.v_stages)) + 16;
 }
 
 #if MEMBAR_WGMMA_AVAILABLE
@@ -125,10 +134,11 @@ template <typename Element, int kHeadDim, typename Tiling, bool kSoftcap = false
 __global__ void __launch_bounds__(kThreads, 1) paged_attention_forward_ws_kernel(const PagedAttentionForwardParams params) {
   constexpr WarpSpecialisedForwardTile kTile = Tiling::kTile;
   constexpr int kKeys = kTile.keys_per_block;
-  constexpr int kStages = kTile.stages;
+  constexpr int kKStages = kTile.k_stages;
+  constexpr int kVStages = kTile.v_stages;
   constexpr int kDims = kStoredDim<kHeadDim>;
   static_assert(kKeys == 128, "128-key blocks (m64n128 scores)");
-  static_assert(kStages >= 2 && kStages <= 3, "two or three stages");
+  static_assert(kKStages >= 2 && kKStages <= 3 && kVStages >= 2 && kVStages <= 3, "two or three stages");
   static_assert(kHeadDim == 64 || kHeadDim == 96 || kHeadDim == 128, "head sizes whose output fits a consumer");
   static_assert(ws_shared_bytes_fixed<kHeadDim, Tiling>() + 4 * size_t(kMaxSelectedPerTile) <= 227 * 1024,
                 "an H100/H200 CTA has 227 KiB: the tiles and the largest sparse selection must fit");
@@ -138,17 +148,17 @@ __global__ void __launch_bounds__(kThreads, 1) paged_attention_forward_ws_kernel
   const uint32_t raw_address = shared_address(shared_raw);
   unsigned char* shared_base = shared_raw + (((raw_address + 1023u) & ~1023u) - raw_address);
   unsigned char* q_tile = shared_base;                      // [kDims / 64][kRows][64]
-  unsigned char* k_tiles = q_tile + kRows * kDims * 2;      // [kStages][kDims / 64][kKeys][64]
-  unsigned char* v_tiles = k_tiles + kStages * kTileBytes;  // [kStages][kDims / 64][kKeys][64]
-  uint64_t* barriers = reinterpret_cast<uint64_t*>(v_tiles + kStages * kTileBytes);
-  int* selected_count = reinterpret_cast<int*>(barriers + 1 + 4 * kStages);
+  unsigned char* k_tiles = q_tile + kRows * kDims * 2;       // [kKStages][kDims / 64][kKeys][64]
+  unsigned char* v_tiles = k_tiles + kKStages * kTileBytes;  // [kVStages][kDims / 64][kKeys][64]
+  uint64_t* barriers = reinterpret_cast<uint64_t*>(v_tiles + kVStages * kTileBytes);
+  int* selected_count = reinterpret_cast<int*>(barriers + 1 + 2 * (kKStages + kVStages));
   int32_t* selected = selected_count + 4;  // [selected_per_tile]
   const uint32_t q_full = shared_address(barriers);
-  // Stage s's barriers: K full, K empty, V full, V empty.
-  const auto k_full = [&](int s) { return q_full + 8u * (1 + 4 * s); };
-  const auto k_empty = [&](int s) { return q_full + 8u * (2 + 4 * s); };
-  const auto v_full = [&](int s) { return q_full + 8u * (3 + 4 * s); };
-  const auto v_empty = [&](int s) { return q_full + 8u * (4 + 4 * s); };
+  // After Q's: K stage s's full and empty barriers, then V stage s's.
+  const auto k_full = [&](int s) { return q_full + 8u * (1 + 2 * s); };
+  const auto k_empty = [&](int s) { return q_full + 8u * (2 + 2 * s); };
+  const auto v_full = [&](int s) { return q_full + 8u * (1 + 2 * kKStages + 2 * s); };
+  const auto v_empty = [&](int s) { return q_full + 8u * (2 + 2 * kKStages + 2 * s); };
   constexpr int kConsumerWarps = 4 * kConsumers;
 
   const PagedAttentionShape& shape = params.shape;
@@ -165,10 +175,12 @@ __global__ void __launch_bounds__(kThreads, 1) paged_attention_forward_ws_kernel
 
   if (thread == 0) {
     mbarrier_init(q_full, 128);
-    for (int s = 0; s < kStages; ++s) {
+    for (int s = 0; s < kKStages; ++s) {
       mbarrier_init(k_full(s), 128);
-      mbarrier_init(v_full(s), 128);
       mbarrier_init(k_empty(s), kConsumerWarps);
+    }
+    for (int s = 0; s < kVStages; ++s) {
+      mbarrier_init(v_full(s), 128);
       mbarrier_init(v_empty(s), kConsumerWarps);
     }
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
@@ -190,17 +202,18 @@ __global__ void __launch_bounds__(kThreads, 1) paged_attention_forward_ws_kernel
                                              q_row_stride, chunk_tokens - first_query, copier);
     copies_arrive(q_full);
     for (int index = 0; index < num_blocks; ++index) {
-      const int stage = index % kStages;
-      const uint32_t parity = ((index / kStages) & 1) ^ 1;  // a fresh barrier's "previous phase" is done
+      // A fresh barrier's "previous phase" counts as done: the first wait on each stage passes.
+      const int k_stage = index % kKStages;
+      const int v_stage = index % kVStages;
       const KeyBlock<Element> block = keys.block(first_block + index);
-      mbarrier_wait(k_empty(stage), parity);
-      load_swizzled_rows<kKeys, kHeadDim, 128>(k_tiles + stage * kTileBytes, block.k_base, kv_row_stride,
+      mbarrier_wait(k_empty(k_stage), ((index / kKStages) & 1) ^ 1);
+      load_swizzled_rows<kKeys, kHeadDim, 128>(k_tiles + k_stage * kTileBytes, block.k_base, kv_row_stride,
                                                block.valid_rows, copier);
-      copies_arrive(k_full(stage));
-      mbarrier_wait(v_empty(stage), parity);
-      load_swizzled_rows<kKeys, kHeadDim, 128>(v_tiles + stage * kTileBytes, block.v_base, kv_row_stride,
+      copies_arrive(k_full(k_stage));
+      mbarrier_wait(v_empty(v_stage), ((index / kVStages) & 1) ^ 1);
+      load_swizzled_rows<kKeys, kHeadDim, 128>(v_tiles + v_stage * kTileBytes, block.v_base, kv_row_stride,
                                                block.valid_rows, copier);
-      copies_arrive(v_full(stage));
+      copies_arrive(v_full(v_stage));
     }
     asm volatile("cp.async.wait_all;\n" ::: "memory");
     return;
@@ -230,8 +243,13 @@ __global__ void __launch_bounds__(kThreads, 1) paged_attention_forward_ws_kernel
     __syncwarp();
     if (lane == 0) mbarrier_arrive(barrier);
   };
-  const auto wait_full = [&](uint32_t barrier, int index) {
-    mbarrier_wait(barrier, (index / kStages) & 1);
+  // Block `index`'s K (or V) stage is full: the stage's phase (index / stages) has completed.
+  const auto wait_k_full = [&](int index) {
+    mbarrier_wait(k_full(index % kKStages), (index / kKStages) & 1);
+    fence_proxy_async_shared();
+  };
+  const auto wait_v_full = [&](int index) {
+    mbarrier_wait(v_full(index % kVStages), (index / kVStages) & 1);
     fence_proxy_async_shared();
   };
 
@@ -344,7 +362,7 @@ __global__ void __launch_bounds__(kThreads, 1) paged_attention_forward_ws_kernel
     uint32_t p[kKeys / 16][4];
     float correction[2];
     {
-      wait_full(k_full(0), 0);
+      wait_k_full(0);
       turn_wait();
       issue_scores(scores, 0);
       turn_pass();
@@ -355,13 +373,13 @@ __global__ void __launch_bounds__(kThreads, 1) paged_attention_forward_ws_kernel
       accumulator_to_a_fragments<Element, kKeys>(p, scores);
     }
     for (int index = 1; index < own_blocks; ++index) {
-      const int stage = index % kStages;
-      const int previous = (index - 1) % kStages;
+      const int stage = index % kKStages;
+      const int previous = (index - 1) % kVStages;
       const KeyBlock<Element> block = keys.block(first_block + index);
-      wait_full(k_full(stage), index);
+      wait_k_full(index);
       turn_wait();
       issue_scores(scores, stage);
-      wait_full(v_full(previous), index - 1);
+      wait_v_full(index - 1);
       issue_values(p, previous);
       turn_pass();
       wgmma_wait<1>();  // S of this block; P V of the one before may still run
@@ -375,8 +393,8 @@ __global__ void __launch_bounds__(kThreads, 1) paged_attention_forward_ws_kernel
       rescale_output(correction);
       accumulator_to_a_fragments<Element, kKeys>(p, scores);
     }
-    const int last = (own_blocks - 1) % kStages;
-    wait_full(v_full(last), own_blocks - 1);
+    const int last = (own_blocks - 1) % kVStages;
+    wait_v_full(own_blocks - 1);
     issue_values(p, last);
     wgmma_wait<0>();
     fence_registers(output);
@@ -385,13 +403,12 @@ __global__ void __launch_bounds__(kThreads, 1) paged_attention_forward_ws_kernel
   // The blocks this consumer skips: it still takes its turns and frees their stages (once they are
   // full, so that its arrivals count toward the right phase).
   for (int index = own_blocks; index < num_blocks; ++index) {
-    const int stage = index % kStages;
-    wait_full(k_full(stage), index);
-    wait_full(v_full(stage), index);
+    wait_k_full(index);
+    wait_v_full(index);
     turn_wait();
     turn_pass();
-    release(k_empty(stage));
-    release(v_empty(stage));
+    release(k_empty(index % kKStages));
+    release(v_empty(index % kVStages));
   }
   // Consumer 0's last wait matches consumer 1's last turn_pass (or, without blocks, its first
   // arrival).

@@ -148,6 +148,14 @@ TEST(AttentionLayouts, OnlyTheLayoutsDispatchReachesAreCompiled) {
   EXPECT_TRUE(forward_layout_compiled(ForwardLayout::kWgmmaW8R64K128S2, DType::kFloat16, 128));
   EXPECT_FALSE(forward_layout_compiled(ForwardLayout::kWgmmaWsW12R64K128S2, DType::kFloat16, 96));
   EXPECT_TRUE(forward_layout_compiled(ForwardLayout::kWgmmaWsW12R64K128S2, DType::kBFloat16, 128));
+  // Its three-K-stage variant: opt-in at 128 only, never chosen.
+  EXPECT_TRUE(forward_layout_compiled(ForwardLayout::kWgmmaWsW12R64K128K3V2, DType::kBFloat16, 128));
+  EXPECT_TRUE(forward_layout_compiled(ForwardLayout::kWgmmaWsW12R64K128K3V2, DType::kFloat16, 128));
+  EXPECT_FALSE(forward_layout_compiled(ForwardLayout::kWgmmaWsW12R64K128K3V2, DType::kFloat16, 96));
+  EXPECT_EQ(ForwardLayout::kWgmmaWsW12R64K128K3V2,
+            resolve_forward_layout(ForwardLayout::kWgmmaWsW12R64K128K3V2, kHopper, LayoutQuery{DType::kBFloat16, 128, 128, 0}));
+  EXPECT_EQ(ForwardLayout::kWgmmaW8R64K64S3,
+            resolve_forward_layout(ForwardLayout::kWgmmaWsW12R64K128K3V2, kHopper, LayoutQuery{DType::kBFloat16, 128, 64, 0}));
   EXPECT_TRUE(forward_layout_compiled(ForwardLayout::kWgmmaWsW12R64K128S2, DType::kFloat16, 128));
   EXPECT_FALSE(forward_layout_compiled(ForwardLayout::kWgmmaWsW12R64K128S2, DType::kBFloat16, 64));
   EXPECT_FALSE(forward_layout_compiled(ForwardLayout::kWgmmaWsW12R64K128S2, DType::kBFloat16, 256));

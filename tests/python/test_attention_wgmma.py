@@ -45,6 +45,8 @@ VARIANTS = {
     "wgmma_w8r64_k64_s2": [("bfloat16", 256), ("float16", 256)],
     # Note [Warp-specialised forward]: compiled (and chosen on Hopper) at head size 128 only.
     "wgmma_ws_w12r64_k128_s2": [("bfloat16", 128), ("float16", 128)],
+    # Opt-in: three K stages (written after session 29's call).
+    "wgmma_ws_w12r64_k128_k3v2": [("bfloat16", 128), ("float16", 128)],
 }
 
 
