@@ -1,13 +1,15 @@
 #!/usr/bin/env python3
 """Plots for the README from committed benchmark results (bench/results/**.json) into docs/img/.
 
-    .venv/bin/python tools/plot_results.py
+    .venv/bin/python tools/plot_results.py [attention head_sizes runtime logra oomb store_paths device_order sparse_1m]
 
-Each plot is drawn only when its results exist; the newest file of each kind wins.
+Each plot is drawn only when its results exist; the newest file of each kind that the plot can draw
+wins. Names draw only those plots.
 """
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -21,12 +23,23 @@ RESULTS = REPO / "bench" / "results"
 IMG = REPO / "docs" / "img"
 
 
-def newest(pattern: str) -> Path | None:
-    # Result directories (and files directly in bench/results) are named by date first, so the
-    # last in name order is the newest. Variant sweeps are not benchmark results of the defaults.
+def _natural(text: str) -> list:
+    # "session9" before "session17": digit runs compare as numbers.
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", text)]
+
+
+def candidates(pattern: str) -> list[Path]:
+    """The results matching `pattern`, newest first. Session folders (and files directly in
+    bench/results) are named by date first, then machine and session; inside one, calls by number.
+    Variant sweeps are not benchmark results of the defaults."""
     files = [p for p in RESULTS.rglob(pattern) if "sweep" not in p.name]
-    files.sort(key=lambda p: (p.parent.name if p.parent != RESULTS else p.stem, p.name))
-    return files[-1] if files else None
+    files.sort(key=lambda p: [_natural(part) for part in p.relative_to(RESULTS).parts], reverse=True)
+    return files
+
+
+def newest(pattern: str) -> Path | None:
+    files = candidates(pattern)
+    return files[0] if files else None
 
 
 def _save(fig, name: str) -> Path:
@@ -57,9 +70,18 @@ def plot_attention(path: Path) -> Path:
     data = json.loads(path.read_text())
     dense = data["dense"]
     hist = [d["history"] // 1024 for d in dense]
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig, ax = plt.subplots(figsize=(10, 4))
     fwd = [d.get("forward_default_tflops", d["membar_forward_tflops"]) for d in dense]
-    ax.plot(hist, fwd, "o-", label="membar forward", color="#3465a4")
+    chosen = data.get("layouts", {}).get("forward", "")
+    ax.plot(hist, fwd, "o-", label=f"membar forward ({chosen})" if chosen else "membar forward", color="#3465a4")
+    # Forward layouts the bench timed by name (--try-dense-layouts), and the dense path's cuDNN forward.
+    tried = [name for name in dense[0].get("tried_dense_forward", {}) if all(name in d.get("tried_dense_forward", {}) for d in dense)]
+    for index, name in enumerate(tried):
+        ax.plot(hist, [d["tried_dense_forward"][name]["tflops"] for d in dense], "o-", label=f"membar forward ({name})",
+                color=["#4e9a06", "#75507b", "#204a87"][index % 3])
+    if all("cudnn_dense_forward" in d for d in dense):
+        ax.plot(hist, [d["cudnn_dense_forward"]["tflops"] for d in dense], "^:", label="cuDNN forward (dense path)",
+                color="#f57900")
     ax.plot(hist, [d["sdpa_forward_tflops"] for d in dense], "o--", label="SDPA flash forward", color="#729fcf")
     ax.plot(hist, [d["membar_backward_tflops"] for d in dense], "s-", label="membar backward", color="#cc0000")
     ax.plot(hist, [d["sdpa_backward_tflops"] for d in dense], "s--", label="SDPA flash backward", color="#ef2929")
@@ -69,8 +91,9 @@ def plot_attention(path: Path) -> Path:
     ax.set_xlabel("history (K tokens), chunk of 4096 queries")
     ax.set_ylabel("TFLOP/s")
     ax.set_ylim(0, None)
-    ax.set_title("Paged attention, Qwen2.5-7B shape (28/4 heads, D=128), H200")
-    ax.legend()
+    machine = str(data.get("machine", "H200")).replace(" (vm)", "")
+    ax.set_title(f"Paged attention, Qwen2.5-7B shape (28/4 heads, D=128), {machine}", fontsize=9)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0))
     return _save(fig, "attention_tflops.png")
 
 
@@ -152,7 +175,7 @@ def plot_oomb(path: Path) -> Path | None:
         ax.set_xscale("log", base=2)
         ax.set_xticks(contexts, [f"{c // 1024}M" if c >= 1024 else f"{c}K" for c in contexts])
         ax.set_xlabel("context (tokens)")
-        ax.legend(fontsize=7)
+        ax.legend(fontsize=7, loc="lower left")
     ax_time.set_yscale("log")
     ax_mem.set_ylabel("peak GPU memory (GiB)")
     ax_time.set_ylabel("seconds per step (fwd + bwd)")
@@ -301,22 +324,27 @@ def plot_sparse_1m(newest_log: Path) -> Path | None:
 def main() -> int:
     IMG.mkdir(parents=True, exist_ok=True)
     made = []
+    # Names on the command line (e.g. "attention head_sizes") draw only those plots.
+    wanted = set(sys.argv[1:])
     for pattern, plot in (("runtime_bench.json", plot_runtime), ("*attention*.json", plot_attention),
                           ("*attention*.json", plot_head_sizes),
                           ("logra_bench.json", plot_logra),
                           ("oomb_bench.json", plot_oomb), ("cli-*", plot_store_paths),
                           ("order/oomb_bench.json", plot_device_order), ("bench.log", plot_sparse_1m)):
-        path = newest(pattern)
-        if path is None:
+        if wanted and plot.__name__.removeprefix("plot_") not in wanted:
             continue
-        try:
-            out = plot(path)
-        except (KeyError, TypeError, ValueError) as error:
-            print(f"skipped {path}: {type(error).__name__}: {error}", file=sys.stderr)
-            continue
-        if out:
-            made.append(out)
-            print(f"{path.relative_to(REPO)} -> {out.relative_to(REPO)}")
+        # The newest result a plot can draw: one without its rows (a plot returns None) gives way
+        # to the one before (e.g. an attention run without the head-size table).
+        for path in candidates(pattern):
+            try:
+                out = plot(path)
+            except (KeyError, TypeError, ValueError) as error:
+                print(f"skipped {path}: {type(error).__name__}: {error}", file=sys.stderr)
+                break
+            if out:
+                made.append(out)
+                print(f"{path.relative_to(REPO)} -> {out.relative_to(REPO)}")
+                break
     return 0 if made else 1
 
 
