@@ -177,14 +177,16 @@ inline constexpr int32_t kSparseTiles[] = {0, 64, 128};
 // Opt-in forward (layout, head_dim) pairs (Note [Layout choice]), every supported dtype: the
 // warpgroup forward at head size 128, which the warp-specialised one replaced there (session 29),
 // kept so that the attention bench and the gpu tests run it beside the chosen one by name; and the
-// warp-specialised forward with a third K stage (written after session 29's call, never run: the
-// gpu tests check it by name before the bench times it).
+// warp-specialised forward with a third K stage (written after session 29's call), and the
+// warp-specialised forward at head size 96, where the warpgroup one stays chosen until it is
+// measured there: the gpu tests check each by name before the bench times it.
 struct OptInForwardLayout {
   ForwardLayout layout;
   int32_t head_dim;
 };
 inline constexpr OptInForwardLayout kOptInForwardLayouts[] = {{ForwardLayout::kWgmmaW8R64K128S2, 128},
-                                                              {ForwardLayout::kWgmmaWsW12R64K128K3V2, 128}};
+                                                              {ForwardLayout::kWgmmaWsW12R64K128K3V2, 128},
+                                                              {ForwardLayout::kWgmmaWsW12R64K128S2, 96}};
 
 // Whether the library compiles `layout` for this dtype and head_dim: whether they are supported
 // and choose_forward_layout returns it for some device and call of that dtype and head_dim (or it
