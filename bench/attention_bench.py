@@ -20,7 +20,7 @@ Writes attention.json and attention.txt into $MEMBAR_RESULTS_DIR (default bench/
 Usage: PYTHONPATH=bindings/python python3 bench/attention_bench.py [--histories 32768,131072,262144]
     [--head-dims 64,96,128,256] [--head-dim-dtypes bfloat16,float16] [--head-dim-history 32768]
     [--try-layouts 64=wgmma_w8r64_k64_s3_2cta,...]   (other compiled forward layouts, timed beside the chosen one)
-    [--try-dense-layouts wgmma_w8r64_k128_s2,wgmma_ws_w12r64_k128_k3v2]   (the same at every history, with the dense path's cuDNN forward)
+    [--try-dense-layouts wgmma_w8r64_k128_s2]   (the same at every history, with the dense path's cuDNN forward)
 """
 import argparse
 import json

@@ -84,10 +84,11 @@
 #             bf16 with the soft-capped kernels timed too (ATTENTION_HISTORIES, HEADS_DIMS, HEADS_DTYPES,
 #             HEADS_SOFTCAP narrow or widen it)
 #   wsforward the warp-specialised forward (Note [Warp-specialised forward], wgmma_ws_w12r64_k128_s2,
-#             chosen at head_dim 128 on Hopper since session 29): its isolated check against the reference,
-#             then (if it passed) the attention bench at ATTENTION_HISTORIES with WSFORWARD_TRY's layouts
-#             (default the warpgroup forward it replaced and the opt-in three-K-stage one) beside it, SDPA flash and the dense path's cuDNN
-#             forward, and the gpu attention tests that run every compiled layout
+#             chosen at head_dim 128 on Hopper since session 29, at 96 since session 30): its isolated check
+#             against the reference (head size 96 apart), then (if it passed) the attention bench at
+#             ATTENTION_HISTORIES with WSFORWARD_TRY's layouts (default the warpgroup forward it replaced)
+#             beside it, SDPA flash and the dense path's cuDNN forward, head size 96 (WSFORWARD_HEADS) beside
+#             the warpgroup forward, and the gpu attention tests that run every compiled layout
 #   sparsebwd 7B sparse (top-64, pages on the GPU) at SPARSEBWD_CONTEXT (default 256K): membar's attention
 #             backward on the chosen layout (the warpgroup one on Hopper) against the split mma.sync
 #             one ("+splitbwd"), one run
@@ -460,22 +461,22 @@ for step in "$@"; do
       # reference and the mma.sync layout (a hang or a fault fails one test), and only if that passes
       # the in-process tests that run every compiled layout (C++ gpu attention tests, the Python
       # variants) and the timing at 32K-256K beside the chosen layout, SDPA flash and the dense
-      # path's cuDNN forward, and at head size 96 (32K history) beside the warpgroup forward chosen there.
+      # path's cuDNN forward, and at head size 96 (32K history) beside the warpgroup forward it replaced there.
       mkdir -p "$work/wsforward"
       layout=wgmma_ws_w12r64_k128_s2
       timeout 300 "$py" -m pytest -x -q -s -m gpu tests/python/test_attention_wgmma.py -k "(ws_w12 and not 96) or compiled_and_chosen" -p no:cacheprovider \
         > "$work/wsforward/isolated_pytest.log" 2>&1
       isolated=$?
       tail -8 "$work/wsforward/isolated_pytest.log"
-      # Head size 96 (opt-in there) is checked apart: its failure must not cost the 128 timing.
+      # Head size 96 is checked apart: its failure must not cost the 128 timing.
       heads=${WSFORWARD_HEADS:-96}
       timeout 200 "$py" -m pytest -x -q -s -m gpu tests/python/test_attention_wgmma.py -k "ws_w12 and 96" -p no:cacheprovider \
         > "$work/wsforward/isolated96_pytest.log" 2>&1 || { status=1; heads=""; }
       tail -4 "$work/wsforward/isolated96_pytest.log"
       if [ $isolated = 0 ]; then
         MEMBAR_RESULTS_DIR=$work/wsforward timeout 240 "$py" bench/attention_bench.py \
-          --histories "${ATTENTION_HISTORIES:-32768,131072,262144}" --try-dense-layouts "${WSFORWARD_TRY:-wgmma_w8r64_k128_s2,wgmma_ws_w12r64_k128_k3v2}" \
-          --head-dims "$heads" --head-dim-dtypes bfloat16 --try-layouts "${WSFORWARD_HEAD_TRY:-96=wgmma_ws_w12r64_k128_s2}" \
+          --histories "${ATTENTION_HISTORIES:-32768,131072,262144}" --try-dense-layouts "${WSFORWARD_TRY:-wgmma_w8r64_k128_s2}" \
+          --head-dims "$heads" --head-dim-dtypes bfloat16 --try-layouts "${WSFORWARD_HEAD_TRY:-96=wgmma_w8r64_k128_s2}" \
           > "$work/wsforward/bench.log" 2>&1 || status=1
         cat "$work/wsforward/attention.txt" 2>/dev/null || tail -20 "$work/wsforward/bench.log"
         ctest --test-dir build-gpu -L gpu -R "ttention" --output-on-failure --timeout 200 \

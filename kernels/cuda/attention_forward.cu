@@ -44,12 +44,6 @@ cudaError_t launch_layout(ForwardLayout layout, const PagedAttentionForwardParam
             params, stream);
       }
       break;
-    case ForwardLayout::kWgmmaWsW12R64K128K3V2:
-      if constexpr (forward_layout_compiled(ForwardLayout::kWgmmaWsW12R64K128K3V2, kDType, kHeadDim)) {
-        return detail::warpgroup_ws::launch_forward<Element, kHeadDim, layouts::WgmmaWsW12R64K128K3V2, kSoftcap>(
-            params, stream);
-      }
-      break;
     case ForwardLayout::kMmaW8R16K128S3:
       if constexpr (forward_layout_compiled(ForwardLayout::kMmaW8R16K128S3, kDType, kHeadDim)) {
         return detail::launch_forward<Element, kHeadDim, layouts::MmaW8R16K128S3, kSoftcap>(params, stream);

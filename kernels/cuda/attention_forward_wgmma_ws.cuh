@@ -37,16 +37,19 @@
 // of it (0.97-1.03x, session 29) and was dropped.
 // Stages: a K stage is free only once both consumers' S of its block is done, so with two K stages
 // the producer has about one and a half block-times (~2 us) to read the page table and land
-// K_{i+2} before consumer 0 wants it; a V stage is free only after P V, a block later, so V has a
-// block more. Throughput fell 12% from 32K to 256K history (cuDNN's 5%), which a late K would
-// explain. wgmma_ws_w12r64_k128_k3v2 (opt-in, written after session 29's call, not yet run) gives
-// K a third stage: 197 KiB with Q and two V stages, 229 KiB with the largest sparse selection.
+// K_{i+2} before consumer 0 wants it; a V stage is free only after P V, a block later. Throughput
+// falls from 32K to 256K history (-10% in session 30 on an H100, cuDNN's dense forward -4%), but a
+// late K does not explain it: a third K stage (session 30, 197 KiB of shared memory) ran 1.00x /
+// 0.97x / 0.95x of two at 32K / 128K / 256K in the same call, and was dropped.
 // Support: what the warpgroup forward supports at head_dim 64, 96 and 128 with pages of 128
 // (bf16 and fp16, sparse tiles of 128k rows, soft-caps, windows); head_dim 256 does not fit
-// (two consumers' output alone is 128 registers a thread). Compiled and chosen at head_dim 128
-// only, where it ran first (session 29, an H100: correct in every gpu attention test; 593 / 553 /
-// 522 TFLOP/s at 32K / 128K / 256K history against 421 / 431 / 420 for the warpgroup forward and
-// 617 / 598 / 584 for cuDNN's dense forward in the same call).
+// (two consumers' output alone is 128 registers a thread). Compiled and chosen at head_dim 96 and
+// 128. At 128 it ran first in session 29 (an H100: correct in every gpu attention test; 593 / 553
+// / 522 TFLOP/s at 32K / 128K / 256K history against 421 / 431 / 420 for the warpgroup forward
+// and 617 / 598 / 584 for cuDNN's dense forward in the same call); session 30 (an H100 again) ran
+// 594 / 581 / 535 against 410 / 429 / 429 and cuDNN's 621 / 633 / 596, and at head_dim 96 (32K
+// history, bf16) 431 against the warpgroup forward's 350 (1.23x) and SDPA flash's 326, correct
+// against the float32 reference in bf16 and fp16 first.
 #pragma once
 
 #include <cuda_bf16.h>

@@ -66,17 +66,6 @@ struct WgmmaWsW12R64K128S2 {
   }();
 };
 
-struct WgmmaWsW12R64K128K3V2 {
-  static constexpr const char* kName = "wgmma_ws_w12r64_k128_k3v2";
-  static constexpr detail::warpgroup_ws::WarpSpecialisedForwardTile kTile = [] {
-    detail::warpgroup_ws::WarpSpecialisedForwardTile tile;
-    tile.keys_per_block = 128;
-    tile.k_stages = 3;
-    tile.v_stages = 2;
-    return tile;
-  }();
-};
-
 struct MmaW8R16K128S3 {
   static constexpr const char* kName = "w8r16_k128_s3_qreg_shift";
   static constexpr detail::ForwardTile kTile = [] {

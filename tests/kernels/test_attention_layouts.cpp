@@ -30,8 +30,8 @@ constexpr CudaTarget kAmpere{80, false};
 TEST(AttentionLayouts, HopperRunsTheWarpgroupForwardForEveryDtypeAndHeadSize) {
   for (DType dtype : {DType::kBFloat16, DType::kFloat16}) {
     for (int32_t head_dim : {96, 128}) {
-      // Pages of 128: the warp-specialised forward at head size 128, the warpgroup one at 96.
-      const ForwardLayout pages_128 = head_dim == 128 ? ForwardLayout::kWgmmaWsW12R64K128S2 : ForwardLayout::kWgmmaW8R64K128S2;
+      // Pages of 128: the warp-specialised forward.
+      const ForwardLayout pages_128 = ForwardLayout::kWgmmaWsW12R64K128S2;
       EXPECT_EQ(pages_128, choose_forward_layout(kHopper, LayoutQuery{dtype, head_dim, 128, 0}));
       EXPECT_EQ(ForwardLayout::kWgmmaW8R64K64S3, choose_forward_layout(kHopper, LayoutQuery{dtype, head_dim, 64, 0}));
       EXPECT_EQ(pages_128, choose_forward_layout(kHopper, LayoutQuery{dtype, head_dim, 128, 256}));
@@ -142,22 +142,14 @@ TEST(AttentionLayouts, OnlyTheLayoutsDispatchReachesAreCompiled) {
   EXPECT_FALSE(forward_layout_compiled(ForwardLayout::kMmaW8R16K128S3, DType::kBFloat16, 256));
   EXPECT_TRUE(forward_layout_compiled(ForwardLayout::kMmaW4R16K64S2, DType::kBFloat16, 256));
   EXPECT_FALSE(forward_layout_compiled(ForwardLayout::kMmaW4R16K64S2, DType::kBFloat16, 128));
-  // The warp-specialised forward: chosen at head size 128 (both dtypes) only, opt-in at 96; the
-  // warpgroup forward it replaced at 128 stays compiled (opt-in). Asked for on Hopper with pages of
-  // 128 it runs, elsewhere the choice does.
+  // The warp-specialised forward: chosen at head sizes 96 and 128 (both dtypes); the warpgroup
+  // forward it replaced there stays compiled (opt-in). Asked for on Hopper with pages of 128 it
+  // runs, elsewhere the choice does.
   EXPECT_TRUE(forward_layout_compiled(ForwardLayout::kWgmmaW8R64K128S2, DType::kFloat16, 128));
+  EXPECT_TRUE(forward_layout_compiled(ForwardLayout::kWgmmaW8R64K128S2, DType::kBFloat16, 96));
+  EXPECT_FALSE(forward_layout_compiled(ForwardLayout::kWgmmaW8R64K128S2, DType::kBFloat16, 64));
   EXPECT_TRUE(forward_layout_compiled(ForwardLayout::kWgmmaWsW12R64K128S2, DType::kFloat16, 96));
-  EXPECT_TRUE(forward_layout_compiled(ForwardLayout::kWgmmaWsW12R64K128S2, DType::kBFloat16, 96));
-  EXPECT_EQ(ForwardLayout::kWgmmaW8R64K128S2, choose_forward_layout(kHopper, LayoutQuery{DType::kBFloat16, 96, 128, 0}));
   EXPECT_TRUE(forward_layout_compiled(ForwardLayout::kWgmmaWsW12R64K128S2, DType::kBFloat16, 128));
-  // Its three-K-stage variant: opt-in at 128 only, never chosen.
-  EXPECT_TRUE(forward_layout_compiled(ForwardLayout::kWgmmaWsW12R64K128K3V2, DType::kBFloat16, 128));
-  EXPECT_TRUE(forward_layout_compiled(ForwardLayout::kWgmmaWsW12R64K128K3V2, DType::kFloat16, 128));
-  EXPECT_FALSE(forward_layout_compiled(ForwardLayout::kWgmmaWsW12R64K128K3V2, DType::kFloat16, 96));
-  EXPECT_EQ(ForwardLayout::kWgmmaWsW12R64K128K3V2,
-            resolve_forward_layout(ForwardLayout::kWgmmaWsW12R64K128K3V2, kHopper, LayoutQuery{DType::kBFloat16, 128, 128, 0}));
-  EXPECT_EQ(ForwardLayout::kWgmmaW8R64K64S3,
-            resolve_forward_layout(ForwardLayout::kWgmmaWsW12R64K128K3V2, kHopper, LayoutQuery{DType::kBFloat16, 128, 64, 0}));
   EXPECT_TRUE(forward_layout_compiled(ForwardLayout::kWgmmaWsW12R64K128S2, DType::kFloat16, 128));
   EXPECT_FALSE(forward_layout_compiled(ForwardLayout::kWgmmaWsW12R64K128S2, DType::kBFloat16, 64));
   EXPECT_FALSE(forward_layout_compiled(ForwardLayout::kWgmmaWsW12R64K128S2, DType::kBFloat16, 256));

@@ -43,10 +43,8 @@ VARIANTS = {
     "wgmma_w8r64_k64_s3": [("bfloat16", 128), ("float16", 96)],
     "wgmma_w8r64_k64_s3_2cta": [("float16", 64), ("bfloat16", 64)],
     "wgmma_w8r64_k64_s2": [("bfloat16", 256), ("float16", 256)],
-    # Note [Warp-specialised forward]: chosen on Hopper at head size 128, opt-in at 96.
+    # Note [Warp-specialised forward]: chosen on Hopper at head sizes 96 and 128.
     "wgmma_ws_w12r64_k128_s2": [("bfloat16", 128), ("float16", 128), ("bfloat16", 96), ("float16", 96)],
-    # Opt-in: three K stages (written after session 29's call).
-    "wgmma_ws_w12r64_k128_k3v2": [("bfloat16", 128), ("float16", 128)],
 }
 
 
@@ -242,8 +240,8 @@ def test_wgmma_layouts_are_compiled_and_chosen():
     assert sorted(WGMMA_LAYOUTS) == sorted(VARIANTS), WGMMA_LAYOUTS
     # On Hopper the choice runs them for every dtype and head size (pages of 128 and 64).
     for dtype in (torch.bfloat16, torch.float16):
-        assert torch.ops.membar.attention_cuda_layout("forward", dtype, 128, 128) == "wgmma_ws_w12r64_k128_s2"
-        assert torch.ops.membar.attention_cuda_layout("forward", dtype, 96, 128) == "wgmma_w8r64_k128_s2"
+        for head_dim in (96, 128):
+            assert torch.ops.membar.attention_cuda_layout("forward", dtype, head_dim, 128) == "wgmma_ws_w12r64_k128_s2"
         for head_dim in (96, 128):
             assert torch.ops.membar.attention_cuda_layout("forward", dtype, head_dim, 64) == "wgmma_w8r64_k64_s3"
         for page_tokens in (64, 128):

@@ -80,10 +80,10 @@ constexpr ForwardLayout choose_forward_layout(const CudaTarget& target, const La
     // Head size 64: 64-key blocks, two CTAs an SM (1.07x the one-CTA 128-key layout on the H200).
     if (query.head_dim == 64) return ForwardLayout::kWgmmaW8R64K64S3TwoCtas;
     if (query.page_tokens % 128 != 0) return ForwardLayout::kWgmmaW8R64K64S3;
-    // Head size 128, pages of 128: the warp-specialised forward (Note [Warp-specialised forward];
-    // on an H100 1.41x / 1.28x / 1.24x the warpgroup one at 32K / 128K / 256K history, session 29).
-    // Head size 96 keeps the warpgroup one: the warp-specialised one has not run there.
-    return query.head_dim == 128 ? ForwardLayout::kWgmmaWsW12R64K128S2 : ForwardLayout::kWgmmaW8R64K128S2;
+    // Head sizes 96 and 128, pages of 128: the warp-specialised forward (Note [Warp-specialised
+    // forward]; on an H100 at 128 1.41x / 1.28x / 1.24x the warpgroup one at 32K / 128K / 256K
+    // history (session 29), 1.45x / 1.35x / 1.25x (session 30); at 96 1.23x at 32K (session 30)).
+    return ForwardLayout::kWgmmaWsW12R64K128S2;
   }
   // Head size 256: Q and two stages of K and V fill the shared memory of a 64-row CTA.
   if (query.head_dim == 256) return ForwardLayout::kMmaW4R16K64S2;
@@ -123,7 +123,6 @@ constexpr bool forward_layout_fits(ForwardLayout layout, const CudaTarget& targe
   switch (layout) {
     case ForwardLayout::kWgmmaW8R64K128S2:
     case ForwardLayout::kWgmmaWsW12R64K128S2:
-    case ForwardLayout::kWgmmaWsW12R64K128K3V2:
       return target.compute_capability == 90 && target.warpgroup_kernels && tiles_hold(128) &&
              query.page_tokens % 128 == 0;
     case ForwardLayout::kWgmmaW8R64K64S3:
@@ -175,18 +174,15 @@ inline constexpr int32_t kSparseTiles[] = {0, 64, 128};
 }  // namespace layout_detail
 
 // Opt-in forward (layout, head_dim) pairs (Note [Layout choice]), every supported dtype: the
-// warpgroup forward at head size 128, which the warp-specialised one replaced there (session 29),
-// kept so that the attention bench and the gpu tests run it beside the chosen one by name; and the
-// warp-specialised forward with a third K stage (written after session 29's call), and the
-// warp-specialised forward at head size 96, where the warpgroup one stays chosen until it is
-// measured there: the gpu tests check each by name before the bench times it.
+// warpgroup forward at head sizes 96 and 128, which the warp-specialised one replaced there
+// (sessions 29 and 30), kept so that the attention bench and the gpu tests run it beside the chosen
+// one by name.
 struct OptInForwardLayout {
   ForwardLayout layout;
   int32_t head_dim;
 };
-inline constexpr OptInForwardLayout kOptInForwardLayouts[] = {{ForwardLayout::kWgmmaW8R64K128S2, 128},
-                                                              {ForwardLayout::kWgmmaWsW12R64K128K3V2, 128},
-                                                              {ForwardLayout::kWgmmaWsW12R64K128S2, 96}};
+inline constexpr OptInForwardLayout kOptInForwardLayouts[] = {{ForwardLayout::kWgmmaW8R64K128S2, 96},
+                                                              {ForwardLayout::kWgmmaW8R64K128S2, 128}};
 
 // Whether the library compiles `layout` for this dtype and head_dim: whether they are supported
 // and choose_forward_layout returns it for some device and call of that dtype and head_dim (or it
@@ -256,7 +252,7 @@ inline constexpr ForwardLayout kForwardLayouts[] = {
     ForwardLayout::kWgmmaW8R64K128S2, ForwardLayout::kWgmmaW8R64K64S3, ForwardLayout::kMmaW8R16K128S3,
     ForwardLayout::kMmaW8R16K64S3, ForwardLayout::kMmaW4R16K64S3, ForwardLayout::kMmaW4R16K64S2,
     ForwardLayout::kMmaW4R16K128S1, ForwardLayout::kWgmmaW8R64K64S2, ForwardLayout::kWgmmaW8R64K64S3TwoCtas,
-    ForwardLayout::kWgmmaWsW12R64K128S2, ForwardLayout::kWgmmaWsW12R64K128K3V2};
+    ForwardLayout::kWgmmaWsW12R64K128S2};
 inline constexpr BackwardLayout kBackwardLayouts[] = {BackwardLayout::kMmaSplitK128S2, BackwardLayout::kMmaW8K128,
                                                       BackwardLayout::kMmaW4K64, BackwardLayout::kMmaW4K64Padded,
                                                       BackwardLayout::kMmaW4K64S2Halves, BackwardLayout::kWgmmaW8K128,
@@ -270,7 +266,6 @@ constexpr const char* forward_layout_name(ForwardLayout layout) {
     case ForwardLayout::kWgmmaW8R64K64S2: return "wgmma_w8r64_k64_s2";
     case ForwardLayout::kWgmmaW8R64K64S3TwoCtas: return "wgmma_w8r64_k64_s3_2cta";
     case ForwardLayout::kWgmmaWsW12R64K128S2: return "wgmma_ws_w12r64_k128_s2";
-    case ForwardLayout::kWgmmaWsW12R64K128K3V2: return "wgmma_ws_w12r64_k128_k3v2";
     case ForwardLayout::kMmaW8R16K128S3: return "w8r16_k128_s3_qreg_shift";
     case ForwardLayout::kMmaW8R16K64S3: return "w8r16_k64_s3_qreg_shift";
     case ForwardLayout::kMmaW4R16K64S3: return "w4r16_k64_s3";
