@@ -85,10 +85,12 @@
 #             HEADS_SOFTCAP narrow or widen it)
 #   wsforward the warp-specialised forward (Note [Warp-specialised forward], wgmma_ws_w12r64_k128_s2,
 #             chosen at head_dim 128 on Hopper since session 29, at 96 since session 30): its isolated check
-#             against the reference (head size 96 apart), then (if it passed) the attention bench at
-#             ATTENTION_HISTORIES with WSFORWARD_TRY's layouts (default the warpgroup forward it replaced)
-#             beside it, SDPA flash and the dense path's cuDNN forward, head size 96 (WSFORWARD_HEADS) beside
-#             the warpgroup forward, and the gpu attention tests that run every compiled layout
+#             against the reference (head sizes 64 and 96 apart, WSFORWARD_HEADS), then (if it passed) the
+#             attention bench at ATTENTION_HISTORIES with WSFORWARD_TRY's layouts (default the warpgroup
+#             forward it replaced) beside it, SDPA flash and the dense path's cuDNN forward, those head sizes
+#             beside WSFORWARD_HEAD_TRY's layouts, and the gpu attention tests that run every compiled layout
+#   ncu       Nsight Compute's counters of the chosen forward and backward at NCU_HISTORIES (32768 262144):
+#             L2 hit rate, DRAM bytes, warp stalls (bench/probes/attention_ncu_probe.py)
 #   sparsebwd 7B sparse (top-64, pages on the GPU) at SPARSEBWD_CONTEXT (default 256K): membar's attention
 #             backward on the chosen layout (the warpgroup one on Hopper) against the split mma.sync
 #             one ("+splitbwd"), one run
@@ -461,22 +463,28 @@ for step in "$@"; do
       # reference and the mma.sync layout (a hang or a fault fails one test), and only if that passes
       # the in-process tests that run every compiled layout (C++ gpu attention tests, the Python
       # variants) and the timing at 32K-256K beside the chosen layout, SDPA flash and the dense
-      # path's cuDNN forward, and at head size 96 (32K history) beside the warpgroup forward it replaced there.
+      # path's cuDNN forward, and at the head sizes WSFORWARD_HEADS (64,96; 32K history) beside the
+      # layouts WSFORWARD_HEAD_TRY names. WSFORWARD_ISOLATED128=0 skips the head-128 check (for a call
+      # that changed only the other head sizes).
       mkdir -p "$work/wsforward"
       layout=wgmma_ws_w12r64_k128_s2
-      timeout 300 "$py" -m pytest -x -q -s -m gpu tests/python/test_attention_wgmma.py -k "(ws_w12 and not 96) or compiled_and_chosen" -p no:cacheprovider \
-        > "$work/wsforward/isolated_pytest.log" 2>&1
-      isolated=$?
-      tail -8 "$work/wsforward/isolated_pytest.log"
-      # Head size 96 is checked apart: its failure must not cost the 128 timing.
-      heads=${WSFORWARD_HEADS:-96}
-      timeout 200 "$py" -m pytest -x -q -s -m gpu tests/python/test_attention_wgmma.py -k "ws_w12 and 96" -p no:cacheprovider \
-        > "$work/wsforward/isolated96_pytest.log" 2>&1 || { status=1; heads=""; }
-      tail -4 "$work/wsforward/isolated96_pytest.log"
+      isolated=0
+      if [ "${WSFORWARD_ISOLATED128:-1}" = 1 ]; then
+        timeout 300 "$py" -m pytest -x -q -s -m gpu tests/python/test_attention_wgmma.py -k "(ws_w12 and 16-128]) or ws_w12r64_k128_s2] or compiled_and_chosen" \
+          -p no:cacheprovider > "$work/wsforward/isolated_pytest.log" 2>&1
+        isolated=$?
+        tail -8 "$work/wsforward/isolated_pytest.log"
+      fi
+      # The other head sizes (WSFORWARD_HEADS) are checked apart: their failure must not cost the 128 timing.
+      heads=${WSFORWARD_HEADS:-64,96}
+      others=$(echo "$heads" | sed 's/\([0-9]*\)/16-\1]/g; s/,/ or /g')
+      timeout 200 "$py" -m pytest -x -q -s -m gpu tests/python/test_attention_wgmma.py -k "ws_w12 and ($others)" -p no:cacheprovider \
+        > "$work/wsforward/isolated_heads_pytest.log" 2>&1 || { status=1; heads=""; }
+      tail -4 "$work/wsforward/isolated_heads_pytest.log"
       if [ $isolated = 0 ]; then
         MEMBAR_RESULTS_DIR=$work/wsforward timeout 240 "$py" bench/attention_bench.py \
           --histories "${ATTENTION_HISTORIES:-32768,131072,262144}" --try-dense-layouts "${WSFORWARD_TRY:-wgmma_w8r64_k128_s2}" \
-          --head-dims "$heads" --head-dim-dtypes bfloat16 --try-layouts "${WSFORWARD_HEAD_TRY:-96=wgmma_w8r64_k128_s2}" \
+          --head-dims "$heads" --head-dim-dtypes bfloat16 --try-layouts "${WSFORWARD_HEAD_TRY:-64=wgmma_ws_w12r64_k128_s2,96=wgmma_w8r64_k128_s2}" \
           > "$work/wsforward/bench.log" 2>&1 || status=1
         cat "$work/wsforward/attention.txt" 2>/dev/null || tail -20 "$work/wsforward/bench.log"
         ctest --test-dir build-gpu -L gpu -R "ttention" --output-on-failure --timeout 200 \
@@ -488,6 +496,20 @@ for step in "$@"; do
       else
         status=1
       fi ;;
+    ncu)
+      # Nsight Compute's counters of the chosen forward and backward (bench/probes/attention_ncu_probe.py)
+      # at NCU_HISTORIES: speed of light, memory (L2 hit rate, DRAM bytes), warp stalls, schedulers.
+      mkdir -p "$work/ncu"
+      ncu_bin=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+      for history in ${NCU_HISTORIES:-32768 262144}; do
+        timeout "${NCU_TIMEOUT:-150}" "$ncu_bin" --clock-control none --kernel-name-base function \
+          --kernel-name "regex:paged_attention_(forward_ws|backward_wgmma)_kernel" --launch-skip 2 --launch-count 2 \
+          --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats --section SchedulerStats \
+          --section ComputeWorkloadAnalysis --section Occupancy \
+          "$py" bench/probes/attention_ncu_probe.py "$history" > "$work/ncu/ncu_$history.txt" 2>&1 || status=1
+        grep -E "paged_attention|Duration|Memory Throughput|L2 Hit|DRAM Throughput|L1/TEX Hit|Compute \(SM\)|Issue Slots Busy|No Eligible|Stall|Warp Cycles Per Issued" \
+          "$work/ncu/ncu_$history.txt" | head -40
+      done ;;
     softcap)
       # Gemma 2 (4 layers of the 9B shape, 32K, chunk-recurrent): soft-capped global layers on the
       # paged kernels against the PyTorch path (MEMBAR_CUDA_SOFTCAP=0), in one call.

@@ -150,8 +150,10 @@ TEST(AttentionLayouts, OnlyTheLayoutsDispatchReachesAreCompiled) {
   EXPECT_FALSE(forward_layout_compiled(ForwardLayout::kWgmmaW8R64K128S2, DType::kBFloat16, 64));
   EXPECT_TRUE(forward_layout_compiled(ForwardLayout::kWgmmaWsW12R64K128S2, DType::kFloat16, 96));
   EXPECT_TRUE(forward_layout_compiled(ForwardLayout::kWgmmaWsW12R64K128S2, DType::kBFloat16, 128));
+  // Opt-in at head size 64, where two warpgroup CTAs an SM stay chosen.
+  EXPECT_TRUE(forward_layout_compiled(ForwardLayout::kWgmmaWsW12R64K128S2, DType::kBFloat16, 64));
+  EXPECT_EQ(ForwardLayout::kWgmmaW8R64K64S3TwoCtas, choose_forward_layout(kHopper, LayoutQuery{DType::kBFloat16, 64, 128, 0}));
   EXPECT_TRUE(forward_layout_compiled(ForwardLayout::kWgmmaWsW12R64K128S2, DType::kFloat16, 128));
-  EXPECT_FALSE(forward_layout_compiled(ForwardLayout::kWgmmaWsW12R64K128S2, DType::kBFloat16, 64));
   EXPECT_FALSE(forward_layout_compiled(ForwardLayout::kWgmmaWsW12R64K128S2, DType::kBFloat16, 256));
   EXPECT_EQ(ForwardLayout::kWgmmaWsW12R64K128S2,
             resolve_forward_layout(ForwardLayout::kWgmmaWsW12R64K128S2, kHopper, LayoutQuery{DType::kBFloat16, 128, 128, 0}));

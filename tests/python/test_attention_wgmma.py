@@ -43,8 +43,9 @@ VARIANTS = {
     "wgmma_w8r64_k64_s3": [("bfloat16", 128), ("float16", 96)],
     "wgmma_w8r64_k64_s3_2cta": [("float16", 64), ("bfloat16", 64)],
     "wgmma_w8r64_k64_s2": [("bfloat16", 256), ("float16", 256)],
-    # Note [Warp-specialised forward]: chosen on Hopper at head sizes 96 and 128.
-    "wgmma_ws_w12r64_k128_s2": [("bfloat16", 128), ("float16", 128), ("bfloat16", 96), ("float16", 96)],
+    # Note [Warp-specialised forward]: chosen on Hopper at head sizes 96 and 128, opt-in at 64.
+    "wgmma_ws_w12r64_k128_s2": [("bfloat16", 128), ("float16", 128), ("bfloat16", 96), ("float16", 96),
+                                ("bfloat16", 64), ("float16", 64)],
 }
 
 

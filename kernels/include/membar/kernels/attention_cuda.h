@@ -176,13 +176,15 @@ inline constexpr int32_t kSparseTiles[] = {0, 64, 128};
 // Opt-in forward (layout, head_dim) pairs (Note [Layout choice]), every supported dtype: the
 // warpgroup forward at head sizes 96 and 128, which the warp-specialised one replaced there
 // (sessions 29 and 30), kept so that the attention bench and the gpu tests run it beside the chosen
-// one by name.
+// one by name; and the warp-specialised forward at head size 64 (one CTA an SM), where two CTAs of
+// the warpgroup forward an SM are chosen until it is measured there.
 struct OptInForwardLayout {
   ForwardLayout layout;
   int32_t head_dim;
 };
 inline constexpr OptInForwardLayout kOptInForwardLayouts[] = {{ForwardLayout::kWgmmaW8R64K128S2, 96},
-                                                              {ForwardLayout::kWgmmaW8R64K128S2, 128}};
+                                                              {ForwardLayout::kWgmmaW8R64K128S2, 128},
+                                                              {ForwardLayout::kWgmmaWsW12R64K128S2, 64}};
 
 // Whether the library compiles `layout` for this dtype and head_dim: whether they are supported
 // and choose_forward_layout returns it for some device and call of that dtype and head_dim (or it
