@@ -224,6 +224,7 @@ class EngineImpl final : public Engine {
   void dispatcher_loop();
   // With no engine lock held.
   void deliver_events(const std::shared_ptr<ClientState>& client);
+  void deliver_event(ClientState& client, const ClientEvent& event);
   void queue_event(ClientState& client, ClientEvent event);
 
   std::unique_ptr<DeviceBackend> backend_;

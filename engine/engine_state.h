@@ -199,7 +199,8 @@ struct ClientState {
   ClientId id = 0;
   ClientConfig config;
   ClientEvents events;
-  bool closed = false;
+  // Set under the engine mutex; read without it by a deliverer between events (Note [Event delivery]).
+  std::atomic<bool> closed{false};
   uint32_t quota_frames[2] = {0, 0};
 
   // GPU tier: frames held (in use or idle), idle ones, and free window numbers.
