@@ -243,7 +243,6 @@ def test_wgmma_layouts_are_compiled_and_chosen():
     for dtype in (torch.bfloat16, torch.float16):
         for head_dim in (96, 128):
             assert torch.ops.membar.attention_cuda_layout("forward", dtype, head_dim, 128) == "wgmma_ws_w12r64_k128_s2"
-        for head_dim in (96, 128):
             assert torch.ops.membar.attention_cuda_layout("forward", dtype, head_dim, 64) == "wgmma_w8r64_k64_s3"
         for page_tokens in (64, 128):
             assert torch.ops.membar.attention_cuda_layout("forward", dtype, 64, page_tokens) == "wgmma_w8r64_k64_s3_2cta"
