@@ -84,7 +84,7 @@
 #             bf16 with the soft-capped kernels timed too (ATTENTION_HISTORIES, HEADS_DIMS, HEADS_DTYPES,
 #             HEADS_SOFTCAP narrow or widen it)
 #   wsforward the warp-specialised forward (Note [Warp-specialised forward], wgmma_ws_w12r64_k128_s2,
-#             chosen at head_dim 128 on Hopper since session 29, at 96 since session 30): its isolated check
+#             chosen on Hopper at head_dim 128 since session 29, 96 since 30, 64 since 31): its isolated check
 #             against the reference (head sizes 64 and 96 apart, WSFORWARD_HEADS), then (if it passed) the
 #             attention bench at ATTENTION_HISTORIES with WSFORWARD_TRY's layouts (default the warpgroup
 #             forward it replaced) beside it, SDPA flash and the dense path's cuDNN forward, those head sizes
@@ -484,7 +484,7 @@ for step in "$@"; do
       if [ $isolated = 0 ]; then
         MEMBAR_RESULTS_DIR=$work/wsforward timeout 240 "$py" bench/attention_bench.py \
           --histories "${ATTENTION_HISTORIES:-32768,131072,262144}" --try-dense-layouts "${WSFORWARD_TRY:-wgmma_w8r64_k128_s2}" \
-          --head-dims "$heads" --head-dim-dtypes bfloat16 --try-layouts "${WSFORWARD_HEAD_TRY:-64=wgmma_ws_w12r64_k128_s2,96=wgmma_w8r64_k128_s2}" \
+          --head-dims "$heads" --head-dim-dtypes bfloat16 --try-layouts "${WSFORWARD_HEAD_TRY:-64=wgmma_w8r64_k64_s3_2cta,96=wgmma_w8r64_k128_s2}" \
           > "$work/wsforward/bench.log" 2>&1 || status=1
         cat "$work/wsforward/attention.txt" 2>/dev/null || tail -20 "$work/wsforward/bench.log"
         ctest --test-dir build-gpu -L gpu -R "ttention" --output-on-failure --timeout 200 \

@@ -42,10 +42,11 @@ TEST(AttentionLayouts, HopperRunsTheWarpgroupForwardForEveryDtypeAndHeadSize) {
       EXPECT_EQ(ForwardLayout::kMmaW4R16K64S3, choose_forward_layout(kHopper, LayoutQuery{dtype, head_dim, 128, 64}));
       EXPECT_EQ(ForwardLayout::kMmaW4R16K64S3, choose_forward_layout(kHopper, LayoutQuery{dtype, head_dim, 128, 192}));
     }
-    // Head size 64: two CTAs an SM (a 64 x 64 output leaves the registers for it), any pages.
-    for (int32_t page_tokens : {64, 128}) {
-      EXPECT_EQ(ForwardLayout::kWgmmaW8R64K64S3TwoCtas, choose_forward_layout(kHopper, LayoutQuery{dtype, 64, page_tokens, 0}));
-    }
+    // Head size 64: the warp-specialised forward for pages of 128, two warpgroup CTAs an SM (a
+    // 64 x 64 output leaves the registers for it) for pages of 64.
+    EXPECT_EQ(ForwardLayout::kWgmmaWsW12R64K128S2, choose_forward_layout(kHopper, LayoutQuery{dtype, 64, 128, 0}));
+    EXPECT_EQ(ForwardLayout::kWgmmaWsW12R64K128S2, choose_forward_layout(kHopper, LayoutQuery{dtype, 64, 128, 4096}));
+    EXPECT_EQ(ForwardLayout::kWgmmaW8R64K64S3TwoCtas, choose_forward_layout(kHopper, LayoutQuery{dtype, 64, 64, 0}));
     // Head size 256: 64-key blocks in two stages, for pages of 64 and 128.
     for (int32_t page_tokens : {64, 128}) {
       EXPECT_EQ(ForwardLayout::kWgmmaW8R64K64S2, choose_forward_layout(kHopper, LayoutQuery{dtype, 256, page_tokens, 0}));
@@ -150,9 +151,10 @@ TEST(AttentionLayouts, OnlyTheLayoutsDispatchReachesAreCompiled) {
   EXPECT_FALSE(forward_layout_compiled(ForwardLayout::kWgmmaW8R64K128S2, DType::kBFloat16, 64));
   EXPECT_TRUE(forward_layout_compiled(ForwardLayout::kWgmmaWsW12R64K128S2, DType::kFloat16, 96));
   EXPECT_TRUE(forward_layout_compiled(ForwardLayout::kWgmmaWsW12R64K128S2, DType::kBFloat16, 128));
-  // Opt-in at head size 64, where two warpgroup CTAs an SM stay chosen.
+  // Chosen at head size 64 too (pages of 128), where the two-CTA warpgroup forward stays chosen
+  // for pages of 64.
   EXPECT_TRUE(forward_layout_compiled(ForwardLayout::kWgmmaWsW12R64K128S2, DType::kBFloat16, 64));
-  EXPECT_EQ(ForwardLayout::kWgmmaW8R64K64S3TwoCtas, choose_forward_layout(kHopper, LayoutQuery{DType::kBFloat16, 64, 128, 0}));
+  EXPECT_TRUE(forward_layout_compiled(ForwardLayout::kWgmmaW8R64K64S3TwoCtas, DType::kFloat16, 64));
   EXPECT_TRUE(forward_layout_compiled(ForwardLayout::kWgmmaWsW12R64K128S2, DType::kFloat16, 128));
   EXPECT_FALSE(forward_layout_compiled(ForwardLayout::kWgmmaWsW12R64K128S2, DType::kBFloat16, 256));
   EXPECT_EQ(ForwardLayout::kWgmmaWsW12R64K128S2,

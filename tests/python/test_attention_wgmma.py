@@ -43,7 +43,7 @@ VARIANTS = {
     "wgmma_w8r64_k64_s3": [("bfloat16", 128), ("float16", 96)],
     "wgmma_w8r64_k64_s3_2cta": [("float16", 64), ("bfloat16", 64)],
     "wgmma_w8r64_k64_s2": [("bfloat16", 256), ("float16", 256)],
-    # Note [Warp-specialised forward]: chosen on Hopper at head sizes 96 and 128, opt-in at 64.
+    # Note [Warp-specialised forward]: chosen on Hopper at head sizes 64, 96 and 128 (pages of 128).
     "wgmma_ws_w12r64_k128_s2": [("bfloat16", 128), ("float16", 128), ("bfloat16", 96), ("float16", 96),
                                 ("bfloat16", 64), ("float16", 64)],
 }
@@ -241,11 +241,11 @@ def test_wgmma_layouts_are_compiled_and_chosen():
     assert sorted(WGMMA_LAYOUTS) == sorted(VARIANTS), WGMMA_LAYOUTS
     # On Hopper the choice runs them for every dtype and head size (pages of 128 and 64).
     for dtype in (torch.bfloat16, torch.float16):
-        for head_dim in (96, 128):
+        for head_dim in (64, 96, 128):
             assert torch.ops.membar.attention_cuda_layout("forward", dtype, head_dim, 128) == "wgmma_ws_w12r64_k128_s2"
+        for head_dim in (96, 128):
             assert torch.ops.membar.attention_cuda_layout("forward", dtype, head_dim, 64) == "wgmma_w8r64_k64_s3"
-        for page_tokens in (64, 128):
-            assert torch.ops.membar.attention_cuda_layout("forward", dtype, 64, page_tokens) == "wgmma_w8r64_k64_s3_2cta"
+        assert torch.ops.membar.attention_cuda_layout("forward", dtype, 64, 64) == "wgmma_w8r64_k64_s3_2cta"
         for page_tokens in (64, 128):
             assert torch.ops.membar.attention_cuda_layout("forward", dtype, 256, page_tokens) == "wgmma_w8r64_k64_s2"
 

@@ -77,12 +77,15 @@ constexpr ForwardLayout choose_forward_layout(const CudaTarget& target, const La
   // warpgroup kernel. Head size 256: 64-key blocks in two stages (Q and three stages do not fit).
   if (hopper && query.sparse_tile_tokens % 128 == 0) {
     if (query.head_dim == 256) return ForwardLayout::kWgmmaW8R64K64S2;
-    // Head size 64: 64-key blocks, two CTAs an SM (1.07x the one-CTA 128-key layout on the H200).
-    if (query.head_dim == 64) return ForwardLayout::kWgmmaW8R64K64S3TwoCtas;
-    if (query.page_tokens % 128 != 0) return ForwardLayout::kWgmmaW8R64K64S3;
-    // Head sizes 96 and 128, pages of 128: the warp-specialised forward (Note [Warp-specialised
+    // Pages of 64: 64-key blocks; at head size 64 two CTAs an SM (1.07x the one-CTA 128-key
+    // warpgroup layout on the H200).
+    if (query.page_tokens % 128 != 0) {
+      return query.head_dim == 64 ? ForwardLayout::kWgmmaW8R64K64S3TwoCtas : ForwardLayout::kWgmmaW8R64K64S3;
+    }
+    // Head sizes 64, 96 and 128, pages of 128: the warp-specialised forward (Note [Warp-specialised
     // forward]; on an H100 at 128 1.41x / 1.28x / 1.24x the warpgroup one at 32K / 128K / 256K
-    // history (session 29), 1.45x / 1.35x / 1.25x (session 30); at 96 1.23x at 32K (session 30)).
+    // history (session 29), 1.45x / 1.35x / 1.25x (session 30); at 96 1.23x at 32K (session 30); on
+    // the H200 at 64 1.33x the two-CTA layout at 32K (session 31)).
     return ForwardLayout::kWgmmaWsW12R64K128S2;
   }
   // Head size 256: Q and two stages of K and V fill the shared memory of a 64-row CTA.
@@ -176,15 +179,14 @@ inline constexpr int32_t kSparseTiles[] = {0, 64, 128};
 // Opt-in forward (layout, head_dim) pairs (Note [Layout choice]), every supported dtype: the
 // warpgroup forward at head sizes 96 and 128, which the warp-specialised one replaced there
 // (sessions 29 and 30), kept so that the attention bench and the gpu tests run it beside the chosen
-// one by name; and the warp-specialised forward at head size 64 (one CTA an SM), where two CTAs of
-// the warpgroup forward an SM are chosen until it is measured there.
+// one by name. (At head size 64 the two-CTA warpgroup forward it replaced for pages of 128 is still
+// chosen for pages of 64, so it stays compiled without an entry here.)
 struct OptInForwardLayout {
   ForwardLayout layout;
   int32_t head_dim;
 };
 inline constexpr OptInForwardLayout kOptInForwardLayouts[] = {{ForwardLayout::kWgmmaW8R64K128S2, 96},
-                                                              {ForwardLayout::kWgmmaW8R64K128S2, 128},
-                                                              {ForwardLayout::kWgmmaWsW12R64K128S2, 64}};
+                                                              {ForwardLayout::kWgmmaW8R64K128S2, 128}};
 
 // Whether the library compiles `layout` for this dtype and head_dim: whether they are supported
 // and choose_forward_layout returns it for some device and call of that dtype and head_dim (or it
