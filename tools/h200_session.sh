@@ -89,8 +89,10 @@
 #             attention bench at ATTENTION_HISTORIES with WSFORWARD_TRY's layouts (default the warpgroup
 #             forward it replaced) beside it, SDPA flash and the dense path's cuDNN forward, those head sizes
 #             beside WSFORWARD_HEAD_TRY's layouts, and the gpu attention tests that run every compiled layout
+#   backward  the warpgroup backward's checks (C++ gpu attention tests, test_attention_cuda.py) and the
+#             attention bench at head sizes 64/96/128 (Note [Warpgroup dQ product], session 31)
 #   ncu       Nsight Compute's counters of the chosen forward and backward at NCU_HISTORIES (32768 262144):
-#             L2 hit rate, DRAM bytes, warp stalls (bench/probes/attention_ncu_probe.py)
+#             L2 hit rate, DRAM bytes, warp stalls by reason for the backward (bench/probes/attention_ncu_probe.py)
 #   sparsebwd 7B sparse (top-64, pages on the GPU) at SPARSEBWD_CONTEXT (default 256K): membar's attention
 #             backward on the chosen layout (the warpgroup one on Hopper) against the split mma.sync
 #             one ("+splitbwd"), one run
@@ -496,6 +498,25 @@ for step in "$@"; do
       else
         status=1
       fi ;;
+    backward)
+      # Note [Warpgroup dQ product] (session 31): the C++ gpu attention tests (every compiled layout
+      # against the CPU reference: shapes, soft-caps, windows, sparse selections, deterministic
+      # mode), the Python ops against the reference (BACKWARD_PYTEST_TIMEOUT), then the attention
+      # bench at ATTENTION_HISTORIES and head sizes 64, 96 and 128 beside SDPA flash and the mma.sync
+      # layouts (capped too).
+      mkdir -p "$work/backward"
+      ctest --test-dir build-gpu -L gpu -R ttention --output-on-failure --timeout 200 \
+        > "$work/backward/gpu_ctest.log" 2>&1 || status=1
+      tail -4 "$work/backward/gpu_ctest.log"; grep -E "Failed|\*\*\*" "$work/backward/gpu_ctest.log" | head -10
+      timeout "${BACKWARD_PYTEST_TIMEOUT:-150}" "$py" -m pytest -q -m gpu tests/python/test_attention_cuda.py \
+        -p no:cacheprovider > "$work/backward/pytest.log" 2>&1 || status=1
+      tail -4 "$work/backward/pytest.log"
+      MEMBAR_RESULTS_DIR=$work/backward timeout 240 "$py" bench/attention_bench.py \
+        --histories "${ATTENTION_HISTORIES:-32768,131072,262144}" --head-dims "${HEADS_DIMS:-64,96,128}" \
+        --head-dim-dtypes bfloat16 --softcap "${HEADS_SOFTCAP:-50}" \
+        --try-backward-layouts "${TRY_BACKWARD:-64=w8_k128_split_s2_pad,96=w8_k128_dq64}" \
+        > "$work/backward/bench.log" 2>&1 || status=1
+      cat "$work/backward/attention.txt" 2>/dev/null || tail -20 "$work/backward/bench.log" ;;
     ncu)
       # Nsight Compute's counters of the chosen forward and backward (bench/probes/attention_ncu_probe.py)
       # at NCU_HISTORIES: speed of light, memory (L2 hit rate, DRAM bytes), warp stalls, schedulers.
@@ -509,6 +530,12 @@ for step in "$@"; do
           "$py" bench/probes/attention_ncu_probe.py "$history" > "$work/ncu/ncu_$history.txt" 2>&1 || status=1
         grep -E "paged_attention|Duration|Memory Throughput|L2 Hit|DRAM Throughput|L1/TEX Hit|Compute \(SM\)|Issue Slots Busy|No Eligible|Stall|Warp Cycles Per Issued" \
           "$work/ncu/ncu_$history.txt" | head -40
+        # Why warps wait (cycles per issued instruction, by reason), the backward only.
+        timeout "${NCU_TIMEOUT:-150}" "$ncu_bin" --clock-control none --kernel-name-base function \
+          --kernel-name "regex:paged_attention_backward_wgmma_kernel" --launch-skip 1 --launch-count 1 \
+          --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" \
+          "$py" bench/probes/attention_ncu_probe.py "$history" > "$work/ncu/stalls_$history.txt" 2>&1 || status=1
+        grep -E "stalled" "$work/ncu/stalls_$history.txt" | sort -k3 -g -r | head -8
       done ;;
     softcap)
       # Gemma 2 (4 layers of the 9B shape, 32K, chunk-recurrent): soft-capped global layers on the
