@@ -213,6 +213,12 @@ sparse_offload_through_membard() {   # STEP CONTEXT: 7B sparse-offload (top-64, 
   kill "$daemon"; wait "$daemon" 2>/dev/null
 }
 
+clocks_start() {   # clocks_start FILE: the GPU's SM clock, power and temperature every 200 ms until clocks_stop
+  nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw,temperature.gpu --format=csv -lms 200 > "$1" 2>&1 &
+  clocks=$!
+}
+clocks_stop() { kill "$clocks" 2>/dev/null; wait "$clocks" 2>/dev/null; }
+
 start_daemon() {   # start_daemon SOCKET ARGS...: membard on the CUDA backend, waits for its socket
   local socket=$1; shift
   rm -f "$socket"
@@ -511,12 +517,15 @@ for step in "$@"; do
       timeout "${BACKWARD_PYTEST_TIMEOUT:-150}" "$py" -m pytest -q -m gpu tests/python/test_attention_cuda.py \
         -p no:cacheprovider > "$work/backward/pytest.log" 2>&1 || status=1
       tail -4 "$work/backward/pytest.log"
+      clocks_start "$work/backward/clocks.csv"
       MEMBAR_RESULTS_DIR=$work/backward timeout 240 "$py" bench/attention_bench.py \
         --histories "${ATTENTION_HISTORIES:-32768,131072,262144}" --head-dims "${HEADS_DIMS:-64,96,128}" \
         --head-dim-dtypes bfloat16 --softcap "${HEADS_SOFTCAP:-50}" \
         --try-backward-layouts "${TRY_BACKWARD:-64=w8_k128_split_s2_pad,96=w8_k128_dq64}" \
         > "$work/backward/bench.log" 2>&1 || status=1
-      cat "$work/backward/attention.txt" 2>/dev/null || tail -20 "$work/backward/bench.log" ;;
+      clocks_stop
+      cat "$work/backward/attention.txt" 2>/dev/null || tail -20 "$work/backward/bench.log"
+      "$py" tools/clocks_summary.py "$work/backward/clocks.csv" ;;
     ncu)
       # Nsight Compute's counters of the chosen forward and backward (bench/probes/attention_ncu_probe.py)
       # at NCU_HISTORIES: speed of light, memory (L2 hit rate, DRAM bytes), warp stalls, schedulers.
