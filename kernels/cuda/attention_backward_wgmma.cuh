@@ -62,13 +62,24 @@
 // [64 queries], 128 bytes a key row), which read MN-major (the transpose bit) is the A operand
 // dS [64 queries x 16 keys] of a k step, as the head-size-256 backward reads its dS^T tile. K's
 // swizzled tile read MN-major is B, one 64-column half per warpgroup: eight wgmma m64n64k16 per
-// warpgroup over the 128 keys. Head size 64 has one half, and the first warpgroup computes it
-// alone: the SM's tensor cores do the same work either way, and no column is added twice. Head
-// size 96 has 1.5 halves: the second warpgroup's product over the unwritten columns 96-127 of K
-// is not added. The accumulator rows of a thread are queries 16 (warp % 4) + lane / 4 (+ 8), its
-// columns 8 n + 2 (lane % 4) (+ 1), as every wgmma accumulator here.
-// Limitations: the dQ product still waits for the dK / dV products and the barrier after dS^T;
-// the atomics are as many as before (one fp32 add per query and column of an item).
+// warpgroup over the 128 keys. Head size 96 has 1.5 halves: the second warpgroup's product over
+// the unwritten columns 96-127 of K is not added. Head size 64 has one half: each warpgroup takes
+// its own 64 keys (four wgmma m64n64k16) and both add their sums (twice the atomics of one
+// product; the first version, in which the first warpgroup computed the product alone while the
+// second waited, ran 0.76x SDPA flash at 32K on an H100, against 0.85x for the mma.sync phase 3 on
+// the H200 that morning). P^T and dS^T both go to shared memory before dV and dK, which then read
+// them K-major as A (as the head-size-256 backward does), so that dV, dK and dQ are one batch of
+// MMAs waited for once, and no A fragment holds registers through it. The accumulator rows of a
+// thread are queries 16 (warp % 4) + lane / 4 (+ 8), its columns 8 n + 2 (lane % 4) (+ 1), as
+// every wgmma accumulator here.
+// Measured (session 31, an H100, one call): 326.9 / 345.3 / 345.4 TFLOP/s at 32K / 128K / 256K
+// history, 1.01x / 1.05x / 1.07x SDPA flash (the mma.sync phase 3: 0.98x / 1.04x / 1.05x on an
+// H100 in session 30, 1.03x / 1.03x / 1.06x on the H200 that morning): within a few percent, so
+// the dQ phase was not what held the kernel back. Nsight Compute at 256K: warps wait on the two
+// barriers of an item, fixed-latency dependencies and global loads (lse, delta) about equally;
+// the tensor pipe is busy 35% of the time.
+// Limitations: the two barriers an item and the MMA batches waited for in full keep the
+// warpgroups in step; warp specialisation (a producer, consumers in ping-pong) is what is left.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -209,8 +220,12 @@ __global__ void __launch_bounds__(kBackwardThreads, 1)
   // key_row + 8, with key_row = 64 warpgroup + 16 (warp in group) + lane / 4.
   const int key_row = warp * 16 + lane / 4;
   constexpr int kProductDims = kBackwardTileDims<kHeadDim>;
-  // The warpgroups of the dQ product: one per 64-column half of the tiles.
-  constexpr int kDqWarpgroups = kProductDims / kBackwardDqColumns;
+  // The dQ product (Note [Warpgroup dQ product]): with two 64-column halves each warpgroup takes
+  // one over all 128 keys; with one (head size 64) each takes its own 64 keys over the half.
+  constexpr bool kDqSplitsKeys = kProductDims == kBackwardDqColumns;
+  constexpr int kDqKeys = kDqSplitsKeys ? kBackwardWarpgroupKeys : kKeys;
+  const int dq_first_key = kDqSplitsKeys ? warpgroup * kBackwardWarpgroupKeys : 0;
+  const int dq_first_column = kDqSplitsKeys ? 0 : warpgroup * kBackwardDqColumns;
   float dk[kProductDims / 8][4];
   float dv[kProductDims / 8][4];
   clear(dk);
@@ -347,13 +362,12 @@ __global__ void __launch_bounds__(kBackwardThreads, 1)
     // dV += P^T dO and dK += dS^T Q, [64 keys, 128 dims] per warpgroup: P^T and dS^T K-major from
     // shared memory (the k step kk, 16 queries, 32 bytes into the rows), dO and Q MN-major (the k
     // step starts kk * 16 rows in; leading byte offset = one 64-dim half of 64 rows). Then dQ
-    // [64 queries, 64 columns] = dS K over all 128 keys, the columns of K's half w for warpgroup w
-    // (k step kk: 16 keys, 16 rows of both tiles, 128 in the descriptors' address field, which
-    // counts 16 bytes; shared addresses stay below its 2^18-byte range, so no carry). Head size 64
-    // has one half: the first warpgroup computes dQ alone. One commit group, one wait.
+    // [64 queries, 64 columns] = dS K (k step kk: 16 keys, 16 rows of both tiles, 128 in the
+    // descriptors' address field, which counts 16 bytes; shared addresses stay below its
+    // 2^18-byte range, so no carry): over all 128 keys and the columns of K's half w for warpgroup
+    // w, or at head size 64 over the warpgroup's own keys. One commit group, one wait.
     const uint32_t pt_rows = shared_address(pt_tile) + warpgroup * kBackwardWarpgroupKeys * kRowBytes;
     const uint32_t dst_rows = shared_address(dst_tile) + warpgroup * kBackwardWarpgroupKeys * kRowBytes;
-    const bool computes_dq = kDqWarpgroups == 2 || warpgroup == 0;
     float dq[kBackwardDqColumns / 8][4];
     fence_registers(dv);
     fence_registers(dk);
@@ -372,12 +386,14 @@ __global__ void __launch_bounds__(kBackwardThreads, 1)
     }
     // (In deterministic mode dQ is computed and dropped, as in the head-size-256 backward: a
     // branch around these MMAs would serialise the warpgroup's MMAs.)
-    if (computes_dq) {
-      const uint64_t a_first = matrix_descriptor(shared_address(dst_tile), kKeys * kRowBytes, 1024);
-      const uint64_t b_first =
-          matrix_descriptor(shared_address(k_tile) + warpgroup * kKeys * kRowBytes, kKeys * kRowBytes, 1024);
+    {
+      const uint64_t a_first =
+          matrix_descriptor(shared_address(dst_tile) + dq_first_key * kRowBytes, kKeys * kRowBytes, 1024);
+      const uint64_t b_first = matrix_descriptor(
+          shared_address(k_tile) + dq_first_column / 64 * kKeys * kRowBytes + dq_first_key * kRowBytes,
+          kKeys * kRowBytes, 1024);
 #pragma unroll
-      for (int kk = 0; kk < kKeys / 16; ++kk) {
+      for (int kk = 0; kk < kDqKeys / 16; ++kk) {
         const uint64_t step = uint64_t(kk) * (16 * kRowBytes / 16);
         wgmma_shared_transposed<Element, kBackwardDqColumns, true, true>(dq, a_first + step, b_first + step,
                                                                         kk > 0 ? 1 : 0);
@@ -389,7 +405,7 @@ __global__ void __launch_bounds__(kBackwardThreads, 1)
     fence_registers(dk);
     fence_registers(dq);
 
-    if (workspace.dq_accumulator != nullptr && computes_dq) {
+    if (workspace.dq_accumulator != nullptr) {
       const int q_head = kv_head * group + head_in_group;
       const int dq_row = (warp % 4) * 16 + lane / 4;   // the accumulator rows of this thread
 #pragma unroll
@@ -397,12 +413,12 @@ __global__ void __launch_bounds__(kBackwardThreads, 1)
         const int position = first_query + dq_row + half * 8;
         if (position >= chunk_tokens) continue;
         float* row = workspace.dq_accumulator + int64_t(position) * q_row_stride + int64_t(q_head) * kHeadDim +
-                     warpgroup * kBackwardDqColumns;
+                     dq_first_column;
 #pragma unroll
         for (int n = 0; n < kBackwardDqColumns / 8; ++n) {
           const int column = n * 8 + 2 * (lane % 4);
           // Head size 96: the second warpgroup's columns past 32 are past the head.
-          if (kHeadDim % 64 != 0 && warpgroup * kBackwardDqColumns + column >= kHeadDim) continue;
+          if (kHeadDim % 64 != 0 && dq_first_column + column >= kHeadDim) continue;
           atomicAdd(reinterpret_cast<float2*>(row + column), make_float2(dq[n][2 * half], dq[n][2 * half + 1]));
         }
       }
