@@ -90,7 +90,7 @@
 #             forward it replaced) beside it, SDPA flash and the dense path's cuDNN forward, those head sizes
 #             beside WSFORWARD_HEAD_TRY's layouts, and the gpu attention tests that run every compiled layout
 #   backward  the warpgroup backward's checks (C++ gpu attention tests, test_attention_cuda.py) and the
-#             attention bench at head sizes 64/96/128 (Note [Warpgroup dQ product], session 31)
+#             attention bench at head sizes 64/96/128, with the GPU's clock and power sampled
 #   ncu       Nsight Compute's counters of the chosen forward and backward at NCU_HISTORIES (32768 262144):
 #             L2 hit rate, DRAM bytes, warp stalls by reason for the backward (bench/probes/attention_ncu_probe.py)
 #   sparsebwd 7B sparse (top-64, pages on the GPU) at SPARSEBWD_CONTEXT (default 256K): membar's attention
@@ -505,7 +505,7 @@ for step in "$@"; do
         status=1
       fi ;;
     backward)
-      # Note [Warpgroup dQ product] (session 31): the C++ gpu attention tests (every compiled layout
+      # The warpgroup backward's checks and timing (session 31): the C++ gpu attention tests (every compiled layout
       # against the CPU reference: shapes, soft-caps, windows, sparse selections, deterministic
       # mode), the Python ops against the reference (BACKWARD_PYTEST_TIMEOUT), then the attention
       # bench at ATTENTION_HISTORIES and head sizes 64, 96 and 128 beside SDPA flash and the mma.sync

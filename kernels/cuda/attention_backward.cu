@@ -161,6 +161,11 @@ detail::KvLaunch layout_launch(BackwardLayout layout) {
         return &detail::warpgroup::launch_backward_kv<Element, kHeadDim, kSoftcap>;
       }
       break;
+    case BackwardLayout::kWgmmaW8K128Overlap:
+      if constexpr (backward_layout_compiled(BackwardLayout::kWgmmaW8K128Overlap, kDType, kHeadDim)) {
+        return &detail::warpgroup::launch_backward_kv<Element, kHeadDim, kSoftcap, /*kOverlapDq=*/true>;
+      }
+      break;
     case BackwardLayout::kWgmmaW8K64D2:
       if constexpr (backward_layout_compiled(BackwardLayout::kWgmmaW8K64D2, kDType, kHeadDim)) {
         return &detail::warpgroup::launch_backward_kv_d2<Element, kHeadDim, kSoftcap>;

@@ -26,9 +26,10 @@
 //   dV += P^T dO and dK += dS^T Q: four wgmma m64n128k16 each, P^T and dS^T as register A
 //     fragments (as P in the forward), dO and Q as B MN-major (dims contiguous: the transpose bit,
 //     as V in the forward, leading byte offset = one 64-dim half of the 64-row tile);
-//   dQ: dS^T goes to shared memory ([128 keys, 64 queries], swizzled), a barrier, and dQ = dS K
-//     as wgmma (Note [Warpgroup dQ product]) is added by fp32 atomics into the workspace; skipped
-//     in deterministic mode (launch_backward_dq then runs, as for every layout).
+//   dQ: dS^T goes to shared memory ([128 keys, 64 queries], padded rows), a barrier, and the split
+//     kernel's mma.sync phase 3 (warps 2 x 32 queries by 4 x 32 dims, K read by ldmatrix.trans
+//     from the swizzled wgmma tile) adds dQ by fp32 atomics into the workspace; skipped in
+//     deterministic mode (launch_backward_dq then runs, as for every layout).
 // Why this split of the work: with M = 64 keys per warpgroup the dK/dV accumulators live in
 // registers (no shared-memory round trip of P^T for the key-side products, as the split kernel
 // needs), and S^T / dP^T come out per warp in the fragment layout the next products read.
@@ -38,7 +39,7 @@
 // stage is fenced (fence.proxy.async) before the barrier that publishes it to the tensor cores.
 // Shared memory (bytes, base aligned to 1024 for the 128-byte swizzle, Note [Warpgroup shared
 // layout]): K, V [2][128][64] (32 KiB each); Q, dO [2 stages][2][64][64] (16 KiB each per stage);
-// dS^T [128][64]; lse, delta [2 stages][64] fp32: 145 KiB.
+// dS^T [128][72] (TileLayout<64, true>); lse, delta [2 stages][64] fp32: 148 KiB.
 // With kSoftcap S^T is capped and dS^T multiplied by the cap's slope (Note [Soft-capped scores in
 // raw units] in attention_common.cuh); the capped build waits for dP^T before it forms P^T, so that
 // the capped scores and dP^T are live together (no P^T math overlaps the MMAs there). A sliding
@@ -49,37 +50,9 @@
 // Limitations: head_dim 64, 96 and 128 and pages of 128 keys, an sm_90 device with the sm_90a body
 // built; 256 does not fit dK/dV in registers (Note [Warpgroup backward at head size 256] in
 // attention_backward_wgmma_d2.cuh splits the columns between the warpgroups instead).
-// Every MMA batch is waited for in full (only the P^T math overlaps the dP^T MMAs); at 255
-// registers a thread (0 spills, nvcc 13 for sm_90a) there is no room for deeper tiles.
-//
-// Note [Warpgroup dQ product]
-// Rationale: until session 31 an item's dQ = dS K [64 queries x head_dim] over the CTA's 128 keys
-// ran as the split kernel's mma.sync phase 3 (K read by ldmatrix.trans from the swizzled tile), a
-// fifth of the item's products at the mma.sync rate, after every wgmma of the item had been waited
-// for: on the H200 the kernel issued in 24% of its cycles and its tensor pipe was busy 38% of the
-// time (Nsight Compute at 32K and 256K history, session 31).
-// Approach: dS^T is stored in the 128-byte swizzle of Note [Warpgroup shared layout] ([128 keys]
-// [64 queries], 128 bytes a key row), which read MN-major (the transpose bit) is the A operand
-// dS [64 queries x 16 keys] of a k step, as the head-size-256 backward reads its dS^T tile. K's
-// swizzled tile read MN-major is B, one 64-column half per warpgroup: eight wgmma m64n64k16 per
-// warpgroup over the 128 keys. Head size 96 has 1.5 halves: the second warpgroup's product over
-// the unwritten columns 96-127 of K is not added. Head size 64 has one half: each warpgroup takes
-// its own 64 keys (four wgmma m64n64k16) and both add their sums (twice the atomics of one
-// product; the first version, in which the first warpgroup computed the product alone while the
-// second waited, ran 0.76x SDPA flash at 32K on an H100, against 0.85x for the mma.sync phase 3 on
-// the H200 that morning). P^T and dS^T both go to shared memory before dV and dK, which then read
-// them K-major as A (as the head-size-256 backward does), so that dV, dK and dQ are one batch of
-// MMAs waited for once, and no A fragment holds registers through it. The accumulator rows of a
-// thread are queries 16 (warp % 4) + lane / 4 (+ 8), its columns 8 n + 2 (lane % 4) (+ 1), as
-// every wgmma accumulator here.
-// Measured (session 31, an H100, one call): 326.9 / 345.3 / 345.4 TFLOP/s at 32K / 128K / 256K
-// history, 1.01x / 1.05x / 1.07x SDPA flash (the mma.sync phase 3: 0.98x / 1.04x / 1.05x on an
-// H100 in session 30, 1.03x / 1.03x / 1.06x on the H200 that morning): within a few percent, so
-// the dQ phase was not what held the kernel back. Nsight Compute at 256K: warps wait on the two
-// barriers of an item, fixed-latency dependencies and global loads (lse, delta) about equally;
-// the tensor pipe is busy 35% of the time.
-// Limitations: the two barriers an item and the MMA batches waited for in full keep the
-// warpgroups in step; warp specialisation (a producer, consumers in ping-pong) is what is left.
+// Every MMA batch is waited for in full (only the P^T math overlaps the dP^T MMAs); dQ still goes
+// through shared memory and mma.sync; at 255 registers a thread (0 spills, nvcc 13 for sm_90a)
+// there is no room for deeper tiles.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -102,7 +75,7 @@ inline constexpr int kBackwardThreads = 256;         // two warpgroups
 static_assert(kBackwardKeys == 2 * kBackwardWarpgroupKeys && kBackwardThreads == 2 * 128,
               "two warpgroups of 64 keys each");
 inline constexpr int kBackwardQueryStages = 2;       // Q / dO / lse / delta stages
-inline constexpr int kBackwardDqColumns = 64;        // dQ columns per warpgroup (the wgmma N)
+using BackwardScoreLayout = TileLayout<kQueries, true>;                                  // dS^T [128, 64], padded
 
 // The head sizes the kernel is written for: dK/dV of 64 keys in registers (256 columns would not
 // fit) and a dQ pass of 8-column tiles, head_dim / 4 columns a warp.
@@ -130,7 +103,7 @@ constexpr size_t backward_shared_bytes() {
   // delta per stage.
   return 1024 + 2 * size_t(kBackwardKeyTileBytes<kHeadDim>) +
          2 * size_t(kBackwardQueryStages) * kBackwardQueryTileBytes<kHeadDim> +
-         2 * size_t(kBackwardKeys) * kQueries * 2 + 2 * size_t(kBackwardQueryStages) * kQueries * 4;
+         size_t(kBackwardKeys) * BackwardScoreLayout::kStride * 2 + 2 * size_t(kBackwardQueryStages) * kQueries * 4;
 }
 
 #if MEMBAR_WGMMA_AVAILABLE
@@ -144,7 +117,10 @@ __device__ __forceinline__ int warpgroup_tile_offset(int row, int column) {
 }
 #endif  // MEMBAR_WGMMA_AVAILABLE
 
-template <typename Element, int kHeadDim, bool kSoftcap>
+// kOverlapDq (the opt-in layout "wgmma_w8_k128_ovl", an experiment): the dQ pass of an item runs
+// while the item's dK MMAs are still in flight (dV's are waited for first, which frees P^T's
+// registers), waited for only at the item's end.
+template <typename Element, int kHeadDim, bool kSoftcap, bool kOverlapDq = false>
 __global__ void __launch_bounds__(kBackwardThreads, 1)
     paged_attention_backward_wgmma_kernel(const PagedAttentionBackwardParams params,
                                           const BackwardWorkspacePointers workspace, const SoftCap soft_cap) {
@@ -155,6 +131,7 @@ __global__ void __launch_bounds__(kBackwardThreads, 1)
   constexpr int kQueryStages = kBackwardQueryStages;
   constexpr int kKeyTileBytes = kBackwardKeyTileBytes<kHeadDim>;
   constexpr int kQueryTileBytes = kBackwardQueryTileBytes<kHeadDim>;
+  using ScoreLayout = BackwardScoreLayout;
   extern __shared__ unsigned char shared_raw[];
   // Align to 1024 bytes (the swizzle atom; the descriptors' base offset is then 0).
   const uint32_t raw_address = shared_address(shared_raw);
@@ -163,9 +140,8 @@ __global__ void __launch_bounds__(kBackwardThreads, 1)
   unsigned char* v_tile = k_tile + kKeyTileBytes;                             // [D / 64][128][64]
   unsigned char* q_tiles = v_tile + kKeyTileBytes;                            // [stages][D / 64][64][64]
   unsigned char* dout_tiles = q_tiles + kQueryStages * kQueryTileBytes;       // [stages][D / 64][64][64]
-  Element* dst_tile = reinterpret_cast<Element*>(dout_tiles + kQueryStages * kQueryTileBytes);  // [128][64], dS^T
-  Element* pt_tile = dst_tile + kKeys * kQueries;                                        // [128][64], P^T
-  float* lse_tiles = reinterpret_cast<float*>(pt_tile + kKeys * kQueries);              // [stages, 64], log2 units
+  Element* dst_tile = reinterpret_cast<Element*>(dout_tiles + kQueryStages * kQueryTileBytes);  // [128, 64], dS^T
+  float* lse_tiles = reinterpret_cast<float*>(dst_tile + kKeys * ScoreLayout::kStride);  // [stages, 64], log2 units
   float* delta_tiles = lse_tiles + kQueryStages * kQueries;                              // [stages, 64]
 
   const PagedAttentionShape& shape = params.shape;
@@ -219,13 +195,11 @@ __global__ void __launch_bounds__(kBackwardThreads, 1)
   // Key rows of this thread (the accumulator layout of Note [Warpgroup backward]): key_row and
   // key_row + 8, with key_row = 64 warpgroup + 16 (warp in group) + lane / 4.
   const int key_row = warp * 16 + lane / 4;
+  // Phase 3 (the split kernel's): 32 queries x D / 4 columns per warp.
+  const int query_base = (warp / 4) * 32;
+  const int dq_dim_base = (warp % 4) * (kHeadDim / 4);
+  constexpr int kDqDimTiles = kHeadDim / 4 / 8;        // 2, 3 or 4
   constexpr int kProductDims = kBackwardTileDims<kHeadDim>;
-  // The dQ product (Note [Warpgroup dQ product]): with two 64-column halves each warpgroup takes
-  // one over all 128 keys; with one (head size 64) each takes its own 64 keys over the half.
-  constexpr bool kDqSplitsKeys = kProductDims == kBackwardDqColumns;
-  constexpr int kDqKeys = kDqSplitsKeys ? kBackwardWarpgroupKeys : kKeys;
-  const int dq_first_key = kDqSplitsKeys ? warpgroup * kBackwardWarpgroupKeys : 0;
-  const int dq_first_column = kDqSplitsKeys ? 0 : warpgroup * kBackwardDqColumns;
   float dk[kProductDims / 8][4];
   float dv[kProductDims / 8][4];
   clear(dk);
@@ -341,87 +315,104 @@ __global__ void __launch_bounds__(kBackwardThreads, 1)
       }
     }
 
-    // P^T and dS^T into their tiles, [128 keys][64 queries] in the 128-byte swizzle of Note
-    // [Warpgroup shared layout], pairs of queries at once, and published to the tensor cores: dV
-    // and dK read the warpgroup's own rows of them, dQ every row of dS^T (Note [Warpgroup dQ
-    // product]).
-#pragma unroll
-    for (int n = 0; n < kQueries / 8; ++n) {
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const int offset = warpgroup_tile_offset<kKeys>(key_row + half * 8, n * 8) + 2 * (lane % 4);
-        *reinterpret_cast<uint32_t*>(pt_tile + offset) =
-            ElementTraits<Element>::pack(scores[n][2 * half], scores[n][2 * half + 1]);
-        *reinterpret_cast<uint32_t*>(dst_tile + offset) =
-            ElementTraits<Element>::pack(dscores[n][2 * half], dscores[n][2 * half + 1]);
-      }
-    }
-    fence_proxy_async_shared();
-    __syncthreads();
-
-    // dV += P^T dO and dK += dS^T Q, [64 keys, 128 dims] per warpgroup: P^T and dS^T K-major from
-    // shared memory (the k step kk, 16 queries, 32 bytes into the rows), dO and Q MN-major (the k
-    // step starts kk * 16 rows in; leading byte offset = one 64-dim half of 64 rows). Then dQ
-    // [64 queries, 64 columns] = dS K (k step kk: 16 keys, 16 rows of both tiles, 128 in the
-    // descriptors' address field, which counts 16 bytes; shared addresses stay below its
-    // 2^18-byte range, so no carry): over all 128 keys and the columns of K's half w for warpgroup
-    // w, or at head size 64 over the warpgroup's own keys. One commit group, one wait.
-    const uint32_t pt_rows = shared_address(pt_tile) + warpgroup * kBackwardWarpgroupKeys * kRowBytes;
-    const uint32_t dst_rows = shared_address(dst_tile) + warpgroup * kBackwardWarpgroupKeys * kRowBytes;
-    float dq[kBackwardDqColumns / 8][4];
+    // dV += P^T dO and dK += dS^T Q, [64 keys, 128 dims] per warpgroup: P^T and dS^T as A
+    // fragments in registers (k step kk = score tiles 2 kk, 2 kk + 1), dO and Q MN-major (the k
+    // step kk, 16 queries, starts kk * 16 rows in; leading byte offset = one 64-dim half of 64 rows).
+    uint32_t p_fragments[kQueries / 16][4];
+    uint32_t ds_fragments[kQueries / 16][4];
+    accumulator_to_a_fragments<Element, kQueries>(p_fragments, scores);
+    accumulator_to_a_fragments<Element, kQueries>(ds_fragments, dscores);
     fence_registers(dv);
     fence_registers(dk);
     wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < kQueries / 16; ++kk) {
-      const uint64_t a = matrix_descriptor(pt_rows + kk * 32, 16, 1024);
       const uint64_t b = matrix_descriptor(dout_stage + kk * 16 * kRowBytes, kQueries * kRowBytes, 1024);
-      wgmma_shared_transposed<Element, kProductDims, false, true>(dv, a, b, 1);
+      wgmma_registers_transposed_b<Element, kProductDims>(dv, p_fragments[kk], b);
     }
+    if constexpr (kOverlapDq) wgmma_commit();   // dV a group of its own
 #pragma unroll
     for (int kk = 0; kk < kQueries / 16; ++kk) {
-      const uint64_t a = matrix_descriptor(dst_rows + kk * 32, 16, 1024);
       const uint64_t b = matrix_descriptor(q_stage + kk * 16 * kRowBytes, kQueries * kRowBytes, 1024);
-      wgmma_shared_transposed<Element, kProductDims, false, true>(dk, a, b, 1);
-    }
-    // (In deterministic mode dQ is computed and dropped, as in the head-size-256 backward: a
-    // branch around these MMAs would serialise the warpgroup's MMAs.)
-    {
-      const uint64_t a_first =
-          matrix_descriptor(shared_address(dst_tile) + dq_first_key * kRowBytes, kKeys * kRowBytes, 1024);
-      const uint64_t b_first = matrix_descriptor(
-          shared_address(k_tile) + dq_first_column / 64 * kKeys * kRowBytes + dq_first_key * kRowBytes,
-          kKeys * kRowBytes, 1024);
-#pragma unroll
-      for (int kk = 0; kk < kDqKeys / 16; ++kk) {
-        const uint64_t step = uint64_t(kk) * (16 * kRowBytes / 16);
-        wgmma_shared_transposed<Element, kBackwardDqColumns, true, true>(dq, a_first + step, b_first + step,
-                                                                        kk > 0 ? 1 : 0);
-      }
+      wgmma_registers_transposed_b<Element, kProductDims>(dk, ds_fragments[kk], b);
     }
     wgmma_commit();
-    wgmma_wait<0>();
-    fence_registers(dv);
-    fence_registers(dk);
-    fence_registers(dq);
+    if constexpr (!kOverlapDq) {
+      wgmma_wait<0>();
+      fence_registers(dv);
+      fence_registers(dk);
+    } else {
+      // dV done, dK still in flight through the dQ pass: P^T's registers are free again.
+      wgmma_wait<1>();
+      fence_registers(p_fragments);
+      fence_registers(dv);
+    }
 
     if (workspace.dq_accumulator != nullptr) {
-      const int q_head = kv_head * group + head_in_group;
-      const int dq_row = (warp % 4) * 16 + lane / 4;   // the accumulator rows of this thread
+      // dS^T to shared memory: [128 keys, 64 queries].
 #pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const int position = first_query + dq_row + half * 8;
-        if (position >= chunk_tokens) continue;
-        float* row = workspace.dq_accumulator + int64_t(position) * q_row_stride + int64_t(q_head) * kHeadDim +
-                     dq_first_column;
+      for (int n = 0; n < kQueries / 8; ++n) {
 #pragma unroll
-        for (int n = 0; n < kBackwardDqColumns / 8; ++n) {
+        for (int half = 0; half < 2; ++half) {
           const int column = n * 8 + 2 * (lane % 4);
-          // Head size 96: the second warpgroup's columns past 32 are past the head.
-          if (kHeadDim % 64 != 0 && dq_first_column + column >= kHeadDim) continue;
-          atomicAdd(reinterpret_cast<float2*>(row + column), make_float2(dq[n][2 * half], dq[n][2 * half + 1]));
+          *reinterpret_cast<uint32_t*>(dst_tile + ScoreLayout::offset(key_row + half * 8, column)) =
+              ds_fragments[n / 2][(n % 2) * 2 + half];
         }
       }
+      __syncthreads();
+
+      // Phase 3 of Note [Backward split layout]: dQ [32 queries, D / 4 columns] = dS K, with dS
+      // read transposed from dS^T and K from the swizzled wgmma tile.
+      float dq[2][kDqDimTiles][4];
+#pragma unroll
+      for (int t = 0; t < 2; ++t) clear(dq[t]);
+      const Element* k_elements = reinterpret_cast<const Element*>(k_tile);
+#pragma unroll
+      for (int kk = 0; kk < kKeys / 16; ++kk) {
+        uint32_t a[2][4];
+#pragma unroll
+        for (int t = 0; t < 2; ++t) {
+          // Matrices (stored k x m): (k 0-7, m 0-7), (k 0-7, m 8-15), (k 8-15, m 0-7), (k 8-15, m 8-15).
+          ldmatrix_x4_trans(a[t], dst_tile + ScoreLayout::offset(kk * 16 + (lane & 7) + (lane >> 4) * 8,
+                                                                 query_base + t * 16 + ((lane >> 3) & 1) * 8));
+        }
+#pragma unroll
+        for (int nn = 0; nn < (kDqDimTiles + 1) / 2; ++nn) {
+          // 16 columns of K (an odd last tile, head size 96: the next warp's 8 columns, or for the
+          // last warp 8 unwritten ones, loaded and not used).
+          uint32_t b[4];
+          ldmatrix_x4_trans(b, k_elements + warpgroup_tile_offset<kKeys>(kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8,
+                                                                         dq_dim_base + nn * 16 + (lane >> 4) * 8));
+#pragma unroll
+          for (int t = 0; t < 2; ++t) {
+            ElementTraits<Element>::mma(dq[t][2 * nn], a[t], b[0], b[1]);
+            if (2 * nn + 1 < kDqDimTiles) ElementTraits<Element>::mma(dq[t][2 * nn + 1], a[t], b[2], b[3]);
+          }
+        }
+      }
+      const int q_head = kv_head * group + head_in_group;
+#pragma unroll
+      for (int t = 0; t < 2; ++t) {
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const int position = first_query + query_base + t * 16 + lane / 4 + half * 8;
+          if (position >= chunk_tokens) continue;
+          float* row =
+              workspace.dq_accumulator + int64_t(position) * q_row_stride + int64_t(q_head) * kHeadDim + dq_dim_base;
+#pragma unroll
+          for (int n = 0; n < kDqDimTiles; ++n) {
+            const int column = n * 8 + 2 * (lane % 4);
+            atomicAdd(reinterpret_cast<float2*>(row + column), make_float2(dq[t][n][2 * half], dq[t][n][2 * half + 1]));
+          }
+        }
+      }
+    }
+    if constexpr (kOverlapDq) {
+      // dK done (before the next item's barrier: the next loads overwrite this item's Q stage);
+      // dS^T, which it reads from registers, kept until here.
+      wgmma_wait<0>();
+      fence_registers(ds_fragments);
+      fence_registers(dk);
     }
     // The next stage's statistics: read by the next item after its first barrier; their slots were
     // last read by the previous item, before this item's first barrier.
@@ -454,11 +445,11 @@ __global__ void __launch_bounds__(kBackwardThreads, 1)
 }
 
 // The dK/dV launch of the warpgroup backward (a detail::KvLaunch) for one dtype, capped or not.
-template <typename Element, int kHeadDim, bool kSoftcap>
+template <typename Element, int kHeadDim, bool kSoftcap, bool kOverlapDq = false>
 cudaError_t launch_backward_kv(const PagedAttentionBackwardParams& params, const BackwardWorkspacePointers& workspace,
                                cudaStream_t stream) {
   constexpr size_t kSharedBytes = backward_shared_bytes<kHeadDim>();
-  auto kernel = paged_attention_backward_wgmma_kernel<Element, kHeadDim, kSoftcap>;
+  auto kernel = paged_attention_backward_wgmma_kernel<Element, kHeadDim, kSoftcap, kOverlapDq>;
   cudaError_t error = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kSharedBytes));
   if (error != cudaSuccess) return error;
   BackwardWorkspacePointers owners = workspace;

@@ -128,24 +128,16 @@ __device__ __forceinline__ void wgmma_shared(float (&d)[kTiles][4], uint64_t a_d
   }
 }
 
-// d[64 x kN] (+)= A[64 x 16] * B[16 x kN] (kN = 64 or 128), A and B from shared memory, each
-// K-major or (with kTransposeA / kTransposeB) MN-major, Element bf16 or fp16; with accumulate == 0
-// the previous d is ignored. The dQ products of the warpgroup backwards (attention_backward_wgmma.cuh,
-// N = 64) and the head-size-256 backward's dV, dK and dQ products (attention_backward_wgmma_d2.cuh).
-template <typename Element, int kN, bool kTransposeA, bool kTransposeB>
-__device__ __forceinline__ void wgmma_shared_transposed(float (&d)[kN / 8][4], uint64_t a_descriptor,
-                                                        uint64_t b_descriptor, int accumulate) {
-  static_assert(kN == 64 || kN == 128, "the transposed products of the attention kernels are 64 or 128 columns wide");
+// d[64 x 128] (+)= A[64 x 16] * B[16 x 128], A and B from shared memory, each K-major or (with
+// kTransposeA / kTransposeB) MN-major, Element bf16 or fp16; with accumulate == 0 the previous d is
+// ignored. The head-size-256 backward's dV, dK and dQ products (attention_backward_wgmma_d2.cuh).
+template <typename Element, bool kTransposeA, bool kTransposeB>
+__device__ __forceinline__ void wgmma_shared_128(float (&d)[16][4], uint64_t a_descriptor, uint64_t b_descriptor,
+                                                 int accumulate) {
   constexpr int kOffset = 0;
   constexpr bool kBf16 = std::is_same_v<Element, __nv_bfloat16>;
   static_assert(kBf16 || std::is_same_v<Element, __half>, "wgmma takes bf16 or fp16 operands here");
-  if constexpr (kN == 64 && kBf16) {
-    MEMBAR_WGMMA_SS_TRANSPOSED("m64n64k16", "bf16.bf16", MEMBAR_WGMMA_REGISTERS_32, "%32", "%33", "%34", "%35",
-                               "%36", MEMBAR_WGMMA_TILES_8);
-  } else if constexpr (kN == 64) {
-    MEMBAR_WGMMA_SS_TRANSPOSED("m64n64k16", "f16.f16", MEMBAR_WGMMA_REGISTERS_32, "%32", "%33", "%34", "%35", "%36",
-                               MEMBAR_WGMMA_TILES_8);
-  } else if constexpr (kBf16) {
+  if constexpr (kBf16) {
     MEMBAR_WGMMA_SS_TRANSPOSED("m64n128k16", "bf16.bf16", MEMBAR_WGMMA_REGISTERS_64, "%64", "%65", "%66", "%67",
                                "%68", MEMBAR_WGMMA_TILES_16);
   } else {
