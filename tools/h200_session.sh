@@ -460,12 +460,15 @@ for step in "$@"; do
       bench sparsebwd --contexts "${SPARSEBWD_CONTEXT:-256K}" --variants "sparse,sparse+splitbwd" ;;
     attention)
       mkdir -p "$work/attention"
+      clocks_start "$work/attention/clocks.csv"
       MEMBAR_RESULTS_DIR=$work/attention timeout 300 "$py" bench/attention_bench.py \
         --histories "${ATTENTION_HISTORIES:-32768,131072,262144}" --head-dims "${HEADS_DIMS:-64,96,128,256}" \
         --head-dim-dtypes "${HEADS_DTYPES:-bfloat16}" --softcap "${HEADS_SOFTCAP:-50}" \
         --try-backward-layouts "${TRY_BACKWARD:-64=w8_k128_split_s2_pad,96=w8_k128_dq64,256=w4_k64_dq32_pad_s2_d2}" \
         > "$work/attention/bench.log" 2>&1 || status=1
-      cat "$work/attention/attention.txt" 2>/dev/null || tail -20 "$work/attention/bench.log" ;;
+      clocks_stop
+      cat "$work/attention/attention.txt" 2>/dev/null || tail -20 "$work/attention/bench.log"
+      "$py" tools/clocks_summary.py "$work/attention/clocks.csv" ;;
     wsforward)
       # Note [Warp-specialised forward]: first its subprocess-isolated check against the float32
       # reference and the mma.sync layout (a hang or a fault fails one test), and only if that passes
@@ -490,11 +493,14 @@ for step in "$@"; do
         > "$work/wsforward/isolated_heads_pytest.log" 2>&1 || { status=1; heads=""; }
       tail -4 "$work/wsforward/isolated_heads_pytest.log"
       if [ $isolated = 0 ]; then
+        clocks_start "$work/wsforward/clocks.csv"
         MEMBAR_RESULTS_DIR=$work/wsforward timeout 240 "$py" bench/attention_bench.py \
           --histories "${ATTENTION_HISTORIES:-32768,131072,262144}" --try-dense-layouts "${WSFORWARD_TRY:-wgmma_w8r64_k128_s2}" \
           --head-dims "$heads" --head-dim-dtypes bfloat16 --try-layouts "${WSFORWARD_HEAD_TRY:-64=wgmma_w8r64_k64_s3_2cta,96=wgmma_w8r64_k128_s2}" \
           > "$work/wsforward/bench.log" 2>&1 || status=1
+        clocks_stop
         cat "$work/wsforward/attention.txt" 2>/dev/null || tail -20 "$work/wsforward/bench.log"
+        "$py" tools/clocks_summary.py "$work/wsforward/clocks.csv"
         ctest --test-dir build-gpu -L gpu -R "ttention" --output-on-failure --timeout 200 \
           > "$work/wsforward/gpu_ctest.log" 2>&1 || status=1
         tail -4 "$work/wsforward/gpu_ctest.log"; grep -E "Failed|\*\*\*" "$work/wsforward/gpu_ctest.log" | head -10
