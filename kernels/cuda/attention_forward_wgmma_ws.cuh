@@ -40,16 +40,20 @@
 // K_{i+2} before consumer 0 wants it; a V stage is free only after P V, a block later. Throughput
 // falls from 32K to 256K history (-10% in session 30 on an H100, cuDNN's dense forward -4%), but a
 // late K does not explain it: a third K stage (session 30, 197 KiB of shared memory) ran 1.00x /
-// 0.97x / 0.95x of two at 32K / 128K / 256K in the same call, and was dropped.
+// 0.97x / 0.95x of two at 32K / 128K / 256K in the same call, and was dropped. The clock does:
+// one launch at a time under Nsight Compute (session 31, the H200) the forward ran 589 TFLOP/s at
+// 32K and 601 at 256K, while launched back to back the GPU runs at its power limit.
 // Support: what the warpgroup forward supports at head_dim 64, 96 and 128 with pages of 128
 // (bf16 and fp16, sparse tiles of 128k rows, soft-caps, windows); head_dim 256 does not fit
-// (two consumers' output alone is 128 registers a thread). Compiled and chosen at head_dim 96 and
-// 128. At 128 it ran first in session 29 (an H100: correct in every gpu attention test; 593 / 553
+// (two consumers' output alone is 128 registers a thread). Compiled and chosen at head_dim 64, 96
+// and 128. At 128 it ran first in session 29 (an H100: correct in every gpu attention test; 593 / 553
 // / 522 TFLOP/s at 32K / 128K / 256K history against 421 / 431 / 420 for the warpgroup forward
 // and 617 / 598 / 584 for cuDNN's dense forward in the same call); session 30 (an H100 again) ran
 // 594 / 581 / 535 against 410 / 429 / 429 and cuDNN's 621 / 633 / 596, and at head_dim 96 (32K
 // history, bf16) 431 against the warpgroup forward's 350 (1.23x) and SDPA flash's 326, correct
-// against the float32 reference in bf16 and fp16 first.
+// against the float32 reference in bf16 and fp16 first; on the H200 (session 31) 579 / 544 / 513 at
+// 128 against the warpgroup forward's 396 / 416 / 424, and at head_dim 64 (32K) 396 against the
+// two-CTA warpgroup forward's 298 (1.33x), correct against the reference first.
 #pragma once
 
 #include <cuda_bf16.h>

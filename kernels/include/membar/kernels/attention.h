@@ -149,7 +149,7 @@ enum class ForwardLayout : int32_t {
   kWgmmaW8R64K64S2 = 8,   // "wgmma_w8r64_k64_s2": two warpgroups of 64 rows, 64-key blocks, 2 stages (head_dim 256)
   kWgmmaW8R64K64S3TwoCtas = 9,  // "wgmma_w8r64_k64_s3_2cta": 64-key blocks, 3 stages, two CTAs an SM (head_dim 64)
   // "wgmma_ws_w12r64_k128_s2": a producer warpgroup and two consumer warpgroups of 64 rows taking
-  // turns, 128-key blocks, 2 stages (Note [Warp-specialised forward]; Hopper, head_dim 96 and 128)
+  // turns, 128-key blocks, 2 stages (Note [Warp-specialised forward]; Hopper, head_dim 64, 96 and 128)
   kWgmmaWsW12R64K128S2 = 10,
 };
 enum class BackwardLayout : int32_t {
