@@ -84,7 +84,9 @@ while kill -0 "$trainer" 2>/dev/null; do
     "$bin/membarctl" --socket "$socket" stats | awk '/^# Space/ && ++n == 2 {exit} {print "    " $0}'
     break
   fi
-  sleep 1
+  # Often enough to catch a short run (CI's demo: one step, then two held-out sequences) while
+  # it still holds its spaces.
+  sleep 0.2
 done
 wait "$trainer"
 rc=$?
