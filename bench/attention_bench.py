@@ -181,7 +181,7 @@ def time_dense_forwards(p, row, fwd_flops, chosen_state, try_dense):
     del cudnn_state
 
 
-def bench_history(history, results, try_dense=()):
+def bench_history(history, results, try_dense=(), try_backward=()):
     p = make_inputs(history)
     fwd_flops = forward_flops(CHUNK, history)
     bwd_flops = 2.5 * fwd_flops
@@ -199,6 +199,9 @@ def bench_history(history, results, try_dense=()):
     split_ms = time_other_backward(backward, SPLIT_BACKWARD)
     if split_ms is not None:
         row["split_backward_ms"] = split_ms
+    # Other compiled backward layouts by name at every history (--try-history-backward-layouts).
+    row["tried_backward_tflops"] = {name: bwd_flops / (time_backward_layout(backward, name) * 1e-3) / 1e12
+                                    for name in try_backward}
 
     _, deterministic_backward, det_state = membar_runner(p, deterministic=True)
     det_state.update(state)
@@ -237,6 +240,7 @@ def bench_history(history, results, try_dense=()):
         sparse["forward_ms"] = time_ms(sparse_forward)
         sparse_forward()
         sparse["backward_ms"] = time_ms(sparse_backward)
+        sparse["tried_backward_ms"] = {name: time_backward_layout(sparse_backward, name) for name in try_backward}
         dense_total = row["membar_forward_ms"] + row["membar_backward_ms"]
         sparse["speedup_fwd_bwd_over_dense"] = dense_total / (sparse["forward_ms"] + sparse["backward_ms"])
         sparse["speedup_fwd_bwd_over_sdpa"] = row["sdpa_forward_backward_ms"] / (sparse["forward_ms"] + sparse["backward_ms"])
@@ -313,6 +317,9 @@ def main():
     parser.add_argument("--try-dense-layouts", default="",
                         help="forward layouts (head size 128) to time at every history beside the chosen one and "
                              "the cuDNN forward of the dense path, each checked against the chosen one's output")
+    parser.add_argument("--try-history-backward-layouts", default="",
+                        help="backward layouts (head size 128) to time at every history and in the sparse call beside "
+                             "the chosen one")
     parser.add_argument("--softcap", type=float, default=0.0,
                         help="also time the soft-capped kernels (Gemma 2's attn_logit_softcapping, e.g. 50)")
     args = parser.parse_args()
@@ -343,8 +350,9 @@ def main():
         "head_dims": [],
     }
     try_dense = [name for name in args.try_dense_layouts.split(",") if name]
+    try_history_backward = [name for name in args.try_history_backward_layouts.split(",") if name]
     for history in histories:
-        bench_history(history, results, try_dense)
+        bench_history(history, results, try_dense, try_history_backward)
     for head_dim in [int(d) for d in args.head_dims.split(",") if d]:
         for dtype_name in [d for d in args.head_dim_dtypes.split(",") if d]:
             tried = [name for entry in args.try_layouts.split(",") if entry
@@ -372,6 +380,10 @@ def main():
                          f" {tried['tflops'] / row['sdpa_forward_tflops']:.2f}x SDPA flash;"
                          f" |out - chosen| {tried['out_max_abs_diff_vs_chosen']:.4f},"
                          f" |lse - chosen| {tried['lse_max_abs_diff_vs_chosen']:.5f})")
+        for name, tflops in row.get("tried_backward_tflops", {}).items():
+            lines.append(f"{'':>8} {tflops:>9.1f}  backward layout {name}"
+                         f" ({tflops / row['membar_backward_tflops']:.2f}x chosen,"
+                         f" {tflops / row['sdpa_backward_tflops']:.2f}x SDPA flash)")
         if "cudnn_dense_forward" in row:
             cudnn = row["cudnn_dense_forward"]
             lines.append(f"{'':>8} {cudnn['tflops']:>9.1f}  cuDNN forward of the dense path (history + chunk, merged;"
@@ -382,6 +394,8 @@ def main():
                      f"bwd {s['backward_ms']:.2f} ms, summary+select {s['summary_select_ms']:.2f} ms; "
                      f"fwd+bwd speedup {s['speedup_fwd_bwd_over_dense']:.1f}x over dense paged, "
                      f"{s['speedup_fwd_bwd_over_sdpa']:.1f}x over SDPA")
+        for name, milliseconds in s.get("tried_backward_ms", {}).items():
+            lines.append(f"  sparse bwd on {name}: {milliseconds:.2f} ms ({s['backward_ms'] / milliseconds:.2f}x chosen)")
     if results["head_dims"]:
         lines.append(f"head sizes at history {args.head_dim_history} (28 / 4 heads, chunk 4096, pages of 128); "
                      "goals: forward >= 1.0x, backward >= 0.8x SDPA flash")

@@ -91,6 +91,11 @@
 #             beside WSFORWARD_HEAD_TRY's layouts, and the gpu attention tests that run every compiled layout
 #   backward  the warpgroup backward's checks (C++ gpu attention tests, test_attention_cuda.py) and the
 #             attention bench at head sizes 64/96/128, with the GPU's clock and power sampled
+#   wsbackward  the warp-specialised backward (Note [Warp-specialised backward], wgmma_ws_w12_k128, opt-in
+#             since session 32): the gpu attention tests (every compiled layout against the CPU reference),
+#             test_attention_cuda.py with it asked for ($MEMBAR_CUDA_BACKWARD_LAYOUT), then the attention
+#             bench at ATTENTION_HISTORIES with it beside the chosen backward, SDPA flash and the split
+#             layout, in the sparse call too, with the GPU's clock and power sampled
 #   ncu       Nsight Compute's counters of the chosen forward and backward at NCU_HISTORIES (32768 262144):
 #             L2 hit rate, DRAM bytes, warp stalls by reason for the backward (bench/probes/attention_ncu_probe.py)
 #   sparsebwd 7B sparse (top-64, pages on the GPU) at SPARSEBWD_CONTEXT (default 256K): membar's attention
@@ -532,6 +537,23 @@ for step in "$@"; do
       clocks_stop
       cat "$work/backward/attention.txt" 2>/dev/null || tail -20 "$work/backward/bench.log"
       "$py" tools/clocks_summary.py "$work/backward/clocks.csv" ;;
+    wsbackward)
+      mkdir -p "$work/wsbackward"
+      ctest --test-dir build-gpu -L gpu -R ttention --output-on-failure --timeout 200 \
+        > "$work/wsbackward/gpu_ctest.log" 2>&1 || status=1
+      tail -4 "$work/wsbackward/gpu_ctest.log"; grep -E "Failed|\*\*\*|backward layout wgmma_ws" "$work/wsbackward/gpu_ctest.log" | sort | uniq -c | head -12
+      MEMBAR_CUDA_BACKWARD_LAYOUT=${WSBACKWARD_LAYOUT:-wgmma_ws_w12_k128} timeout "${BACKWARD_PYTEST_TIMEOUT:-150}" \
+        "$py" -m pytest -q -m gpu tests/python/test_attention_cuda.py -p no:cacheprovider \
+        > "$work/wsbackward/pytest.log" 2>&1 || status=1
+      tail -4 "$work/wsbackward/pytest.log"
+      clocks_start "$work/wsbackward/clocks.csv"
+      MEMBAR_RESULTS_DIR=$work/wsbackward timeout 300 "$py" bench/attention_bench.py \
+        --histories "${ATTENTION_HISTORIES:-32768,131072,262144}" --head-dims "" \
+        --try-history-backward-layouts "${WSBACKWARD_LAYOUT:-wgmma_ws_w12_k128}" \
+        > "$work/wsbackward/bench.log" 2>&1 || status=1
+      clocks_stop
+      cat "$work/wsbackward/attention.txt" 2>/dev/null || tail -20 "$work/wsbackward/bench.log"
+      "$py" tools/clocks_summary.py "$work/wsbackward/clocks.csv" ;;
     ncu)
       # Nsight Compute's counters of the chosen forward and backward (bench/probes/attention_ncu_probe.py)
       # at NCU_HISTORIES: speed of light, memory (L2 hit rate, DRAM bytes), warp stalls, schedulers.
@@ -539,7 +561,7 @@ for step in "$@"; do
       ncu_bin=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
       for history in ${NCU_HISTORIES:-32768 262144}; do
         timeout "${NCU_TIMEOUT:-150}" "$ncu_bin" --clock-control none --kernel-name-base function \
-          --kernel-name "regex:paged_attention_(forward_ws|backward_wgmma)_kernel" --launch-skip 2 --launch-count 2 \
+          --kernel-name "regex:paged_attention_(forward_ws|backward_wgmma|backward_wgmma_ws)_kernel" --launch-skip 2 --launch-count 2 \
           --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats --section SchedulerStats \
           --section ComputeWorkloadAnalysis --section Occupancy \
           "$py" bench/probes/attention_ncu_probe.py "$history" > "$work/ncu/ncu_$history.txt" 2>&1 || status=1
@@ -547,7 +569,7 @@ for step in "$@"; do
           "$work/ncu/ncu_$history.txt" | head -40
         # Why warps wait (cycles per issued instruction, by reason), the backward only.
         timeout "${NCU_TIMEOUT:-150}" "$ncu_bin" --clock-control none --kernel-name-base function \
-          --kernel-name "regex:paged_attention_backward_wgmma_kernel" --launch-skip 1 --launch-count 1 \
+          --kernel-name "regex:paged_attention_backward_wgmma(_ws)?_kernel" --launch-skip 1 --launch-count 1 \
           --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" \
           "$py" bench/probes/attention_ncu_probe.py "$history" > "$work/ncu/stalls_$history.txt" 2>&1 || status=1
         grep -E "stalled" "$work/ncu/stalls_$history.txt" | sort -k3 -g -r | head -8

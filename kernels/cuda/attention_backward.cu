@@ -9,6 +9,7 @@
 
 #include "attention_backward_kernel.cuh"
 #include "attention_backward_wgmma.cuh"
+#include "attention_backward_wgmma_ws.cuh"
 #include "attention_backward_wgmma_d2.cuh"
 #include "attention_common.cuh"
 #include "attention_cuda_internal.h"
@@ -161,9 +162,9 @@ detail::KvLaunch layout_launch(BackwardLayout layout) {
         return &detail::warpgroup::launch_backward_kv<Element, kHeadDim, kSoftcap>;
       }
       break;
-    case BackwardLayout::kWgmmaW8K128Overlap:
-      if constexpr (backward_layout_compiled(BackwardLayout::kWgmmaW8K128Overlap, kDType, kHeadDim)) {
-        return &detail::warpgroup::launch_backward_kv<Element, kHeadDim, kSoftcap, /*kOverlapDq=*/true>;
+    case BackwardLayout::kWgmmaWsW12K128:
+      if constexpr (backward_layout_compiled(BackwardLayout::kWgmmaWsW12K128, kDType, kHeadDim)) {
+        return &detail::warpgroup::launch_backward_kv_ws<Element, kHeadDim, kSoftcap>;
       }
       break;
     case BackwardLayout::kWgmmaW8K64D2:

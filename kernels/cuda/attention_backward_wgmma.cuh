@@ -117,10 +117,7 @@ __device__ __forceinline__ int warpgroup_tile_offset(int row, int column) {
 }
 #endif  // MEMBAR_WGMMA_AVAILABLE
 
-// kOverlapDq (the opt-in layout "wgmma_w8_k128_ovl", an experiment): the dQ pass of an item runs
-// while the item's dK MMAs are still in flight (dV's are waited for first, which frees P^T's
-// registers), waited for only at the item's end.
-template <typename Element, int kHeadDim, bool kSoftcap, bool kOverlapDq = false>
+template <typename Element, int kHeadDim, bool kSoftcap>
 __global__ void __launch_bounds__(kBackwardThreads, 1)
     paged_attention_backward_wgmma_kernel(const PagedAttentionBackwardParams params,
                                           const BackwardWorkspacePointers workspace, const SoftCap soft_cap) {
@@ -330,23 +327,15 @@ __global__ void __launch_bounds__(kBackwardThreads, 1)
       const uint64_t b = matrix_descriptor(dout_stage + kk * 16 * kRowBytes, kQueries * kRowBytes, 1024);
       wgmma_registers_transposed_b<Element, kProductDims>(dv, p_fragments[kk], b);
     }
-    if constexpr (kOverlapDq) wgmma_commit();   // dV a group of its own
 #pragma unroll
     for (int kk = 0; kk < kQueries / 16; ++kk) {
       const uint64_t b = matrix_descriptor(q_stage + kk * 16 * kRowBytes, kQueries * kRowBytes, 1024);
       wgmma_registers_transposed_b<Element, kProductDims>(dk, ds_fragments[kk], b);
     }
     wgmma_commit();
-    if constexpr (!kOverlapDq) {
-      wgmma_wait<0>();
-      fence_registers(dv);
-      fence_registers(dk);
-    } else {
-      // dV done, dK still in flight through the dQ pass: P^T's registers are free again.
-      wgmma_wait<1>();
-      fence_registers(p_fragments);
-      fence_registers(dv);
-    }
+    wgmma_wait<0>();
+    fence_registers(dv);
+    fence_registers(dk);
 
     if (workspace.dq_accumulator != nullptr) {
       // dS^T to shared memory: [128 keys, 64 queries].
@@ -407,13 +396,6 @@ __global__ void __launch_bounds__(kBackwardThreads, 1)
         }
       }
     }
-    if constexpr (kOverlapDq) {
-      // dK done (before the next item's barrier: the next loads overwrite this item's Q stage);
-      // dS^T, which it reads from registers, kept until here.
-      wgmma_wait<0>();
-      fence_registers(ds_fragments);
-      fence_registers(dk);
-    }
     // The next stage's statistics: read by the next item after its first barrier; their slots were
     // last read by the previous item, before this item's first barrier.
     if (item + 1 < work.count && thread < kQueries) {
@@ -445,11 +427,11 @@ __global__ void __launch_bounds__(kBackwardThreads, 1)
 }
 
 // The dK/dV launch of the warpgroup backward (a detail::KvLaunch) for one dtype, capped or not.
-template <typename Element, int kHeadDim, bool kSoftcap, bool kOverlapDq = false>
+template <typename Element, int kHeadDim, bool kSoftcap>
 cudaError_t launch_backward_kv(const PagedAttentionBackwardParams& params, const BackwardWorkspacePointers& workspace,
                                cudaStream_t stream) {
   constexpr size_t kSharedBytes = backward_shared_bytes<kHeadDim>();
-  auto kernel = paged_attention_backward_wgmma_kernel<Element, kHeadDim, kSoftcap, kOverlapDq>;
+  auto kernel = paged_attention_backward_wgmma_kernel<Element, kHeadDim, kSoftcap>;
   cudaError_t error = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kSharedBytes));
   if (error != cudaSuccess) return error;
   BackwardWorkspacePointers owners = workspace;

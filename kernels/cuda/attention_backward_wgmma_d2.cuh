@@ -273,13 +273,13 @@ __global__ void __launch_bounds__(kWideThreads, 1)
     for (int kk = 0; kk < kQueries / 16; ++kk) {
       const uint64_t a = matrix_descriptor(p_address + kk * 32, 16, 1024);
       const uint64_t b = matrix_descriptor(dout_stage + column_half * kHalfBytes + kk * 16 * kRowBytes, kHalfBytes, 1024);
-      wgmma_shared_128<Element, false, true>(dv, a, b, 1);
+      wgmma_shared_transposed<Element, 128, false, true>(dv, a, b, 1);
     }
 #pragma unroll
     for (int kk = 0; kk < kQueries / 16; ++kk) {
       const uint64_t a = matrix_descriptor(ds_address + kk * 32, 16, 1024);
       const uint64_t b = matrix_descriptor(q_stage + column_half * kHalfBytes + kk * 16 * kRowBytes, kHalfBytes, 1024);
-      wgmma_shared_128<Element, false, true>(dk, a, b, 1);
+      wgmma_shared_transposed<Element, 128, false, true>(dk, a, b, 1);
     }
     // (In deterministic mode dQ is computed and dropped: a branch around these MMAs made the
     // compiler serialise the warpgroup's MMAs.)
@@ -288,7 +288,7 @@ __global__ void __launch_bounds__(kWideThreads, 1)
     for (int kk = 0; kk < kKeys / 16; ++kk) {
       const uint64_t a = matrix_descriptor(ds_address + kk * 16 * kRowBytes, kHalfBytes, 1024);
       const uint64_t b = matrix_descriptor(k_address + column_half * kHalfBytes + kk * 16 * kRowBytes, kHalfBytes, 1024);
-      wgmma_shared_128<Element, true, true>(dq, a, b, kk > 0 ? 1 : 0);
+      wgmma_shared_transposed<Element, 128, true, true>(dq, a, b, kk > 0 ? 1 : 0);
     }
     wgmma_commit();
     wgmma_wait<0>();

@@ -98,44 +98,6 @@ constexpr size_t ws_shared_bytes_fixed() {
          8 * (1 + 2 * (kTile.k_stages + kTile.v_stages)) + 16;
 }
 
-#if MEMBAR_WGMMA_AVAILABLE
-__device__ __forceinline__ void mbarrier_init(uint32_t barrier, uint32_t count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(barrier), "r"(count) : "memory");
-}
-// Blocks until the phase of parity `parity` of the barrier has completed.
-__device__ __forceinline__ void mbarrier_wait(uint32_t barrier, uint32_t parity) {
-  asm volatile(
-      "{\n"
-      ".reg .pred done;\n"
-      "wait_loop:\n"
-      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
-      "@!done bra wait_loop;\n"
-      "}\n" ::"r"(barrier),
-      "r"(parity)
-      : "memory");
-}
-__device__ __forceinline__ void mbarrier_arrive(uint32_t barrier) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(barrier) : "memory");
-}
-// The barrier sees one arrival once every cp.async this thread issued before has landed.
-__device__ __forceinline__ void copies_arrive(uint32_t barrier) {
-  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(barrier) : "memory");
-}
-__device__ __forceinline__ void named_barrier_sync(int id, int threads) {
-  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
-}
-__device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
-  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
-}
-template <int kRegisters>
-__device__ __forceinline__ void registers_decrease() {
-  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kRegisters));
-}
-template <int kRegisters>
-__device__ __forceinline__ void registers_increase() {
-  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kRegisters));
-}
-#endif  // MEMBAR_WGMMA_AVAILABLE
 
 template <typename Element, int kHeadDim, typename Tiling, bool kSoftcap = false>
 __global__ void __launch_bounds__(kThreads, 1) paged_attention_forward_ws_kernel(const PagedAttentionForwardParams params) {

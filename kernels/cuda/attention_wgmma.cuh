@@ -128,16 +128,24 @@ __device__ __forceinline__ void wgmma_shared(float (&d)[kTiles][4], uint64_t a_d
   }
 }
 
-// d[64 x 128] (+)= A[64 x 16] * B[16 x 128], A and B from shared memory, each K-major or (with
-// kTransposeA / kTransposeB) MN-major, Element bf16 or fp16; with accumulate == 0 the previous d is
-// ignored. The head-size-256 backward's dV, dK and dQ products (attention_backward_wgmma_d2.cuh).
-template <typename Element, bool kTransposeA, bool kTransposeB>
-__device__ __forceinline__ void wgmma_shared_128(float (&d)[16][4], uint64_t a_descriptor, uint64_t b_descriptor,
-                                                 int accumulate) {
+// d[64 x kN] (+)= A[64 x 16] * B[16 x kN] (kN = 64 or 128), A and B from shared memory, each
+// K-major or (with kTransposeA / kTransposeB) MN-major, Element bf16 or fp16; with accumulate == 0
+// the previous d is ignored. The dQ products of the warpgroup backwards (attention_backward_wgmma.cuh,
+// N = 64) and the head-size-256 backward's dV, dK and dQ products (attention_backward_wgmma_d2.cuh).
+template <typename Element, int kN, bool kTransposeA, bool kTransposeB>
+__device__ __forceinline__ void wgmma_shared_transposed(float (&d)[kN / 8][4], uint64_t a_descriptor,
+                                                        uint64_t b_descriptor, int accumulate) {
+  static_assert(kN == 64 || kN == 128, "the transposed products of the attention kernels are 64 or 128 columns wide");
   constexpr int kOffset = 0;
   constexpr bool kBf16 = std::is_same_v<Element, __nv_bfloat16>;
   static_assert(kBf16 || std::is_same_v<Element, __half>, "wgmma takes bf16 or fp16 operands here");
-  if constexpr (kBf16) {
+  if constexpr (kN == 64 && kBf16) {
+    MEMBAR_WGMMA_SS_TRANSPOSED("m64n64k16", "bf16.bf16", MEMBAR_WGMMA_REGISTERS_32, "%32", "%33", "%34", "%35",
+                               "%36", MEMBAR_WGMMA_TILES_8);
+  } else if constexpr (kN == 64) {
+    MEMBAR_WGMMA_SS_TRANSPOSED("m64n64k16", "f16.f16", MEMBAR_WGMMA_REGISTERS_32, "%32", "%33", "%34", "%35", "%36",
+                               MEMBAR_WGMMA_TILES_8);
+  } else if constexpr (kBf16) {
     MEMBAR_WGMMA_SS_TRANSPOSED("m64n128k16", "bf16.bf16", MEMBAR_WGMMA_REGISTERS_64, "%64", "%65", "%66", "%67",
                                "%68", MEMBAR_WGMMA_TILES_16);
   } else {
@@ -220,6 +228,45 @@ __device__ __forceinline__ void load_swizzled_rows(unsigned char* tile, const El
     const bool valid = first_row + pass * kRowsPerPass < valid_rows;
     copy_async_16(destination + pass * kRowsPerPass * kRowBytes, valid ? source + pass * pass_stride : base, valid);
   }
+}
+
+// The mbarrier, named-barrier and register-reallocation steps of the warp-specialised kernels
+// (Note [Warp-specialised forward], Note [Warp-specialised backward]).
+__device__ __forceinline__ void mbarrier_init(uint32_t barrier, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(barrier), "r"(count) : "memory");
+}
+// Blocks until the phase of parity `parity` of the barrier has completed.
+__device__ __forceinline__ void mbarrier_wait(uint32_t barrier, uint32_t parity) {
+  asm volatile(
+      "{\n"
+      ".reg .pred done;\n"
+      "wait_loop:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra wait_loop;\n"
+      "}\n" ::"r"(barrier),
+      "r"(parity)
+      : "memory");
+}
+__device__ __forceinline__ void mbarrier_arrive(uint32_t barrier) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(barrier) : "memory");
+}
+// The barrier sees one arrival once every cp.async this thread issued before has landed.
+__device__ __forceinline__ void copies_arrive(uint32_t barrier) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(barrier) : "memory");
+}
+__device__ __forceinline__ void named_barrier_sync(int id, int threads) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+__device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+template <int kRegisters>
+__device__ __forceinline__ void registers_decrease() {
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kRegisters));
+}
+template <int kRegisters>
+__device__ __forceinline__ void registers_increase() {
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kRegisters));
 }
 
 // The 128-dim bf16 copy of the sweep target's warpgroup backward.

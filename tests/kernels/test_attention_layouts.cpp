@@ -183,16 +183,16 @@ TEST(AttentionLayouts, OnlyTheLayoutsDispatchReachesAreCompiled) {
   EXPECT_TRUE(backward_layout_compiled(BackwardLayout::kWgmmaW8K64D2, DType::kBFloat16, 256));
   EXPECT_TRUE(backward_layout_compiled(BackwardLayout::kWgmmaW8K64D2, DType::kFloat16, 256));
   EXPECT_FALSE(backward_layout_compiled(BackwardLayout::kWgmmaW8K64D2, DType::kBFloat16, 128));
-  // Its variant with the dQ pass beside the dK MMAs: opt-in at 128 only.
-  EXPECT_TRUE(backward_layout_compiled(BackwardLayout::kWgmmaW8K128Overlap, DType::kFloat16, 128));
-  EXPECT_FALSE(backward_layout_compiled(BackwardLayout::kWgmmaW8K128Overlap, DType::kBFloat16, 64));
+  // The warp-specialised backward: opt-in at 128 only.
+  EXPECT_TRUE(backward_layout_compiled(BackwardLayout::kWgmmaWsW12K128, DType::kFloat16, 128));
+  EXPECT_FALSE(backward_layout_compiled(BackwardLayout::kWgmmaWsW12K128, DType::kBFloat16, 64));
   const LayoutQuery bf16_128{DType::kBFloat16, 128, 128, 0};
   EXPECT_EQ(BackwardLayout::kWgmmaW8K128, choose_backward_layout(kHopper, bf16_128));
-  EXPECT_EQ(BackwardLayout::kWgmmaW8K128Overlap,
-            resolve_backward_layout(BackwardLayout::kWgmmaW8K128Overlap, kHopper, bf16_128));
+  EXPECT_EQ(BackwardLayout::kWgmmaWsW12K128,
+            resolve_backward_layout(BackwardLayout::kWgmmaWsW12K128, kHopper, bf16_128));
   // Asked for where it is not compiled, the chosen layout runs.
   const LayoutQuery bf16_64{DType::kBFloat16, 64, 128, 0};
-  EXPECT_EQ(BackwardLayout::kWgmmaW8K128, resolve_backward_layout(BackwardLayout::kWgmmaW8K128Overlap, kHopper, bf16_64));
+  EXPECT_EQ(BackwardLayout::kWgmmaW8K128, resolve_backward_layout(BackwardLayout::kWgmmaWsW12K128, kHopper, bf16_64));
   // A head size the kernels do not support compiles nothing.
   for (int32_t head_dim : {32, 80, 160, 192}) {
     EXPECT_FALSE(mk::cuda::cuda_head_dim_supported(head_dim));

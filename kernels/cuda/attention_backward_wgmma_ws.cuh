@@ -1,0 +1,385 @@
+// The warp-specialised dK/dV kernel of the paged-attention backward for Hopper (sm_90a): a producer
+// warpgroup that loads, two consumer warpgroups that multiply. The opt-in layout
+// "wgmma_ws_w12_k128" (BackwardLayout::kWgmmaWsW12K128), head_dim 128, pages of 128 keys.
+// Internal to kernels/cuda/.
+//
+// Note [Warp-specialised backward]
+// Rationale: the warpgroup backward (Note [Warpgroup backward]) stays at 320-345 TFLOP/s on an
+// H100 or H200 (7B shape, 32K-256K history). Nsight Compute (session 31, 256K) found its warps
+// waiting 7.6 cycles per issued instruction: on barriers (1.34), fixed-latency dependencies
+// (1.34), global loads (1.17: lse and delta, read inline) and shared loads (1.07: the mma.sync dQ
+// pass's ldmatrix), with the tensor pipe busy 35% of the time. Every thread both loads (cp.async)
+// and multiplies, and two CTA-wide barriers an item keep the two warpgroups in step. A wgmma dQ
+// product alone did not move it (session 31). FlashAttention-3's backward (450-550 TFLOP/s on an
+// H100 at head_dim 128) separates the loads from the MMAs as the warp-specialised forward does
+// (Note [Warp-specialised forward]).
+// Approach: one CTA of three warpgroups (384 threads) per (128-key page or chunk block, kv head),
+// the same work list (own_keys: items of 64 queries of one q head) and epilogue as the warpgroup
+// backward:
+//   - warpgroup 0, the producer (setmaxnreg 24), loads K and V of the CTA's keys once, then each
+//     item's Q and dO tiles (cp.async, the swizzled layout of Note [Warpgroup shared layout]) and
+//     its 64 rows' lse (log2 units) and delta into one of kStages stages. A stage's "full"
+//     mbarrier counts two arrivals a producer thread: one when its copies have landed
+//     (cp.async.mbarrier.arrive.noinc), one after its statistics stores (mbarrier.arrive,
+//     release). Before a stage is written again the producer waits for its "empty" mbarrier,
+//     which each consumer warp arrives on once the item's MMAs are done.
+//   - warpgroups 1 and 2, the consumers (240 registers), own keys 64 c .. 64 c + 63 and keep their
+//     dK and dV in registers, as the warpgroup backward's two warpgroups do. Per item: S^T = K Q^T
+//     and dP^T = V dO^T (wgmma from shared memory), P^T while dP^T runs, dS^T; dV += P^T dO and
+//     dK += dS^T Q with P^T and dS^T as register A fragments (all as in Note [Warpgroup
+//     backward]); then dS^T of its 64 keys into a swizzled [128 keys][64 queries] tile (two of
+//     them, alternating by item), a named barrier of the 256 consumer threads, and dQ [64 queries,
+//     64 columns] = dS K over all 128 keys as wgmma (dS^T read MN-major as A, K's column half c
+//     MN-major as B: Note [Warpgroup dQ product] of session 31), issued while dK and dV still run.
+//     One wait for the three, the stage released, and dQ added by fp32 atomics into the workspace
+//     (skipped in deterministic mode, where launch_backward_dq runs as for every layout).
+//   The tile written at item i was last read by both consumers' dQ MMAs of item i - 2, which each
+//   waited for before arriving at the named barrier of item i - 1; the writer passed that barrier.
+// Shared memory (base aligned to 1024): K, V [2][128][64] (32 KiB each); Q, dO [stages][2][64][64]
+// (16 KiB each a stage); dS^T [2][128][64] (16 KiB each); lse, delta [stages][64] fp32; barriers.
+// Limitations: head_dim 128 only (64 and 96 need a dQ split of their columns); the consumers run
+// in step (the named barrier of every item), and an item's MMAs are waited for in full before its
+// dQ atomics and the next item's S^T.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstdint>
+
+#include "attention_backward_common.cuh"
+#include "attention_backward_wgmma.cuh"
+#include "attention_common.cuh"
+#include "attention_cuda_internal.h"
+#include "attention_wgmma.cuh"
+
+namespace membar::kernels::cuda::detail::warpgroup {
+
+inline constexpr int kWsBackwardThreads = 384;           // producer + two consumer warpgroups
+inline constexpr int kWsBackwardProducerRegisters = 40;
+inline constexpr int kWsBackwardConsumerRegisters = 232;
+static_assert(128 * kWsBackwardProducerRegisters + 256 * kWsBackwardConsumerRegisters <= 384 * 168,
+              "the warpgroups' registers fit what the launch allocates (168 a thread)");
+inline constexpr int kWsBackwardDqColumns = 64;          // dQ columns per consumer (the wgmma N)
+
+template <int kHeadDim, int kStages>
+constexpr size_t ws_backward_shared_bytes() {
+  // Alignment slack; K, V; Q, dO per stage; two dS^T tiles; lse and delta per stage; barriers
+  // (K/V full, and full and empty per stage).
+  return 1024 + 2 * size_t(kBackwardKeyTileBytes<kHeadDim>) + 2 * size_t(kStages) * kBackwardQueryTileBytes<kHeadDim> +
+         2 * size_t(kBackwardKeys) * kQueries * 2 + 2 * size_t(kStages) * kQueries * 4 + 8 * (1 + 2 * kStages);
+}
+
+template <typename Element, int kHeadDim, bool kSoftcap, int kStages = 2>
+__global__ void __launch_bounds__(kWsBackwardThreads, 1)
+    paged_attention_backward_wgmma_ws_kernel(const PagedAttentionBackwardParams params,
+                                             const BackwardWorkspacePointers workspace, const SoftCap soft_cap) {
+  static_assert(kHeadDim == 128, "the warp-specialised backward is written for head_dim 128");
+  static_assert(kStages >= 2 && kStages <= 3, "two or three query stages");
+  static_assert(ws_backward_shared_bytes<kHeadDim, kStages>() <= 227 * 1024, "an H100/H200 CTA has 227 KiB");
+#if MEMBAR_WGMMA_AVAILABLE
+  constexpr int kKeys = kBackwardKeys;
+  constexpr int kKeyTileBytes = kBackwardKeyTileBytes<kHeadDim>;
+  constexpr int kQueryTileBytes = kBackwardQueryTileBytes<kHeadDim>;
+  constexpr int kScoreTileBytes = kKeys * kQueries * 2;
+  extern __shared__ unsigned char shared_raw[];
+  const uint32_t raw_address = shared_address(shared_raw);
+  unsigned char* shared_base = shared_raw + (((raw_address + 1023u) & ~1023u) - raw_address);
+  unsigned char* k_tile = shared_base;                                  // [2][128][64]
+  unsigned char* v_tile = k_tile + kKeyTileBytes;                       // [2][128][64]
+  unsigned char* q_tiles = v_tile + kKeyTileBytes;                      // [stages][2][64][64]
+  unsigned char* dout_tiles = q_tiles + kStages * kQueryTileBytes;      // [stages][2][64][64]
+  unsigned char* score_tiles = dout_tiles + kStages * kQueryTileBytes;  // [2][128][64], dS^T
+  float* lse_tiles = reinterpret_cast<float*>(score_tiles + 2 * kScoreTileBytes);  // [stages][64], log2 units
+  float* delta_tiles = lse_tiles + kStages * kQueries;                             // [stages][64]
+  uint64_t* barriers = reinterpret_cast<uint64_t*>(delta_tiles + kStages * kQueries);
+  const uint32_t kv_full = shared_address(barriers);
+  const auto full = [&](int s) { return kv_full + 8u * (1 + 2 * s); };
+  const auto empty = [&](int s) { return kv_full + 8u * (2 + 2 * s); };
+  constexpr int kConsumerWarps = 8;
+
+  const PagedAttentionShape& shape = params.shape;
+  const int thread = threadIdx.x;
+  const int lane = thread % 32;
+  const int kv_head = blockIdx.y;
+  const int group = shape.num_q_heads / shape.num_kv_heads;
+  const int chunk_tokens = shape.chunk_tokens;
+  const int64_t q_row_stride = int64_t(shape.num_q_heads) * kHeadDim;
+  const int64_t kv_row_stride = int64_t(shape.num_kv_heads) * kHeadDim;
+
+  const OwnedKeys<Element> owned = own_keys<Element, kHeadDim, kKeys>(params, workspace);
+  const WorkList work = owned.work;
+  // A page no query tile selected (or, with a sliding window, no query sees) receives nothing.
+  if (work.count == 0) return;
+  __shared__ int shared_window_edge;
+  if (thread == 0) {
+    shared_window_edge = owned_window_edge(shape, owned);
+    mbarrier_init(kv_full, 128);
+    for (int s = 0; s < kStages; ++s) {
+      mbarrier_init(full(s), 2 * 128);
+      mbarrier_init(empty(s), kConsumerWarps);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  __syncthreads();
+
+  if (thread < 128) {
+    // The producer.
+    registers_decrease<kWsBackwardProducerRegisters>();
+    load_swizzled_rows<kKeys, kHeadDim, 128>(k_tile, owned.k_base, kv_row_stride, owned.valid_keys, thread);
+    load_swizzled_rows<kKeys, kHeadDim, 128>(v_tile, owned.v_base, kv_row_stride, owned.valid_keys, thread);
+    copies_arrive(kv_full);
+    const Element* q = static_cast<const Element*>(params.q);
+    const Element* dout = static_cast<const Element*>(params.dout);
+    const float* lse = static_cast<const float*>(params.lse);
+    for (int item = 0; item < work.count; ++item) {
+      const int stage = item % kStages;
+      // A fresh barrier's "previous phase" counts as done: the first wait on each stage passes.
+      mbarrier_wait(empty(stage), ((item / kStages) & 1) ^ 1);
+      const WorkItem queries = work_item<kHeadDim>(work, item, kv_head, group, q_row_stride);
+      const int valid = chunk_tokens - queries.first_query;
+      load_swizzled_rows<kQueries, kHeadDim, 128>(q_tiles + stage * kQueryTileBytes, q + queries.offset, q_row_stride,
+                                                  valid, thread);
+      load_swizzled_rows<kQueries, kHeadDim, 128>(dout_tiles + stage * kQueryTileBytes, dout + queries.offset,
+                                                  q_row_stride, valid, thread);
+      copies_arrive(full(stage));
+      if (thread < kQueries) {
+        query_row_statistics(lse, workspace.delta, chunk_tokens, queries.q_head, queries.first_query + thread,
+                             lse_tiles[stage * kQueries + thread], delta_tiles[stage * kQueries + thread]);
+      }
+      mbarrier_arrive(full(stage));
+    }
+    asm volatile("cp.async.wait_all;\n" ::: "memory");
+    return;
+  }
+
+  // A consumer.
+  registers_increase<kWsBackwardConsumerRegisters>();
+  const int consumer = thread / 128 - 1;
+  const int warp = (thread - 128) / 32;  // 0 .. 7: consumer c has warps 4 c .. 4 c + 3
+  const float scale_log2 = shape.softmax_scale * kLog2e;
+  // Key rows of this thread (the accumulator layout of Note [Warpgroup backward]): key_row and
+  // key_row + 8, with key_row = 64 consumer + 16 (warp in group) + lane / 4.
+  const int key_row = warp * 16 + lane / 4;
+  float dk[kHeadDim / 8][4];
+  float dv[kHeadDim / 8][4];
+  clear(dk);
+  clear(dv);
+  const uint32_t k_address = shared_address(k_tile) + consumer * kBackwardWarpgroupKeys * kRowBytes;
+  const uint32_t v_address = shared_address(v_tile) + consumer * kBackwardWarpgroupKeys * kRowBytes;
+  const bool with_dq = workspace.dq_accumulator != nullptr;
+  const auto release = [&](uint32_t barrier) {
+    __syncwarp();
+    if (lane == 0) mbarrier_arrive(barrier);
+  };
+
+  mbarrier_wait(kv_full, 0);
+  fence_proxy_async_shared();
+
+  for (int item = 0; item < work.count; ++item) {
+    const int stage = item % kStages;
+    mbarrier_wait(full(stage), (item / kStages) & 1);
+    fence_proxy_async_shared();
+
+    int head_in_group, query_block;
+    work.decode(item, head_in_group, query_block);
+    const int first_query = query_block * kQueries;
+    const uint32_t q_stage = shared_address(q_tiles + stage * kQueryTileBytes);
+    const uint32_t dout_stage = shared_address(dout_tiles + stage * kQueryTileBytes);
+    const float* row_lse = lse_tiles + stage * kQueries;
+    const float* row_delta = delta_tiles + stage * kQueries;
+
+    // S^T = K Q^T and dP^T = V dO^T, [64 keys, 64 queries] per consumer; two commit groups.
+    float scores[kQueries / 8][4];
+    float dscores[kQueries / 8][4];
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < kHeadDim / 16; ++kk) {
+      const uint32_t half = kk / 4;
+      const uint32_t column_bytes = (kk % 4) * 32;
+      const uint64_t a = matrix_descriptor(k_address + half * kKeys * kRowBytes + column_bytes, 16, 1024);
+      const uint64_t b = matrix_descriptor(q_stage + half * kQueries * kRowBytes + column_bytes, 16, 1024);
+      wgmma_shared<Element, 64>(scores, a, b, kk > 0 ? 1 : 0);
+    }
+    wgmma_commit();
+#pragma unroll
+    for (int kk = 0; kk < kHeadDim / 16; ++kk) {
+      const uint32_t half = kk / 4;
+      const uint32_t column_bytes = (kk % 4) * 32;
+      const uint64_t a = matrix_descriptor(v_address + half * kKeys * kRowBytes + column_bytes, 16, 1024);
+      const uint64_t b = matrix_descriptor(dout_stage + half * kQueries * kRowBytes + column_bytes, 16, 1024);
+      wgmma_shared<Element, 64>(dscores, a, b, kk > 0 ? 1 : 0);
+    }
+    wgmma_commit();
+
+    const int window_edge = shared_window_edge;
+    const bool window_cuts = window_edge <= first_query + kQueries - 1;
+    const bool may_cut = owned.valid_keys < kKeys ||
+                         (owned.chunk_block && owned.first_key + kKeys - 1 > first_query) || window_cuts;
+    auto visible = [&](int key, int query) {
+      bool seen = key < owned.valid_keys;
+      if (owned.chunk_block) seen = seen && owned.first_key + key <= first_query + query;
+      if (window_cuts) seen = seen && key + window_edge > first_query + query;
+      return seen;
+    };
+    if constexpr (kSoftcap) {
+      wgmma_wait<0>();
+      fence_registers(scores);
+      fence_registers(dscores);
+#pragma unroll
+      for (int n = 0; n < kQueries / 8; ++n) {
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const int query = n * 8 + 2 * (lane % 4) + (j & 1);
+          const int key = key_row + (j >> 1) * 8;
+          const float capped = soft_cap.capped(scores[n][j]);
+          float p = exp2f(capped * scale_log2 - row_lse[query]);
+          if (may_cut && !visible(key, query)) p = 0.f;
+          scores[n][j] = p;
+          dscores[n][j] = p * (dscores[n][j] - row_delta[query]) * soft_cap.slope(capped);
+        }
+      }
+    } else {
+      wgmma_wait<1>();
+      fence_registers(scores);
+#pragma unroll
+      for (int n = 0; n < kQueries / 8; ++n) {
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const int query = n * 8 + 2 * (lane % 4) + (j & 1);
+          const int key = key_row + (j >> 1) * 8;
+          float p = exp2f(scores[n][j] * scale_log2 - row_lse[query]);
+          if (may_cut && !visible(key, query)) p = 0.f;
+          scores[n][j] = p;
+        }
+      }
+      wgmma_wait<0>();
+      fence_registers(dscores);
+#pragma unroll
+      for (int n = 0; n < kQueries / 8; ++n) {
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const int query = n * 8 + 2 * (lane % 4) + (j & 1);
+          dscores[n][j] = scores[n][j] * (dscores[n][j] - row_delta[query]);
+        }
+      }
+    }
+
+    // dV += P^T dO and dK += dS^T Q (Note [Warpgroup backward]).
+    uint32_t p_fragments[kQueries / 16][4];
+    uint32_t ds_fragments[kQueries / 16][4];
+    accumulator_to_a_fragments<Element, kQueries>(p_fragments, scores);
+    accumulator_to_a_fragments<Element, kQueries>(ds_fragments, dscores);
+    // dS^T of this consumer's 64 keys into the item's tile, [128 keys][64 queries] in the 128-byte
+    // swizzle, pairs of queries at once (the packed A fragments, read before the MMAs that take
+    // them are issued), published to the tensor cores before the named barrier below.
+    Element* score_tile = reinterpret_cast<Element*>(score_tiles + (item % 2) * kScoreTileBytes);
+    if (with_dq) {
+#pragma unroll
+      for (int n = 0; n < kQueries / 8; ++n) {
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const int offset = warpgroup_tile_offset<kKeys>(key_row + half * 8, n * 8) + 2 * (lane % 4);
+          *reinterpret_cast<uint32_t*>(score_tile + offset) = ds_fragments[n / 2][(n % 2) * 2 + half];
+        }
+      }
+      fence_proxy_async_shared();
+    }
+    fence_registers(dv);
+    fence_registers(dk);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < kQueries / 16; ++kk) {
+      const uint64_t b = matrix_descriptor(dout_stage + kk * 16 * kRowBytes, kQueries * kRowBytes, 1024);
+      wgmma_registers_transposed_b<Element, kHeadDim>(dv, p_fragments[kk], b);
+    }
+#pragma unroll
+    for (int kk = 0; kk < kQueries / 16; ++kk) {
+      const uint64_t b = matrix_descriptor(q_stage + kk * 16 * kRowBytes, kQueries * kRowBytes, 1024);
+      wgmma_registers_transposed_b<Element, kHeadDim>(dk, ds_fragments[kk], b);
+    }
+    wgmma_commit();
+
+    // Both consumers' halves of dS^T are in (the barrier is passed while dV and dK run).
+    if (with_dq) named_barrier_sync(1, 256);
+    wgmma_wait<0>();
+    fence_registers(dv);
+    fence_registers(dk);
+    fence_registers(p_fragments);
+    fence_registers(ds_fragments);
+    // Q, dO and the statistics of the stage are read.
+    release(empty(stage));
+
+    if (with_dq) {
+      // dQ [64 queries, 64 columns] = dS K over the 128 keys, the columns of K's half `consumer`
+      // (k step kk: 16 keys, 16 rows of both tiles, 128 in the descriptors' 16-byte address units),
+      // issued once dK and dV are done, so that their A fragments are free.
+      float dq[kWsBackwardDqColumns / 8][4];
+      const uint64_t a_first = matrix_descriptor(shared_address(score_tile), kKeys * kRowBytes, 1024);
+      const uint64_t b_first =
+          matrix_descriptor(shared_address(k_tile) + consumer * kKeys * kRowBytes, kKeys * kRowBytes, 1024);
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < kKeys / 16; ++kk) {
+        const uint64_t step = uint64_t(kk) * (16 * kRowBytes / 16);
+        wgmma_shared_transposed<Element, kWsBackwardDqColumns, true, true>(dq, a_first + step, b_first + step,
+                                                                          kk > 0 ? 1 : 0);
+      }
+      wgmma_commit();
+      wgmma_wait<0>();
+      fence_registers(dq);
+      const int q_head = kv_head * group + head_in_group;
+      const int dq_row = (warp % 4) * 16 + lane / 4;  // the accumulator rows of this thread
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int position = first_query + dq_row + half * 8;
+        if (position >= chunk_tokens) continue;
+        float* row = workspace.dq_accumulator + int64_t(position) * q_row_stride + int64_t(q_head) * kHeadDim +
+                     consumer * kWsBackwardDqColumns;
+#pragma unroll
+        for (int n = 0; n < kWsBackwardDqColumns / 8; ++n) {
+          const int column = n * 8 + 2 * (lane % 4);
+          atomicAdd(reinterpret_cast<float2*>(row + column), make_float2(dq[n][2 * half], dq[n][2 * half + 1]));
+        }
+      }
+    }
+  }
+
+  // Write dK (scaled) and dV once: overwritten for chunk keys, ADDED into the grad pages.
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int key = key_row + half * 8;
+    if (key >= owned.valid_keys) continue;
+#pragma unroll
+    for (int n = 0; n < kHeadDim / 8; ++n) {
+      write_key_gradients<Element, kHeadDim>(params, owned.chunk_block, owned.first_key, owned.page, key,
+                                             n * 8 + 2 * (lane % 4), dk[n][2 * half], dk[n][2 * half + 1],
+                                             dv[n][2 * half], dv[n][2 * half + 1]);
+    }
+  }
+#else
+  // Built for a GPU without wgmma: the layout choice never picks this layout there.
+  __trap();
+#endif  // MEMBAR_WGMMA_AVAILABLE
+}
+
+// The dK/dV launch of the warp-specialised backward (a detail::KvLaunch) for one dtype, capped or not.
+template <typename Element, int kHeadDim, bool kSoftcap, int kStages = 2>
+cudaError_t launch_backward_kv_ws(const PagedAttentionBackwardParams& params, const BackwardWorkspacePointers& workspace,
+                                  cudaStream_t stream) {
+  constexpr size_t kSharedBytes = ws_backward_shared_bytes<kHeadDim, kStages>();
+  auto kernel = paged_attention_backward_wgmma_ws_kernel<Element, kHeadDim, kSoftcap, kStages>;
+  cudaError_t error = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kSharedBytes));
+  if (error != cudaSuccess) return error;
+  BackwardWorkspacePointers owners = workspace;
+  owners.num_chunk_blocks = chunk_owner_count<kBackwardKeys>(params.shape);
+  const dim3 grid(owner_count<kBackwardKeys>(params.shape, owners.num_chunk_blocks), params.shape.num_kv_heads);
+  if (grid.x == 0) return cudaSuccess;  // no key at all (attend_chunk false, empty history)
+  kernel<<<grid, kWsBackwardThreads, kSharedBytes, stream>>>(
+      params, owners, soft_cap_of(params.shape.softmax_scale, params.shape.logit_softcap));
+  return cudaGetLastError();
+}
+
+}  // namespace membar::kernels::cuda::detail::warpgroup
