@@ -72,7 +72,7 @@ constexpr size_t ws_backward_shared_bytes() {
          2 * size_t(kBackwardKeys) * kQueries * 2 + 2 * size_t(kStages) * kQueries * 4 + 8 * (1 + 2 * kStages);
 }
 
-template <typename Element, int kHeadDim, bool kSoftcap, int kStages = 2>
+template <typename Element, int kHeadDim, bool kSoftcap, bool kOwnKeysDq = false, int kStages = 2>
 __global__ void __launch_bounds__(kWsBackwardThreads, 1)
     paged_attention_backward_wgmma_ws_kernel(const PagedAttentionBackwardParams params,
                                              const BackwardWorkspacePointers workspace, const SoftCap soft_cap) {
@@ -275,7 +275,7 @@ __global__ void __launch_bounds__(kWsBackwardThreads, 1)
     // dS^T of this consumer's 64 keys into the item's tile, [128 keys][64 queries] in the 128-byte
     // swizzle, pairs of queries at once (the packed A fragments, read before the MMAs that take
     // them are issued), published to the tensor cores before the named barrier below.
-    Element* score_tile = reinterpret_cast<Element*>(score_tiles + (item % 2) * kScoreTileBytes);
+    Element* score_tile = reinterpret_cast<Element*>(score_tiles + (kOwnKeysDq ? 0 : item % 2) * kScoreTileBytes);
     if (with_dq) {
 #pragma unroll
       for (int n = 0; n < kQueries / 8; ++n) {
@@ -302,8 +302,15 @@ __global__ void __launch_bounds__(kWsBackwardThreads, 1)
     }
     wgmma_commit();
 
-    // Both consumers' halves of dS^T are in (the barrier is passed while dV and dK run).
-    if (with_dq) named_barrier_sync(1, 256);
+    // kOwnKeysDq: the warpgroup's own rows of dS^T are in (a barrier of its 128 threads); else both
+    // consumers' halves (256 threads). Either is passed while dV and dK run.
+    if (with_dq) {
+      if constexpr (kOwnKeysDq) {
+        named_barrier_sync(1 + consumer, 128);
+      } else {
+        named_barrier_sync(1, 256);
+      }
+    }
     wgmma_wait<0>();
     fence_registers(dv);
     fence_registers(dk);
@@ -313,33 +320,48 @@ __global__ void __launch_bounds__(kWsBackwardThreads, 1)
     release(empty(stage));
 
     if (with_dq) {
-      // dQ [64 queries, 64 columns] = dS K over the 128 keys, the columns of K's half `consumer`
-      // (k step kk: 16 keys, 16 rows of both tiles, 128 in the descriptors' 16-byte address units),
-      // issued once dK and dV are done, so that their A fragments are free.
-      float dq[kWsBackwardDqColumns / 8][4];
-      const uint64_t a_first = matrix_descriptor(shared_address(score_tile), kKeys * kRowBytes, 1024);
-      const uint64_t b_first =
-          matrix_descriptor(shared_address(k_tile) + consumer * kKeys * kRowBytes, kKeys * kRowBytes, 1024);
+      // dQ, issued once dK and dV are done, so that their A fragments are free. Shared: [64 queries,
+      // 64 columns] = dS K over the 128 keys, the columns of K's half `consumer` (k step kk: 16 keys,
+      // 16 rows of both tiles, 128 in the descriptors' 16-byte address units). kOwnKeysDq: [64
+      // queries, 128 columns] over the consumer's own 64 keys (B over both column halves, leading
+      // byte offset one half, as V in the forward's P V).
+      constexpr int kDqColumns = kOwnKeysDq ? kHeadDim : kWsBackwardDqColumns;
+      float dq[kDqColumns / 8][4];
       wgmma_fence();
+      if constexpr (kOwnKeysDq) {
+        const uint64_t a_first = matrix_descriptor(
+            shared_address(score_tile) + consumer * kBackwardWarpgroupKeys * kRowBytes, kKeys * kRowBytes, 1024);
+        const uint64_t b_first = matrix_descriptor(
+            shared_address(k_tile) + consumer * kBackwardWarpgroupKeys * kRowBytes, kKeys * kRowBytes, 1024);
 #pragma unroll
-      for (int kk = 0; kk < kKeys / 16; ++kk) {
-        const uint64_t step = uint64_t(kk) * (16 * kRowBytes / 16);
-        wgmma_shared_transposed<Element, kWsBackwardDqColumns, true, true>(dq, a_first + step, b_first + step,
-                                                                          kk > 0 ? 1 : 0);
+        for (int kk = 0; kk < kBackwardWarpgroupKeys / 16; ++kk) {
+          const uint64_t step = uint64_t(kk) * (16 * kRowBytes / 16);
+          wgmma_shared_transposed<Element, kDqColumns, true, true>(dq, a_first + step, b_first + step, kk > 0 ? 1 : 0);
+        }
+      } else {
+        const uint64_t a_first = matrix_descriptor(shared_address(score_tile), kKeys * kRowBytes, 1024);
+        const uint64_t b_first =
+            matrix_descriptor(shared_address(k_tile) + consumer * kKeys * kRowBytes, kKeys * kRowBytes, 1024);
+#pragma unroll
+        for (int kk = 0; kk < kKeys / 16; ++kk) {
+          const uint64_t step = uint64_t(kk) * (16 * kRowBytes / 16);
+          wgmma_shared_transposed<Element, kDqColumns, true, true>(dq, a_first + step, b_first + step, kk > 0 ? 1 : 0);
+        }
       }
       wgmma_commit();
       wgmma_wait<0>();
       fence_registers(dq);
       const int q_head = kv_head * group + head_in_group;
       const int dq_row = (warp % 4) * 16 + lane / 4;  // the accumulator rows of this thread
+      const int first_column = kOwnKeysDq ? 0 : consumer * kWsBackwardDqColumns;
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
         const int position = first_query + dq_row + half * 8;
         if (position >= chunk_tokens) continue;
         float* row = workspace.dq_accumulator + int64_t(position) * q_row_stride + int64_t(q_head) * kHeadDim +
-                     consumer * kWsBackwardDqColumns;
+                     first_column;
 #pragma unroll
-        for (int n = 0; n < kWsBackwardDqColumns / 8; ++n) {
+        for (int n = 0; n < kDqColumns / 8; ++n) {
           const int column = n * 8 + 2 * (lane % 4);
           atomicAdd(reinterpret_cast<float2*>(row + column), make_float2(dq[n][2 * half], dq[n][2 * half + 1]));
         }
@@ -366,11 +388,11 @@ __global__ void __launch_bounds__(kWsBackwardThreads, 1)
 }
 
 // The dK/dV launch of the warp-specialised backward (a detail::KvLaunch) for one dtype, capped or not.
-template <typename Element, int kHeadDim, bool kSoftcap, int kStages = 2>
+template <typename Element, int kHeadDim, bool kSoftcap, bool kOwnKeysDq = false, int kStages = 2>
 cudaError_t launch_backward_kv_ws(const PagedAttentionBackwardParams& params, const BackwardWorkspacePointers& workspace,
                                   cudaStream_t stream) {
   constexpr size_t kSharedBytes = ws_backward_shared_bytes<kHeadDim, kStages>();
-  auto kernel = paged_attention_backward_wgmma_ws_kernel<Element, kHeadDim, kSoftcap, kStages>;
+  auto kernel = paged_attention_backward_wgmma_ws_kernel<Element, kHeadDim, kSoftcap, kOwnKeysDq, kStages>;
   cudaError_t error = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kSharedBytes));
   if (error != cudaSuccess) return error;
   BackwardWorkspacePointers owners = workspace;

@@ -164,6 +164,8 @@ enum class BackwardLayout : int32_t {
   kWgmmaWsW12K128 = 7,    // "wgmma_ws_w12_k128": warp-specialised, a producer and two consumer warpgroups (Hopper, head_dim 128, opt-in)
   kWgmmaW8K64D2 = 8,      // "wgmma_w8_k64_d2": 64 keys a CTA, wgmma, dK/dV/dQ columns split between two
                           // warpgroups (Hopper, head_dim 256)
+  kWgmmaWsW12K128DqOwn = 9,  // "wgmma_ws_w12_k128_dqown": the same as kWgmmaWsW12K128, each consumer's dQ over
+                             // its own 64 keys (no barrier between them; opt-in)
 };
 
 // How a call runs, apart from what it computes (the params). Like ggml's compute plan (its thread

@@ -160,6 +160,7 @@ constexpr bool backward_layout_fits(BackwardLayout layout, const CudaTarget& tar
       return query.page_tokens % 64 == 0;
     case BackwardLayout::kWgmmaW8K128:
     case BackwardLayout::kWgmmaWsW12K128:
+    case BackwardLayout::kWgmmaWsW12K128DqOwn:
       return target.compute_capability == 90 && target.warpgroup_kernels && query.page_tokens == 128;
     case BackwardLayout::kWgmmaW8K64D2:
       return target.compute_capability == 90 && target.warpgroup_kernels && query.page_tokens % 64 == 0;
@@ -207,14 +208,15 @@ constexpr bool forward_layout_compiled(ForwardLayout layout, DType dtype, int32_
 }
 
 // Opt-in (layout, head_dim) pairs (Note [Layout choice]), every supported dtype: the
-// warp-specialised backward (Note [Warp-specialised backward], session 32), asked for by name until
-// it is measured faster than the warpgroup backward. (Session 26's variant of the warpgroup
+// warp-specialised backward (Note [Warp-specialised backward], session 32) in its two dQ forms, asked
+// for by name until one is measured faster than the warpgroup backward. (Session 26's variant of the warpgroup
 // backward with the dQ pass beside the dK MMAs, within noise of it, held this slot until then.)
 struct OptInBackwardLayout {
   BackwardLayout layout;
   int32_t head_dim;
 };
-inline constexpr OptInBackwardLayout kOptInBackwardLayouts[] = {{BackwardLayout::kWgmmaWsW12K128, 128}};
+inline constexpr OptInBackwardLayout kOptInBackwardLayouts[] = {{BackwardLayout::kWgmmaWsW12K128, 128},
+                                                                {BackwardLayout::kWgmmaWsW12K128DqOwn, 128}};
 
 constexpr bool backward_layout_compiled(BackwardLayout layout, DType dtype, int32_t head_dim) {
   if (!cuda_dtype_supported(dtype) || !cuda_head_dim_supported(head_dim)) return false;
@@ -261,7 +263,8 @@ inline constexpr ForwardLayout kForwardLayouts[] = {
 inline constexpr BackwardLayout kBackwardLayouts[] = {BackwardLayout::kMmaSplitK128S2, BackwardLayout::kMmaW8K128,
                                                       BackwardLayout::kMmaW4K64, BackwardLayout::kMmaW4K64Padded,
                                                       BackwardLayout::kMmaW4K64S2Halves, BackwardLayout::kWgmmaW8K128,
-                                                      BackwardLayout::kWgmmaWsW12K128, BackwardLayout::kWgmmaW8K64D2};
+                                                      BackwardLayout::kWgmmaWsW12K128, BackwardLayout::kWgmmaW8K64D2,
+                                                      BackwardLayout::kWgmmaWsW12K128DqOwn};
 
 constexpr const char* forward_layout_name(ForwardLayout layout) {
   switch (layout) {
@@ -290,6 +293,7 @@ constexpr const char* backward_layout_name(BackwardLayout layout) {
     case BackwardLayout::kMmaW4K64S2Halves: return "w4_k64_dq32_pad_s2_d2";
     case BackwardLayout::kWgmmaW8K128: return "wgmma_w8_k128";
     case BackwardLayout::kWgmmaWsW12K128: return "wgmma_ws_w12_k128";
+    case BackwardLayout::kWgmmaWsW12K128DqOwn: return "wgmma_ws_w12_k128_dqown";
     case BackwardLayout::kWgmmaW8K64D2: return "wgmma_w8_k64_d2";
   }
   return "unknown";
