@@ -93,7 +93,8 @@
 #             attention bench at head sizes 64/96/128, with the GPU's clock and power sampled
 #   wsbackward  the warp-specialised backward (Note [Warp-specialised backward], wgmma_ws_w12_k128, opt-in
 #             since session 32): the gpu attention tests (every compiled layout against the CPU reference),
-#             test_attention_cuda.py with it asked for ($MEMBAR_CUDA_BACKWARD_LAYOUT, WSBACKWARD_LAYOUT), then
+#             test_attention_cuda.py with it asked for ($MEMBAR_CUDA_BACKWARD_LAYOUT, WSBACKWARD_LAYOUT;
+#             WSBACKWARD_PYTEST=0 skips it), then
 #             the attention bench at ATTENTION_HISTORIES with WSBACKWARD_TRY's layouts (both dQ forms)
 #             beside the chosen backward, SDPA flash and the split layout, in the sparse call too, with
 #             the GPU's clock and power sampled
@@ -543,10 +544,12 @@ for step in "$@"; do
       ctest --test-dir build-gpu -L gpu -R ttention --output-on-failure --timeout 200 \
         > "$work/wsbackward/gpu_ctest.log" 2>&1 || status=1
       tail -4 "$work/wsbackward/gpu_ctest.log"; grep -E "Failed|\*\*\*|backward layout wgmma_ws" "$work/wsbackward/gpu_ctest.log" | sort | uniq -c | head -12
-      MEMBAR_CUDA_BACKWARD_LAYOUT=${WSBACKWARD_LAYOUT:-wgmma_ws_w12_k128} timeout "${BACKWARD_PYTEST_TIMEOUT:-150}" \
-        "$py" -m pytest -q -m gpu tests/python/test_attention_cuda.py -p no:cacheprovider \
-        > "$work/wsbackward/pytest.log" 2>&1 || status=1
-      tail -4 "$work/wsbackward/pytest.log"
+      if [ "${WSBACKWARD_PYTEST:-1}" = 1 ]; then
+        MEMBAR_CUDA_BACKWARD_LAYOUT=${WSBACKWARD_LAYOUT:-wgmma_ws_w12_k128} timeout "${BACKWARD_PYTEST_TIMEOUT:-150}" \
+          "$py" -m pytest -q -m gpu tests/python/test_attention_cuda.py -p no:cacheprovider \
+          > "$work/wsbackward/pytest.log" 2>&1 || status=1
+        tail -4 "$work/wsbackward/pytest.log"
+      fi
       clocks_start "$work/wsbackward/clocks.csv"
       MEMBAR_RESULTS_DIR=$work/wsbackward timeout 300 "$py" bench/attention_bench.py \
         --histories "${ATTENTION_HISTORIES:-32768,131072,262144}" --head-dims "" \
