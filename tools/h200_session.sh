@@ -92,7 +92,8 @@
 #   backward  the warpgroup backward's checks (C++ gpu attention tests, test_attention_cuda.py) and the
 #             attention bench at head sizes 64/96/128, with the GPU's clock and power sampled
 #   wsbackward  the warp-specialised backward (Note [Warp-specialised backward], wgmma_ws_w12_k128, opt-in
-#             since session 32): the gpu attention tests (every compiled layout against the CPU reference),
+#             since session 32): the gpu attention tests (every compiled layout against the CPU reference;
+#             WSBACKWARD_CTEST narrows them by name),
 #             test_attention_cuda.py with it asked for ($MEMBAR_CUDA_BACKWARD_LAYOUT, WSBACKWARD_LAYOUT;
 #             WSBACKWARD_PYTEST=0 skips it), then
 #             the attention bench at ATTENTION_HISTORIES with WSBACKWARD_TRY's layouts (both dQ forms)
@@ -541,7 +542,7 @@ for step in "$@"; do
       "$py" tools/clocks_summary.py "$work/backward/clocks.csv" ;;
     wsbackward)
       mkdir -p "$work/wsbackward"
-      ctest --test-dir build-gpu -L gpu -R ttention --output-on-failure --timeout 200 \
+      ctest --test-dir build-gpu -L gpu -R "${WSBACKWARD_CTEST:-ttention}" --output-on-failure --timeout 200 \
         > "$work/wsbackward/gpu_ctest.log" 2>&1 || status=1
       tail -4 "$work/wsbackward/gpu_ctest.log"; grep -E "Failed|\*\*\*|backward layout wgmma_ws" "$work/wsbackward/gpu_ctest.log" | sort | uniq -c | head -12
       if [ "${WSBACKWARD_PYTEST:-1}" = 1 ]; then
