@@ -91,14 +91,13 @@
 #             beside WSFORWARD_HEAD_TRY's layouts, and the gpu attention tests that run every compiled layout
 #   backward  the warpgroup backward's checks (C++ gpu attention tests, test_attention_cuda.py) and the
 #             attention bench at head sizes 64/96/128, with the GPU's clock and power sampled
-#   wsbackward  the warp-specialised backward (Note [Warp-specialised backward], wgmma_ws_w12_k128, opt-in
-#             since session 32): the gpu attention tests (every compiled layout against the CPU reference;
-#             WSBACKWARD_CTEST narrows them by name),
-#             test_attention_cuda.py with it asked for ($MEMBAR_CUDA_BACKWARD_LAYOUT, WSBACKWARD_LAYOUT;
-#             WSBACKWARD_PYTEST=0 skips it), then
-#             the attention bench at ATTENTION_HISTORIES with WSBACKWARD_TRY's layouts (both dQ forms)
-#             beside the chosen backward, SDPA flash and the split layout, in the sparse call too, with
-#             the GPU's clock and power sampled
+#   wsbackward  the warp-specialised backward (Note [Warp-specialised backward], wgmma_ws_w12_k128, chosen
+#             on Hopper at head_dim 128 since session 32): the gpu attention tests (every compiled layout
+#             against the CPU reference; WSBACKWARD_CTEST narrows them by name), test_attention_cuda.py
+#             with WSBACKWARD_LAYOUT asked for ($MEMBAR_CUDA_BACKWARD_LAYOUT; WSBACKWARD_PYTEST=0 skips
+#             it), then the attention bench at ATTENTION_HISTORIES with WSBACKWARD_TRY's layouts (default
+#             the warpgroup backward it replaced) beside the chosen backward, SDPA flash and the split
+#             layout, in the sparse call too, with the GPU's clock and power sampled
 #   ncu       Nsight Compute's counters of the chosen forward and backward at NCU_HISTORIES (32768 262144):
 #             L2 hit rate, DRAM bytes, warp stalls by reason for the backward (bench/probes/attention_ncu_probe.py)
 #   sparsebwd 7B sparse (top-64, pages on the GPU) at SPARSEBWD_CONTEXT (default 256K): membar's attention
@@ -554,7 +553,7 @@ for step in "$@"; do
       clocks_start "$work/wsbackward/clocks.csv"
       MEMBAR_RESULTS_DIR=$work/wsbackward timeout 300 "$py" bench/attention_bench.py \
         --histories "${ATTENTION_HISTORIES:-32768,131072,262144}" --head-dims "" \
-        --try-history-backward-layouts "${WSBACKWARD_TRY:-wgmma_ws_w12_k128,wgmma_ws_w12_k128_dqown}" \
+        --try-history-backward-layouts "${WSBACKWARD_TRY:-wgmma_w8_k128}" \
         > "$work/wsbackward/bench.log" 2>&1 || status=1
       clocks_stop
       cat "$work/wsbackward/attention.txt" 2>/dev/null || tail -20 "$work/wsbackward/bench.log"

@@ -1,9 +1,11 @@
 // The Hopper (sm_90a) dK/dV kernel of the paged-attention backward: warpgroup MMAs (wgmma) instead of
-// mma.sync. The shipped layout "wgmma_w8_k128" (BackwardLayout::kWgmmaW8K128) for head_dim 128 and
-// pages of 128 keys on Hopper (Note [Layout choice] in membar/kernels/attention_cuda.h); bf16 and
-// fp16, with or without a logit soft-cap, with or without a sliding window. The same layout runs
-// head sizes 64 and 96 (since session 26: 0.83x and 0.94x SDPA flash on the H200, against 0.70x
-// and 0.74x for the mma.sync layouts). Internal to kernels/cuda/.
+// mma.sync. The layout "wgmma_w8_k128" (BackwardLayout::kWgmmaW8K128), shipped for head sizes 64
+// and 96 with pages of 128 keys on Hopper (since session 26: 0.83x and 0.94x SDPA flash on the H200,
+// against 0.70x and 0.74x for the mma.sync layouts; Note [Layout choice] in
+// membar/kernels/attention_cuda.h); bf16 and fp16, with or without a logit soft-cap, with or without
+// a sliding window. At head size 128 it was chosen from session 25 to 31 and stays compiled there as
+// an opt-in baseline: the warp-specialised backward (Note [Warp-specialised backward],
+// attention_backward_wgmma_ws.cuh) replaced it in session 32. Internal to kernels/cuda/.
 //
 // Note [Warpgroup backward]
 // Rationale: the mma.sync backward (Note [Backward split layout], attention_backward_kernel.cuh)

@@ -1,7 +1,7 @@
 // The warp-specialised dK/dV kernel of the paged-attention backward for Hopper (sm_90a): a producer
-// warpgroup that loads, two consumer warpgroups that multiply. The opt-in layout
-// "wgmma_ws_w12_k128" (BackwardLayout::kWgmmaWsW12K128), head_dim 128, pages of 128 keys.
-// Internal to kernels/cuda/.
+// warpgroup that loads, two consumer warpgroups that multiply. The layout "wgmma_ws_w12_k128"
+// (BackwardLayout::kWgmmaWsW12K128), chosen on Hopper for head_dim 128 with pages of 128 keys since
+// session 32 (Note [Layout choice] in membar/kernels/attention_cuda.h). Internal to kernels/cuda/.
 //
 // Note [Warp-specialised backward]
 // Rationale: the warpgroup backward (Note [Warpgroup backward]) stays at 320-345 TFLOP/s on an
@@ -16,27 +16,41 @@
 // Approach: one CTA of three warpgroups (384 threads) per (128-key page or chunk block, kv head),
 // the same work list (own_keys: items of 64 queries of one q head) and epilogue as the warpgroup
 // backward:
-//   - warpgroup 0, the producer (setmaxnreg 24), loads K and V of the CTA's keys once, then each
+//   - warpgroup 0, the producer (setmaxnreg 40), loads K and V of the CTA's keys once, then each
 //     item's Q and dO tiles (cp.async, the swizzled layout of Note [Warpgroup shared layout]) and
 //     its 64 rows' lse (log2 units) and delta into one of kStages stages. A stage's "full"
 //     mbarrier counts two arrivals a producer thread: one when its copies have landed
 //     (cp.async.mbarrier.arrive.noinc), one after its statistics stores (mbarrier.arrive,
 //     release). Before a stage is written again the producer waits for its "empty" mbarrier,
 //     which each consumer warp arrives on once the item's MMAs are done.
-//   - warpgroups 1 and 2, the consumers (240 registers), own keys 64 c .. 64 c + 63 and keep their
+//   - warpgroups 1 and 2, the consumers (232 registers), own keys 64 c .. 64 c + 63 and keep their
 //     dK and dV in registers, as the warpgroup backward's two warpgroups do. Per item: S^T = K Q^T
 //     and dP^T = V dO^T (wgmma from shared memory), P^T while dP^T runs, dS^T; dV += P^T dO and
 //     dK += dS^T Q with P^T and dS^T as register A fragments (all as in Note [Warpgroup
 //     backward]); then dS^T of its 64 keys into a swizzled [128 keys][64 queries] tile (two of
 //     them, alternating by item), a named barrier of the 256 consumer threads, and dQ [64 queries,
 //     64 columns] = dS K over all 128 keys as wgmma (dS^T read MN-major as A, K's column half c
-//     MN-major as B: Note [Warpgroup dQ product] of session 31), issued while dK and dV still run.
-//     One wait for the three, the stage released, and dQ added by fp32 atomics into the workspace
-//     (skipped in deterministic mode, where launch_backward_dq runs as for every layout).
+//     MN-major as B, as session 31's wgmma dQ product read them), issued once dK and dV are done
+//     (issued beside them, their A fragments and dQ's accumulators spilled 250 bytes); the stage is
+//     released after dK and dV, and dQ added by fp32 atomics into the workspace (skipped in
+//     deterministic mode, where launch_backward_dq runs as for every layout).
 //   The tile written at item i was last read by both consumers' dQ MMAs of item i - 2, which each
 //   waited for before arriving at the named barrier of item i - 1; the writer passed that barrier.
 // Shared memory (base aligned to 1024): K, V [2][128][64] (32 KiB each); Q, dO [stages][2][64][64]
 // (16 KiB each a stage); dS^T [2][128][64] (16 KiB each); lse, delta [stages][64] fp32; barriers.
+// Measured (session 32, an H100, bench/results/2026-12-07-session32-h100; Qwen2.5-7B heads, chunk
+// 4096, pages of 128 shuffled, bf16): 366.5 / 377.1 / 373.3 TFLOP/s at 32K / 128K / 256K history
+// against the warpgroup backward's 322.8 / 343.0 / 340.5 in the same calls (1.14x / 1.10x / 1.10x)
+// and SDPA flash's 324.8 / 330.2 / 326.9 (1.13x / 1.14x / 1.14x); the sparse top-64 backward at
+// 256K 5.34 ms against 5.99 (1.12x). Correct first: the gpu attention tests (every compiled layout
+// against the CPU reference, soft-caps and windows too) and test_attention_cuda.py with it asked
+// for (both modes, deterministic too). 24 bytes of spills, in the producer (its loop at 40
+// registers); the consumers have none. A second dQ form, each consumer's dQ [64 queries, 128
+// columns] over its own 64 keys with no barrier between the consumers and twice the atomics, ran
+// 0.87x of the warpgroup backward and was dropped. Nsight Compute at 256K (one launch, 100.7 ms):
+// issue slots busy 30%, 10.0 cycles per issued instruction, the top reason global-memory
+// dependencies (3.80, counted over the producer's warps too), then mbarrier waits (1.58) and
+// barriers (0.91).
 // Limitations: head_dim 128 only (64 and 96 need a dQ split of their columns); the consumers run
 // in step (the named barrier of every item), and an item's MMAs are waited for in full before its
 // dQ atomics and the next item's S^T.
@@ -72,7 +86,7 @@ constexpr size_t ws_backward_shared_bytes() {
          2 * size_t(kBackwardKeys) * kQueries * 2 + 2 * size_t(kStages) * kQueries * 4 + 8 * (1 + 2 * kStages);
 }
 
-template <typename Element, int kHeadDim, bool kSoftcap, bool kOwnKeysDq = false, int kStages = 2>
+template <typename Element, int kHeadDim, bool kSoftcap, int kStages = 2>
 __global__ void __launch_bounds__(kWsBackwardThreads, 1)
     paged_attention_backward_wgmma_ws_kernel(const PagedAttentionBackwardParams params,
                                              const BackwardWorkspacePointers workspace, const SoftCap soft_cap) {
@@ -275,7 +289,7 @@ __global__ void __launch_bounds__(kWsBackwardThreads, 1)
     // dS^T of this consumer's 64 keys into the item's tile, [128 keys][64 queries] in the 128-byte
     // swizzle, pairs of queries at once (the packed A fragments, read before the MMAs that take
     // them are issued), published to the tensor cores before the named barrier below.
-    Element* score_tile = reinterpret_cast<Element*>(score_tiles + (kOwnKeysDq ? 0 : item % 2) * kScoreTileBytes);
+    Element* score_tile = reinterpret_cast<Element*>(score_tiles + (item % 2) * kScoreTileBytes);
     if (with_dq) {
 #pragma unroll
       for (int n = 0; n < kQueries / 8; ++n) {
@@ -302,15 +316,8 @@ __global__ void __launch_bounds__(kWsBackwardThreads, 1)
     }
     wgmma_commit();
 
-    // kOwnKeysDq: the warpgroup's own rows of dS^T are in (a barrier of its 128 threads); else both
-    // consumers' halves (256 threads). Either is passed while dV and dK run.
-    if (with_dq) {
-      if constexpr (kOwnKeysDq) {
-        named_barrier_sync(1 + consumer, 128);
-      } else {
-        named_barrier_sync(1, 256);
-      }
-    }
+    // Both consumers' halves of dS^T are in (the barrier is passed while dV and dK run).
+    if (with_dq) named_barrier_sync(1, 256);
     wgmma_wait<0>();
     fence_registers(dv);
     fence_registers(dk);
@@ -320,48 +327,33 @@ __global__ void __launch_bounds__(kWsBackwardThreads, 1)
     release(empty(stage));
 
     if (with_dq) {
-      // dQ, issued once dK and dV are done, so that their A fragments are free. Shared: [64 queries,
-      // 64 columns] = dS K over the 128 keys, the columns of K's half `consumer` (k step kk: 16 keys,
-      // 16 rows of both tiles, 128 in the descriptors' 16-byte address units). kOwnKeysDq: [64
-      // queries, 128 columns] over the consumer's own 64 keys (B over both column halves, leading
-      // byte offset one half, as V in the forward's P V).
-      constexpr int kDqColumns = kOwnKeysDq ? kHeadDim : kWsBackwardDqColumns;
-      float dq[kDqColumns / 8][4];
+      // dQ [64 queries, 64 columns] = dS K over the 128 keys, the columns of K's half `consumer`
+      // (k step kk: 16 keys, 16 rows of both tiles, 128 in the descriptors' 16-byte address units),
+      // issued once dK and dV are done, so that their A fragments are free.
+      float dq[kWsBackwardDqColumns / 8][4];
+      const uint64_t a_first = matrix_descriptor(shared_address(score_tile), kKeys * kRowBytes, 1024);
+      const uint64_t b_first =
+          matrix_descriptor(shared_address(k_tile) + consumer * kKeys * kRowBytes, kKeys * kRowBytes, 1024);
       wgmma_fence();
-      if constexpr (kOwnKeysDq) {
-        const uint64_t a_first = matrix_descriptor(
-            shared_address(score_tile) + consumer * kBackwardWarpgroupKeys * kRowBytes, kKeys * kRowBytes, 1024);
-        const uint64_t b_first = matrix_descriptor(
-            shared_address(k_tile) + consumer * kBackwardWarpgroupKeys * kRowBytes, kKeys * kRowBytes, 1024);
 #pragma unroll
-        for (int kk = 0; kk < kBackwardWarpgroupKeys / 16; ++kk) {
-          const uint64_t step = uint64_t(kk) * (16 * kRowBytes / 16);
-          wgmma_shared_transposed<Element, kDqColumns, true, true>(dq, a_first + step, b_first + step, kk > 0 ? 1 : 0);
-        }
-      } else {
-        const uint64_t a_first = matrix_descriptor(shared_address(score_tile), kKeys * kRowBytes, 1024);
-        const uint64_t b_first =
-            matrix_descriptor(shared_address(k_tile) + consumer * kKeys * kRowBytes, kKeys * kRowBytes, 1024);
-#pragma unroll
-        for (int kk = 0; kk < kKeys / 16; ++kk) {
-          const uint64_t step = uint64_t(kk) * (16 * kRowBytes / 16);
-          wgmma_shared_transposed<Element, kDqColumns, true, true>(dq, a_first + step, b_first + step, kk > 0 ? 1 : 0);
-        }
+      for (int kk = 0; kk < kKeys / 16; ++kk) {
+        const uint64_t step = uint64_t(kk) * (16 * kRowBytes / 16);
+        wgmma_shared_transposed<Element, kWsBackwardDqColumns, true, true>(dq, a_first + step, b_first + step,
+                                                                          kk > 0 ? 1 : 0);
       }
       wgmma_commit();
       wgmma_wait<0>();
       fence_registers(dq);
       const int q_head = kv_head * group + head_in_group;
       const int dq_row = (warp % 4) * 16 + lane / 4;  // the accumulator rows of this thread
-      const int first_column = kOwnKeysDq ? 0 : consumer * kWsBackwardDqColumns;
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
         const int position = first_query + dq_row + half * 8;
         if (position >= chunk_tokens) continue;
         float* row = workspace.dq_accumulator + int64_t(position) * q_row_stride + int64_t(q_head) * kHeadDim +
-                     first_column;
+                     consumer * kWsBackwardDqColumns;
 #pragma unroll
-        for (int n = 0; n < kDqColumns / 8; ++n) {
+        for (int n = 0; n < kWsBackwardDqColumns / 8; ++n) {
           const int column = n * 8 + 2 * (lane % 4);
           atomicAdd(reinterpret_cast<float2*>(row + column), make_float2(dq[n][2 * half], dq[n][2 * half + 1]));
         }
@@ -388,11 +380,11 @@ __global__ void __launch_bounds__(kWsBackwardThreads, 1)
 }
 
 // The dK/dV launch of the warp-specialised backward (a detail::KvLaunch) for one dtype, capped or not.
-template <typename Element, int kHeadDim, bool kSoftcap, bool kOwnKeysDq = false, int kStages = 2>
+template <typename Element, int kHeadDim, bool kSoftcap, int kStages = 2>
 cudaError_t launch_backward_kv_ws(const PagedAttentionBackwardParams& params, const BackwardWorkspacePointers& workspace,
                                   cudaStream_t stream) {
   constexpr size_t kSharedBytes = ws_backward_shared_bytes<kHeadDim, kStages>();
-  auto kernel = paged_attention_backward_wgmma_ws_kernel<Element, kHeadDim, kSoftcap, kOwnKeysDq, kStages>;
+  auto kernel = paged_attention_backward_wgmma_ws_kernel<Element, kHeadDim, kSoftcap, kStages>;
   cudaError_t error = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kSharedBytes));
   if (error != cudaSuccess) return error;
   BackwardWorkspacePointers owners = workspace;

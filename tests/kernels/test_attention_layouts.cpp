@@ -82,10 +82,10 @@ TEST(AttentionLayouts, OtherDevicesRunMmaSync) {
 TEST(AttentionLayouts, BackwardFollowsThePageSizeAndHeadDim) {
   for (const CudaTarget& target : {kHopper, kHopperWithoutSm90a, kAmpere}) {
     for (DType dtype : {DType::kBFloat16, DType::kFloat16}) {
-      // Head sizes 64, 96 and 128 in pages of 128: the warpgroup kernel on Hopper with the sm_90a
-      // build (dense and every sparse tile), the mma.sync layouts elsewhere.
+      // Head sizes 64 and 96 in pages of 128: the warpgroup kernel on Hopper with the sm_90a build
+      // (dense and every sparse tile), 128 the warp-specialised one; the mma.sync layouts elsewhere.
       for (int32_t tile : {0, 64, 128}) {
-        EXPECT_EQ(target.warpgroup_kernels ? BackwardLayout::kWgmmaW8K128 : BackwardLayout::kMmaSplitK128S2,
+        EXPECT_EQ(target.warpgroup_kernels ? BackwardLayout::kWgmmaWsW12K128 : BackwardLayout::kMmaSplitK128S2,
                   choose_backward_layout(target, LayoutQuery{dtype, 128, 128, tile}));
         EXPECT_EQ(target.warpgroup_kernels ? BackwardLayout::kWgmmaW8K128 : BackwardLayout::kMmaSplitK128S2,
                   choose_backward_layout(target, LayoutQuery{dtype, 64, 128, tile}));
@@ -172,7 +172,8 @@ TEST(AttentionLayouts, OnlyTheLayoutsDispatchReachesAreCompiled) {
   // The unpadded one-warp-per-16-keys kernel spills at head_dim 128: never compiled there.
   EXPECT_FALSE(backward_layout_compiled(BackwardLayout::kMmaW4K64, DType::kBFloat16, 128));
   EXPECT_FALSE(backward_layout_compiled(BackwardLayout::kMmaW8K128, DType::kBFloat16, 128));
-  // The warpgroup backward is chosen at head sizes 64, 96 and 128, in both dtypes; 256 it cannot run.
+  // The warpgroup backward is chosen at head sizes 64 and 96, opt-in at 128, in both dtypes; 256 it
+  // cannot run.
   for (DType dtype : {DType::kBFloat16, DType::kFloat16}) {
     EXPECT_TRUE(backward_layout_compiled(BackwardLayout::kWgmmaW8K128, dtype, 128));
     EXPECT_TRUE(backward_layout_compiled(BackwardLayout::kWgmmaW8K128, dtype, 64));
@@ -183,13 +184,15 @@ TEST(AttentionLayouts, OnlyTheLayoutsDispatchReachesAreCompiled) {
   EXPECT_TRUE(backward_layout_compiled(BackwardLayout::kWgmmaW8K64D2, DType::kBFloat16, 256));
   EXPECT_TRUE(backward_layout_compiled(BackwardLayout::kWgmmaW8K64D2, DType::kFloat16, 256));
   EXPECT_FALSE(backward_layout_compiled(BackwardLayout::kWgmmaW8K64D2, DType::kBFloat16, 128));
-  // The warp-specialised backward: opt-in at 128 only.
+  // The warp-specialised backward: chosen at 128 only; the warpgroup one it replaced there still runs
+  // when asked for by name.
   EXPECT_TRUE(backward_layout_compiled(BackwardLayout::kWgmmaWsW12K128, DType::kFloat16, 128));
+  EXPECT_TRUE(backward_layout_compiled(BackwardLayout::kWgmmaWsW12K128, DType::kBFloat16, 128));
   EXPECT_FALSE(backward_layout_compiled(BackwardLayout::kWgmmaWsW12K128, DType::kBFloat16, 64));
+  EXPECT_FALSE(backward_layout_compiled(BackwardLayout::kWgmmaWsW12K128, DType::kBFloat16, 96));
   const LayoutQuery bf16_128{DType::kBFloat16, 128, 128, 0};
-  EXPECT_EQ(BackwardLayout::kWgmmaW8K128, choose_backward_layout(kHopper, bf16_128));
-  EXPECT_EQ(BackwardLayout::kWgmmaWsW12K128,
-            resolve_backward_layout(BackwardLayout::kWgmmaWsW12K128, kHopper, bf16_128));
+  EXPECT_EQ(BackwardLayout::kWgmmaWsW12K128, choose_backward_layout(kHopper, bf16_128));
+  EXPECT_EQ(BackwardLayout::kWgmmaW8K128, resolve_backward_layout(BackwardLayout::kWgmmaW8K128, kHopper, bf16_128));
   // Asked for where it is not compiled, the chosen layout runs.
   const LayoutQuery bf16_64{DType::kBFloat16, 64, 128, 0};
   EXPECT_EQ(BackwardLayout::kWgmmaW8K128, resolve_backward_layout(BackwardLayout::kWgmmaWsW12K128, kHopper, bf16_64));
@@ -221,7 +224,7 @@ TEST(AttentionLayouts, AskingForALayoutRunsItOnlyWhereItIsCompiledAndFits) {
   // The split layout asked for on Hopper runs (the tests compare it with the warpgroup one); the
   // warpgroup layout asked for without the sm_90a build or before Hopper does not.
   EXPECT_EQ(BackwardLayout::kMmaSplitK128S2, resolve_backward_layout(BackwardLayout::kMmaSplitK128S2, kHopper, bf16_128));
-  EXPECT_EQ(BackwardLayout::kWgmmaW8K128, resolve_backward_layout(BackwardLayout::kAuto, kHopper, bf16_128));
+  EXPECT_EQ(BackwardLayout::kWgmmaWsW12K128, resolve_backward_layout(BackwardLayout::kAuto, kHopper, bf16_128));
   EXPECT_EQ(BackwardLayout::kMmaSplitK128S2, resolve_backward_layout(BackwardLayout::kWgmmaW8K128, kAmpere, bf16_128));
   EXPECT_EQ(BackwardLayout::kMmaSplitK128S2,
             resolve_backward_layout(BackwardLayout::kWgmmaW8K128, kHopperWithoutSm90a, bf16_128));

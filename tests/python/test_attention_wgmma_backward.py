@@ -1,6 +1,7 @@
-"""The Hopper (wgmma) backward layouts: wgmma_w8_k128 (Note [Warpgroup backward] in
-kernels/cuda/attention_backward_wgmma.cuh), which the library runs on Hopper for head sizes 64, 96 and
-128 in pages of 128, and wgmma_w8_k64_d2 (Note [Warpgroup backward at head size 256] in
+"""The Hopper (wgmma) backward layouts: wgmma_ws_w12_k128 (Note [Warp-specialised backward] in
+kernels/cuda/attention_backward_wgmma_ws.cuh), which the library runs on Hopper for head size 128 in
+pages of 128 since session 32, wgmma_w8_k128 (Note [Warpgroup backward] in
+kernels/cuda/attention_backward_wgmma.cuh) for head sizes 64 and 96, and wgmma_w8_k64_d2 (Note [Warpgroup backward at head size 256] in
 attention_backward_wgmma_d2.cuh) for head size 256, against the mma.sync layouts they replaced
 there (which other GPUs run) and the float32 reference. Both run through the library's op, asked for
 by name (its `layout` argument).
@@ -31,13 +32,14 @@ import sys
 import pytest
 import torch
 
-LAYOUT = "wgmma_w8_k128"
+LAYOUT = "wgmma_ws_w12_k128"
+WARPGROUP = "wgmma_w8_k128"
 SPLIT = "w8_k128_split_s2_pad"
 DTYPES = ("bfloat16", "float16")
 HEAD_DIMS = (128, 64, 96, 256)
 # The layout under test and the mma.sync one it replaced, per head size (the split layout needs whole
 # 64-column groups: at 96 the one-warp-per-16-keys layout; at 256 the two-pass one).
-LAYOUTS = {128: LAYOUT, 64: LAYOUT, 96: LAYOUT, 256: "wgmma_w8_k64_d2"}
+LAYOUTS = {128: LAYOUT, 64: WARPGROUP, 96: WARPGROUP, 256: "wgmma_w8_k64_d2"}
 BASELINE = {128: SPLIT, 64: SPLIT, 96: "w8_k128_dq64", 256: "w4_k64_dq32_pad_s2_d2"}
 BENCH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "bench")
 

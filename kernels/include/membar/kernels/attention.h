@@ -161,11 +161,9 @@ enum class BackwardLayout : int32_t {
   kMmaW4K64S2Halves = 5,  // "w4_k64_dq32_pad_s2_d2": 64 keys a CTA (of a page of 64 or 128), 2 stages, dK/dV
                           // in two passes of head_dim / 2 columns (head_dim 256)
   kWgmmaW8K128 = 6,       // "wgmma_w8_k128": two warpgroups of 64 keys per 128-key page, wgmma (Hopper, head_dim 128)
-  kWgmmaWsW12K128 = 7,    // "wgmma_ws_w12_k128": warp-specialised, a producer and two consumer warpgroups (Hopper, head_dim 128, opt-in)
+  kWgmmaWsW12K128 = 7,    // "wgmma_ws_w12_k128": warp-specialised, a producer and two consumer warpgroups (Hopper, head_dim 128)
   kWgmmaW8K64D2 = 8,      // "wgmma_w8_k64_d2": 64 keys a CTA, wgmma, dK/dV/dQ columns split between two
                           // warpgroups (Hopper, head_dim 256)
-  kWgmmaWsW12K128DqOwn = 9,  // "wgmma_ws_w12_k128_dqown": the same as kWgmmaWsW12K128, each consumer's dQ over
-                             // its own 64 keys (no barrier between them; opt-in)
 };
 
 // How a call runs, apart from what it computes (the params). Like ggml's compute plan (its thread
