@@ -79,6 +79,10 @@ inline constexpr int kWsBackwardConsumerRegisters = 232;
 static_assert(128 * kWsBackwardProducerRegisters + 256 * kWsBackwardConsumerRegisters <= 384 * 168,
               "the warpgroups' registers fit what the launch allocates (168 a thread)");
 inline constexpr int kWsBackwardDqColumns = 64;          // dQ columns per consumer (the wgmma N)
+// The bulk-reduce dQ form: each consumer's [64 queries][64 columns] fp32 in shared memory, rows of
+// 256 bytes padded to 288, so that a warp's 8 rows of 8 columns fall on distinct banks in pairs.
+inline constexpr int kWsBackwardDqRowBytes = 288;
+inline constexpr int kWsBackwardDqTileBytes = kQueries * kWsBackwardDqRowBytes;
 
 // The tensor maps of the tensor-copy form (kTensorCopies): Q and dO as rank-3 tensors [chunk
 // positions][q heads][head_dim] (head_dim innermost), boxes of [64 rows][1 head][64 dims] in the
@@ -89,23 +93,25 @@ struct WsQueryMaps {
   CUtensorMap dout;
 };
 
-template <int kHeadDim, int kStages>
+template <int kHeadDim, int kStages, bool kBulkDq = false>
 constexpr size_t ws_backward_shared_bytes() {
-  // Alignment slack; K, V; Q, dO per stage; two dS^T tiles; lse and delta per stage; barriers
-  // (K/V full, and full and empty per stage).
+  // Alignment slack; K, V; Q, dO per stage; two dS^T tiles; the consumers' dQ tiles (bulk-reduce
+  // form); lse and delta per stage; barriers (K/V full, and full and empty per stage).
   return 1024 + 2 * size_t(kBackwardKeyTileBytes<kHeadDim>) + 2 * size_t(kStages) * kBackwardQueryTileBytes<kHeadDim> +
-         2 * size_t(kBackwardKeys) * kQueries * 2 + 2 * size_t(kStages) * kQueries * 4 + 8 * (1 + 2 * kStages);
+         2 * size_t(kBackwardKeys) * kQueries * 2 + (kBulkDq ? 2 * size_t(kWsBackwardDqTileBytes) : 0) +
+         2 * size_t(kStages) * kQueries * 4 + 8 * (1 + 2 * kStages);
 }
 
 template <typename Element, int kHeadDim, bool kSoftcap, int kStages = 2, bool kTensorCopies = false,
-          bool kQuadAtomics = false>
+          bool kQuadAtomics = false, bool kBulkDq = false>
 __global__ void __launch_bounds__(kWsBackwardThreads, 1)
     paged_attention_backward_wgmma_ws_kernel(const PagedAttentionBackwardParams params,
                                              const BackwardWorkspacePointers workspace, const SoftCap soft_cap,
                                              const __grid_constant__ WsQueryMaps maps) {
   static_assert(kHeadDim == 128, "the warp-specialised backward is written for head_dim 128");
   static_assert(kStages >= 2 && kStages <= 3, "two or three query stages");
-  static_assert(ws_backward_shared_bytes<kHeadDim, kStages>() <= 227 * 1024, "an H100/H200 CTA has 227 KiB");
+  static_assert(ws_backward_shared_bytes<kHeadDim, kStages, kBulkDq>() <= 227 * 1024, "an H100/H200 CTA has 227 KiB");
+  static_assert(!(kQuadAtomics && kBulkDq), "one dQ form");
 #if MEMBAR_WGMMA_AVAILABLE
   constexpr int kKeys = kBackwardKeys;
   constexpr int kKeyTileBytes = kBackwardKeyTileBytes<kHeadDim>;
@@ -119,7 +125,8 @@ __global__ void __launch_bounds__(kWsBackwardThreads, 1)
   unsigned char* q_tiles = v_tile + kKeyTileBytes;                      // [stages][2][64][64]
   unsigned char* dout_tiles = q_tiles + kStages * kQueryTileBytes;      // [stages][2][64][64]
   unsigned char* score_tiles = dout_tiles + kStages * kQueryTileBytes;  // [2][128][64], dS^T
-  float* lse_tiles = reinterpret_cast<float*>(score_tiles + 2 * kScoreTileBytes);  // [stages][64], log2 units
+  unsigned char* dq_tiles = score_tiles + 2 * kScoreTileBytes;  // [2][64][288 bytes], bulk-reduce form only
+  float* lse_tiles = reinterpret_cast<float*>(dq_tiles + (kBulkDq ? 2 * kWsBackwardDqTileBytes : 0));  // [stages][64]
   float* delta_tiles = lse_tiles + kStages * kQueries;                             // [stages][64]
   uint64_t* barriers = reinterpret_cast<uint64_t*>(delta_tiles + kStages * kQueries);
   const uint32_t kv_full = shared_address(barriers);
@@ -363,6 +370,11 @@ __global__ void __launch_bounds__(kWsBackwardThreads, 1)
     wgmma_commit();
 
     // Both consumers' halves of dS^T are in (the barrier is passed while dV and dK run).
+    // Bulk-reduce form: the issuing lanes' reduces of the item before have read their dQ tile rows,
+    // so after this barrier the tiles may be written again.
+    if constexpr (kBulkDq) {
+      if (with_dq && warp % 4 == 0) asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
+    }
     if (with_dq) named_barrier_sync(1, 256);
     wgmma_wait<0>();
     fence_registers(dv);
@@ -392,7 +404,39 @@ __global__ void __launch_bounds__(kWsBackwardThreads, 1)
       fence_registers(dq);
       const int q_head = kv_head * group + head_in_group;
       const int dq_row = (warp % 4) * 16 + lane / 4;  // the accumulator rows of this thread
-      if constexpr (kQuadAtomics) {
+      if constexpr (kBulkDq) {
+        // Into this consumer's shared tile, then one 256-byte reduce-add a row into the workspace,
+        // issued by the lanes of the consumer's first warp (two rows each) once every warp's rows
+        // are in (fenced for the asynchronous proxy, a named barrier of the consumer's 128 threads).
+        unsigned char* dq_tile = dq_tiles + consumer * kWsBackwardDqTileBytes;
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+#pragma unroll
+          for (int n = 0; n < kWsBackwardDqColumns / 8; ++n) {
+            const int column = n * 8 + 2 * (lane % 4);
+            *reinterpret_cast<float2*>(dq_tile + (dq_row + half * 8) * kWsBackwardDqRowBytes + column * 4) =
+                make_float2(dq[n][2 * half], dq[n][2 * half + 1]);
+          }
+        }
+        fence_proxy_async_shared();
+        named_barrier_sync(2 + consumer, 128);
+        if (warp % 4 == 0) {
+#pragma unroll
+          for (int part = 0; part < 2; ++part) {
+            const int row = lane + 32 * part;
+            const int position = first_query + row;
+            if (position < chunk_tokens) {
+              float* target = workspace.dq_accumulator + int64_t(position) * q_row_stride +
+                              int64_t(q_head) * kHeadDim + consumer * kWsBackwardDqColumns;
+              asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n" ::"l"(
+                               target),
+                           "r"(shared_address(dq_tile + row * kWsBackwardDqRowBytes)), "n"(kWsBackwardDqColumns * 4)
+                           : "memory");
+            }
+          }
+          asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+        }
+      } else if constexpr (kQuadAtomics) {
         // Four columns an atomic: lanes 2t and 2t + 1 (columns c, c + 1 and c + 2, c + 3 of rows r
         // and r + 8) trade halves, the even lane adding row r's four, the odd lane row r + 8's.
         const bool odd = lane & 1;
@@ -426,6 +470,10 @@ __global__ void __launch_bounds__(kWsBackwardThreads, 1)
     }
   }
 
+  // The bulk-reduce form's last reduces are done before the CTA's shared memory goes.
+  if constexpr (kBulkDq) {
+    if (warp % 4 == 0) asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
+  }
   // Write dK (scaled) and dV once: overwritten for chunk keys, ADDED into the grad pages.
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
@@ -474,12 +522,12 @@ inline cudaError_t encode_query_map(CUtensorMap& map, const void* base, DType dt
 // The dK/dV launch of the warp-specialised backward (a detail::KvLaunch) for one dtype, capped or
 // not; kTensorCopies and kQuadAtomics pick its load and dQ forms (the opt-in layouts).
 template <typename Element, int kHeadDim, bool kSoftcap, bool kTensorCopies = false, bool kQuadAtomics = false,
-          int kStages = 2>
+          bool kBulkDq = false, int kStages = 2>
 cudaError_t launch_backward_kv_ws(const PagedAttentionBackwardParams& params, const BackwardWorkspacePointers& workspace,
                                   cudaStream_t stream) {
-  constexpr size_t kSharedBytes = ws_backward_shared_bytes<kHeadDim, kStages>();
-  auto kernel =
-      paged_attention_backward_wgmma_ws_kernel<Element, kHeadDim, kSoftcap, kStages, kTensorCopies, kQuadAtomics>;
+  constexpr size_t kSharedBytes = ws_backward_shared_bytes<kHeadDim, kStages, kBulkDq>();
+  auto kernel = paged_attention_backward_wgmma_ws_kernel<Element, kHeadDim, kSoftcap, kStages, kTensorCopies,
+                                                         kQuadAtomics, kBulkDq>;
   cudaError_t error = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kSharedBytes));
   if (error != cudaSuccess) return error;
   BackwardWorkspacePointers owners = workspace;

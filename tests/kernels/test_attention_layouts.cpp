@@ -193,8 +193,10 @@ TEST(AttentionLayouts, OnlyTheLayoutsDispatchReachesAreCompiled) {
   const LayoutQuery bf16_128{DType::kBFloat16, 128, 128, 0};
   EXPECT_EQ(BackwardLayout::kWgmmaWsW12K128, choose_backward_layout(kHopper, bf16_128));
   EXPECT_EQ(BackwardLayout::kWgmmaW8K128, resolve_backward_layout(BackwardLayout::kWgmmaW8K128, kHopper, bf16_128));
-  // Its opt-in forms (four-column dQ atomics; tensor copies of Q and dO): at 128 only, by name.
-  for (BackwardLayout form : {BackwardLayout::kWgmmaWsW12K128Red4, BackwardLayout::kWgmmaWsW12K128Tma}) {
+  // Its opt-in forms (four-column dQ atomics; tensor copies of Q and dO; dQ by bulk reduce-adds): at 128
+  // only, by name.
+  for (BackwardLayout form : {BackwardLayout::kWgmmaWsW12K128Red4, BackwardLayout::kWgmmaWsW12K128Tma,
+                              BackwardLayout::kWgmmaWsW12K128TmaBulk}) {
     EXPECT_TRUE(backward_layout_compiled(form, DType::kBFloat16, 128));
     EXPECT_TRUE(backward_layout_compiled(form, DType::kFloat16, 128));
     EXPECT_FALSE(backward_layout_compiled(form, DType::kBFloat16, 96));
