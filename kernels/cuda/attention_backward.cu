@@ -167,24 +167,6 @@ detail::KvLaunch layout_launch(BackwardLayout layout) {
         return &detail::warpgroup::launch_backward_kv_ws<Element, kHeadDim, kSoftcap>;
       }
       break;
-    case BackwardLayout::kWgmmaWsW12K128Red4:
-      if constexpr (backward_layout_compiled(BackwardLayout::kWgmmaWsW12K128Red4, kDType, kHeadDim)) {
-        return &detail::warpgroup::launch_backward_kv_ws<Element, kHeadDim, kSoftcap, /*kTensorCopies=*/false,
-                                                         /*kQuadAtomics=*/true>;
-      }
-      break;
-    case BackwardLayout::kWgmmaWsW12K128Tma:
-      if constexpr (backward_layout_compiled(BackwardLayout::kWgmmaWsW12K128Tma, kDType, kHeadDim)) {
-        return &detail::warpgroup::launch_backward_kv_ws<Element, kHeadDim, kSoftcap, /*kTensorCopies=*/true,
-                                                         /*kQuadAtomics=*/true>;
-      }
-      break;
-    case BackwardLayout::kWgmmaWsW12K128TmaBulk:
-      if constexpr (backward_layout_compiled(BackwardLayout::kWgmmaWsW12K128TmaBulk, kDType, kHeadDim)) {
-        return &detail::warpgroup::launch_backward_kv_ws<Element, kHeadDim, kSoftcap, /*kTensorCopies=*/true,
-                                                         /*kQuadAtomics=*/false, /*kBulkDq=*/true>;
-      }
-      break;
     case BackwardLayout::kWgmmaW8K64D2:
       if constexpr (backward_layout_compiled(BackwardLayout::kWgmmaW8K64D2, kDType, kHeadDim)) {
         return &detail::warpgroup::launch_backward_kv_d2<Element, kHeadDim, kSoftcap>;

@@ -56,11 +56,9 @@
 // dQ atomics and the next item's S^T.
 #pragma once
 
-#include <cuda.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
-#include <cudaTypedefs.h>
 
 #include <cmath>
 #include <cstdint>
@@ -79,39 +77,22 @@ inline constexpr int kWsBackwardConsumerRegisters = 232;
 static_assert(128 * kWsBackwardProducerRegisters + 256 * kWsBackwardConsumerRegisters <= 384 * 168,
               "the warpgroups' registers fit what the launch allocates (168 a thread)");
 inline constexpr int kWsBackwardDqColumns = 64;          // dQ columns per consumer (the wgmma N)
-// The bulk-reduce dQ form: each consumer's [64 queries][64 columns] fp32 in shared memory, rows of
-// 256 bytes padded to 288, so that a warp's 8 rows of 8 columns fall on distinct banks in pairs.
-inline constexpr int kWsBackwardDqRowBytes = 288;
-inline constexpr int kWsBackwardDqTileBytes = kQueries * kWsBackwardDqRowBytes;
 
-// The tensor maps of the tensor-copy form (kTensorCopies): Q and dO as rank-3 tensors [chunk
-// positions][q heads][head_dim] (head_dim innermost), boxes of [64 rows][1 head][64 dims] in the
-// 128-byte swizzle, which is the layout of Note [Warpgroup shared layout] at a 1024-aligned tile.
-// Unused (zero) in the other forms.
-struct WsQueryMaps {
-  CUtensorMap q;
-  CUtensorMap dout;
-};
-
-template <int kHeadDim, int kStages, bool kBulkDq = false>
+template <int kHeadDim, int kStages>
 constexpr size_t ws_backward_shared_bytes() {
-  // Alignment slack; K, V; Q, dO per stage; two dS^T tiles; the consumers' dQ tiles (bulk-reduce
-  // form); lse and delta per stage; barriers (K/V full, and full and empty per stage).
+  // Alignment slack; K, V; Q, dO per stage; two dS^T tiles; lse and delta per stage; barriers
+  // (K/V full, and full and empty per stage).
   return 1024 + 2 * size_t(kBackwardKeyTileBytes<kHeadDim>) + 2 * size_t(kStages) * kBackwardQueryTileBytes<kHeadDim> +
-         2 * size_t(kBackwardKeys) * kQueries * 2 + (kBulkDq ? 2 * size_t(kWsBackwardDqTileBytes) : 0) +
-         2 * size_t(kStages) * kQueries * 4 + 8 * (1 + 2 * kStages);
+         2 * size_t(kBackwardKeys) * kQueries * 2 + 2 * size_t(kStages) * kQueries * 4 + 8 * (1 + 2 * kStages);
 }
 
-template <typename Element, int kHeadDim, bool kSoftcap, int kStages = 2, bool kTensorCopies = false,
-          bool kQuadAtomics = false, bool kBulkDq = false>
+template <typename Element, int kHeadDim, bool kSoftcap, int kStages = 2>
 __global__ void __launch_bounds__(kWsBackwardThreads, 1)
     paged_attention_backward_wgmma_ws_kernel(const PagedAttentionBackwardParams params,
-                                             const BackwardWorkspacePointers workspace, const SoftCap soft_cap,
-                                             const __grid_constant__ WsQueryMaps maps) {
+                                             const BackwardWorkspacePointers workspace, const SoftCap soft_cap) {
   static_assert(kHeadDim == 128, "the warp-specialised backward is written for head_dim 128");
   static_assert(kStages >= 2 && kStages <= 3, "two or three query stages");
-  static_assert(ws_backward_shared_bytes<kHeadDim, kStages, kBulkDq>() <= 227 * 1024, "an H100/H200 CTA has 227 KiB");
-  static_assert(!(kQuadAtomics && kBulkDq), "one dQ form");
+  static_assert(ws_backward_shared_bytes<kHeadDim, kStages>() <= 227 * 1024, "an H100/H200 CTA has 227 KiB");
 #if MEMBAR_WGMMA_AVAILABLE
   constexpr int kKeys = kBackwardKeys;
   constexpr int kKeyTileBytes = kBackwardKeyTileBytes<kHeadDim>;
@@ -125,8 +106,7 @@ __global__ void __launch_bounds__(kWsBackwardThreads, 1)
   unsigned char* q_tiles = v_tile + kKeyTileBytes;                      // [stages][2][64][64]
   unsigned char* dout_tiles = q_tiles + kStages * kQueryTileBytes;      // [stages][2][64][64]
   unsigned char* score_tiles = dout_tiles + kStages * kQueryTileBytes;  // [2][128][64], dS^T
-  unsigned char* dq_tiles = score_tiles + 2 * kScoreTileBytes;  // [2][64][288 bytes], bulk-reduce form only
-  float* lse_tiles = reinterpret_cast<float*>(dq_tiles + (kBulkDq ? 2 * kWsBackwardDqTileBytes : 0));  // [stages][64]
+  float* lse_tiles = reinterpret_cast<float*>(score_tiles + 2 * kScoreTileBytes);  // [stages][64], log2 units
   float* delta_tiles = lse_tiles + kStages * kQueries;                             // [stages][64]
   uint64_t* barriers = reinterpret_cast<uint64_t*>(delta_tiles + kStages * kQueries);
   const uint32_t kv_full = shared_address(barriers);
@@ -152,7 +132,7 @@ __global__ void __launch_bounds__(kWsBackwardThreads, 1)
     shared_window_edge = owned_window_edge(shape, owned);
     mbarrier_init(kv_full, 128);
     for (int s = 0; s < kStages; ++s) {
-      mbarrier_init(full(s), kTensorCopies ? kQueries : 2 * 128);
+      mbarrier_init(full(s), 2 * 128);
       mbarrier_init(empty(s), kConsumerWarps);
     }
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
@@ -165,39 +145,6 @@ __global__ void __launch_bounds__(kWsBackwardThreads, 1)
     load_swizzled_rows<kKeys, kHeadDim, 128>(k_tile, owned.k_base, kv_row_stride, owned.valid_keys, thread);
     load_swizzled_rows<kKeys, kHeadDim, 128>(v_tile, owned.v_base, kv_row_stride, owned.valid_keys, thread);
     copies_arrive(kv_full);
-    if constexpr (kTensorCopies) {
-      // Threads 0 .. 63 store the rows' statistics; thread 0 also issues the four tensor copies
-      // (Q and dO, two column halves each), its arrival expecting their bytes.
-      if (thread < kQueries) {
-        const float* lse = static_cast<const float*>(params.lse);
-        for (int item = 0; item < work.count; ++item) {
-          const int stage = item % kStages;
-          mbarrier_wait(empty(stage), ((item / kStages) & 1) ^ 1);
-          int head_in_group, query_block;
-          work.decode(item, head_in_group, query_block);
-          const int q_head = kv_head * group + head_in_group;
-          const int first_query = query_block * kQueries;
-          query_row_statistics(lse, workspace.delta, chunk_tokens, q_head, first_query + thread,
-                               lse_tiles[stage * kQueries + thread], delta_tiles[stage * kQueries + thread]);
-          if (thread == 0) {
-            mbarrier_arrive_expect_bytes(full(stage), 2 * kQueryTileBytes);
-            const uint32_t q_stage = shared_address(q_tiles + stage * kQueryTileBytes);
-            const uint32_t dout_stage = shared_address(dout_tiles + stage * kQueryTileBytes);
-#pragma unroll
-            for (int half = 0; half < 2; ++half) {
-              tensor_copy_3d(q_stage + half * kQueries * kRowBytes, &maps.q, half * 64, q_head, first_query,
-                             full(stage));
-              tensor_copy_3d(dout_stage + half * kQueries * kRowBytes, &maps.dout, half * 64, q_head, first_query,
-                             full(stage));
-            }
-          } else {
-            mbarrier_arrive(full(stage));
-          }
-        }
-      }
-      asm volatile("cp.async.wait_all;\n" ::: "memory");
-      return;
-    }
     const Element* q = static_cast<const Element*>(params.q);
     const Element* dout = static_cast<const Element*>(params.dout);
     const float* lse = static_cast<const float*>(params.lse);
@@ -370,11 +317,6 @@ __global__ void __launch_bounds__(kWsBackwardThreads, 1)
     wgmma_commit();
 
     // Both consumers' halves of dS^T are in (the barrier is passed while dV and dK run).
-    // Bulk-reduce form: the issuing lanes' reduces of the item before have read their dQ tile rows,
-    // so after this barrier the tiles may be written again.
-    if constexpr (kBulkDq) {
-      if (with_dq && warp % 4 == 0) asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
-    }
     if (with_dq) named_barrier_sync(1, 256);
     wgmma_wait<0>();
     fence_registers(dv);
@@ -404,76 +346,21 @@ __global__ void __launch_bounds__(kWsBackwardThreads, 1)
       fence_registers(dq);
       const int q_head = kv_head * group + head_in_group;
       const int dq_row = (warp % 4) * 16 + lane / 4;  // the accumulator rows of this thread
-      if constexpr (kBulkDq) {
-        // Into this consumer's shared tile, then one 256-byte reduce-add a row into the workspace,
-        // issued by the lanes of the consumer's first warp (two rows each) once every warp's rows
-        // are in (fenced for the asynchronous proxy, a named barrier of the consumer's 128 threads).
-        unsigned char* dq_tile = dq_tiles + consumer * kWsBackwardDqTileBytes;
 #pragma unroll
-        for (int half = 0; half < 2; ++half) {
-#pragma unroll
-          for (int n = 0; n < kWsBackwardDqColumns / 8; ++n) {
-            const int column = n * 8 + 2 * (lane % 4);
-            *reinterpret_cast<float2*>(dq_tile + (dq_row + half * 8) * kWsBackwardDqRowBytes + column * 4) =
-                make_float2(dq[n][2 * half], dq[n][2 * half + 1]);
-          }
-        }
-        fence_proxy_async_shared();
-        named_barrier_sync(2 + consumer, 128);
-        if (warp % 4 == 0) {
-#pragma unroll
-          for (int part = 0; part < 2; ++part) {
-            const int row = lane + 32 * part;
-            const int position = first_query + row;
-            if (position < chunk_tokens) {
-              float* target = workspace.dq_accumulator + int64_t(position) * q_row_stride +
-                              int64_t(q_head) * kHeadDim + consumer * kWsBackwardDqColumns;
-              asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n" ::"l"(
-                               target),
-                           "r"(shared_address(dq_tile + row * kWsBackwardDqRowBytes)), "n"(kWsBackwardDqColumns * 4)
-                           : "memory");
-            }
-          }
-          asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
-        }
-      } else if constexpr (kQuadAtomics) {
-        // Four columns an atomic: lanes 2t and 2t + 1 (columns c, c + 1 and c + 2, c + 3 of rows r
-        // and r + 8) trade halves, the even lane adding row r's four, the odd lane row r + 8's.
-        const bool odd = lane & 1;
-        const int position = first_query + dq_row + (odd ? 8 : 0);
+      for (int half = 0; half < 2; ++half) {
+        const int position = first_query + dq_row + half * 8;
+        if (position >= chunk_tokens) continue;
         float* row = workspace.dq_accumulator + int64_t(position) * q_row_stride + int64_t(q_head) * kHeadDim +
-                     consumer * kWsBackwardDqColumns + 2 * (lane % 4) - (odd ? 2 : 0);
+                     consumer * kWsBackwardDqColumns;
 #pragma unroll
         for (int n = 0; n < kWsBackwardDqColumns / 8; ++n) {
-          const float give0 = odd ? dq[n][0] : dq[n][2];
-          const float give1 = odd ? dq[n][1] : dq[n][3];
-          const float take0 = __shfl_xor_sync(0xffffffffu, give0, 1);
-          const float take1 = __shfl_xor_sync(0xffffffffu, give1, 1);
-          const float4 value = odd ? make_float4(take0, take1, dq[n][2], dq[n][3])
-                                   : make_float4(dq[n][0], dq[n][1], take0, take1);
-          if (position < chunk_tokens) atomicAdd(reinterpret_cast<float4*>(row + n * 8), value);
-        }
-      } else {
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          const int position = first_query + dq_row + half * 8;
-          if (position >= chunk_tokens) continue;
-          float* row = workspace.dq_accumulator + int64_t(position) * q_row_stride + int64_t(q_head) * kHeadDim +
-                       consumer * kWsBackwardDqColumns;
-#pragma unroll
-          for (int n = 0; n < kWsBackwardDqColumns / 8; ++n) {
-            const int column = n * 8 + 2 * (lane % 4);
-            atomicAdd(reinterpret_cast<float2*>(row + column), make_float2(dq[n][2 * half], dq[n][2 * half + 1]));
-          }
+          const int column = n * 8 + 2 * (lane % 4);
+          atomicAdd(reinterpret_cast<float2*>(row + column), make_float2(dq[n][2 * half], dq[n][2 * half + 1]));
         }
       }
     }
   }
 
-  // The bulk-reduce form's last reduces are done before the CTA's shared memory goes.
-  if constexpr (kBulkDq) {
-    if (warp % 4 == 0) asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
-  }
   // Write dK (scaled) and dV once: overwritten for chunk keys, ADDED into the grad pages.
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
@@ -492,56 +379,20 @@ __global__ void __launch_bounds__(kWsBackwardThreads, 1)
 #endif  // MEMBAR_WGMMA_AVAILABLE
 }
 
-// The tensor map of a [chunk positions][q heads][head_dim] matrix (Q or dO) for the tensor-copy
-// form: boxes of 64 rows of one head and 64 dims, 128-byte swizzle, rows past the chunk zero-filled.
-// cuTensorMapEncodeTiled comes from the driver through the runtime (no link to libcuda).
-inline cudaError_t encode_query_map(CUtensorMap& map, const void* base, DType dtype, const PagedAttentionShape& shape) {
-  static PFN_cuTensorMapEncodeTiled_v12000 encode = [] {
-    void* function = nullptr;
-    cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
-    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &function, 12000, cudaEnableDefault, &found) !=
-            cudaSuccess ||
-        found != cudaDriverEntryPointSuccess) {
-      function = nullptr;
-    }
-    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(function);
-  }();
-  if (encode == nullptr) return cudaErrorNotSupported;
-  const cuuint64_t dims[3] = {cuuint64_t(shape.head_dim), cuuint64_t(shape.num_q_heads),
-                              cuuint64_t(shape.chunk_tokens)};
-  const cuuint64_t strides[2] = {cuuint64_t(shape.head_dim) * 2, cuuint64_t(shape.num_q_heads) * shape.head_dim * 2};
-  const cuuint32_t box[3] = {64, 1, cuuint32_t(kQueries)};
-  const cuuint32_t element_strides[3] = {1, 1, 1};
-  const CUresult result =
-      encode(&map, dtype == DType::kBFloat16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 3,
-             const_cast<void*>(base), dims, strides, box, element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
-             CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  return result == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
-}
-
-// The dK/dV launch of the warp-specialised backward (a detail::KvLaunch) for one dtype, capped or
-// not; kTensorCopies and kQuadAtomics pick its load and dQ forms (the opt-in layouts).
-template <typename Element, int kHeadDim, bool kSoftcap, bool kTensorCopies = false, bool kQuadAtomics = false,
-          bool kBulkDq = false, int kStages = 2>
+// The dK/dV launch of the warp-specialised backward (a detail::KvLaunch) for one dtype, capped or not.
+template <typename Element, int kHeadDim, bool kSoftcap, int kStages = 2>
 cudaError_t launch_backward_kv_ws(const PagedAttentionBackwardParams& params, const BackwardWorkspacePointers& workspace,
                                   cudaStream_t stream) {
-  constexpr size_t kSharedBytes = ws_backward_shared_bytes<kHeadDim, kStages, kBulkDq>();
-  auto kernel = paged_attention_backward_wgmma_ws_kernel<Element, kHeadDim, kSoftcap, kStages, kTensorCopies,
-                                                         kQuadAtomics, kBulkDq>;
+  constexpr size_t kSharedBytes = ws_backward_shared_bytes<kHeadDim, kStages>();
+  auto kernel = paged_attention_backward_wgmma_ws_kernel<Element, kHeadDim, kSoftcap, kStages>;
   cudaError_t error = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kSharedBytes));
   if (error != cudaSuccess) return error;
   BackwardWorkspacePointers owners = workspace;
   owners.num_chunk_blocks = chunk_owner_count<kBackwardKeys>(params.shape);
   const dim3 grid(owner_count<kBackwardKeys>(params.shape, owners.num_chunk_blocks), params.shape.num_kv_heads);
   if (grid.x == 0) return cudaSuccess;  // no key at all (attend_chunk false, empty history)
-  WsQueryMaps maps{};
-  if constexpr (kTensorCopies) {
-    error = encode_query_map(maps.q, params.q, params.shape.dtype, params.shape);
-    if (error == cudaSuccess) error = encode_query_map(maps.dout, params.dout, params.shape.dtype, params.shape);
-    if (error != cudaSuccess) return error;
-  }
   kernel<<<grid, kWsBackwardThreads, kSharedBytes, stream>>>(
-      params, owners, soft_cap_of(params.shape.softmax_scale, params.shape.logit_softcap), maps);
+      params, owners, soft_cap_of(params.shape.softmax_scale, params.shape.logit_softcap));
   return cudaGetLastError();
 }
 

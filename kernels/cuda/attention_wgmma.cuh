@@ -260,23 +260,6 @@ __device__ __forceinline__ void named_barrier_sync(int id, int threads) {
 __device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
   asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
-// One arrival on the barrier that also expects `bytes` more of asynchronous copies (tensor
-// copies completing on it) before its phase completes.
-__device__ __forceinline__ void mbarrier_arrive_expect_bytes(uint32_t barrier, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(barrier), "r"(bytes) : "memory");
-}
-// A tensor-memory-accelerator copy of one box of a rank-3 tensor map (a kernel parameter, in
-// parameter space) at coordinates (c0 innermost, c1, c2) into shared memory at `destination`,
-// completing its bytes on `barrier`. Rows past the tensor's bounds are zero-filled.
-__device__ __forceinline__ void tensor_copy_3d(uint32_t destination, const void* map, int c0, int c1, int c2,
-                                               uint32_t barrier) {
-  asm volatile(
-      "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], "
-      "[%5];\n" ::"r"(destination),
-      "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(barrier)
-      : "memory");
-}
-
 template <int kRegisters>
 __device__ __forceinline__ void registers_decrease() {
   asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kRegisters));

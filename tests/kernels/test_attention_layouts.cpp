@@ -193,16 +193,6 @@ TEST(AttentionLayouts, OnlyTheLayoutsDispatchReachesAreCompiled) {
   const LayoutQuery bf16_128{DType::kBFloat16, 128, 128, 0};
   EXPECT_EQ(BackwardLayout::kWgmmaWsW12K128, choose_backward_layout(kHopper, bf16_128));
   EXPECT_EQ(BackwardLayout::kWgmmaW8K128, resolve_backward_layout(BackwardLayout::kWgmmaW8K128, kHopper, bf16_128));
-  // Its opt-in forms (four-column dQ atomics; tensor copies of Q and dO; dQ by bulk reduce-adds): at 128
-  // only, by name.
-  for (BackwardLayout form : {BackwardLayout::kWgmmaWsW12K128Red4, BackwardLayout::kWgmmaWsW12K128Tma,
-                              BackwardLayout::kWgmmaWsW12K128TmaBulk}) {
-    EXPECT_TRUE(backward_layout_compiled(form, DType::kBFloat16, 128));
-    EXPECT_TRUE(backward_layout_compiled(form, DType::kFloat16, 128));
-    EXPECT_FALSE(backward_layout_compiled(form, DType::kBFloat16, 96));
-    EXPECT_EQ(form, resolve_backward_layout(form, kHopper, bf16_128));
-    EXPECT_EQ(BackwardLayout::kMmaSplitK128S2, resolve_backward_layout(form, kAmpere, bf16_128));
-  }
   // Asked for where it is not compiled, the chosen layout runs.
   const LayoutQuery bf16_64{DType::kBFloat16, 64, 128, 0};
   EXPECT_EQ(BackwardLayout::kWgmmaW8K128, resolve_backward_layout(BackwardLayout::kWgmmaWsW12K128, kHopper, bf16_64));

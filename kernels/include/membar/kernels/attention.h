@@ -164,11 +164,6 @@ enum class BackwardLayout : int32_t {
   kWgmmaWsW12K128 = 7,    // "wgmma_ws_w12_k128": warp-specialised, a producer and two consumer warpgroups (Hopper, head_dim 128)
   kWgmmaW8K64D2 = 8,      // "wgmma_w8_k64_d2": 64 keys a CTA, wgmma, dK/dV/dQ columns split between two
                           // warpgroups (Hopper, head_dim 256)
-  kWgmmaWsW12K128Red4 = 9,  // "wgmma_ws_w12_k128_red4": kWgmmaWsW12K128 with dQ added four columns an atomic
-                            // (opt-in)
-  kWgmmaWsW12K128Tma = 10,  // "wgmma_ws_w12_k128_tma": the same, Q and dO loaded by tensor copies (opt-in)
-  kWgmmaWsW12K128TmaBulk = 11,  // "wgmma_ws_w12_k128_tma_bulk": Q and dO by tensor copies, dQ rows added from
-                                // shared memory by bulk reduce-adds (opt-in)
 };
 
 // How a call runs, apart from what it computes (the params). Like ggml's compute plan (its thread
