@@ -167,11 +167,6 @@ detail::KvLaunch layout_launch(BackwardLayout layout) {
         return &detail::warpgroup::launch_backward_kv_ws<Element, kHeadDim, kSoftcap>;
       }
       break;
-    case BackwardLayout::kWgmmaWsW12K128DqDk:
-      if constexpr (backward_layout_compiled(BackwardLayout::kWgmmaWsW12K128DqDk, kDType, kHeadDim)) {
-        return &detail::warpgroup::launch_backward_kv_ws<Element, kHeadDim, kSoftcap, /*kDqBeforeDk=*/true>;
-      }
-      break;
     case BackwardLayout::kWgmmaW8K64D2:
       if constexpr (backward_layout_compiled(BackwardLayout::kWgmmaW8K64D2, kDType, kHeadDim)) {
         return &detail::warpgroup::launch_backward_kv_d2<Element, kHeadDim, kSoftcap>;

@@ -86,7 +86,7 @@ constexpr size_t ws_backward_shared_bytes() {
          2 * size_t(kBackwardKeys) * kQueries * 2 + 2 * size_t(kStages) * kQueries * 4 + 8 * (1 + 2 * kStages);
 }
 
-template <typename Element, int kHeadDim, bool kSoftcap, int kStages = 2, bool kDqBeforeDk = false>
+template <typename Element, int kHeadDim, bool kSoftcap, int kStages = 2>
 __global__ void __launch_bounds__(kWsBackwardThreads, 1)
     paged_attention_backward_wgmma_ws_kernel(const PagedAttentionBackwardParams params,
                                              const BackwardWorkspacePointers workspace, const SoftCap soft_cap) {
@@ -301,21 +301,49 @@ __global__ void __launch_bounds__(kWsBackwardThreads, 1)
       }
       fence_proxy_async_shared();
     }
-    // dQ [64 queries, 64 columns] = dS K over the 128 keys, the columns of K's half `consumer`
-    // (k step kk: 16 keys, 16 rows of both tiles, 128 in the descriptors' 16-byte address units),
-    // from shared memory only; and its fp32 atomics into the workspace.
-    const auto issue_dq = [&](float (&dq)[kWsBackwardDqColumns / 8][4]) {
+    fence_registers(dv);
+    fence_registers(dk);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < kQueries / 16; ++kk) {
+      const uint64_t b = matrix_descriptor(dout_stage + kk * 16 * kRowBytes, kQueries * kRowBytes, 1024);
+      wgmma_registers_transposed_b<Element, kHeadDim>(dv, p_fragments[kk], b);
+    }
+#pragma unroll
+    for (int kk = 0; kk < kQueries / 16; ++kk) {
+      const uint64_t b = matrix_descriptor(q_stage + kk * 16 * kRowBytes, kQueries * kRowBytes, 1024);
+      wgmma_registers_transposed_b<Element, kHeadDim>(dk, ds_fragments[kk], b);
+    }
+    wgmma_commit();
+
+    // Both consumers' halves of dS^T are in (the barrier is passed while dV and dK run).
+    if (with_dq) named_barrier_sync(1, 256);
+    wgmma_wait<0>();
+    fence_registers(dv);
+    fence_registers(dk);
+    fence_registers(p_fragments);
+    fence_registers(ds_fragments);
+    // Q, dO and the statistics of the stage are read.
+    release(empty(stage));
+
+    if (with_dq) {
+      // dQ [64 queries, 64 columns] = dS K over the 128 keys, the columns of K's half `consumer`
+      // (k step kk: 16 keys, 16 rows of both tiles, 128 in the descriptors' 16-byte address units),
+      // issued once dK and dV are done, so that their A fragments are free.
+      float dq[kWsBackwardDqColumns / 8][4];
       const uint64_t a_first = matrix_descriptor(shared_address(score_tile), kKeys * kRowBytes, 1024);
       const uint64_t b_first =
           matrix_descriptor(shared_address(k_tile) + consumer * kKeys * kRowBytes, kKeys * kRowBytes, 1024);
+      wgmma_fence();
 #pragma unroll
       for (int kk = 0; kk < kKeys / 16; ++kk) {
         const uint64_t step = uint64_t(kk) * (16 * kRowBytes / 16);
         wgmma_shared_transposed<Element, kWsBackwardDqColumns, true, true>(dq, a_first + step, b_first + step,
                                                                           kk > 0 ? 1 : 0);
       }
-    };
-    const auto add_dq = [&](const float (&dq)[kWsBackwardDqColumns / 8][4]) {
+      wgmma_commit();
+      wgmma_wait<0>();
+      fence_registers(dq);
       const int q_head = kv_head * group + head_in_group;
       const int dq_row = (warp % 4) * 16 + lane / 4;  // the accumulator rows of this thread
 #pragma unroll
@@ -329,70 +357,6 @@ __global__ void __launch_bounds__(kWsBackwardThreads, 1)
           const int column = n * 8 + 2 * (lane % 4);
           atomicAdd(reinterpret_cast<float2*>(row + column), make_float2(dq[n][2 * half], dq[n][2 * half + 1]));
         }
-      }
-    };
-    const auto issue_dv = [&] {
-#pragma unroll
-      for (int kk = 0; kk < kQueries / 16; ++kk) {
-        const uint64_t b = matrix_descriptor(dout_stage + kk * 16 * kRowBytes, kQueries * kRowBytes, 1024);
-        wgmma_registers_transposed_b<Element, kHeadDim>(dv, p_fragments[kk], b);
-      }
-    };
-    const auto issue_dk = [&] {
-#pragma unroll
-      for (int kk = 0; kk < kQueries / 16; ++kk) {
-        const uint64_t b = matrix_descriptor(q_stage + kk * 16 * kRowBytes, kQueries * kRowBytes, 1024);
-        wgmma_registers_transposed_b<Element, kHeadDim>(dk, ds_fragments[kk], b);
-      }
-    };
-
-    fence_registers(dv);
-    fence_registers(dk);
-    wgmma_fence();
-    if (kDqBeforeDk && with_dq) {
-      // dV, then (both halves of dS^T in) dQ and dK as three commit groups: dQ's atomics run while
-      // the tensor cores do dK.
-      issue_dv();
-      wgmma_commit();
-      named_barrier_sync(1, 256);
-      float dq[kWsBackwardDqColumns / 8][4];
-      wgmma_fence();
-      issue_dq(dq);
-      wgmma_commit();
-      issue_dk();
-      wgmma_commit();
-      wgmma_wait<1>();
-      fence_registers(dq);
-      fence_registers(dv);
-      fence_registers(p_fragments);
-      add_dq(dq);
-      wgmma_wait<0>();
-      fence_registers(dk);
-      fence_registers(ds_fragments);
-      // Q, dO and the statistics of the stage are read.
-      release(empty(stage));
-    } else {
-      issue_dv();
-      issue_dk();
-      wgmma_commit();
-      // Both consumers' halves of dS^T are in (the barrier is passed while dV and dK run).
-      if (with_dq) named_barrier_sync(1, 256);
-      wgmma_wait<0>();
-      fence_registers(dv);
-      fence_registers(dk);
-      fence_registers(p_fragments);
-      fence_registers(ds_fragments);
-      // Q, dO and the statistics of the stage are read.
-      release(empty(stage));
-      if (with_dq) {
-        // Issued once dK and dV are done, so that their A fragments are free.
-        float dq[kWsBackwardDqColumns / 8][4];
-        wgmma_fence();
-        issue_dq(dq);
-        wgmma_commit();
-        wgmma_wait<0>();
-        fence_registers(dq);
-        add_dq(dq);
       }
     }
   }
@@ -416,11 +380,11 @@ __global__ void __launch_bounds__(kWsBackwardThreads, 1)
 }
 
 // The dK/dV launch of the warp-specialised backward (a detail::KvLaunch) for one dtype, capped or not.
-template <typename Element, int kHeadDim, bool kSoftcap, bool kDqBeforeDk = false, int kStages = 2>
+template <typename Element, int kHeadDim, bool kSoftcap, int kStages = 2>
 cudaError_t launch_backward_kv_ws(const PagedAttentionBackwardParams& params, const BackwardWorkspacePointers& workspace,
                                   cudaStream_t stream) {
   constexpr size_t kSharedBytes = ws_backward_shared_bytes<kHeadDim, kStages>();
-  auto kernel = paged_attention_backward_wgmma_ws_kernel<Element, kHeadDim, kSoftcap, kStages, kDqBeforeDk>;
+  auto kernel = paged_attention_backward_wgmma_ws_kernel<Element, kHeadDim, kSoftcap, kStages>;
   cudaError_t error = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kSharedBytes));
   if (error != cudaSuccess) return error;
   BackwardWorkspacePointers owners = workspace;

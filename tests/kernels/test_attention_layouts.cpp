@@ -193,13 +193,6 @@ TEST(AttentionLayouts, OnlyTheLayoutsDispatchReachesAreCompiled) {
   const LayoutQuery bf16_128{DType::kBFloat16, 128, 128, 0};
   EXPECT_EQ(BackwardLayout::kWgmmaWsW12K128, choose_backward_layout(kHopper, bf16_128));
   EXPECT_EQ(BackwardLayout::kWgmmaW8K128, resolve_backward_layout(BackwardLayout::kWgmmaW8K128, kHopper, bf16_128));
-  // Its opt-in form with dQ before dK: at 128 only, by name.
-  EXPECT_TRUE(backward_layout_compiled(BackwardLayout::kWgmmaWsW12K128DqDk, DType::kFloat16, 128));
-  EXPECT_FALSE(backward_layout_compiled(BackwardLayout::kWgmmaWsW12K128DqDk, DType::kBFloat16, 96));
-  EXPECT_EQ(BackwardLayout::kWgmmaWsW12K128DqDk,
-            resolve_backward_layout(BackwardLayout::kWgmmaWsW12K128DqDk, kHopper, bf16_128));
-  EXPECT_EQ(BackwardLayout::kMmaSplitK128S2,
-            resolve_backward_layout(BackwardLayout::kWgmmaWsW12K128DqDk, kAmpere, bf16_128));
   // Asked for where it is not compiled, the chosen layout runs.
   const LayoutQuery bf16_64{DType::kBFloat16, 64, 128, 0};
   EXPECT_EQ(BackwardLayout::kWgmmaW8K128, resolve_backward_layout(BackwardLayout::kWgmmaWsW12K128, kHopper, bf16_64));

@@ -164,8 +164,6 @@ enum class BackwardLayout : int32_t {
   kWgmmaWsW12K128 = 7,    // "wgmma_ws_w12_k128": warp-specialised, a producer and two consumer warpgroups (Hopper, head_dim 128)
   kWgmmaW8K64D2 = 8,      // "wgmma_w8_k64_d2": 64 keys a CTA, wgmma, dK/dV/dQ columns split between two
                           // warpgroups (Hopper, head_dim 256)
-  kWgmmaWsW12K128DqDk = 9,  // "wgmma_ws_w12_k128_dqdk": kWgmmaWsW12K128 with dQ's MMAs issued before dK's and
-                            // its atomics beside them (opt-in)
 };
 
 // How a call runs, apart from what it computes (the params). Like ggml's compute plan (its thread

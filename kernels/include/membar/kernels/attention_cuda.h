@@ -163,7 +163,6 @@ constexpr bool backward_layout_fits(BackwardLayout layout, const CudaTarget& tar
       return query.page_tokens % 64 == 0;
     case BackwardLayout::kWgmmaW8K128:
     case BackwardLayout::kWgmmaWsW12K128:
-    case BackwardLayout::kWgmmaWsW12K128DqDk:
       return target.compute_capability == 90 && target.warpgroup_kernels && query.page_tokens == 128;
     case BackwardLayout::kWgmmaW8K64D2:
       return target.compute_capability == 90 && target.warpgroup_kernels && query.page_tokens % 64 == 0;
@@ -212,14 +211,12 @@ constexpr bool forward_layout_compiled(ForwardLayout layout, DType dtype, int32_
 
 // Opt-in (layout, head_dim) pairs (Note [Layout choice]), every supported dtype: the warpgroup
 // backward at head size 128, which the warp-specialised one replaced there (session 32), kept so that
-// the attention bench and the gpu tests run it beside the chosen one by name; and a form of the
-// warp-specialised one with dQ's MMAs before dK's (session 33), until it is measured.
+// the attention bench and the gpu tests run it beside the chosen one by name.
 struct OptInBackwardLayout {
   BackwardLayout layout;
   int32_t head_dim;
 };
-inline constexpr OptInBackwardLayout kOptInBackwardLayouts[] = {{BackwardLayout::kWgmmaW8K128, 128},
-                                                                {BackwardLayout::kWgmmaWsW12K128DqDk, 128}};
+inline constexpr OptInBackwardLayout kOptInBackwardLayouts[] = {{BackwardLayout::kWgmmaW8K128, 128}};
 
 constexpr bool backward_layout_compiled(BackwardLayout layout, DType dtype, int32_t head_dim) {
   if (!cuda_dtype_supported(dtype) || !cuda_head_dim_supported(head_dim)) return false;
@@ -266,8 +263,7 @@ inline constexpr ForwardLayout kForwardLayouts[] = {
 inline constexpr BackwardLayout kBackwardLayouts[] = {BackwardLayout::kMmaSplitK128S2, BackwardLayout::kMmaW8K128,
                                                       BackwardLayout::kMmaW4K64, BackwardLayout::kMmaW4K64Padded,
                                                       BackwardLayout::kMmaW4K64S2Halves, BackwardLayout::kWgmmaW8K128,
-                                                      BackwardLayout::kWgmmaWsW12K128, BackwardLayout::kWgmmaW8K64D2,
-                                                      BackwardLayout::kWgmmaWsW12K128DqDk};
+                                                      BackwardLayout::kWgmmaWsW12K128, BackwardLayout::kWgmmaW8K64D2};
 
 constexpr const char* forward_layout_name(ForwardLayout layout) {
   switch (layout) {
@@ -296,7 +292,6 @@ constexpr const char* backward_layout_name(BackwardLayout layout) {
     case BackwardLayout::kMmaW4K64S2Halves: return "w4_k64_dq32_pad_s2_d2";
     case BackwardLayout::kWgmmaW8K128: return "wgmma_w8_k128";
     case BackwardLayout::kWgmmaWsW12K128: return "wgmma_ws_w12_k128";
-    case BackwardLayout::kWgmmaWsW12K128DqDk: return "wgmma_ws_w12_k128_dqdk";
     case BackwardLayout::kWgmmaW8K64D2: return "wgmma_w8_k64_d2";
   }
   return "unknown";
