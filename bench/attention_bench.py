@@ -206,6 +206,19 @@ def bench_history(history, results, try_dense=(), try_backward=()):
     _, deterministic_backward, det_state = membar_runner(p, deterministic=True)
     det_state.update(state)
     row["membar_backward_deterministic_ms"] = time_ms(deterministic_backward, warmup=1, iterations=3)
+    row["deterministic_ratio"] = row["membar_backward_ms"] / row["membar_backward_deterministic_ms"]
+    # The dQ pass before the warp-specialised one (Note [Warp-specialised dQ pass]), in the same run.
+    os.environ["MEMBAR_CUDA_DQ_PASS"] = "warpgroup"
+    try:
+        row["membar_backward_deterministic_warpgroup_dq_ms"] = time_ms(deterministic_backward, warmup=1, iterations=3)
+        warpgroup_dq = deterministic_backward()[0].float()
+    finally:
+        del os.environ["MEMBAR_CUDA_DQ_PASS"]
+    row["deterministic_warpgroup_dq_ratio"] = (row["membar_backward_ms"] /
+                                               row["membar_backward_deterministic_warpgroup_dq_ms"])
+    row["deterministic_dq_max_abs_diff_vs_warpgroup_pass"] = (
+        deterministic_backward()[0].float() - warpgroup_dq).abs().max().item()
+    del warpgroup_dq
     _, bf16_backward, bf16_state = membar_runner(p, grad_dtype=torch.bfloat16)
     bf16_state.update(state)
     row["membar_backward_bf16_pages_ms"] = time_ms(bf16_backward, warmup=1, iterations=3)
@@ -374,6 +387,11 @@ def main():
                      f" {row['sdpa_backward_tflops']:>9.1f} {row['backward_ratio']:>6.2f}"
                      f" {row['membar_backward_deterministic_ms']:>10.1f} {row['membar_backward_bf16_pages_ms']:>13.1f}"
                      f" {row['max_abs_diff_vs_sdpa']:>8.4f}")
+        lines.append(f"{'':>8} deterministic backward {row['membar_backward_deterministic_ms']:.1f} ms"
+                     f" ({row['deterministic_ratio']:.3f}x the default's speed); with the warpgroup dQ pass"
+                     f" {row['membar_backward_deterministic_warpgroup_dq_ms']:.1f} ms"
+                     f" ({row['deterministic_warpgroup_dq_ratio']:.3f}x); |dq - warpgroup pass's|"
+                     f" {row['deterministic_dq_max_abs_diff_vs_warpgroup_pass']:.2e}")
         for name, tried in row.get("tried_dense_forward", {}).items():
             lines.append(f"{'':>8} {tried['tflops']:>9.1f}  forward layout {name}"
                          f" ({tried['tflops'] / row['membar_forward_tflops']:.2f}x chosen,"

@@ -94,8 +94,8 @@
 #   wsbackward  the warp-specialised backward (Note [Warp-specialised backward], wgmma_ws_w12_k128, chosen
 #             on Hopper at head_dim 128 since session 32): the gpu attention tests (every compiled layout
 #             against the CPU reference; WSBACKWARD_CTEST narrows them by name), test_attention_cuda.py
-#             with WSBACKWARD_LAYOUT asked for ($MEMBAR_CUDA_BACKWARD_LAYOUT; WSBACKWARD_PYTEST=0 skips
-#             it), then the attention bench at ATTENTION_HISTORIES with WSBACKWARD_TRY's layouts (default
+#             (or WSBACKWARD_PYTEST_PATHS) with WSBACKWARD_LAYOUT asked for ($MEMBAR_CUDA_BACKWARD_LAYOUT;
+#             WSBACKWARD_PYTEST=0 skips it), then the attention bench at ATTENTION_HISTORIES with WSBACKWARD_TRY's layouts (default
 #             the warpgroup backward it replaced) beside the chosen backward, SDPA flash and the split
 #             layout, in the sparse call too, with the GPU's clock and power sampled
 #   ncu       Nsight Compute's counters of the chosen forward and backward at NCU_HISTORIES (32768 262144):
@@ -546,7 +546,7 @@ for step in "$@"; do
       tail -4 "$work/wsbackward/gpu_ctest.log"; grep -E "Failed|\*\*\*|backward layout wgmma_ws" "$work/wsbackward/gpu_ctest.log" | sort | uniq -c | head -12
       if [ "${WSBACKWARD_PYTEST:-1}" = 1 ]; then
         MEMBAR_CUDA_BACKWARD_LAYOUT=${WSBACKWARD_LAYOUT:-wgmma_ws_w12_k128} timeout "${BACKWARD_PYTEST_TIMEOUT:-150}" \
-          "$py" -m pytest -q -m gpu tests/python/test_attention_cuda.py -p no:cacheprovider \
+          "$py" -m pytest -q -m gpu ${WSBACKWARD_PYTEST_PATHS:-tests/python/test_attention_cuda.py} -p no:cacheprovider \
           > "$work/wsbackward/pytest.log" 2>&1 || status=1
         tail -4 "$work/wsbackward/pytest.log"
       fi

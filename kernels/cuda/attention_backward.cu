@@ -74,7 +74,8 @@ __global__ void convert_dq_kernel(const float* accumulator, Element* dq, int64_t
 }
 
 template <typename Element>
-cudaError_t run_backward_typed(const PagedAttentionBackwardParams& params, KvLaunch kv, cudaStream_t stream) {
+cudaError_t run_backward_typed(const PagedAttentionBackwardParams& params, KvLaunch kv, cudaStream_t stream,
+                               DqPass dq_pass) {
   const PagedAttentionShape& shape = params.shape;
   const BackwardWorkspaceLayout layout = backward_workspace_layout(shape);
   unsigned char* base = static_cast<unsigned char*>(params.workspace);
@@ -107,7 +108,7 @@ cudaError_t run_backward_typed(const PagedAttentionBackwardParams& params, KvLau
   }
   error = kv(params, workspace, stream);
   if (error != cudaSuccess) return error;
-  if (params.deterministic) return static_cast<cudaError_t>(launch_backward_dq(params, delta, stream));
+  if (params.deterministic) return static_cast<cudaError_t>(launch_backward_dq(params, delta, stream, dq_pass));
   convert_dq_kernel<Element><<<unsigned((dq_elements / 2 + 255) / 256), 256, 0, stream>>>(
       workspace.dq_accumulator, static_cast<Element*>(params.dq), dq_elements, shape.softmax_scale);
   return cudaGetLastError();
@@ -116,9 +117,9 @@ cudaError_t run_backward_typed(const PagedAttentionBackwardParams& params, KvLau
 
 }  // namespace
 
-cudaError_t run_backward(const PagedAttentionBackwardParams& params, KvLaunch kv, cudaStream_t stream) {
-  if (params.shape.dtype == DType::kBFloat16) return run_backward_typed<__nv_bfloat16>(params, kv, stream);
-  return run_backward_typed<__half>(params, kv, stream);
+cudaError_t run_backward(const PagedAttentionBackwardParams& params, KvLaunch kv, cudaStream_t stream, DqPass dq_pass) {
+  if (params.shape.dtype == DType::kBFloat16) return run_backward_typed<__nv_bfloat16>(params, kv, stream, dq_pass);
+  return run_backward_typed<__half>(params, kv, stream, dq_pass);
 }
 
 }  // namespace detail
@@ -248,7 +249,7 @@ int paged_attention_backward(const PagedAttentionBackwardParams& params, void* s
                                                                : layout_launch_for_shape<false>(layout, params.shape);
   // resolve_backward_layout only returns compiled layouts: a missing launch is a bug.
   if (kv == nullptr) return cudaErrorInvalidValue;
-  return detail::run_backward(params, kv, static_cast<cudaStream_t>(stream));
+  return detail::run_backward(params, kv, static_cast<cudaStream_t>(stream), options.dq_pass);
 }
 
 }  // namespace membar::kernels::cuda

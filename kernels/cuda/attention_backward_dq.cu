@@ -1,6 +1,8 @@
 // dQ of the deterministic backward (Note [Backward kernel] in attention_backward.cu). On Hopper with
-// the sm_90a build, head sizes 64, 96 and 128 run the warpgroup kernel of Note [Warpgroup dQ pass]
-// (attention_backward_dq_wgmma.cuh); the kernel below runs the other GPUs and head size 256.
+// the sm_90a build, head size 128 runs the warp-specialised kernel of Note [Warp-specialised dQ
+// pass] (attention_backward_dq_ws.cuh) where it fits the call, and head sizes 64, 96 and 128 the
+// warpgroup kernel of Note [Warpgroup dQ pass] (attention_backward_dq_wgmma.cuh) otherwise; the
+// kernel below runs the other GPUs and head size 256.
 //
 // One CTA per (block of 64 queries, q head), four warps of 16 query rows. The CTA walks the same
 // key sequence as the forward (KeySequence) in blocks of 64 keys, K and V double-buffered through
@@ -16,6 +18,7 @@
 
 #include "attention_backward_common.cuh"
 #include "attention_backward_dq_wgmma.cuh"
+#include "attention_backward_dq_ws.cuh"
 #include "attention_common.cuh"
 #include "attention_cuda_internal.h"
 
@@ -175,11 +178,17 @@ __global__ void __launch_bounds__(kDqWarps * 32) paged_attention_backward_dq_ker
 }
 
 template <typename Element, int kHeadDim, bool kSoftcap>
-cudaError_t launch(const PagedAttentionBackwardParams& params, const float* delta, cudaStream_t stream) {
+cudaError_t launch(const PagedAttentionBackwardParams& params, const float* delta, cudaStream_t stream, DqPass pass) {
   if constexpr (warpgroup::warpgroup_backward_head_dim(kHeadDim)) {
-    // Hopper with the sm_90a build: the warpgroup dQ pass (Note [Warpgroup dQ pass]).
     const cuda::CudaTarget target = current_cuda_target();
     if (target.compute_capability == 90 && target.warpgroup_kernels) {
+      // Hopper with the sm_90a build: the warp-specialised dQ pass (Note [Warp-specialised dQ
+      // pass]) where it fits and is not asked away, else the warpgroup one (Note [Warpgroup dQ pass]).
+      if constexpr (kHeadDim == 128) {
+        if (pass != DqPass::kWarpgroup && warpgroup::dq_ws_fits(params)) {
+          return warpgroup::launch_backward_dq_ws<Element, kSoftcap>(params, delta, stream);
+        }
+      }
       return warpgroup::launch_backward_dq_wgmma<Element, kHeadDim, kSoftcap>(params, delta, stream);
     }
   }
@@ -195,29 +204,31 @@ cudaError_t launch(const PagedAttentionBackwardParams& params, const float* delt
 }
 
 template <typename Element, bool kSoftcap>
-cudaError_t launch_head_dim(const PagedAttentionBackwardParams& params, const float* delta, cudaStream_t stream) {
+cudaError_t launch_head_dim(const PagedAttentionBackwardParams& params, const float* delta, cudaStream_t stream,
+                            DqPass pass) {
   switch (params.shape.head_dim) {
-    case 64: return launch<Element, 64, kSoftcap>(params, delta, stream);
-    case 96: return launch<Element, 96, kSoftcap>(params, delta, stream);
-    case 128: return launch<Element, 128, kSoftcap>(params, delta, stream);
-    case 256: return launch<Element, 256, kSoftcap>(params, delta, stream);
+    case 64: return launch<Element, 64, kSoftcap>(params, delta, stream, pass);
+    case 96: return launch<Element, 96, kSoftcap>(params, delta, stream, pass);
+    case 128: return launch<Element, 128, kSoftcap>(params, delta, stream, pass);
+    case 256: return launch<Element, 256, kSoftcap>(params, delta, stream, pass);
   }
   return cudaErrorInvalidValue;  // paged_attention_cuda_check refused it before
 }
 
 template <bool kSoftcap>
-cudaError_t launch_dtype(const PagedAttentionBackwardParams& params, const float* delta, cudaStream_t stream) {
-  if (params.shape.dtype == DType::kBFloat16) return launch_head_dim<__nv_bfloat16, kSoftcap>(params, delta, stream);
-  return launch_head_dim<__half, kSoftcap>(params, delta, stream);
+cudaError_t launch_dtype(const PagedAttentionBackwardParams& params, const float* delta, cudaStream_t stream,
+                         DqPass pass) {
+  if (params.shape.dtype == DType::kBFloat16) return launch_head_dim<__nv_bfloat16, kSoftcap>(params, delta, stream, pass);
+  return launch_head_dim<__half, kSoftcap>(params, delta, stream, pass);
 }
 
 }  // namespace
 
-int launch_backward_dq(const PagedAttentionBackwardParams& params, const float* delta, void* stream) {
+int launch_backward_dq(const PagedAttentionBackwardParams& params, const float* delta, void* stream, DqPass pass) {
   cudaStream_t cuda_stream = static_cast<cudaStream_t>(stream);
   // The capped instantiations (Note [Soft-capped scores in raw units] in attention_common.cuh).
-  if (params.shape.logit_softcap > 0.f) return launch_dtype<true>(params, delta, cuda_stream);
-  return launch_dtype<false>(params, delta, cuda_stream);
+  if (params.shape.logit_softcap > 0.f) return launch_dtype<true>(params, delta, cuda_stream, pass);
+  return launch_dtype<false>(params, delta, cuda_stream, pass);
 }
 
 }  // namespace membar::kernels::cuda

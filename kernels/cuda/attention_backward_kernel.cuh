@@ -772,7 +772,9 @@ cudaError_t launch_kv_split(const PagedAttentionBackwardParams& params, const Ba
 using KvLaunch = cudaError_t (*)(const PagedAttentionBackwardParams&, const BackwardWorkspacePointers&, cudaStream_t);
 
 // The whole backward of attention_backward.cu (delta, the inverse selection, the dK/dV launch `kv`,
-// then dQ) for params that passed backward_params_check. Enqueues on `stream`.
-cudaError_t run_backward(const PagedAttentionBackwardParams& params, KvLaunch kv, cudaStream_t stream);
+// then dQ; in deterministic mode the dQ pass `dq_pass`) for params that passed backward_params_check.
+// Enqueues on `stream`.
+cudaError_t run_backward(const PagedAttentionBackwardParams& params, KvLaunch kv, cudaStream_t stream,
+                         DqPass dq_pass = DqPass::kAuto);
 
 }  // namespace membar::kernels::cuda::detail

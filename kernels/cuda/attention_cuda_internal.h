@@ -48,9 +48,11 @@ struct BackwardWorkspacePointers {
 int forward_params_check(const PagedAttentionForwardParams& params);
 int backward_params_check(const PagedAttentionBackwardParams& params);
 
-// The deterministic backward's dQ pass (attention_backward_dq.cu): one CTA per 64 queries and q
-// head recomputes P and dS over the tile's keys and writes dQ once, with no atomics.
-// delta: [Hq, Tc] fp32, rowsum(dO * O). Enqueues on `stream`; returns a cudaError_t value.
-int launch_backward_dq(const PagedAttentionBackwardParams& params, const float* delta, void* stream);
+// The deterministic backward's dQ pass (attention_backward_dq.cu): one CTA per 64 queries (128 in
+// the warp-specialised pass) and q head recomputes P and dS over the tile's keys and writes dQ
+// once, with no atomics. delta: [Hq, Tc] fp32, rowsum(dO * O). `pass`: CudaOptions::dq_pass.
+// Enqueues on `stream`; returns a cudaError_t value.
+int launch_backward_dq(const PagedAttentionBackwardParams& params, const float* delta, void* stream,
+                       DqPass pass = DqPass::kAuto);
 
 }  // namespace membar::kernels::cuda

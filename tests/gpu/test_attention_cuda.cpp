@@ -456,6 +456,16 @@ TEST_P(PagedAttentionCuda, ForwardAndBackwardMatchReference) {
     EXPECT_EQ(pick(initial_dk, dk_used, false), pick(gpu.dk_pool, dk_used, false));
     EXPECT_EQ(pick(initial_dv, dv_used, false), pick(gpu.dv_pool, dv_used, false));
   }
+  {
+    // The dQ pass before the warp-specialised one (Note [Warp-specialised dQ pass]), which the
+    // deterministic backward above ran where it fits: the other stays checked too.
+    std::printf(" deterministic, warpgroup dQ pass\n");
+    mk::CudaOptions options;
+    options.dq_pass = mk::DqPass::kWarpgroup;
+    const Results other = run_gpu(p, true, nullptr, options);
+    expect_close("dq warpgroup pass", other.dq, baseline.dq, truth.dq, slack);
+    expect_close("dk warpgroup pass", other.dk, baseline.dk, truth.dk, slack);
+  }
   // Every other compiled layout that fits this call on this device (the layouts another GPU would
   // run, e.g. the mma.sync forward where Hopper runs the warpgroup one), asked for by name.
   const mk::cuda::CudaTarget target = mk::cuda::current_cuda_target();

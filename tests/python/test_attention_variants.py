@@ -167,3 +167,16 @@ def test_layout_from_the_environment(problems, monkeypatch):
     monkeypatch.setenv("MEMBAR_CUDA_FORWARD_LAYOUT", "no_such_layout")
     with pytest.raises(RuntimeError, match=r"\$MEMBAR_CUDA_FORWARD_LAYOUT=\"no_such_layout\" names no layout"):
         run(p, "cuda")
+
+
+def test_dq_pass_from_the_environment(problems, monkeypatch):
+    """The deterministic backward's dQ passes (Note [Warp-specialised dQ pass]): the chosen one and,
+    with $MEMBAR_CUDA_DQ_PASS=warpgroup, the one before it, each against the CPU truth on every
+    problem (the sparse tiles of 64 rows keep the warpgroup pass either way); an unknown name is a
+    clear error naming the variable."""
+    check_layout(problems, ("dq", "dk", "dv"), modes=(True,))
+    monkeypatch.setenv("MEMBAR_CUDA_DQ_PASS", "warpgroup")
+    check_layout(problems, ("dq", "dk", "dv"), modes=(True,))
+    monkeypatch.setenv("MEMBAR_CUDA_DQ_PASS", "no_such_pass")
+    with pytest.raises(RuntimeError, match=r"\$MEMBAR_CUDA_DQ_PASS=\"no_such_pass\" names no dQ pass"):
+        run(problems[0][1], "cuda", deterministic=True)

@@ -226,6 +226,15 @@ k::CudaOptions layout_options(const std::string& layout, bool forward, const cha
   TORCH_CHECK(known, op, ": ", from_environment != nullptr ? std::string("$") + variable : std::string("layout"),
               "=\"", name, "\" names no layout of the CUDA kernels (known: ",
               joined(layout_names(forward ? "forward" : "backward")), ").");
+  // $MEMBAR_CUDA_DQ_PASS=warpgroup: a deterministic backward's dQ pass before the warp-specialised
+  // one (an A/B of the pass inside a step; Note [Warp-specialised dQ pass]).
+  const char* dq_pass = forward ? nullptr : std::getenv("MEMBAR_CUDA_DQ_PASS");
+  if (dq_pass != nullptr && *dq_pass != '\0') {
+    const std::string pass(dq_pass);
+    TORCH_CHECK(pass == "auto" || pass == "warpgroup", op, ": $MEMBAR_CUDA_DQ_PASS=\"", pass,
+                "\" names no dQ pass (known: auto, warpgroup).");
+    if (pass == "warpgroup") options.dq_pass = k::DqPass::kWarpgroup;
+  }
   return options;
 }
 

@@ -170,6 +170,8 @@ enum class BackwardLayout : int32_t {
 // count), these stay out of the params: the CUDA kernels take their params by value, and a
 // forward params struct past 128 bytes once made a tuned mma.sync layout spill (with
 // sliding_window it is 136 bytes, and no forward layout spills: docs/kernels.md).
+enum class DqPass : int32_t { kAuto = 0, kWarpgroup = 1 };
+
 struct CpuOptions {
   // Worker threads at most, the calling thread included (0: std::thread::hardware_concurrency()).
   int32_t max_threads = 0;
@@ -180,6 +182,10 @@ struct CudaOptions {
   // device); elsewhere the chosen one runs. The bindings expose this for tests.
   ForwardLayout forward_layout = ForwardLayout::kAuto;
   BackwardLayout backward_layout = BackwardLayout::kAuto;
+  // The dQ pass of a deterministic backward (Note [Warp-specialised dQ pass] in kernels/cuda/):
+  // kAuto the chosen one, the warp-specialised pass on Hopper at head_dim 128 where it fits;
+  // kWarpgroup the pass before it (one warpgroup a CTA on Hopper, mma.sync elsewhere).
+  DqPass dq_pass = DqPass::kAuto;
 };
 
 struct PagedAttentionForwardParams {
