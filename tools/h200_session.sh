@@ -98,6 +98,8 @@
 #             WSBACKWARD_PYTEST=0 skips it), then the attention bench at ATTENTION_HISTORIES with WSBACKWARD_TRY's layouts (default
 #             the warpgroup backward it replaced) beside the chosen backward, SDPA flash and the split
 #             layout, in the sparse call too, with the GPU's clock and power sampled
+#   bwdsplit  the backward kernel by kernel under torch.profiler (bench/probes/backward_kernels_probe.py) at
+#             BWDSPLIT_HISTORIES (131072 262144): default, deterministic, deterministic with the warpgroup dQ pass
 #   ncu       Nsight Compute's counters of the chosen forward and backward at NCU_HISTORIES (32768 262144):
 #             L2 hit rate, DRAM bytes, warp stalls by reason for the backward (bench/probes/attention_ncu_probe.py)
 #   sparsebwd 7B sparse (top-64, pages on the GPU) at SPARSEBWD_CONTEXT (default 256K): membar's attention
@@ -558,6 +560,11 @@ for step in "$@"; do
       clocks_stop
       cat "$work/wsbackward/attention.txt" 2>/dev/null || tail -20 "$work/wsbackward/bench.log"
       "$py" tools/clocks_summary.py "$work/wsbackward/clocks.csv" ;;
+    bwdsplit)
+      mkdir -p "$work/bwdsplit"
+      timeout 240 "$py" bench/probes/backward_kernels_probe.py "$work/bwdsplit/backward_kernels.json" \
+        ${BWDSPLIT_HISTORIES:-131072 262144} > "$work/bwdsplit/probe.log" 2>&1 || status=1
+      tail -12 "$work/bwdsplit/probe.log" ;;
     ncu)
       # Nsight Compute's counters of the chosen forward and backward (bench/probes/attention_ncu_probe.py)
       # at NCU_HISTORIES: speed of light, memory (L2 hit rate, DRAM bytes), warp stalls, schedulers.
