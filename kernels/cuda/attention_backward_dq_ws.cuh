@@ -34,6 +34,13 @@
 // edge); P = 0 where hidden. dQ is written once, so its bits do not depend on scheduling.
 // Shared memory (base aligned to 1024): Q, dO [2][128][64] (32 KiB each); K [3][2][64][64] and
 // V [2][2][64][64] (16 KiB a stage); the barriers; a sparse tile's selection.
+// Measured (session 35, an H100, bench/results/2026-12-07-session35-h100; Qwen2.5-7B heads, chunk
+// 4096, pages of 128 shuffled, bf16): the deterministic backward at 14.5 / 57.4 / 112.7 ms at 32K /
+// 128K / 256K history, 0.987x / 0.901x / 0.930x the default's speed, against 14.8 / 59.4 / 115.4 ms
+// (0.963x / 0.870x / 0.908x) with the warpgroup pass in the same call; dQ the same bits as the
+// warpgroup pass's there (both add the same 64-key products in the same order). Correct first: the
+// gpu attention tests (every case in deterministic mode, the warpgroup pass beside it) and
+// test_attention_variants.py. No spills (producer 56 registers, consumers 224).
 // Limitations: head_dim 128 only (64 and 96 keep the warpgroup pass); CTAs of 128 queries, so a
 // sparse selection needs query tiles of 128k rows (others keep the warpgroup pass). S and dP read
 // both operands from shared memory at N = 64, near the SM's shared-memory bandwidth.
