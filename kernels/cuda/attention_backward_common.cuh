@@ -73,6 +73,29 @@ __device__ __forceinline__ void query_row_statistics(const float* lse, const flo
   }
 }
 
+// Writes a thread's two rows of dQ, scaled by softmax_scale, from the accumulator layout of the
+// deterministic dQ passes: row position[h] gets columns n * 8 + 2 (lane % 4) and the next one from
+// dq[n][2 h] and dq[n][2 h + 1], for the first kHeadDim columns; rows past the chunk are skipped.
+template <typename Element, int kHeadDim, int kTiles>
+__device__ __forceinline__ void write_dq_rows(const PagedAttentionBackwardParams& params, const float (&dq)[kTiles][4],
+                                              const int (&position)[2], int q_head, int lane) {
+  static_assert(kTiles * 8 >= kHeadDim, "the accumulators hold every column");
+  const PagedAttentionShape& shape = params.shape;
+  const int64_t q_row_stride = int64_t(shape.num_q_heads) * kHeadDim;
+  Element* dq_out = static_cast<Element*>(params.dq);
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    if (position[half] >= shape.chunk_tokens) continue;
+    Element* row = dq_out + int64_t(position[half]) * q_row_stride + int64_t(q_head) * kHeadDim;
+#pragma unroll
+    for (int n = 0; n < kHeadDim / 8; ++n) {
+      const int column = n * 8 + 2 * (lane % 4);
+      *reinterpret_cast<uint32_t*>(row + column) = ElementTraits<Element>::pack(
+          dq[n][2 * half] * shape.softmax_scale, dq[n][2 * half + 1] * shape.softmax_scale);
+    }
+  }
+}
+
 // The keys one CTA of a dK/dV kernel owns (kKeys rows of one kv head: a history page, a part of
 // one when kKeys < page_tokens, or a block of the chunk's own keys) and the (q head, query block)
 // pairs that see them.

@@ -162,19 +162,7 @@ __global__ void __launch_bounds__(kDqWarps * 32) paged_attention_backward_dq_ker
   // Leave no copy in flight (a CTA without key blocks never waited for its Q copy).
   copy_async_wait<0>();
 
-  Element* dq_out = static_cast<Element*>(params.dq);
-#pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    const int position = query_position[half];
-    if (position >= chunk_tokens) continue;
-    Element* row = dq_out + int64_t(position) * q_row_stride + int64_t(q_head) * kHeadDim;
-#pragma unroll
-    for (int n = 0; n < kHeadDim / 8; ++n) {
-      const int column = n * 8 + 2 * (lane % 4);
-      *reinterpret_cast<uint32_t*>(row + column) = ElementTraits<Element>::pack(
-          dq[n][2 * half] * shape.softmax_scale, dq[n][2 * half + 1] * shape.softmax_scale);
-    }
-  }
+  write_dq_rows<Element, kHeadDim>(params, dq, query_position, q_head, lane);
 }
 
 template <typename Element, int kHeadDim, bool kSoftcap>

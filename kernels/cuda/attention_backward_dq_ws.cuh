@@ -109,13 +109,10 @@ __global__ void __launch_bounds__(kDqWsThreads, 1)
   unsigned char* k_tiles = dout_tile + kQueryTileBytes;           // [kKStages][2][kKeys][64]
   unsigned char* v_tiles = k_tiles + kKStages * kKeyTileBytes;    // [kVStages][2][kKeys][64]
   uint64_t* barriers = reinterpret_cast<uint64_t*>(v_tiles + kVStages * kKeyTileBytes);
-  int* selected_count = reinterpret_cast<int*>(barriers + 1 + 2 * (kKStages + kVStages));
+  using Stages = KeyBlockStages<kKStages, kVStages>;
+  int* selected_count = reinterpret_cast<int*>(barriers + Stages::kBarriers);
   int32_t* selected = selected_count + 4;  // [selected_per_tile]
-  const uint32_t q_full = shared_address(barriers);
-  const auto k_full = [&](int s) { return q_full + 8u * (1 + 2 * s); };
-  const auto k_empty = [&](int s) { return q_full + 8u * (2 + 2 * s); };
-  const auto v_full = [&](int s) { return q_full + 8u * (1 + 2 * kKStages + 2 * s); };
-  const auto v_empty = [&](int s) { return q_full + 8u * (2 + 2 * kKStages + 2 * s); };
+  const Stages stages{shared_address(barriers)};
 
   const PagedAttentionShape& shape = params.shape;
   const int thread = threadIdx.x;
@@ -129,18 +126,7 @@ __global__ void __launch_bounds__(kDqWsThreads, 1)
   const int64_t q_row_stride = int64_t(shape.num_q_heads) * kHeadDim;
   const int64_t kv_row_stride = int64_t(shape.num_kv_heads) * kHeadDim;
 
-  if (thread == 0) {
-    mbarrier_init(q_full, 128);
-    for (int s = 0; s < kKStages; ++s) {
-      mbarrier_init(k_full(s), 128);
-      mbarrier_init(k_empty(s), kConsumerWarps);
-    }
-    for (int s = 0; s < kVStages; ++s) {
-      mbarrier_init(v_full(s), 128);
-      mbarrier_init(v_empty(s), kConsumerWarps);
-    }
-    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-  }
+  if (thread == 0) stages.init(kConsumerWarps);
   __syncthreads();
   // Every thread: in sparse mode this compacts the tile's selection and ends with __syncthreads().
   const auto keys =
@@ -158,22 +144,8 @@ __global__ void __launch_bounds__(kDqWsThreads, 1)
                                              chunk_tokens - first_query, copier);
     load_swizzled_rows<kRows, kHeadDim, 128>(dout_tile, static_cast<const Element*>(params.dout) + q_offset,
                                              q_row_stride, chunk_tokens - first_query, copier);
-    copies_arrive(q_full);
-    for (int index = 0; index < num_blocks; ++index) {
-      // A fresh barrier's "previous phase" counts as done: the first wait on each stage passes.
-      const int k_stage = index % kKStages;
-      const int v_stage = index % kVStages;
-      const KeyBlock<Element> block = keys.block(first_block + index);
-      mbarrier_wait(k_empty(k_stage), ((index / kKStages) & 1) ^ 1);
-      load_swizzled_rows<kKeys, kHeadDim, 128>(k_tiles + k_stage * kKeyTileBytes, block.k_base, kv_row_stride,
-                                               block.valid_rows, copier);
-      copies_arrive(k_full(k_stage));
-      mbarrier_wait(v_empty(v_stage), ((index / kVStages) & 1) ^ 1);
-      load_swizzled_rows<kKeys, kHeadDim, 128>(v_tiles + v_stage * kKeyTileBytes, block.v_base, kv_row_stride,
-                                               block.valid_rows, copier);
-      copies_arrive(v_full(v_stage));
-    }
-    asm volatile("cp.async.wait_all;\n" ::: "memory");
+    copies_arrive(stages.query_full());
+    produce_key_blocks<kKeys, kHeadDim>(keys, first_block, num_blocks, k_tiles, v_tiles, stages, kv_row_stride, copier);
     return;
   }
 
@@ -203,14 +175,6 @@ __global__ void __launch_bounds__(kDqWsThreads, 1)
   const auto release = [&](uint32_t barrier) {
     __syncwarp();
     if (lane == 0) mbarrier_arrive(barrier);
-  };
-  const auto wait_k_full = [&](int index) {
-    mbarrier_wait(k_full(index % kKStages), (index / kKStages) & 1);
-    fence_proxy_async_shared();
-  };
-  const auto wait_v_full = [&](int index) {
-    mbarrier_wait(v_full(index % kVStages), (index / kVStages) & 1);
-    fence_proxy_async_shared();
   };
 
   // S = Q K^T and dP = dO V^T of a block, [64 queries, 64 keys]: two commit groups.
@@ -286,7 +250,7 @@ __global__ void __launch_bounds__(kDqWsThreads, 1)
       wgmma_wait<kPending>();
       fence_registers(scores);
       fence_registers(dscores);
-      release(v_empty(index % kVStages));
+      release(stages.v_empty(index % kVStages));
 #pragma unroll
       for (int n = 0; n < kKeys / 8; ++n) {
 #pragma unroll
@@ -306,7 +270,7 @@ __global__ void __launch_bounds__(kDqWsThreads, 1)
       }
       wgmma_wait<kPending>();
       fence_registers(dscores);
-      release(v_empty(index % kVStages));
+      release(stages.v_empty(index % kVStages));
 #pragma unroll
       for (int n = 0; n < kKeys / 8; ++n) {
 #pragma unroll
@@ -322,7 +286,7 @@ __global__ void __launch_bounds__(kDqWsThreads, 1)
   int own_blocks = num_blocks;
   while (own_blocks > 0 && !computes(own_blocks - 1)) --own_blocks;
 
-  mbarrier_wait(q_full, 0);
+  mbarrier_wait(stages.query_full(), 0);
   fence_proxy_async_shared();
   if (consumer == 1) named_barrier_arrive(1, 2 * 128);  // consumer 0 takes the first turn
 
@@ -331,8 +295,8 @@ __global__ void __launch_bounds__(kDqWsThreads, 1)
     float dscores[kKeys / 8][4];
     uint32_t fragments[kKeys / 16][4];
     {
-      wait_k_full(0);
-      wait_v_full(0);
+      stages.wait_k_full(0);
+      stages.wait_v_full(0);
       turn_wait();
       issue_scores(scores, dscores, 0);
       turn_pass();
@@ -340,8 +304,8 @@ __global__ void __launch_bounds__(kDqWsThreads, 1)
       accumulator_to_a_fragments<Element, kKeys>(fragments, dscores);
     }
     for (int index = 1; index < own_blocks; ++index) {
-      wait_k_full(index);
-      wait_v_full(index);
+      stages.wait_k_full(index);
+      stages.wait_v_full(index);
       turn_wait();
       issue_scores(scores, dscores, index);
       issue_dq(fragments, index - 1);
@@ -350,41 +314,29 @@ __global__ void __launch_bounds__(kDqWsThreads, 1)
       wgmma_wait<0>();  // dQ += dS_{i-1} K_{i-1}: its fragments and K stage are free
       fence_registers(dq);
       fence_registers(fragments);
-      release(k_empty((index - 1) % kKStages));
+      release(stages.k_empty((index - 1) % kKStages));
       accumulator_to_a_fragments<Element, kKeys>(fragments, dscores);
     }
     issue_dq(fragments, own_blocks - 1);
     wgmma_wait<0>();
     fence_registers(dq);
-    release(k_empty((own_blocks - 1) % kKStages));
+    release(stages.k_empty((own_blocks - 1) % kKStages));
   }
   // The blocks this consumer skips: it still takes its turns and frees their stages (once they are
   // full, so that its arrivals count toward the right phase).
   for (int index = own_blocks; index < num_blocks; ++index) {
-    wait_k_full(index);
-    wait_v_full(index);
+    stages.wait_k_full(index);
+    stages.wait_v_full(index);
     turn_wait();
     turn_pass();
-    release(k_empty(index % kKStages));
-    release(v_empty(index % kVStages));
+    release(stages.k_empty(index % kKStages));
+    release(stages.v_empty(index % kVStages));
   }
   // Consumer 0's last wait matches consumer 1's last turn_pass (or, without blocks, its first
   // arrival).
   if (consumer == 0) turn_wait();
 
-  Element* dq_out = static_cast<Element*>(params.dq);
-#pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    const int position = query_position[half];
-    if (position >= chunk_tokens) continue;
-    Element* row = dq_out + int64_t(position) * q_row_stride + int64_t(q_head) * kHeadDim;
-#pragma unroll
-    for (int n = 0; n < kHeadDim / 8; ++n) {
-      const int column = n * 8 + 2 * (lane % 4);
-      *reinterpret_cast<uint32_t*>(row + column) = ElementTraits<Element>::pack(
-          dq[n][2 * half] * shape.softmax_scale, dq[n][2 * half + 1] * shape.softmax_scale);
-    }
-  }
+  write_dq_rows<Element, kHeadDim>(params, dq, query_position, q_head, lane);
 #else
   __trap();
 #endif  // MEMBAR_WGMMA_AVAILABLE

@@ -120,14 +120,10 @@ __global__ void __launch_bounds__(kThreads, 1) paged_attention_forward_ws_kernel
   unsigned char* k_tiles = q_tile + kRows * kDims * 2;       // [kKStages][kDims / 64][kKeys][64]
   unsigned char* v_tiles = k_tiles + kKStages * kTileBytes;  // [kVStages][kDims / 64][kKeys][64]
   uint64_t* barriers = reinterpret_cast<uint64_t*>(v_tiles + kVStages * kTileBytes);
-  int* selected_count = reinterpret_cast<int*>(barriers + 1 + 2 * (kKStages + kVStages));
+  using Stages = KeyBlockStages<kKStages, kVStages>;
+  int* selected_count = reinterpret_cast<int*>(barriers + Stages::kBarriers);
   int32_t* selected = selected_count + 4;  // [selected_per_tile]
-  const uint32_t q_full = shared_address(barriers);
-  // After Q's: K stage s's full and empty barriers, then V stage s's.
-  const auto k_full = [&](int s) { return q_full + 8u * (1 + 2 * s); };
-  const auto k_empty = [&](int s) { return q_full + 8u * (2 + 2 * s); };
-  const auto v_full = [&](int s) { return q_full + 8u * (1 + 2 * kKStages + 2 * s); };
-  const auto v_empty = [&](int s) { return q_full + 8u * (2 + 2 * kKStages + 2 * s); };
+  const Stages stages{shared_address(barriers)};
   constexpr int kConsumerWarps = 4 * kConsumers;
 
   const PagedAttentionShape& shape = params.shape;
@@ -142,18 +138,7 @@ __global__ void __launch_bounds__(kThreads, 1) paged_attention_forward_ws_kernel
   const int64_t q_row_stride = int64_t(shape.num_q_heads) * kHeadDim;
   const int64_t kv_row_stride = int64_t(shape.num_kv_heads) * kHeadDim;
 
-  if (thread == 0) {
-    mbarrier_init(q_full, 128);
-    for (int s = 0; s < kKStages; ++s) {
-      mbarrier_init(k_full(s), 128);
-      mbarrier_init(k_empty(s), kConsumerWarps);
-    }
-    for (int s = 0; s < kVStages; ++s) {
-      mbarrier_init(v_full(s), 128);
-      mbarrier_init(v_empty(s), kConsumerWarps);
-    }
-    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-  }
+  if (thread == 0) stages.init(kConsumerWarps);
   __syncthreads();
   // Every thread: in sparse mode this compacts the tile's selection and ends with __syncthreads().
   const auto keys =
@@ -169,22 +154,8 @@ __global__ void __launch_bounds__(kThreads, 1) paged_attention_forward_ws_kernel
     const Element* q = static_cast<const Element*>(params.q);
     load_swizzled_rows<kRows, kHeadDim, 128>(q_tile, q + int64_t(first_query) * q_row_stride + int64_t(q_head) * kHeadDim,
                                              q_row_stride, chunk_tokens - first_query, copier);
-    copies_arrive(q_full);
-    for (int index = 0; index < num_blocks; ++index) {
-      // A fresh barrier's "previous phase" counts as done: the first wait on each stage passes.
-      const int k_stage = index % kKStages;
-      const int v_stage = index % kVStages;
-      const KeyBlock<Element> block = keys.block(first_block + index);
-      mbarrier_wait(k_empty(k_stage), ((index / kKStages) & 1) ^ 1);
-      load_swizzled_rows<kKeys, kHeadDim, 128>(k_tiles + k_stage * kTileBytes, block.k_base, kv_row_stride,
-                                               block.valid_rows, copier);
-      copies_arrive(k_full(k_stage));
-      mbarrier_wait(v_empty(v_stage), ((index / kVStages) & 1) ^ 1);
-      load_swizzled_rows<kKeys, kHeadDim, 128>(v_tiles + v_stage * kTileBytes, block.v_base, kv_row_stride,
-                                               block.valid_rows, copier);
-      copies_arrive(v_full(v_stage));
-    }
-    asm volatile("cp.async.wait_all;\n" ::: "memory");
+    copies_arrive(stages.query_full());
+    produce_key_blocks<kKeys, kHeadDim>(keys, first_block, num_blocks, k_tiles, v_tiles, stages, kv_row_stride, copier);
     return;
   }
 
@@ -211,15 +182,6 @@ __global__ void __launch_bounds__(kThreads, 1) paged_attention_forward_ws_kernel
   const auto release = [&](uint32_t barrier) {
     __syncwarp();
     if (lane == 0) mbarrier_arrive(barrier);
-  };
-  // Block `index`'s K (or V) stage is full: the stage's phase (index / stages) has completed.
-  const auto wait_k_full = [&](int index) {
-    mbarrier_wait(k_full(index % kKStages), (index / kKStages) & 1);
-    fence_proxy_async_shared();
-  };
-  const auto wait_v_full = [&](int index) {
-    mbarrier_wait(v_full(index % kVStages), (index / kVStages) & 1);
-    fence_proxy_async_shared();
   };
 
   auto issue_scores = [&](float (&scores)[kKeys / 8][4], int stage) {
@@ -322,7 +284,7 @@ __global__ void __launch_bounds__(kThreads, 1) paged_attention_forward_ws_kernel
   int own_blocks = num_blocks;
   while (own_blocks > 0 && !computes(keys.block(first_block + own_blocks - 1))) --own_blocks;
 
-  mbarrier_wait(q_full, 0);
+  mbarrier_wait(stages.query_full(), 0);
   fence_proxy_async_shared();
   if (consumer == 1) named_barrier_arrive(1, 2 * 128);  // consumer 0 takes the first turn
 
@@ -331,13 +293,13 @@ __global__ void __launch_bounds__(kThreads, 1) paged_attention_forward_ws_kernel
     uint32_t p[kKeys / 16][4];
     float correction[2];
     {
-      wait_k_full(0);
+      stages.wait_k_full(0);
       turn_wait();
       issue_scores(scores, 0);
       turn_pass();
       wgmma_wait<0>();
       fence_registers(scores);
-      release(k_empty(0));
+      release(stages.k_empty(0));
       softmax_block(scores, keys.block(first_block), 0, correction);
       accumulator_to_a_fragments<Element, kKeys>(p, scores);
     }
@@ -345,39 +307,39 @@ __global__ void __launch_bounds__(kThreads, 1) paged_attention_forward_ws_kernel
       const int stage = index % kKStages;
       const int previous = (index - 1) % kVStages;
       const KeyBlock<Element> block = keys.block(first_block + index);
-      wait_k_full(index);
+      stages.wait_k_full(index);
       turn_wait();
       issue_scores(scores, stage);
-      wait_v_full(index - 1);
+      stages.wait_v_full(index - 1);
       issue_values(p, previous);
       turn_pass();
       wgmma_wait<1>();  // S of this block; P V of the one before may still run
       fence_registers(scores);
-      release(k_empty(stage));
+      release(stages.k_empty(stage));
       softmax_block(scores, block, index, correction);
       wgmma_wait<0>();
       fence_registers(output);
       fence_registers(p);
-      release(v_empty(previous));
+      release(stages.v_empty(previous));
       rescale_output(correction);
       accumulator_to_a_fragments<Element, kKeys>(p, scores);
     }
     const int last = (own_blocks - 1) % kVStages;
-    wait_v_full(own_blocks - 1);
+    stages.wait_v_full(own_blocks - 1);
     issue_values(p, last);
     wgmma_wait<0>();
     fence_registers(output);
-    release(v_empty(last));
+    release(stages.v_empty(last));
   }
   // The blocks this consumer skips: it still takes its turns and frees their stages (once they are
   // full, so that its arrivals count toward the right phase).
   for (int index = own_blocks; index < num_blocks; ++index) {
-    wait_k_full(index);
-    wait_v_full(index);
+    stages.wait_k_full(index);
+    stages.wait_v_full(index);
     turn_wait();
     turn_pass();
-    release(k_empty(index % kKStages));
-    release(v_empty(index % kVStages));
+    release(stages.k_empty(index % kKStages));
+    release(stages.v_empty(index % kVStages));
   }
   // Consumer 0's last wait matches consumer 1's last turn_pass (or, without blocks, its first
   // arrival).

@@ -269,6 +269,73 @@ __device__ __forceinline__ void registers_increase() {
   asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kRegisters));
 }
 
+// The key-block stages of the warp-specialised kernels that walk a query tile's key sequence (the
+// forward, Note [Warp-specialised forward], and the deterministic dQ pass, Note [Warp-specialised
+// dQ pass]): one mbarrier for the query tiles, then K stage s's "full" and "empty" barriers, then
+// V stage s's, at consecutive 8-byte slots from `first`. A "full" barrier counts the 128 producer
+// threads' copies (copies_arrive), an "empty" one an arrival per consumer warp.
+template <int kKStages, int kVStages>
+struct KeyBlockStages {
+  static constexpr int kBarriers = 1 + 2 * (kKStages + kVStages);
+  uint32_t first;  // shared address of the query tiles' barrier
+
+  __device__ __forceinline__ uint32_t query_full() const { return first; }
+  __device__ __forceinline__ uint32_t k_full(int s) const { return first + 8u * (1 + 2 * s); }
+  __device__ __forceinline__ uint32_t k_empty(int s) const { return first + 8u * (2 + 2 * s); }
+  __device__ __forceinline__ uint32_t v_full(int s) const { return first + 8u * (1 + 2 * kKStages + 2 * s); }
+  __device__ __forceinline__ uint32_t v_empty(int s) const { return first + 8u * (2 + 2 * kKStages + 2 * s); }
+  // By one thread, before the CTA-wide barrier that publishes them.
+  __device__ __forceinline__ void init(int consumer_warps) const {
+    mbarrier_init(query_full(), 128);
+    for (int s = 0; s < kKStages; ++s) {
+      mbarrier_init(k_full(s), 128);
+      mbarrier_init(k_empty(s), consumer_warps);
+    }
+    for (int s = 0; s < kVStages; ++s) {
+      mbarrier_init(v_full(s), 128);
+      mbarrier_init(v_empty(s), consumer_warps);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  // A consumer's wait for block `index`'s K (or V) stage (the phase index / stages has completed),
+  // then the fence that makes the producer's copies visible to wgmma.
+  __device__ __forceinline__ void wait_k_full(int index) const {
+    mbarrier_wait(k_full(index % kKStages), (index / kKStages) & 1);
+    fence_proxy_async_shared();
+  }
+  __device__ __forceinline__ void wait_v_full(int index) const {
+    mbarrier_wait(v_full(index % kVStages), (index / kVStages) & 1);
+    fence_proxy_async_shared();
+  }
+};
+
+// The producer warpgroup's loop over blocks [first_block, first_block + num_blocks) of a key
+// sequence: each block's K and V rows into their stages in the swizzled layout (tiles of kKeys rows,
+// [ceil(kHeadDim / 64)][kKeys][64] a stage), a stage written once every consumer warp has released
+// it (a fresh barrier's previous phase counts as done, so the first wait on a stage passes).
+// `copier`: the producer thread, 0 .. 127. Returns once its copies have landed.
+template <int kKeys, int kHeadDim, int kKStages, int kVStages, typename Keys>
+__device__ __forceinline__ void produce_key_blocks(const Keys& keys, int first_block, int num_blocks,
+                                                   unsigned char* k_tiles, unsigned char* v_tiles,
+                                                   const KeyBlockStages<kKStages, kVStages>& stages,
+                                                   int64_t kv_row_stride, int copier) {
+  constexpr int kTileBytes = kKeys * ((kHeadDim + 63) / 64 * 64) * 2;
+  for (int index = 0; index < num_blocks; ++index) {
+    const int k_stage = index % kKStages;
+    const int v_stage = index % kVStages;
+    const auto block = keys.block(first_block + index);
+    mbarrier_wait(stages.k_empty(k_stage), ((index / kKStages) & 1) ^ 1);
+    load_swizzled_rows<kKeys, kHeadDim, 128>(k_tiles + k_stage * kTileBytes, block.k_base, kv_row_stride,
+                                             block.valid_rows, copier);
+    copies_arrive(stages.k_full(k_stage));
+    mbarrier_wait(stages.v_empty(v_stage), ((index / kVStages) & 1) ^ 1);
+    load_swizzled_rows<kKeys, kHeadDim, 128>(v_tiles + v_stage * kTileBytes, block.v_base, kv_row_stride,
+                                             block.valid_rows, copier);
+    copies_arrive(stages.v_full(v_stage));
+  }
+  asm volatile("cp.async.wait_all;\n" ::: "memory");
+}
+
 // The 128-dim bf16 copy of the sweep target's warpgroup backward.
 template <int kTileRows, int kCopyThreads = 256>
 __device__ __forceinline__ void load_swizzled_tile(unsigned char* tile, const __nv_bfloat16* base, int64_t row_stride,
