@@ -35,10 +35,13 @@
 // Shared memory (base aligned to 1024): Q, dO [2][128][64] (32 KiB each); K [3][2][64][64] and
 // V [2][2][64][64] (16 KiB a stage); the barriers; a sparse tile's selection.
 // Measured (session 35, an H100, bench/results/2026-12-07-session35-h100; Qwen2.5-7B heads, chunk
-// 4096, pages of 128 shuffled, bf16): the deterministic backward at 14.5 / 57.4 / 112.7 ms at 32K /
-// 128K / 256K history, 0.987x / 0.901x / 0.930x the default's speed, against 14.8 / 59.4 / 115.4 ms
-// (0.963x / 0.870x / 0.908x) with the warpgroup pass in the same call; dQ the same bits as the
-// warpgroup pass's there (both add the same 64-key products in the same order). Correct first: the
+// 4096, pages of 128 shuffled, bf16): under torch.profiler the pass took 7.15 / 28.81 / 55.55 ms at
+// 32K / 128K / 256K history against the warpgroup pass's 7.39 / 29.83 / 63.32 (at 256K the clocks
+// differed: the same dK/dV kernel ran 53.45 and 60.30 ms beside them), the deterministic backward
+// 0.983x / 0.912x / 0.936x of the default's time; the attention bench (three runs a mode) gave
+// 0.987x / 0.901x / 0.930x in one call and 0.888x / 0.892x at 128K / 256K in another, the warpgroup
+// pass 0.870x-0.907x in the same calls: run-to-run noise is as large as the gain. dQ the same bits
+// as the warpgroup pass's (both add the same 64-key products in the same order). Correct first: the
 // gpu attention tests (every case in deterministic mode, the warpgroup pass beside it) and
 // test_attention_variants.py. No spills (producer 56 registers, consumers 224).
 // Limitations: head_dim 128 only (64 and 96 keep the warpgroup pass); CTAs of 128 queries, so a
