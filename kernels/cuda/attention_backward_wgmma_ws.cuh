@@ -51,6 +51,13 @@
 // issue slots busy 30%, 10.0 cycles per issued instruction, the top reason global-memory
 // dependencies (3.80, counted over the producer's warps too), then mbarrier waits (1.58) and
 // barriers (0.91).
+// Kernel by kernel under torch.profiler (session 35, an H100, bench/probes/backward_kernels_probe.py):
+// without dQ (deterministic mode) this kernel takes 7.26 / 27.93 / 53.45 ms at 32K / 128K / 256K
+// history, ~560-580 TFLOP/s for its four products; with dQ 14.12 / 51.71 / 102.01. The dQ step (the
+// named barrier, the dS^T tile, the dQ product with both operands from shared memory at N = 64, the
+// atomics) costs as much as the other four products: that, not the serial chain of S^T, dP^T, dV and
+// dK, is where the 450 TFLOP/s goal is lost (FlashAttention-3's one bulk reduce of a whole dQ tile,
+// issued by a warp of its own, is untried here).
 // Limitations: head_dim 128 only (64 and 96 need a dQ split of their columns); the consumers run
 // in step (the named barrier of every item), and an item's MMAs are waited for in full before its
 // dQ atomics and the next item's S^T.
