@@ -20,7 +20,10 @@ from attention_bench import make_inputs, membar_runner, time_ms  # noqa: E402
 from backward_kernels_probe import kernel_times  # noqa: E402
 
 VARIANTS = {"atomics": {}, "atomics_rotate": {"MEMBAR_WS_ROTATE": "1"}, "bulk": {"MEMBAR_WS_DQ_WRITE": "bulk"},
-            "bulk_rotate": {"MEMBAR_WS_DQ_WRITE": "bulk", "MEMBAR_WS_ROTATE": "1"}}
+            "bulk_rotate": {"MEMBAR_WS_DQ_WRITE": "bulk", "MEMBAR_WS_ROTATE": "1"},
+            "overlap": {"MEMBAR_WS_DQ_WRITE": "overlap"},
+            "overlap_rotate": {"MEMBAR_WS_DQ_WRITE": "overlap", "MEMBAR_WS_ROTATE": "1"}}
+
 
 
 def flops(history, chunk=4096, heads=28, head_dim=128):

@@ -98,7 +98,8 @@ constexpr size_t ws_backward_shared_bytes() {
          2 * size_t(kStages) * kQueries * 4 + 8 * (1 + 2 * kStages);
 }
 
-template <typename Element, int kHeadDim, bool kSoftcap, int kStages = 2, bool kBulkDq = false>
+template <typename Element, int kHeadDim, bool kSoftcap, int kStages = 2, bool kBulkDq = false,
+          bool kOverlapDq = false>
 __global__ void __launch_bounds__(kWsBackwardThreads, 1)
     paged_attention_backward_wgmma_ws_kernel(const PagedAttentionBackwardParams params,
                                              const BackwardWorkspacePointers workspace, const SoftCap soft_cap,
@@ -322,40 +323,12 @@ __global__ void __launch_bounds__(kWsBackwardThreads, 1)
       }
       fence_proxy_async_shared();
     }
-    fence_registers(dv);
-    fence_registers(dk);
-    wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < kQueries / 16; ++kk) {
-      const uint64_t b = matrix_descriptor(dout_stage + kk * 16 * kRowBytes, kQueries * kRowBytes, 1024);
-      wgmma_registers_transposed_b<Element, kHeadDim>(dv, p_fragments[kk], b);
-    }
-#pragma unroll
-    for (int kk = 0; kk < kQueries / 16; ++kk) {
-      const uint64_t b = matrix_descriptor(q_stage + kk * 16 * kRowBytes, kQueries * kRowBytes, 1024);
-      wgmma_registers_transposed_b<Element, kHeadDim>(dk, ds_fragments[kk], b);
-    }
-    wgmma_commit();
-
-    // Both consumers' halves of dS^T are in (the barrier is passed while dV and dK run).
-    if (with_dq) named_barrier_sync(1, 256);
-    wgmma_wait<0>();
-    fence_registers(dv);
-    fence_registers(dk);
-    fence_registers(p_fragments);
-    fence_registers(ds_fragments);
-    // Q, dO and the statistics of the stage are read.
-    release(empty(stage));
-
-    if (with_dq) {
-      // dQ [64 queries, 64 columns] = dS K over the 128 keys, the columns of K's half `consumer`
-      // (k step kk: 16 keys, 16 rows of both tiles, 128 in the descriptors' 16-byte address units),
-      // issued once dK and dV are done, so that their A fragments are free.
-      float dq[kWsBackwardDqColumns / 8][4];
+    // dQ [64 queries, 64 columns] = dS K over the 128 keys, the columns of K's half `consumer` (k step
+    // kk: 16 keys, 16 rows of both tiles, 128 in the descriptors' 16-byte address units).
+    const auto issue_dq = [&](float (&dq)[kWsBackwardDqColumns / 8][4]) {
       const uint64_t a_first = matrix_descriptor(shared_address(score_tile), kKeys * kRowBytes, 1024);
       const uint64_t b_first =
           matrix_descriptor(shared_address(k_tile) + consumer * kKeys * kRowBytes, kKeys * kRowBytes, 1024);
-      wgmma_fence();
 #pragma unroll
       for (int kk = 0; kk < kKeys / 16; ++kk) {
         const uint64_t step = uint64_t(kk) * (16 * kRowBytes / 16);
@@ -363,8 +336,9 @@ __global__ void __launch_bounds__(kWsBackwardThreads, 1)
                                                                           kk > 0 ? 1 : 0);
       }
       wgmma_commit();
-      wgmma_wait<0>();
-      fence_registers(dq);
+    };
+    // Adds the finished dQ of the item into the workspace.
+    const auto add_dq = [&](const float (&dq)[kWsBackwardDqColumns / 8][4]) {
       const int q_head = kv_head * group + head_in_group;
       const int dq_row = (warp % 4) * 16 + lane / 4;  // the accumulator rows of this thread
       if constexpr (kBulkDq) {
@@ -397,18 +371,77 @@ __global__ void __launch_bounds__(kWsBackwardThreads, 1)
         __syncwarp();
       } else {
 #pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const int position = first_query + dq_row + half * 8;
-        if (position >= chunk_tokens) continue;
-        float* row = workspace.dq_accumulator + int64_t(position) * q_row_stride + int64_t(q_head) * kHeadDim +
-                     consumer * kWsBackwardDqColumns;
+        for (int half = 0; half < 2; ++half) {
+          const int position = first_query + dq_row + half * 8;
+          if (position >= chunk_tokens) continue;
+          float* row = workspace.dq_accumulator + int64_t(position) * q_row_stride + int64_t(q_head) * kHeadDim +
+                       consumer * kWsBackwardDqColumns;
 #pragma unroll
-        for (int n = 0; n < kWsBackwardDqColumns / 8; ++n) {
-          const int column = n * 8 + 2 * (lane % 4);
-          atomicAdd(reinterpret_cast<float2*>(row + column), make_float2(dq[n][2 * half], dq[n][2 * half + 1]));
+          for (int n = 0; n < kWsBackwardDqColumns / 8; ++n) {
+            const int column = n * 8 + 2 * (lane % 4);
+            atomicAdd(reinterpret_cast<float2*>(row + column), make_float2(dq[n][2 * half], dq[n][2 * half + 1]));
+          }
         }
       }
+    };
+
+    fence_registers(dv);
+    fence_registers(dk);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < kQueries / 16; ++kk) {
+      const uint64_t b = matrix_descriptor(dout_stage + kk * 16 * kRowBytes, kQueries * kRowBytes, 1024);
+      wgmma_registers_transposed_b<Element, kHeadDim>(dv, p_fragments[kk], b);
+    }
+    if (kOverlapDq && with_dq) {
+      // FlashAttention-3's order: dV; dQ once both halves of dS^T are in; dK; dQ added while dK runs.
+      wgmma_commit();
+      named_barrier_sync(1, 256);
+      float dq[kWsBackwardDqColumns / 8][4];
+      wgmma_fence();
+      issue_dq(dq);
+#pragma unroll
+      for (int kk = 0; kk < kQueries / 16; ++kk) {
+        const uint64_t b = matrix_descriptor(q_stage + kk * 16 * kRowBytes, kQueries * kRowBytes, 1024);
+        wgmma_registers_transposed_b<Element, kHeadDim>(dk, ds_fragments[kk], b);
       }
+      wgmma_commit();
+      wgmma_wait<1>();
+      fence_registers(dq);
+      add_dq(dq);
+      wgmma_wait<0>();
+      fence_registers(dv);
+      fence_registers(dk);
+      fence_registers(p_fragments);
+      fence_registers(ds_fragments);
+      release(empty(stage));
+      continue;
+    }
+#pragma unroll
+    for (int kk = 0; kk < kQueries / 16; ++kk) {
+      const uint64_t b = matrix_descriptor(q_stage + kk * 16 * kRowBytes, kQueries * kRowBytes, 1024);
+      wgmma_registers_transposed_b<Element, kHeadDim>(dk, ds_fragments[kk], b);
+    }
+    wgmma_commit();
+
+    // Both consumers' halves of dS^T are in (the barrier is passed while dV and dK run).
+    if (with_dq) named_barrier_sync(1, 256);
+    wgmma_wait<0>();
+    fence_registers(dv);
+    fence_registers(dk);
+    fence_registers(p_fragments);
+    fence_registers(ds_fragments);
+    // Q, dO and the statistics of the stage are read.
+    release(empty(stage));
+
+    if (with_dq) {
+      // Issued once dK and dV are done, so that their A fragments are free.
+      float dq[kWsBackwardDqColumns / 8][4];
+      wgmma_fence();
+      issue_dq(dq);
+      wgmma_wait<0>();
+      fence_registers(dq);
+      add_dq(dq);
     }
   }
   if constexpr (kBulkDq) {
@@ -435,11 +468,12 @@ __global__ void __launch_bounds__(kWsBackwardThreads, 1)
 }
 
 // The dK/dV launch of the warp-specialised backward (a detail::KvLaunch) for one dtype, capped or not.
-template <typename Element, int kHeadDim, bool kSoftcap, int kStages = 2, bool kBulkDq = false>
+template <typename Element, int kHeadDim, bool kSoftcap, int kStages = 2, bool kBulkDq = false,
+          bool kOverlapDq = false>
 cudaError_t launch_backward_kv_ws_variant(const PagedAttentionBackwardParams& params,
                                           const BackwardWorkspacePointers& workspace, cudaStream_t stream, int rotate) {
   constexpr size_t kSharedBytes = ws_backward_shared_bytes<kHeadDim, kStages, kBulkDq>();
-  auto kernel = paged_attention_backward_wgmma_ws_kernel<Element, kHeadDim, kSoftcap, kStages, kBulkDq>;
+  auto kernel = paged_attention_backward_wgmma_ws_kernel<Element, kHeadDim, kSoftcap, kStages, kBulkDq, kOverlapDq>;
   cudaError_t error = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kSharedBytes));
   if (error != cudaSuccess) return error;
   BackwardWorkspacePointers owners = workspace;
@@ -458,6 +492,9 @@ cudaError_t launch_backward_kv_ws(const PagedAttentionBackwardParams& params, co
   const char* write = std::getenv("MEMBAR_WS_DQ_WRITE");
   const char* rotate_text = std::getenv("MEMBAR_WS_ROTATE");
   const int rotate = rotate_text != nullptr && rotate_text[0] == '1' ? 1 : 0;
+  if (write != nullptr && write[0] == 'o') {
+    return launch_backward_kv_ws_variant<Element, kHeadDim, kSoftcap, 2, true, true>(params, workspace, stream, rotate);
+  }
   if (write != nullptr && write[0] == 'b') {
     return launch_backward_kv_ws_variant<Element, kHeadDim, kSoftcap, 2, true>(params, workspace, stream, rotate);
   }
