@@ -98,8 +98,6 @@
 #             WSBACKWARD_PYTEST=0 skips it), then the attention bench at ATTENTION_HISTORIES with WSBACKWARD_TRY's layouts (default
 #             the warpgroup backward it replaced) beside the chosen backward, SDPA flash and the split
 #             layout, in the sparse call too, with the GPU's clock and power sampled
-#   wsdq      session 36's experiment: atomics or bulk reductions for the warp-specialised backward's dQ
-#             (bench/probes/ws_dq_write_probe.py, WSDQ_HISTORIES), then the attention tests with WSDQ_ENV
 #   bwdsplit  the backward kernel by kernel under torch.profiler (bench/probes/backward_kernels_probe.py) at
 #             BWDSPLIT_HISTORIES (131072 262144): default, deterministic, deterministic with the warpgroup dQ pass
 #   ncu       Nsight Compute's counters of the chosen forward and backward at NCU_HISTORIES (32768 262144):
@@ -562,21 +560,6 @@ for step in "$@"; do
       clocks_stop
       cat "$work/wsbackward/attention.txt" 2>/dev/null || tail -20 "$work/wsbackward/bench.log"
       "$py" tools/clocks_summary.py "$work/wsbackward/clocks.csv" ;;
-    wsdq)
-      # Session 36's experiment: how the warp-specialised backward adds dQ (bench/probes/ws_dq_write_probe.py),
-      # then the gpu attention tests and test_attention_cuda.py with $WSDQ_ENV (e.g. "MEMBAR_WS_DQ_WRITE=bulk").
-      mkdir -p "$work/wsdq"
-      timeout 240 "$py" bench/probes/ws_dq_write_probe.py "$work/wsdq/ws_dq_write.json" \
-        ${WSDQ_HISTORIES:-32768 131072 262144} > "$work/wsdq/probe.log" 2>&1 || status=1
-      cat "$work/wsdq/probe.log" | tail -16
-      if [ -n "${WSDQ_ENV:-}" ]; then
-        env $WSDQ_ENV ctest --test-dir build-gpu -L gpu -R ttention --output-on-failure --timeout 200 \
-          > "$work/wsdq/gpu_ctest.log" 2>&1 || status=1
-        tail -3 "$work/wsdq/gpu_ctest.log"
-        env $WSDQ_ENV timeout 150 "$py" -m pytest -q -m gpu tests/python/test_attention_cuda.py -p no:cacheprovider \
-          > "$work/wsdq/pytest.log" 2>&1 || status=1
-        tail -3 "$work/wsdq/pytest.log"
-      fi ;;
     bwdsplit)
       mkdir -p "$work/bwdsplit"
       timeout 240 "$py" bench/probes/backward_kernels_probe.py "$work/bwdsplit/backward_kernels.json" \

@@ -69,7 +69,6 @@
 
 #include <cmath>
 #include <cstdint>
-#include <cstdlib>
 
 #include "attention_backward_common.cuh"
 #include "attention_backward_wgmma.cuh"
@@ -89,24 +88,22 @@ inline constexpr int kWsBackwardDqColumns = 64;          // dQ columns per consu
 // that a warp's float2 stores of its accumulator rows hit 32 distinct banks).
 inline constexpr int kWsBackwardDqStagingStride = kWsBackwardDqColumns + 8;
 
-template <int kHeadDim, int kStages, bool kBulkDq = false>
+template <int kHeadDim, int kStages>
 constexpr size_t ws_backward_shared_bytes() {
-  // Alignment slack; K, V; Q, dO per stage; two dS^T tiles; the dQ staging rows (bulk dQ only);
-  // lse and delta per stage; barriers (K/V full, and full and empty per stage).
+  // Alignment slack; K, V; Q, dO per stage; two dS^T tiles; the dQ staging rows; lse and delta per
+  // stage; barriers (K/V full, and full and empty per stage).
   return 1024 + 2 * size_t(kBackwardKeyTileBytes<kHeadDim>) + 2 * size_t(kStages) * kBackwardQueryTileBytes<kHeadDim> +
-         2 * size_t(kBackwardKeys) * kQueries * 2 + (kBulkDq ? 2 * size_t(kQueries) * kWsBackwardDqStagingStride * 4 : 0) +
+         2 * size_t(kBackwardKeys) * kQueries * 2 + 2 * size_t(kQueries) * kWsBackwardDqStagingStride * 4 +
          2 * size_t(kStages) * kQueries * 4 + 8 * (1 + 2 * kStages);
 }
 
-template <typename Element, int kHeadDim, bool kSoftcap, int kStages = 2, bool kBulkDq = false,
-          bool kOverlapDq = false>
+template <typename Element, int kHeadDim, bool kSoftcap, int kStages = 2>
 __global__ void __launch_bounds__(kWsBackwardThreads, 1)
     paged_attention_backward_wgmma_ws_kernel(const PagedAttentionBackwardParams params,
-                                             const BackwardWorkspacePointers workspace, const SoftCap soft_cap,
-                                             const int rotate) {
+                                             const BackwardWorkspacePointers workspace, const SoftCap soft_cap) {
   static_assert(kHeadDim == 128, "the warp-specialised backward is written for head_dim 128");
   static_assert(kStages >= 2 && kStages <= 3, "two or three query stages");
-  static_assert(ws_backward_shared_bytes<kHeadDim, kStages, kBulkDq>() <= 227 * 1024, "an H100/H200 CTA has 227 KiB");
+  static_assert(ws_backward_shared_bytes<kHeadDim, kStages>() <= 227 * 1024, "an H100/H200 CTA has 227 KiB");
 #if MEMBAR_WGMMA_AVAILABLE
   constexpr int kKeys = kBackwardKeys;
   constexpr int kKeyTileBytes = kBackwardKeyTileBytes<kHeadDim>;
@@ -120,8 +117,8 @@ __global__ void __launch_bounds__(kWsBackwardThreads, 1)
   unsigned char* q_tiles = v_tile + kKeyTileBytes;                      // [stages][2][64][64]
   unsigned char* dout_tiles = q_tiles + kStages * kQueryTileBytes;      // [stages][2][64][64]
   unsigned char* score_tiles = dout_tiles + kStages * kQueryTileBytes;  // [2][128][64], dS^T
-  float* dq_staging = reinterpret_cast<float*>(score_tiles + 2 * kScoreTileBytes);  // [2][64][72] fp32 (bulk dQ)
-  float* lse_tiles = dq_staging + (kBulkDq ? 2 * kQueries * kWsBackwardDqStagingStride : 0);  // [stages][64], log2
+  float* dq_staging = reinterpret_cast<float*>(score_tiles + 2 * kScoreTileBytes);  // [2][64][72] fp32
+  float* lse_tiles = dq_staging + 2 * kQueries * kWsBackwardDqStagingStride;         // [stages][64], log2 units
   float* delta_tiles = lse_tiles + kStages * kQueries;                             // [stages][64]
   uint64_t* barriers = reinterpret_cast<uint64_t*>(delta_tiles + kStages * kQueries);
   const uint32_t kv_full = shared_address(barriers);
@@ -142,13 +139,6 @@ __global__ void __launch_bounds__(kWsBackwardThreads, 1)
   const WorkList work = owned.work;
   // A page no query tile selected (or, with a sliding window, no query sees) receives nothing.
   if (work.count == 0) return;
-  // The CTAs start their item lists at different items (rotate), so that fewer of them add into
-  // the same dQ rows at once.
-  const int first_slot = rotate ? int(blockIdx.x % unsigned(work.count)) : 0;
-  const auto slot_of = [&](int item) {
-    const int slot = item + first_slot;
-    return slot >= work.count ? slot - work.count : slot;
-  };
   __shared__ int shared_window_edge;
   if (thread == 0) {
     shared_window_edge = owned_window_edge(shape, owned);
@@ -174,7 +164,7 @@ __global__ void __launch_bounds__(kWsBackwardThreads, 1)
       const int stage = item % kStages;
       // A fresh barrier's "previous phase" counts as done: the first wait on each stage passes.
       mbarrier_wait(empty(stage), ((item / kStages) & 1) ^ 1);
-      const WorkItem queries = work_item<kHeadDim>(work, slot_of(item), kv_head, group, q_row_stride);
+      const WorkItem queries = work_item<kHeadDim>(work, item, kv_head, group, q_row_stride);
       const int valid = chunk_tokens - queries.first_query;
       load_swizzled_rows<kQueries, kHeadDim, 128>(q_tiles + stage * kQueryTileBytes, q + queries.offset, q_row_stride,
                                                   valid, thread);
@@ -220,7 +210,7 @@ __global__ void __launch_bounds__(kWsBackwardThreads, 1)
     fence_proxy_async_shared();
 
     int head_in_group, query_block;
-    work.decode(slot_of(item), head_in_group, query_block);
+    work.decode(item, head_in_group, query_block);
     const int first_query = query_block * kQueries;
     const uint32_t q_stage = shared_address(q_tiles + stage * kQueryTileBytes);
     const uint32_t dout_stage = shared_address(dout_tiles + stage * kQueryTileBytes);
@@ -341,48 +331,33 @@ __global__ void __launch_bounds__(kWsBackwardThreads, 1)
     const auto add_dq = [&](const float (&dq)[kWsBackwardDqColumns / 8][4]) {
       const int q_head = kv_head * group + head_in_group;
       const int dq_row = (warp % 4) * 16 + lane / 4;  // the accumulator rows of this thread
-      if constexpr (kBulkDq) {
-        // The warp's 16 rows of dQ go through its own staging rows, one bulk reduction of 256 bytes
-        // a row issued by lanes 0-15; the reductions of the warp's previous item have read them by
-        // now (bulk_wait_read), which the whole warp passes before it writes.
-        float* rows = dq_staging + consumer * kQueries * kWsBackwardDqStagingStride;
-        if (lane < 16) bulk_wait_read<0>();
-        __syncwarp();
+      // The warp's 16 rows of dQ go through its own staging rows, one bulk reduction of 256 bytes
+      // a row issued by lanes 0-15; the reductions of the warp's previous item have read them by
+      // now (bulk_wait_read), which the whole warp passes before it writes.
+      float* rows = dq_staging + consumer * kQueries * kWsBackwardDqStagingStride;
+      if (lane < 16) bulk_wait_read<0>();
+      __syncwarp();
 #pragma unroll
-        for (int half = 0; half < 2; ++half) {
+      for (int half = 0; half < 2; ++half) {
 #pragma unroll
-          for (int n = 0; n < kWsBackwardDqColumns / 8; ++n) {
-            *reinterpret_cast<float2*>(rows + (dq_row + half * 8) * kWsBackwardDqStagingStride + n * 8 +
-                                       2 * (lane % 4)) = make_float2(dq[n][2 * half], dq[n][2 * half + 1]);
-          }
-        }
-        fence_proxy_async_shared();
-        __syncwarp();
-        if (lane < 16) {
-          const int row = (warp % 4) * 16 + lane;
-          const int position = first_query + row;
-          if (position < chunk_tokens) {
-            bulk_reduce_add_f32(workspace.dq_accumulator + int64_t(position) * q_row_stride +
-                                    int64_t(q_head) * kHeadDim + consumer * kWsBackwardDqColumns,
-                                shared_address(rows + row * kWsBackwardDqStagingStride), kWsBackwardDqColumns * 4);
-          }
-          bulk_commit();
-        }
-        __syncwarp();
-      } else {
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          const int position = first_query + dq_row + half * 8;
-          if (position >= chunk_tokens) continue;
-          float* row = workspace.dq_accumulator + int64_t(position) * q_row_stride + int64_t(q_head) * kHeadDim +
-                       consumer * kWsBackwardDqColumns;
-#pragma unroll
-          for (int n = 0; n < kWsBackwardDqColumns / 8; ++n) {
-            const int column = n * 8 + 2 * (lane % 4);
-            atomicAdd(reinterpret_cast<float2*>(row + column), make_float2(dq[n][2 * half], dq[n][2 * half + 1]));
-          }
+        for (int n = 0; n < kWsBackwardDqColumns / 8; ++n) {
+          *reinterpret_cast<float2*>(rows + (dq_row + half * 8) * kWsBackwardDqStagingStride + n * 8 +
+                                     2 * (lane % 4)) = make_float2(dq[n][2 * half], dq[n][2 * half + 1]);
         }
       }
+      fence_proxy_async_shared();
+      __syncwarp();
+      if (lane < 16) {
+        const int row = (warp % 4) * 16 + lane;
+        const int position = first_query + row;
+        if (position < chunk_tokens) {
+          bulk_reduce_add_f32(workspace.dq_accumulator + int64_t(position) * q_row_stride +
+                                  int64_t(q_head) * kHeadDim + consumer * kWsBackwardDqColumns,
+                              shared_address(rows + row * kWsBackwardDqStagingStride), kWsBackwardDqColumns * 4);
+        }
+        bulk_commit();
+      }
+      __syncwarp();
     };
 
     fence_registers(dv);
@@ -393,8 +368,9 @@ __global__ void __launch_bounds__(kWsBackwardThreads, 1)
       const uint64_t b = matrix_descriptor(dout_stage + kk * 16 * kRowBytes, kQueries * kRowBytes, 1024);
       wgmma_registers_transposed_b<Element, kHeadDim>(dv, p_fragments[kk], b);
     }
-    if (kOverlapDq && with_dq) {
-      // FlashAttention-3's order: dV; dQ once both halves of dS^T are in; dK; dQ added while dK runs.
+    if (with_dq) {
+      // FlashAttention-3's order: dV; dQ once both consumers' halves of dS^T are in; dK; dQ added
+      // while dK runs.
       wgmma_commit();
       named_barrier_sync(1, 256);
       float dq[kWsBackwardDqColumns / 8][4];
@@ -409,23 +385,14 @@ __global__ void __launch_bounds__(kWsBackwardThreads, 1)
       wgmma_wait<1>();
       fence_registers(dq);
       add_dq(dq);
-      wgmma_wait<0>();
-      fence_registers(dv);
-      fence_registers(dk);
-      fence_registers(p_fragments);
-      fence_registers(ds_fragments);
-      release(empty(stage));
-      continue;
-    }
+    } else {
 #pragma unroll
-    for (int kk = 0; kk < kQueries / 16; ++kk) {
-      const uint64_t b = matrix_descriptor(q_stage + kk * 16 * kRowBytes, kQueries * kRowBytes, 1024);
-      wgmma_registers_transposed_b<Element, kHeadDim>(dk, ds_fragments[kk], b);
+      for (int kk = 0; kk < kQueries / 16; ++kk) {
+        const uint64_t b = matrix_descriptor(q_stage + kk * 16 * kRowBytes, kQueries * kRowBytes, 1024);
+        wgmma_registers_transposed_b<Element, kHeadDim>(dk, ds_fragments[kk], b);
+      }
+      wgmma_commit();
     }
-    wgmma_commit();
-
-    // Both consumers' halves of dS^T are in (the barrier is passed while dV and dK run).
-    if (with_dq) named_barrier_sync(1, 256);
     wgmma_wait<0>();
     fence_registers(dv);
     fence_registers(dk);
@@ -433,21 +400,9 @@ __global__ void __launch_bounds__(kWsBackwardThreads, 1)
     fence_registers(ds_fragments);
     // Q, dO and the statistics of the stage are read.
     release(empty(stage));
-
-    if (with_dq) {
-      // Issued once dK and dV are done, so that their A fragments are free.
-      float dq[kWsBackwardDqColumns / 8][4];
-      wgmma_fence();
-      issue_dq(dq);
-      wgmma_wait<0>();
-      fence_registers(dq);
-      add_dq(dq);
-    }
   }
-  if constexpr (kBulkDq) {
-    // The shared rows stay until the last reductions have read them.
-    if (lane < 16) bulk_wait<0>();
-  }
+  // The staging rows stay until the last reductions have read them.
+  if (lane < 16) bulk_wait<0>();
 
   // Write dK (scaled) and dV once: overwritten for chunk keys, ADDED into the grad pages.
 #pragma unroll
@@ -468,12 +423,11 @@ __global__ void __launch_bounds__(kWsBackwardThreads, 1)
 }
 
 // The dK/dV launch of the warp-specialised backward (a detail::KvLaunch) for one dtype, capped or not.
-template <typename Element, int kHeadDim, bool kSoftcap, int kStages = 2, bool kBulkDq = false,
-          bool kOverlapDq = false>
-cudaError_t launch_backward_kv_ws_variant(const PagedAttentionBackwardParams& params,
-                                          const BackwardWorkspacePointers& workspace, cudaStream_t stream, int rotate) {
-  constexpr size_t kSharedBytes = ws_backward_shared_bytes<kHeadDim, kStages, kBulkDq>();
-  auto kernel = paged_attention_backward_wgmma_ws_kernel<Element, kHeadDim, kSoftcap, kStages, kBulkDq, kOverlapDq>;
+template <typename Element, int kHeadDim, bool kSoftcap, int kStages = 2>
+cudaError_t launch_backward_kv_ws(const PagedAttentionBackwardParams& params, const BackwardWorkspacePointers& workspace,
+                                  cudaStream_t stream) {
+  constexpr size_t kSharedBytes = ws_backward_shared_bytes<kHeadDim, kStages>();
+  auto kernel = paged_attention_backward_wgmma_ws_kernel<Element, kHeadDim, kSoftcap, kStages>;
   cudaError_t error = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kSharedBytes));
   if (error != cudaSuccess) return error;
   BackwardWorkspacePointers owners = workspace;
@@ -481,24 +435,8 @@ cudaError_t launch_backward_kv_ws_variant(const PagedAttentionBackwardParams& pa
   const dim3 grid(owner_count<kBackwardKeys>(params.shape, owners.num_chunk_blocks), params.shape.num_kv_heads);
   if (grid.x == 0) return cudaSuccess;  // no key at all (attend_chunk false, empty history)
   kernel<<<grid, kWsBackwardThreads, kSharedBytes, stream>>>(
-      params, owners, soft_cap_of(params.shape.softmax_scale, params.shape.logit_softcap), rotate);
+      params, owners, soft_cap_of(params.shape.softmax_scale, params.shape.logit_softcap));
   return cudaGetLastError();
-}
-
-// EXPERIMENT (session 36): $MEMBAR_WS_DQ_WRITE=bulk and $MEMBAR_WS_ROTATE=1 pick the variants.
-template <typename Element, int kHeadDim, bool kSoftcap>
-cudaError_t launch_backward_kv_ws(const PagedAttentionBackwardParams& params, const BackwardWorkspacePointers& workspace,
-                                  cudaStream_t stream) {
-  const char* write = std::getenv("MEMBAR_WS_DQ_WRITE");
-  const char* rotate_text = std::getenv("MEMBAR_WS_ROTATE");
-  const int rotate = rotate_text != nullptr && rotate_text[0] == '1' ? 1 : 0;
-  if (write != nullptr && write[0] == 'o') {
-    return launch_backward_kv_ws_variant<Element, kHeadDim, kSoftcap, 2, true, true>(params, workspace, stream, rotate);
-  }
-  if (write != nullptr && write[0] == 'b') {
-    return launch_backward_kv_ws_variant<Element, kHeadDim, kSoftcap, 2, true>(params, workspace, stream, rotate);
-  }
-  return launch_backward_kv_ws_variant<Element, kHeadDim, kSoftcap, 2, false>(params, workspace, stream, rotate);
 }
 
 }  // namespace membar::kernels::cuda::detail::warpgroup
