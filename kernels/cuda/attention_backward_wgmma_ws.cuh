@@ -27,17 +27,21 @@
 //     dK and dV in registers, as the warpgroup backward's two warpgroups do. Per item: S^T = K Q^T
 //     and dP^T = V dO^T (wgmma from shared memory), P^T while dP^T runs, dS^T; dV += P^T dO and
 //     dK += dS^T Q with P^T and dS^T as register A fragments (all as in Note [Warpgroup
-//     backward]); then dS^T of its 64 keys into a swizzled [128 keys][64 queries] tile (two of
-//     them, alternating by item), a named barrier of the 256 consumer threads, and dQ [64 queries,
-//     64 columns] = dS K over all 128 keys as wgmma (dS^T read MN-major as A, K's column half c
-//     MN-major as B, as session 31's wgmma dQ product read them), issued once dK and dV are done
-//     (issued beside them, their A fragments and dQ's accumulators spilled 250 bytes); the stage is
-//     released after dK and dV, and dQ added by fp32 atomics into the workspace (skipped in
-//     deterministic mode, where launch_backward_dq runs as for every layout).
+//     backward]); dS^T of its 64 keys into a swizzled [128 keys][64 queries] tile (two of them,
+//     alternating by item). In FlashAttention-3's order (session 36): dV is issued; a named barrier
+//     of the 256 consumer threads (both halves of dS^T are in); dQ [64 queries, 64 columns] = dS K
+//     over all 128 keys (dS^T read MN-major as A, K's column half c MN-major as B) is issued; dK is
+//     issued; once dQ is done (wgmma wait 1), while dK still runs, each warp writes its 16 rows of dQ
+//     into its own fp32 staging rows in shared memory and lanes 0-15 add them into the workspace by
+//     one bulk reduction a row (cp.reduce.async.bulk .add.f32, 256 bytes); the stage is released once
+//     dK is done. Deterministic mode skips dQ here (launch_backward_dq runs as for every layout).
 //   The tile written at item i was last read by both consumers' dQ MMAs of item i - 2, which each
 //   waited for before arriving at the named barrier of item i - 1; the writer passed that barrier.
+//   A warp's staging rows are its own: before it writes them again its lanes wait until their
+//   reductions of the item before have read them (cp.async.bulk.wait_group.read).
 // Shared memory (base aligned to 1024): K, V [2][128][64] (32 KiB each); Q, dO [stages][2][64][64]
-// (16 KiB each a stage); dS^T [2][128][64] (16 KiB each); lse, delta [stages][64] fp32; barriers.
+// (16 KiB each a stage); dS^T [2][128][64] (16 KiB each); dQ staging [2][64][72] fp32 (rows 288
+// bytes apart: a warp's float2 stores hit 32 banks); lse, delta [stages][64] fp32; barriers.
 // Measured (session 32, an H100, bench/results/2026-12-07-session32-h100; Qwen2.5-7B heads, chunk
 // 4096, pages of 128 shuffled, bf16): 366.5 / 377.1 / 373.3 TFLOP/s at 32K / 128K / 256K history
 // against the warpgroup backward's 322.8 / 343.0 / 340.5 in the same calls (1.14x / 1.10x / 1.10x)
@@ -56,11 +60,18 @@
 // history, ~560-580 TFLOP/s for its four products; with dQ 14.12 / 51.71 / 102.01. The dQ step (the
 // named barrier, the dS^T tile, the dQ product with both operands from shared memory at N = 64, the
 // atomics) costs as much as the other four products: that, not the serial chain of S^T, dP^T, dV and
-// dK, is where the 450 TFLOP/s goal is lost (FlashAttention-3's one bulk reduce of a whole dQ tile,
-// issued by a warp of its own, is untried here).
+// dK, is where the 450 TFLOP/s goal is lost.
+// dQ by bulk reductions (session 36, an H200, bench/results/2026-12-07-session36-h200): until then
+// each consumer thread added its dQ by 16 float2 atomics an item, after waiting for dQ with dK and dV
+// done. The bulk reductions in the order above run the default backward at 364.9 / 377.8 / 381.4
+// TFLOP/s at 32K / 128K / 256K against the atomics' 355.7 / 365.6 / 360.8 in the same call
+// (1.03x / 1.03x / 1.06x; the kernel alone 1.04x / 1.08x / 1.05x); the bulk reductions in the old
+// order gave most of it (364.7 / 371.9 / 381.0). Starting each CTA's item list at a different item
+// (fewer CTAs adding into the same rows at once) changed nothing measurable and was dropped. Still
+// short of 450: the dQ product and the barrier remain.
 // Limitations: head_dim 128 only (64 and 96 need a dQ split of their columns); the consumers run
-// in step (the named barrier of every item), and an item's MMAs are waited for in full before its
-// dQ atomics and the next item's S^T.
+// in step (the named barrier of every item); an item's MMAs are waited for in full before the next
+// item's S^T; the soft-capped instantiations spill 48 bytes.
 #pragma once
 
 #include <cuda_bf16.h>
