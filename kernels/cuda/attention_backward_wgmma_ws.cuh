@@ -371,6 +371,15 @@ __global__ void __launch_bounds__(kWsBackwardThreads, 1)
       __syncwarp();
     };
 
+    // dK += dS^T Q (Note [Warpgroup backward]).
+    const auto issue_dk = [&] {
+#pragma unroll
+      for (int kk = 0; kk < kQueries / 16; ++kk) {
+        const uint64_t b = matrix_descriptor(q_stage + kk * 16 * kRowBytes, kQueries * kRowBytes, 1024);
+        wgmma_registers_transposed_b<Element, kHeadDim>(dk, ds_fragments[kk], b);
+      }
+    };
+
     fence_registers(dv);
     fence_registers(dk);
     wgmma_fence();
@@ -387,21 +396,13 @@ __global__ void __launch_bounds__(kWsBackwardThreads, 1)
       float dq[kWsBackwardDqColumns / 8][4];
       wgmma_fence();
       issue_dq(dq);
-#pragma unroll
-      for (int kk = 0; kk < kQueries / 16; ++kk) {
-        const uint64_t b = matrix_descriptor(q_stage + kk * 16 * kRowBytes, kQueries * kRowBytes, 1024);
-        wgmma_registers_transposed_b<Element, kHeadDim>(dk, ds_fragments[kk], b);
-      }
+      issue_dk();
       wgmma_commit();
       wgmma_wait<1>();
       fence_registers(dq);
       add_dq(dq);
     } else {
-#pragma unroll
-      for (int kk = 0; kk < kQueries / 16; ++kk) {
-        const uint64_t b = matrix_descriptor(q_stage + kk * 16 * kRowBytes, kQueries * kRowBytes, 1024);
-        wgmma_registers_transposed_b<Element, kHeadDim>(dk, ds_fragments[kk], b);
-      }
+      issue_dk();
       wgmma_commit();
     }
     wgmma_wait<0>();
