@@ -80,6 +80,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 
 #include "attention_backward_common.cuh"
 #include "attention_backward_wgmma.cuh"
@@ -99,22 +100,29 @@ inline constexpr int kWsBackwardDqColumns = 64;          // dQ columns per consu
 // that a warp's float2 stores of its accumulator rows hit 32 distinct banks).
 inline constexpr int kWsBackwardDqStagingStride = kWsBackwardDqColumns + 8;
 
-template <int kHeadDim, int kStages>
+// EXPERIMENT (session 37): kDeferDq issues each item's dQ during the next item, after an mbarrier
+// wait for both consumers' dS^T halves instead of a named barrier of every item (three dS^T tiles,
+// "dS^T ready" and "tile free" mbarriers per tile).
+template <bool kDeferDq>
+inline constexpr int kWsBackwardScoreTiles = kDeferDq ? 3 : 2;
+
+template <int kHeadDim, int kStages, bool kDeferDq = false>
 constexpr size_t ws_backward_shared_bytes() {
-  // Alignment slack; K, V; Q, dO per stage; two dS^T tiles; the dQ staging rows; lse and delta per
-  // stage; barriers (K/V full, and full and empty per stage).
+  // Alignment slack; K, V; Q, dO per stage; two (three) dS^T tiles; the dQ staging rows; lse and delta per
+  // stage; barriers (K/V full, and full and empty per stage; dS^T ready and tile free per tile).
   return 1024 + 2 * size_t(kBackwardKeyTileBytes<kHeadDim>) + 2 * size_t(kStages) * kBackwardQueryTileBytes<kHeadDim> +
-         2 * size_t(kBackwardKeys) * kQueries * 2 + 2 * size_t(kQueries) * kWsBackwardDqStagingStride * 4 +
-         2 * size_t(kStages) * kQueries * 4 + 8 * (1 + 2 * kStages);
+         kWsBackwardScoreTiles<kDeferDq> * size_t(kBackwardKeys) * kQueries * 2 +
+         2 * size_t(kQueries) * kWsBackwardDqStagingStride * 4 + 2 * size_t(kStages) * kQueries * 4 +
+         8 * (1 + 2 * kStages + (kDeferDq ? 2 * kWsBackwardScoreTiles<kDeferDq> : 0));
 }
 
-template <typename Element, int kHeadDim, bool kSoftcap, int kStages = 2>
+template <typename Element, int kHeadDim, bool kSoftcap, int kStages = 2, bool kDeferDq = false>
 __global__ void __launch_bounds__(kWsBackwardThreads, 1)
     paged_attention_backward_wgmma_ws_kernel(const PagedAttentionBackwardParams params,
                                              const BackwardWorkspacePointers workspace, const SoftCap soft_cap) {
   static_assert(kHeadDim == 128, "the warp-specialised backward is written for head_dim 128");
   static_assert(kStages >= 2 && kStages <= 3, "two or three query stages");
-  static_assert(ws_backward_shared_bytes<kHeadDim, kStages>() <= 227 * 1024, "an H100/H200 CTA has 227 KiB");
+  static_assert(ws_backward_shared_bytes<kHeadDim, kStages, kDeferDq>() <= 227 * 1024, "an H100/H200 CTA has 227 KiB");
 #if MEMBAR_WGMMA_AVAILABLE
   constexpr int kKeys = kBackwardKeys;
   constexpr int kKeyTileBytes = kBackwardKeyTileBytes<kHeadDim>;
@@ -127,14 +135,17 @@ __global__ void __launch_bounds__(kWsBackwardThreads, 1)
   unsigned char* v_tile = k_tile + kKeyTileBytes;                       // [2][128][64]
   unsigned char* q_tiles = v_tile + kKeyTileBytes;                      // [stages][2][64][64]
   unsigned char* dout_tiles = q_tiles + kStages * kQueryTileBytes;      // [stages][2][64][64]
-  unsigned char* score_tiles = dout_tiles + kStages * kQueryTileBytes;  // [2][128][64], dS^T
-  float* dq_staging = reinterpret_cast<float*>(score_tiles + 2 * kScoreTileBytes);  // [2][64][72] fp32
+  constexpr int kScoreTiles = kWsBackwardScoreTiles<kDeferDq>;
+  unsigned char* score_tiles = dout_tiles + kStages * kQueryTileBytes;  // [2 or 3][128][64], dS^T
+  float* dq_staging = reinterpret_cast<float*>(score_tiles + kScoreTiles * kScoreTileBytes);  // [2][64][72] fp32
   float* lse_tiles = dq_staging + 2 * kQueries * kWsBackwardDqStagingStride;         // [stages][64], log2 units
   float* delta_tiles = lse_tiles + kStages * kQueries;                             // [stages][64]
   uint64_t* barriers = reinterpret_cast<uint64_t*>(delta_tiles + kStages * kQueries);
   const uint32_t kv_full = shared_address(barriers);
   const auto full = [&](int s) { return kv_full + 8u * (1 + 2 * s); };
   const auto empty = [&](int s) { return kv_full + 8u * (2 + 2 * s); };
+  const auto ds_ready = [&](int t) { return kv_full + 8u * (1 + 2 * kStages + 2 * t); };
+  const auto tile_free = [&](int t) { return kv_full + 8u * (2 + 2 * kStages + 2 * t); };
   constexpr int kConsumerWarps = 8;
 
   const PagedAttentionShape& shape = params.shape;
@@ -157,6 +168,12 @@ __global__ void __launch_bounds__(kWsBackwardThreads, 1)
     for (int s = 0; s < kStages; ++s) {
       mbarrier_init(full(s), 2 * 128);
       mbarrier_init(empty(s), kConsumerWarps);
+    }
+    if constexpr (kDeferDq) {
+      for (int t = 0; t < kScoreTiles; ++t) {
+        mbarrier_init(ds_ready(t), 256);
+        mbarrier_init(tile_free(t), 256);
+      }
     }
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
@@ -312,8 +329,10 @@ __global__ void __launch_bounds__(kWsBackwardThreads, 1)
     // dS^T of this consumer's 64 keys into the item's tile, [128 keys][64 queries] in the 128-byte
     // swizzle, pairs of queries at once (the packed A fragments, read before the MMAs that take
     // them are issued), published to the tensor cores before the named barrier below.
-    Element* score_tile = reinterpret_cast<Element*>(score_tiles + (item % 2) * kScoreTileBytes);
+    Element* score_tile = reinterpret_cast<Element*>(score_tiles + (item % kScoreTiles) * kScoreTileBytes);
     if (with_dq) {
+      // Deferred dQ: both consumers' dQ MMAs of item - 3 have read the tile.
+      if constexpr (kDeferDq) mbarrier_wait(tile_free(item % kScoreTiles), ((item / kScoreTiles) & 1) ^ 1);
 #pragma unroll
       for (int n = 0; n < kQueries / 8; ++n) {
 #pragma unroll
@@ -323,11 +342,12 @@ __global__ void __launch_bounds__(kWsBackwardThreads, 1)
         }
       }
       fence_proxy_async_shared();
+      if constexpr (kDeferDq) mbarrier_arrive(ds_ready(item % kScoreTiles));
     }
     // dQ [64 queries, 64 columns] = dS K over the 128 keys, the columns of K's half `consumer` (k step
     // kk: 16 keys, 16 rows of both tiles, 128 in the descriptors' 16-byte address units).
-    const auto issue_dq = [&](float (&dq)[kWsBackwardDqColumns / 8][4]) {
-      const uint64_t a_first = matrix_descriptor(shared_address(score_tile), kKeys * kRowBytes, 1024);
+    const auto issue_dq = [&](float (&dq)[kWsBackwardDqColumns / 8][4], const Element* tile) {
+      const uint64_t a_first = matrix_descriptor(shared_address(tile), kKeys * kRowBytes, 1024);
       const uint64_t b_first =
           matrix_descriptor(shared_address(k_tile) + consumer * kKeys * kRowBytes, kKeys * kRowBytes, 1024);
 #pragma unroll
@@ -339,8 +359,9 @@ __global__ void __launch_bounds__(kWsBackwardThreads, 1)
       wgmma_commit();
     };
     // Adds the finished dQ of the item into the workspace.
-    const auto add_dq = [&](const float (&dq)[kWsBackwardDqColumns / 8][4]) {
-      const int q_head = kv_head * group + head_in_group;
+    const auto add_dq = [&](const float (&dq)[kWsBackwardDqColumns / 8][4], int dq_head_in_group,
+                            int dq_first_query) {
+      const int q_head = kv_head * group + dq_head_in_group;
       const int dq_row = (warp % 4) * 16 + lane / 4;  // the accumulator rows of this thread
       // The warp's 16 rows of dQ go through its own staging rows, one bulk reduction of 256 bytes
       // a row issued by lanes 0-15; the reductions of the warp's previous item have read them by
@@ -360,7 +381,7 @@ __global__ void __launch_bounds__(kWsBackwardThreads, 1)
       __syncwarp();
       if (lane < 16) {
         const int row = (warp % 4) * 16 + lane;
-        const int position = first_query + row;
+        const int position = dq_first_query + row;
         if (position < chunk_tokens) {
           bulk_reduce_add_f32(workspace.dq_accumulator + int64_t(position) * q_row_stride +
                                   int64_t(q_head) * kHeadDim + consumer * kWsBackwardDqColumns,
@@ -388,19 +409,40 @@ __global__ void __launch_bounds__(kWsBackwardThreads, 1)
       const uint64_t b = matrix_descriptor(dout_stage + kk * 16 * kRowBytes, kQueries * kRowBytes, 1024);
       wgmma_registers_transposed_b<Element, kHeadDim>(dv, p_fragments[kk], b);
     }
-    if (with_dq) {
+    if (kDeferDq && with_dq) {
+      // Deferred: dV of this item; dQ of the item before once both halves of its dS^T are in; dK.
+      wgmma_commit();
+      if (item > 0) {
+        const int previous = item - 1;
+        mbarrier_wait(ds_ready(previous % kScoreTiles), (previous / kScoreTiles) & 1);
+        float dq[kWsBackwardDqColumns / 8][4];
+        wgmma_fence();
+        issue_dq(dq, reinterpret_cast<const Element*>(score_tiles + (previous % kScoreTiles) * kScoreTileBytes));
+        issue_dk();
+        wgmma_commit();
+        wgmma_wait<1>();
+        fence_registers(dq);
+        mbarrier_arrive(tile_free(previous % kScoreTiles));
+        int previous_head, previous_block;
+        work.decode(previous, previous_head, previous_block);
+        add_dq(dq, previous_head, previous_block * kQueries);
+      } else {
+        issue_dk();
+        wgmma_commit();
+      }
+    } else if (with_dq) {
       // FlashAttention-3's order: dV; dQ once both consumers' halves of dS^T are in; dK; dQ added
       // while dK runs.
       wgmma_commit();
       named_barrier_sync(1, 256);
       float dq[kWsBackwardDqColumns / 8][4];
       wgmma_fence();
-      issue_dq(dq);
+      issue_dq(dq, score_tile);
       issue_dk();
       wgmma_commit();
       wgmma_wait<1>();
       fence_registers(dq);
-      add_dq(dq);
+      add_dq(dq, head_in_group, first_query);
     } else {
       issue_dk();
       wgmma_commit();
@@ -412,6 +454,16 @@ __global__ void __launch_bounds__(kWsBackwardThreads, 1)
     fence_registers(ds_fragments);
     // Q, dO and the statistics of the stage are read.
     release(empty(stage));
+    if (kDeferDq && with_dq && item == work.count - 1) {
+      // The last item's dQ, after the loop's last dK.
+      mbarrier_wait(ds_ready(item % kScoreTiles), (item / kScoreTiles) & 1);
+      float dq[kWsBackwardDqColumns / 8][4];
+      wgmma_fence();
+      issue_dq(dq, score_tile);
+      wgmma_wait<0>();
+      fence_registers(dq);
+      add_dq(dq, head_in_group, first_query);
+    }
   }
   // The staging rows stay until the last reductions have read them.
   if (lane < 16) bulk_wait<0>();
@@ -435,11 +487,11 @@ __global__ void __launch_bounds__(kWsBackwardThreads, 1)
 }
 
 // The dK/dV launch of the warp-specialised backward (a detail::KvLaunch) for one dtype, capped or not.
-template <typename Element, int kHeadDim, bool kSoftcap, int kStages = 2>
-cudaError_t launch_backward_kv_ws(const PagedAttentionBackwardParams& params, const BackwardWorkspacePointers& workspace,
-                                  cudaStream_t stream) {
-  constexpr size_t kSharedBytes = ws_backward_shared_bytes<kHeadDim, kStages>();
-  auto kernel = paged_attention_backward_wgmma_ws_kernel<Element, kHeadDim, kSoftcap, kStages>;
+template <typename Element, int kHeadDim, bool kSoftcap, int kStages = 2, bool kDeferDq = false>
+cudaError_t launch_backward_kv_ws_variant(const PagedAttentionBackwardParams& params,
+                                          const BackwardWorkspacePointers& workspace, cudaStream_t stream) {
+  constexpr size_t kSharedBytes = ws_backward_shared_bytes<kHeadDim, kStages, kDeferDq>();
+  auto kernel = paged_attention_backward_wgmma_ws_kernel<Element, kHeadDim, kSoftcap, kStages, kDeferDq>;
   cudaError_t error = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kSharedBytes));
   if (error != cudaSuccess) return error;
   BackwardWorkspacePointers owners = workspace;
@@ -449,6 +501,17 @@ cudaError_t launch_backward_kv_ws(const PagedAttentionBackwardParams& params, co
   kernel<<<grid, kWsBackwardThreads, kSharedBytes, stream>>>(
       params, owners, soft_cap_of(params.shape.softmax_scale, params.shape.logit_softcap));
   return cudaGetLastError();
+}
+
+// EXPERIMENT (session 37): $MEMBAR_WS_DEFER_DQ=1 picks the deferred dQ.
+template <typename Element, int kHeadDim, bool kSoftcap>
+cudaError_t launch_backward_kv_ws(const PagedAttentionBackwardParams& params, const BackwardWorkspacePointers& workspace,
+                                  cudaStream_t stream) {
+  const char* defer = std::getenv("MEMBAR_WS_DEFER_DQ");
+  if (defer != nullptr && defer[0] == '1') {
+    return launch_backward_kv_ws_variant<Element, kHeadDim, kSoftcap, 2, true>(params, workspace, stream);
+  }
+  return launch_backward_kv_ws_variant<Element, kHeadDim, kSoftcap, 2, false>(params, workspace, stream);
 }
 
 }  // namespace membar::kernels::cuda::detail::warpgroup
