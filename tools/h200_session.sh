@@ -98,9 +98,6 @@
 #             WSBACKWARD_PYTEST=0 skips it), then the attention bench at ATTENTION_HISTORIES with WSBACKWARD_TRY's layouts (default
 #             the warpgroup backward it replaced) beside the chosen backward, SDPA flash and the split
 #             layout, in the sparse call too, with the GPU's clock and power sampled
-#   wsdefer   session 37's experiment: the warp-specialised backward's dQ deferred by one item behind an
-#             mbarrier wait (bench/probes/ws_defer_dq_probe.py, WSDEFER_HISTORIES), then the gpu attention tests
-#             and test_attention_cuda.py with MEMBAR_WS_DEFER_DQ=1
 #   bwdsplit  the backward kernel by kernel under torch.profiler (bench/probes/backward_kernels_probe.py) at
 #             BWDSPLIT_HISTORIES (131072 262144): default, deterministic, deterministic with the warpgroup dQ pass
 #   ncu       Nsight Compute's counters of the chosen forward and backward at NCU_HISTORIES (32768 262144):
@@ -563,17 +560,6 @@ for step in "$@"; do
       clocks_stop
       cat "$work/wsbackward/attention.txt" 2>/dev/null || tail -20 "$work/wsbackward/bench.log"
       "$py" tools/clocks_summary.py "$work/wsbackward/clocks.csv" ;;
-    wsdefer)
-      mkdir -p "$work/wsdefer"
-      timeout 240 "$py" bench/probes/ws_defer_dq_probe.py "$work/wsdefer/ws_defer_dq.json" \
-        ${WSDEFER_HISTORIES:-32768 131072 262144} > "$work/wsdefer/probe.log" 2>&1 || status=1
-      tail -16 "$work/wsdefer/probe.log"
-      MEMBAR_WS_DEFER_DQ=1 ctest --test-dir build-gpu -L gpu -R ttention --output-on-failure --timeout 200 \
-        > "$work/wsdefer/gpu_ctest.log" 2>&1 || status=1
-      tail -3 "$work/wsdefer/gpu_ctest.log"; grep -E "Failed|\*\*\*" "$work/wsdefer/gpu_ctest.log" | head -8
-      MEMBAR_WS_DEFER_DQ=1 timeout 150 "$py" -m pytest -q -m gpu tests/python/test_attention_cuda.py -p no:cacheprovider \
-        > "$work/wsdefer/pytest.log" 2>&1 || status=1
-      tail -3 "$work/wsdefer/pytest.log" ;;
     bwdsplit)
       mkdir -p "$work/bwdsplit"
       timeout 240 "$py" bench/probes/backward_kernels_probe.py "$work/bwdsplit/backward_kernels.json" \

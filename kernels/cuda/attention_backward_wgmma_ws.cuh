@@ -27,21 +27,28 @@
 //     dK and dV in registers, as the warpgroup backward's two warpgroups do. Per item: S^T = K Q^T
 //     and dP^T = V dO^T (wgmma from shared memory), P^T while dP^T runs, dS^T; dV += P^T dO and
 //     dK += dS^T Q with P^T and dS^T as register A fragments (all as in Note [Warpgroup
-//     backward]); dS^T of its 64 keys into a swizzled [128 keys][64 queries] tile (two of them,
-//     alternating by item). In FlashAttention-3's order (session 36): dV is issued; a named barrier
-//     of the 256 consumer threads (both halves of dS^T are in); dQ [64 queries, 64 columns] = dS K
-//     over all 128 keys (dS^T read MN-major as A, K's column half c MN-major as B) is issued; dK is
-//     issued; once dQ is done (wgmma wait 1), while dK still runs, each warp writes its 16 rows of dQ
-//     into its own fp32 staging rows in shared memory and lanes 0-15 add them into the workspace by
-//     one bulk reduction a row (cp.reduce.async.bulk .add.f32, 256 bytes); the stage is released once
-//     dK is done. Deterministic mode skips dQ here (launch_backward_dq runs as for every layout).
-//   The tile written at item i was last read by both consumers' dQ MMAs of item i - 2, which each
-//   waited for before arriving at the named barrier of item i - 1; the writer passed that barrier.
+//     backward]); dS^T of its 64 keys into a swizzled [128 keys][64 queries] tile (three of them,
+//     by item modulo 3), then an arrival on the tile's "dS^T ready" mbarrier (256 threads). dQ of an
+//     item needs both consumers' halves of its dS^T, so it is issued during the next item (session
+//     37): dV of item i is issued; then, once the "dS^T ready" of item i - 1 has completed, dQ of item
+//     i - 1 [64 queries, 64 columns] = dS K over all 128 keys (dS^T read MN-major as A, K's column
+//     half c MN-major as B); then dK of item i. Once that dQ is done (wgmma wait 1), while dK still
+//     runs, each thread arrives on the tile's "tile free" mbarrier, each warp writes its 16 rows of
+//     dQ into its own fp32 staging rows in shared memory and lanes 0-15 add them into the workspace
+//     by one bulk reduction a row (cp.reduce.async.bulk .add.f32, 256 bytes); the stage is released
+//     once dK is done. The last item's dQ follows the loop's last dK. Deterministic mode skips dQ
+//     here (launch_backward_dq runs as for every layout).
+//   Before a consumer writes the tile of item i it waits for that tile's "tile free" of item i - 3
+//   (both consumers' dQ MMAs of item i - 3 have read it). Nothing makes the two consumers meet every
+//   item: one may run up to an item ahead of the other (the producer's stages bound it too), so that
+//   one's softmax can overlap the other's MMAs; until session 37 a named barrier of the 256
+//   consumer threads before each item's dQ (issued in the same item) kept them in step.
 //   A warp's staging rows are its own: before it writes them again its lanes wait until their
 //   reductions of the item before have read them (cp.async.bulk.wait_group.read).
-// Shared memory (base aligned to 1024): K, V [2][128][64] (32 KiB each); Q, dO [stages][2][64][64]
-// (16 KiB each a stage); dS^T [2][128][64] (16 KiB each); dQ staging [2][64][72] fp32 (rows 288
-// bytes apart: a warp's float2 stores hit 32 banks); lse, delta [stages][64] fp32; barriers.
+// Shared memory (base aligned to 1024; about 213 KiB): K, V [2][128][64] (32 KiB each); Q, dO
+// [stages][2][64][64] (16 KiB each a stage); dS^T [3][128][64] (16 KiB each); dQ staging [2][64][72]
+// fp32 (rows 288 bytes apart: a warp's float2 stores hit 32 banks); lse, delta [stages][64] fp32;
+// barriers.
 // Measured (session 32, an H100, bench/results/2026-12-07-session32-h100; Qwen2.5-7B heads, chunk
 // 4096, pages of 128 shuffled, bf16): 366.5 / 377.1 / 373.3 TFLOP/s at 32K / 128K / 256K history
 // against the warpgroup backward's 322.8 / 343.0 / 340.5 in the same calls (1.14x / 1.10x / 1.10x)
@@ -67,11 +74,15 @@
 // TFLOP/s at 32K / 128K / 256K against the atomics' 355.7 / 365.6 / 360.8 in the same call
 // (1.03x / 1.03x / 1.06x; the kernel alone 1.04x / 1.08x / 1.05x); the bulk reductions in the old
 // order gave most of it (364.7 / 371.9 / 381.0). Starting each CTA's item list at a different item
-// (fewer CTAs adding into the same rows at once) changed nothing measurable and was dropped. Still
-// short of 450: the dQ product and the barrier remain.
-// Limitations: head_dim 128 only (64 and 96 need a dQ split of their columns); the consumers run
-// in step (the named barrier of every item); an item's MMAs are waited for in full before the next
-// item's S^T; the soft-capped instantiations spill 48 bytes.
+// (fewer CTAs adding into the same rows at once) changed nothing measurable and was dropped.
+// dQ issued during the next item (session 37, an H100, bench/results/2026-12-07-session37-h100): the
+// consumers no longer meet at a named barrier every item. The default backward ran 12.55 / 48.42 /
+// 95.48 ms at 32K / 128K / 256K against 13.51 / 49.85 / 100.15 for the named barrier in the same call
+// (1.08x / 1.03x / 1.05x; 407 / 404 / 406 TFLOP/s as bench/probes counts them), dQ, dK and dV as
+// close to the deterministic backward's as before. Still short of 450.
+// Limitations: head_dim 128 only (64 and 96 need a dQ split of their columns); an item's MMAs are
+// waited for in full before the next item's S^T (no forced ping-pong of the consumers); the
+// soft-capped instantiations spill 44 bytes (48 before), the others 28 (24 before, in the producer).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -80,7 +91,6 @@
 
 #include <cmath>
 #include <cstdint>
-#include <cstdlib>
 
 #include "attention_backward_common.cuh"
 #include "attention_backward_wgmma.cuh"
@@ -100,29 +110,27 @@ inline constexpr int kWsBackwardDqColumns = 64;          // dQ columns per consu
 // that a warp's float2 stores of its accumulator rows hit 32 distinct banks).
 inline constexpr int kWsBackwardDqStagingStride = kWsBackwardDqColumns + 8;
 
-// EXPERIMENT (session 37): kDeferDq issues each item's dQ during the next item, after an mbarrier
-// wait for both consumers' dS^T halves instead of a named barrier of every item (three dS^T tiles,
-// "dS^T ready" and "tile free" mbarriers per tile).
-template <bool kDeferDq>
-inline constexpr int kWsBackwardScoreTiles = kDeferDq ? 3 : 2;
+// The dS^T tiles: an item's is read by the dQ MMAs issued during the next item, so the tile of item i
+// is written again at item i + 3 (Note [Warp-specialised backward]).
+inline constexpr int kWsBackwardScoreTiles = 3;
 
-template <int kHeadDim, int kStages, bool kDeferDq = false>
+template <int kHeadDim, int kStages>
 constexpr size_t ws_backward_shared_bytes() {
-  // Alignment slack; K, V; Q, dO per stage; two (three) dS^T tiles; the dQ staging rows; lse and delta per
-  // stage; barriers (K/V full, and full and empty per stage; dS^T ready and tile free per tile).
+  // Alignment slack; K, V; Q, dO per stage; three dS^T tiles; the dQ staging rows; lse and delta per
+  // stage; barriers (K/V full, full and empty per stage, dS^T ready and tile free per tile).
   return 1024 + 2 * size_t(kBackwardKeyTileBytes<kHeadDim>) + 2 * size_t(kStages) * kBackwardQueryTileBytes<kHeadDim> +
-         kWsBackwardScoreTiles<kDeferDq> * size_t(kBackwardKeys) * kQueries * 2 +
+         kWsBackwardScoreTiles * size_t(kBackwardKeys) * kQueries * 2 +
          2 * size_t(kQueries) * kWsBackwardDqStagingStride * 4 + 2 * size_t(kStages) * kQueries * 4 +
-         8 * (1 + 2 * kStages + (kDeferDq ? 2 * kWsBackwardScoreTiles<kDeferDq> : 0));
+         8 * (1 + 2 * kStages + 2 * kWsBackwardScoreTiles);
 }
 
-template <typename Element, int kHeadDim, bool kSoftcap, int kStages = 2, bool kDeferDq = false>
+template <typename Element, int kHeadDim, bool kSoftcap, int kStages = 2>
 __global__ void __launch_bounds__(kWsBackwardThreads, 1)
     paged_attention_backward_wgmma_ws_kernel(const PagedAttentionBackwardParams params,
                                              const BackwardWorkspacePointers workspace, const SoftCap soft_cap) {
   static_assert(kHeadDim == 128, "the warp-specialised backward is written for head_dim 128");
   static_assert(kStages >= 2 && kStages <= 3, "two or three query stages");
-  static_assert(ws_backward_shared_bytes<kHeadDim, kStages, kDeferDq>() <= 227 * 1024, "an H100/H200 CTA has 227 KiB");
+  static_assert(ws_backward_shared_bytes<kHeadDim, kStages>() <= 227 * 1024, "an H100/H200 CTA has 227 KiB");
 #if MEMBAR_WGMMA_AVAILABLE
   constexpr int kKeys = kBackwardKeys;
   constexpr int kKeyTileBytes = kBackwardKeyTileBytes<kHeadDim>;
@@ -135,8 +143,8 @@ __global__ void __launch_bounds__(kWsBackwardThreads, 1)
   unsigned char* v_tile = k_tile + kKeyTileBytes;                       // [2][128][64]
   unsigned char* q_tiles = v_tile + kKeyTileBytes;                      // [stages][2][64][64]
   unsigned char* dout_tiles = q_tiles + kStages * kQueryTileBytes;      // [stages][2][64][64]
-  constexpr int kScoreTiles = kWsBackwardScoreTiles<kDeferDq>;
-  unsigned char* score_tiles = dout_tiles + kStages * kQueryTileBytes;  // [2 or 3][128][64], dS^T
+  constexpr int kScoreTiles = kWsBackwardScoreTiles;
+  unsigned char* score_tiles = dout_tiles + kStages * kQueryTileBytes;  // [3][128][64], dS^T
   float* dq_staging = reinterpret_cast<float*>(score_tiles + kScoreTiles * kScoreTileBytes);  // [2][64][72] fp32
   float* lse_tiles = dq_staging + 2 * kQueries * kWsBackwardDqStagingStride;         // [stages][64], log2 units
   float* delta_tiles = lse_tiles + kStages * kQueries;                             // [stages][64]
@@ -169,11 +177,9 @@ __global__ void __launch_bounds__(kWsBackwardThreads, 1)
       mbarrier_init(full(s), 2 * 128);
       mbarrier_init(empty(s), kConsumerWarps);
     }
-    if constexpr (kDeferDq) {
-      for (int t = 0; t < kScoreTiles; ++t) {
-        mbarrier_init(ds_ready(t), 256);
-        mbarrier_init(tile_free(t), 256);
-      }
+    for (int t = 0; t < kScoreTiles; ++t) {
+      mbarrier_init(ds_ready(t), 256);
+      mbarrier_init(tile_free(t), 256);
     }
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
@@ -331,8 +337,9 @@ __global__ void __launch_bounds__(kWsBackwardThreads, 1)
     // them are issued), published to the tensor cores before the named barrier below.
     Element* score_tile = reinterpret_cast<Element*>(score_tiles + (item % kScoreTiles) * kScoreTileBytes);
     if (with_dq) {
-      // Deferred dQ: both consumers' dQ MMAs of item - 3 have read the tile.
-      if constexpr (kDeferDq) mbarrier_wait(tile_free(item % kScoreTiles), ((item / kScoreTiles) & 1) ^ 1);
+      // Both consumers' dQ MMAs of item - 3 have read the tile (a fresh barrier's "previous phase"
+      // counts as done: the first wait on each tile passes).
+      mbarrier_wait(tile_free(item % kScoreTiles), ((item / kScoreTiles) & 1) ^ 1);
 #pragma unroll
       for (int n = 0; n < kQueries / 8; ++n) {
 #pragma unroll
@@ -342,7 +349,7 @@ __global__ void __launch_bounds__(kWsBackwardThreads, 1)
         }
       }
       fence_proxy_async_shared();
-      if constexpr (kDeferDq) mbarrier_arrive(ds_ready(item % kScoreTiles));
+      mbarrier_arrive(ds_ready(item % kScoreTiles));
     }
     // dQ [64 queries, 64 columns] = dS K over the 128 keys, the columns of K's half `consumer` (k step
     // kk: 16 keys, 16 rows of both tiles, 128 in the descriptors' 16-byte address units).
@@ -409,8 +416,9 @@ __global__ void __launch_bounds__(kWsBackwardThreads, 1)
       const uint64_t b = matrix_descriptor(dout_stage + kk * 16 * kRowBytes, kQueries * kRowBytes, 1024);
       wgmma_registers_transposed_b<Element, kHeadDim>(dv, p_fragments[kk], b);
     }
-    if (kDeferDq && with_dq) {
-      // Deferred: dV of this item; dQ of the item before once both halves of its dS^T are in; dK.
+    if (with_dq) {
+      // dV of this item; dQ of the item before once both consumers' halves of its dS^T are in; dK;
+      // that dQ added while dK runs.
       wgmma_commit();
       if (item > 0) {
         const int previous = item - 1;
@@ -430,19 +438,6 @@ __global__ void __launch_bounds__(kWsBackwardThreads, 1)
         issue_dk();
         wgmma_commit();
       }
-    } else if (with_dq) {
-      // FlashAttention-3's order: dV; dQ once both consumers' halves of dS^T are in; dK; dQ added
-      // while dK runs.
-      wgmma_commit();
-      named_barrier_sync(1, 256);
-      float dq[kWsBackwardDqColumns / 8][4];
-      wgmma_fence();
-      issue_dq(dq, score_tile);
-      issue_dk();
-      wgmma_commit();
-      wgmma_wait<1>();
-      fence_registers(dq);
-      add_dq(dq, head_in_group, first_query);
     } else {
       issue_dk();
       wgmma_commit();
@@ -454,7 +449,7 @@ __global__ void __launch_bounds__(kWsBackwardThreads, 1)
     fence_registers(ds_fragments);
     // Q, dO and the statistics of the stage are read.
     release(empty(stage));
-    if (kDeferDq && with_dq && item == work.count - 1) {
+    if (with_dq && item == work.count - 1) {
       // The last item's dQ, after the loop's last dK.
       mbarrier_wait(ds_ready(item % kScoreTiles), (item / kScoreTiles) & 1);
       float dq[kWsBackwardDqColumns / 8][4];
@@ -487,11 +482,11 @@ __global__ void __launch_bounds__(kWsBackwardThreads, 1)
 }
 
 // The dK/dV launch of the warp-specialised backward (a detail::KvLaunch) for one dtype, capped or not.
-template <typename Element, int kHeadDim, bool kSoftcap, int kStages = 2, bool kDeferDq = false>
-cudaError_t launch_backward_kv_ws_variant(const PagedAttentionBackwardParams& params,
-                                          const BackwardWorkspacePointers& workspace, cudaStream_t stream) {
-  constexpr size_t kSharedBytes = ws_backward_shared_bytes<kHeadDim, kStages, kDeferDq>();
-  auto kernel = paged_attention_backward_wgmma_ws_kernel<Element, kHeadDim, kSoftcap, kStages, kDeferDq>;
+template <typename Element, int kHeadDim, bool kSoftcap, int kStages = 2>
+cudaError_t launch_backward_kv_ws(const PagedAttentionBackwardParams& params, const BackwardWorkspacePointers& workspace,
+                                  cudaStream_t stream) {
+  constexpr size_t kSharedBytes = ws_backward_shared_bytes<kHeadDim, kStages>();
+  auto kernel = paged_attention_backward_wgmma_ws_kernel<Element, kHeadDim, kSoftcap, kStages>;
   cudaError_t error = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kSharedBytes));
   if (error != cudaSuccess) return error;
   BackwardWorkspacePointers owners = workspace;
@@ -501,17 +496,6 @@ cudaError_t launch_backward_kv_ws_variant(const PagedAttentionBackwardParams& pa
   kernel<<<grid, kWsBackwardThreads, kSharedBytes, stream>>>(
       params, owners, soft_cap_of(params.shape.softmax_scale, params.shape.logit_softcap));
   return cudaGetLastError();
-}
-
-// EXPERIMENT (session 37): $MEMBAR_WS_DEFER_DQ=1 picks the deferred dQ.
-template <typename Element, int kHeadDim, bool kSoftcap>
-cudaError_t launch_backward_kv_ws(const PagedAttentionBackwardParams& params, const BackwardWorkspacePointers& workspace,
-                                  cudaStream_t stream) {
-  const char* defer = std::getenv("MEMBAR_WS_DEFER_DQ");
-  if (defer != nullptr && defer[0] == '1') {
-    return launch_backward_kv_ws_variant<Element, kHeadDim, kSoftcap, 2, true>(params, workspace, stream);
-  }
-  return launch_backward_kv_ws_variant<Element, kHeadDim, kSoftcap, 2, false>(params, workspace, stream);
 }
 
 }  // namespace membar::kernels::cuda::detail::warpgroup
