@@ -334,7 +334,7 @@ __global__ void __launch_bounds__(kWsBackwardThreads, 1)
     accumulator_to_a_fragments<Element, kQueries>(ds_fragments, dscores);
     // dS^T of this consumer's 64 keys into the item's tile, [128 keys][64 queries] in the 128-byte
     // swizzle, pairs of queries at once (the packed A fragments, read before the MMAs that take
-    // them are issued), published to the tensor cores before the named barrier below.
+    // them are issued), published to the tensor cores before the tile's "dS^T ready" arrival.
     Element* score_tile = reinterpret_cast<Element*>(score_tiles + (item % kScoreTiles) * kScoreTileBytes);
     if (with_dq) {
       // Both consumers' dQ MMAs of item - 3 have read the tile (a fresh barrier's "previous phase"
@@ -365,7 +365,7 @@ __global__ void __launch_bounds__(kWsBackwardThreads, 1)
       }
       wgmma_commit();
     };
-    // Adds the finished dQ of the item into the workspace.
+    // Adds a finished dQ (of the item before, or of the last item) into the workspace.
     const auto add_dq = [&](const float (&dq)[kWsBackwardDqColumns / 8][4], int dq_head_in_group,
                             int dq_first_query) {
       const int q_head = kv_head * group + dq_head_in_group;
